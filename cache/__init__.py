@@ -1,0 +1,51 @@
+"""The KV-cache engine: paged, quantized, prefix-shared blocks plus a versioned tensor store.
+
+Public API::
+
+    from cache import KVCache, CacheConfig
+    kv = KVCache(CacheConfig(num_layers=4, num_heads=4, head_dim=64, kv_dtype="int8"))
+    sid = kv.open_session()
+    reused = kv.match_prefix(sid, prompt_tokens)   # tokens whose K/V are already cached
+    kv.reserve(sid, new_tokens)                    # slots for the tokens about to be computed
+    for layer in range(4):
+        kv.write(sid, layer, k, v)                 # k, v: [heads, new_tokens, head_dim]
+        keys, values = kv.read(sid, layer)         # [heads, length, head_dim], float32
+
+``cache`` knows nothing of ``crypto``, ``node`` or Flower.
+"""
+
+from cache.config import CacheConfig, KV_DTYPES
+from cache.engine import KVCache
+from cache.errors import (
+    CacheError,
+    CacheFullError,
+    ClosedSessionError,
+    ConfigError,
+    LayerIndexError,
+    ReservationError,
+    ShapeMismatchError,
+    StaleSessionError,
+    TensorDTypeError,
+    UnknownSessionError,
+    UnknownTensorError,
+)
+from cache.sizing import cache_size, cache_size_article
+
+__all__ = [
+    "CacheConfig",
+    "KV_DTYPES",
+    "KVCache",
+    "CacheError",
+    "CacheFullError",
+    "ClosedSessionError",
+    "ConfigError",
+    "LayerIndexError",
+    "ReservationError",
+    "ShapeMismatchError",
+    "StaleSessionError",
+    "TensorDTypeError",
+    "UnknownSessionError",
+    "UnknownTensorError",
+    "cache_size",
+    "cache_size_article",
+]

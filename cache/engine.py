@@ -1,0 +1,464 @@
+"""KVCache: paged K/V blocks with prefix sharing, copy-on-write, quantization and reclamation.
+
+Flow of one decoding step (what ``node.model`` does)::
+
+    kv.reserve(sid, new_tokens)        # slots for t tokens; copies a shared tail block first
+    for layer: kv.write(sid, layer, k, v); keys, values = kv.read(sid, layer)
+    # after the last layer the tokens are complete: full blocks get a content hash (prefix
+    # sharing) and blocks that left the full-precision window are quantized.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from cache.block_table import BlockTable
+from cache.config import CacheConfig
+from cache.errors import (
+    CacheFullError,
+    ClosedSessionError,
+    LayerIndexError,
+    ReservationError,
+    ShapeMismatchError,
+    StaleSessionError,
+    TensorDTypeError,
+    UnknownSessionError,
+)
+from cache.policy import EvictionPolicy, LRUPolicy
+from cache.pool import BlockPool, PoolExhausted
+from cache.prefix import ROOT, block_hash
+from cache.quant import BlockFormat, relative_error
+from cache.tensor_store import TensorStore
+
+
+@dataclass
+class BlockMeta:
+    tokens: list[int]
+    version: int
+    hash: bytes | None = None  # set once the block is full and complete in every layer
+    parent: bytes = ROOT
+    quantized: bool = False
+    keep_fp: bool = False  # quantization error passed the threshold: stays full precision
+    error: float = 0.0
+
+
+class KVCache:
+    def __init__(self, config: CacheConfig, policy: EvictionPolicy | None = None):
+        self.config = c = config
+        self.pool = BlockPool(
+            c.pool_bytes, c.superblock_bytes, c.managed_block_bytes, c.page_bytes
+        )
+        self.fresh = "fp16" if c.kv_dtype == "fp16" else "fp32"
+        self.formats: dict[str, BlockFormat] = {}
+        for name in {self.fresh, c.kv_dtype}:
+            fmt = BlockFormat(name, c.quant_scheme, c.num_heads, c.block_size, c.head_dim)
+            self.formats[name] = fmt
+            self.pool.add_class(name, fmt.layer_bytes * c.num_layers)
+        self._fresh_dtype = torch.float16 if self.fresh == "fp16" else torch.float32
+        self._fresh_view = (
+            self.pool.view(self.fresh, self._fresh_dtype)[
+                :, :, : c.num_layers * 2 * c.num_heads * c.block_size * c.head_dim
+            ].unflatten(-1, (c.num_layers, 2, c.num_heads, c.block_size, c.head_dim))
+        )
+        self.policy: EvictionPolicy = policy or LRUPolicy()
+        self.tensors = TensorStore()
+        self.version = 0
+        self._meta: dict[int, BlockMeta] = {}
+        self._index: dict[bytes, int] = {}
+        self._sessions: dict[int, BlockTable] = {}
+        self._next_sid = 0
+        self._epoch = 0  # bumped whenever a block changes location; invalidates gather plans
+        self._counters = dict.fromkeys(
+            ("prefix_lookups", "prefix_hit_blocks", "prefix_miss_blocks", "prefix_hit_tokens",
+             "evictions", "cow_copies", "dedup_blocks", "quantized_blocks",
+             "rematerialised_blocks", "alloc_failures"), 0)
+
+    # == sessions ===========================================================================
+    def open_session(self) -> int:
+        sid = self._next_sid
+        self._next_sid += 1
+        self._sessions[sid] = BlockTable(sid, self.config.block_size, self.version)
+        return sid
+
+    def _table(self, sid: int, *, allow_stale: bool = False) -> BlockTable:
+        t = self._sessions.get(sid)
+        if t is None:
+            raise UnknownSessionError(f"session {sid!r} was never opened in this cache")
+        if t.closed:
+            raise ClosedSessionError(f"session {sid} is closed")
+        if t.stale and not allow_stale:
+            raise StaleSessionError(
+                f"session {sid} holds K/V of model version {t.version} but the model is at "
+                f"version {self.version}; call reset_session({sid}) and prefill again"
+            )
+        return t
+
+    def length(self, sid: int) -> int:
+        return self._table(sid).length
+
+    def tokens(self, sid: int) -> list[int]:
+        return list(self._table(sid, allow_stale=True).tokens[: self._sessions[sid].length])
+
+    def close_session(self, sid: int) -> None:
+        t = self._table(sid, allow_stale=True)
+        self._release(t)
+        t.closed = True
+
+    def reset_session(self, sid: int) -> list[int]:
+        """Drop a session's K/V (e.g. after a model update); returns its token history."""
+        t = self._table(sid, allow_stale=True)
+        toks = t.tokens[: t.length]
+        self._release(t)
+        t.tokens, t.length, t.version, t.stale = [], 0, self.version, False
+        return toks
+
+    def fork(self, sid: int) -> int:
+        """A new session sharing all of ``sid``'s blocks (parallel sampling); the first write
+        into a shared partial block copies it."""
+        t = self._table(sid)
+        if t.pending:
+            raise ReservationError(f"session {sid} has {t.pending} reserved tokens not written")
+        child = self.open_session()
+        c = self._sessions[child]
+        c.blocks, c.tokens, c.length = list(t.blocks), list(t.tokens), t.length
+        for b in c.blocks:
+            self.pool.incref(b)
+        return child
+
+    def _release(self, t: BlockTable) -> None:
+        for b in reversed(t.blocks):  # tails first, so LRU reclaims tails before shared roots
+            self._decref(b)
+        t.blocks, t.pending, t.written, t.gather_plan = [], 0, set(), None
+        t.tokens = t.tokens[: t.length]
+
+    def _decref(self, b: int) -> None:
+        if self.pool.decref(b) == 0:
+            m = self._meta[b]
+            if m.hash is not None and self._index.get(m.hash) == b:
+                self.policy.add(b)  # still a prefix-cache entry: reclaimable, not freed
+            else:
+                self._free(b)
+
+    def _free(self, b: int) -> None:
+        m = self._meta.pop(b)
+        if m.hash is not None and self._index.get(m.hash) == b:
+            del self._index[m.hash]
+        self.policy.remove(b)
+        self.pool.free(b)
+        self._epoch += 1
+
+    # == allocation ========================================================================
+    def _allocate(self, cls: str) -> int:
+        while True:
+            try:
+                return self.pool.allocate(cls)
+            except PoolExhausted:
+                victim = self.policy.victim()
+                if victim is None:
+                    self._counters["alloc_failures"] += 1
+                    raise CacheFullError(
+                        f"cache full: all {len(self._meta)} blocks are referenced by "
+                        f"{sum(not s.closed for s in self._sessions.values())} open sessions "
+                        f"(pool {self.config.pool_bytes} bytes); close sessions or grow pool_bytes"
+                    ) from None
+                self._counters["evictions"] += 1
+                self._free(victim)
+
+    # == prefix sharing ====================================================================
+    def match_prefix(self, sid: int, tokens: Iterable[int]) -> int:
+        """Attach the longest cached prefix of ``tokens`` (whole blocks) to an empty session.
+
+        At most ``len(tokens) - 1`` tokens are reused so the caller still computes the logits
+        of the last prompt token. Returns the number of tokens reused.
+        """
+        t = self._table(sid)
+        toks = [int(x) for x in tokens]
+        if t.length or t.pending:
+            raise ReservationError(f"match_prefix needs an empty session; {sid} has tokens")
+        B = self.config.block_size
+        self._counters["prefix_lookups"] += 1
+        parent = ROOT
+        for i in range((len(toks) - 1) // B):
+            chunk = toks[i * B : (i + 1) * B]
+            h = block_hash(parent, chunk, self.version)
+            b = self._index.get(h)
+            if b is None or self._meta[b].tokens != chunk:
+                self._counters["prefix_miss_blocks"] += 1
+                break
+            if self.pool.incref(b) == 1:
+                self.policy.remove(b)
+            t.blocks.append(b)
+            parent = h
+            self._counters["prefix_hit_blocks"] += 1
+        t.length = len(t.blocks) * B
+        t.tokens = toks[: t.length]
+        self._counters["prefix_hit_tokens"] += t.length
+        return t.length
+
+    # == writing ===========================================================================
+    def reserve(self, sid: int, tokens: Iterable[int]) -> None:
+        """Make room for new tokens; allocation is all-or-nothing."""
+        t = self._table(sid)
+        toks = [int(x) for x in tokens]
+        if not toks:
+            raise ShapeMismatchError("reserve needs at least one token")
+        if t.pending:
+            raise ReservationError(
+                f"session {sid}: {t.pending} reserved tokens are not written in every layer yet "
+                f"(done: {sorted(t.written)})"
+            )
+        B = self.config.block_size
+        new_blocks: list[int] = []
+        cow: tuple[int, int] | None = None
+        try:
+            if t.length % B and self.pool.refcount(t.blocks[-1]) > 1:
+                old = t.blocks[-1]
+                cow = (old, self._allocate(self.fresh))
+            need = t.blocks_needed(t.length + len(toks)) - len(t.blocks)
+            for _ in range(need):
+                new_blocks.append(self._allocate(self.fresh))
+        except CacheFullError:
+            for b in new_blocks + ([cow[1]] if cow else []):
+                self.pool.decref(b)
+                self.pool.free(b)
+            raise
+        if cow:
+            old, new = cow
+            self.pool.slot_bytes_of(new).copy_(self.pool.slot_bytes_of(old))
+            om = self._meta[old]
+            self._meta[new] = BlockMeta(list(om.tokens), om.version)
+            t.blocks[-1] = new
+            self._decref(old)
+            self._counters["cow_copies"] += 1
+        for b in new_blocks:
+            self._meta[b] = BlockMeta([], self.version)
+        t.blocks.extend(new_blocks)
+        t.tokens = t.tokens[: t.length] + toks
+        t.pending = len(toks)
+        t.written = set()
+
+    def _check_layer(self, layer: int) -> None:
+        if not isinstance(layer, int) or not 0 <= layer < self.config.num_layers:
+            raise LayerIndexError(
+                f"layer {layer!r} out of range: the cache has {self.config.num_layers} layers"
+            )
+
+    def write(self, sid: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V of the reserved tokens for one layer; k, v: [heads, pending, head_dim]."""
+        t = self._table(sid)
+        self._check_layer(layer)
+        c = self.config
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+                raise TensorDTypeError(
+                    f"{name} must be a floating-point torch.Tensor, got "
+                    f"{getattr(x, 'dtype', type(x).__name__)}"
+                )
+            want = (c.num_heads, t.pending, c.head_dim)
+            if tuple(x.shape) != want:
+                raise ShapeMismatchError(
+                    f"{name} has shape {tuple(x.shape)}, expected {want} "
+                    f"(heads, reserved tokens, head_dim) for session {sid}"
+                )
+        if not t.pending:
+            raise ReservationError(f"session {sid}: nothing reserved; call reserve() first")
+        if layer in t.written:
+            raise ReservationError(f"session {sid}: layer {layer} already written for this step")
+        view = self._fresh_view
+        pos, done = t.length, 0
+        kk, vv = k.detach().to(self._fresh_dtype), v.detach().to(self._fresh_dtype)
+        while done < t.pending:
+            bi, off = t.slot(pos)
+            n = min(c.block_size - off, t.pending - done)
+            _, s, idx = self.pool.location(t.blocks[bi])
+            view[s, idx, layer, 0, :, off : off + n] = kk[:, done : done + n]
+            view[s, idx, layer, 1, :, off : off + n] = vv[:, done : done + n]
+            pos, done = pos + n, done + n
+        t.written.add(layer)
+        if len(t.written) == c.num_layers:
+            self._commit(t)
+
+    def _commit(self, t: BlockTable) -> None:
+        """All layers written: tokens become complete; hash full blocks; quantize old ones."""
+        B = self.config.block_size
+        start, t.length = t.length, t.length + t.pending
+        t.pending, t.written = 0, set()
+        for bi in range(start // B, t.blocks_needed(t.length)):
+            m = self._meta[t.blocks[bi]]
+            m.tokens = t.tokens[bi * B : min((bi + 1) * B, t.length)]
+            if len(m.tokens) == B and m.hash is None:
+                self._register(t, bi)
+        if self.config.kv_dtype in ("int8", "int4"):
+            limit = (t.length - self.config.fp_window) // B
+            for bi in range(limit):
+                b = t.blocks[bi]
+                m = self._meta[b]
+                if not (m.quantized or m.keep_fp):
+                    self._quantize(t, b, m)
+
+    def _register(self, t: BlockTable, bi: int) -> None:
+        b = t.blocks[bi]
+        m = self._meta[b]
+        parent = self._meta[t.blocks[bi - 1]].hash if bi else ROOT
+        if parent is None:  # an earlier block of a forked chain is still unhashed
+            return
+        m.parent, m.hash = parent, block_hash(parent, m.tokens, m.version)
+        other = self._index.get(m.hash)
+        if other is None:
+            self._index[m.hash] = b
+        elif other != b and self.pool.refcount(b) == 1 and self._meta[other].tokens == m.tokens:
+            # the same block was computed by another session: keep one copy
+            if self.pool.incref(other) == 1:
+                self.policy.remove(other)
+            t.blocks[bi] = other
+            m.hash = None
+            self._decref(b)
+            self._counters["dedup_blocks"] += 1
+
+    def _quantize(self, t: BlockTable, b: int, m: BlockMeta) -> None:
+        c = self.config
+        _, s, idx = self.pool.location(b)
+        kv = self._fresh_view[s, idx].float()  # [L, 2, H, B, D]
+        fmt = self.formats[c.kv_dtype]
+        raw = fmt.encode(kv[:, 0], kv[:, 1])
+        k_hat, v_hat = fmt.decode(raw)
+        err = relative_error(kv[:, 0], kv[:, 1], k_hat, v_hat)
+        m.error = err
+        if err > c.requant_error_threshold:
+            m.keep_fp = True
+            self._counters["rematerialised_blocks"] += 1
+            return
+        try:
+            self.pool.move(b, c.kv_dtype)
+        except PoolExhausted:
+            return  # no room for the smaller copy right now; stays full precision
+        self.pool.slot_bytes_of(b)[: raw.numel()].copy_(raw.reshape(-1))
+        m.quantized = True
+        t.quant_error += err
+        self._epoch += 1
+        self._counters["quantized_blocks"] += 1
+
+    # == reading ===========================================================================
+    def read(self, sid: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of every readable token in ``layer``: each [heads, n, head_dim],
+        float32 (quantized blocks are dequantized here, before attention's softmax)."""
+        t = self._table(sid)
+        self._check_layer(layer)
+        n = t.layer_length(layer)
+        c = self.config
+        nb = t.blocks_needed(n)
+        plan = self._plan(t, nb)
+        if len(plan) == 1 and plan[0][0] == self.fresh:
+            _, slabs, idxs, _ = plan[0]
+            kv = self._fresh_view[slabs, idxs, layer].float()  # [nb, 2, H, B, D]
+            k, v = kv[:, 0], kv[:, 1]
+        else:
+            k = torch.empty(nb, c.num_heads, c.block_size, c.head_dim)
+            v = torch.empty_like(k)
+            for cls, slabs, idxs, positions in plan:
+                if cls == self.fresh:
+                    kv = self._fresh_view[slabs, idxs, layer].float()
+                    k[positions], v[positions] = kv[:, 0], kv[:, 1]
+                else:
+                    fmt = self.formats[cls]
+                    lb = fmt.layer_bytes
+                    raw = self.pool.view(cls)[slabs, idxs, layer * lb : (layer + 1) * lb]
+                    k[positions], v[positions] = fmt.decode(raw)
+        H, D = c.num_heads, c.head_dim
+        k = k.transpose(0, 1).reshape(H, nb * c.block_size, D)[:, :n]
+        v = v.transpose(0, 1).reshape(H, nb * c.block_size, D)[:, :n]
+        return k, v
+
+    def _plan(self, t: BlockTable, nb: int) -> list:
+        """Per storage class: the (slab, slot) coordinates of the session's first nb blocks."""
+        key = (self._epoch, nb, len(t.blocks))
+        if t.gather_key == key and t.gather_plan is not None:
+            return t.gather_plan
+        groups: dict[str, tuple[list[int], list[int], list[int]]] = {}
+        for pos, b in enumerate(t.blocks[:nb]):
+            cls, s, idx = self.pool.location(b)
+            g = groups.setdefault(cls, ([], [], []))
+            g[0].append(s)
+            g[1].append(idx)
+            g[2].append(pos)
+        plan = [
+            (cls, torch.tensor(s), torch.tensor(i), torch.tensor(p))
+            for cls, (s, i, p) in groups.items()
+        ]
+        t.gather_key, t.gather_plan = key, plan
+        return plan
+
+    # == model versions and tensors ========================================================
+    def bump_version(self) -> int:
+        """A new model version: every cached K/V block becomes unreachable for new lookups,
+        unreferenced ones are freed, and open sessions turn stale (reset_session to reuse)."""
+        self.version += 1
+        for t in self._sessions.values():
+            if not t.closed and t.version < self.version:
+                self._release(t)
+                t.stale = True
+        for b in [b for b, m in self._meta.items() if m.version < self.version]:
+            m = self._meta[b]
+            if m.hash is not None and self._index.get(m.hash) == b:
+                del self._index[m.hash]
+            m.hash = None
+            if self.pool.refcount(b) == 0:
+                self._free(b)
+        return self.version
+
+    def put_tensor(self, name: str, tensor: torch.Tensor, version: int | None = None) -> int:
+        return self.tensors.put(name, tensor, version)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.tensors.get(name)
+
+    def tensor_version(self, name: str) -> int:
+        return self.tensors.version(name)
+
+    # == figures ===========================================================================
+    def bytes_per_token(self, kv_dtype: str | None = None) -> float:
+        """Stored bytes per token of a full block in ``kv_dtype``, scales included."""
+        fmt = self.formats.get(kv_dtype or self.config.kv_dtype) or BlockFormat(
+            kv_dtype, self.config.quant_scheme, self.config.num_heads,
+            self.config.block_size, self.config.head_dim,
+        )
+        return fmt.layer_bytes * self.config.num_layers / self.config.block_size
+
+    def stats(self) -> dict:
+        c = self.config
+        refs = [self.pool.refcount(b) for b in self._meta]
+        by_class: dict[str, int] = {}
+        token_bytes = 0.0
+        for b, m in self._meta.items():
+            cls = self.pool.location(b)[0]
+            by_class[cls] = by_class.get(cls, 0) + self.pool.classes[cls].slot_bytes
+            fmt_bytes = self.formats[cls].layer_bytes * c.num_layers
+            token_bytes += fmt_bytes * len(m.tokens) / c.block_size
+        live = self.pool.live_slot_bytes()
+        lookups = self._counters["prefix_hit_blocks"] + self._counters["prefix_miss_blocks"]
+        free_fresh = (
+            sum(len(self.pool._slabs[s].free) for s in self.pool.classes[self.fresh].partial)
+            + len(self.pool._free_slabs) * self.pool.classes[self.fresh].slots_per_slab
+        )
+        errors = [m.error for m in self._meta.values() if m.quantized]
+        return {
+            **self._counters,
+            "prefix_hit_rate": self._counters["prefix_hit_blocks"] / lookups if lookups else 0.0,
+            "model_version": self.version,
+            "sessions_open": sum(not s.closed for s in self._sessions.values()),
+            "blocks_used": len(self._meta),
+            "blocks_referenced": sum(r > 0 for r in refs),
+            "blocks_shared": sum(r > 1 for r in refs),
+            "blocks_cached_unreferenced": len(self.policy),
+            "blocks_free_fresh": free_fresh,
+            "bytes_by_dtype": by_class,
+            "bytes_allocated": live,
+            "bytes_holding_tokens": token_bytes,
+            "kv_utilisation": token_bytes / live if live else 0.0,
+            "mean_quant_error": sum(errors) / len(errors) if errors else 0.0,
+            "tensor_bytes": self.tensors.nbytes(),
+            **{f"pool_{k}": v for k, v in self.pool.utilisation().items()},
+        }

@@ -1,0 +1,170 @@
+"""Block quantization: fp16, int8 and int4 (two values per byte) with KIVI or per-layer scales.
+
+A quantized block stores, per layer, a byte region holding its scales (fp16), zero points and
+codes. KIVI's layout: keys are quantized per channel (scale over the block's tokens, because
+key outliers live in fixed channels) and values per token (scale over the head dimension).
+int8 is symmetric (no zero point needed at 256 levels); int4 is asymmetric with an integer zero
+point packed two per byte like the codes. Scales are rounded to fp16 *before* coding so that
+decoding uses exactly the scale the codes were made with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+import torch
+
+_FP = {"fp32": torch.float32, "fp16": torch.float16}
+_LEVELS = {"int8": 127, "int4": 15}
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Pack uint8 codes in [0, 15] two per byte along the last dim (even index = low nibble)."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"int4 packing needs an even last dimension, got {codes.shape[-1]}")
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+class BlockFormat:
+    """Byte layout of one block in one storage dtype; ``layer_bytes`` per layer, all layers
+    contiguous. ``encode``/``decode`` convert between float K/V and that layout."""
+
+    def __init__(self, kv_dtype: str, scheme: str, heads: int, block: int, head_dim: int):
+        self.kv_dtype, self.scheme = kv_dtype, scheme
+        self.H, self.B, self.D = heads, block, head_dim
+        self.fields = self._fields()
+        offsets, off = {}, 0
+        for f in self.fields:  # fp16 scales come first so every view stays aligned
+            offsets[f.name] = (off, off + f.nbytes)
+            off += f.nbytes
+        self.offsets = offsets
+        self.layer_bytes = off
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype in _LEVELS
+
+    def _fields(self) -> list[Field]:
+        H, B, D = self.H, self.B, self.D
+        if not self.quantized:
+            return [Field("kv", _FP[self.kv_dtype], (2, H, B, D))]
+        per_layer = self.scheme == "per_layer"
+        k_sc, v_sc = ((1,), (1,)) if per_layer else ((H, D), (H, B))
+        fields = [Field("k_scale", torch.float16, k_sc), Field("v_scale", torch.float16, v_sc)]
+        if self.kv_dtype == "int8":
+            fields += [Field("k", torch.int8, (H, B, D)), Field("v", torch.int8, (H, B, D))]
+        else:
+            # zero points packed like codes; a single per-layer zero point takes one byte
+            zk = (1,) if per_layer else (H, D // 2)
+            zv = (1,) if per_layer else (H, (B + 1) // 2)
+            fields += [
+                Field("k_zp", torch.uint8, zk),
+                Field("v_zp", torch.uint8, zv),
+                Field("k", torch.uint8, (H, B, D // 2)),
+                Field("v", torch.uint8, (H, B, D // 2)),
+            ]
+        return fields
+
+    # -- encode -------------------------------------------------------------------------
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """k, v: [L, H, B, D] float -> uint8 [L, layer_bytes]."""
+        L = k.shape[0]
+        if not self.quantized:
+            kv = torch.stack((k, v), dim=1).to(_FP[self.kv_dtype]).contiguous()
+            return kv.view(torch.uint8).reshape(L, -1)
+        parts: dict[str, torch.Tensor] = {}
+        # keys: reduce over tokens (dim 2) per channel; values: over head_dim (dim 3) per token
+        k_dims, v_dims = ((1, 2, 3), (1, 2, 3)) if self.scheme == "per_layer" else ((2,), (3,))
+        for name, x, dims in (("k", k, k_dims), ("v", v, v_dims)):
+            codes, scale, zp = self._quantize(x.float(), dims)
+            parts[f"{name}_scale"] = scale.reshape(L, -1)
+            if zp is not None:
+                zp = zp.reshape(L, -1)
+                if self.scheme != "per_layer":
+                    if zp.shape[1] % 2:
+                        zp = torch.cat((zp, torch.zeros_like(zp[:, :1])), dim=1)
+                    zp = pack_int4(zp)
+                parts[f"{name}_zp"] = zp
+            parts[name] = pack_int4(codes) if self.kv_dtype == "int4" else codes
+        out = [parts[f.name].contiguous().view(torch.uint8).reshape(L, -1) for f in self.fields]
+        return torch.cat(out, dim=1)
+
+    def _quantize(self, x: torch.Tensor, dims: tuple[int, ...]):
+        levels = _LEVELS[self.kv_dtype]
+        if self.kv_dtype == "int8":
+            scale = (x.abs().amax(dim=dims, keepdim=True) / levels).clamp_min(1e-8).half()
+            s = scale.float()
+            codes = torch.round(x / s).clamp_(-levels, levels).to(torch.int8)
+            return codes, scale, None
+        lo = x.amin(dim=dims, keepdim=True)
+        hi = x.amax(dim=dims, keepdim=True)
+        scale = ((hi - lo) / levels).clamp_min(1e-8).half()
+        s = scale.float()
+        zp = torch.round(-lo / s).clamp_(0, levels)
+        codes = (torch.round(x / s) + zp).clamp_(0, levels).to(torch.uint8)
+        return codes, scale, zp.to(torch.uint8)
+
+    # -- decode -------------------------------------------------------------------------
+    def field(self, raw: torch.Tensor, name: str) -> torch.Tensor:
+        """View one field of raw regions ``[n, layer_bytes]`` as its dtype and shape."""
+        a, b = self.offsets[name]
+        f = next(f for f in self.fields if f.name == name)
+        return raw[:, a:b].contiguous().view(f.dtype).reshape(raw.shape[0], *f.shape)
+
+    def decode(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """uint8 [n, layer_bytes] -> (k, v), each [n, H, B, D] float32."""
+        if not self.quantized:
+            kv = self.field(raw, "kv").float()
+            return kv[:, 0], kv[:, 1]
+        n, H, B, D = raw.shape[0], self.H, self.B, self.D
+        out = []
+        for name in ("k", "v"):
+            codes = self.field(raw, name)
+            scale = self.field(raw, f"{name}_scale").float()
+            if self.kv_dtype == "int4":
+                codes = unpack_int4(codes)
+                zp = self.field(raw, f"{name}_zp")
+                if self.scheme != "per_layer":
+                    zp = unpack_int4(zp)
+                zp = zp.float()
+            else:
+                zp = None
+            if self.scheme == "per_layer":
+                shape = (n, 1, 1, 1)
+            elif name == "k":
+                shape = (n, H, 1, D)
+            else:
+                shape = (n, H, B, 1)
+            if zp is not None and self.scheme != "per_layer":
+                zp = zp[..., : (D if name == "k" else B)]
+            x = codes.float()
+            if zp is not None:
+                x = x - zp.reshape(shape)
+            out.append(x * scale.reshape(shape))
+        return out[0], out[1]
+
+
+def relative_error(
+    k: torch.Tensor, v: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.Tensor
+) -> float:
+    """||x - x_hat|| / ||x|| over keys and values together."""
+    num = (k - k_hat).pow(2).sum() + (v - v_hat).pow(2).sum()
+    den = k.pow(2).sum() + v.pow(2).sum()
+    return float((num / den.clamp_min(1e-30)).sqrt())

@@ -1,0 +1,1 @@
+"""Privacy core: CKKS aggregation, key provisioning, clipping, noise, accounting."""

@@ -1,0 +1,1 @@
+"""Federation glue: Flower ServerApp and ClientApp around ``node``."""

@@ -1,0 +1,1 @@
+"""The cache node: model, data, local training, applying aggregates."""

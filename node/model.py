@@ -1,0 +1,166 @@
+"""A tiny decoder-only transformer over bytes (vocabulary 256: no tokenizer download).
+
+Training runs ordinary full causal attention (``forward``). Incremental decoding
+(``forward_cached``) never keeps K/V itself: each layer writes the new tokens' K/V into the
+cache engine and reads the whole context back through the session's block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cache import CacheConfig, KVCache
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256
+    """Byte-level vocabulary."""
+    n_layers: int = 4
+    n_heads: int = 4
+    d_model: int = 256
+    context_len: int = 1280
+    """Longest sequence (learned position embeddings); covers the 1,024-token benchmark."""
+    mlp_ratio: int = 4
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} not divisible by n_heads {self.n_heads}")
+
+    def cache_config(self, **overrides) -> CacheConfig:
+        """A CacheConfig with this model's geometry."""
+        return CacheConfig(
+            num_layers=self.n_layers, num_heads=self.n_heads, head_dim=self.head_dim, **overrides
+        )
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model),
+            nn.GELU(),
+            nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model),
+        )
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [..., T, d_model] -> q, k, v: [..., heads, T, head_dim]."""
+        H, D = self.cfg.n_heads, self.cfg.head_dim
+        q, k, v = self.qkv(self.ln1(x)).split(self.cfg.d_model, dim=-1)
+        return tuple(t.unflatten(-1, (H, D)).transpose(-3, -2) for t in (q, k, v))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._qkv(x)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(-3, -2).flatten(-2))
+        return x + self.mlp(self.ln2(x))
+
+    def forward_cached(
+        self, x: torch.Tensor, cache: KVCache, sid: int, layer: int
+    ) -> torch.Tensor:
+        """x: [T, d_model] for the T new tokens; attention over everything the cache holds."""
+        q, k, v = self._qkv(x)  # [H, T, D]
+        cache.write(sid, layer, k, v)
+        keys, values = cache.read(sid, layer)  # [H, L, D], dequantized
+        T, L = x.shape[0], keys.shape[1]
+        mask = None
+        if T > 1:  # query j sits at position L - T + j and sees keys up to there
+            mask = torch.ones(T, L, dtype=torch.bool).tril(diagonal=L - T)
+        a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        x = x + self.proj(a.transpose(0, 1).flatten(-2))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, cfg: ModelConfig | None = None):
+        super().__init__()
+        self.cfg = cfg = cfg or ModelConfig()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.context_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+    def _check_len(self, n: int) -> None:
+        if n > self.cfg.context_len:
+            raise ValueError(f"sequence of {n} tokens exceeds context_len {self.cfg.context_len}")
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx: [batch, T] byte ids -> logits [batch, T, vocab]; full causal attention."""
+        T = idx.shape[-1]
+        self._check_len(T)
+        x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x))
+
+    @torch.no_grad()
+    def forward_cached(self, tokens: torch.Tensor | list[int], cache: KVCache, sid: int):
+        """Feed new tokens of session ``sid``; returns logits [T, vocab] for them."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        start = cache.length(sid)
+        self._check_len(start + tokens.numel())
+        cache.reserve(sid, tokens.tolist())
+        x = self.tok(tokens) + self.pos(torch.arange(start, start + tokens.numel()))
+        for i, blk in enumerate(self.blocks):
+            x = blk.forward_cached(x, cache, sid, i)
+        return self.head(self.ln_f(x))
+
+    @torch.no_grad()
+    def prefill(self, prompt: list[int], cache: KVCache, sid: int) -> torch.Tensor:
+        """Feed a prompt into an empty session, reusing any cached prefix; returns the logits
+        of the last prompt token."""
+        reused = cache.match_prefix(sid, prompt)
+        return self.forward_cached(prompt[reused:], cache, sid)[-1]
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: list[int],
+        cache: KVCache,
+        max_new_tokens: int,
+        *,
+        sid: int | None = None,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> list[int]:
+        """Greedy (temperature 0) or sampled continuation of ``prompt`` through the cache.
+        With ``sid`` of an existing session, ``prompt`` is appended to what it holds."""
+        if sid is None:
+            sid = cache.open_session()
+            logits = self.prefill(list(prompt), cache, sid)
+        else:
+            logits = self.forward_cached(list(prompt), cache, sid)[-1]
+        out: list[int] = []
+        for _ in range(max_new_tokens):
+            if temperature <= 0:
+                nxt = int(logits.argmax())
+            else:
+                p = torch.softmax(logits / temperature, dim=-1)
+                nxt = int(torch.multinomial(p, 1, generator=generator))
+            out.append(nxt)
+            if len(out) == max_new_tokens:
+                break
+            logits = self.forward_cached([nxt], cache, sid)[-1]
+        return out
