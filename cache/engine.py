@@ -231,6 +231,7 @@ class KVCache:
             om = self._meta[old]
             self._meta[new] = BlockMeta(list(om.tokens), om.version)
             t.blocks[-1] = new
+            t.gather_plan = None
             self._decref(old)
             self._counters["cow_copies"] += 1
         for b in new_blocks:
@@ -314,6 +315,7 @@ class KVCache:
             if self.pool.incref(other) == 1:
                 self.policy.remove(other)
             t.blocks[bi] = other
+            t.gather_plan = None
             m.hash = None
             self._decref(b)
             self._counters["dedup_blocks"] += 1

@@ -116,8 +116,16 @@ class BlockFormat:
         lo = x.amin(dim=dims, keepdim=True)
         hi = x.amax(dim=dims, keepdim=True)
         scale = ((hi - lo) / levels).clamp_min(1e-8).half()
+        zp = torch.round(-lo / scale.float())
+        # An integer zero point must be a code: a group far from zero (all one sign, narrow)
+        # widens its range to include zero instead of clamping values away.
+        off = (zp < 0) | (zp > levels)
+        if bool(off.any()):
+            lo, hi = torch.where(off, lo.clamp_max(0), lo), torch.where(off, hi.clamp_min(0), hi)
+            scale = ((hi - lo) / levels).clamp_min(1e-8).half()
+            zp = torch.round(-lo / scale.float())
         s = scale.float()
-        zp = torch.round(-lo / s).clamp_(0, levels)
+        zp = zp.clamp_(0, levels)
         codes = (torch.round(x / s) + zp).clamp_(0, levels).to(torch.uint8)
         return codes, scale, zp.to(torch.uint8)
 

@@ -1,0 +1,206 @@
+import pytest
+import torch
+
+from cache import (
+    CacheFullError,
+    ClosedSessionError,
+    KVCache,
+    LayerIndexError,
+    ReservationError,
+    ShapeMismatchError,
+    StaleSessionError,
+    TensorDTypeError,
+    UnknownSessionError,
+)
+from tests.cache.conftest import feed, small_config
+
+
+def test_round_trip_across_blocks_is_exact(kv):
+    s = kv.open_session()
+    ks, vs = feed(kv, s, list(range(10)), seed=1)
+    k2, v2 = feed(kv, s, [10, 11, 12], seed=2)  # continues the partial third block
+    for layer in range(2):
+        k, v = kv.read(s, layer)
+        assert torch.equal(k, torch.cat([ks[layer], k2[layer]], dim=1))
+        assert torch.equal(v, torch.cat([vs[layer], v2[layer]], dim=1))
+    assert kv.length(s) == 13
+
+
+def test_read_mid_step_sees_new_tokens_only_in_written_layers(kv):
+    s = kv.open_session()
+    feed(kv, s, [1, 2, 3])
+    kv.reserve(s, [4])
+    kv.write(s, 0, torch.ones(2, 1, 8), torch.ones(2, 1, 8))
+    assert kv.read(s, 0)[0].shape[1] == 4
+    assert kv.read(s, 1)[0].shape[1] == 3
+
+
+def test_prefix_hit_across_sessions_reuses_blocks(kv):
+    prompt = list(range(100, 113))  # 3 full blocks of 4 + 1
+    a = kv.open_session()
+    ks, _ = feed(kv, a, prompt)
+    used = kv.stats()["blocks_used"]
+    b = kv.open_session()
+    assert kv.match_prefix(b, prompt) == 12
+    st = kv.stats()
+    assert st["prefix_hit_blocks"] == 3 and st["blocks_used"] == used
+    assert st["blocks_shared"] == 3
+    assert torch.equal(kv.read(b, 1)[0], ks[1][:, :12])
+    # a different token in block 2 stops the chain there
+    c = kv.open_session()
+    assert kv.match_prefix(c, prompt[:5] + [0] + prompt[6:]) == 4
+
+
+def test_prefix_survives_closing_its_session(kv):
+    prompt = list(range(9))
+    a = kv.open_session()
+    feed(kv, a, prompt)
+    kv.close_session(a)
+    assert kv.stats()["blocks_cached_unreferenced"] == 2
+    b = kv.open_session()
+    assert kv.match_prefix(b, prompt) == 8
+    assert kv.stats()["blocks_cached_unreferenced"] == 0
+
+
+def test_fork_copy_on_write_never_changes_parent(kv):
+    s = kv.open_session()
+    ks, vs = feed(kv, s, [1, 2, 3, 4, 5, 6])  # second block partial -> shared after fork
+    before = [kv.read(s, layer) for layer in range(2)]
+    f = kv.fork(s)
+    feed(kv, f, [7, 8], seed=9)
+    assert kv.stats()["cow_copies"] == 1
+    for layer in range(2):
+        k, v = kv.read(s, layer)
+        assert torch.equal(k, before[layer][0]) and torch.equal(v, before[layer][1])
+    assert kv.length(s) == 6 and kv.length(f) == 8
+    assert torch.equal(kv.read(f, 0)[0][:, :6], before[0][0])
+    feed(kv, s, [70, 80], seed=3)  # parent now owns its block alone again: no copy
+    assert kv.stats()["cow_copies"] == 1
+    assert kv.tokens(s) == [1, 2, 3, 4, 5, 6, 70, 80] and kv.tokens(f)[-2:] == [7, 8]
+
+
+def test_identical_blocks_computed_twice_are_stored_once(kv):
+    a, b = kv.open_session(), kv.open_session()
+    feed(kv, a, list(range(8)))
+    feed(kv, b, list(range(8)))
+    st = kv.stats()
+    assert st["dedup_blocks"] == 2 and st["blocks_used"] == 2
+
+
+def test_version_bump_invalidates_kv(kv):
+    prompt = list(range(9))
+    a = kv.open_session()
+    feed(kv, a, prompt)
+    b = kv.open_session()
+    feed(kv, b, [5, 5, 5, 5, 5])
+    kv.close_session(b)
+    assert kv.bump_version() == 1
+    with pytest.raises(StaleSessionError, match="version 0"):
+        kv.read(a, 0)
+    with pytest.raises(StaleSessionError):
+        kv.reserve(a, [1])
+    assert kv.stats()["blocks_used"] == 0  # old blocks are freed, nothing stale is kept
+    assert kv.reset_session(a) == prompt
+    c = kv.open_session()
+    assert kv.match_prefix(c, prompt) == 0  # no hit on K/V of the old weights
+    feed(kv, a, prompt)
+    d = kv.open_session()
+    assert kv.match_prefix(d, prompt) == 8
+
+
+def test_reclaims_unreferenced_blocks_tails_first():
+    kv = KVCache(small_config(pool_bytes=256 << 10))  # 16 slabs x 8 slots of fp32 blocks
+    cap = kv.pool.num_slabs * kv.pool.classes["fp32"].slots_per_slab
+    a = kv.open_session()
+    feed(kv, a, list(range(4 * cap)))  # fills the pool exactly
+    kv.close_session(a)
+    b = kv.open_session()
+    feed(kv, b, [999] * 4)  # needs one block: the chain tail goes, the root stays
+    assert kv.stats()["evictions"] == 1
+    c = kv.open_session()
+    assert kv.match_prefix(c, list(range(4 * cap))) == 4 * (cap - 1)
+
+
+def test_cache_full_when_everything_pinned_and_nothing_damaged():
+    kv = KVCache(small_config(pool_bytes=256 << 10))
+    cap = kv.pool.num_slabs * kv.pool.classes["fp32"].slots_per_slab
+    a = kv.open_session()
+    ks, _ = feed(kv, a, list(range(4 * cap - 2)))
+    before = kv.stats()["blocks_used"]
+    with pytest.raises(CacheFullError, match="referenced by 1 open sessions"):
+        kv.reserve(a, [1, 2, 3, 4, 5])  # needs 2 new blocks, only 0 free
+    assert kv.stats()["blocks_used"] == before and kv.length(a) == 4 * cap - 2
+    assert torch.equal(kv.read(a, 1)[0], ks[1])
+    feed(kv, a, [1, 2])  # the session still works after the refusal
+    assert kv.length(a) == 4 * cap
+
+
+def test_quantized_blocks_and_full_precision_window():
+    kv = KVCache(small_config(kv_dtype="int8", fp_window=4))
+    s = kv.open_session()
+    ks, _ = feed(kv, s, list(range(14)))  # blocks 0,1 leave the window, 2 and 3 stay fp32
+    st = kv.stats()
+    assert st["quantized_blocks"] == 2 and set(st["bytes_by_dtype"]) == {"int8", "fp32"}
+    k, _ = kv.read(s, 0)
+    assert torch.equal(k[:, 8:], ks[0][:, 8:])  # window exact
+    err = (k[:, :8] - ks[0][:, :8]).abs().max()
+    assert 0 < err < 0.05
+
+
+def test_block_past_error_threshold_stays_full_precision():
+    kv = KVCache(small_config(kv_dtype="int4", fp_window=0, requant_error_threshold=1e-6))
+    s = kv.open_session()
+    ks, _ = feed(kv, s, list(range(8)))
+    st = kv.stats()
+    assert st["rematerialised_blocks"] == 2 and st["quantized_blocks"] == 0
+    assert torch.equal(kv.read(s, 1)[0], ks[1])
+
+
+@pytest.mark.parametrize(
+    "k_shape,exc,msg",
+    [((2, 3, 8), ShapeMismatchError, r"expected \(2, 2, 8\)"),
+     ((3, 2, 8), ShapeMismatchError, "shape"),
+     ((2, 2, 7), ShapeMismatchError, "head_dim")],
+)
+def test_bad_shapes_rejected_and_nothing_stored(kv, k_shape, exc, msg):
+    s = kv.open_session()
+    ks, _ = feed(kv, s, [1, 2, 3])
+    kv.reserve(s, [4, 5])
+    with pytest.raises(exc, match=msg):
+        kv.write(s, 0, torch.zeros(k_shape), torch.zeros(k_shape))
+    assert torch.equal(kv.read(s, 0)[0], ks[0])
+
+
+def test_error_paths_name_the_problem(kv):
+    s = kv.open_session()
+    kv.reserve(s, [1])
+    with pytest.raises(TensorDTypeError, match="floating-point"):
+        kv.write(s, 0, torch.zeros(2, 1, 8, dtype=torch.long), torch.zeros(2, 1, 8))
+    with pytest.raises(LayerIndexError, match="2 layers"):
+        kv.write(s, 2, torch.zeros(2, 1, 8), torch.zeros(2, 1, 8))
+    with pytest.raises(LayerIndexError):
+        kv.read(s, -1)
+    with pytest.raises(ReservationError, match="not written"):
+        kv.reserve(s, [2])
+    kv.write(s, 0, torch.zeros(2, 1, 8), torch.zeros(2, 1, 8))
+    with pytest.raises(ReservationError, match="already written"):
+        kv.write(s, 0, torch.zeros(2, 1, 8), torch.zeros(2, 1, 8))
+    kv.write(s, 1, torch.zeros(2, 1, 8), torch.zeros(2, 1, 8))
+    with pytest.raises(ReservationError, match="reserve"):
+        kv.write(s, 0, torch.zeros(2, 0, 8), torch.zeros(2, 0, 8))
+    with pytest.raises(UnknownSessionError, match="never opened"):
+        kv.read(42, 0)
+    kv.close_session(s)
+    with pytest.raises(ClosedSessionError, match="closed"):
+        kv.reserve(s, [3])
+    with pytest.raises(ShapeMismatchError):
+        kv.reserve(kv.open_session(), [])
+
+
+def test_stats_report_utilisation_and_dtypes(kv):
+    s = kv.open_session()
+    feed(kv, s, list(range(6)))
+    st = kv.stats()
+    assert st["blocks_used"] == 2 and st["sessions_open"] == 1
+    assert st["bytes_by_dtype"] == {"fp32": 2 * kv.pool.classes["fp32"].slot_bytes}
+    assert 0 < st["kv_utilisation"] <= 6 / 8

@@ -1,0 +1,128 @@
+"""State-machine tests: random session workloads keep refcounts and block tables consistent."""
+
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
+
+from cache import CacheFullError, KVCache, StaleSessionError
+from tests.cache.conftest import small_config
+
+TOKENS = st.lists(st.integers(0, 3), min_size=1, max_size=9)  # few symbols: many prefix hits
+
+
+class CacheMachine(RuleBasedStateMachine):
+    sessions = Bundle("sessions")
+
+    def __init__(self):
+        super().__init__()
+        self.kv = KVCache(small_config(pool_bytes=256 << 10, kv_dtype="int8", fp_window=4))
+        self.model: dict[int, list[int]] = {}  # sid -> tokens we expect
+        self.values: dict[int, torch.Tensor] = {}  # sid -> layer-0 keys we wrote
+        self.capacity = self.kv.pool.num_slabs * self.kv.pool.classes["fp32"].slots_per_slab
+
+    def _feed(self, sid, toks):
+        # like a real model: K/V at position p are a function of tokens[: p + 1]
+        c = self.kv.config
+        hist = self.model[sid] + toks
+        acc = torch.tensor(hist, dtype=torch.float64).add(1).mul(torch.arange(1, len(hist) + 1))
+        per_pos = (acc.cumsum(0) % 7)[-len(toks):].float()
+        chan = torch.arange(c.head_dim, dtype=torch.float32) / c.head_dim
+        k = (per_pos.view(1, -1, 1) + chan.view(1, 1, -1)).expand(c.num_heads, -1, -1).clone()
+        try:
+            self.kv.reserve(sid, toks)
+        except CacheFullError:
+            return
+        for layer in range(c.num_layers):
+            self.kv.write(sid, layer, k, k)
+        self.model[sid] = self.model[sid] + toks
+        self.values[sid] = torch.cat([self.values[sid], k], dim=1)
+
+    @rule(target=sessions, toks=TOKENS)
+    def open(self, toks):
+        sid = self.kv.open_session()
+        self.model[sid], self.values[sid] = [], torch.empty(2, 0, 8)
+        reused = self.kv.match_prefix(sid, toks)
+        if reused:  # reused keys are those some session wrote for the same tokens
+            self.model[sid] = toks[:reused]
+            self.values[sid] = self.kv.read(sid, 0)[0]
+        self._feed(sid, toks[reused:])
+        return sid
+
+    @rule(sid=sessions, toks=TOKENS)
+    def append(self, sid, toks):
+        if sid in self.model:
+            self._feed(sid, toks)
+
+    @rule(target=sessions, sid=sessions)
+    def fork(self, sid):
+        if sid not in self.model:
+            return sid
+        child = self.kv.fork(sid)
+        self.model[child], self.values[child] = list(self.model[sid]), self.values[sid].clone()
+        return child
+
+    @rule(sid=sessions)
+    def close(self, sid):
+        if sid in self.model:
+            self.kv.close_session(sid)
+            del self.model[sid], self.values[sid]
+
+    @rule()
+    def bump(self):
+        self.kv.bump_version()
+        for sid in list(self.model):
+            try:
+                self.kv.read(sid, 0)
+                raise AssertionError("stale session still served")
+            except StaleSessionError:
+                pass
+            self.kv.reset_session(sid)
+            self.model[sid], self.values[sid] = [], torch.empty(2, 0, 8)
+
+    @invariant()
+    def refcounts_match_block_tables(self):
+        kv = self.kv
+        expected: dict[int, int] = {}
+        for sid in self.model:
+            for b in kv._sessions[sid].blocks:
+                expected[b] = expected.get(b, 0) + 1
+        for b in kv._meta:
+            assert kv.pool.refcount(b) == expected.get(b, 0) >= 0
+        # every live block is referenced or evictable: nothing leaks
+        unreferenced = [b for b in kv._meta if kv.pool.refcount(b) == 0]
+        assert len(unreferenced) == len(kv.policy)
+        assert len(kv._meta) <= self.capacity
+
+    @invariant()
+    def contents_match(self):
+        for sid, toks in self.model.items():
+            assert self.kv.tokens(sid) == toks
+            if toks:
+                k, _ = self.kv.read(sid, 0)
+                assert k.shape == self.values[sid].shape
+                assert (k - self.values[sid]).abs().max() <= 0.05 * (1 + self.values[sid].abs().max())
+
+    def teardown(self):
+        for sid in list(self.model):
+            self.kv.close_session(sid)
+        self.kv.bump_version()  # drops the prefix cache: every block returns to the pool
+        assert self.kv.stats()["blocks_used"] == 0
+        assert self.kv.pool.slabs_in_use() == 0
+
+
+CacheMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestCacheMachine = CacheMachine.TestCase
+
+
+def test_freed_blocks_are_reused():
+    kv = KVCache(small_config(pool_bytes=256 << 10))
+    cap = kv.pool.num_slabs * kv.pool.classes["fp32"].slots_per_slab
+    for round_ in range(3):  # three times the capacity, one session at a time
+        s = kv.open_session()
+        for i in range(cap):
+            kv.reserve(s, [round_, i, 0, 0])
+            for layer in range(2):
+                kv.write(s, layer, torch.zeros(2, 4, 8), torch.zeros(2, 4, 8))
+        kv.close_session(s)
+        assert kv.stats()["blocks_used"] <= cap
