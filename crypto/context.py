@@ -1,0 +1,333 @@
+"""CKKS parameters, contexts (secret and public) and their serialization.
+
+Aggregation only ever *adds* ciphertexts, so no multiplicative depth is needed: the parameters
+keep a single 60-bit prime at the data level and one special prime, and every ciphertext is sent
+at the last (only) data level — one 60-bit limb, the smallest a CKKS ciphertext can be. Size
+grows with the limbs still present when a ciphertext is sent, not with N.
+
+A context travels in a small envelope: magic, whether it holds the secret key, a 16-byte
+`key_id` (SHA-256 of the public key material, so any party can recompute and check it), the
+`CkksParams` as JSON, then TenSEAL's own serialization. Ciphertexts carry the key_id, which is
+how a ciphertext is matched to "its" context and how rotated keys are told apart.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import struct
+import tempfile
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import tenseal as ts
+import tenseal.sealapi as sealapi
+
+from crypto.errors import NoSecretKeyError, NotAContextError, NotACiphertextError, ParameterError
+
+__all__ = [
+    "CkksParams",
+    "PRESETS",
+    "DEFAULT_PRESET",
+    "CkksContext",
+    "SecretContext",
+    "make_secret_context",
+    "public_context_bytes",
+    "load_context",
+    "seal_save",
+    "seal_load_ciphertext",
+]
+
+
+@dataclass(frozen=True)
+class CkksParams:
+    """CKKS parameters for addition-only aggregation (128-bit security, SEAL's HE-standard bound).
+
+    poly_modulus_degree: N; N/2 complex slots = N slot parts (real + imaginary) per ciphertext.
+    coeff_mod_bit_sizes: prime sizes; the FIRST prime is the one left at the last level, where
+        fedkv encrypts. Total bits must stay within SEAL's 128-bit bound for N (109 at 4096, 218
+        at 8192), which TenSEAL enforces.
+    packed_scale_bits:   log2 of the CKKS scale for packed integers. Decryption noise of a sum of
+        32 fresh ciphertexts is < 0.1 at 2^18 (measured: 0.03-0.07 at N=4096), far below the 0.5
+        that rounding to the exact integer tolerates.
+    real_scale_bits:     log2 of the scale in mode "none" (approximate reals): error ~1e-8.
+    slot_bits:           exact-integer capacity of one slot part. Needs slot_bits +
+        packed_scale_bits <= q0_bits - 2 (the encoded value must stay below q0/2 with a factor-2
+        margin for the coefficient growth of the encoding); 40 + 18 = 58 for a 60-bit q0 held
+        exactly at the maximum (tested), while 41 + 19 wrapped.
+    """
+
+    name: str = "fedkv-4096"
+    poly_modulus_degree: int = 4096
+    coeff_mod_bit_sizes: tuple[int, ...] = (60, 49)
+    packed_scale_bits: int = 18
+    real_scale_bits: int = 40
+    slot_bits: int = 40
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "coeff_mod_bit_sizes", tuple(int(b) for b in self.coeff_mod_bit_sizes))
+        n = self.poly_modulus_degree
+        if n < 2048 or n & (n - 1):
+            raise ParameterError(f"poly_modulus_degree must be a power of two >= 2048, not {n}")
+        if len(self.coeff_mod_bit_sizes) < 2:
+            raise ParameterError("need at least two primes (data prime + special prime)")
+        q0 = self.coeff_mod_bit_sizes[0]
+        if self.slot_bits + self.packed_scale_bits > q0 - 2:
+            raise ParameterError(
+                f"slot_bits + packed_scale_bits = {self.slot_bits + self.packed_scale_bits} "
+                f"exceeds q0_bits - 2 = {q0 - 2}: packed sums would wrap"
+            )
+        if self.slot_bits > 50:
+            raise ParameterError("slot_bits > 50 loses exactness in SEAL's double-precision encoder")
+        if self.real_scale_bits >= q0 - 3:
+            raise ParameterError("real_scale_bits leaves no room for values below q0")
+
+    @property
+    def q0_bits(self) -> int:
+        return self.coeff_mod_bit_sizes[0]
+
+    @property
+    def slot_parts(self) -> int:
+        """Real numbers one ciphertext carries: N/2 complex slots x 2 parts."""
+        return self.poly_modulus_degree
+
+    def real_value_bound(self, max_clients: int) -> float:
+        """Largest |value| per client in mode "none" so the sum of max_clients stays < q0/4."""
+        return 2.0 ** (self.q0_bits - 3 - self.real_scale_bits) / max_clients
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> CkksParams:
+        obj = json.loads(text)
+        obj["coeff_mod_bit_sizes"] = tuple(obj["coeff_mod_bit_sizes"])
+        return cls(**obj)
+
+
+PRESETS: dict[str, CkksParams] = {
+    # Default. 109 bits = the 128-bit maximum at N=4096. 12,288 values (8-bit, 3 per part) or
+    # 4,096 reals per 32,972-byte seeded ciphertext: 2.68 / 8.05 bytes per parameter.
+    "fedkv-4096": CkksParams(),
+    # Same bytes per parameter, twice the values per ciphertext (fewer, larger messages) and
+    # sqrt(2) more decryption noise (still < 0.1 at 2^18). 120 of the 218 bits allowed.
+    "fedkv-8192": CkksParams(name="fedkv-8192", poly_modulus_degree=8192, coeff_mod_bit_sizes=(60, 60)),
+    # NVFlare / TenSEAL tutorial parameters. fedkv still encrypts at the last level (one limb).
+    "nvflare-default": CkksParams(
+        name="nvflare-default", poly_modulus_degree=8192, coeff_mod_bit_sizes=(60, 40, 40)
+    ),
+}
+DEFAULT_PRESET = "fedkv-4096"
+
+
+# --- SEAL object <-> bytes ------------------------------------------------------------------------
+# tenseal.sealapi only (de)serializes SEAL objects through file paths, and only its
+# `encrypt_symmetric` keeps the PRNG seed that halves a fresh ciphertext. So we go through a
+# private (0700) temporary directory, on tmpfs when available. Ciphertexts only, never keys.
+
+_io_lock = threading.Lock()
+_io_dir: dict[int, str] = {}
+_io_counter = itertools.count()
+
+
+def _scratch_dir() -> str:
+    pid = os.getpid()  # a forked worker must not share (or delete) its parent's directory
+    with _io_lock:
+        d = _io_dir.get(pid)
+        if d is None or not os.path.isdir(d):
+            base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+            d = tempfile.mkdtemp(prefix="fedkv-seal-", dir=base)
+            _io_dir[pid] = d
+            atexit.register(_cleanup, pid, d)
+        return d
+
+
+def _cleanup(pid: int, d: str) -> None:
+    if os.getpid() == pid:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _scratch_path() -> str:
+    return os.path.join(_scratch_dir(), f"{threading.get_ident()}-{next(_io_counter)}")
+
+
+def seal_save(obj: Any) -> bytes:
+    """Bytes of a SEAL Ciphertext / Serializable ciphertext (SEAL's own compressed format)."""
+    path = _scratch_path()
+    try:
+        obj.save(path)
+        with open(path, "rb") as fh:
+            return fh.read()
+    finally:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def seal_load_ciphertext(seal_ctx: Any, data: bytes) -> sealapi.Ciphertext:
+    """Load and validate a ciphertext against `seal_ctx`; NotACiphertextError otherwise.
+
+    SEAL's `load` checks header, sizes, parameter ids and that every coefficient is reduced
+    modulo its prime, so truncated, random and foreign-parameter bytes fail here.
+    """
+    path = _scratch_path()
+    try:
+        with open(path, "wb") as fh:
+            fh.write(data)
+        ct = sealapi.Ciphertext()
+        ct.load(seal_ctx, path)
+        return ct
+    except (ValueError, RuntimeError, TypeError) as exc:
+        raise NotACiphertextError(f"not a ciphertext of this context: {exc}") from exc
+    finally:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+# --- contexts -------------------------------------------------------------------------------------
+
+_CTX_MAGIC = b"FKC\x01"
+_FLAG_SECRET = 1
+
+
+def _ts_public_bytes(ctx: ts.Context) -> bytes:
+    return ctx.serialize(
+        save_public_key=True, save_secret_key=False, save_galois_keys=False, save_relin_keys=False
+    )
+
+
+def _key_id(public_ts_bytes: bytes) -> bytes:
+    return hashlib.sha256(b"fedkv-ckks-key-v1" + public_ts_bytes).digest()[:16]
+
+
+@dataclass
+class CkksContext:
+    """A TenSEAL CKKS context plus its `CkksParams` and `key_id`; secret or public-only.
+
+    The dealer creates the secret one; nodes receive it wrapped (`crypto.keys`); the server gets
+    `public_bytes()`, from which the secret key cannot be recovered.
+    """
+
+    tenseal: ts.Context
+    params: CkksParams
+    key_id: bytes
+    _seal: Any = field(default=None, repr=False)
+
+    @property
+    def is_private(self) -> bool:
+        return bool(self.tenseal.has_secret_key())
+
+    @property
+    def seal(self) -> Any:
+        """The underlying SEALContext (for sealapi encoders/encryptors)."""
+        if self._seal is None:
+            self._seal = self.tenseal.seal_context().data
+        return self._seal
+
+    def secret_key(self) -> Any:
+        if not self.is_private:
+            raise NoSecretKeyError("this context holds only public keys; it cannot decrypt")
+        return self.tenseal.secret_key().data
+
+    def public_key(self) -> Any:
+        return self.tenseal.public_key().data
+
+    def public_bytes(self) -> bytes:
+        """Serialized public context (no secret key): what the server receives."""
+        return self._envelope(_ts_public_bytes(self.tenseal), secret=False)
+
+    def secret_bytes(self) -> bytes:
+        """Serialized secret context. Key material: only ever hand it to `keys.Dealer` wrapping."""
+        if not self.is_private:
+            raise NoSecretKeyError("public context has no secret key to serialize")
+        raw = self.tenseal.serialize(
+            save_public_key=True, save_secret_key=True, save_galois_keys=False, save_relin_keys=False
+        )
+        return self._envelope(raw, secret=True)
+
+    def public(self) -> CkksContext:
+        """A public-only copy (same key_id)."""
+        return load_context(self.public_bytes())
+
+    def _envelope(self, ts_bytes: bytes, *, secret: bool) -> bytes:
+        pj = self.params.to_json().encode()
+        return (
+            _CTX_MAGIC
+            + struct.pack(">B16sH", _FLAG_SECRET if secret else 0, self.key_id, len(pj))
+            + pj
+            + ts_bytes
+        )
+
+    def __repr__(self) -> str:
+        kind = "secret" if self.is_private else "public"
+        return f"CkksContext({self.params.name}, {kind}, key_id={self.key_id.hex()})"
+
+
+SecretContext = CkksContext  # the name used in the design notes
+
+
+def make_secret_context(params: CkksParams | str = DEFAULT_PRESET) -> CkksContext:
+    """Create a fresh secret CKKS context (the dealer's job)."""
+    if isinstance(params, str):
+        try:
+            params = PRESETS[params]
+        except KeyError as exc:
+            raise ParameterError(f"unknown preset {params!r}; known: {sorted(PRESETS)}") from exc
+    try:
+        ctx = ts.context(
+            ts.SCHEME_TYPE.CKKS,
+            poly_modulus_degree=params.poly_modulus_degree,
+            coeff_mod_bit_sizes=list(params.coeff_mod_bit_sizes),
+        )
+    except ValueError as exc:  # SEAL rejects parameters above the 128-bit security bound
+        raise ParameterError(f"SEAL rejected {params}: {exc}") from exc
+    return CkksContext(ctx, params, _key_id(_ts_public_bytes(ctx)))
+
+
+def public_context_bytes(ctx: CkksContext) -> bytes:
+    """Serialized public-only context for the server."""
+    return ctx.public_bytes()
+
+
+def load_context(data: bytes) -> CkksContext:
+    """Parse a context envelope; checks parameters and key_id against the key material."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise NotAContextError(f"expected bytes, got {type(data).__name__}")
+    data = bytes(data)
+    head = len(_CTX_MAGIC) + struct.calcsize(">B16sH")
+    if len(data) < head or data[:4] != _CTX_MAGIC:
+        raise NotAContextError("not a fedkv CKKS context (bad magic or too short)")
+    flags, key_id, plen = struct.unpack(">B16sH", data[4:head])
+    try:
+        params = CkksParams.from_json(data[head : head + plen])
+    except (ValueError, TypeError, KeyError) as exc:
+        raise NotAContextError(f"bad parameter record in context: {exc}") from exc
+    try:
+        ctx = ts.context_from(data[head + plen :])
+    except (ValueError, RuntimeError, TypeError) as exc:
+        raise NotAContextError(f"TenSEAL could not parse the context: {exc}") from exc
+    if bool(flags & _FLAG_SECRET) != bool(ctx.has_secret_key()):
+        raise NotAContextError("context flags disagree with the keys it contains")
+    _check_params(ctx, params)
+    if _key_id(_ts_public_bytes(ctx)) != key_id:
+        raise NotAContextError("key_id does not match the key material (tampered context)")
+    return CkksContext(ctx, params, key_id)
+
+
+def _check_params(ctx: ts.Context, params: CkksParams) -> None:
+    seal = ctx.seal_context().data
+    parms = seal.key_context_data().parms()
+    bits = tuple(m.bit_count() for m in parms.coeff_modulus())
+    if parms.poly_modulus_degree() != params.poly_modulus_degree or bits != params.coeff_mod_bit_sizes:
+        raise NotAContextError(
+            f"context parameters (N={parms.poly_modulus_degree()}, {bits}) disagree with the "
+            f"recorded preset {params.name}"
+        )
