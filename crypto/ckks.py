@@ -16,8 +16,8 @@ Round trip (every party holds the same public `PackingConfig`):
 
 Why it is small: a seeded last-level ciphertext at N=4096 is 32,972 bytes for 2,048 complex
 slots = 4,096 slot parts; packed, each part holds three 13-bit fields (8-bit value + 5 bits of
-headroom for 32 contributions), so 12,288 parameters per ciphertext = 2.68 bytes/param (0.67x
-fp32). Mode "none" carries one real per part: 8.05 bytes/param.
+headroom for 32 contributions), so 12,288 parameters per ciphertext = 2.69 bytes/param (0.67x
+fp32). Mode "none" carries one real per part: 8.07 bytes/param.
 
 SEAL objects are driven through `tenseal.sealapi` because the high-level `ckks_vector` neither
 exposes complex slots nor keeps the symmetric seed.
@@ -60,7 +60,7 @@ from crypto.errors import (
     SecretKeyPresentError,
     WeightRangeError,
 )
-from crypto.layout import Layout, flatten
+from crypto.layout import Layout, flatten, to_numpy
 from crypto.packing import PackingConfig, pack_fields, saturate, stochastic_quantize, unpack_fields
 from crypto.wire import (
     KIND_AGGREGATE,
@@ -86,6 +86,7 @@ __all__ = [
     "flatten",
     "EncryptReport",
     "AggregateResult",
+    "RawAggregate",
     "UpdateEncryptor",
     "CkksAggregator",
     "AggregateDecryptor",
@@ -168,6 +169,14 @@ class EncryptReport:
     nbytes: int
     saturated: int
     weight: float  # the normalized weight actually used (after fixed-point rounding when packed)
+
+
+@dataclass(frozen=True)
+class RawAggregate:
+    sums: np.ndarray  # packed: exact int64 sums of the quantized fields; none: real sums
+    weight_sum: float  # normalized (sum of weight/max_weight)
+    contributions: int
+    n_updates: int
 
 
 @dataclass(frozen=True)
@@ -266,7 +275,7 @@ def _as_vector(update: Any, layout: Layout | None) -> tuple[np.ndarray, Layout |
                 raise NonFiniteUpdateError("update contains NaN or Inf; refused before encryption")
             return vec, layout
         return flatten(update)
-    vec = np.asarray(update.detach().cpu().numpy() if hasattr(update, "detach") else update)
+    vec = to_numpy(update)
     if vec.ndim != 1:
         raise LayoutMismatchError(f"expected a flat vector, got shape {vec.shape}; use crypto.flatten")
     if layout is not None and vec.shape[0] != layout.size:
@@ -522,7 +531,8 @@ class AggregateDecryptor:
         self._plan = _Plan(secret_context.params, self.packing)
         self._ops = _SealOps(secret_context)
 
-    def decrypt(self, data: bytes, layout: Layout | None = None) -> AggregateResult:
+    def decrypt_raw(self, data: bytes, layout: Layout | None = None) -> RawAggregate:
+        """Decrypt to the raw sums: exact integer field sums (packed) or real sums (none)."""
         plan, pk = self._plan, self.packing
         env = _parse_for(self.context, pk, plan, data)
         if layout is not None:
@@ -544,18 +554,29 @@ class AggregateDecryptor:
             w_sum = ints[0] / 2.0**plan.wfrac
             contributions = int(ints[1])
             self._check_header(w_sum, contributions)
-            q = unpack_fields(ints[_HEADER_PARTS : _HEADER_PARTS + plan.n_data_parts(n)], pk.field_bits, plan.k, n)
-            total = q * pk.step - pk.clip_range * contributions
+            sums: np.ndarray = unpack_fields(
+                ints[_HEADER_PARTS : _HEADER_PARTS + plan.n_data_parts(n)], pk.field_bits, plan.k, n
+            )
         else:
             w_sum = float(parts[0])
             contributions = int(np.rint(parts[1]))
             if abs(parts[1] - contributions) > 1e-3:
                 raise DecryptionError("contribution count did not decrypt to an integer: corrupted or wrong key")
             self._check_header(w_sum, contributions)
-            total = parts[_HEADER_PARTS : _HEADER_PARTS + n]
-        if w_sum <= 0:
+            sums = parts[_HEADER_PARTS : _HEADER_PARTS + n]
+        return RawAggregate(sums, w_sum, contributions, env.n_updates)
+
+    def decrypt(self, data: bytes, layout: Layout | None = None) -> AggregateResult:
+        """Decrypt an aggregate (or a single update) to the weighted mean."""
+        raw = self.decrypt_raw(data, layout)
+        pk = self.packing
+        if raw.weight_sum <= 0:
             raise EmptyAggregateError("weight sum is zero: no client weight in this aggregate")
-        return AggregateResult(total / w_sum, w_sum * pk.max_weight, contributions, env.n_updates)
+        if self._plan.packed:  # undo the per-contribution offset R
+            total = raw.sums * pk.step - pk.clip_range * raw.contributions
+        else:
+            total = raw.sums
+        return AggregateResult(total / raw.weight_sum, raw.weight_sum * pk.max_weight, raw.contributions, raw.n_updates)
 
     def decrypt_mean(
         self, data: bytes, layout: Layout | None = None, *, as_torch: bool = False

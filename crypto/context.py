@@ -112,7 +112,7 @@ class CkksParams:
 
 PRESETS: dict[str, CkksParams] = {
     # Default. 109 bits = the 128-bit maximum at N=4096. 12,288 values (8-bit, 3 per part) or
-    # 4,096 reals per 32,972-byte seeded ciphertext: 2.68 / 8.05 bytes per parameter.
+    # 4,096 reals per 32,972-byte seeded ciphertext: 2.69 / 8.07 bytes per parameter (one full ciphertext).
     "fedkv-4096": CkksParams(),
     # Same bytes per parameter, twice the values per ciphertext (fewer, larger messages) and
     # sqrt(2) more decryption noise (still < 0.1 at 2^18). 120 of the 218 bits allowed.

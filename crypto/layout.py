@@ -134,11 +134,11 @@ class Layout:
             np_dtype = np.dtype(_torch_to_numpy_dtype(e.dtype) if is_torch else e.dtype)
             if np.issubdtype(np_dtype, np.integer) or np_dtype == np.bool_:
                 part = np.rint(part)
-            arr = part.astype(np_dtype)
+            arr = np.array(part, dtype=np_dtype)  # a contiguous copy; 0-d stays a 0-d array
             if as_torch:
                 import torch  # local: crypto does not need torch unless asked for tensors
 
-                tensor = torch.from_numpy(np.ascontiguousarray(arr))
+                tensor = torch.from_numpy(arr)
                 if is_torch:
                     tensor = tensor.to(getattr(torch, e.dtype.removeprefix("torch.")))
                 arr = tensor

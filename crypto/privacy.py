@@ -226,12 +226,14 @@ def noise_multiplier_for(
     """Smallest noise multiplier reaching `target_eps` after `steps` (Opacus' search)."""
     from opacus.accountants.utils import get_noise_multiplier
 
-    return float(
-        get_noise_multiplier(
-            target_epsilon=target_eps,
-            target_delta=delta,
-            sample_rate=sample_rate,
-            steps=steps,
-            accountant=accountant,
+    with warnings.catch_warnings():  # the bisection probes tiny sigmas whose RDP optimum is alpha_max
+        warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+        return float(
+            get_noise_multiplier(
+                target_epsilon=target_eps,
+                target_delta=delta,
+                sample_rate=sample_rate,
+                steps=steps,
+                accountant=accountant,
+            )
         )
-    )
