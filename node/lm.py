@@ -1,0 +1,198 @@
+"""Language-model helpers for the byte-level TinyTransformer: training, evaluation and a small
+pretrained checkpoint cached on disk (no download: it is trained here, on the stdlib corpus).
+
+Losses are mean cross-entropy in **nats per byte** (the model's tokens are bytes);
+perplexity = exp(loss).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from node.corpus import random_windows, split_corpus
+from node.model import ModelConfig, TinyTransformer
+
+CACHE_ENV = "FEDKV_CACHE_DIR"
+
+
+def default_cache_dir() -> Path:
+    """``$FEDKV_CACHE_DIR`` if set, else ``~/.cache/fedkv``."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "fedkv"
+
+
+def _lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to 10 % of ``lr``."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    p = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, p))))
+
+
+def train_lm(
+    model: TinyTransformer,
+    data: bytes,
+    steps: int,
+    batch_size: int,
+    seq_len: int,
+    lr: float,
+    generator: torch.Generator | None = None,
+    *,
+    weight_decay: float = 0.01,
+    warmup: int | None = None,
+    grad_clip: float = 1.0,
+) -> list[float]:
+    """Next-byte training with AdamW on random windows of ``data`` (full causal attention,
+    ``model.forward``). Returns the training loss of every step (nats/byte)."""
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    if seq_len > model.cfg.context_len:
+        raise ValueError(f"seq_len {seq_len} exceeds the model's context_len {model.cfg.context_len}")
+    warmup = max(1, min(20, steps // 10)) if warmup is None else max(1, warmup)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    model.train()
+    losses: list[float] = []
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, steps, lr, warmup)
+        batch = random_windows(data, seq_len, batch_size, generator)
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"training loss became {loss.item()} at step {step}")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        opt.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+@torch.no_grad()
+def eval_loss(
+    model: TinyTransformer,
+    data: bytes,
+    seq_len: int,
+    n_windows: int,
+    generator: torch.Generator | None = None,
+    *,
+    batch_size: int = 8,
+) -> float:
+    """Mean next-byte cross-entropy (nats/byte) over ``n_windows`` random windows of ``data``,
+    every position of each window counted (full causal attention, no cache)."""
+    if n_windows < 1:
+        raise ValueError(f"n_windows must be >= 1, got {n_windows}")
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    left = n_windows
+    while left:
+        b = min(batch_size, left)
+        batch = random_windows(data, seq_len, b, generator)
+        logits = model(batch[:, :-1])
+        total += float(
+            F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
+            )
+        )
+        count += batch[:, 1:].numel()
+        left -= b
+    model.train(was_training)
+    return total / count
+
+
+def checkpoint_key(cfg: ModelConfig, **settings) -> str:
+    """A short hash of the model config and every training setting: the checkpoint's name."""
+    blob = json.dumps({"cfg": asdict(cfg), **settings}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def pretrained_tiny(
+    cfg: ModelConfig | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    steps: int = 150,
+    *,
+    batch_size: int = 4,
+    seq_len: int = 256,
+    lr: float = 1e-3,
+    seed: int = 0,
+    max_bytes: int | None = None,
+    retrain: bool = False,
+    return_info: bool = False,
+    log=None,
+):
+    """A TinyTransformer trained ``steps`` AdamW steps on the stdlib corpus minus its held-out
+    modules (``split_corpus(1, seed).shares[0]``), cached as ``tiny-<key>.pt`` under
+    ``cache_dir`` (default :func:`default_cache_dir`); the key hashes ``cfg`` and every
+    training setting, so a different config or step count trains (once) a new checkpoint.
+
+    A corrupt or unreadable checkpoint is retrained and replaced. The write is atomic (temp
+    file + rename). Returns the model in eval mode, or ``(model, info)`` with
+    ``return_info=True``; ``info`` has ``cached`` (loaded rather than trained), ``path``,
+    ``train_seconds`` and the loss figures recorded at training time.
+    """
+    cfg = cfg or ModelConfig()
+    settings = dict(
+        steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
+        max_bytes=max_bytes, corpus=f"stdlib-py{sys.version_info[0]}.{sys.version_info[1]}",
+        recipe="adamw-wd0.01-cos-v1",
+    )
+    key = checkpoint_key(cfg, **settings)
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    path = root / f"tiny-{key}.pt"
+    model = TinyTransformer(cfg)
+    info: dict = {"path": str(path), "key": key, **settings}
+    if path.exists() and not retrain:
+        try:
+            blob = torch.load(path, map_location="cpu", weights_only=True)
+            model.load_state_dict(blob["state_dict"])
+            info.update(json.loads(blob["meta"]), cached=True)
+            model.eval()
+            return (model, info) if return_info else model
+        except Exception as e:  # corrupt or foreign file: train again and overwrite
+            if log:
+                log(f"checkpoint {path} unreadable ({type(e).__name__}: {e}); retraining")
+    torch.manual_seed(seed)
+    model = TinyTransformer(cfg)
+    split = split_corpus(1, seed=seed, max_bytes=max_bytes)
+    g = torch.Generator().manual_seed(seed)
+    t0 = time.perf_counter()
+    losses = train_lm(model, split.shares[0], steps, batch_size, seq_len, lr, g)
+    train_s = time.perf_counter() - t0
+    eg = torch.Generator().manual_seed(seed + 1)
+    heldout = eval_loss(model, split.heldout, seq_len, 16, eg)
+    meta = {
+        "train_seconds": round(train_s, 3),
+        "first_loss": losses[0] if losses else None,
+        "final_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
+        "heldout_loss": heldout,
+        "heldout_ppl": math.exp(heldout),
+        "torch_threads": torch.get_num_threads(),
+    }
+    root.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=root)
+    os.close(fd)
+    try:
+        torch.save({"state_dict": model.state_dict(), "meta": json.dumps(meta)}, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    info.update(meta, cached=False)
+    model.eval()
+    if log:
+        log(f"trained {steps} steps in {train_s:.1f}s: held-out {heldout:.3f} nats/byte -> {path}")
+    return (model, info) if return_info else model

@@ -1,0 +1,104 @@
+"""experiments.bench_kv in its tiny mode: one JSON object as the last line, every key there,
+every figure finite. Never asserts timings."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TOP_KEYS = {
+    "block_size", "bytes_per_token", "int8_vs_fp16", "int4_vs_fp16", "slot_bytes_per_token",
+    "by_block_size", "decode_tokens_per_s", "fedkv_fp32_vs_hf", "fedkv_fp32_vs_no_cache",
+    "quality", "prefix_sharing", "pool_utilisation", "pool_utilisation_live_sessions",
+    "targets_met", "config", "checkpoint", "notes",
+}
+DECODE = {"fedkv_fp32", "fedkv_int8", "fedkv_int4", "hf_dynamic_cache", "naive_concat",
+          "no_cache"}
+
+
+def _numbers(x, path=""):
+    if isinstance(x, bool):
+        return
+    if isinstance(x, (int, float)):
+        yield path, x
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            yield from _numbers(v, f"{path}.{k}")
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            yield from _numbers(v, f"{path}[{i}]")
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("ckpt")
+    env = {**os.environ, "FEDKV_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.bench_kv", "--tiny", "--json", "--seed", "1"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    return json.loads(last), proc.stdout
+
+
+def test_last_line_is_json_with_every_key(result):
+    r, stdout = result
+    assert TOP_KEYS <= set(r), TOP_KEYS - set(r)
+    assert r["mode"] == "tiny" and r["block_size"] == 32
+    assert set(r["bytes_per_token"]) == {"fp32", "fp16", "int8", "int4"}
+    assert set(r["decode_tokens_per_s"]) == DECODE
+    assert {"16", "32"} <= set(r["by_block_size"])
+    for dt in ("int8", "int4"):
+        assert {"top1_agreement", "ppl_delta"} <= set(r["quality"][dt])
+    assert {"bytes_shared", "bytes_ideal", "bytes_unshared", "ratio"} <= set(r["prefix_sharing"])
+    assert "pool_utilisation" in r["notes"]
+    assert len(stdout.strip().splitlines()) > 1  # human-readable lines come first
+
+
+def test_every_figure_is_finite(result):
+    r, _ = result
+    bad = [(p, v) for p, v in _numbers(r) if not math.isfinite(v)]
+    assert not bad
+    nulls = [k for k, v in r.items() if v is None]
+    assert not nulls
+
+
+def test_figures_are_consistent(result):
+    r, _ = result
+    b = r["bytes_per_token"]
+    assert b["fp32"] == 2 * b["fp16"]
+    assert b["int4"] < b["int8"] < b["fp16"]
+    assert r["int8_vs_fp16"] == pytest.approx(b["int8"] / b["fp16"])
+    for v in r["decode_tokens_per_s"].values():
+        assert v > 0
+    for dt in ("int8", "int4"):
+        assert 0.0 <= r["quality"][dt]["top1_agreement"] <= 1.0
+    ps = r["prefix_sharing"]
+    assert ps["bytes_ideal"] <= ps["bytes_shared"] < ps["bytes_unshared"]
+    assert ps["ratio"] == pytest.approx(ps["bytes_shared"] / ps["bytes_ideal"])
+    # sharing keeps one copy of the prefix: exactly the block-granular ideal
+    assert ps["ratio_vs_block_granular_ideal"] == pytest.approx(1.0)
+    assert 0.0 < r["pool_utilisation"] <= 1.0
+    assert 0.0 < r["pool_utilisation_live_sessions"] <= 1.0
+    # the cached fedkv decode computes the same logits as the torch.cat cache and no cache
+    for v in r["decode_consistency"].values():
+        assert v < 1e-3
+    assert r["checkpoint"]["cached"] is False
+
+
+def test_bad_flags_rejected():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.bench_kv", "--tiny", "--block-size", "0"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0
