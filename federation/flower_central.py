@@ -1,0 +1,85 @@
+"""Baseline ``dp-mode=flower-central``: Flower's own FedAvg + client-side fixed clipping.
+
+Plaintext weights travel as Flower ArrayRecords (default ``train``/``evaluate``
+message types, ``fixedclipping_mod`` on the client's train handler), and the server
+adds Gaussian noise σ·C/n to the mean. It is the yardstick for our DP modes, not a
+private-from-the-server setup: the server sees every clipped update.
+
+Note Flower's behaviour (1.42): if ANY train reply carries an error, the DP wrapper
+skips aggregation for that round (the global model stays as it was).
+"""
+
+from __future__ import annotations
+
+import math
+
+from flwr.app import ArrayRecord, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, FedAvg
+
+from federation.config import RunConfig
+from federation.results import RoundRecord, RunResults, mean, weighted_mean
+from node.federated import build_model
+
+
+def _train_metrics(records: list[RecordDict], weight_key: str) -> MetricRecord:
+    """Means over clients (not example-weighted) except the loss, plus the count."""
+    m = [next(iter(r.metric_records.values())) for r in records]
+    n = [float(x[weight_key]) for x in m]
+    return MetricRecord(
+        {
+            "num-clients": len(m),
+            "train-loss": weighted_mean([float(x["train-loss"]) for x in m], n),
+            "clipped": mean([float(x["clipped"]) for x in m]),
+            "upload-bytes": mean([float(x["upload-bytes"]) for x in m]),
+            "train-s": mean([float(x["train-s"]) for x in m]),
+        }
+    )
+
+
+def _eval_metrics(records: list[RecordDict], weight_key: str) -> MetricRecord:
+    m = [next(iter(r.metric_records.values())) for r in records]
+    n = [float(x[weight_key]) for x in m]
+    return MetricRecord(
+        {
+            "num-clients": len(m),
+            "eval-loss": weighted_mean([float(x["eval-loss"]) for x in m], n),
+            "eval-acc": weighted_mean([float(x["eval-acc"]) for x in m], n),
+        }
+    )
+
+
+def run_flower_central(grid: Grid, cfg: RunConfig, results: RunResults) -> None:
+    """Run all rounds with Flower's strategy and copy its metrics into ``results``."""
+    num_nodes = len(list(grid.get_node_ids()))
+    num_sampled = max(cfg.min_clients, int(num_nodes * cfg.fraction_train))
+    fedavg = FedAvg(
+        fraction_train=cfg.fraction_train,
+        fraction_evaluate=1.0,
+        min_train_nodes=cfg.min_clients,
+        min_evaluate_nodes=cfg.min_clients,
+        min_available_nodes=cfg.min_clients,
+        train_metrics_aggr_fn=_train_metrics,
+        evaluate_metrics_aggr_fn=_eval_metrics,
+    )
+    strategy = DifferentialPrivacyClientSideFixedClipping(
+        fedavg, cfg.noise_multiplier, cfg.clip_norm, num_sampled
+    )
+    initial = ArrayRecord(build_model(cfg.task, cfg.seed).state_dict())
+    result = strategy.start(
+        grid=grid, initial_arrays=initial, num_rounds=cfg.num_server_rounds,
+        timeout=cfg.round_timeout,
+    )
+    for rnd in range(1, cfg.num_server_rounds + 1):
+        tr = result.train_metrics_clientapp.get(rnd, MetricRecord())
+        ev = result.evaluate_metrics_clientapp.get(rnd, MetricRecord())
+        rec = RoundRecord(round=rnd, sampled=num_sampled)
+        rec.num_clients = int(tr.get("num-clients", 0))
+        rec.train_loss = float(tr.get("train-loss", math.nan))
+        rec.clipped_fraction = float(tr.get("clipped", math.nan))
+        rec.upload_bytes_mean = float(tr.get("upload-bytes", math.nan))
+        rec.seconds["train"] = float(tr.get("train-s", math.nan))
+        rec.eval_loss = float(ev.get("eval-loss", math.nan))
+        rec.eval_acc = float(ev.get("eval-acc", math.nan))
+        rec.eval_clients = int(ev.get("num-clients", 0))
+        results.rounds.append(rec)

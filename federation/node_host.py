@@ -1,0 +1,116 @@
+"""One ``FederatedNode`` per Flower node, reused across rounds.
+
+What persists where (measured, see FLOWER_NOTES.md):
+
+* ``context.state`` is the only thing Flower guarantees per node across messages, in
+  simulation and in deployment. It is authoritative here: parameters + scalars.
+* A module-level cache lives as long as the *process* that runs the ClientApp: a Ray
+  actor in simulation (actors are shared by all nodes, a node may land on a different
+  actor each message), a fresh process per message in deployment. So the cache is
+  only a shortcut: it is used when its ``generation`` equals the one in
+  ``context.state``; otherwise the node is rebuilt (data loaders etc.) and its state
+  restored from ``context.state``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context
+
+from node.federated import FederatedNode, NodeSpec
+
+PARAMS_KEY = "fedkv.params"
+META_KEY = "fedkv.meta"
+MAX_CACHED_NODES = 64
+
+BUILT, RESTORED, REUSED = 0, 1, 2
+"""``node-source`` codes reported in reply metrics."""
+
+
+@dataclass
+class _Entry:
+    node: FederatedNode
+    generation: int
+
+
+_CACHE: "OrderedDict[tuple[int, int], _Entry]" = OrderedDict()
+
+
+def spec_from_context(context: Context) -> NodeSpec:
+    """Node identity from node_config (partition) and run_config (task, seed, split)."""
+    rc, nc = context.run_config, context.node_config
+    return NodeSpec(
+        partition_id=int(nc["partition-id"]),
+        num_partitions=int(nc["num-partitions"]),
+        task=str(rc.get("task", "digits")),
+        seed=int(rc.get("seed", 42)),
+        alpha=float(rc.get("alpha", 1.0)),
+    )
+
+
+def _limit_threads() -> None:
+    """One intra-op thread per ClientApp process (override: FEDKV_TORCH_THREADS).
+
+    The models are tiny and a 2-core machine runs several actors/processes; torch's
+    default (all cores) made per-client training 10-100x slower and erratic here.
+    """
+    want = int(os.environ.get("FEDKV_TORCH_THREADS", "1"))
+    if torch.get_num_threads() != want:
+        torch.set_num_threads(want)
+
+
+def get_node(context: Context) -> tuple[FederatedNode, int]:
+    """The node for this context and how it was obtained (BUILT/RESTORED/REUSED)."""
+    _limit_threads()
+    key = (context.run_id, context.node_id)
+    meta = context.state.config_records.get(META_KEY)
+    generation = int(meta["generation"]) if meta is not None else 0
+    entry = _CACHE.get(key)
+    if entry is not None and entry.generation == generation:
+        _CACHE.move_to_end(key)
+        return entry.node, REUSED
+    node = FederatedNode(spec_from_context(context))
+    source = BUILT
+    if meta is not None:
+        params = context.state.array_records[PARAMS_KEY]["params"].numpy()
+        node.load_state(params, {k: v for k, v in meta.items() if k != "generation"})
+        source = RESTORED
+    _remember(key, node, generation)
+    return node, source
+
+
+def save_node(context: Context, node: FederatedNode) -> None:
+    """Write the node into ``context.state`` and bump the generation the cache checks."""
+    key = (context.run_id, context.node_id)
+    meta = context.state.config_records.get(META_KEY)
+    generation = (int(meta["generation"]) if meta is not None else 0) + 1
+    params, scalars = node.to_state()
+    context.state[PARAMS_KEY] = ArrayRecord({"params": Array(np.asarray(params))})
+    context.state[META_KEY] = ConfigRecord({**scalars, "generation": generation})
+    _remember(key, node, generation)
+
+
+def _remember(key: tuple[int, int], node: FederatedNode, generation: int) -> None:
+    _CACHE[key] = _Entry(node, generation)
+    _CACHE.move_to_end(key)
+    while len(_CACHE) > MAX_CACHED_NODES:
+        _CACHE.popitem(last=False)
+
+
+def discard(context: Context) -> None:
+    """Drop this node's cached object (after a failed handler left it half-updated)."""
+    _CACHE.pop((context.run_id, context.node_id), None)
+
+
+def forget_all() -> None:
+    """Drop the process cache (tests; simulates a fresh ClientApp process)."""
+    _CACHE.clear()
+
+
+def pid() -> int:
+    return os.getpid()

@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import pytest
+
+from federation.config import RunConfig
+
+
+def test_defaults_match_snippet() -> None:
+    import tomllib
+    from pathlib import Path
+
+    snippet = Path(__file__).resolve().parents[2] / "federation" / "PYPROJECT_SNIPPET.toml"
+    cfg = tomllib.loads(snippet.read_text())["tool"]["flwr"]["app"]["config"]
+    assert RunConfig.from_run_config(cfg) == RunConfig()
+    assert set(cfg) == set(RunConfig().as_dict())
+
+
+def test_coercion_from_cli_strings() -> None:
+    cfg = RunConfig.from_run_config({"he": "false", "num-server-rounds": "5", "lr": "0.05", "dp-sgd": "true"})
+    assert cfg.he is False and cfg.num_server_rounds == 5 and cfg.lr == 0.05 and cfg.dp_sgd is True
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ({"dp-mode": "central"}, "dp-mode"),
+        ({"task": "cifar"}, "task"),
+        ({"fraction-train": 0.0}, "fraction-train"),
+        ({"dp-mode": "local", "clip-norm": 0.0}, "clip-norm"),
+        ({"he": "maybe"}, "he="),
+        ({"dp-mode": "flower-central", "he": True}, "flower-central"),
+    ],
+)
+def test_bad_values_are_rejected(override, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        RunConfig.from_run_config(override)

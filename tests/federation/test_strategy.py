@@ -1,0 +1,194 @@
+"""OpaqueFedAvg + the real ClientApp handlers, in process (FakeGrid), incl. fault paths."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from federation import node_host, protocol
+from federation.codec import HEADER_BYTES, make_aggregator
+from federation.config import RunConfig
+from federation.strategy import NotEnoughClients, OpaqueFedAvg
+from node.federated import Layout, build_model
+from tests.federation.fakes import FakeGrid, raise_fault, tamper_fault, timeout_fault
+
+DIM = Layout.of(build_model("digits", 42)).size
+
+
+def make(num_nodes: int = 3, **overrides):
+    run_config = {"num-server-rounds": 2, "min-clients": 2, "seed": 42, **overrides}
+    cfg = RunConfig.from_run_config(run_config)
+    grid = FakeGrid(num_nodes, run_config)
+    strategy = OpaqueFedAvg(cfg, lambda: make_aggregator(False, DIM), wait_for_nodes_s=0.0)
+    return cfg, grid, strategy
+
+
+def run_all(grid, strategy):
+    records = []
+    strategy.run(grid, records.append)
+    return records
+
+
+def node_params(grid: FakeGrid, node_id: int) -> np.ndarray:
+    return grid.contexts[node_id].state.array_records[node_host.PARAMS_KEY]["params"].numpy()
+
+
+def test_happy_path_nodes_stay_in_lockstep_and_learn() -> None:
+    _, grid, strategy = make(num_nodes=3, **{"num-server-rounds": 3})
+    recs = run_all(grid, strategy)
+    assert [r.num_clients for r in recs] == [3, 3, 3]
+    assert all(r.dropped == [] and r.eval_clients == 3 for r in recs)
+    assert recs[-1].eval_loss < recs[0].eval_loss
+    assert all(r.upload_bytes_mean == 4 * DIM + HEADER_BYTES for r in recs)
+    # every node applied the same 3 aggregates -> identical global weights
+    params = [node_params(grid, n) for n in grid.contexts]
+    for p in params[1:]:
+        np.testing.assert_array_equal(params[0], p)
+    assert all(int(c.state.config_records[node_host.META_KEY]["version"]) == 3 for c in grid.contexts.values())
+    # the ClientApp hosts one object per node, reused across rounds
+    assert recs[1].node_sources == {"reused": 6}
+    assert len(node_host._CACHE) == 3
+
+
+def test_node_rebuilt_from_context_state_gives_identical_results() -> None:
+    """Simulation moves nodes between Ray actors: state must live in context.state."""
+    _, grid_a, strat_a = make(num_nodes=3, **{"num-server-rounds": 3})
+    recs_a = run_all(grid_a, strat_a)
+    node_host.forget_all()
+    _, grid_b, strat_b = make(num_nodes=3, **{"num-server-rounds": 3})
+    recs_b = []
+    for rnd in range(1, 4):
+        node_host.forget_all()  # every round in a "fresh process"
+        recs_b.append(strat_b.round(grid_b, rnd))
+    assert recs_b[2].node_sources.get("reused", 0) == 3  # eval right after train, same process
+    assert recs_b[2].node_sources["restored"] == 3
+    assert [r.eval_loss for r in recs_a] == pytest.approx([r.eval_loss for r in recs_b], rel=1e-6)
+
+
+def test_client_that_raises_is_left_out() -> None:
+    _, grid, strategy = make(num_nodes=3)
+    grid.faults[(101, protocol.TRAIN)] = raise_fault
+    recs = run_all(grid, strategy)
+    assert [r.num_clients for r in recs] == [2, 2]
+    reasons = [d for d in recs[0].dropped if d["phase"] == "train"]
+    assert reasons == [{"node": 101, "phase": "train", "reason": "client error: ClientAppException: injected failure"}]
+    assert 101 not in recs[0].upload_bytes
+    # it still evaluates (and catches up on the aggregates it missed)
+    assert recs[1].eval_clients == 3
+
+
+def test_client_that_times_out_is_left_out() -> None:
+    _, grid, strategy = make(num_nodes=3)
+    grid.faults[(102, protocol.TRAIN)] = timeout_fault
+    recs = run_all(grid, strategy)
+    assert recs[0].num_clients == 2
+    assert "no reply within round-timeout" in recs[0].dropped[0]["reason"]
+
+
+@pytest.mark.parametrize(
+    "mutate, reason",
+    [
+        (lambda b: b"EVIL" + b[4:], "bad magic"),
+        (lambda b: b[: len(b) // 2], "length"),
+        (lambda b: b[:-4] + np.float32(np.nan).tobytes(), "NaN"),
+    ],
+)
+def test_update_rejected_by_aggregator_is_left_out(mutate, reason) -> None:
+    _, grid, strategy = make(num_nodes=3)
+    grid.faults[(100, protocol.TRAIN)] = tamper_fault(grid, mutate)
+    recs = run_all(grid, strategy)
+    assert recs[0].num_clients == 2
+    (drop,) = [d for d in recs[0].dropped if d["phase"] == "train"]
+    assert drop["node"] == 100 and "update rejected" in drop["reason"] and reason in drop["reason"]
+
+
+def test_handler_exception_is_reported_not_raised_and_node_recovers() -> None:
+    """A real handler failure (corrupted aggregate for one node) -> error reply; next round OK."""
+    _, grid, strategy = make(num_nodes=3, **{"num-server-rounds": 3})
+    real = grid.deliver
+
+    def corrupt_aggregates(msg, ctx):
+        rec = msg.content.array_records[protocol.AGGREGATES]
+        for key in list(rec.keys()):
+            rec[key] = protocol.bytes_to_array(b"garbage")
+        return real(msg)
+
+    grid.faults[(100, protocol.EVALUATE)] = timeout_fault  # node 100 stays at v0 ...
+    strategy.round(grid, 1)
+    del grid.faults[(100, protocol.EVALUATE)]
+    grid.faults[(100, protocol.TRAIN)] = corrupt_aggregates  # ... and gets a garbage v1
+    rec2 = strategy.round(grid, 2)
+    del grid.faults[(100, protocol.TRAIN)]
+    (drop,) = rec2.dropped
+    assert rec2.num_clients == 2 and drop["node"] == 100 and "CodecError" in drop["reason"]
+    assert rec2.eval_clients == 3  # its evaluate message resent v1 + v2: caught up
+    rec3 = strategy.round(grid, 3)
+    assert rec3.num_clients == 3 and rec3.dropped == []
+    np.testing.assert_array_equal(node_params(grid, 100), node_params(grid, 101))
+
+
+def test_fewer_than_min_clients_stops_the_run() -> None:
+    _, grid, strategy = make(num_nodes=3, **{"min-clients": 3})
+    grid.faults[(101, protocol.TRAIN)] = raise_fault
+    with pytest.raises(NotEnoughClients, match="min-clients=3"):
+        run_all(grid, strategy)
+
+
+def test_not_enough_connected_nodes_stops_the_run() -> None:
+    _, grid, strategy = make(num_nodes=2, **{"min-clients": 3})
+    with pytest.raises(NotEnoughClients, match="connected"):
+        run_all(grid, strategy)
+
+
+def test_sampled_subset_and_catch_up() -> None:
+    """fraction-train < 1: unsampled nodes skip training but catch up in evaluate."""
+    _, grid, strategy = make(num_nodes=5, **{"fraction-train": 0.4, "num-server-rounds": 3})
+    recs = run_all(grid, strategy)
+    assert [r.sampled for r in recs] == [2, 2, 2]
+    assert all(r.eval_clients == 5 for r in recs)
+    versions = {int(c.state.config_records[node_host.META_KEY]["version"]) for c in grid.contexts.values()}
+    assert versions == {3}
+
+
+def test_node_that_missed_evaluate_catches_up_on_next_train() -> None:
+    _, grid, strategy = make(num_nodes=3, **{"num-server-rounds": 3})
+    grid.faults[(102, protocol.EVALUATE)] = timeout_fault
+    strategy.round(grid, 1)
+    strategy.round(grid, 2)
+    del grid.faults[(102, protocol.EVALUATE)]
+    rec3 = strategy.round(grid, 3)
+    assert rec3.num_clients == 3 and rec3.eval_clients == 3
+    last_train = [m for m in grid.sent if m.metadata.dst_node_id == 102 and m.metadata.message_type == protocol.TRAIN][-1]
+    assert sorted(last_train.content.array_records[protocol.AGGREGATES].keys()) == ["v1", "v2"]
+    np.testing.assert_array_equal(node_params(grid, 100), node_params(grid, 102))
+
+
+def test_local_dp_clips_and_reports() -> None:
+    _, grid, strategy = make(num_nodes=3, **{"dp-mode": "local", "clip-norm": 0.01, "noise-multiplier": 0.0})
+    recs = run_all(grid, strategy)
+    assert recs[0].clipped_fraction == 1.0
+    mean_norm = np.linalg.norm(node_params(grid, 100) - build_flat())
+    assert mean_norm <= 2 * 0.01 + 1e-6  # two rounds of a mean of clipped updates
+
+
+def test_distributed_dp_server_makes_up_noise_for_dropped(caplog) -> None:
+    _, grid, strategy = make(num_nodes=3, **{"dp-mode": "distributed", "noise-multiplier": 1.0, "clip-norm": 0.5})
+    grid.faults[(101, protocol.TRAIN)] = raise_fault
+    with caplog.at_level("INFO", logger="flwr"):
+        recs = run_all(grid, strategy)
+    assert recs[0].num_clients == 2
+    assert any("added noise std" in r.getMessage() for r in caplog.records)
+
+
+def test_dp_sgd_reports_epsilon() -> None:
+    _, grid, strategy = make(num_nodes=2, **{"dp-sgd": True, "noise-multiplier": 1.0, "clip-norm": 1.0})
+    recs = run_all(grid, strategy)
+    assert 0 < recs[0].epsilon < recs[1].epsilon < math.inf
+
+
+def build_flat() -> np.ndarray:
+    from node.federated import flatten
+
+    return flatten(build_model("digits", 42))
