@@ -21,6 +21,13 @@ fp32). Mode "none" carries one real per part: 8.07 bytes/param.
 
 SEAL objects are driven through `tenseal.sealapi` because the high-level `ckks_vector` neither
 exposes complex slots nor keeps the symmetric seed.
+
+Threat model, briefly: the server is honest-but-curious and never holds the secret key; all
+nodes share one secret key (TenSEAL has no threshold decryption), so a node can read another
+node's update if it intercepts it — signatures and transport encryption are the guard there.
+CKKS decryptions carry key-dependent noise (Li-Micciancio, IND-CPA-D): in mode "packed" the
+result is rounded to exact integers, so nothing of that noise is revealed; in mode "none" the
+decrypted mean must not be shown to the server in raw form.
 """
 
 from __future__ import annotations

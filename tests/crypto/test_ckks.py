@@ -21,6 +21,7 @@ from crypto import (
     flatten,
     load_context,
 )
+from crypto.wire import parse_envelope
 
 MODES = [
     PackingConfig(mode="packed", max_weight=1000.0),
@@ -183,3 +184,19 @@ def test_zero_weight_client_adds_nothing(secret_ctx, public_bytes, rng) -> None:
     res = AggregateDecryptor(secret_ctx, cfg).decrypt(agg.result())
     np.testing.assert_allclose(res.mean, 0.5, atol=1e-8)
     assert res.contributions == 2
+
+
+def test_default_preset_noise_is_far_below_the_rounding_threshold(secret_ctx, public_bytes, rng) -> None:
+    """32 contributions (the default headroom), mixed seeded and public-key ciphertexts: the CKKS
+    error on the packed integers must stay well under 0.5, or rounding would not be exact."""
+    cfg = PackingConfig()
+    enc = UpdateEncryptor(secret_ctx, cfg, rng=rng)
+    agg = CkksAggregator(public_bytes, cfg, rng=rng)
+    d = 2 * 3 * secret_ctx.params.slot_parts
+    for _ in range(cfg.max_clients - 4):
+        agg.add(enc.encrypt(rng.uniform(-1, 1, d)))
+    agg.add_noise(0.1, shares=4)  # public-key encrypted, like a server top-up
+    dec = AggregateDecryptor(secret_ctx, cfg)
+    blobs = parse_envelope(agg.result(), max_ciphertext_bytes=1 << 30).ciphertexts
+    parts = dec._ops.decrypt_parts(dec._ops.load_checked(blobs, 2.0**secret_ctx.params.packed_scale_bits))
+    assert np.abs(parts - np.rint(parts)).max() < 0.15
