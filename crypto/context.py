@@ -183,7 +183,7 @@ def seal_load_ciphertext(seal_ctx: Any, data: bytes) -> sealapi.Ciphertext:
         ct = sealapi.Ciphertext()
         ct.load(seal_ctx, path)
         return ct
-    except (ValueError, RuntimeError, TypeError) as exc:
+    except Exception as exc:  # pybind maps SEAL's C++ exceptions to several Python types
         raise NotACiphertextError(f"not a ciphertext of this context: {exc}") from exc
     finally:
         try:
@@ -312,7 +312,7 @@ def load_context(data: bytes) -> CkksContext:
         raise NotAContextError(f"bad parameter record in context: {exc}") from exc
     try:
         ctx = ts.context_from(data[head + plen :])
-    except (ValueError, RuntimeError, TypeError) as exc:
+    except Exception as exc:  # pybind maps C++ parse errors to several Python types
         raise NotAContextError(f"TenSEAL could not parse the context: {exc}") from exc
     if bool(flags & _FLAG_SECRET) != bool(ctx.has_secret_key()):
         raise NotAContextError("context flags disagree with the keys it contains")
