@@ -47,7 +47,8 @@ class RunConfig:
     alpha: float = 1.0
     """Dirichlet concentration of the non-IID split."""
     round_timeout: float = 120.0
-    """Seconds the server waits for replies in a phase; late clients are left out."""
+    """Seconds the server waits for replies in a phase (late clients are left out),
+    and for min-clients nodes to be connected before a round."""
 
     def __post_init__(self) -> None:
         problems = []

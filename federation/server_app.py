@@ -41,7 +41,9 @@ def main(grid: Grid, context: Context) -> None:
                 log(INFO, "fedkv %s", rec.summary(cfg.num_server_rounds))
         else:
             dim = Layout.of(build_model(cfg.task, cfg.seed)).size
-            strategy = OpaqueFedAvg(cfg, lambda: make_aggregator(cfg.he, dim, cfg.packing))
+            strategy = OpaqueFedAvg(
+                cfg, lambda: make_aggregator(cfg.he, dim, cfg.packing), wait_for_nodes_s=cfg.round_timeout
+            )
 
             def on_round(rec: RoundRecord) -> None:
                 results.rounds.append(rec)
