@@ -192,3 +192,11 @@ def build_flat() -> np.ndarray:
     from node.federated import flatten
 
     return flatten(build_model("digits", 42))
+
+
+def test_reply_metrics_match_the_documented_protocol() -> None:
+    _, grid, strategy = make(num_nodes=2, **{"num-server-rounds": 1})
+    replies = grid.send_and_receive(strategy.configure(protocol.TRAIN, 1, [100]))
+    assert set(replies[0].content[protocol.METRICS]) == set(protocol.TRAIN_METRICS)
+    replies = grid.send_and_receive(strategy.configure(protocol.EVALUATE, 1, [100]))
+    assert set(replies[0].content[protocol.METRICS]) == set(protocol.EVAL_METRICS)
