@@ -12,7 +12,8 @@ rounds (sampling, a crash, a timeout) catches up before it trains or evaluates.
 Faults (a round goes on with the clients that remain):
 * a reply carrying an error (the ClientApp raised) -> left out, reason logged
 * no reply within ``round-timeout`` -> left out
-* bytes the aggregator rejects (``CodecError``) or a malformed reply -> left out
+* bytes the aggregator rejects (any exception from ``add``: ``CodecError``, crypto
+  errors) or a malformed reply -> left out
 * fewer than ``min-clients`` usable updates (or connected nodes) -> ``NotEnoughClients``
 """
 
