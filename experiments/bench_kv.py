@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from cache import CacheConfig, KVCache
+from cache import KVCache
 from node.corpus import random_windows, split_corpus
 from node.lm import pretrained_tiny
 from node.model import ModelConfig, TinyTransformer
@@ -104,7 +104,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if args.quick:
         return Plan(model, ctx, 64, 8, 3, args.train_steps or 150, 4, 256, 4, 256, 100, 16,
                     64, 200, 16, 256.0, 0.9, 2048)
-    return Plan(model, ctx, 128, 16, 5, args.train_steps or 600, 8, 256, 8, 512, 100, 16, 64,
+    # quality sequences never exceed the training length (positions beyond it are untrained)
+    return Plan(model, ctx, 128, 16, 5, args.train_steps or 600, 8, 256, 8, 256, 100, 16, 64,
                 200, 16, 256.0, 0.9, 2048)
 
 
@@ -121,10 +122,12 @@ def bytes_section(cfg: ModelConfig, block_size: int) -> dict:
     cc = cfg.cache_config(block_size=block_size, pool_bytes=4 << 20)
     kv = KVCache(cc)
     bpt = {d: kv.bytes_per_token(d) for d in DTYPES}
-    slot = {}
+    slot, arena = {}, {}
     for d in DTYPES:
         k = KVCache(cfg.cache_config(block_size=block_size, kv_dtype=d, pool_bytes=4 << 20))
-        slot[d] = k.pool.classes[d].slot_bytes / block_size
+        sc = k.pool.classes[d]
+        slot[d] = sc.slot_bytes / block_size
+        arena[d] = k.pool.slab_bytes / sc.slots_per_slab / block_size
     return {
         "bytes_per_token": bpt,
         "int8_vs_fp16": bpt["int8"] / bpt["fp16"],
@@ -132,6 +135,9 @@ def bytes_section(cfg: ModelConfig, block_size: int) -> dict:
         "slot_bytes_per_token": slot,
         "slot_int8_vs_fp16": slot["int8"] / slot["fp16"],
         "slot_int4_vs_fp16": slot["int4"] / slot["fp16"],
+        "arena_bytes_per_token": arena,
+        "arena_int8_vs_fp16": arena["int8"] / arena["fp16"],
+        "arena_int4_vs_fp16": arena["int4"] / arena["fp16"],
     }
 
 
@@ -268,6 +274,7 @@ def decode_section(model: TinyTransformer, plan: Plan, prompt: list[int], block:
         for k in ("naive_concat", "no_cache")
     }
     return {
+        "hf_attn_implementation": getattr(hfm.config, "_attn_implementation", None),
         "decode_tokens_per_s": med,
         "decode_samples": samples,
         "fedkv_fp32_vs_hf": med["fedkv_fp32"] / med["hf_dynamic_cache"],
@@ -366,9 +373,12 @@ def quality_section(model: TinyTransformer, heldout: bytes, plan: Plan, block: i
     cfg = model.cfg
     g = torch.Generator().manual_seed(seed + 7)
     seqs = random_windows(heldout, plan.quality_len, plan.quality_seqs, g).tolist()
-    fp_window = CacheConfig(1, 1, 2).fp_window
+    fp_window = cfg.cache_config(block_size=block).fp_window
     first_quant = fp_window + block  # first position whose read includes a quantized block
-    pool = _pool_bytes_for(cfg, block, plan.quality_len + 2 * block)
+    # room for every sequence: no eviction, so no quantization is skipped for lack of space
+    # (the engine skips quantizing a block when the pool is full of evictable cached blocks)
+    pool = _pool_bytes_for(cfg, block, plan.quality_seqs * (plan.quality_len + 2 * block))
+    expected_q = plan.quality_seqs * max(0, (plan.quality_len - fp_window) // block)
     res: dict[str, dict] = {}
     for dtype in ("fp32", "int8", "int4"):
         kv = KVCache(cfg.cache_config(block_size=block, kv_dtype=dtype, pool_bytes=pool))
@@ -418,6 +428,7 @@ def quality_section(model: TinyTransformer, heldout: bytes, plan: Plan, block: i
             "nats_per_byte_delta": mce - base_ce,
             "top1_accuracy": sum(a == b for a, b in zip(r["top"], targets)) / len(targets),
             "quantized_blocks": r["quantized_blocks"],
+            "expected_quantized_blocks": expected_q,
             "kept_full_precision_blocks": r["kept_full_precision_blocks"],
             "mean_block_relative_error": r["mean_quant_error"],
             "seconds": r["seconds"],
@@ -540,6 +551,8 @@ def pool_section(cfg: ModelConfig, plan: Plan, block: int, seed: int,
         "live_utilisation": final_live,
         "live_utilisation_mean_during_replay": (
             sum(live_samples) / len(live_samples) if live_samples else float("nan")),
+        "slab_slot_fill": st["pool_slot_fill"],
+        "kv_utilisation_of_slab_bytes": st["kv_utilisation"] * st["pool_slot_fill"],
         "bytes_allocated": st["bytes_allocated"],
         "bytes_holding_tokens": st["bytes_holding_tokens"],
         "blocks_cached_unreferenced": st["blocks_cached_unreferenced"],
@@ -553,7 +566,9 @@ def pool_section(cfg: ModelConfig, plan: Plan, block: int, seed: int,
 NOTES = {
     "bytes_per_token": "KVCache.bytes_per_token(dtype): format bytes of a full block (codes + "
     "fp16 scales + packed int4 zero points), all layers, K and V, divided by block_size. "
-    "slot_bytes_per_token: the pool slot (rounded up to whole 4 KB pages) per token.",
+    "slot_bytes_per_token: the pool slot (rounded up to whole 4 KB pages) per token. "
+    "arena_bytes_per_token: managed block (slab) bytes / slots per slab / block_size, i.e. "
+    "what a block really costs in the arena once the slab's unusable tail is counted.",
     "decode": "median tokens/s of greedy decode steps after an untimed prefill of `context` "
     "tokens of held-out text; variants interleaved (rotated order) across repeats; same torch "
     "thread count for all. no_cache recomputes the full sequence each step (fewer steps).",
@@ -568,8 +583,11 @@ NOTES = {
     "stats()['bytes_allocated']: format bytes of the tokens stored in every allocated block "
     "(blocks of open sessions AND full blocks of closed sessions kept as prefix-cache entries) "
     "over the slot bytes allocated (page rounding and partially filled last blocks are the "
-    "waste). live_utilisation counts only blocks referenced by open sessions. Snapshot taken "
-    "when the last session has been opened, with the last wave still open.",
+    "waste). live_utilisation counts only blocks referenced by open sessions. slab_slot_fill "
+    "= stats()['pool_slot_fill'] (slot bytes / bytes of the managed blocks in use) and "
+    "kv_utilisation_of_slab_bytes = kv_utilisation x slab_slot_fill also count the unusable "
+    "tail of each managed block. Snapshot taken when the last session has been opened, with "
+    "the last wave still open.",
 }
 
 
@@ -636,8 +654,12 @@ def run(args: argparse.Namespace) -> dict:
     log(f"bytes/token (block {block}): " + ", ".join(
         f"{k} {v:.0f}" for k, v in b["bytes_per_token"].items())
         + f"; int8 {b['int8_vs_fp16']:.3f}x, int4 {b['int4_vs_fp16']:.3f}x fp16")
+    log(f"  page-rounded slots: int8 {b['slot_int8_vs_fp16']:.3f}x, int4 "
+        f"{b['slot_int4_vs_fp16']:.3f}x; in the arena (slab tails counted): int8 "
+        f"{b['arena_int8_vs_fp16']:.3f}x, int4 {b['arena_int4_vs_fp16']:.3f}x fp16")
     bb = result["by_block_size"]["16"]
-    log(f"  block 16: int8 {bb['int8_vs_fp16']:.3f}x, int4 {bb['int4_vs_fp16']:.3f}x fp16")
+    log(f"  block 16: int8 {bb['int8_vs_fp16']:.3f}x, int4 {bb['int4_vs_fp16']:.3f}x fp16 "
+        f"(arena {bb['arena_int8_vs_fp16']:.3f}x, {bb['arena_int4_vs_fp16']:.3f}x)")
 
     # -- decode ------------------------------------------------------------------------------
     t = time.perf_counter()
@@ -693,7 +715,8 @@ def run(args: argparse.Namespace) -> dict:
             e = pool_section(plan.model, plan, bs, args.seed, dt)
             extra[f"block{bs}_{dt}"] = {k: e[k] for k in (
                 "kv_utilisation", "kv_utilisation_mean_during_replay", "live_utilisation",
-                "live_utilisation_mean_during_replay") if math.isfinite(e[k])}
+                "live_utilisation_mean_during_replay", "slab_slot_fill",
+                "kv_utilisation_of_slab_bytes") if math.isfinite(e[k])}
     result["pool_other_configs"] = extra
     log(f"pool utilisation: {pu['kv_utilisation']:.4f} (live sessions only "
         f"{pu['live_utilisation']:.4f}; mean during replay {pu['kv_utilisation_mean_during_replay']:.4f})"

@@ -81,7 +81,11 @@ def test_figures_are_consistent(result):
     for v in r["decode_tokens_per_s"].values():
         assert v > 0
     for dt in ("int8", "int4"):
-        assert 0.0 <= r["quality"][dt]["top1_agreement"] <= 1.0
+        q = r["quality"][dt]
+        assert 0.0 <= q["top1_agreement"] <= 1.0
+        # later tokens really read quantized blocks (none skipped for lack of pool space)
+        assert q["quantized_blocks"] == q["expected_quantized_blocks"] > 0
+    assert r["quality"]["positions_reading_quantized_blocks"] > 0
     ps = r["prefix_sharing"]
     assert ps["bytes_ideal"] <= ps["bytes_shared"] < ps["bytes_unshared"]
     assert ps["ratio"] == pytest.approx(ps["bytes_shared"] / ps["bytes_ideal"])
