@@ -96,6 +96,10 @@ class KVCache:
             )
         return t
 
+    def is_stale(self, sid: int) -> bool:
+        """True when the session's K/V predate the current model version."""
+        return self._table(sid, allow_stale=True).stale
+
     def length(self, sid: int) -> int:
         return self._table(sid).length
 

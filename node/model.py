@@ -16,7 +16,7 @@ from torch import nn
 from cache import CacheConfig, KVCache
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 256
     """Byte-level vocabulary."""
@@ -146,9 +146,10 @@ class TinyTransformer(nn.Module):
         generator: torch.Generator | None = None,
     ) -> list[int]:
         """Greedy (temperature 0) or sampled continuation of ``prompt`` through the cache.
-        With ``sid`` of an existing session, ``prompt`` is appended to what it holds."""
+        With ``sid`` of a session holding tokens, ``prompt`` is appended to them."""
         if sid is None:
             sid = cache.open_session()
+        if cache.length(sid) == 0:  # a fresh session: reuse any cached prefix
             logits = self.prefill(list(prompt), cache, sid)
         else:
             logits = self.forward_cached(list(prompt), cache, sid)[-1]

@@ -1,0 +1,274 @@
+"""CacheNode: one federated client that is also a KV-cache node.
+
+The node's KV-cache engine holds its parameters (``param/<name>``) and its latest update
+(``grad/update``) next to the K/V of its generation sessions. One round::
+
+    params <- cache "param/"   train locally (SGD, or Opacus DP-SGD)   delta -> cache "grad/"
+    clip + noise (crypto.privacy)  -> the federation encrypts and sends it
+    aggregate -> decrypt -> params + mean delta -> cache "param/" at version + 1
+              -> cache.bump_version(): K/V computed under the old weights is never served again
+
+Between rounds the node serves generation (``lm`` task) through the cache; sessions keep their
+K/V across turns until a write-back makes it stale, then they are recomputed from their tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from cache import CacheConfig, KVCache
+from crypto import Layout, clip_update, flatten, gaussian_noise
+from node.model import TinyTransformer
+from node.tasks import LM_MODEL, Task, make_task
+
+UPDATE_KEY = "grad/update"
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """Everything needed to (re)build a node; equal specs give interchangeable nodes."""
+
+    partition_id: int
+    num_partitions: int
+    task: str = "lm"
+    seed: int = 42
+    alpha: float = 1.0
+    """Dirichlet concentration of the digits split (lower = more non-IID)."""
+    kv_dtype: str = "fp32"
+    """Storage of KV blocks that left the full-precision window (lm task)."""
+    kv_pool_bytes: int = 8 << 20
+
+
+@dataclass(frozen=True)
+class DpConfig:
+    """Update-level privacy applied on the node before encryption."""
+
+    mode: str = "none"
+    """none | local | distributed | flower-central (the last is done by Flower's mod)."""
+    clip_norm: float = 0.0
+    """L2 bound on the whole update; 0 = no clipping (plaintext runs only)."""
+    noise_multiplier: float = 0.0
+    """sigma: the noise on the *sum* of updates has std sigma * clip_norm."""
+    num_sampled: int = 1
+    """Clients sampled this round; distributed mode gives each sigma * C / sqrt(n)."""
+    dp_sgd: bool = False
+    """Per-sample DP-SGD with Opacus during local training (digits)."""
+    target_delta: float = 1e-5
+
+
+@dataclass
+class TrainOutcome:
+    """What one local round produced (delta already clipped and noised per ``DpConfig``)."""
+
+    delta: np.ndarray
+    loss: float
+    num_examples: int
+    clipped: bool
+    delta_norm: float
+    train_s: float
+    epsilon: float = float("nan")
+
+
+def build_model(task: str, seed: int) -> nn.Module:
+    """The task's model with the run's seeded init, without loading any data."""
+    if task == "lm":
+        torch.manual_seed(seed)
+        return TinyTransformer(LM_MODEL)
+    if task == "digits":
+        from node import digits
+
+        return digits.make_model(seed)
+    raise ValueError(f"unknown task {task!r}; use 'digits' or 'lm'")
+
+
+def model_layout(task: str, seed: int = 0) -> Layout:
+    """Names and shapes of the task's parameters: what the server needs to size aggregates."""
+    return flatten(build_model(task, seed).state_dict())[1]
+
+
+def _kv_config(spec: NodeSpec) -> CacheConfig:
+    if spec.task == "lm":
+        return LM_MODEL.cache_config(kv_dtype=spec.kv_dtype, pool_bytes=spec.kv_pool_bytes)
+    # digits has no attention; the engine still holds its parameters and updates
+    return CacheConfig(num_layers=1, num_heads=1, head_dim=16, pool_bytes=2 << 20)
+
+
+class CacheNode:
+    def __init__(self, spec: NodeSpec, task: Task | None = None):
+        self.spec = spec
+        self.task = task or make_task(
+            spec.task, spec.partition_id, spec.num_partitions, spec.seed, spec.alpha
+        )
+        self.model = self.task.build_model(spec.seed)
+        self.cache = KVCache(_kv_config(spec))
+        _, self.layout = flatten(self.model.state_dict())
+        self._write_params(self.model.state_dict(), version=0)
+        self.dp_steps = 0
+        self.dp_sample_rate = 0.0
+        self.dp_sigma = 0.0
+        self.sessions: dict[str, int] = {}
+
+    # -- parameters live in the cache ------------------------------------------------
+    @property
+    def version(self) -> int:
+        """Global aggregates applied so far (0 = the seeded initial model)."""
+        return self.cache.tensor_version(f"param/{self.layout.names[0]}")
+
+    def _write_params(self, state: dict[str, torch.Tensor], version: int) -> None:
+        for name in self.layout.names:
+            self.cache.put_tensor(f"param/{name}", state[name], version=version)
+        self.model.load_state_dict({n: state[n] for n in self.layout.names})
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {n: self.cache.get_tensor(f"param/{n}") for n in self.layout.names}
+
+    def flat_params(self) -> np.ndarray:
+        return self.layout.flatten(self.params()).astype(np.float32)
+
+    # -- write-back ---------------------------------------------------------------
+    def apply_mean_update(self, mean_delta: np.ndarray, version: int) -> None:
+        """params <- params + mean delta at ``version`` (exactly the next one); stale K/V
+        becomes unreachable."""
+        if version != self.version + 1:
+            raise ValueError(f"aggregate v{version} does not follow node's v{self.version}")
+        mean_delta = np.asarray(mean_delta)
+        if mean_delta.shape != (self.layout.size,):
+            raise ValueError(
+                f"aggregate has shape {mean_delta.shape}, the model has {self.layout.size} values"
+            )
+        if not np.all(np.isfinite(mean_delta)):
+            raise ValueError("aggregate contains NaN/Inf; refusing to write it back")
+        new = self.flat_params().astype(np.float64) + mean_delta
+        self._write_params(self.layout.unflatten(new.astype(np.float32), as_torch=True), version)
+        self.cache.bump_version()
+
+    # -- local training ------------------------------------------------------------
+    def train_round(
+        self, epochs: int, lr: float, dp: DpConfig, rng: np.random.Generator
+    ) -> TrainOutcome:
+        """Train from the global parameters; return delta (clipped + noised) and stats. The
+        model goes back to the global parameters: only a write-back moves the node."""
+        start = self.params()
+        self.model.load_state_dict(start)
+        # the same shuffle whether this object was reused or rebuilt from context.state
+        seed = self.spec.seed * 1_000_003 + self.spec.partition_id * 1009 + self.version
+        t0 = time.perf_counter()
+        eps = float("nan")
+        if dp.dp_sgd:
+            loss, n, eps = self._train_dp_sgd(epochs, lr, dp)
+        else:
+            loss, n = self.task.train(self.model, epochs, lr, seed)
+        train_s = time.perf_counter() - t0
+        after = self.layout.flatten(self.model.state_dict())
+        delta = after - self.layout.flatten(start)
+        self.model.load_state_dict(start)
+        if not np.all(np.isfinite(delta)):
+            raise FloatingPointError("local update has NaN/Inf (diverged?); not sending it")
+        self.cache.put_tensor(UPDATE_KEY, torch.from_numpy(delta.astype(np.float32)), self.version)
+        norm, clipped = float(np.linalg.norm(delta)), False
+        if dp.clip_norm > 0:
+            res = clip_update(delta, dp.clip_norm)
+            delta, clipped = res.clipped, res.was_clipped
+        if dp.mode in ("local", "distributed") and dp.noise_multiplier > 0:
+            placement = "local" if dp.mode == "local" else "distributed"
+            delta = delta + gaussian_noise(
+                delta.shape, dp.noise_multiplier, dp.clip_norm, placement, dp.num_sampled, rng
+            )
+        return TrainOutcome(delta.astype(np.float32), loss, n, clipped, norm, train_s, eps)
+
+    def _train_dp_sgd(self, epochs: int, lr: float, dp: DpConfig) -> tuple[float, int, float]:
+        """Per-sample DP-SGD with Opacus on a copy; epsilon from all steps so far (RDP)."""
+        from opacus import PrivacyEngine
+        from opacus.accountants import RDPAccountant
+
+        if self.task.train_loader is None:
+            raise ValueError(f"dp-sgd is available for the digits task, not {self.task.name!r}")
+        work = copy.deepcopy(self.model).train()
+        opt = torch.optim.SGD(work.parameters(), lr=lr)
+        engine = PrivacyEngine(accountant="rdp")
+        pmodel, popt, ploader = engine.make_private(
+            module=work,
+            optimizer=opt,
+            data_loader=self.task.train_loader,
+            noise_multiplier=dp.noise_multiplier,
+            max_grad_norm=dp.clip_norm if dp.clip_norm > 0 else 1.0,
+        )
+        loss_fn = nn.CrossEntropyLoss()
+        total, seen = 0.0, 0
+        for _ in range(epochs):
+            for x, y in ploader:
+                if len(y) == 0:  # Poisson sampling can draw an empty batch
+                    continue
+                popt.zero_grad()
+                loss = loss_fn(pmodel(x), y)
+                loss.backward()
+                popt.step()
+                total += loss.item() * len(y)
+                seen += len(y)
+        self.model.load_state_dict(pmodel._module.state_dict())
+        self.dp_steps += len(ploader) * epochs  # the accountant counts expected steps
+        self.dp_sample_rate = 1.0 / len(ploader)
+        self.dp_sigma = dp.noise_multiplier
+        acct = RDPAccountant()
+        acct.history = [(self.dp_sigma, self.dp_sample_rate, self.dp_steps)]
+        eps = acct.get_epsilon(dp.target_delta)
+        return (total / seen if seen else float("nan")), self.task.num_examples, eps
+
+    # -- Flower's array protocol (the flower-central baseline) --------------------------
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def set_weights(self, state: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state)
+
+    def train_in_place(self, epochs: int, lr: float) -> tuple[float, int, float]:
+        """Train the current weights in place: (loss, n, seconds). Flower sends weights."""
+        t0 = time.perf_counter()
+        loss, n = self.task.train(self.model, epochs, lr, self.spec.seed + self.version)
+        return loss, n, time.perf_counter() - t0
+
+    # -- evaluation and serving ---------------------------------------------------------
+    def evaluate(self) -> tuple[float, float, int]:
+        """(loss, metric, n) of the current global model on the local held-out data."""
+        return self.task.evaluate(self.model)
+
+    @torch.no_grad()
+    def generate(self, prompt: bytes, max_new_tokens: int = 32, session: str = "default") -> bytes:
+        """Continue ``prompt`` in a named session through the KV cache (lm task). A session
+        keeps its K/V across turns; after a parameter write-back its old K/V is dropped and
+        recomputed from the session's tokens under the new weights."""
+        if not isinstance(self.model, TinyTransformer):
+            raise ValueError(f"generation needs the lm task, this node serves {self.task.name!r}")
+        self.model.eval()
+        sid = self.sessions.get(session)
+        tokens = list(prompt)
+        if sid is not None and self.cache.is_stale(sid):
+            tokens = self.cache.reset_session(sid) + tokens  # recompute under the new weights
+        if sid is None:
+            sid = self.sessions[session] = self.cache.open_session()
+        return bytes(self.model.generate(tokens, self.cache, max_new_tokens, sid=sid))
+
+    # -- persistence (context.state) ----------------------------------------------------
+    def to_state(self) -> tuple[np.ndarray, dict[str, int | float]]:
+        """(flat params, scalars): enough to rebuild this node in a fresh process."""
+        scalars = {
+            "version": self.version,
+            "dp_steps": self.dp_steps,
+            "dp_sample_rate": self.dp_sample_rate,
+            "dp_sigma": self.dp_sigma,
+        }
+        return self.flat_params(), scalars
+
+    def load_state(self, params: np.ndarray, scalars: dict) -> None:
+        version = int(scalars["version"])
+        self._write_params(self.layout.unflatten(np.asarray(params, np.float32), as_torch=True),
+                           version)
+        self.dp_steps = int(scalars.get("dp_steps", 0))
+        self.dp_sample_rate = float(scalars.get("dp_sample_rate", 0.0))
+        self.dp_sigma = float(scalars.get("dp_sigma", 0.0))

@@ -1,0 +1,89 @@
+import numpy as np
+import pytest
+import torch
+
+from node.cache_node import UPDATE_KEY, CacheNode, DpConfig, NodeSpec, model_layout
+
+
+@pytest.fixture(scope="module")
+def lm_node() -> CacheNode:
+    torch.set_num_threads(1)
+    return CacheNode(NodeSpec(partition_id=0, num_partitions=3, task="lm"))
+
+
+def test_round_keeps_params_and_update_in_the_cache(lm_node):
+    node = lm_node
+    v0 = node.version
+    before = node.flat_params()
+    out = node.train_round(1, 3e-3, DpConfig(clip_norm=0.5), np.random.default_rng(0))
+    assert np.allclose(node.flat_params(), before)  # training alone never moves the node
+    stored = node.cache.get_tensor(UPDATE_KEY).numpy()
+    assert stored.shape == (node.layout.size,) and node.cache.tensor_version(UPDATE_KEY) == v0
+    assert out.clipped and np.linalg.norm(out.delta) == pytest.approx(0.5, rel=1e-4)
+    assert np.linalg.norm(stored) == pytest.approx(out.delta_norm, rel=1e-4)  # pre-clip update
+    node.apply_mean_update(out.delta, v0 + 1)
+    assert node.version == v0 + 1
+    for name in node.layout.names:
+        assert node.cache.tensor_version(f"param/{name}") == v0 + 1
+    assert np.allclose(node.flat_params(), before + out.delta, atol=1e-6)
+    got = node.layout.flatten(node.model.state_dict())
+    assert np.allclose(got, node.flat_params())  # the model serves what the cache holds
+
+
+def test_sessions_keep_kv_until_a_write_back(lm_node):
+    node = lm_node
+    node.generate(b"def f(x):\n", 8, session="s")
+    sid = node.sessions["s"]
+    n1 = node.cache.length(sid)
+    node.generate(b"    return", 4, session="s")
+    assert node.cache.length(sid) > n1  # the second turn appended to the same K/V
+    history = node.cache.tokens(sid)
+    node.apply_mean_update(np.zeros(node.layout.size, np.float32), node.version + 1)
+    assert node.cache.is_stale(sid)
+    with pytest.raises(Exception, match="version"):
+        node.cache.read(sid, 0)  # K/V of the old weights is not served
+    node.generate(b"!", 2, session="s")
+    assert not node.cache.is_stale(sid)
+    assert node.cache.tokens(sid)[: len(history)] == history  # recomputed from its tokens
+    assert node.cache.stats()["model_version"] == node.version
+
+
+def test_bad_aggregates_are_refused_and_nothing_changes(lm_node):
+    node = lm_node
+    v, params = node.version, node.flat_params()
+    with pytest.raises(ValueError, match="does not follow"):
+        node.apply_mean_update(np.zeros(node.layout.size), v + 2)
+    with pytest.raises(ValueError, match="shape"):
+        node.apply_mean_update(np.zeros(node.layout.size - 1), v + 1)
+    bad = np.zeros(node.layout.size)
+    bad[3] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        node.apply_mean_update(bad, v + 1)
+    assert node.version == v and np.array_equal(node.flat_params(), params)
+
+
+def test_state_round_trip_rebuilds_an_identical_node():
+    a = CacheNode(NodeSpec(1, 3, task="digits"))
+    out = a.train_round(1, 0.3, DpConfig(), np.random.default_rng(0))
+    a.apply_mean_update(out.delta, 1)
+    b = CacheNode(NodeSpec(1, 3, task="digits"))
+    b.load_state(*a.to_state())
+    assert b.version == 1 and np.array_equal(a.flat_params(), b.flat_params())
+    ra = a.train_round(1, 0.3, DpConfig(), np.random.default_rng(0))
+    rb = b.train_round(1, 0.3, DpConfig(), np.random.default_rng(0))
+    assert np.allclose(ra.delta, rb.delta)  # same seeded shuffle: reused == rebuilt
+
+
+def test_distributed_noise_share_has_the_right_scale():
+    node = CacheNode(NodeSpec(0, 3, task="digits"))
+    dp = DpConfig(mode="distributed", clip_norm=1.0, noise_multiplier=2.0, num_sampled=4)
+    out = node.train_round(1, 0.3, dp, np.random.default_rng(1))
+    plain = node.cache.get_tensor(UPDATE_KEY).numpy()
+    scale = min(1.0, 1.0 / np.linalg.norm(plain))
+    noise = out.delta - plain * scale
+    assert np.std(noise) == pytest.approx(2.0 * 1.0 / np.sqrt(4), rel=0.05)
+
+
+def test_layout_matches_the_model():
+    assert model_layout("digits").size == 4810
+    assert model_layout("lm").size == CacheNode(NodeSpec(0, 2, task="lm")).layout.size
