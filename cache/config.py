@@ -40,7 +40,7 @@ class CacheConfig:
     """Arena size, preallocated at construction."""
     superblock_bytes: int = 2 << 20
     managed_block_bytes: int | None = None
-    """Slab size; ``None`` means 128 KB, or the next power of two that holds one fp32 block."""
+    """Slab size; ``None`` means 128 KB, or the next power of two holding 8 fp32 blocks."""
     page_bytes: int = 4 << 10
 
     def __post_init__(self) -> None:
@@ -58,7 +58,9 @@ class CacheConfig:
         if self.fp_window < 0:
             raise ConfigError(f"fp_window must be >= 0, got {self.fp_window}")
         if self.managed_block_bytes is None:
-            need = self.block_bytes_fp32
+            # >= 8 full-precision blocks per slab, so the unusable tail of a slab (slots of
+            # other sizes rarely divide it) stays a few percent
+            need = 8 * self.block_bytes_fp32
             mb = 128 << 10
             while mb < need:
                 mb *= 2

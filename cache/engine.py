@@ -63,6 +63,21 @@ class KVCache:
                 :, :, : c.num_layers * 2 * c.num_heads * c.block_size * c.head_dim
             ].unflatten(-1, (c.num_layers, 2, c.num_heads, c.block_size, c.head_dim))
         )
+        # per class and layer: rows of the arena for single-op gathers (see BlockPool.rows)
+        self._rows = {
+            name: [
+                self.pool.rows(
+                    name,
+                    self._fresh_dtype if name == self.fresh else torch.uint8,
+                    layer * self.formats[name].layer_bytes // (
+                        self._fresh_view.element_size() if name == self.fresh else 1),
+                    self.formats[name].layer_bytes // (
+                        self._fresh_view.element_size() if name == self.fresh else 1),
+                )
+                for layer in range(c.num_layers)
+            ]
+            for name in self.formats
+        }
         self.policy: EvictionPolicy = policy or LRUPolicy()
         self.tensors = TensorStore()
         self.version = 0
@@ -74,7 +89,7 @@ class KVCache:
         self._counters = dict.fromkeys(
             ("prefix_lookups", "prefix_hit_blocks", "prefix_miss_blocks", "prefix_hit_tokens",
              "evictions", "cow_copies", "dedup_blocks", "quantized_blocks",
-             "rematerialised_blocks", "alloc_failures"), 0)
+             "rematerialised_blocks", "quant_skipped_full", "alloc_failures"), 0)
 
     # == sessions ===========================================================================
     def open_session(self) -> int:
@@ -156,9 +171,14 @@ class KVCache:
 
     # == allocation ========================================================================
     def _allocate(self, cls: str) -> int:
+        return self._with_room(lambda: self.pool.allocate(cls))
+
+    def _with_room(self, take):
+        """Run ``take`` (a pool allocation); on exhaustion reclaim unreferenced cached blocks
+        through the policy and retry; CacheFullError when nothing is reclaimable."""
         while True:
             try:
-                return self.pool.allocate(cls)
+                return take()
             except PoolExhausted:
                 victim = self.policy.victim()
                 if victim is None:
@@ -338,9 +358,12 @@ class KVCache:
             self._counters["rematerialised_blocks"] += 1
             return
         try:
-            self.pool.move(b, c.kv_dtype)
-        except PoolExhausted:
-            return  # no room for the smaller copy right now; stays full precision
+            self._with_room(lambda: self.pool.move(b, c.kv_dtype))
+        except CacheFullError:
+            m.keep_fp = True  # everything is pinned: stays full precision, not retried
+            self._counters["alloc_failures"] -= 1
+            self._counters["quant_skipped_full"] += 1
+            return
         self.pool.slot_bytes_of(b)[: raw.numel()].copy_(raw.reshape(-1))
         m.quantized = True
         t.quant_error += err
@@ -357,43 +380,37 @@ class KVCache:
         c = self.config
         nb = t.blocks_needed(n)
         plan = self._plan(t, nb)
+        shape = (2, c.num_heads, c.block_size, c.head_dim)
         if len(plan) == 1 and plan[0][0] == self.fresh:
-            _, slabs, idxs, _ = plan[0]
-            kv = self._fresh_view[slabs, idxs, layer].float()  # [nb, 2, H, B, D]
-            k, v = kv[:, 0], kv[:, 1]
+            kv = self._rows[self.fresh][layer].index_select(0, plan[0][1]).view(-1, *shape)
+            k, v = kv[:, 0].float(), kv[:, 1].float()  # [nb, H, B, D]
         else:
-            k = torch.empty(nb, c.num_heads, c.block_size, c.head_dim)
+            k = torch.empty(nb, *shape[1:])
             v = torch.empty_like(k)
-            for cls, slabs, idxs, positions in plan:
+            for cls, pages, positions in plan:
+                raw = self._rows[cls][layer].index_select(0, pages)
                 if cls == self.fresh:
-                    kv = self._fresh_view[slabs, idxs, layer].float()
-                    k[positions], v[positions] = kv[:, 0], kv[:, 1]
+                    kv = raw.view(-1, *shape)
+                    k[positions], v[positions] = kv[:, 0].float(), kv[:, 1].float()
                 else:
-                    fmt = self.formats[cls]
-                    lb = fmt.layer_bytes
-                    raw = self.pool.view(cls)[slabs, idxs, layer * lb : (layer + 1) * lb]
-                    k[positions], v[positions] = fmt.decode(raw)
+                    k[positions], v[positions] = self.formats[cls].decode(raw)
         H, D = c.num_heads, c.head_dim
         k = k.transpose(0, 1).reshape(H, nb * c.block_size, D)[:, :n]
         v = v.transpose(0, 1).reshape(H, nb * c.block_size, D)[:, :n]
         return k, v
 
     def _plan(self, t: BlockTable, nb: int) -> list:
-        """Per storage class: the (slab, slot) coordinates of the session's first nb blocks."""
+        """Per storage class: first pages of the session's first nb blocks and their
+        positions in the sequence."""
         key = (self._epoch, nb, len(t.blocks))
         if t.gather_key == key and t.gather_plan is not None:
             return t.gather_plan
-        groups: dict[str, tuple[list[int], list[int], list[int]]] = {}
+        groups: dict[str, tuple[list[int], list[int]]] = {}
         for pos, b in enumerate(t.blocks[:nb]):
-            cls, s, idx = self.pool.location(b)
-            g = groups.setdefault(cls, ([], [], []))
-            g[0].append(s)
-            g[1].append(idx)
-            g[2].append(pos)
-        plan = [
-            (cls, torch.tensor(s), torch.tensor(i), torch.tensor(p))
-            for cls, (s, i, p) in groups.items()
-        ]
+            g = groups.setdefault(self.pool.location(b)[0], ([], []))
+            g[0].append(self.pool.first_page(b))
+            g[1].append(pos)
+        plan = [(cls, torch.tensor(pg), torch.tensor(ps)) for cls, (pg, ps) in groups.items()]
         t.gather_key, t.gather_plan = key, plan
         return plan
 
@@ -437,12 +454,16 @@ class KVCache:
         c = self.config
         refs = [self.pool.refcount(b) for b in self._meta]
         by_class: dict[str, int] = {}
-        token_bytes = 0.0
+        token_bytes = live_token_bytes = live_slot_bytes = 0.0
         for b, m in self._meta.items():
             cls = self.pool.location(b)[0]
-            by_class[cls] = by_class.get(cls, 0) + self.pool.classes[cls].slot_bytes
+            slot = self.pool.classes[cls].slot_bytes
+            by_class[cls] = by_class.get(cls, 0) + slot
             fmt_bytes = self.formats[cls].layer_bytes * c.num_layers
             token_bytes += fmt_bytes * len(m.tokens) / c.block_size
+            if self.pool.refcount(b):
+                live_token_bytes += fmt_bytes * len(m.tokens) / c.block_size
+                live_slot_bytes += slot
         live = self.pool.live_slot_bytes()
         lookups = self._counters["prefix_hit_blocks"] + self._counters["prefix_miss_blocks"]
         free_fresh = (
@@ -464,6 +485,7 @@ class KVCache:
             "bytes_allocated": live,
             "bytes_holding_tokens": token_bytes,
             "kv_utilisation": token_bytes / live if live else 0.0,
+            "kv_utilisation_live": live_token_bytes / live_slot_bytes if live_slot_bytes else 0.0,
             "mean_quant_error": sum(errors) / len(errors) if errors else 0.0,
             "tensor_bytes": self.tensors.nbytes(),
             **{f"pool_{k}": v for k, v in self.pool.utilisation().items()},

@@ -89,6 +89,22 @@ class BlockPool:
             (self.slab_bytes // item, sc.slot_bytes // item, 1),
         )
 
+    def rows(self, name: str, dtype: torch.dtype, offset: int, length: int) -> torch.Tensor:
+        """A gather-friendly view: row r holds ``length`` elements of ``dtype`` starting
+        ``offset`` elements into the slot that begins at page r. ``rows.index_select(0,
+        pages)`` then reads one region of many blocks in a single op (4-5x faster than
+        advanced indexing on the 3-D slab view)."""
+        sc = self.classes[name]
+        item = torch.empty((), dtype=dtype).element_size()
+        base = self.arena.view(dtype)
+        n_rows = (self.arena.numel() - sc.slot_bytes) // self.page_bytes + 1
+        return base.as_strided((n_rows, length), (self.page_bytes // item, 1), offset)
+
+    def first_page(self, h: int) -> int:
+        """Index of the page where block ``h``'s slot starts (for :meth:`rows`)."""
+        name, s, idx = self._loc[h]
+        return (s * self.slab_bytes + idx * self.classes[name].slot_bytes) // self.page_bytes
+
     # -- allocation ----------------------------------------------------------------------
     def _take_slot(self, name: str) -> tuple[int, int]:
         sc = self.classes[name]

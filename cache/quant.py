@@ -28,7 +28,10 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_int4`."""
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+    out = torch.empty(*packed.shape[:-1], packed.shape[-1] * 2, dtype=torch.uint8)
+    torch.bitwise_and(packed, 0x0F, out=out[..., 0::2])
+    torch.bitwise_right_shift(packed, 4, out=out[..., 1::2])
+    return out
 
 
 @dataclass(frozen=True)

@@ -204,3 +204,19 @@ def test_stats_report_utilisation_and_dtypes(kv):
     assert st["blocks_used"] == 2 and st["sessions_open"] == 1
     assert st["bytes_by_dtype"] == {"fp32": 2 * kv.pool.classes["fp32"].slot_bytes}
     assert 0 < st["kv_utilisation"] <= 6 / 8
+
+
+def test_quantization_reclaims_room_when_the_pool_holds_only_cached_blocks():
+    # fp32 blocks take 8 pages, int8 ones 3: quantizing needs a slot of another class
+    kv = KVCache(small_config(head_dim=64, kv_dtype="int8", fp_window=0, pool_bytes=512 << 10))
+    a = kv.open_session()
+    for i in range(60):
+        feed(kv, a, list(range(4 * i, 4 * i + 4)))
+    kv.close_session(a)  # its blocks stay cached (evictable)
+    b = kv.open_session()
+    for i in range(120):  # a and b together overfill the pool: moves must evict a's blocks
+        feed(kv, b, [7, i % 5, 3, i % 11])
+    st = kv.stats()
+    assert st["evictions"] > 0 and st["quant_skipped_full"] == 0
+    assert set(st["bytes_by_dtype"]) == {"int8"}  # every full block of b was quantized
+    assert kv.length(b) == 480
