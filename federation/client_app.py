@@ -1,11 +1,14 @@
 """fedkv ClientApp: every Flower node hosts one ``FederatedNode`` across rounds.
 
-Two protocols, routed by message type:
+Protocols, routed by message type:
 
+* ``query.fedkv_enroll`` / ``query.fedkv_provision``: key provisioning
+  (``federation/provisioning.py``): the node makes its X25519/Ed25519 keys once, keeps them
+  in ``context.state``, and (he=true) receives the CKKS secret context wrapped for it.
 * ``train.fedkv`` / ``evaluate.fedkv`` (the product path): the node first applies the
-  aggregates it is missing (decode -> write back), then trains and replies with an
-  *opaque* encoded update, or evaluates on its held-out share. The server never sends
-  or receives plaintext weights on this path.
+  aggregates it is missing (decrypt -> write back), then trains, clips, encrypts, signs
+  and replies with the signed bytes, or evaluates on its held-out share. The server never
+  sends or receives plaintext weights on this path.
 * ``train`` / ``evaluate`` (Flower's array protocol): used by the ``flower-central``
   baseline (Flower's FedAvg wrapped in DifferentialPrivacyClientSideFixedClipping);
   ``fixedclipping_mod`` is attached to ``train`` only (on ``ClientApp(mods=...)`` it
@@ -21,21 +24,43 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import fixedclipping_mod
 
-from federation import node_host, protocol
-from federation.codec import make_client_codec
+from federation import node_host, protocol, provisioning
+from federation.codec import ClientCodec, client_weight, make_client_codec, packing_for
 from federation.config import RunConfig
 from node.federated import DpConfig, FederatedNode
 
 app = ClientApp()
 
 
+@app.query("fedkv_enroll")
+def enroll(msg: Message, context: Context) -> Message:
+    """Return this node's public keys (generated on first contact, kept in context.state)."""
+    return provisioning.handle_enroll(msg, context)
+
+
+@app.query("fedkv_provision")
+def provision(msg: Message, context: Context) -> Message:
+    """Verify and keep the dealer's wrapped CKKS context; acknowledge its key id."""
+    return provisioning.handle_provision(msg, context)
+
+
+def _codec(cfg: RunConfig, context: Context, dim: int) -> tuple[ClientCodec, int]:
+    """(client codec, key epoch): CKKS with the node's unwrapped secret context, or plaintext."""
+    if not cfg.he:
+        return make_client_codec(False, dim), 0
+    ctx, epoch = provisioning.secret_context(context)
+    return make_client_codec(True, dim, packing_for(cfg, dim), ctx), epoch
+
+
 @app.train("fedkv")
 def train(msg: Message, context: Context) -> Message:
-    """Catch up to the global model, train, clip/noise, encode, reply with bytes."""
+    """Catch up to the global model, train, clip/noise, encode, sign, reply with bytes."""
     cfg = RunConfig.from_run_config(context.run_config)
+    keys = provisioning.node_keys(context)  # raises if this node was never enrolled
     node, source = node_host.get_node(context)
     try:
-        codec = make_client_codec(cfg.he, node.layout.size, cfg.packing)
+        server_round = int(msg.content[protocol.CONFIG]["server-round"])
+        codec, epoch = _codec(cfg, context, node.layout.size)
         decrypt_s, writeback_s = _catch_up(node, msg, codec)
         dp = DpConfig(
             mode=cfg.dp_mode,
@@ -47,11 +72,21 @@ def train(msg: Message, context: Context) -> Message:
         )
         # Fresh OS entropy on purpose: DP noise must not be reproducible from the seed.
         out = node.train_round(cfg.local_epochs, cfg.lr, dp, np.random.default_rng())
-        # Equal weights under DP: the sensitivity analysis assumes each client counts once.
-        weight = float(out.num_examples) if cfg.dp_mode == "none" else 1.0
+        delta, clipped = out.delta, bool(out.clipped)
+        if cfg.he and cfg.dp_mode == "none":
+            # Under DP the node clips (before its noise); under HE without DP we clip here:
+            # the CKKS encoding needs a bounded range (federation.codec.packing_for).
+            from crypto import clip_update
+
+            res = clip_update(delta, cfg.clip_norm)
+            delta, clipped = np.asarray(res.clipped, dtype=np.float32), clipped or res.was_clipped
+        weight, capped = client_weight(cfg, out.num_examples)
         t0 = time.perf_counter()
-        blob = codec.encode(out.delta, weight)
+        payload = codec.encode(delta, weight)
         encrypt_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        blob = provisioning.sign(context, keys, server_round, payload, epoch)
+        sign_s = time.perf_counter() - t0
         node_host.save_node(context, node)
     except Exception:
         node_host.discard(context)  # the cached object may be half-updated
@@ -60,11 +95,15 @@ def train(msg: Message, context: Context) -> Message:
         "num-examples": out.num_examples,
         "train-loss": out.loss,
         "upload-bytes": len(blob),
-        "clipped": int(out.clipped),
+        "clipped": int(clipped),
         "delta-norm": out.delta_norm,
-        "epsilon": out.epsilon,
+        "epsilon-sample": out.epsilon,
+        "num-values": int(delta.shape[0]),
+        "saturated": int(codec.saturated),
+        "weight-capped": int(capped),
         "train-s": out.train_s,
         "encrypt-s": encrypt_s,
+        "sign-s": sign_s,
         "decrypt-s": decrypt_s,
         "writeback-s": writeback_s,
         "version": node.version,
@@ -86,7 +125,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     cfg = RunConfig.from_run_config(context.run_config)
     node, source = node_host.get_node(context)
     try:
-        codec = make_client_codec(cfg.he, node.layout.size, cfg.packing)
+        codec, _ = _codec(cfg, context, node.layout.size)
         decrypt_s, writeback_s = _catch_up(node, msg, codec)
         t0 = time.perf_counter()
         loss, acc, n = node.evaluate()
@@ -109,7 +148,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     return Message(RecordDict({protocol.METRICS: MetricRecord(metrics)}), reply_to=msg)
 
 
-def _catch_up(node: FederatedNode, msg: Message, codec) -> tuple[float, float]:
+def _catch_up(node: FederatedNode, msg: Message, codec: ClientCodec) -> tuple[float, float]:
     """Apply every aggregate newer than the node's version; returns (decode s, write-back s)."""
     target = int(msg.content[protocol.CONFIG]["target-version"])
     record = msg.content.array_records.get(protocol.AGGREGATES)

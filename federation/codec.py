@@ -1,23 +1,54 @@
 """Opaque update codecs: what clients put on the wire and what the server adds up.
 
 The server only ever sees ``bytes`` and an ``Aggregator`` built from public material,
-so swapping the plaintext codec for CKKS (``crypto``) changes nothing in the Flower
-glue. The contract every codec keeps:
+so the plaintext codec and CKKS (``crypto``) are interchangeable in the Flower glue.
+The contract every codec keeps:
 
 * client: ``encode(vec, weight) -> bytes`` (a weighted update), ``decode_mean(bytes) -> vec``
 * server: ``Aggregator.add(bytes)`` (raises ``CodecError`` and stays unchanged when it
-  rejects the bytes), ``.result() -> bytes``, ``.count``.
+  rejects the bytes), ``.add_noise(std, shares)``, ``.result() -> bytes``, ``.count``.
 
-``decode_mean`` returns Σ wᵢ·Δᵢ / Σ wᵢ, i.e. the weighted FedAvg of the updates.
+``decode_mean`` returns Σ wᵢ·Δᵢ / Σ wᵢ, i.e. the weighted FedAvg of the updates (plus any
+DP noise, which carries no weight).
+
+he=true (``CkksClientCodec`` / ``CkksAggregatorCodec``): ``crypto.UpdateEncryptor`` +
+``AggregateDecryptor`` with the node's *secret* context on the client;
+``crypto.CkksAggregator(public_context_bytes, packing, expected_values=dim)`` on the server,
+which refuses a context holding a secret key. Every ``crypto.CryptoError`` becomes a
+``CodecError`` (the strategy leaves that client out).
+
+The public encoding parameters (``packing_for``), identical on every node and the server
+because they are a function of the run config and the model size only:
+
+* mode = ``packing``, bits = ``packing-bits``, max_clients = ``max-clients``;
+* max_weight = 1 under DP (every client has weight 1: the sensitivity analysis assumes
+  equal weights), ``max-weight`` with dp-mode=none (weight = min(num_examples, max-weight));
+* clip_range R = ``packing-range`` if > 0, else derived: updates are L2-clipped to C =
+  ``clip-norm`` (always, with he=true), so a coordinate's RMS is about C/√dim, and the
+  per-client Gaussian noise has std s = σC (local), σC/√min-clients (distributed: the
+  largest share any round can use, since a round has >= min-clients clients), 0 (none).
+  R = sqrt((4·s)² + (12·C/√dim)²), capped at C + 4·s (no coordinate of a clipped update
+  exceeds C). This is ``crypto.suggest_clip_range`` (4 RMS of noise and signal together)
+  with a 3x wider allowance for the signal: trained updates are heavy-tailed (digits:
+  max |coordinate| ≈ 10x RMS); at 4·C/√dim 1 % of the values saturated and 10 digits
+  rounds lost 0.4 accuracy points vs the plaintext codec, at 12·C/√dim none saturated and
+  accuracy matched to 3 decimals (5 nodes, dp-mode local σ=0). Values outside ±R are
+  saturated and counted (``saturated`` in the reply metrics), never wrapped.
 """
 
 from __future__ import annotations
 
+import math
 import struct
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:  # crypto (tenseal) is imported lazily: he=false runs do not need it
+    from crypto import CkksContext, PackingConfig
+
+    from federation.config import RunConfig
 
 MAGIC = b"FKV1"
 _UPDATE, _AGGREGATE = b"U", b"A"
@@ -32,6 +63,9 @@ class CodecError(ValueError):
 
 
 class ClientCodec(Protocol):
+    saturated: int
+    """Values saturated by the last ``encode`` (0 for the plaintext codec)."""
+
     def encode(self, vec: np.ndarray, weight: float) -> bytes: ...
     def decode_mean(self, blob: bytes) -> np.ndarray: ...
 
@@ -51,6 +85,7 @@ class PlainClientCodec:
     """float32 weighted update + weight, no protection: the plaintext FedAvg baseline."""
 
     dim: int
+    saturated: int = 0
 
     def encode(self, vec: np.ndarray, weight: float) -> bytes:
         vec = np.asarray(vec, dtype=np.float32)
@@ -81,6 +116,7 @@ class PlainAggregator:
         self._sum = np.zeros(self.dim, dtype=np.float64)
         self._weight = 0.0
         self.count = 0
+        self.noise_shares = 0
 
     def add(self, blob: bytes) -> None:
         _dim, weight, _count, payload = _parse(blob, _UPDATE, self.dim, self.max_bytes)
@@ -91,13 +127,17 @@ class PlainAggregator:
         self.count += 1
 
     def add_noise(self, std: float, shares: int = 1, rng: np.random.Generator | None = None) -> int:
-        """Gaussian noise N(0, std²) on the sum (for clients that dropped in distributed DP).
-
-        Same signature as crypto.CkksAggregator.add_noise; ``shares`` only matters there.
-        """
+        """Gaussian noise for ``shares`` missing clients, each share N(0, std²): the sum gets
+        N(0, shares·std²). Same semantics as crypto.CkksAggregator.add_noise; returns the
+        number of saturated values (always 0 here)."""
+        if not (isinstance(shares, int) and shares >= 1):
+            raise ValueError(f"shares must be a positive int, not {shares!r}")
+        if not (math.isfinite(std) and std >= 0):
+            raise CodecError(f"noise std must be finite and >= 0, not {std}")
         rng = rng or np.random.default_rng()
-        self._sum += rng.normal(0.0, std, size=self.dim)
-        return shares
+        self._sum += rng.normal(0.0, std * math.sqrt(shares), size=self.dim)
+        self.noise_shares += shares
+        return 0
 
     def result(self) -> bytes:
         if self.count == 0:
@@ -128,20 +168,196 @@ def _parse(blob: bytes, kind: bytes, dim: int, max_bytes: int) -> tuple[int, flo
     return got_dim, weight, count, payload
 
 
-def make_client_codec(he: bool, dim: int, packing: int = 1) -> ClientCodec:
-    """The client half. ``he=True`` will wrap crypto's UpdateEncryptor/AggregateDecryptor."""
-    if he:
-        raise NotImplementedError(
-            "he=true needs crypto.UpdateEncryptor/AggregateDecryptor, which are not merged yet; "
-            "run with --run-config 'he=false'"
-        )
-    return PlainClientCodec(dim)
+# --- CKKS (crypto/) --------------------------------------------------------------------
 
 
-def make_aggregator(he: bool, dim: int, packing: int = 1, public_context: bytes | None = None) -> Aggregator:
-    """The server half, from public material only. ``he=True`` will be crypto.CkksAggregator."""
-    if he:
-        raise NotImplementedError(
-            "he=true needs crypto.CkksAggregator(public_context_bytes, packing), not merged yet"
+RANGE_NOISE_TAIL = 4.0
+"""Noise standard deviations covered by the derived packing range."""
+RANGE_SIGNAL_TAIL = 12.0
+"""Multiples of the clipped signal's coordinate RMS (C/√dim) covered by the derived range."""
+
+
+def packing_for(cfg: RunConfig, dim: int) -> PackingConfig:
+    """The public ``PackingConfig`` of a run (same on every node and the server).
+
+    A pure function of the run config and the model size; see the module docstring for
+    the rule. Raises ``ValueError`` when crypto rejects the resulting parameters.
+    """
+    from crypto import PackingConfig
+    from crypto.errors import ParameterError
+
+    c = cfg.clip_norm
+    if cfg.dp_mode == "local":
+        s = cfg.noise_multiplier * c
+    elif cfg.dp_mode == "distributed":
+        s = cfg.noise_multiplier * c / math.sqrt(max(cfg.min_clients, 1))
+    else:
+        s = 0.0
+    if cfg.packing_range > 0:
+        clip_range = cfg.packing_range
+    else:
+        signal_rms = c / math.sqrt(max(dim, 1))
+        clip_range = min(
+            math.hypot(RANGE_NOISE_TAIL * s, RANGE_SIGNAL_TAIL * signal_rms), c + RANGE_NOISE_TAIL * s
         )
-    return PlainAggregator(dim)
+    try:
+        return PackingConfig(
+            mode=cfg.packing,
+            bits=cfg.packing_bits,
+            clip_range=float(clip_range),
+            max_clients=cfg.max_clients,
+            max_weight=client_max_weight(cfg),
+        )
+    except ParameterError as err:
+        raise ValueError(f"bad run config: packing parameters rejected by crypto: {err}") from None
+
+
+def client_max_weight(cfg: RunConfig) -> float:
+    """Public bound on a client weight: 1 under DP (equal weights), else ``max-weight``."""
+    return cfg.max_weight if cfg.dp_mode == "none" else 1.0
+
+
+def client_weight(cfg: RunConfig, num_examples: int) -> tuple[float, bool]:
+    """(FedAvg weight, was it capped). Equal weights under DP: the sensitivity analysis
+    assumes each client counts once; example counts capped at ``max-weight`` otherwise."""
+    if cfg.dp_mode != "none":
+        return 1.0, False
+    w = float(num_examples)
+    return (cfg.max_weight, True) if w > cfg.max_weight else (w, False)
+
+
+def _codec_error(err: Exception) -> CodecError:
+    return CodecError(f"{type(err).__name__}: {err}")
+
+
+@dataclass
+class CkksClientCodec:
+    """Node side under HE: encrypt with the node's secret context, decrypt aggregates."""
+
+    dim: int
+    context: CkksContext = field(repr=False)
+    packing: PackingConfig
+    saturated: int = 0
+
+    def __post_init__(self) -> None:
+        from crypto import AggregateDecryptor, UpdateEncryptor
+        from crypto.errors import CryptoError
+
+        if not self.context.is_private:
+            raise CodecError("the client codec needs the node's secret CKKS context")
+        try:
+            self._enc = UpdateEncryptor(self.context, self.packing)
+            self._dec = AggregateDecryptor(self.context, self.packing)
+        except CryptoError as err:
+            raise _codec_error(err) from err
+
+    def encode(self, vec: np.ndarray, weight: float, noise: np.ndarray | None = None) -> bytes:
+        """Encrypt ``vec`` with FedAvg weight ``weight`` (<= packing.max_weight).
+
+        ``noise`` is added after the weight pre-scale (crypto's place for distributed-DP
+        shares under unequal weights); unused while DP runs use equal weights.
+        """
+        from crypto.errors import CryptoError
+
+        vec = np.asarray(vec)
+        if vec.shape != (self.dim,):
+            raise CodecError(f"update has shape {vec.shape}, expected ({self.dim},)")
+        try:
+            blob = self._enc.encrypt(vec, weight, noise=noise)
+        except CryptoError as err:
+            raise _codec_error(err) from err
+        report = self._enc.last_report
+        self.saturated = int(report.saturated) if report is not None else 0
+        return blob
+
+    def decode_mean(self, blob: bytes) -> np.ndarray:
+        from crypto.errors import CryptoError
+
+        try:
+            result = self._dec.decrypt(bytes(blob))
+        except CryptoError as err:
+            raise _codec_error(err) from err
+        if result.mean.shape != (self.dim,):
+            raise CodecError(f"aggregate holds {result.mean.shape[0]} values, expected {self.dim}")
+        if not np.all(np.isfinite(result.mean)):
+            raise CodecError("decrypted aggregate contains NaN/Inf")
+        return result.mean.astype(np.float32)
+
+
+class CkksAggregatorCodec:
+    """Server side under HE: ``crypto.CkksAggregator`` over the *public* context only."""
+
+    def __init__(self, dim: int, packing: PackingConfig, public_context: bytes) -> None:
+        from crypto import CkksAggregator, load_context
+        from crypto.errors import CryptoError
+
+        try:
+            ctx = load_context(public_context)
+        except CryptoError as err:
+            raise _codec_error(err) from err
+        if ctx.is_private:
+            raise CodecError("refusing a CKKS context with a secret key on the server side")
+        self.dim = dim
+        self.packing = packing
+        self._agg = CkksAggregator(ctx, packing, expected_values=dim)
+
+    @property
+    def count(self) -> int:
+        return self._agg.count
+
+    @property
+    def noise_shares(self) -> int:
+        return self._agg.noise_shares
+
+    @property
+    def context(self) -> Any:
+        """The aggregator's (public) CkksContext, for inspection."""
+        return self._agg.context
+
+    def add(self, blob: bytes) -> None:
+        from crypto.errors import CryptoError
+
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            raise CodecError(f"expected bytes, got {type(blob).__name__}")
+        try:
+            self._agg.add(bytes(blob))
+        except CryptoError as err:
+            raise _codec_error(err) from err
+
+    def add_noise(self, std: float, shares: int = 1, rng: np.random.Generator | None = None) -> int:
+        from crypto.errors import CryptoError
+
+        try:
+            return self._agg.add_noise(std, shares=shares, rng=rng)
+        except CryptoError as err:
+            raise _codec_error(err) from err
+
+    def result(self) -> bytes:
+        from crypto.errors import CryptoError
+
+        try:
+            return self._agg.result()
+        except CryptoError as err:
+            raise _codec_error(err) from err
+
+
+def make_client_codec(
+    he: bool, dim: int, packing: PackingConfig | None = None, context: CkksContext | None = None
+) -> ClientCodec:
+    """The client half: plaintext, or CKKS with the node's secret context + public packing."""
+    if not he:
+        return PlainClientCodec(dim)
+    if context is None or packing is None:
+        raise CodecError("he=true needs the node's secret CKKS context and the run's packing")
+    return CkksClientCodec(dim, context, packing)
+
+
+def make_aggregator(
+    he: bool, dim: int, packing: PackingConfig | None = None, public_context: bytes | None = None
+) -> Aggregator:
+    """The server half, from public material only (a context with a secret key is refused)."""
+    if not he:
+        return PlainAggregator(dim)
+    if public_context is None or packing is None:
+        raise CodecError("he=true needs the public CKKS context and the run's packing")
+    return CkksAggregatorCodec(dim, packing, public_context)

@@ -7,12 +7,16 @@ stop the run before any round starts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
 DP_MODES = ("none", "local", "distributed", "flower-central")
 TASKS = ("digits", "lm")
 KV_DTYPES = ("fp32", "fp16", "int8", "int4")
+PACKINGS = ("packed", "none")
+CKKS_PRESETS = ("fedkv-4096", "fedkv-8192", "nvflare-default")
+"""Names of crypto.PRESETS (kept literal so the config does not import tenseal)."""
 
 
 @dataclass(frozen=True)
@@ -20,18 +24,35 @@ class RunConfig:
     """Defaults here equal the pyproject defaults (federation/PYPROJECT_SNIPPET.toml)."""
 
     num_server_rounds: int = 3
-    task: str = "digits"
-    """digits now; lm arrives with node/model.py."""
-    he: bool = False
-    """CKKS aggregation (crypto/). false = plaintext codec, same message shapes."""
-    packing: int = 1
-    """Quantised values per CKKS slot (BatchCrypt-style); ignored when he=false."""
-    dp_mode: str = "none"
+    task: str = "lm"
+    """digits | lm (lm is provided by the node package's CacheNode)."""
+    he: bool = True
+    """CKKS aggregation (crypto/). false = plaintext codec, same messages, same signatures."""
+    packing: str = "packed"
+    """packed (quantised, several values per CKKS slot part) | none (one CKKS real per part).
+    Only used when he=true."""
+    packing_bits: int = 8
+    """Quantisation bits per value in packing=packed."""
+    packing_range: float = 0.0
+    """Public saturation range R of the CKKS encoding; 0 = derived from the run config
+    (``federation.codec.packing_for``)."""
+    max_clients: int = 32
+    """Most clients sampled per round with he=true (packing headroom). Larger populations
+    are sampled down to this."""
+    max_weight: float = 1000.0
+    """dp-mode=none: public bound on a client's FedAvg weight (its example count); a node
+    with more examples counts as max-weight. Keep it close to the largest partition: the
+    CKKS encoding pre-scales updates by weight/max-weight. Unused under DP (equal weights)."""
+    ckks_preset: str = "fedkv-4096"
+    """CKKS parameter set (crypto.PRESETS) the dealer uses."""
+    dp_mode: str = "distributed"
     """none | local | distributed | flower-central (Flower's client-side fixed clipping)."""
     dp_sgd: bool = False
     """Opacus per-sample DP-SGD in local training (independent of dp-mode)."""
     noise_multiplier: float = 1.0
     clip_norm: float = 1.0
+    """L2 bound on one update. Applied under DP, and under HE in every dp-mode (the
+    CKKS encoding needs a bounded range)."""
     target_delta: float = 1e-5
     fraction_train: float = 1.0
     """Share of connected nodes sampled for training each round (at least min-clients)."""
@@ -47,7 +68,7 @@ class RunConfig:
     alpha: float = 1.0
     """Dirichlet concentration of the non-IID split."""
     round_timeout: float = 120.0
-    """Seconds the server waits for replies in a phase (late clients are left out),
+    """Seconds the server waits for replies per phase (late clients are left out),
     and for min-clients nodes to be connected before a round."""
 
     def __post_init__(self) -> None:
@@ -64,12 +85,26 @@ class RunConfig:
             problems.append("fraction-train must be in (0, 1]")
         if self.min_clients < 1:
             problems.append("min-clients must be >= 1")
-        if self.packing < 1:
-            problems.append("packing must be >= 1")
+        if self.packing not in PACKINGS:
+            problems.append(f"packing must be one of {PACKINGS}")
+        if not 1 <= self.packing_bits <= 24:
+            problems.append("packing-bits must be in [1, 24]")
+        if not (self.packing_range >= 0 and math.isfinite(self.packing_range)):
+            problems.append("packing-range must be >= 0 (0 = derived)")
+        if self.max_clients < max(self.min_clients, 1):
+            problems.append("max-clients must be >= min-clients")
+        if not (self.max_weight > 0 and math.isfinite(self.max_weight)):
+            problems.append("max-weight must be > 0")
+        if self.ckks_preset not in CKKS_PRESETS:
+            problems.append(f"ckks-preset must be one of {CKKS_PRESETS}")
         if self.dp_mode != "none" and self.clip_norm <= 0:
             problems.append("clip-norm must be > 0 when dp-mode is not none")
+        if self.he and self.clip_norm <= 0:
+            problems.append("clip-norm must be > 0 when he=true (updates are clipped to bound the CKKS encoding range)")
         if self.noise_multiplier < 0:
             problems.append("noise-multiplier must be >= 0")
+        if not 0.0 < self.target_delta < 1.0:
+            problems.append("target-delta must be in (0, 1)")
         if self.dp_mode == "flower-central" and self.he:
             problems.append("dp-mode=flower-central uses Flower's plaintext arrays; set he=false")
         if problems:

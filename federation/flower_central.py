@@ -17,6 +17,7 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, FedAvg
 
+from crypto import PrivacyAccountant, client_sample_rate
 from federation.config import RunConfig
 from federation.results import RoundRecord, RunResults, mean, weighted_mean
 from node.federated import build_model
@@ -70,6 +71,9 @@ def run_flower_central(grid: Grid, cfg: RunConfig, results: RunResults) -> None:
         grid=grid, initial_arrays=initial, num_rounds=cfg.num_server_rounds,
         timeout=cfg.round_timeout,
     )
+    # Client-level ε of Flower's mechanism: noise σC on the sum of clipped updates, one
+    # subsampled Gaussian step per round with q = sampled / nodes (see OpaqueFedAvg._account).
+    accountant = PrivacyAccountant("rdp") if cfg.noise_multiplier > 0 else None
     for rnd in range(1, cfg.num_server_rounds + 1):
         tr = result.train_metrics_clientapp.get(rnd, MetricRecord())
         ev = result.evaluate_metrics_clientapp.get(rnd, MetricRecord())
@@ -82,4 +86,12 @@ def run_flower_central(grid: Grid, cfg: RunConfig, results: RunResults) -> None:
         rec.eval_loss = float(ev.get("eval-loss", math.nan))
         rec.eval_acc = float(ev.get("eval-acc", math.nan))
         rec.eval_clients = int(ev.get("num-clients", 0))
+        rec.population = num_nodes
+        rec.delta = cfg.target_delta
+        if accountant is None:
+            rec.epsilon_client = math.inf
+        else:
+            if rec.num_clients > 0:  # Flower skips a round's aggregation when a reply failed
+                accountant.step(cfg.noise_multiplier, client_sample_rate(min(num_sampled, num_nodes), num_nodes))
+            rec.epsilon_client = accountant.epsilon(cfg.target_delta)
         results.rounds.append(rec)

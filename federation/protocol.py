@@ -7,12 +7,18 @@ Flower's array strategies (the ``flower-central`` DP baseline).
 Bytes travel as 1-D uint8 ``Array``s inside an ``ArrayRecord``: unlike bytes in a
 ``ConfigRecord``, Flower chunks Arrays (5 MB pieces), so large ciphertexts are fine.
 
+Before a node takes part it is enrolled (and, with he=true, provisioned with the CKKS key):
+``query.fedkv_enroll`` / ``query.fedkv_provision``, see ``federation/provisioning.py``.
+
 server -> client (train/evaluate):
     ArrayRecord "aggregates": {"v<k>": aggregate bytes that produce global version k}
-        for every version the node may be missing (it applies them in order)
+        for every version the node may be missing (it applies them in order); with
+        he=true these are CKKS aggregate ciphertexts only the nodes can decrypt
     ConfigRecord "config": server-round, target-version, num-sampled
 client -> server (train):
-    ArrayRecord "update": {"update": encoded update bytes}
+    ArrayRecord "update": {"update": crypto.SignedUpdate bytes = node id, round, key epoch,
+        payload (CKKS update ciphertext, or the plaintext codec's bytes with he=false),
+        Ed25519 signature over (node id, round, epoch, SHA-256(payload))}
     MetricRecord "metrics": see ``TRAIN_METRICS``
 client -> server (evaluate):
     MetricRecord "metrics": see ``EVAL_METRICS``
@@ -32,8 +38,9 @@ UPDATE = "update"
 METRICS = "metrics"
 
 TRAIN_METRICS = (
-    "num-examples", "train-loss", "upload-bytes", "clipped", "delta-norm", "epsilon",
-    "train-s", "encrypt-s", "decrypt-s", "writeback-s", "version", "node-source", "pid",
+    "num-examples", "train-loss", "upload-bytes", "clipped", "delta-norm", "epsilon-sample",
+    "num-values", "saturated", "weight-capped",
+    "train-s", "encrypt-s", "sign-s", "decrypt-s", "writeback-s", "version", "node-source", "pid",
 )
 EVAL_METRICS = ("num-examples", "eval-loss", "eval-acc", "decrypt-s", "writeback-s", "eval-s",
                 "version", "node-source", "pid")

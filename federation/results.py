@@ -1,13 +1,19 @@
 """Per-run results: one JSON file per run, one record per round, one log line per round.
 
-Schema (``schema`` = 1)::
+Schema (``schema`` = 2; 2 replaced round ``epsilon`` by ``epsilon_client``/``epsilon_sample``
+and added ``provisioning``)::
 
-    {"schema": 1, "status": "completed" | "stopped: <why>", "run_id", "mode",
+    {"schema": 2, "status": "completed" | "stopped: <why>" | "failed", "run_id", "mode",
      "config": {<run config, dash keys>}, "started_at", "finished_at", "wall_s",
-     "rounds": [RoundRecord as dict, ...]}
+     "provisioning": {<KeyService stats>}, "rounds": [RoundRecord as dict, ...]}
 
 Client phase times are means over the clients that took part (their reply metrics);
-``aggregate_s`` is measured on the server.
+``aggregate``, ``verify`` and ``provision`` are measured on the server.
+
+Privacy: ``epsilon_client`` is the client-level ε so far (server-side RDP accountant, see
+``OpaqueFedAvg._account``), ``epsilon_sample`` the largest sample-level DP-SGD ε reported
+by a node (Opacus, per node), both for δ = ``delta``; null = not applicable (no DP of that
+kind) or unbounded (noise-multiplier 0).
 """
 
 from __future__ import annotations
@@ -20,14 +26,21 @@ from pathlib import Path
 from typing import Any
 
 
+SCHEMA = 2
+
+
 @dataclass
 class RoundRecord:
     round: int
+    population: int = 0
+    """Admitted (enrolled, and provisioned with he=true) nodes this round."""
+    admitted: list[int] = field(default_factory=list)
+    """Nodes enrolled/provisioned at the start of this round."""
     sampled: int = 0
     num_clients: int = 0
     """Clients whose update went into the aggregate."""
     dropped: list[dict[str, Any]] = field(default_factory=list)
-    """[{"node": id, "phase": "train"|"evaluate", "reason": str}]"""
+    """[{"node": id, "phase": "enroll"|"provision"|"train"|"evaluate", "reason": str}]"""
     train_loss: float = math.nan
     eval_loss: float = math.nan
     eval_acc: float = math.nan
@@ -38,11 +51,22 @@ class RoundRecord:
     aggregate_bytes: int = 0
     """Bytes of the aggregate the server sends back (per copy)."""
     seconds: dict[str, float] = field(default_factory=dict)
-    """train, encrypt, decrypt, writeback (client means), aggregate (server),
-    train_phase / evaluate_phase (server wall clock for the whole phase)."""
+    """train, encrypt (encode/encrypt), sign, decrypt, writeback (means over the training
+    clients; decrypt/writeback = catching up before training), eval_decrypt/eval_writeback
+    (evaluate phase), aggregate / verify / provision (server), train_phase / evaluate_phase
+    (server wall clock for the whole phase)."""
     clipped_fraction: float = math.nan
-    epsilon: float = math.nan
-    """Largest per-client DP-SGD ε so far (nan without dp-sgd)."""
+    saturated_fraction: float = math.nan
+    """Share of encoded values saturated to the packing range (0 for plaintext)."""
+    weight_capped: int = 0
+    """Clients whose example count exceeded max-weight (dp-mode none)."""
+    noise_shares_added: int = 0
+    """Distributed-DP noise shares the server added for left-out clients."""
+    epsilon_client: float = math.nan
+    """Client-level ε so far (dp-mode local/distributed, flower-central)."""
+    epsilon_sample: float = math.nan
+    """Largest sample-level DP-SGD ε so far over the nodes (dp-sgd=true)."""
+    delta: float = math.nan
     node_sources: dict[str, int] = field(default_factory=dict)
     """How nodes were obtained this round: built / restored / reused (see node_host)."""
     pids: list[int] = field(default_factory=list)
@@ -59,7 +83,9 @@ class RoundRecord:
             f" agg {s.get('aggregate', math.nan):.4f}"
             f" dec {s.get('decrypt', 0.0) + s.get('eval_decrypt', 0.0):.4f}"
             f" wb {s.get('writeback', 0.0) + s.get('eval_writeback', 0.0):.4f}"
-            f" | clipped {self.clipped_fraction:.2f} | dropped {len(self.dropped)}"
+            f" | clipped {self.clipped_fraction:.2f} sat {self.saturated_fraction:.4f}"
+            f" | eps client {self.epsilon_client:.3g} sample {self.epsilon_sample:.3g}"
+            f" | dropped {len(self.dropped)}"
         )
 
 
@@ -72,10 +98,12 @@ class RunResults:
     started_at: float = field(default_factory=time.time)
     finished_at: float = math.nan
     rounds: list[RoundRecord] = field(default_factory=list)
+    provisioning: dict[str, Any] = field(default_factory=dict)
+    """KeyService stats: who played the dealer, nodes enrolled/provisioned/refused, bytes."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["schema"] = 1
+        d["schema"] = SCHEMA
         d["wall_s"] = self.finished_at - self.started_at
         return _nan_to_none(d)
 

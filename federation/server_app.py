@@ -1,7 +1,10 @@
 """fedkv ServerApp: reads the run config, runs the rounds, writes one results JSON.
 
-* ``dp-mode`` none/local/distributed -> ``OpaqueFedAvg`` over codec bytes (plaintext
-  codec when ``he=false``, CKKS when crypto lands). Clients clip/noise locally.
+* ``dp-mode`` none/local/distributed -> ``OpaqueFedAvg`` over signed codec bytes
+  (plaintext codec when ``he=false``, CKKS via crypto/ when ``he=true``). Clients
+  clip/noise locally. Key provisioning first (``federation.provisioning.KeyService``: in
+  this process, the dealer; see that module for the deployment split); the strategy gets
+  only the dealer-signed public context and the verifier of the nodes' public keys.
 * ``dp-mode=flower-central`` -> Flower's FedAvg + client-side fixed clipping baseline.
 
 The results file path is absolute and printed at the end (the ServerApp's cwd is the
@@ -16,9 +19,9 @@ from flwr.app import Context
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
-from federation.codec import make_aggregator
 from federation.config import RunConfig
 from federation.flower_central import run_flower_central
+from federation.provisioning import KeyService
 from federation.results import RoundRecord, RunResults
 from federation.strategy import NotEnoughClients, OpaqueFedAvg
 from node.federated import Layout, build_model
@@ -41,20 +44,25 @@ def main(grid: Grid, context: Context) -> None:
                 log(INFO, "fedkv %s", rec.summary(cfg.num_server_rounds))
         else:
             dim = Layout.of(build_model(cfg.task, cfg.seed)).size
+            keys = KeyService(cfg.he, cfg.ckks_preset, timeout=cfg.round_timeout)
+            results.provisioning = keys.stats
             strategy = OpaqueFedAvg(
-                cfg, lambda: make_aggregator(cfg.he, dim, cfg.packing), wait_for_nodes_s=cfg.round_timeout
+                cfg, dim, keys.verifier, keys.public_context, wait_for_nodes_s=cfg.round_timeout
             )
 
             def on_round(rec: RoundRecord) -> None:
                 results.rounds.append(rec)
                 log(INFO, "fedkv %s", rec.summary(cfg.num_server_rounds))
 
-            strategy.run(grid, on_round)
+            strategy.run(grid, on_round, admit=keys.admit)
         results.status = "completed"
     except NotEnoughClients as err:
         results.status = f"stopped: {err}"
         log(ERROR, "fedkv: run stopped: %s", err)
         error = err
+    except Exception as err:
+        results.status = f"failed: {type(err).__name__}: {err}"
+        raise
     finally:
         if results.status == "running":
             results.status = "failed"

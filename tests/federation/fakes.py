@@ -48,6 +48,8 @@ class FakeGrid:
         self.faults: dict[tuple[int, str], Fault] = {}
         """(node_id, message_type) -> fault; checked before the handler runs."""
         self.sent: list[Message] = []
+        self.received: list[Message] = []
+        """Every reply handed to the server (after faults)."""
 
     def get_node_ids(self) -> Iterable[int]:
         return list(self.contexts)
@@ -65,6 +67,7 @@ class FakeGrid:
                     replies.append(reply)
                 continue
             replies.append(self.deliver(msg))
+        self.received.extend(replies)
         return replies
 
     def deliver(self, msg: Message) -> Message:
@@ -88,7 +91,7 @@ def timeout_fault(msg: Message, ctx: Context) -> None:
 
 
 def tamper_fault(grid: FakeGrid, mutate: Callable[[bytes], bytes]) -> Fault:
-    """Run the real handler, then replace the update bytes with ``mutate(bytes)``."""
+    """Run the real handler, then replace the (signed) update bytes with ``mutate(bytes)``."""
     from federation import protocol
 
     def fault(msg: Message, ctx: Context) -> Message:
@@ -99,3 +102,60 @@ def tamper_fault(grid: FakeGrid, mutate: Callable[[bytes], bytes]) -> Fault:
         return reply
 
     return fault
+
+
+def payload_fault(grid: FakeGrid, mutate: Callable[[bytes, Message, Context], bytes]) -> Fault:
+    """Run the real handler, replace the *payload* inside the signed update with
+    ``mutate(payload, msg, ctx)`` and re-sign it with the node's own key (a node that
+    misbehaves, or a bug: the signature is valid, the bytes are not a good update)."""
+    from crypto import SignedUpdate
+    from federation import protocol, provisioning
+
+    def fault(msg: Message, ctx: Context) -> Message:
+        reply = grid.deliver(msg)
+        node_ctx = grid.contexts[msg.metadata.dst_node_id]
+        rec = reply.content.array_records[protocol.UPDATE]
+        su = SignedUpdate.from_bytes(protocol.array_to_bytes(rec["update"]))
+        keys = provisioning.node_keys(node_ctx)
+        payload = mutate(su.payload, msg, node_ctx)
+        rec["update"] = protocol.bytes_to_array(provisioning.sign(node_ctx, keys, su.round, payload, su.epoch))
+        return reply
+
+    return fault
+
+
+# -- a whole in-process federation: FakeGrid + KeyService + OpaqueFedAvg ---------------------
+
+BASE_CONFIG = {"num-server-rounds": 2, "min-clients": 2, "seed": 42, "task": "digits",
+               "he": False, "dp-mode": "none"}
+"""Test defaults: digits, plaintext, no DP (the pyproject default job is lm + HE + DP)."""
+
+
+class Federation:
+    """What ``server_app.main`` wires together, exposed for inspection by tests."""
+
+    def __init__(self, num_nodes: int = 3, **overrides: object) -> None:
+        from federation.config import RunConfig
+        from federation.provisioning import KeyService
+        from federation.strategy import OpaqueFedAvg
+        from node.federated import Layout, build_model
+
+        self.run_config = {**BASE_CONFIG, **overrides}
+        self.cfg = RunConfig.from_run_config(self.run_config)
+        self.dim = Layout.of(build_model(self.cfg.task, self.cfg.seed)).size
+        self.grid = FakeGrid(num_nodes, self.run_config)
+        self.keys = KeyService(self.cfg.he, self.cfg.ckks_preset, timeout=self.cfg.round_timeout)
+        self.strategy = OpaqueFedAvg(
+            self.cfg, self.dim, self.keys.verifier, self.keys.public_context, wait_for_nodes_s=0.0
+        )
+
+    def round(self, rnd: int):
+        return self.strategy.round(self.grid, rnd, self.keys.admit)
+
+    def run_all(self) -> list:
+        records: list = []
+        self.strategy.run(self.grid, records.append, admit=self.keys.admit)
+        return records
+
+    def admit(self) -> list[int]:
+        return self.keys.admit(self.grid, sorted(self.grid.get_node_ids())).ready

@@ -11,7 +11,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from federation import client_app, protocol, server_app
 from federation.strategy import NotEnoughClients
 from node.federated import build_model
-from tests.federation.fakes import FakeGrid, make_context, raise_fault, set_server_identity
+from tests.federation.fakes import BASE_CONFIG, FakeGrid, make_context, raise_fault, set_server_identity
 
 
 def server_context(run_config: dict) -> Context:
@@ -19,13 +19,14 @@ def server_context(run_config: dict) -> Context:
 
 
 def test_server_main_writes_results_json(tmp_path, capsys) -> None:
-    rc = {"num-server-rounds": 2, "results-dir": str(tmp_path), "min-clients": 2}
+    rc = {**BASE_CONFIG, "num-server-rounds": 2, "results-dir": str(tmp_path), "min-clients": 2}
     grid = FakeGrid(3, rc)
     server_app.main(grid, server_context(rc))
     (path,) = tmp_path.glob("run-1-*.json")
     assert f"FEDKV_RESULTS {path}" in capsys.readouterr().out
     data = json.loads(path.read_text())
-    assert data["status"] == "completed" and data["schema"] == 1 and data["mode"] == "plain"
+    assert data["status"] == "completed" and data["schema"] == 2 and data["mode"] == "plain"
+    assert data["provisioning"]["enrolled"] == 3 and data["provisioning"]["provisioned"] == 0
     assert data["config"]["results-dir"] == str(tmp_path)
     r = data["rounds"][1]
     assert r["num_clients"] == 3 and r["clipped_fraction"] == 0.0
@@ -33,7 +34,7 @@ def test_server_main_writes_results_json(tmp_path, capsys) -> None:
 
 
 def test_server_main_stops_clearly_below_min_clients(tmp_path) -> None:
-    rc = {"num-server-rounds": 3, "results-dir": str(tmp_path), "min-clients": 3}
+    rc = {**BASE_CONFIG, "num-server-rounds": 3, "results-dir": str(tmp_path), "min-clients": 3}
     grid = FakeGrid(3, rc)
     grid.faults[(100, protocol.TRAIN)] = raise_fault
     with pytest.raises(NotEnoughClients):
@@ -44,7 +45,7 @@ def test_server_main_stops_clearly_below_min_clients(tmp_path) -> None:
 
 
 def test_flower_central_runs_with_flowers_dp_wrapper(tmp_path) -> None:
-    rc = {"num-server-rounds": 2, "results-dir": str(tmp_path), "dp-mode": "flower-central",
+    rc = {**BASE_CONFIG, "num-server-rounds": 2, "results-dir": str(tmp_path), "dp-mode": "flower-central",
           "clip-norm": 0.5, "noise-multiplier": 0.1}
     grid = FakeGrid(3, rc)
     server_app.main(grid, server_context(rc))
@@ -53,6 +54,8 @@ def test_flower_central_runs_with_flowers_dp_wrapper(tmp_path) -> None:
     assert [r["num_clients"] for r in data["rounds"]] == [3, 3]
     assert all(r["eval_clients"] == 3 and 0 <= r["eval_acc"] <= 1 for r in data["rounds"])
     assert {m.metadata.message_type for m in grid.sent} == {"train", "evaluate"}
+    eps = [r["epsilon_client"] for r in data["rounds"]]
+    assert 0 < eps[0] < eps[1]
 
 
 def test_fixedclipping_mod_clips_the_flower_train_reply() -> None:
@@ -71,12 +74,48 @@ def test_fixedclipping_mod_clips_the_flower_train_reply() -> None:
     assert reply.content["metrics"]["clipped"] == 1
 
 
-def test_opaque_train_without_aggregates_for_a_behind_node_is_an_error() -> None:
+def test_train_on_a_node_that_was_never_enrolled_is_an_error() -> None:
     set_server_identity()
-    ctx = make_context(7, 0, 3, {})
+    ctx = make_context(7, 0, 3, dict(BASE_CONFIG))
+    msg = Message(
+        RecordDict({protocol.CONFIG: ConfigRecord({"server-round": 1, "target-version": 0, "num-sampled": 3})}),
+        dst_node_id=7, message_type=protocol.TRAIN,
+    )
+    with pytest.raises(Exception, match="not enrolled"):
+        client_app.app(msg, ctx)
+
+
+def test_opaque_train_without_aggregates_for_a_behind_node_is_an_error() -> None:
+    from federation import provisioning
+
+    set_server_identity()
+    ctx = make_context(7, 0, 3, dict(BASE_CONFIG))
+    provisioning.node_keys(ctx, create=True)
     msg = Message(
         RecordDict({protocol.CONFIG: ConfigRecord({"server-round": 3, "target-version": 2, "num-sampled": 3})}),
         dst_node_id=7, message_type=protocol.TRAIN,
     )
     with pytest.raises(RuntimeError, match="server expects v2"):
         client_app.app(msg, ctx)
+
+
+def test_server_main_he_run_writes_results_with_privacy_and_sizes(tmp_path) -> None:
+    rc = {**BASE_CONFIG, "he": True, "dp-mode": "distributed", "num-server-rounds": 2,
+          "results-dir": str(tmp_path), "noise-multiplier": 0.5}
+    grid = FakeGrid(3, rc)
+    server_app.main(grid, server_context(rc))
+    data = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert data["status"] == "completed" and data["mode"] == "he"
+    prov = data["provisioning"]
+    assert prov["dealer"] == "serverapp-process" and prov["provisioned"] == 3 and prov["refused"] == 0
+    assert prov["bundle_bytes"] > 0 and prov["public_context_bytes"] > 0
+    assert data["rounds"][0]["admitted"] == [100, 101, 102] and data["rounds"][1]["admitted"] == []
+    for r in data["rounds"]:
+        assert r["num_clients"] == 3 and r["population"] == 3 and r["dropped"] == []
+        assert set(r["upload_bytes"]) == {"100", "101", "102"}
+        assert r["saturated_fraction"] is not None and r["delta"] == 1e-5
+        assert {"train", "encrypt", "sign", "aggregate", "verify", "decrypt", "writeback"} <= set(r["seconds"])
+    assert 0 < data["rounds"][0]["epsilon_client"] < data["rounds"][1]["epsilon_client"]
+    assert data["rounds"][0]["epsilon_sample"] is None  # no dp-sgd
+    types = {m.metadata.message_type for m in grid.sent}
+    assert types == {"query.fedkv_enroll", "query.fedkv_provision", protocol.TRAIN, protocol.EVALUATE}

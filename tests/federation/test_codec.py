@@ -78,8 +78,18 @@ def test_empty_aggregate_and_noise() -> None:
     assert np.any(codec.decode_mean(agg.result()) != 0)
 
 
-def test_he_codec_not_wired_yet_says_so() -> None:
-    with pytest.raises(NotImplementedError, match="he=false"):
+def test_noise_shares_add_variance() -> None:
+    """add_noise(std, shares=k) adds k shares of std each: N(0, k·std²) (crypto's semantics)."""
+    codec = PlainClientCodec(20000)
+    agg = PlainAggregator(20000)
+    agg.add(codec.encode(np.zeros(20000), 1.0))
+    agg.add_noise(0.5, shares=4, rng=np.random.default_rng(1))
+    assert agg.noise_shares == 4
+    assert np.std(codec.decode_mean(agg.result())) == pytest.approx(1.0, rel=0.03)
+
+
+def test_he_needs_keys_and_packing() -> None:
+    with pytest.raises(CodecError, match="secret CKKS context"):
         make_client_codec(True, DIM)
-    with pytest.raises(NotImplementedError, match="CkksAggregator"):
+    with pytest.raises(CodecError, match="public CKKS context"):
         make_aggregator(True, DIM)

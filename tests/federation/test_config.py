@@ -29,8 +29,28 @@ def test_coercion_from_cli_strings() -> None:
         ({"dp-mode": "local", "clip-norm": 0.0}, "clip-norm"),
         ({"he": "maybe"}, "he="),
         ({"dp-mode": "flower-central", "he": True}, "flower-central"),
+        ({"packing": 1}, "packing must be one of"),
+        ({"packing": "zip"}, "packing must be one of"),
+        ({"he": True, "clip-norm": 0.0, "dp-mode": "none"}, "clip-norm must be > 0 when he=true"),
+        ({"max-clients": 1, "min-clients": 2}, "max-clients"),
+        ({"max-weight": 0.0}, "max-weight"),
+        ({"ckks-preset": "tiny"}, "ckks-preset"),
+        ({"packing-range": -1.0}, "packing-range"),
     ],
 )
 def test_bad_values_are_rejected(override, match) -> None:
     with pytest.raises(ValueError, match=match):
         RunConfig.from_run_config(override)
+
+
+def test_default_job_is_the_readme_main_job() -> None:
+    cfg = RunConfig()
+    assert (cfg.task, cfg.he, cfg.dp_mode, cfg.packing) == ("lm", True, "distributed", "packed")
+
+
+def test_ckks_presets_match_crypto() -> None:
+    from crypto import PRESETS
+
+    from federation.config import CKKS_PRESETS
+
+    assert set(CKKS_PRESETS) == set(PRESETS)

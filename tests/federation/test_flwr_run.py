@@ -16,13 +16,14 @@ from tests.federation.flwr_cli import alive, flwr_sandbox
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_flwr_run_digits_plaintext(tmp_path) -> None:
+def test_flwr_run_digits_he(tmp_path) -> None:
+    """he=true through the real CLI: enroll + provision, CKKS updates, signed, DP accounting."""
     results_dir = tmp_path / "results"
     with flwr_sandbox(tmp_path / "sandbox") as box:
         run = box.run(
             num_supernodes=3,
-            run_config={"num-server-rounds": 2, "task": "digits", "he": False,
-                        "results-dir": str(results_dir)},
+            run_config={"num-server-rounds": 2, "task": "digits", "he": True, "dp-mode": "distributed",
+                        "noise-multiplier": 0.01, "results-dir": str(results_dir)},
         )
         assert run.returncode == 0, run.output[-4000:]
         assert run.superlink_pids, "flwr run should have started our own SuperLink"
@@ -33,14 +34,22 @@ def test_flwr_run_digits_plaintext(tmp_path) -> None:
     assert run.results_path is not None, run.output[-4000:]
     assert run.results_path.is_absolute() and run.results_path.parent == results_dir
     data = json.loads(run.results_path.read_text())
-    assert data["status"] == "completed"
-    assert data["mode"] == "plain"
-    assert data["config"]["num-server-rounds"] == 2
+    assert data["status"] == "completed", data["status"]
+    assert data["mode"] == "he" and data["schema"] == 2
+    assert data["config"]["num-server-rounds"] == 2 and data["config"]["he"] is True
+    prov = data["provisioning"]
+    assert prov["enrolled"] == 3 and prov["provisioned"] == 3 and prov["refused"] == 0
     assert [r["round"] for r in data["rounds"]] == [1, 2]
+    assert len(data["rounds"][0]["admitted"]) == 3 and data["rounds"][1]["admitted"] == []
     for r in data["rounds"]:
         assert r["num_clients"] == 3 and r["eval_clients"] == 3 and r["dropped"] == []
-        assert len(r["upload_bytes"]) == 3 and all(b > 0 for b in r["upload_bytes"].values())
+        # one seeded CKKS ciphertext (4,810 values < 12,288 per ciphertext) + signature framing
+        assert len(r["upload_bytes"]) == 3 and all(30_000 < b < 40_000 for b in r["upload_bytes"].values())
+        assert 60_000 < r["aggregate_bytes"] < 70_000
         assert r["eval_loss"] is not None and 0.0 <= r["eval_acc"] <= 1.0
-        assert {"train", "encrypt", "aggregate", "decrypt", "writeback"} <= set(r["seconds"])
+        assert {"train", "encrypt", "sign", "aggregate", "verify", "decrypt", "writeback"} <= set(r["seconds"])
+        assert r["clipped_fraction"] is not None and r["saturated_fraction"] is not None
+    eps = [r["epsilon_client"] for r in data["rounds"]]
+    assert 0 < eps[0] < eps[1]
     assert data["rounds"][1]["eval_loss"] < data["rounds"][0]["eval_loss"]
     assert "fedkv round 2/2" in run.output

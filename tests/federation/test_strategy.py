@@ -7,28 +7,25 @@ import math
 import numpy as np
 import pytest
 
+from crypto import NodeKeys, sign_update
 from federation import node_host, protocol
-from federation.codec import HEADER_BYTES, make_aggregator
-from federation.config import RunConfig
-from federation.strategy import NotEnoughClients, OpaqueFedAvg
+from federation.codec import HEADER_BYTES
+from federation.strategy import NotEnoughClients
 from node.federated import Layout, build_model
-from tests.federation.fakes import FakeGrid, raise_fault, tamper_fault, timeout_fault
+from tests.federation.fakes import Federation, payload_fault, raise_fault, tamper_fault, timeout_fault
 
 DIM = Layout.of(build_model("digits", 42)).size
+SIGNED_OVERHEAD = len(sign_update(NodeKeys.generate("100"), "100", 1, b""))
+"""Signed-update framing around the codec payload for a 3-digit node id (91 bytes)."""
 
 
 def make(num_nodes: int = 3, **overrides):
-    run_config = {"num-server-rounds": 2, "min-clients": 2, "seed": 42, **overrides}
-    cfg = RunConfig.from_run_config(run_config)
-    grid = FakeGrid(num_nodes, run_config)
-    strategy = OpaqueFedAvg(cfg, lambda: make_aggregator(False, DIM), wait_for_nodes_s=0.0)
-    return cfg, grid, strategy
+    fed = Federation(num_nodes, **overrides)
+    return fed.cfg, fed.grid, fed
 
 
-def run_all(grid, strategy):
-    records = []
-    strategy.run(grid, records.append)
-    return records
+def run_all(grid, fed: Federation):
+    return fed.run_all()
 
 
 def node_params(grid: FakeGrid, node_id: int) -> np.ndarray:
@@ -41,7 +38,7 @@ def test_happy_path_nodes_stay_in_lockstep_and_learn() -> None:
     assert [r.num_clients for r in recs] == [3, 3, 3]
     assert all(r.dropped == [] and r.eval_clients == 3 for r in recs)
     assert recs[-1].eval_loss < recs[0].eval_loss
-    assert all(r.upload_bytes_mean == 4 * DIM + HEADER_BYTES for r in recs)
+    assert all(r.upload_bytes_mean == 4 * DIM + HEADER_BYTES + SIGNED_OVERHEAD for r in recs)
     # every node applied the same 3 aggregates -> identical global weights
     params = [node_params(grid, n) for n in grid.contexts]
     for p in params[1:]:
@@ -61,7 +58,7 @@ def test_node_rebuilt_from_context_state_gives_identical_results() -> None:
     recs_b = []
     for rnd in range(1, 4):
         node_host.forget_all()  # every round in a "fresh process"
-        recs_b.append(strat_b.round(grid_b, rnd))
+        recs_b.append(strat_b.round(rnd))
     assert recs_b[2].node_sources.get("reused", 0) == 3  # eval right after train, same process
     assert recs_b[2].node_sources["restored"] == 3
     assert [r.eval_loss for r in recs_a] == pytest.approx([r.eval_loss for r in recs_b], rel=1e-6)
@@ -90,18 +87,36 @@ def test_client_that_times_out_is_left_out() -> None:
 @pytest.mark.parametrize(
     "mutate, reason",
     [
-        (lambda b: b"EVIL" + b[4:], "bad magic"),
-        (lambda b: b[: len(b) // 2], "length"),
-        (lambda b: b[:-4] + np.float32(np.nan).tobytes(), "NaN"),
+        (lambda b, m, c: b"EVIL" + b[4:], "bad magic"),
+        (lambda b, m, c: b[: len(b) // 2], "length"),
+        (lambda b, m, c: b[:-4] + np.float32(np.nan).tobytes(), "NaN"),
     ],
 )
 def test_update_rejected_by_aggregator_is_left_out(mutate, reason) -> None:
+    """Validly signed by its node, but the payload is not a good update."""
     _, grid, strategy = make(num_nodes=3)
-    grid.faults[(100, protocol.TRAIN)] = tamper_fault(grid, mutate)
+    grid.faults[(100, protocol.TRAIN)] = payload_fault(grid, mutate)
     recs = run_all(grid, strategy)
     assert recs[0].num_clients == 2
     (drop,) = [d for d in recs[0].dropped if d["phase"] == "train"]
     assert drop["node"] == 100 and "update rejected" in drop["reason"] and reason in drop["reason"]
+
+
+@pytest.mark.parametrize(
+    "mutate, reason",
+    [
+        (lambda b: b"EVIL" + b[4:], "SignatureError: not a signed fedkv update"),
+        (lambda b: b[:-70] + bytes([b[-70] ^ 1]) + b[-69:], "SignatureError: signature of the update"),
+        (lambda b: b[: len(b) // 2], "SignatureError: truncated"),
+    ],
+)
+def test_update_whose_signature_fails_is_left_out(mutate, reason) -> None:
+    _, grid, strategy = make(num_nodes=3)
+    grid.faults[(100, protocol.TRAIN)] = tamper_fault(grid, mutate)
+    recs = run_all(grid, strategy)
+    assert [r.num_clients for r in recs] == [2, 2]
+    (drop,) = [d for d in recs[0].dropped if d["phase"] == "train"]
+    assert drop["node"] == 100 and "signature check failed" in drop["reason"] and reason in drop["reason"]
 
 
 def test_handler_exception_is_reported_not_raised_and_node_recovers() -> None:
@@ -116,15 +131,15 @@ def test_handler_exception_is_reported_not_raised_and_node_recovers() -> None:
         return real(msg)
 
     grid.faults[(100, protocol.EVALUATE)] = timeout_fault  # node 100 stays at v0 ...
-    strategy.round(grid, 1)
+    strategy.round(1)
     del grid.faults[(100, protocol.EVALUATE)]
     grid.faults[(100, protocol.TRAIN)] = corrupt_aggregates  # ... and gets a garbage v1
-    rec2 = strategy.round(grid, 2)
+    rec2 = strategy.round(2)
     del grid.faults[(100, protocol.TRAIN)]
     (drop,) = rec2.dropped
     assert rec2.num_clients == 2 and drop["node"] == 100 and "CodecError" in drop["reason"]
     assert rec2.eval_clients == 3  # its evaluate message resent v1 + v2: caught up
-    rec3 = strategy.round(grid, 3)
+    rec3 = strategy.round(3)
     assert rec3.num_clients == 3 and rec3.dropped == []
     np.testing.assert_array_equal(node_params(grid, 100), node_params(grid, 101))
 
@@ -155,10 +170,10 @@ def test_sampled_subset_and_catch_up() -> None:
 def test_node_that_missed_evaluate_catches_up_on_next_train() -> None:
     _, grid, strategy = make(num_nodes=3, **{"num-server-rounds": 3})
     grid.faults[(102, protocol.EVALUATE)] = timeout_fault
-    strategy.round(grid, 1)
-    strategy.round(grid, 2)
+    strategy.round(1)
+    strategy.round(2)
     del grid.faults[(102, protocol.EVALUATE)]
-    rec3 = strategy.round(grid, 3)
+    rec3 = strategy.round(3)
     assert rec3.num_clients == 3 and rec3.eval_clients == 3
     last_train = [m for m in grid.sent if m.metadata.dst_node_id == 102 and m.metadata.message_type == protocol.TRAIN][-1]
     assert sorted(last_train.content.array_records[protocol.AGGREGATES].keys()) == ["v1", "v2"]
@@ -179,13 +194,17 @@ def test_distributed_dp_server_makes_up_noise_for_dropped(caplog) -> None:
     with caplog.at_level("INFO", logger="flwr"):
         recs = run_all(grid, strategy)
     assert recs[0].num_clients == 2
-    assert any("added noise std" in r.getMessage() for r in caplog.records)
+    assert recs[0].noise_shares_added == 1 and recs[1].noise_shares_added == 1
+    assert any("added 1 noise share(s)" in r.getMessage() for r in caplog.records)
+    # client-level epsilon grows; he=false distributed: accounted with sigma/sqrt(n)
+    assert 0 < recs[0].epsilon_client < recs[1].epsilon_client < math.inf
 
 
 def test_dp_sgd_reports_epsilon() -> None:
     _, grid, strategy = make(num_nodes=2, **{"dp-sgd": True, "noise-multiplier": 1.0, "clip-norm": 1.0})
     recs = run_all(grid, strategy)
-    assert 0 < recs[0].epsilon < recs[1].epsilon < math.inf
+    assert 0 < recs[0].epsilon_sample < recs[1].epsilon_sample < math.inf
+    assert math.isnan(recs[0].epsilon_client)  # dp-mode none: no client-level DP
 
 
 def build_flat() -> np.ndarray:
@@ -195,8 +214,24 @@ def build_flat() -> np.ndarray:
 
 
 def test_reply_metrics_match_the_documented_protocol() -> None:
-    _, grid, strategy = make(num_nodes=2, **{"num-server-rounds": 1})
+    _, grid, fed = make(num_nodes=2, **{"num-server-rounds": 1})
+    strategy = fed.strategy
+    assert fed.admit() == [100, 101]
     replies = grid.send_and_receive(strategy.configure(protocol.TRAIN, 1, [100]))
     assert set(replies[0].content[protocol.METRICS]) == set(protocol.TRAIN_METRICS)
     replies = grid.send_and_receive(strategy.configure(protocol.EVALUATE, 1, [100]))
     assert set(replies[0].content[protocol.METRICS]) == set(protocol.EVAL_METRICS)
+
+
+def test_reply_with_incomplete_metrics_is_left_out_before_aggregation() -> None:
+    _, grid, fed = make(num_nodes=3, **{"num-server-rounds": 1})
+
+    def strip(msg, ctx):
+        reply = grid.deliver(msg)
+        metrics = reply.content[protocol.METRICS]
+        del metrics["num-values"]
+        return reply
+
+    grid.faults[(102, protocol.TRAIN)] = strip
+    (rec,) = fed.run_all()
+    assert rec.num_clients == 2 and "reply metrics lack ['num-values']" in rec.dropped[0]["reason"]

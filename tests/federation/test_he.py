@@ -1,0 +1,535 @@
+"""he=true end to end in process: CKKS codec, key provisioning, signed updates, faults.
+
+The server side (strategy, aggregator, every message) must only ever carry ciphertexts and
+a public context; nodes get their secret context wrapped by the dealer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import types
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+
+from crypto import (
+    AggregateDecryptor,
+    CkksContext,
+    Dealer,
+    NodeKeys,
+    SignedUpdate,
+    UpdateEncryptor,
+    ciphertext_info,
+    load_context,
+    make_secret_context,
+    sign_update,
+)
+from crypto.context import seal_save
+from crypto.errors import SecretKeyPresentError
+from federation import client_app, codec, node_host, protocol, provisioning
+from federation.codec import CkksAggregatorCodec, CkksClientCodec, CodecError, make_aggregator, packing_for
+from federation.config import RunConfig
+from federation.provisioning import KeyService
+from federation.strategy import NotEnoughClients, OpaqueFedAvg
+from tests.federation.fakes import (
+    BASE_CONFIG, Federation, make_context, payload_fault, raise_fault, set_server_identity,
+)
+
+HE = {"he": True}
+
+
+def he_federation(num_nodes: int = 3, **overrides) -> Federation:
+    return Federation(num_nodes, **{**HE, **overrides})
+
+
+def dealer_of(fed: Federation) -> Dealer:
+    """The test peeks at the dealer (in the ServerApp process, never in the strategy)."""
+    return fed.keys._dealer
+
+
+def drops(rec, phase: str = "train") -> dict[int, str]:
+    return {d["node"]: d["reason"] for d in rec.dropped if d["phase"] == phase}
+
+
+# --- codec ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["packed", "none"])
+def test_ckks_codec_weighted_mean_equals_plain_fedavg(mode) -> None:
+    cfg = RunConfig.from_run_config({**BASE_CONFIG, **HE, "packing": mode, "max-weight": 500.0})
+    dim = 5000
+    packing = packing_for(cfg, dim)
+    secret = make_secret_context()
+    client = CkksClientCodec(dim, secret, packing)
+    agg = make_aggregator(True, dim, packing, secret.public_bytes())
+    rng = np.random.default_rng(0)
+    vecs = [rng.normal(0, cfg.clip_norm / math.sqrt(dim), dim) for _ in range(4)]
+    weights = [120.0, 500.0, 33.0, 260.0]
+    for v, w in zip(vecs, weights):
+        agg.add(client.encode(v, w))
+    assert agg.count == 4
+    got = client.decode_mean(agg.result())
+    want = sum(w * v for v, w in zip(vecs, weights)) / sum(weights)
+    bound = packing.mean_error_bound(sum(weights) / packing.max_weight, 4)
+    assert np.max(np.abs(got - want)) <= bound + 1e-6
+    rms = cfg.clip_norm / math.sqrt(dim)  # of a clipped update's coordinate
+    if mode == "packed":  # worst case < 1/4 of a coordinate's RMS; typical error ~5 % of it
+        assert bound < 0.25 * rms and np.sqrt(np.mean((got - want) ** 2)) < 0.1 * rms
+    else:
+        assert np.max(np.abs(got - want)) < 1e-6 * rms
+
+
+def test_derived_packing_is_public_and_identical_everywhere() -> None:
+    cfg = RunConfig.from_run_config({**BASE_CONFIG, **HE, "dp-mode": "distributed", "min-clients": 2})
+    a, b = packing_for(cfg, 4810), packing_for(RunConfig.from_run_config(cfg.as_dict()), 4810)
+    assert a == b and a.fingerprint() == b.fingerprint()
+    assert a.max_weight == 1.0  # equal weights under DP
+    sigma_share = cfg.noise_multiplier * cfg.clip_norm / math.sqrt(2)
+    assert a.clip_range == pytest.approx(math.hypot(4 * sigma_share, 12 * cfg.clip_norm / math.sqrt(4810)))
+    none = packing_for(RunConfig.from_run_config({**BASE_CONFIG, **HE, "max-weight": 300.0}), 4810)
+    assert none.max_weight == 300.0 and none.clip_range == pytest.approx(12 / math.sqrt(4810))
+    fixed = packing_for(RunConfig.from_run_config({**BASE_CONFIG, **HE, "packing-range": 0.5}), 4810)
+    assert fixed.clip_range == 0.5
+
+
+def test_crypto_errors_become_codec_rejections_and_leave_the_sum_alone() -> None:
+    cfg = RunConfig.from_run_config({**BASE_CONFIG, **HE, "max-weight": 1.0})
+    dim = 300
+    packing = packing_for(cfg, dim)
+    secret, other = make_secret_context(), make_secret_context()
+    agg = make_aggregator(True, dim, packing, secret.public_bytes())
+    mine = CkksClientCodec(dim, secret, packing)
+    agg.add(mine.encode(np.full(dim, 0.01), 1.0))
+    bad = {
+        "NotACiphertextError": os.urandom(33000),
+        "ContextMismatchError": CkksClientCodec(dim, other, packing).encode(np.zeros(dim), 1.0),
+        "PackingMismatchError": UpdateEncryptor(secret).encrypt(np.zeros(dim), 1.0),
+        "LayoutMismatchError": CkksClientCodec(dim + 1, secret, packing).encode(np.zeros(dim + 1), 1.0),
+    }
+    for name, blob in bad.items():
+        with pytest.raises(CodecError, match=name):
+            agg.add(blob)
+    assert agg.count == 1
+    np.testing.assert_allclose(mine.decode_mean(agg.result()), 0.01, atol=packing.step)
+    with pytest.raises(CodecError, match="WeightRangeError"):
+        mine.encode(np.zeros(dim), 2.0)  # above max_weight
+    with pytest.raises(CodecError, match="shape"):
+        mine.encode(np.zeros(dim + 1), 1.0)
+    with pytest.raises(CodecError):
+        mine.decode_mean(b"garbage")
+
+
+def test_server_side_refuses_a_secret_context() -> None:
+    cfg = RunConfig.from_run_config({**BASE_CONFIG, **HE})
+    secret = make_secret_context()
+    with pytest.raises(CodecError, match="secret key"):
+        make_aggregator(True, 100, packing_for(cfg, 100), secret.secret_bytes())
+    with pytest.raises(SecretKeyPresentError):
+        OpaqueFedAvg(cfg, 100, KeyService(False).verifier, secret.secret_bytes())
+    with pytest.raises(ValueError, match="public CKKS context"):
+        OpaqueFedAvg(cfg, 100, KeyService(False).verifier, None)
+
+
+# --- the server only ever handles public material -------------------------------------------
+
+
+def _walk(obj, seen=None, depth=0):
+    """Every object reachable through attributes / containers (not through modules/classes)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 12:
+        return
+    seen.add(id(obj))
+    yield obj
+    if isinstance(obj, (str, bytes, bytearray, int, float, bool, type(None), np.ndarray, type, types.ModuleType)):
+        return
+    if isinstance(obj, dict):
+        children = list(obj.keys()) + list(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        children = list(obj)
+    elif hasattr(obj, "__dict__") and not callable(obj):
+        children = list(vars(obj).values())
+    else:
+        children = []
+    for child in children:
+        yield from _walk(child, seen, depth + 1)
+
+
+def _message_blobs(msg: Message) -> list[bytes]:
+    out = []
+    if msg.has_error():
+        return out
+    for rec in msg.content.config_records.values():
+        out += [bytes(v) for v in rec.values() if isinstance(v, bytes)]
+    for rec in msg.content.array_records.values():
+        out += [protocol.array_to_bytes(a) for a in rec.values() if a.dtype == "uint8"]
+    return out
+
+
+def test_server_only_ever_handles_ciphertexts_and_a_public_context() -> None:
+    fed = he_federation(3, **{"dp-mode": "distributed", "num-server-rounds": 2})
+    recs = fed.run_all()
+    assert [r.num_clients for r in recs] == [3, 3]
+    dealer = dealer_of(fed)
+    secret_key = seal_save(dealer._context.secret_key())
+    probes = [secret_key] + [secret_key[i : i + 64] for i in range(0, len(secret_key) - 64, len(secret_key) // 16)]
+
+    # 1) the strategy object graph: public context only, no dealer, no node keys, no decryptor
+    agg = fed.strategy.make_aggregator()
+    for obj in _walk([fed.strategy, agg]):
+        assert not isinstance(obj, (Dealer, NodeKeys, KeyService, CkksClientCodec)), type(obj)
+        assert type(obj).__name__ not in ("Decryptor", "SecretKey"), type(obj)
+        if isinstance(obj, CkksContext):
+            assert not obj.is_private
+        if isinstance(obj, (bytes, bytearray)) and len(obj) >= 64:
+            assert not any(p in obj for p in probes)
+    assert not load_context(fed.strategy.public_context).is_private
+    assert isinstance(agg, CkksAggregatorCodec) and not agg.context.is_private
+
+    # 2) every message the grid carried, both directions: every byte string is classified
+    kinds = {"update": 0, "aggregate": 0, "context": 0, "bundle": 0, "key/id": 0}
+    for msg in fed.grid.sent + fed.grid.received:
+        for blob in _message_blobs(msg):
+            assert not any(p in blob for p in probes), msg.metadata.message_type
+            if len(blob) <= 32:
+                kinds["key/id"] += 1  # public keys (32 B), key id (16 B)
+            elif blob[:4] == b"FKC\x01":
+                assert not load_context(blob).is_private
+                kinds["context"] += 1
+            elif blob[:4] == b"FKP\x01":  # dealer-signed public context
+                pub = provisioning.verify_public_context(blob, dealer.verify_key)[0]
+                assert not load_context(pub).is_private
+                kinds["context"] += 1
+            elif blob[:4] == b"FKB\x01":
+                kinds["bundle"] += 1  # AES-GCM-wrapped for one node, dealer-signed
+            elif blob[:4] == b"FKS\x01":
+                info = ciphertext_info(SignedUpdate.from_bytes(blob).payload)
+                assert info["kind"] == "update" and info["n_values"] == fed.dim
+                kinds["update"] += 1
+            else:
+                assert ciphertext_info(blob)["kind"] == "aggregate"
+                kinds["aggregate"] += 1
+    assert all(ciphertext_info(a)["kind"] == "aggregate" for a in fed.strategy.history)
+    # updates: 3 nodes x 2 rounds; aggregates sent: v1 and v2 to 3 evaluators (trainers of round 2
+    # already confirmed v1); 3 bundles + 3 signed public contexts; keys: 3 x (dealer key out,
+    # 2 public keys back) at enroll, 3 x (dealer key out, key id back) at provision
+    assert kinds == {"update": 6, "aggregate": 6, "context": 3, "bundle": 3, "key/id": 15}
+    # nodes keep the *wrapped* bundle in context.state, not the raw secret context
+    for ctx in fed.grid.contexts.values():
+        stored = b"".join(bytes(v) for rec in ctx.state.config_records.values()
+                          for v in rec.values() if isinstance(v, bytes))
+        assert secret_key not in stored
+
+
+def test_he_round_aggregate_equals_plain_fedavg_of_the_same_updates(monkeypatch) -> None:
+    """What the nodes write back = the plaintext weighted FedAvg of what they encrypted."""
+    sent: list[tuple[np.ndarray, float]] = []
+    real_encode = CkksClientCodec.encode
+
+    def spy(self, vec, weight, noise=None):
+        sent.append((np.asarray(vec, dtype=np.float64).copy(), float(weight)))
+        return real_encode(self, vec, weight, noise)
+
+    monkeypatch.setattr(CkksClientCodec, "encode", spy)
+    fed = he_federation(3, **{"num-server-rounds": 1, "max-weight": 500.0})
+    before = _flat_params(fed, 100, fresh=True)
+    (rec,) = fed.run_all()
+    assert rec.num_clients == 3 and len(sent) == 3
+    weights = np.array([w for _, w in sent])
+    assert all(w <= 500 for w in weights) and rec.weight_capped == sum(w == 500 for w in weights)
+    want = sum(w * v for v, w in sent) / weights.sum()
+    got = _flat_params(fed, 100) - before
+    bound = fed.strategy.packing.mean_error_bound(weights.sum() / 500.0, 3)
+    assert np.max(np.abs(got - want)) <= bound + 1e-6
+    assert rec.clipped_fraction == 1.0  # he=true clips to clip-norm even with dp-mode none
+    assert all(np.linalg.norm(v) <= 1.0 + 1e-6 for v, _ in sent)
+    for n in (101, 102):  # every node wrote back the same aggregate
+        np.testing.assert_array_equal(_flat_params(fed, n), _flat_params(fed, 100))
+
+
+def _flat_params(fed: Federation, node_id: int, fresh: bool = False) -> np.ndarray:
+    if fresh:
+        from node.federated import build_model, flatten
+
+        return flatten(build_model("digits", 42)).astype(np.float64)
+    return fed.grid.contexts[node_id].state.array_records[node_host.PARAMS_KEY]["params"].numpy().astype(np.float64)
+
+
+def test_he_learns_like_plaintext_with_the_same_clipping() -> None:
+    """Same clipping, no noise: the CKKS codec's quantisation changes accuracy by < 0.5 points."""
+    common = {"num-server-rounds": 4, "dp-mode": "local", "noise-multiplier": 0.0}
+    plain = Federation(3, **common).run_all()
+    he = he_federation(3, **common).run_all()
+    assert abs(plain[-1].eval_acc - he[-1].eval_acc) < 0.005
+    assert he[-1].eval_loss == pytest.approx(plain[-1].eval_loss, rel=0.02)
+    assert he[-1].saturated_fraction == 0.0
+    assert he[0].upload_bytes_mean < plain[0].upload_bytes_mean * 2  # 4810 values: one ciphertext
+
+
+# --- faults --------------------------------------------------------------------------------------
+
+
+def _resign(fed: Federation, signer: int, node_id: str | None = None, keys: NodeKeys | None = None,
+            round_shift: int = 0):
+    """A fault for node 100: its real update, re-signed by ``signer``'s keys (or ``keys`` as
+    ``node_id``) for its round + ``round_shift``."""
+
+    def fault(msg: Message, ctx):
+        reply = fed.grid.deliver(msg)
+        rec = reply.content.array_records[protocol.UPDATE]
+        su = SignedUpdate.from_bytes(protocol.array_to_bytes(rec["update"]))
+        if keys is not None:
+            blob = sign_update(keys, node_id, su.round + round_shift, su.payload, su.epoch)
+        else:
+            c = fed.grid.contexts[signer]
+            blob = provisioning.sign(c, provisioning.node_keys(c), su.round + round_shift, su.payload, su.epoch)
+        rec["update"] = protocol.bytes_to_array(blob)
+        return reply
+
+    return fault
+
+
+def _unsigned(fed: Federation):
+    def fault(msg: Message, ctx):
+        reply = fed.grid.deliver(msg)
+        rec = reply.content.array_records[protocol.UPDATE]
+        rec["update"] = protocol.bytes_to_array(SignedUpdate.from_bytes(protocol.array_to_bytes(rec["update"])).payload)
+        return reply
+
+    return fault
+
+
+def _foreign_ciphertext(fed: Federation):
+    """Right shape and packing, validly signed by node 100, but under another dealer's key."""
+    foreign = CkksClientCodec(fed.dim, make_secret_context(), fed.strategy.packing)
+    return payload_fault(fed.grid, lambda p, m, c: foreign.encode(np.zeros(fed.dim), 1.0))
+
+
+FAULTS = {
+    "random bytes": (lambda fed: payload_fault(fed.grid, lambda p, m, c: os.urandom(len(p))),
+                     "update rejected: CodecError: NotACiphertextError"),
+    "ciphertext of another context": (_foreign_ciphertext, "update rejected: CodecError: ContextMismatchError"),
+    "unsigned": (_unsigned, "signature check failed: SignatureError: not a signed fedkv update"),
+    "forged signature": (lambda fed: _resign(fed, 0, "100", NodeKeys.generate("100")),
+                         "signature check failed: SignatureError: signature of the update from '100' does not verify"),
+    "future round": (lambda fed: _resign(fed, 100, round_shift=1),
+                     "signature check failed: ReplayError: out-of-order (future) update for round"),
+    "another node's signed update": (lambda fed: _resign(fed, 101),
+                                     "signature check failed: SignatureError: update signed by node 101 arrived from node 100"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAULTS))
+def test_bad_update_is_left_out_and_round_completes(name, caplog) -> None:
+    make_fault, reason = FAULTS[name]
+    fed = he_federation(3, **{"dp-mode": "distributed"})
+    fed.grid.faults[(100, protocol.TRAIN)] = make_fault(fed)
+    with caplog.at_level("WARNING", logger="flwr"):
+        recs = fed.run_all()
+    assert [r.num_clients for r in recs] == [2, 2]
+    for rec in recs:
+        assert set(drops(rec)) == {100} and reason in drops(rec)[100], drops(rec)
+        assert set(rec.upload_bytes) == {"101", "102"}
+        assert rec.noise_shares_added == 1  # distributed: the server added node 100's share
+        assert rec.eval_clients == 3  # node 100 still decrypts the aggregate and evaluates
+    assert any("leaving out node 100" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
+
+
+def test_update_from_a_node_the_verifier_does_not_know_is_left_out() -> None:
+    fed = he_federation(3, **{"num-server-rounds": 2})
+    fed.round(1)
+    fed.keys.verifier.remove_node("100")  # e.g. its enrollment was revoked
+    rec = fed.round(2)
+    assert "UnknownNodeError: update from unknown node '100'" in drops(rec)[100]
+    assert rec.num_clients == 2
+
+
+def test_replayed_previous_round_update_is_left_out() -> None:
+    fed = he_federation(3, **{"num-server-rounds": 3})
+    captured: dict[int, object] = {}
+
+    def replay(msg: Message, ctx):
+        reply = fed.grid.deliver(msg)
+        rnd = int(msg.content[protocol.CONFIG]["server-round"])
+        rec = reply.content.array_records[protocol.UPDATE]
+        if rnd == 1:
+            captured[1] = rec["update"]
+        else:
+            rec["update"] = captured[1]  # node 100's own, validly signed, round-1 update
+        return reply
+
+    fed.grid.faults[(100, protocol.TRAIN)] = replay
+    recs = fed.run_all()
+    assert [r.num_clients for r in recs] == [3, 2, 2]
+    assert "ReplayError: replayed/late update for round 1 from '100'; current round is 2" in drops(recs[1])[100]
+    assert "current round is 3" in drops(recs[2])[100]
+
+
+def test_distributed_top_up_noise_is_added_under_encryption(monkeypatch) -> None:
+    """A dropped client's noise share is added by the server: contributions = sampled, and
+    the extra noise has the share's standard deviation σC/√n."""
+    sent: list[np.ndarray] = []
+    real_encode = CkksClientCodec.encode
+
+    def spy(self, vec, weight, noise=None):
+        sent.append(np.asarray(vec, dtype=np.float64).copy())
+        return real_encode(self, vec, weight, noise)
+
+    monkeypatch.setattr(CkksClientCodec, "encode", spy)
+    fed = he_federation(3, **{"dp-mode": "distributed", "num-server-rounds": 1, "noise-multiplier": 1.0,
+                              "clip-norm": 0.5})
+    fed.grid.faults[(101, protocol.TRAIN)] = raise_fault
+    (rec,) = fed.run_all()
+    assert rec.sampled == 3 and rec.num_clients == 2 and rec.noise_shares_added == 1
+    dec = AggregateDecryptor(dealer_of(fed)._context, fed.strategy.packing)
+    result = dec.decrypt(fed.strategy.history[0])
+    assert result.n_updates == 2 and result.contributions == 3 and result.weight_sum == pytest.approx(2.0)
+    server_noise = result.mean * 2 - (sent[0] + sent[1])
+    share = 1.0 * 0.5 / math.sqrt(3)
+    assert np.std(server_noise) == pytest.approx(share, rel=0.1)
+    assert abs(np.mean(server_noise)) < 0.05 * share
+
+
+def test_fewer_than_min_clients_after_faults_stops_clearly() -> None:
+    fed = he_federation(3, **{"min-clients": 3})
+    fed.grid.faults[(100, protocol.TRAIN)] = payload_fault(fed.grid, lambda p, m, c: os.urandom(100))
+    with pytest.raises(NotEnoughClients, match="2 usable update\\(s\\) < min-clients=3"):
+        fed.run_all()
+
+
+def test_client_level_epsilon_is_accounted_per_round() -> None:
+    fed = he_federation(4, **{"dp-mode": "distributed", "num-server-rounds": 3, "fraction-train": 0.5,
+                              "noise-multiplier": 1.2})
+    recs = fed.run_all()
+    from crypto import PrivacyAccountant
+
+    acct = PrivacyAccountant("rdp")
+    for rec in recs:
+        assert rec.sampled == 2 and rec.population == 4
+        acct.step(1.2, 0.5)
+        assert rec.epsilon_client == pytest.approx(acct.epsilon(1e-5))
+    assert math.isnan(recs[0].epsilon_sample)
+
+
+# --- provisioning ---------------------------------------------------------------------------
+
+
+def _enroll_msg(dealer_key: bytes, node_id: int) -> Message:
+    set_server_identity()
+    return Message(RecordDict({provisioning.ENROLL_REC: ConfigRecord({"dealer-key": dealer_key})}),
+                   dst_node_id=node_id, message_type=provisioning.ENROLL)
+
+
+def _provision_msg(bundle: bytes, dealer_key: bytes, signed_pub: bytes, node_id: int) -> Message:
+    rec = ConfigRecord({"bundle": bundle, "dealer-key": dealer_key, "public-context": signed_pub})
+    return Message(RecordDict({provisioning.PROVISION_REC: rec}), dst_node_id=node_id,
+                   message_type=provisioning.PROVISION)
+
+
+def _enrolled_node(dealer: Dealer, node_id: int = 7):
+    ctx = make_context(node_id, 0, 3, {**BASE_CONFIG, **HE})
+    reply = client_app.app(_enroll_msg(dealer.verify_key, node_id), ctx)
+    rec = reply.content.config_records[provisioning.NODE_KEYS_REC]
+    from crypto import NodePublicKeys
+
+    pub = NodePublicKeys(rec["node-id"], bytes(rec["kx-public"]), bytes(rec["sign-public"]))
+    return ctx, pub
+
+
+def test_node_provisioning_happy_path_and_keys_stay_private() -> None:
+    dealer = Dealer()
+    ctx, pub = _enrolled_node(dealer)
+    assert pub.node_id == "7"
+    dealer.enroll(pub)
+    msg = _provision_msg(dealer.wrap_for("7").to_bytes(), dealer.verify_key, dealer.signed_public_context(), 7)
+    ack = client_app.app(msg, ctx).content.config_records[provisioning.PROVISIONED_REC]
+    assert bytes(ack["key-id"]) == dealer.key_id and ack["epoch"] == 0
+    secret, epoch = provisioning.secret_context(ctx)
+    assert secret.is_private and secret.key_id == dealer.key_id and epoch == 0
+    private = bytes(ctx.state.config_records[provisioning.STATE_KEYS]["private"])
+    assert b"ENCRYPTED PRIVATE KEY" in private  # passphrase-encrypted PKCS#8
+    # enrolling again returns the same public keys (generated once per node)
+    again = client_app.app(_enroll_msg(dealer.verify_key, 7), ctx).content.config_records[provisioning.NODE_KEYS_REC]
+    assert bytes(again["sign-public"]) == pub.sign_public
+
+
+def test_node_refuses_a_bundle_with_a_wrong_dealer_signature() -> None:
+    dealer, evil = Dealer(), Dealer()
+    ctx, pub = _enrolled_node(dealer)  # pins dealer's key on first contact
+    evil.enroll(pub)
+    # bundle and public context signed by another dealer, presented under the pinned key
+    msg = _provision_msg(evil.wrap_for("7").to_bytes(), dealer.verify_key, evil.signed_public_context(), 7)
+    with pytest.raises(Exception, match="signature does not verify"):
+        client_app.app(msg, ctx)
+    # ... or under its own key: the node refuses the key change
+    msg = _provision_msg(evil.wrap_for("7").to_bytes(), evil.verify_key, evil.signed_public_context(), 7)
+    with pytest.raises(provisioning.ProvisioningError, match="differs from the pinned"):
+        client_app.app(msg, ctx)
+    # a genuine bundle whose signature was tampered with
+    dealer.enroll(pub)
+    good = bytearray(dealer.wrap_for("7").to_bytes())
+    good[-1] ^= 1
+    msg = _provision_msg(bytes(good), dealer.verify_key, dealer.signed_public_context(), 7)
+    with pytest.raises(Exception, match="signature does not verify"):
+        client_app.app(msg, ctx)
+    assert provisioning.STATE_CKKS not in ctx.state.config_records
+    with pytest.raises(provisioning.ProvisioningError, match="not provisioned"):
+        provisioning.secret_context(ctx)
+
+
+def test_node_refuses_a_bundle_wrapped_for_another_node() -> None:
+    dealer = Dealer()
+    ctx, pub = _enrolled_node(dealer, 7)
+    other_ctx, other = _enrolled_node(dealer, 8)
+    dealer.enroll(pub)
+    dealer.enroll(other)
+    msg = _provision_msg(dealer.wrap_for("8").to_bytes(), dealer.verify_key, dealer.signed_public_context(), 7)
+    with pytest.raises(Exception, match="bundle is for node '8'"):
+        client_app.app(msg, ctx)
+
+
+def test_node_with_a_pinned_dealer_key_refuses_another_dealer_and_the_round_goes_on() -> None:
+    fed = he_federation(3, **{"num-server-rounds": 1})
+    fed.grid.contexts[102].node_config["dealer-key"] = Dealer().verify_key.hex()
+    (rec,) = fed.run_all()
+    assert "differs from the pinned one" in drops(rec, "enroll")[102]
+    assert rec.population == 2 and rec.num_clients == 2 and rec.eval_clients == 2
+    assert not any(m.metadata.dst_node_id == 102 and m.metadata.message_type in (protocol.TRAIN, protocol.EVALUATE)
+                   for m in fed.grid.sent)
+    assert "102" not in fed.keys.verifier.nodes
+
+
+def test_provisioning_failure_keeps_the_node_out_of_the_verifier() -> None:
+    fed = he_federation(3, **{"num-server-rounds": 1})
+    fed.grid.faults[(101, provisioning.PROVISION)] = lambda msg, ctx: None  # times out
+    (rec,) = fed.run_all()
+    assert "no reply" in drops(rec, "provision")[101]
+    assert rec.num_clients == 2 and "101" not in fed.keys.verifier.nodes
+
+
+def test_node_that_connects_later_is_enrolled_when_first_seen_and_catches_up() -> None:
+    fed = he_federation(3, **{"num-server-rounds": 3})
+    late = fed.grid.contexts.pop(102)
+    r1 = fed.round(1)
+    assert r1.admitted == [100, 101] and r1.num_clients == 2
+    fed.grid.contexts[102] = late
+    r2 = fed.round(2)
+    assert r2.admitted == [102] and r2.num_clients == 3 and r2.eval_clients == 3
+    r3 = fed.round(3)
+    assert r3.admitted == [] and r3.num_clients == 3
+    for n in (100, 101):
+        np.testing.assert_array_equal(_flat_params(fed, n), _flat_params(fed, 102))
+
+
+def test_keyservice_exposes_public_material_only() -> None:
+    keys = KeyService(True)
+    assert not load_context(keys.public_context).is_private
+    assert "Dealer" not in repr(keys) and len(keys.dealer_key) == 32
+    plain = KeyService(False)
+    assert plain.public_context is None and plain.dealer_key is None
+
+
+def test_he_config_requires_clipping() -> None:
+    with pytest.raises(ValueError, match="clip-norm must be > 0 when he=true"):
+        RunConfig.from_run_config({**BASE_CONFIG, **HE, "clip-norm": 0.0})
