@@ -28,7 +28,7 @@ because they are a function of the run config and the model size only:
   per-client Gaussian noise has std s = σC (local), σC/√min-clients (distributed: the
   largest share any round can use, since a round has >= min-clients clients), 0 (none).
   R = sqrt((4·s)² + (12·C/√dim)²), capped at C + 4·s (no coordinate of a clipped update
-  exceeds C). This is ``crypto.suggest_clip_range`` (4 RMS of noise and signal together)
+  exceeds C), rounded to 6 significant digits. This is ``crypto.suggest_clip_range`` (4 RMS of noise and signal together)
   with a 3x wider allowance for the signal: trained updates are heavy-tailed (digits:
   max |coordinate| ≈ 10x RMS); at 4·C/√dim 1 % of the values saturated and 10 digits
   rounds lost 0.4 accuracy points vs the plaintext codec, at 12·C/√dim none saturated and
@@ -200,6 +200,9 @@ def packing_for(cfg: RunConfig, dim: int) -> PackingConfig:
         clip_range = min(
             math.hypot(RANGE_NOISE_TAIL * s, RANGE_SIGNAL_TAIL * signal_rms), c + RANGE_NOISE_TAIL * s
         )
+        # 6 significant digits: the range goes into the packing fingerprint every ciphertext
+        # carries, so a last-bit difference in libm between machines must not split the run
+        clip_range = float(f"{clip_range:.6g}")
     try:
         return PackingConfig(
             mode=cfg.packing,

@@ -5,7 +5,8 @@ and added ``provisioning``)::
 
     {"schema": 2, "status": "completed" | "stopped: <why>" | "failed", "run_id", "mode",
      "config": {<run config, dash keys>}, "started_at", "finished_at", "wall_s",
-     "provisioning": {<KeyService stats>}, "rounds": [RoundRecord as dict, ...]}
+     "provisioning": {<KeyService stats>}, "encoding": {<PackingConfig, he=true>},
+     "rounds": [RoundRecord as dict, ...]}
 
 Client phase times are means over the clients that took part (their reply metrics);
 ``aggregate``, ``verify`` and ``provision`` are measured on the server.
@@ -100,6 +101,8 @@ class RunResults:
     rounds: list[RoundRecord] = field(default_factory=list)
     provisioning: dict[str, Any] = field(default_factory=dict)
     """KeyService stats: who played the dealer, nodes enrolled/provisioned/refused, bytes."""
+    encoding: dict[str, Any] = field(default_factory=dict)
+    """The public CKKS PackingConfig of the run (he=true), e.g. the derived clip_range."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -13,6 +13,7 @@ SuperLink's, not necessarily the project's).
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from logging import ERROR, INFO
 
 from flwr.app import Context
@@ -49,6 +50,9 @@ def main(grid: Grid, context: Context) -> None:
             strategy = OpaqueFedAvg(
                 cfg, dim, keys.verifier, keys.public_context, wait_for_nodes_s=cfg.round_timeout
             )
+            if strategy.packing is not None:
+                results.encoding = {**asdict(strategy.packing), "preset": cfg.ckks_preset, "dim": dim}
+                log(INFO, "fedkv: CKKS encoding %s", results.encoding)
 
             def on_round(rec: RoundRecord) -> None:
                 results.rounds.append(rec)

@@ -109,6 +109,8 @@ def test_server_main_he_run_writes_results_with_privacy_and_sizes(tmp_path) -> N
     prov = data["provisioning"]
     assert prov["dealer"] == "serverapp-process" and prov["provisioned"] == 3 and prov["refused"] == 0
     assert prov["bundle_bytes"] > 0 and prov["public_context_bytes"] > 0
+    enc = data["encoding"]
+    assert enc["mode"] == "packed" and enc["max_weight"] == 1.0 and enc["clip_range"] > 0 and enc["dim"] == 4810
     assert data["rounds"][0]["admitted"] == [100, 101, 102] and data["rounds"][1]["admitted"] == []
     for r in data["rounds"]:
         assert r["num_clients"] == 3 and r["population"] == 3 and r["dropped"] == []

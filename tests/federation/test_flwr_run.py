@@ -1,6 +1,7 @@
 """End to end through the real CLI: ``flwr run <app> --stream`` (simulation, Ray).
 
-Other end-to-end tests (he=true, DP modes) should use the ``flwr_cli`` fixture from
+he=true, 3 nodes, 2 rounds, digits: enroll + provision, CKKS updates, signatures, DP
+accounting, results file. Other end-to-end tests should use the ``flwr_cli`` fixture from
 conftest.py; this one uses the context manager directly so it can also check, after
 cleanup, that nothing it started is still running.
 """
