@@ -1,4 +1,4 @@
-"""fedkv ClientApp: every Flower node hosts one ``FederatedNode`` across rounds.
+"""fedkv ClientApp: every Flower node hosts one ``CacheNode`` across rounds.
 
 Protocols, routed by message type:
 
@@ -27,7 +27,7 @@ from flwr.clientapp.mod import fixedclipping_mod
 from federation import node_host, protocol, provisioning
 from federation.codec import ClientCodec, client_weight, make_client_codec, packing_for
 from federation.config import RunConfig
-from node.federated import DpConfig, FederatedNode
+from node.cache_node import CacheNode, DpConfig
 
 app = ClientApp()
 
@@ -137,7 +137,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     metrics = {
         "num-examples": n,
         "eval-loss": loss,
-        "eval-acc": acc,
+        "eval-metric": acc,
         "decrypt-s": decrypt_s,
         "writeback-s": writeback_s,
         "eval-s": eval_s,
@@ -148,7 +148,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     return Message(RecordDict({protocol.METRICS: MetricRecord(metrics)}), reply_to=msg)
 
 
-def _catch_up(node: FederatedNode, msg: Message, codec: ClientCodec) -> tuple[float, float]:
+def _catch_up(node: CacheNode, msg: Message, codec: ClientCodec) -> tuple[float, float]:
     """Apply every aggregate newer than the node's version; returns (decode s, write-back s)."""
     target = int(msg.content[protocol.CONFIG]["target-version"])
     record = msg.content.array_records.get(protocol.AGGREGATES)
@@ -206,5 +206,5 @@ def evaluate_arrays(msg: Message, context: Context) -> Message:
     node, _ = node_host.get_node(context)
     node.set_weights(msg.content.array_records["arrays"].to_torch_state_dict())
     loss, acc, n = node.evaluate()
-    metrics = MetricRecord({"num-examples": n, "eval-loss": loss, "eval-acc": acc})
+    metrics = MetricRecord({"num-examples": n, "eval-loss": loss, "eval-metric": acc})
     return Message(RecordDict({"metrics": metrics}), reply_to=msg)

@@ -21,9 +21,9 @@ CKKS_PRESETS = ("fedkv-4096", "fedkv-8192", "nvflare-default")
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Defaults here equal the pyproject defaults (federation/PYPROJECT_SNIPPET.toml)."""
+    """Defaults here equal the pyproject defaults (``[tool.flwr.app.config]`` in pyproject.toml)."""
 
-    num_server_rounds: int = 3
+    num_server_rounds: int = 5
     task: str = "lm"
     """digits | lm (lm is provided by the node package's CacheNode)."""
     he: bool = True
@@ -49,7 +49,7 @@ class RunConfig:
     """none | local | distributed | flower-central (Flower's client-side fixed clipping)."""
     dp_sgd: bool = False
     """Opacus per-sample DP-SGD in local training (independent of dp-mode)."""
-    noise_multiplier: float = 1.0
+    noise_multiplier: float = 0.02
     clip_norm: float = 1.0
     """L2 bound on one update. Applied under DP, and under HE in every dp-mode (the
     CKKS encoding needs a bounded range)."""
@@ -57,7 +57,8 @@ class RunConfig:
     fraction_train: float = 1.0
     """Share of connected nodes sampled for training each round (at least min-clients)."""
     local_epochs: int = 2
-    lr: float = 0.3
+    lr: float = 0.0
+    """Local learning rate; 0 = the task's default (digits 0.3 with SGD, lm 3e-3 with AdamW)."""
     kv_dtype: str = "fp32"
     """KV-cache block dtype for the lm task (passed to the node; unused by digits)."""
     results_dir: str = "results"
@@ -107,6 +108,8 @@ class RunConfig:
             problems.append("target-delta must be in (0, 1)")
         if self.dp_mode == "flower-central" and self.he:
             problems.append("dp-mode=flower-central uses Flower's plaintext arrays; set he=false")
+        if self.lr < 0:
+            problems.append("lr must be >= 0 (0 = the task's default)")
         if problems:
             raise ValueError("bad run config: " + "; ".join(problems))
 

@@ -19,8 +19,8 @@ from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, 
 
 from crypto import PrivacyAccountant, client_sample_rate
 from federation.config import RunConfig
-from federation.results import RoundRecord, RunResults, mean, weighted_mean
-from node.federated import build_model
+from federation.results import METRIC_NAMES, RoundRecord, RunResults, mean, weighted_mean
+from node.cache_node import build_model
 
 
 def _train_metrics(records: list[RecordDict], weight_key: str) -> MetricRecord:
@@ -45,7 +45,7 @@ def _eval_metrics(records: list[RecordDict], weight_key: str) -> MetricRecord:
         {
             "num-clients": len(m),
             "eval-loss": weighted_mean([float(x["eval-loss"]) for x in m], n),
-            "eval-acc": weighted_mean([float(x["eval-acc"]) for x in m], n),
+            "eval-metric": weighted_mean([float(x["eval-metric"]) for x in m], n),
         }
     )
 
@@ -77,14 +77,14 @@ def run_flower_central(grid: Grid, cfg: RunConfig, results: RunResults) -> None:
     for rnd in range(1, cfg.num_server_rounds + 1):
         tr = result.train_metrics_clientapp.get(rnd, MetricRecord())
         ev = result.evaluate_metrics_clientapp.get(rnd, MetricRecord())
-        rec = RoundRecord(round=rnd, sampled=num_sampled)
+        rec = RoundRecord(round=rnd, sampled=num_sampled, metric=METRIC_NAMES[cfg.task])
         rec.num_clients = int(tr.get("num-clients", 0))
         rec.train_loss = float(tr.get("train-loss", math.nan))
         rec.clipped_fraction = float(tr.get("clipped", math.nan))
         rec.upload_bytes_mean = float(tr.get("upload-bytes", math.nan))
         rec.seconds["train"] = float(tr.get("train-s", math.nan))
         rec.eval_loss = float(ev.get("eval-loss", math.nan))
-        rec.eval_acc = float(ev.get("eval-acc", math.nan))
+        rec.eval_metric = float(ev.get("eval-metric", math.nan))
         rec.eval_clients = int(ev.get("num-clients", 0))
         rec.population = num_nodes
         rec.delta = cfg.target_delta

@@ -1,6 +1,6 @@
-"""One ``FederatedNode`` per Flower node, reused across rounds.
+"""One ``CacheNode`` per Flower node, reused across rounds.
 
-What persists where (measured, see FLOWER_NOTES.md):
+What persists where (measured, see docs/flower-notes.md):
 
 * ``context.state`` is the only thing Flower guarantees per node across messages, in
   simulation and in deployment. It is authoritative here: parameters + scalars.
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 
-from node.federated import FederatedNode, NodeSpec
+from node.cache_node import CacheNode, NodeSpec
 
 PARAMS_KEY = "fedkv.params"
 META_KEY = "fedkv.meta"
@@ -34,7 +34,7 @@ BUILT, RESTORED, REUSED = 0, 1, 2
 
 @dataclass
 class _Entry:
-    node: FederatedNode
+    node: CacheNode
     generation: int
 
 
@@ -50,6 +50,7 @@ def spec_from_context(context: Context) -> NodeSpec:
         task=str(rc.get("task", "digits")),
         seed=int(rc.get("seed", 42)),
         alpha=float(rc.get("alpha", 1.0)),
+        kv_dtype=str(rc.get("kv-dtype", "fp32")),
     )
 
 
@@ -64,7 +65,7 @@ def _limit_threads() -> None:
         torch.set_num_threads(want)
 
 
-def get_node(context: Context) -> tuple[FederatedNode, int]:
+def get_node(context: Context) -> tuple[CacheNode, int]:
     """The node for this context and how it was obtained (BUILT/RESTORED/REUSED)."""
     _limit_threads()
     key = (context.run_id, context.node_id)
@@ -74,7 +75,7 @@ def get_node(context: Context) -> tuple[FederatedNode, int]:
     if entry is not None and entry.generation == generation:
         _CACHE.move_to_end(key)
         return entry.node, REUSED
-    node = FederatedNode(spec_from_context(context))
+    node = CacheNode(spec_from_context(context))
     source = BUILT
     if meta is not None:
         params = context.state.array_records[PARAMS_KEY]["params"].numpy()
@@ -84,7 +85,7 @@ def get_node(context: Context) -> tuple[FederatedNode, int]:
     return node, source
 
 
-def save_node(context: Context, node: FederatedNode) -> None:
+def save_node(context: Context, node: CacheNode) -> None:
     """Write the node into ``context.state`` and bump the generation the cache checks."""
     key = (context.run_id, context.node_id)
     meta = context.state.config_records.get(META_KEY)
@@ -95,7 +96,7 @@ def save_node(context: Context, node: FederatedNode) -> None:
     _remember(key, node, generation)
 
 
-def _remember(key: tuple[int, int], node: FederatedNode, generation: int) -> None:
+def _remember(key: tuple[int, int], node: CacheNode, generation: int) -> None:
     _CACHE[key] = _Entry(node, generation)
     _CACHE.move_to_end(key)
     while len(_CACHE) > MAX_CACHED_NODES:

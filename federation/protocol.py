@@ -42,7 +42,7 @@ TRAIN_METRICS = (
     "num-values", "saturated", "weight-capped",
     "train-s", "encrypt-s", "sign-s", "decrypt-s", "writeback-s", "version", "node-source", "pid",
 )
-EVAL_METRICS = ("num-examples", "eval-loss", "eval-acc", "decrypt-s", "writeback-s", "eval-s",
+EVAL_METRICS = ("num-examples", "eval-loss", "eval-metric", "decrypt-s", "writeback-s", "eval-s",
                 "version", "node-source", "pid")
 
 

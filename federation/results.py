@@ -44,7 +44,9 @@ class RoundRecord:
     """[{"node": id, "phase": "enroll"|"provision"|"train"|"evaluate", "reason": str}]"""
     train_loss: float = math.nan
     eval_loss: float = math.nan
-    eval_acc: float = math.nan
+    eval_metric: float = math.nan
+    """The task's metric on the nodes' held-out data: accuracy (digits) or perplexity (lm)."""
+    metric: str = "accuracy"
     eval_clients: int = 0
     upload_bytes: dict[str, int] = field(default_factory=dict)
     """Bytes of the encoded update, per node id (str keys for JSON)."""
@@ -78,7 +80,7 @@ class RoundRecord:
         return (
             f"round {self.round}/{num_rounds}: {self.num_clients}/{self.sampled} clients"
             f" | train_loss {self.train_loss:.4f} | eval_loss {self.eval_loss:.4f}"
-            f" acc {self.eval_acc:.4f} ({self.eval_clients} nodes)"
+            f" {self.metric} {self.eval_metric:.4f} ({self.eval_clients} nodes)"
             f" | up {self.upload_bytes_mean / 1024:.1f} KiB/client"
             f" | s: train {s.get('train', math.nan):.3f} enc {s.get('encrypt', math.nan):.4f}"
             f" agg {s.get('aggregate', math.nan):.4f}"
@@ -88,6 +90,9 @@ class RoundRecord:
             f" | eps client {self.epsilon_client:.3g} sample {self.epsilon_sample:.3g}"
             f" | dropped {len(self.dropped)}"
         )
+
+
+METRIC_NAMES = {"digits": "accuracy", "lm": "perplexity"}
 
 
 @dataclass

@@ -25,7 +25,7 @@ from federation.flower_central import run_flower_central
 from federation.provisioning import KeyService
 from federation.results import RoundRecord, RunResults
 from federation.strategy import NotEnoughClients, OpaqueFedAvg
-from node.federated import Layout, build_model
+from node.cache_node import model_layout
 
 app = ServerApp()
 
@@ -44,7 +44,7 @@ def main(grid: Grid, context: Context) -> None:
             for rec in results.rounds:
                 log(INFO, "fedkv %s", rec.summary(cfg.num_server_rounds))
         else:
-            dim = Layout.of(build_model(cfg.task, cfg.seed)).size
+            dim = model_layout(cfg.task, cfg.seed).size
             keys = KeyService(cfg.he, cfg.ckks_preset, timeout=cfg.round_timeout)
             results.provisioning = keys.stats
             strategy = OpaqueFedAvg(

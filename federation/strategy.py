@@ -50,7 +50,7 @@ from crypto.errors import SecretKeyPresentError, SignatureError
 from federation import protocol
 from federation.codec import Aggregator, make_aggregator, packing_for
 from federation.config import RunConfig
-from federation.results import RoundRecord, mean, weighted_mean
+from federation.results import METRIC_NAMES, RoundRecord, mean, weighted_mean
 
 if TYPE_CHECKING:
     from federation.provisioning import AdmitReport
@@ -117,7 +117,7 @@ class OpaqueFedAvg:
             on_round(self.round(grid, rnd, admit))
 
     def round(self, grid: Grid, rnd: int, admit: Admit | None = None) -> RoundRecord:
-        rec = RoundRecord(round=rnd)
+        rec = RoundRecord(round=rnd, metric=METRIC_NAMES[self.cfg.task])
         nodes = self.wait_for_nodes(grid)
         if admit is not None:
             report = admit(grid, nodes)
@@ -340,7 +340,7 @@ class OpaqueFedAvg:
         n = [float(x["num-examples"]) for x in m]
         rec.eval_clients = len(m)
         rec.eval_loss = weighted_mean([float(x["eval-loss"]) for x in m], n)
-        rec.eval_acc = weighted_mean([float(x["eval-acc"]) for x in m], n)
+        rec.eval_metric = weighted_mean([float(x["eval-metric"]) for x in m], n)
         rec.seconds["eval_decrypt"] = mean([float(x["decrypt-s"]) for x in m])
         rec.seconds["eval_writeback"] = mean([float(x["writeback-s"]) for x in m])
         if not m:

@@ -52,7 +52,8 @@ class DpConfig:
     mode: str = "none"
     """none | local | distributed | flower-central (the last is done by Flower's mod)."""
     clip_norm: float = 0.0
-    """L2 bound on the whole update; 0 = no clipping (plaintext runs only)."""
+    """L2 bound on the whole update in modes local and distributed (and Opacus' per-sample
+    bound with dp_sgd)."""
     noise_multiplier: float = 0.0
     """sigma: the noise on the *sum* of updates has std sigma * clip_norm."""
     num_sampled: int = 1
@@ -153,7 +154,9 @@ class CacheNode:
         self, epochs: int, lr: float, dp: DpConfig, rng: np.random.Generator
     ) -> TrainOutcome:
         """Train from the global parameters; return delta (clipped + noised) and stats. The
-        model goes back to the global parameters: only a write-back moves the node."""
+        model goes back to the global parameters: only a write-back moves the node.
+        ``lr <= 0`` means the task's default learning rate."""
+        lr = lr if lr > 0 else self.task.default_lr
         start = self.params()
         self.model.load_state_dict(start)
         # the same shuffle whether this object was reused or rebuilt from context.state
@@ -172,7 +175,7 @@ class CacheNode:
             raise FloatingPointError("local update has NaN/Inf (diverged?); not sending it")
         self.cache.put_tensor(UPDATE_KEY, torch.from_numpy(delta.astype(np.float32)), self.version)
         norm, clipped = float(np.linalg.norm(delta)), False
-        if dp.clip_norm > 0:
+        if dp.mode in ("local", "distributed") and dp.clip_norm > 0:
             res = clip_update(delta, dp.clip_norm)
             delta, clipped = res.clipped, res.was_clipped
         if dp.mode in ("local", "distributed") and dp.noise_multiplier > 0:
@@ -230,6 +233,7 @@ class CacheNode:
     def train_in_place(self, epochs: int, lr: float) -> tuple[float, int, float]:
         """Train the current weights in place: (loss, n, seconds). Flower sends weights."""
         t0 = time.perf_counter()
+        lr = lr if lr > 0 else self.task.default_lr
         loss, n = self.task.train(self.model, epochs, lr, self.spec.seed + self.version)
         return loss, n, time.perf_counter() - t0
 

@@ -29,6 +29,7 @@ class Task(Protocol):
     name: str
     metric: str
     """Name of the evaluation metric: ``accuracy`` (higher is better) or ``perplexity``."""
+    default_lr: float
     num_examples: int
     train_loader: DataLoader | None
     """Per-sample data for Opacus DP-SGD; None when the task does not support it."""
@@ -47,6 +48,8 @@ class DigitsTask:
     hidden: int = 64
     name: str = "digits"
     metric: str = "accuracy"
+    default_lr: float = 0.3
+    """Plain SGD."""
 
     def __post_init__(self) -> None:
         cfg = digits.DigitsConfig(
@@ -80,6 +83,8 @@ class LmTask:
     eval_windows: int = 16
     name: str = "lm"
     metric: str = "perplexity"
+    default_lr: float = 3e-3
+    """AdamW, fresh each round."""
     train_loader: DataLoader | None = None  # Opacus DP-SGD is offered for digits only
 
     def __post_init__(self) -> None:

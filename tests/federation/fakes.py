@@ -138,11 +138,11 @@ class Federation:
         from federation.config import RunConfig
         from federation.provisioning import KeyService
         from federation.strategy import OpaqueFedAvg
-        from node.federated import Layout, build_model
+        from node.cache_node import model_layout
 
         self.run_config = {**BASE_CONFIG, **overrides}
         self.cfg = RunConfig.from_run_config(self.run_config)
-        self.dim = Layout.of(build_model(self.cfg.task, self.cfg.seed)).size
+        self.dim = model_layout(self.cfg.task, self.cfg.seed).size
         self.grid = FakeGrid(num_nodes, self.run_config)
         self.keys = KeyService(self.cfg.he, self.cfg.ckks_preset, timeout=self.cfg.round_timeout)
         self.strategy = OpaqueFedAvg(

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SNIPPET = REPO / "federation" / "PYPROJECT_SNIPPET.toml"
 PACKAGES = ("node", "federation", "crypto", "cache")
 
 
@@ -40,8 +39,7 @@ def free_port() -> int:
 def make_app_dir(dest: Path) -> Path:
     """A minimal copy of the project that ``flwr run`` can build into a FAB.
 
-    Uses the repo's pyproject, appending federation/PYPROJECT_SNIPPET.toml while the
-    ``[tool.flwr.app]`` sections are not merged into it yet.
+    Uses the repo's pyproject (which holds the ``[tool.flwr.app]`` sections).
     """
     dest.mkdir(parents=True, exist_ok=True)
     for pkg in PACKAGES:
@@ -49,10 +47,7 @@ def make_app_dir(dest: Path) -> Path:
             shutil.copytree(
                 REPO / pkg, dest / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
             )
-    text = (REPO / "pyproject.toml").read_text()
-    if "[tool.flwr.app]" not in text:
-        text += "\n" + SNIPPET.read_text()
-    (dest / "pyproject.toml").write_text(text)
+    shutil.copy(REPO / "pyproject.toml", dest / "pyproject.toml")
     return dest
 
 

@@ -10,7 +10,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from federation import client_app, protocol, server_app
 from federation.strategy import NotEnoughClients
-from node.federated import build_model
+from node.cache_node import build_model
 from tests.federation.fakes import BASE_CONFIG, FakeGrid, make_context, raise_fault, set_server_identity
 
 
@@ -52,7 +52,7 @@ def test_flower_central_runs_with_flowers_dp_wrapper(tmp_path) -> None:
     data = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert data["status"] == "completed" and data["mode"] == "flower-central"
     assert [r["num_clients"] for r in data["rounds"]] == [3, 3]
-    assert all(r["eval_clients"] == 3 and 0 <= r["eval_acc"] <= 1 for r in data["rounds"])
+    assert all(r["eval_clients"] == 3 and 0 <= r["eval_metric"] <= 1 for r in data["rounds"])
     assert {m.metadata.message_type for m in grid.sent} == {"train", "evaluate"}
     eps = [r["epsilon_client"] for r in data["rounds"]]
     assert 0 < eps[0] < eps[1]

@@ -5,12 +5,12 @@ import pytest
 from federation.config import RunConfig
 
 
-def test_defaults_match_snippet() -> None:
+def test_defaults_match_pyproject() -> None:
     import tomllib
     from pathlib import Path
 
-    snippet = Path(__file__).resolve().parents[2] / "federation" / "PYPROJECT_SNIPPET.toml"
-    cfg = tomllib.loads(snippet.read_text())["tool"]["flwr"]["app"]["config"]
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    cfg = tomllib.loads(pyproject.read_text())["tool"]["flwr"]["app"]["config"]
     assert RunConfig.from_run_config(cfg) == RunConfig()
     assert set(cfg) == set(RunConfig().as_dict())
 

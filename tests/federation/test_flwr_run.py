@@ -47,7 +47,7 @@ def test_flwr_run_digits_he(tmp_path) -> None:
         # one seeded CKKS ciphertext (4,810 values < 12,288 per ciphertext) + signature framing
         assert len(r["upload_bytes"]) == 3 and all(30_000 < b < 40_000 for b in r["upload_bytes"].values())
         assert 60_000 < r["aggregate_bytes"] < 70_000
-        assert r["eval_loss"] is not None and 0.0 <= r["eval_acc"] <= 1.0
+        assert r["eval_loss"] is not None and 0.0 <= r["eval_metric"] <= 1.0
         assert {"train", "encrypt", "sign", "aggregate", "verify", "decrypt", "writeback"} <= set(r["seconds"])
         assert r["clipped_fraction"] is not None and r["saturated_fraction"] is not None
     eps = [r["epsilon_client"] for r in data["rounds"]]

@@ -11,10 +11,10 @@ from crypto import NodeKeys, sign_update
 from federation import node_host, protocol
 from federation.codec import HEADER_BYTES
 from federation.strategy import NotEnoughClients
-from node.federated import Layout, build_model
+from node.cache_node import build_model, model_layout
 from tests.federation.fakes import Federation, payload_fault, raise_fault, tamper_fault, timeout_fault
 
-DIM = Layout.of(build_model("digits", 42)).size
+DIM = model_layout("digits", 42).size
 SIGNED_OVERHEAD = len(sign_update(NodeKeys.generate("100"), "100", 1, b""))
 """Signed-update framing around the codec payload for a 3-digit node id (91 bytes)."""
 
@@ -208,9 +208,9 @@ def test_dp_sgd_reports_epsilon() -> None:
 
 
 def build_flat() -> np.ndarray:
-    from node.federated import flatten
+    from crypto import flatten
 
-    return flatten(build_model("digits", 42))
+    return flatten(build_model("digits", 42).state_dict())[0].astype(np.float32)
 
 
 def test_reply_metrics_match_the_documented_protocol() -> None:
