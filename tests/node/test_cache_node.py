@@ -15,7 +15,7 @@ def test_round_keeps_params_and_update_in_the_cache(lm_node):
     node = lm_node
     v0 = node.version
     before = node.flat_params()
-    out = node.train_round(1, 3e-3, DpConfig(clip_norm=0.5), np.random.default_rng(0))
+    out = node.train_round(1, 3e-3, DpConfig("local", clip_norm=0.5), np.random.default_rng(0))
     assert np.allclose(node.flat_params(), before)  # training alone never moves the node
     stored = node.cache.get_tensor(UPDATE_KEY).numpy()
     assert stored.shape == (node.layout.size,) and node.cache.tensor_version(UPDATE_KEY) == v0
