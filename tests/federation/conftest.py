@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from federation import node_host
-from tests.federation.flwr_cli import FlwrSandbox, flwr_sandbox
+from federation.flwr_sandbox import FlwrSandbox, flwr_sandbox
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from tests.federation.flwr_cli import alive, flwr_sandbox
+from federation.flwr_sandbox import alive, flwr_sandbox
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Drive the real ``flwr run . --stream`` CLI in isolation, and always clean up.
+"""Drive the real ``flwr run . --stream`` CLI in isolation, and always clean up (tests, benchmarks).
 
 Isolation: a temporary FLWR_HOME *and* free ports for the local SuperLink. ``flwr run``
 decides whether to start a SuperLink by probing 127.0.0.1:$FLWR_LOCAL_SUPERLINK_HTTP_API_PORT
@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("node", "federation", "crypto", "cache")
 
 
