@@ -33,6 +33,10 @@ class CacheConfig:
     quant_scheme: str = "kivi"
     """``kivi``: keys per-channel, values per-token scales; ``per_layer``: one scale per layer
     and per K/V in each block (the article's scheme; smallest metadata, largest error)."""
+    tail_granule: int = 4
+    """The last, partly filled block of a session lives in a smaller slot that grows in steps
+    of this many tokens (moved into a full block when it fills), so a session wastes fewer
+    than ``tail_granule`` token slots instead of up to ``block_size - 1``. 0 disables."""
     requant_error_threshold: float = 0.25
     """If a block's relative quantization error (||x - q(x)|| / ||x||) passes this, the block
     is kept at full precision instead (counted in ``stats()['rematerialised_blocks']``)."""
@@ -55,6 +59,8 @@ class CacheConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for int4 packing, got {self.head_dim}")
+        if self.tail_granule < 0:
+            raise ConfigError(f"tail_granule must be >= 0, got {self.tail_granule}")
         if self.fp_window < 0:
             raise ConfigError(f"fp_window must be >= 0, got {self.fp_window}")
         if self.managed_block_bytes is None:

@@ -52,32 +52,32 @@ class KVCache:
             c.pool_bytes, c.superblock_bytes, c.managed_block_bytes, c.page_bytes
         )
         self.fresh = "fp16" if c.kv_dtype == "fp16" else "fp32"
+        self._fresh_dtype = torch.float16 if self.fresh == "fp16" else torch.float32
+        # storage classes: full blocks (fresh and quantized) and the smaller tail slots
+        g, B = c.tail_granule, c.block_size
+        self.capacity: dict[str, int] = {self.fresh: B, c.kv_dtype: B}
+        if 0 < g < B:
+            self.capacity.update({f"{self.fresh}@{cap}": cap for cap in range(g, B, g)})
         self.formats: dict[str, BlockFormat] = {}
-        for name in {self.fresh, c.kv_dtype}:
-            fmt = BlockFormat(name, c.quant_scheme, c.num_heads, c.block_size, c.head_dim)
+        self._views: dict[str, torch.Tensor] = {}  # [slab, slot, L, 2, H, cap, D] per fresh class
+        self._rows: dict[str, list[torch.Tensor]] = {}  # per class and layer, see BlockPool.rows
+        for name, cap in self.capacity.items():
+            dt = name.split("@")[0]
+            fmt = BlockFormat(dt, c.quant_scheme, c.num_heads, cap, c.head_dim)
             self.formats[name] = fmt
             self.pool.add_class(name, fmt.layer_bytes * c.num_layers)
-        self._fresh_dtype = torch.float16 if self.fresh == "fp16" else torch.float32
-        self._fresh_view = (
-            self.pool.view(self.fresh, self._fresh_dtype)[
-                :, :, : c.num_layers * 2 * c.num_heads * c.block_size * c.head_dim
-            ].unflatten(-1, (c.num_layers, 2, c.num_heads, c.block_size, c.head_dim))
-        )
-        # per class and layer: rows of the arena for single-op gathers (see BlockPool.rows)
-        self._rows = {
-            name: [
-                self.pool.rows(
-                    name,
-                    self._fresh_dtype if name == self.fresh else torch.uint8,
-                    layer * self.formats[name].layer_bytes // (
-                        self._fresh_view.element_size() if name == self.fresh else 1),
-                    self.formats[name].layer_bytes // (
-                        self._fresh_view.element_size() if name == self.fresh else 1),
-                )
+            typed = dt == self.fresh
+            dtype = self._fresh_dtype if typed else torch.uint8
+            item = torch.empty((), dtype=dtype).element_size()
+            if typed:
+                shape = (c.num_layers, 2, c.num_heads, cap, c.head_dim)
+                self._views[name] = self.pool.view(name, dtype)[
+                    :, :, : fmt.layer_bytes * c.num_layers // item].unflatten(-1, shape)
+            self._rows[name] = [
+                self.pool.rows(name, dtype, layer * fmt.layer_bytes // item, fmt.layer_bytes // item)
                 for layer in range(c.num_layers)
             ]
-            for name in self.formats
-        }
+        self._fresh_view = self._views[self.fresh]
         self.policy: EvictionPolicy = policy or LRUPolicy()
         self.tensors = TensorStore()
         self.version = 0
@@ -89,7 +89,7 @@ class KVCache:
         self._counters = dict.fromkeys(
             ("prefix_lookups", "prefix_hit_blocks", "prefix_miss_blocks", "prefix_hit_tokens",
              "evictions", "cow_copies", "dedup_blocks", "quantized_blocks",
-             "rematerialised_blocks", "quant_skipped_full", "alloc_failures"), 0)
+             "rematerialised_blocks", "quant_skipped_full", "tail_moves", "alloc_failures"), 0)
 
     # == sessions ===========================================================================
     def open_session(self) -> int:
@@ -235,35 +235,53 @@ class KVCache:
                 f"(done: {sorted(t.written)})"
             )
         B = self.config.block_size
+        total = t.length + len(toks)
         new_blocks: list[int] = []
-        cow: tuple[int, int] | None = None
+        tail: tuple[int, int] | None = None  # (old last block, its replacement)
         try:
-            if t.length % B and self.pool.refcount(t.blocks[-1]) > 1:
+            if t.length % B:
                 old = t.blocks[-1]
-                cow = (old, self._allocate(self.fresh))
-            need = t.blocks_needed(t.length + len(toks)) - len(t.blocks)
-            for _ in range(need):
-                new_blocks.append(self._allocate(self.fresh))
+                cls = self._class_for(min(B, total - (len(t.blocks) - 1) * B))
+                if self.pool.refcount(old) > 1 or cls != self.pool.location(old)[0]:
+                    tail = (old, self._allocate(cls))  # copy-on-write and/or a bigger slot
+            need = t.blocks_needed(total) - len(t.blocks)
+            for i in range(need):
+                n = min(B, total - (len(t.blocks) + i) * B)
+                new_blocks.append(self._allocate(self._class_for(n)))
         except CacheFullError:
-            for b in new_blocks + ([cow[1]] if cow else []):
+            for b in new_blocks + ([tail[1]] if tail else []):
                 self.pool.decref(b)
                 self.pool.free(b)
             raise
-        if cow:
-            old, new = cow
-            self.pool.slot_bytes_of(new).copy_(self.pool.slot_bytes_of(old))
+        if tail:
+            old, new = tail
+            n = t.length % B
+            self._views[self.pool.location(new)[0]][self._coords(new)][..., :n, :] = \
+                self._views[self.pool.location(old)[0]][self._coords(old)][..., :n, :]
             om = self._meta[old]
             self._meta[new] = BlockMeta(list(om.tokens), om.version)
             t.blocks[-1] = new
             t.gather_plan = None
+            shared = self.pool.refcount(old) > 1
             self._decref(old)
-            self._counters["cow_copies"] += 1
+            self._counters["cow_copies" if shared else "tail_moves"] += 1
         for b in new_blocks:
             self._meta[b] = BlockMeta([], self.version)
         t.blocks.extend(new_blocks)
         t.tokens = t.tokens[: t.length] + toks
         t.pending = len(toks)
         t.written = set()
+
+    def _class_for(self, n_tokens: int) -> str:
+        """Fresh storage class for a block that will hold ``n_tokens``: a full block, or the
+        smallest tail slot (a multiple of ``tail_granule``) that fits them."""
+        g, B = self.config.tail_granule, self.config.block_size
+        cap = -(-n_tokens // g) * g if 0 < g < B else B
+        return self.fresh if cap >= B else f"{self.fresh}@{cap}"
+
+    def _coords(self, b: int) -> tuple[int, int]:
+        _, s, idx = self.pool.location(b)
+        return s, idx
 
     def _check_layer(self, layer: int) -> None:
         if not isinstance(layer, int) or not 0 <= layer < self.config.num_layers:
@@ -292,13 +310,13 @@ class KVCache:
             raise ReservationError(f"session {sid}: nothing reserved; call reserve() first")
         if layer in t.written:
             raise ReservationError(f"session {sid}: layer {layer} already written for this step")
-        view = self._fresh_view
         pos, done = t.length, 0
         kk, vv = k.detach().to(self._fresh_dtype), v.detach().to(self._fresh_dtype)
         while done < t.pending:
             bi, off = t.slot(pos)
             n = min(c.block_size - off, t.pending - done)
-            _, s, idx = self.pool.location(t.blocks[bi])
+            cls, s, idx = self.pool.location(t.blocks[bi])
+            view = self._views[cls]
             view[s, idx, layer, 0, :, off : off + n] = kk[:, done : done + n]
             view[s, idx, layer, 1, :, off : off + n] = vv[:, done : done + n]
             pos, done = pos + n, done + n
@@ -380,24 +398,21 @@ class KVCache:
         c = self.config
         nb = t.blocks_needed(n)
         plan = self._plan(t, nb)
-        shape = (2, c.num_heads, c.block_size, c.head_dim)
-        if len(plan) == 1 and plan[0][0] == self.fresh:
-            kv = self._rows[self.fresh][layer].index_select(0, plan[0][1]).view(-1, *shape)
-            k, v = kv[:, 0].float(), kv[:, 1].float()  # [nb, H, B, D]
-        else:
-            k = torch.empty(nb, *shape[1:])
-            v = torch.empty_like(k)
-            for cls, pages, positions in plan:
-                raw = self._rows[cls][layer].index_select(0, pages)
-                if cls == self.fresh:
-                    kv = raw.view(-1, *shape)
-                    k[positions], v[positions] = kv[:, 0].float(), kv[:, 1].float()
-                else:
-                    k[positions], v[positions] = self.formats[cls].decode(raw)
-        H, D = c.num_heads, c.head_dim
-        k = k.transpose(0, 1).reshape(H, nb * c.block_size, D)[:, :n]
-        v = v.transpose(0, 1).reshape(H, nb * c.block_size, D)[:, :n]
-        return k, v
+        H, B, D = c.num_heads, c.block_size, c.head_dim
+        k = torch.empty(H, nb, B, D)
+        v = torch.empty_like(k)
+        for cls, pages, where in plan:
+            raw = self._rows[cls][layer].index_select(0, pages)
+            cap = self.capacity[cls]
+            if cls in self._views:  # full precision: a full block or a tail slot
+                kv = raw.view(-1, 2, H, cap, D)
+                kp, vp = kv[:, 0], kv[:, 1]
+            else:  # quantized: dequantize before attention's softmax
+                kp, vp = self.formats[cls].decode(raw)
+            # one strided copy per class straight into [heads, blocks, tokens, dim]
+            k[:, where, :cap] = kp.transpose(0, 1)
+            v[:, where, :cap] = vp.transpose(0, 1)
+        return k.view(H, nb * B, D)[:, :n], v.view(H, nb * B, D)[:, :n]
 
     def _plan(self, t: BlockTable, nb: int) -> list:
         """Per storage class: first pages of the session's first nb blocks and their
@@ -410,7 +425,11 @@ class KVCache:
             g = groups.setdefault(self.pool.location(b)[0], ([], []))
             g[0].append(self.pool.first_page(b))
             g[1].append(pos)
-        plan = [(cls, torch.tensor(pg), torch.tensor(ps)) for cls, (pg, ps) in groups.items()]
+        plan = [
+            (cls, torch.tensor(pg),
+             slice(ps[0], ps[-1] + 1) if ps[-1] - ps[0] + 1 == len(ps) else torch.tensor(ps))
+            for cls, (pg, ps) in groups.items()
+        ]
         t.gather_key, t.gather_plan = key, plan
         return plan
 
@@ -459,10 +478,10 @@ class KVCache:
             cls = self.pool.location(b)[0]
             slot = self.pool.classes[cls].slot_bytes
             by_class[cls] = by_class.get(cls, 0) + slot
-            fmt_bytes = self.formats[cls].layer_bytes * c.num_layers
-            token_bytes += fmt_bytes * len(m.tokens) / c.block_size
+            per_token = self.formats[cls].layer_bytes * c.num_layers / self.capacity[cls]
+            token_bytes += per_token * len(m.tokens)
             if self.pool.refcount(b):
-                live_token_bytes += fmt_bytes * len(m.tokens) / c.block_size
+                live_token_bytes += per_token * len(m.tokens)
                 live_slot_bytes += slot
         live = self.pool.live_slot_bytes()
         lookups = self._counters["prefix_hit_blocks"] + self._counters["prefix_miss_blocks"]

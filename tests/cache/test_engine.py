@@ -220,3 +220,27 @@ def test_quantization_reclaims_room_when_the_pool_holds_only_cached_blocks():
     assert st["evictions"] > 0 and st["quant_skipped_full"] == 0
     assert set(st["bytes_by_dtype"]) == {"int8"}  # every full block of b was quantized
     assert kv.length(b) == 480
+
+
+def test_tail_slots_grow_and_bound_the_waste():
+    kv = KVCache(small_config(block_size=8, tail_granule=2))
+    s = kv.open_session()
+    written = [feed(kv, s, [i], seed=i) for i in range(11)]  # one token at a time
+    st = kv.stats()
+    assert set(st["bytes_by_dtype"]) == {"fp32", "fp32@4"}  # 8 full + a tail slot for 3 of 4
+    assert st["tail_moves"] == 4  # tail 2 -> 4 -> 6 -> full, then 2 -> 4
+    k, _ = kv.read(s, 1)
+    assert torch.equal(k, torch.cat([w[0][1] for w in written], dim=1))
+    slot = {n: kv.pool.classes[n].slot_bytes for n in kv.pool.classes}
+    assert st["bytes_allocated"] == slot["fp32"] + slot["fp32@4"]
+
+
+def test_fork_of_a_tail_slot_copies_on_write():
+    kv = KVCache(small_config(block_size=8, tail_granule=2))
+    s = kv.open_session()
+    ks, _ = feed(kv, s, [1, 2, 3])  # a 4-token tail slot
+    f = kv.fork(s)
+    kf, _ = feed(kv, f, [4, 5, 6], seed=5)  # grows to a 6-token slot: copy, not move
+    assert kv.stats()["cow_copies"] == 1
+    assert torch.equal(kv.read(s, 0)[0], ks[0])
+    assert torch.equal(kv.read(f, 0)[0], torch.cat([ks[0], kf[0]], dim=1))

@@ -13,10 +13,11 @@ TOKENS = st.lists(st.integers(0, 3), min_size=1, max_size=9)  # few symbols: man
 
 class CacheMachine(RuleBasedStateMachine):
     sessions = Bundle("sessions")
+    CONFIG = dict(pool_bytes=256 << 10, kv_dtype="int8", fp_window=4)
 
     def __init__(self):
         super().__init__()
-        self.kv = KVCache(small_config(pool_bytes=256 << 10, kv_dtype="int8", fp_window=4))
+        self.kv = KVCache(small_config(**self.CONFIG))
         self.model: dict[int, list[int]] = {}  # sid -> tokens we expect
         self.values: dict[int, torch.Tensor] = {}  # sid -> layer-0 keys we wrote
         self.capacity = self.kv.pool.num_slabs * self.kv.pool.classes["fp32"].slots_per_slab
@@ -113,6 +114,18 @@ class CacheMachine(RuleBasedStateMachine):
 
 CacheMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 TestCacheMachine = CacheMachine.TestCase
+
+
+class TailPackingMachine(CacheMachine):
+    """Blocks of 8 tokens whose tails grow in slots of 2: moves, CoW and reads across classes."""
+
+    CONFIG = dict(pool_bytes=256 << 10, kv_dtype="int8", fp_window=4, block_size=8,
+                  tail_granule=2)
+
+
+TailPackingMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30,
+                                                deadline=None)
+TestTailPackingMachine = TailPackingMachine.TestCase
 
 
 def test_freed_blocks_are_reused():
