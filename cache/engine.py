@@ -173,6 +173,18 @@ class KVCache:
     def _allocate(self, cls: str) -> int:
         return self._with_room(lambda: self.pool.allocate(cls))
 
+    def _allocate_fresh(self, cls: str) -> int:
+        """A full-precision block of class ``cls``; a tail slot that finds no room takes a
+        full block instead (every tail class holding its own slab must not exhaust a small
+        pool)."""
+        try:
+            return self._allocate(cls)
+        except CacheFullError:
+            if cls == self.fresh:
+                raise
+            self._counters["alloc_failures"] -= 1
+            return self._allocate(self.fresh)
+
     def _with_room(self, take):
         """Run ``take`` (a pool allocation); on exhaustion reclaim unreferenced cached blocks
         through the policy and retry; CacheFullError when nothing is reclaimable."""
@@ -242,12 +254,13 @@ class KVCache:
             if t.length % B:
                 old = t.blocks[-1]
                 cls = self._class_for(min(B, total - (len(t.blocks) - 1) * B))
-                if self.pool.refcount(old) > 1 or cls != self.pool.location(old)[0]:
-                    tail = (old, self._allocate(cls))  # copy-on-write and/or a bigger slot
+                too_small = self.capacity[self.pool.location(old)[0]] < self.capacity[cls]
+                if self.pool.refcount(old) > 1 or too_small:
+                    tail = (old, self._allocate_fresh(cls))  # copy-on-write and/or a bigger slot
             need = t.blocks_needed(total) - len(t.blocks)
             for i in range(need):
                 n = min(B, total - (len(t.blocks) + i) * B)
-                new_blocks.append(self._allocate(self._class_for(n)))
+                new_blocks.append(self._allocate_fresh(self._class_for(n)))
         except CacheFullError:
             for b in new_blocks + ([tail[1]] if tail else []):
                 self.pool.decref(b)

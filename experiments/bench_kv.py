@@ -290,6 +290,9 @@ def _pool_bytes_for(cfg: ModelConfig, block: int, tokens: int, slack: float = 1.
     cc = cfg.cache_config(block_size=block)
     blocks = -(-tokens // block) + 2
     need = int(blocks * cc.block_bytes_fp32 * slack)
+    # every storage class (full, quantized, each tail-slot size) holds at least one slab
+    classes = 2 + (block // cc.tail_granule if 0 < cc.tail_granule < block else 0)
+    need += classes * cc.managed_block_bytes
     sb = cc.superblock_bytes
     return max(sb, -(-need // sb) * sb)
 

@@ -244,3 +244,16 @@ def test_fork_of_a_tail_slot_copies_on_write():
     assert kv.stats()["cow_copies"] == 1
     assert torch.equal(kv.read(s, 0)[0], ks[0])
     assert torch.equal(kv.read(f, 0)[0], torch.cat([ks[0], kf[0]], dim=1))
+
+
+def test_a_tail_slot_without_room_takes_a_full_block():
+    # 4 slabs: fp32, int8 and the first tail class each take one; the 4-token tail class
+    # finds none and falls back to a full block, which later appends simply fill
+    kv = KVCache(small_config(block_size=8, tail_granule=2, kv_dtype="int8", fp_window=8,
+                              pool_bytes=64 << 10, superblock_bytes=64 << 10))
+    sessions = [kv.open_session() for _ in range(3)]
+    feed(kv, sessions[0], list(range(9)))   # a full block + a 2-token tail slot
+    ks, _ = feed(kv, sessions[1], [1, 2, 3])  # a 4-token tail: no slab left for that class
+    assert kv.stats()["alloc_failures"] == 0
+    k2, _ = feed(kv, sessions[1], [4, 5, 6], seed=3)  # stays in its full block, no move
+    assert torch.equal(kv.read(sessions[1], 0)[0], torch.cat([ks[0], k2[0]], dim=1))
