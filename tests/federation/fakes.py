@@ -1,85 +1,23 @@
 """In-process stand-ins for Flower's Grid: drive the real ClientApp handlers directly.
 
-``FakeGrid`` keeps one ``Context`` per node (like the SuperNode/simulation does), calls
-``federation.client_app.app`` for each message, turns exceptions into Error replies
+``FakeGrid`` is ``federation.local.InProcessGrid`` (the public API): it keeps one
+``Context`` per node (like the SuperNode/simulation does), calls ``federation.client_app.app`` for each message, turns exceptions into Error replies
 (like the simulation engine), and only commits a node's context when its handler
 succeeded. ``faults`` injects the failure kinds the strategy must survive.
 """
 
 from __future__ import annotations
 
-import copy
-import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
-from flwr.app import Context, Error, Message, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
+from flwr.app import Context, Error, Message
 
-from federation import client_app
+from federation.local import Fault, InProcessGrid, make_context, set_server_identity
 
-Fault = Callable[[Message, Context], Message | None]
-"""Given the message (and node context), return a replacement reply or None to drop it."""
+FakeGrid = InProcessGrid
+"""The tests' historical name for ``federation.local.InProcessGrid``."""
 
-
-def set_server_identity(run_id: int = 1) -> None:
-    """Messages created outside a Flower process need a task identity."""
-    TaskIdentity.run_id = run_id
-    TaskIdentity.node_id = 1
-    TaskIdentity.task_id = 1
-
-
-def make_context(node_id: int, partition_id: int, num_partitions: int, run_config: dict,
-                 run_id: int = 1) -> Context:
-    return Context(
-        run_id=run_id,
-        node_id=node_id,
-        node_config={"partition-id": partition_id, "num-partitions": num_partitions},
-        state=RecordDict(),
-        run_config=dict(run_config),
-    )
-
-
-class FakeGrid:
-    def __init__(self, num_nodes: int, run_config: dict, run_id: int = 1) -> None:
-        set_server_identity(run_id)
-        self.contexts = {
-            100 + i: make_context(100 + i, i, num_nodes, run_config, run_id) for i in range(num_nodes)
-        }
-        self.faults: dict[tuple[int, str], Fault] = {}
-        """(node_id, message_type) -> fault; checked before the handler runs."""
-        self.sent: list[Message] = []
-        self.received: list[Message] = []
-        """Every reply handed to the server (after faults)."""
-
-    def get_node_ids(self) -> Iterable[int]:
-        return list(self.contexts)
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
-        replies = []
-        for msg in messages:
-            msg.metadata.__dict__["_message_id"] = str(uuid.uuid4())
-            self.sent.append(msg)
-            node = msg.metadata.dst_node_id
-            fault = self.faults.get((node, msg.metadata.message_type))
-            if fault is not None:
-                reply = fault(msg, self.contexts[node])
-                if reply is not None:
-                    replies.append(reply)
-                continue
-            replies.append(self.deliver(msg))
-        self.received.extend(replies)
-        return replies
-
-    def deliver(self, msg: Message) -> Message:
-        """Run the real ClientApp for one message, as the simulation engine does."""
-        node = msg.metadata.dst_node_id
-        ctx = copy.deepcopy(self.contexts[node])
-        try:
-            reply = client_app.app(msg, ctx)
-        except Exception as ex:  # the engine reports exceptions as Error replies
-            return Message(Error(code=1, reason=f"{type(ex).__name__}: {ex}"), reply_to=msg)
-        self.contexts[node] = ctx
-        return reply
+__all__ = ["FakeGrid", "Fault", "make_context", "set_server_identity"]
 
 
 def raise_fault(msg: Message, ctx: Context) -> Message:
