@@ -310,8 +310,11 @@ def write_outputs(run_dir, rows: list[dict[str, Any]], args: argparse.Namespace,
              for r in rows]
     lines = [f"# privacy vs accuracy ({args.task})", "",
              f"rounds={args.rounds}, δ={args.delta}, clip-norm={args.clip_norm}, local-epochs={args.local_epochs}, "
-             f"alpha={args.alpha}, seed={args.seed}; accuracy = final global model on the global test split; "
-             "MIA = loss-threshold AUC (0.5 = no leak).", "",
+             f"alpha={args.alpha}, seed={args.seed}, {args.clients_per_round} clients per round at most; "
+             + ("accuracy = final global model on the digits global test split (no client holds it); "
+                if args.task == "digits" else "perplexity = final global model on the held-out modules; ")
+             + "MIA = loss-threshold AUC, members = clients' training samples vs held-out (0.5 = no leak). "
+             "ε spent: client-level (server accountant) except dp-sgd: sample-level (largest node ε).", "",
              markdown_table(shown, table_cols), ""]
     lines += _targets(rows, args)
     lines += ["", f"total wall time: {format_duration(meta['wall_s'])}"]
