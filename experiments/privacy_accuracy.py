@@ -326,7 +326,9 @@ def write_outputs(run_dir, rows: list[dict[str, Any]], args: argparse.Namespace,
                                    ("mia_auc", f"mia_auc_vs_epsilon_pop{pop}.png", "membership-inference AUC")):
             series, styles = {}, {}
             finite = sorted({r["target_epsilon"] for r in sub if math.isfinite(r["target_epsilon"])})
-            for mode in args.modes:
+            for k, mode in enumerate(args.modes):
+                color = f"C{MODES.index(mode) if mode in MODES else k}"
+                styles[mode] = {"color": color}
                 pts = sorted((r["target_epsilon"], r[key]) for r in sub if r["mode"] == mode
                              and math.isfinite(r["target_epsilon"]))
                 if pts:
@@ -335,7 +337,7 @@ def write_outputs(run_dir, rows: list[dict[str, Any]], args: argparse.Namespace,
                 if ref and finite:
                     label = f"{mode} ε=∞"
                     series[label] = ([finite[0], finite[-1]], [ref[0], ref[0]])
-                    styles[label] = {"linestyle": "--", "marker": ""}
+                    styles[label] = {"linestyle": "--", "marker": "", "color": color}
             if key == "mia_auc" and finite:
                 series["chance (0.5)"] = ([finite[0], finite[-1]], [0.5, 0.5])
                 styles["chance (0.5)"] = {"linestyle": ":", "marker": "", "color": "gray"}
@@ -402,11 +404,46 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Dirichlet concentration of the digits split (default 10: 100 partitions of >= 10 "
                         "samples are not feasible at alpha=1)")
     p.add_argument("--no-estimate", action="store_true", help="skip the calibration runs")
+    p.add_argument("--replot", metavar="RUN_DIR", default=None,
+                   help="only rewrite summary.md and the plots of RUN_DIR from its points.csv "
+                        "(e.g. an interrupted run; its points are kept as they are)")
     return p
+
+
+def read_rows(path) -> list[dict[str, Any]]:
+    """points.csv back into typed rows (the inverse of write_csv for this script's columns)."""
+    import csv
+
+    ints = {"population", "clients_per_round", "rounds"}
+    strs = {"task", "mode", "epsilon_kind", "status"}
+    rows = []
+    with open(path, newline="") as fh:
+        for raw in csv.DictReader(fh):
+            row: dict[str, Any] = {}
+            for k, v in raw.items():
+                row[k] = v if k in strs else int(v) if k in ints else float(v)
+            row.setdefault("round_s", math.nan)
+            rows.append(row)
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.replot:
+        from pathlib import Path
+
+        run_dir = Path(args.replot)
+        rows = read_rows(run_dir / "points.csv")
+        if not rows:
+            print(f"{run_dir / 'points.csv'} has no points", file=sys.stderr)
+            return 2
+        args.task = rows[0]["task"]
+        args.rounds = int(rows[0]["rounds"])
+        args.modes = list(dict.fromkeys(r["mode"] for r in rows))
+        write_outputs(run_dir, rows, args, {"args": {"replot": str(run_dir)}, "wall_s": sum(r["seconds"] for r in rows)})
+        print((run_dir / "summary.md").read_text())
+        print_results_dir(run_dir)
+        return 0
     preset = QUICK if args.quick else FULL
     args.populations = args.populations or parse_ints(preset["populations"])
     args.epsilons = args.epsilons or parse_floats(preset["epsilons"])

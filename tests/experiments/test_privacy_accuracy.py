@@ -66,6 +66,14 @@ def test_tiny_sweep_writes_every_output(tmp_path: Path) -> None:
     summary = (run_dir / "summary.md").read_text()
     assert "| distributed |" in summary and "| local |" in summary
 
+    # --replot rebuilds summary and plots from points.csv alone (an interrupted run)
+    (run_dir / "summary.md").unlink()
+    (run_dir / "accuracy_vs_epsilon_pop6.png").unlink()
+    assert pa.main(["--replot", str(run_dir)]) == 0
+    assert (run_dir / "summary.md").read_text().count("| distributed |") == 2
+    assert (run_dir / "accuracy_vs_epsilon_pop6.png").stat().st_size > 0
+    assert pa.read_rows(run_dir / "points.csv")[0]["population"] == 6
+
 
 def test_sigma_for_reaches_the_target() -> None:
     from crypto import PrivacyAccountant
