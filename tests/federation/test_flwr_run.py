@@ -15,8 +15,7 @@ import pytest
 from federation.flwr_sandbox import alive, flwr_sandbox
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(900)  # ~35 s: the one end-to-end run CI always does
 def test_flwr_run_digits_he(tmp_path) -> None:
     """he=true through the real CLI: enroll + provision, CKKS updates, signed, DP accounting."""
     results_dir = tmp_path / "results"
