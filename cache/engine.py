@@ -10,6 +10,7 @@ Flow of one decoding step (what ``node.model`` does)::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -48,11 +49,14 @@ class BlockMeta:
 class KVCache:
     def __init__(self, config: CacheConfig, policy: EvictionPolicy | None = None):
         self.config = c = config
-        self.pool = BlockPool(
-            c.pool_bytes, c.superblock_bytes, c.managed_block_bytes, c.page_bytes
-        )
         self.fresh = "fp16" if c.kv_dtype == "fp16" else "fp32"
         self._fresh_dtype = torch.float16 if self.fresh == "fp16" else torch.float32
+        item = torch.empty((), dtype=self._fresh_dtype).element_size()
+        row = c.block_size * c.head_dim  # one head of one full block
+        self.pool = BlockPool(
+            c.pool_bytes, c.superblock_bytes, c.managed_block_bytes, c.page_bytes,
+            pad_bytes=row * item,
+        )
         # storage classes: full blocks (fresh and quantized) and the smaller tail slots
         g, B = c.tail_granule, c.block_size
         self.capacity: dict[str, int] = {self.fresh: B, c.kv_dtype: B}
@@ -78,6 +82,16 @@ class KVCache:
                 for layer in range(c.num_layers)
             ]
         self._fresh_view = self._views[self.fresh]
+        # Head-major gather for sessions whose blocks are all full precision: row r holds one
+        # head's block_size x head_dim values starting r * unit elements into the arena, so a
+        # single index_select lands K and V directly in [heads, tokens, head_dim] order. A
+        # tail slot's row runs past its own tokens; those positions are past the length and
+        # sliced away.
+        self._unit = math.gcd(c.page_bytes // item, row, *(cap * c.head_dim for cap in
+                                                            self.capacity.values()))
+        base = self.pool.arena.view(self._fresh_dtype)
+        self._head_rows = base.as_strided(((base.numel() - row) // self._unit + 1, row),
+                                          (self._unit, 1))
         self.policy: EvictionPolicy = policy or LRUPolicy()
         self.tensors = TensorStore()
         self.version = 0
@@ -412,6 +426,10 @@ class KVCache:
         nb = t.blocks_needed(n)
         plan = self._plan(t, nb)
         H, B, D = c.num_heads, c.block_size, c.head_dim
+        if t.gather_heads is not None:  # all blocks full precision: one gather, no transpose
+            rows = self._head_rows.index_select(0, t.gather_heads[layer])
+            kv = rows.view(2, H, nb * B, D)[:, :, :n]
+            return kv[0].float(), kv[1].float()
         k = torch.empty(H, nb, B, D)
         v = torch.empty_like(k)
         for cls, pages, where in plan:
@@ -444,7 +462,22 @@ class KVCache:
             for cls, (pg, ps) in groups.items()
         ]
         t.gather_key, t.gather_plan = key, plan
+        t.gather_heads = self._head_plan(t.blocks[:nb]) if all(
+            cls in self._views for cls in groups) and nb else None
         return plan
+
+    def _head_plan(self, blocks: list[int]) -> torch.Tensor:
+        """Row indices into ``_head_rows``: [layer] -> (K heads, V heads) x blocks, flat."""
+        c = self.config
+        H, D, L = c.num_heads, c.head_dim, c.num_layers
+        elems = self.pool.page_bytes // self._fresh_view.element_size()
+        start = torch.tensor([self.pool.first_page(b) * elems for b in blocks])
+        cap = torch.tensor([self.capacity[self.pool.location(b)[0]] for b in blocks]) * D
+        layer = torch.arange(L).view(L, 1, 1, 1)
+        kv = torch.arange(2).view(1, 2, 1, 1)
+        head = torch.arange(H).view(1, 1, H, 1)
+        off = start + ((layer * 2 + kv) * H + head) * cap  # [L, 2, H, blocks]
+        return (off // self._unit).reshape(L, -1)
 
     # == model versions and tensors ========================================================
     def bump_version(self) -> int:

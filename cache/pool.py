@@ -46,7 +46,10 @@ class BlockPool:
         superblock_bytes: int = 2 << 20,
         managed_block_bytes: int = 128 << 10,
         page_bytes: int = 4 << 10,
+        pad_bytes: int = 0,
     ):
+        """``pad_bytes`` past the last slab let strided row views read a fixed-size region
+        from any slot start (bytes beyond a slot are read, never used)."""
         if superblock_bytes % managed_block_bytes or managed_block_bytes % page_bytes:
             raise ConfigError("superblock, managed block and page sizes must divide each other")
         self.num_superblocks = pool_bytes // superblock_bytes
@@ -56,7 +59,7 @@ class BlockPool:
         self.slab_bytes = managed_block_bytes
         self.page_bytes = page_bytes
         self.num_slabs = self.num_superblocks * (superblock_bytes // managed_block_bytes)
-        self.arena = torch.zeros(self.num_slabs * self.slab_bytes, dtype=torch.uint8)
+        self.arena = torch.zeros(self.num_slabs * self.slab_bytes + pad_bytes, dtype=torch.uint8)
         self._slabs = [_Slab() for _ in range(self.num_slabs)]
         self._free_slabs = list(range(self.num_slabs - 1, -1, -1))  # pop() takes slab 0 first
         self.classes: dict[str, SizeClass] = {}
@@ -202,8 +205,9 @@ class BlockPool:
     def utilisation(self) -> dict[str, float]:
         """Fractions of the arena: slabs handed out, and live slots within those slabs."""
         used = self.slabs_in_use() * self.slab_bytes
+        total = self.num_slabs * self.slab_bytes
         return {
-            "arena_bytes": float(self.arena.numel()),
-            "slab_fraction": used / self.arena.numel(),
+            "arena_bytes": float(total),
+            "slab_fraction": used / total,
             "slot_fill": self.live_slot_bytes() / used if used else 0.0,
         }
