@@ -165,6 +165,7 @@ class KVCache:
         for b in reversed(t.blocks):  # tails first, so LRU reclaims tails before shared roots
             self._decref(b)
         t.blocks, t.pending, t.written, t.gather_plan = [], 0, set(), None
+        t.quant_checked = 0
         t.tokens = t.tokens[: t.length]
 
     def _decref(self, b: int) -> None:
@@ -363,11 +364,12 @@ class KVCache:
                 self._register(t, bi)
         if self.config.kv_dtype in ("int8", "int4"):
             limit = (t.length - self.config.fp_window) // B
-            for bi in range(limit):
+            for bi in range(t.quant_checked, limit):  # only blocks that just left the window
                 b = t.blocks[bi]
                 m = self._meta[b]
                 if not (m.quantized or m.keep_fp):
                     self._quantize(t, b, m)
+            t.quant_checked = max(t.quant_checked, limit)
 
     def _register(self, t: BlockTable, bi: int) -> None:
         b = t.blocks[bi]
