@@ -51,11 +51,11 @@ class KVCache:
         self.config = c = config
         self.fresh = "fp16" if c.kv_dtype == "fp16" else "fp32"
         self._fresh_dtype = torch.float16 if self.fresh == "fp16" else torch.float32
-        item = torch.empty((), dtype=self._fresh_dtype).element_size()
+        fresh_item = torch.empty((), dtype=self._fresh_dtype).element_size()
         row = c.block_size * c.head_dim  # one head of one full block
         self.pool = BlockPool(
             c.pool_bytes, c.superblock_bytes, c.managed_block_bytes, c.page_bytes,
-            pad_bytes=row * item,
+            pad_bytes=row * fresh_item,
         )
         # storage classes: full blocks (fresh and quantized) and the smaller tail slots
         g, B = c.tail_granule, c.block_size
@@ -87,8 +87,8 @@ class KVCache:
         # single index_select lands K and V directly in [heads, tokens, head_dim] order. A
         # tail slot's row runs past its own tokens; those positions are past the length and
         # sliced away.
-        self._unit = math.gcd(c.page_bytes // item, row, *(cap * c.head_dim for cap in
-                                                            self.capacity.values()))
+        self._unit = math.gcd(c.page_bytes // fresh_item, row,
+                              *(cap * c.head_dim for cap in self.capacity.values()))
         base = self.pool.arena.view(self._fresh_dtype)
         self._head_rows = base.as_strided(((base.numel() - row) // self._unit + 1, row),
                                           (self._unit, 1))
