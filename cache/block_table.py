@@ -26,8 +26,7 @@ class BlockTable:
     quant_checked: int = 0  # blocks[:quant_checked] were quantized or kept full precision
     quant_error: float = 0.0  # accumulated relative error of the blocks this session quantized
     gather_key: tuple[int, int] | None = None  # (layout epoch, #blocks) the gather plan is for
-    gather_plan: list | None = None
-    gather_heads: object = None  # row indices for the all-full-precision fast path
+    gather_plan: object = None  # a cache.layout.GatherPlan for gather_key
 
     def slot(self, pos: int) -> tuple[int, int]:
         """(logical block index, offset in block) of token position ``pos``."""

@@ -10,7 +10,6 @@ Flow of one decoding step (what ``node.model`` does)::
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -31,6 +30,7 @@ from cache.errors import (
 from cache.policy import EvictionPolicy, LRUPolicy
 from cache.pool import BlockPool, PoolExhausted
 from cache.prefix import ROOT, block_hash
+from cache.layout import BlockLayout, pad_bytes
 from cache.quant import BlockFormat, relative_error
 from cache.tensor_store import TensorStore
 
@@ -49,49 +49,12 @@ class BlockMeta:
 class KVCache:
     def __init__(self, config: CacheConfig, policy: EvictionPolicy | None = None):
         self.config = c = config
-        self.fresh = "fp16" if c.kv_dtype == "fp16" else "fp32"
-        self._fresh_dtype = torch.float16 if self.fresh == "fp16" else torch.float32
-        fresh_item = torch.empty((), dtype=self._fresh_dtype).element_size()
-        row = c.block_size * c.head_dim  # one head of one full block
         self.pool = BlockPool(
             c.pool_bytes, c.superblock_bytes, c.managed_block_bytes, c.page_bytes,
-            pad_bytes=row * fresh_item,
+            pad_bytes=pad_bytes(c),
         )
-        # storage classes: full blocks (fresh and quantized) and the smaller tail slots
-        g, B = c.tail_granule, c.block_size
-        self.capacity: dict[str, int] = {self.fresh: B, c.kv_dtype: B}
-        if 0 < g < B:
-            self.capacity.update({f"{self.fresh}@{cap}": cap for cap in range(g, B, g)})
-        self.formats: dict[str, BlockFormat] = {}
-        self._views: dict[str, torch.Tensor] = {}  # [slab, slot, L, 2, H, cap, D] per fresh class
-        self._rows: dict[str, list[torch.Tensor]] = {}  # per class and layer, see BlockPool.rows
-        for name, cap in self.capacity.items():
-            dt = name.split("@")[0]
-            fmt = BlockFormat(dt, c.quant_scheme, c.num_heads, cap, c.head_dim)
-            self.formats[name] = fmt
-            self.pool.add_class(name, fmt.layer_bytes * c.num_layers)
-            typed = dt == self.fresh
-            dtype = self._fresh_dtype if typed else torch.uint8
-            item = torch.empty((), dtype=dtype).element_size()
-            if typed:
-                shape = (c.num_layers, 2, c.num_heads, cap, c.head_dim)
-                self._views[name] = self.pool.view(name, dtype)[
-                    :, :, : fmt.layer_bytes * c.num_layers // item].unflatten(-1, shape)
-            self._rows[name] = [
-                self.pool.rows(name, dtype, layer * fmt.layer_bytes // item, fmt.layer_bytes // item)
-                for layer in range(c.num_layers)
-            ]
-        self._fresh_view = self._views[self.fresh]
-        # Head-major gather for sessions whose blocks are all full precision: row r holds one
-        # head's block_size x head_dim values starting r * unit elements into the arena, so a
-        # single index_select lands K and V directly in [heads, tokens, head_dim] order. A
-        # tail slot's row runs past its own tokens; those positions are past the length and
-        # sliced away.
-        self._unit = math.gcd(c.page_bytes // fresh_item, row,
-                              *(cap * c.head_dim for cap in self.capacity.values()))
-        base = self.pool.arena.view(self._fresh_dtype)
-        self._head_rows = base.as_strided(((base.numel() - row) // self._unit + 1, row),
-                                          (self._unit, 1))
+        self.layout = BlockLayout(c, self.pool)
+        self.fresh = self.layout.fresh
         self.policy: EvictionPolicy = policy or LRUPolicy()
         self.tensors = TensorStore()
         self.version = 0
@@ -268,14 +231,15 @@ class KVCache:
         try:
             if t.length % B:
                 old = t.blocks[-1]
-                cls = self._class_for(min(B, total - (len(t.blocks) - 1) * B))
-                too_small = self.capacity[self.pool.location(old)[0]] < self.capacity[cls]
+                cls = self.layout.class_for(min(B, total - (len(t.blocks) - 1) * B))
+                cap = self.layout.capacity
+                too_small = cap[self.pool.location(old)[0]] < cap[cls]
                 if self.pool.refcount(old) > 1 or too_small:
                     tail = (old, self._allocate_fresh(cls))  # copy-on-write and/or a bigger slot
             need = t.blocks_needed(total) - len(t.blocks)
             for i in range(need):
                 n = min(B, total - (len(t.blocks) + i) * B)
-                new_blocks.append(self._allocate_fresh(self._class_for(n)))
+                new_blocks.append(self._allocate_fresh(self.layout.class_for(n)))
         except CacheFullError:
             for b in new_blocks + ([tail[1]] if tail else []):
                 self.pool.decref(b)
@@ -284,8 +248,7 @@ class KVCache:
         if tail:
             old, new = tail
             n = t.length % B
-            self._views[self.pool.location(new)[0]][self._coords(new)][..., :n, :] = \
-                self._views[self.pool.location(old)[0]][self._coords(old)][..., :n, :]
+            self.layout.view_of(new)[..., :n, :] = self.layout.view_of(old)[..., :n, :]
             om = self._meta[old]
             self._meta[new] = BlockMeta(list(om.tokens), om.version)
             t.blocks[-1] = new
@@ -299,17 +262,6 @@ class KVCache:
         t.tokens = t.tokens[: t.length] + toks
         t.pending = len(toks)
         t.written = set()
-
-    def _class_for(self, n_tokens: int) -> str:
-        """Fresh storage class for a block that will hold ``n_tokens``: a full block, or the
-        smallest tail slot (a multiple of ``tail_granule``) that fits them."""
-        g, B = self.config.tail_granule, self.config.block_size
-        cap = -(-n_tokens // g) * g if 0 < g < B else B
-        return self.fresh if cap >= B else f"{self.fresh}@{cap}"
-
-    def _coords(self, b: int) -> tuple[int, int]:
-        _, s, idx = self.pool.location(b)
-        return s, idx
 
     def _check_layer(self, layer: int) -> None:
         if not isinstance(layer, int) or not 0 <= layer < self.config.num_layers:
@@ -339,14 +291,13 @@ class KVCache:
         if layer in t.written:
             raise ReservationError(f"session {sid}: layer {layer} already written for this step")
         pos, done = t.length, 0
-        kk, vv = k.detach().to(self._fresh_dtype), v.detach().to(self._fresh_dtype)
+        kk, vv = k.detach().to(self.layout.dtype), v.detach().to(self.layout.dtype)
         while done < t.pending:
             bi, off = t.slot(pos)
             n = min(c.block_size - off, t.pending - done)
-            cls, s, idx = self.pool.location(t.blocks[bi])
-            view = self._views[cls]
-            view[s, idx, layer, 0, :, off : off + n] = kk[:, done : done + n]
-            view[s, idx, layer, 1, :, off : off + n] = vv[:, done : done + n]
+            view = self.layout.view_of(t.blocks[bi])
+            view[layer, 0, :, off : off + n] = kk[:, done : done + n]
+            view[layer, 1, :, off : off + n] = vv[:, done : done + n]
             pos, done = pos + n, done + n
         t.written.add(layer)
         if len(t.written) == c.num_layers:
@@ -393,9 +344,8 @@ class KVCache:
 
     def _quantize(self, t: BlockTable, b: int, m: BlockMeta) -> None:
         c = self.config
-        _, s, idx = self.pool.location(b)
-        kv = self._fresh_view[s, idx].float()  # [L, 2, H, B, D]
-        fmt = self.formats[c.kv_dtype]
+        kv = self.layout.view_of(b).float()  # [L, 2, H, B, D], a full fresh block
+        fmt = self.layout.formats[c.kv_dtype]
         raw = fmt.encode(kv[:, 0], kv[:, 1])
         k_hat, v_hat = fmt.decode(raw)
         err = relative_error(kv[:, 0], kv[:, 1], k_hat, v_hat)
@@ -424,62 +374,11 @@ class KVCache:
         t = self._table(sid)
         self._check_layer(layer)
         n = t.layer_length(layer)
-        c = self.config
         nb = t.blocks_needed(n)
-        plan = self._plan(t, nb)
-        H, B, D = c.num_heads, c.block_size, c.head_dim
-        if t.gather_heads is not None:  # all blocks full precision: one gather, no transpose
-            rows = self._head_rows.index_select(0, t.gather_heads[layer])
-            kv = rows.view(2, H, nb * B, D)[:, :, :n]
-            return kv[0].float(), kv[1].float()
-        k = torch.empty(H, nb, B, D)
-        v = torch.empty_like(k)
-        for cls, pages, where in plan:
-            raw = self._rows[cls][layer].index_select(0, pages)
-            cap = self.capacity[cls]
-            if cls in self._views:  # full precision: a full block or a tail slot
-                kv = raw.view(-1, 2, H, cap, D)
-                kp, vp = kv[:, 0], kv[:, 1]
-            else:  # quantized: dequantize before attention's softmax
-                kp, vp = self.formats[cls].decode(raw)
-            # one strided copy per class straight into [heads, blocks, tokens, dim]
-            k[:, where, :cap] = kp.transpose(0, 1)
-            v[:, where, :cap] = vp.transpose(0, 1)
-        return k.view(H, nb * B, D)[:, :n], v.view(H, nb * B, D)[:, :n]
-
-    def _plan(self, t: BlockTable, nb: int) -> list:
-        """Per storage class: first pages of the session's first nb blocks and their
-        positions in the sequence."""
         key = (self._epoch, nb, len(t.blocks))
-        if t.gather_key == key and t.gather_plan is not None:
-            return t.gather_plan
-        groups: dict[str, tuple[list[int], list[int]]] = {}
-        for pos, b in enumerate(t.blocks[:nb]):
-            g = groups.setdefault(self.pool.location(b)[0], ([], []))
-            g[0].append(self.pool.first_page(b))
-            g[1].append(pos)
-        plan = [
-            (cls, torch.tensor(pg),
-             slice(ps[0], ps[-1] + 1) if ps[-1] - ps[0] + 1 == len(ps) else torch.tensor(ps))
-            for cls, (pg, ps) in groups.items()
-        ]
-        t.gather_key, t.gather_plan = key, plan
-        t.gather_heads = self._head_plan(t.blocks[:nb]) if all(
-            cls in self._views for cls in groups) and nb else None
-        return plan
-
-    def _head_plan(self, blocks: list[int]) -> torch.Tensor:
-        """Row indices into ``_head_rows``: [layer] -> (K heads, V heads) x blocks, flat."""
-        c = self.config
-        H, D, L = c.num_heads, c.head_dim, c.num_layers
-        elems = self.pool.page_bytes // self._fresh_view.element_size()
-        start = torch.tensor([self.pool.first_page(b) * elems for b in blocks])
-        cap = torch.tensor([self.capacity[self.pool.location(b)[0]] for b in blocks]) * D
-        layer = torch.arange(L).view(L, 1, 1, 1)
-        kv = torch.arange(2).view(1, 2, 1, 1)
-        head = torch.arange(H).view(1, 1, H, 1)
-        off = start + ((layer * 2 + kv) * H + head) * cap  # [L, 2, H, blocks]
-        return (off // self._unit).reshape(L, -1)
+        if t.gather_key != key or t.gather_plan is None:
+            t.gather_key, t.gather_plan = key, self.layout.plan(t.blocks[:nb])
+        return self.layout.gather(t.gather_plan, layer, nb, n)
 
     # == model versions and tensors ========================================================
     def bump_version(self) -> int:
@@ -511,7 +410,7 @@ class KVCache:
     # == figures ===========================================================================
     def bytes_per_token(self, kv_dtype: str | None = None) -> float:
         """Stored bytes per token of a full block in ``kv_dtype``, scales included."""
-        fmt = self.formats.get(kv_dtype or self.config.kv_dtype) or BlockFormat(
+        fmt = self.layout.formats.get(kv_dtype or self.config.kv_dtype) or BlockFormat(
             kv_dtype, self.config.quant_scheme, self.config.num_heads,
             self.config.block_size, self.config.head_dim,
         )
@@ -526,7 +425,8 @@ class KVCache:
             cls = self.pool.location(b)[0]
             slot = self.pool.classes[cls].slot_bytes
             by_class[cls] = by_class.get(cls, 0) + slot
-            per_token = self.formats[cls].layer_bytes * c.num_layers / self.capacity[cls]
+            per_token = (self.layout.formats[cls].layer_bytes * c.num_layers
+                         / self.layout.capacity[cls])
             token_bytes += per_token * len(m.tokens)
             if self.pool.refcount(b):
                 live_token_bytes += per_token * len(m.tokens)

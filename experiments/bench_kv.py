@@ -332,7 +332,7 @@ def profile_section(model: TinyTransformer, prompt: list[int], block: int, steps
 
     # the engine's gather: advanced indexing of the strided arena view; vs index_select
     view = kv.pool.view("fp32", torch.float32)  # [slabs, slots, slot floats]
-    L, H, D = cfg.n_layers, cfg.n_heads, cfg.head_dim
+    H, D = cfg.n_heads, cfg.head_dim
     E = 2 * H * block * D
     locs = [kv.pool.location(h) for h in kv.pool.blocks]
     slabs = torch.tensor([s for _, s, _ in locs])

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from cache.quant import BlockFormat, pack_int4, relative_error, unpack_int4

@@ -12,7 +12,7 @@ import types
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import ConfigRecord, Message, RecordDict
 
 from crypto import (
     AggregateDecryptor,
@@ -28,7 +28,7 @@ from crypto import (
 )
 from crypto.context import seal_save
 from crypto.errors import SecretKeyPresentError
-from federation import client_app, codec, node_host, protocol, provisioning
+from federation import client_app, node_host, protocol, provisioning
 from federation.codec import CkksAggregatorCodec, CkksClientCodec, CodecError, make_aggregator, packing_for
 from federation.config import RunConfig
 from federation.provisioning import KeyService

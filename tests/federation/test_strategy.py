@@ -12,7 +12,7 @@ from federation import node_host, protocol
 from federation.codec import HEADER_BYTES
 from federation.strategy import NotEnoughClients
 from node.cache_node import build_model, model_layout
-from tests.federation.fakes import Federation, payload_fault, raise_fault, tamper_fault, timeout_fault
+from tests.federation.fakes import FakeGrid, Federation, payload_fault, raise_fault, tamper_fault, timeout_fault
 
 DIM = model_layout("digits", 42).size
 SIGNED_OVERHEAD = len(sign_update(NodeKeys.generate("100"), "100", 1, b""))
