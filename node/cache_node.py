@@ -25,7 +25,7 @@ from torch import nn
 from cache import CacheConfig, KVCache
 from crypto import Layout, clip_update, flatten, gaussian_noise
 from node.model import TinyTransformer
-from node.tasks import LM_MODEL, Task, make_task
+from node.tasks import LM_MODEL, Task, build_model, make_task
 
 UPDATE_KEY = "grad/update"
 
@@ -74,18 +74,6 @@ class TrainOutcome:
     delta_norm: float
     train_s: float
     epsilon: float = float("nan")
-
-
-def build_model(task: str, seed: int) -> nn.Module:
-    """The task's model with the run's seeded init, without loading any data."""
-    if task == "lm":
-        torch.manual_seed(seed)
-        return TinyTransformer(LM_MODEL)
-    if task == "digits":
-        from node import digits
-
-        return digits.make_model(seed)
-    raise ValueError(f"unknown task {task!r}; use 'digits' or 'lm'")
 
 
 def model_layout(task: str, seed: int = 0) -> Layout:

@@ -95,8 +95,7 @@ class LmTask:
         self.num_examples = max(1, len(self.share) // (self.seq_len + 1))
 
     def build_model(self, seed: int) -> nn.Module:
-        torch.manual_seed(seed)
-        return TinyTransformer(self.model_config)
+        return lm_model(seed, self.model_config)
 
     def train(self, model: nn.Module, epochs: int, lr: float, seed: int) -> tuple[float, int]:
         model.train()
@@ -110,6 +109,21 @@ class LmTask:
         with torch.no_grad():
             loss = eval_loss(model, self.heldout, self.seq_len, self.eval_windows, g)
         return loss, math.exp(loss), self.eval_windows * self.seq_len
+
+
+def lm_model(seed: int, config: ModelConfig = LM_MODEL) -> TinyTransformer:
+    torch.manual_seed(seed)
+    return TinyTransformer(config)
+
+
+def build_model(task: str, seed: int) -> nn.Module:
+    """The task's model with the run's seeded init, without loading any data (the server
+    sizes aggregates with it)."""
+    if task == "lm":
+        return lm_model(seed)
+    if task == "digits":
+        return digits.make_model(seed)
+    raise ValueError(f"unknown task {task!r}; use 'digits' or 'lm'")
 
 
 def make_task(name: str, partition_id: int, num_partitions: int, seed: int, alpha: float) -> Task:
