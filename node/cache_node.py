@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import nn
 
 from cache import CacheConfig, KVCache
 from crypto import Layout, clip_update, flatten, gaussian_noise
+from node import digits
 from node.model import TinyTransformer
 from node.tasks import LM_MODEL, Task, build_model, make_task
 
@@ -190,18 +190,7 @@ class CacheNode:
             noise_multiplier=dp.noise_multiplier,
             max_grad_norm=dp.clip_norm if dp.clip_norm > 0 else 1.0,
         )
-        loss_fn = nn.CrossEntropyLoss()
-        total, seen = 0.0, 0
-        for _ in range(epochs):
-            for x, y in ploader:
-                if len(y) == 0:  # Poisson sampling can draw an empty batch
-                    continue
-                popt.zero_grad()
-                loss = loss_fn(pmodel(x), y)
-                loss.backward()
-                popt.step()
-                total += loss.item() * len(y)
-                seen += len(y)
+        loss = digits.run_epochs(pmodel, ploader, popt, epochs)
         self.model.load_state_dict(pmodel._module.state_dict())
         self.dp_steps += len(ploader) * epochs  # the accountant counts expected steps
         self.dp_sample_rate = 1.0 / len(ploader)
@@ -209,7 +198,7 @@ class CacheNode:
         acct = RDPAccountant()
         acct.history = [(self.dp_sigma, self.dp_sample_rate, self.dp_steps)]
         eps = acct.get_epsilon(dp.target_delta)
-        return (total / seen if seen else float("nan")), self.task.num_examples, eps
+        return loss, self.task.num_examples, eps
 
     # -- Flower's array protocol (the flower-central baseline) --------------------------
     def get_weights(self) -> dict[str, torch.Tensor]:

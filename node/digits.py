@@ -137,19 +137,28 @@ def partition_sizes(cfg: DigitsConfig) -> list[int]:
 
 def train(model: nn.Module, loader: DataLoader, epochs: int, lr: float) -> tuple[float, int]:
     """Plain SGD for ``epochs`` passes. Returns (mean training loss, number of examples)."""
-    model.train()
     opt = torch.optim.SGD(model.parameters(), lr=lr)
+    return run_epochs(model, loader, opt, epochs), len(loader.dataset)
+
+
+def run_epochs(model: nn.Module, loader: DataLoader, opt: torch.optim.Optimizer,
+               epochs: int) -> float:
+    """Cross-entropy training passes with a given optimizer (plain or Opacus-wrapped);
+    returns the mean training loss. Empty batches (Poisson sampling) are skipped."""
+    model.train()
     loss_fn = nn.CrossEntropyLoss()
     total, seen = 0.0, 0
     for _ in range(epochs):
         for x, y in loader:
+            if len(y) == 0:
+                continue
             opt.zero_grad()
             loss = loss_fn(model(x), y)
             loss.backward()
             opt.step()
             total += loss.item() * len(y)
             seen += len(y)
-    return (total / seen if seen else float("nan")), len(loader.dataset)
+    return total / seen if seen else float("nan")
 
 
 def evaluate(model: nn.Module, loader: DataLoader) -> tuple[float, float]:
