@@ -160,7 +160,6 @@ class KVCache:
         except CacheFullError:
             if cls == self.fresh:
                 raise
-            self._counters["alloc_failures"] -= 1
             return self._allocate(self.fresh)
 
     def _with_room(self, take):
@@ -172,7 +171,6 @@ class KVCache:
             except PoolExhausted:
                 victim = self.policy.victim()
                 if victim is None:
-                    self._counters["alloc_failures"] += 1
                     raise CacheFullError(
                         f"cache full: all {len(self._meta)} blocks are referenced by "
                         f"{sum(not s.closed for s in self._sessions.values())} open sessions "
@@ -241,6 +239,7 @@ class KVCache:
                 n = min(B, total - (len(t.blocks) + i) * B)
                 new_blocks.append(self._allocate_fresh(self.layout.class_for(n)))
         except CacheFullError:
+            self._counters["alloc_failures"] += 1  # refused to the caller, nothing changed
             for b in new_blocks + ([tail[1]] if tail else []):
                 self.pool.decref(b)
                 self.pool.free(b)
@@ -358,7 +357,6 @@ class KVCache:
             self._with_room(lambda: self.pool.move(b, c.kv_dtype))
         except CacheFullError:
             m.keep_fp = True  # everything is pinned: stays full precision, not retried
-            self._counters["alloc_failures"] -= 1
             self._counters["quant_skipped_full"] += 1
             return
         self.pool.slot_bytes_of(b)[: raw.numel()].copy_(raw.reshape(-1))
@@ -433,10 +431,7 @@ class KVCache:
                 live_slot_bytes += slot
         live = self.pool.live_slot_bytes()
         lookups = self._counters["prefix_hit_blocks"] + self._counters["prefix_miss_blocks"]
-        free_fresh = (
-            sum(len(self.pool._slabs[s].free) for s in self.pool.classes[self.fresh].partial)
-            + len(self.pool._free_slabs) * self.pool.classes[self.fresh].slots_per_slab
-        )
+        free_fresh = self.pool.free_slots(self.fresh)
         errors = [m.error for m in self._meta.values() if m.quantized]
         return {
             **self._counters,

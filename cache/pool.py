@@ -199,6 +199,12 @@ class BlockPool:
     def live_slot_bytes(self) -> int:
         return sum(self.classes[n].slot_bytes for n, _, _ in self._loc.values())
 
+    def free_slots(self, name: str) -> int:
+        """Blocks of class ``name`` that can be allocated without reclaiming anything."""
+        sc = self.classes[name]
+        partial = sum(len(self._slabs[s].free) for s in sc.partial)
+        return partial + len(self._free_slabs) * sc.slots_per_slab
+
     def slabs_in_use(self) -> int:
         return self.num_slabs - len(self._free_slabs)
 

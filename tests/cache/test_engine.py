@@ -131,6 +131,7 @@ def test_cache_full_when_everything_pinned_and_nothing_damaged():
     with pytest.raises(CacheFullError, match="referenced by 1 open sessions"):
         kv.reserve(a, [1, 2, 3, 4, 5])  # needs 2 new blocks, only 0 free
     assert kv.stats()["blocks_used"] == before and kv.length(a) == 4 * cap - 2
+    assert kv.stats()["alloc_failures"] == 1
     assert torch.equal(kv.read(a, 1)[0], ks[1])
     feed(kv, a, [1, 2])  # the session still works after the refusal
     assert kv.length(a) == 4 * cap
