@@ -24,7 +24,6 @@ class BlockTable:
     closed: bool = False
     stale: bool = False
     quant_checked: int = 0  # blocks[:quant_checked] were quantized or kept full precision
-    quant_error: float = 0.0  # accumulated relative error of the blocks this session quantized
     gather_key: tuple[int, int] | None = None  # (layout epoch, #blocks) the gather plan is for
     gather_plan: object = None  # a cache.layout.GatherPlan for gather_key
 

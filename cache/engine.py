@@ -40,7 +40,6 @@ class BlockMeta:
     tokens: list[int]
     version: int
     hash: bytes | None = None  # set once the block is full and complete in every layer
-    parent: bytes = ROOT
     quantized: bool = False
     keep_fp: bool = False  # quantization error passed the threshold: stays full precision
     error: float = 0.0
@@ -327,7 +326,7 @@ class KVCache:
         parent = self._meta[t.blocks[bi - 1]].hash if bi else ROOT
         if parent is None:  # an earlier block of a forked chain is still unhashed
             return
-        m.parent, m.hash = parent, block_hash(parent, m.tokens, m.version)
+        m.hash = block_hash(parent, m.tokens, m.version)
         other = self._index.get(m.hash)
         if other is None:
             self._index[m.hash] = b
@@ -361,7 +360,6 @@ class KVCache:
             return
         self.pool.slot_bytes_of(b)[: raw.numel()].copy_(raw.reshape(-1))
         m.quantized = True
-        t.quant_error += err
         self._epoch += 1
         self._counters["quantized_blocks"] += 1
 
