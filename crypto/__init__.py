@@ -7,8 +7,12 @@ from crypto.ckks import (
     RawAggregate,
     EncryptReport,
     UpdateEncryptor,
+    ciphertext_coefficients,
     ciphertext_info,
+    last_modulus,
 )
+from crypto.at_rest import read_secret_file, seal, unseal, write_public_file, write_secret_file
+from crypto.binding import KIND_NOISE, KIND_UPDATE, AggregateMac, Manifest, ManifestEntry
 from crypto.context import (
     DEFAULT_PRESET,
     PRESETS,
@@ -16,12 +20,15 @@ from crypto.context import (
     CkksParams,
     SecretContext,
     load_context,
+    load_public_context,
     make_secret_context,
     public_context_bytes,
+    secret_events,
 )
 from crypto import errors
 from crypto.errors import *  # noqa: F403 - the exception hierarchy is part of the API
 from crypto.keys import (
+    NO_KEY_ID,
     Dealer,
     NodeKeys,
     NodePublicKeys,
@@ -47,6 +54,21 @@ from crypto.privacy import (
 
 __all__ = [
     *errors.__all__,
+    "AggregateMac",
+    "KIND_NOISE",
+    "KIND_UPDATE",
+    "Manifest",
+    "ManifestEntry",
+    "NO_KEY_ID",
+    "ciphertext_coefficients",
+    "last_modulus",
+    "load_public_context",
+    "read_secret_file",
+    "seal",
+    "secret_events",
+    "unseal",
+    "write_public_file",
+    "write_secret_file",
     "errors",
     "AggregateDecryptor",
     "AggregateResult",

@@ -614,3 +614,17 @@ def ciphertext_info(data: bytes) -> dict[str, Any]:
         "n_ciphertexts": len(env.ciphertexts),
         "nbytes": len(data),
     }
+
+
+def ciphertext_coefficients(ctx: CkksContext, packing: PackingConfig, data: bytes) -> np.ndarray:
+    """Coefficients (mod q0) of every ciphertext in an update or aggregate, for ``crypto.binding``."""
+    from crypto.binding import coefficients
+
+    plan = _Plan(ctx.params, packing)
+    env = _parse_for(ctx, packing, plan, data)
+    return coefficients(_SealOps(ctx).load_checked(env.ciphertexts, plan.scale))
+
+
+def last_modulus(ctx: CkksContext) -> int:
+    """q0: the one prime left at the level where fedkv ciphertexts live."""
+    return int(ctx.seal.last_context_data().parms().coeff_modulus()[0].value())

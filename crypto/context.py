@@ -39,8 +39,11 @@ __all__ = [
     "make_secret_context",
     "public_context_bytes",
     "load_context",
+    "load_public_context",
     "seal_save",
     "seal_load_ciphertext",
+    "SECRET_GUARD_ENV",
+    "secret_events",
 ]
 
 
@@ -123,6 +126,34 @@ PRESETS: dict[str, CkksParams] = {
     ),
 }
 DEFAULT_PRESET = "fedkv-4096"
+
+
+# --- where secret contexts exist ------------------------------------------------------------------
+# The claim "the ServerApp process never creates or deserializes a secret context" is checked, not
+# assumed: every creation and every deserialization of a context holding the secret key is recorded
+# with the pid of the process that did it, in memory and, when FEDKV_SECRET_GUARD_LOG names a file,
+# appended there (one "pid event key_id" line; no key material), so a test can read the records of
+# every process of a real `flwr run`.
+
+SECRET_GUARD_ENV = "FEDKV_SECRET_GUARD_LOG"
+_secret_events: list[tuple[int, str, str]] = []
+
+
+def _record_secret(event: str, key_id: bytes) -> None:
+    entry = (os.getpid(), event, key_id.hex())
+    _secret_events.append(entry)
+    path = os.environ.get(SECRET_GUARD_ENV)
+    if path:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, f"{entry[0]} {entry[1]} {entry[2]}\n".encode())
+        finally:
+            os.close(fd)
+
+
+def secret_events() -> list[tuple[int, str, str]]:
+    """(pid, "create" | "load", key id hex) of every secret context made or parsed in this process."""
+    return list(_secret_events)
 
 
 # --- SEAL object <-> bytes ------------------------------------------------------------------------
@@ -220,6 +251,8 @@ class CkksContext:
     params: CkksParams
     key_id: bytes
     _seal: Any = field(default=None, repr=False)
+    _secret: bytes | None = field(default=None, repr=False)
+    """The secret envelope, serialized once: every holder derives the same ``mac_key`` from it."""
 
     @property
     def is_private(self) -> bool:
@@ -248,10 +281,22 @@ class CkksContext:
         """Serialized secret context. Key material: only ever hand it to `keys.Dealer` wrapping."""
         if not self.is_private:
             raise NoSecretKeyError("public context has no secret key to serialize")
-        raw = self.tenseal.serialize(
-            save_public_key=True, save_secret_key=True, save_galois_keys=False, save_relin_keys=False
-        )
-        return self._envelope(raw, secret=True)
+        if self._secret is None:
+            raw = self.tenseal.serialize(
+                save_public_key=True, save_secret_key=True, save_galois_keys=False, save_relin_keys=False
+            )
+            self._secret = self._envelope(raw, secret=True)
+        return self._secret
+
+    @property
+    def mac_key(self) -> bytes:
+        """32-byte key of the aggregate MAC (``crypto.binding``), derived from the secret envelope
+        with HKDF-SHA256: every key holder has it, the server (public context only) cannot."""
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+        info = b"fedkv-aggregate-mac-v1" + self.key_id
+        return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(self.secret_bytes())
 
     def public(self) -> CkksContext:
         """A public-only copy (same key_id)."""
@@ -289,7 +334,9 @@ def make_secret_context(params: CkksParams | str = DEFAULT_PRESET) -> CkksContex
         )
     except ValueError as exc:  # SEAL rejects parameters above the 128-bit security bound
         raise ParameterError(f"SEAL rejected {params}: {exc}") from exc
-    return CkksContext(ctx, params, _key_id(_ts_public_bytes(ctx)))
+    key_id = _key_id(_ts_public_bytes(ctx))
+    _record_secret("create", key_id)
+    return CkksContext(ctx, params, key_id)
 
 
 def public_context_bytes(ctx: CkksContext) -> bytes:
@@ -306,6 +353,8 @@ def load_context(data: bytes) -> CkksContext:
     if len(data) < head or data[:4] != _CTX_MAGIC:
         raise NotAContextError("not a fedkv CKKS context (bad magic or too short)")
     flags, key_id, plen = struct.unpack(">B16sH", data[4:head])
+    if flags & _FLAG_SECRET:
+        _record_secret("load", key_id)
     try:
         params = CkksParams.from_json(data[head : head + plen])
     except (ValueError, TypeError, KeyError) as exc:
@@ -314,12 +363,30 @@ def load_context(data: bytes) -> CkksContext:
         ctx = ts.context_from(data[head + plen :])
     except Exception as exc:  # pybind maps C++ parse errors to several Python types
         raise NotAContextError(f"TenSEAL could not parse the context: {exc}") from exc
+    if ctx.has_secret_key() and not flags & _FLAG_SECRET:
+        _record_secret("load", key_id)  # a lying envelope: it was parsed all the same
     if bool(flags & _FLAG_SECRET) != bool(ctx.has_secret_key()):
         raise NotAContextError("context flags disagree with the keys it contains")
     _check_params(ctx, params)
     if _key_id(_ts_public_bytes(ctx)) != key_id:
         raise NotAContextError("key_id does not match the key material (tampered context)")
-    return CkksContext(ctx, params, key_id)
+    return CkksContext(ctx, params, key_id, _secret=data if ctx.has_secret_key() else None)
+
+
+def load_public_context(data: bytes) -> CkksContext:
+    """``load_context`` for parties that must never hold the secret key (the server): bytes whose
+    envelope says "secret" are refused before TenSEAL parses them."""
+    if isinstance(data, (bytes, bytearray, memoryview)) and len(data) > 4 and bytes(data[:4]) == _CTX_MAGIC:
+        if data[4] & _FLAG_SECRET:
+            from crypto.errors import SecretKeyPresentError
+
+            raise SecretKeyPresentError("refusing to parse a context that carries the secret key")
+    ctx = load_context(data)
+    if ctx.is_private:
+        from crypto.errors import SecretKeyPresentError
+
+        raise SecretKeyPresentError("context carries a secret key although its envelope says public")
+    return ctx
 
 
 def _check_params(ctx: ts.Context, params: CkksParams) -> None:

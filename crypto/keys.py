@@ -48,6 +48,7 @@ __all__ = [
     "UpdateVerifier",
     "unwrap_bundle",
     "verify_public_context",
+    "NO_KEY_ID",
 ]
 
 _RAW = serialization.Encoding.Raw
@@ -137,12 +138,12 @@ class NodeKeys:
         )
 
     @classmethod
-    def from_private_bytes(cls, data: bytes, passphrase: bytes) -> NodeKeys:
+    def from_private_bytes(cls, data: bytes, passphrase: bytes | None) -> NodeKeys:
         r = _Reader(data, "node key file", KeyUnwrapError)
         node_id = r.lp().decode()
         try:
-            kx = serialization.load_pem_private_key(r.lp(), passphrase)
-            sign = serialization.load_pem_private_key(r.lp(), passphrase)
+            kx = serialization.load_pem_private_key(r.lp(), passphrase or None)
+            sign = serialization.load_pem_private_key(r.lp(), passphrase or None)
         except (ValueError, TypeError) as exc:
             raise KeyUnwrapError(f"cannot load node keys: {exc}") from exc
         r.done()
@@ -152,6 +153,25 @@ class NodeKeys:
 
     def sign(self, message: bytes) -> bytes:
         return self._sign.sign(message)
+
+    def renamed(self, node_id: str) -> NodeKeys:
+        """The same keys under another id (a kit's name -> the Flower node id it runs as)."""
+        return NodeKeys(node_id, self._kx, self._sign)
+
+    def dealer(self, params: CkksParams | str = DEFAULT_PRESET) -> Dealer:
+        """A ``Dealer`` that signs with this node's Ed25519 key: a node that makes the CKKS key."""
+        return Dealer(params, signing_key=self._sign)
+
+    def private_pem(self) -> bytes:
+        """Both private keys as unencrypted PKCS#8 PEM, for ``crypto.at_rest`` (which seals them)."""
+        none = serialization.NoEncryption()
+        pem, pkcs8 = serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8
+        return (_lp(self.node_id.encode()) + _lp(self._kx.private_bytes(pem, pkcs8, none))
+                + _lp(self._sign.private_bytes(pem, pkcs8, none)))
+
+    @classmethod
+    def from_private_pem(cls, data: bytes) -> NodeKeys:
+        return cls.from_private_bytes(data, None)
 
     def unwrap(self, bundle: bytes | WrappedKeyBundle, dealer_key: bytes, *, min_epoch: int = 0) -> CkksContext:
         return unwrap_bundle(bundle, self, dealer_key, min_epoch=min_epoch)
@@ -352,21 +372,32 @@ def verify_public_context(data: bytes, dealer_key: bytes) -> tuple[bytes, int, i
 
 # --- signed updates ------------------------------------------------------------------------------
 
-_UPDATE_MAGIC = b"FKS\x01"
-_UPDATE_DOMAIN = b"fedkv-signed-update-v1"
+_UPDATE_MAGIC = b"FKS\x02"
+_UPDATE_DOMAIN = b"fedkv-signed-update-v2"
+NO_KEY_ID = bytes(16)
+"""key_id of a plaintext (he=false) payload."""
 
 
-def _update_message(node_id: str, round: int, epoch: int, digest: bytes) -> bytes:
-    return _UPDATE_DOMAIN + _lp(node_id.encode()) + struct.pack(">QI", round, epoch) + digest
+def _update_message(run_id: int, node_id: str, round: int, epoch: int, key_id: bytes, kind: int,
+                    tag: bytes, digest: bytes) -> bytes:
+    return (
+        _UPDATE_DOMAIN + struct.pack(">Q", run_id) + _lp(node_id.encode())
+        + struct.pack(">QI", round, epoch) + key_id + struct.pack(">B", kind) + _lp(tag) + digest
+    )
 
 
 @dataclass(frozen=True)
 class SignedUpdate:
-    """An encrypted update plus who sent it, for which round and key epoch, and a signature."""
+    """A contribution plus what it is bound to: run, node, round, key epoch and key id, its kind
+    (update or noise share), its aggregate tag (``crypto.binding``) and the payload digest."""
 
+    run_id: int
     node_id: str
     round: int
     epoch: int
+    key_id: bytes
+    kind: int
+    tag: bytes
     payload: bytes
     signature: bytes
 
@@ -374,13 +405,15 @@ class SignedUpdate:
     def digest(self) -> bytes:
         return hashlib.sha256(self.payload).digest()
 
+    def signed_message(self) -> bytes:
+        return _update_message(self.run_id, self.node_id, self.round, self.epoch, self.key_id,
+                               self.kind, self.tag, self.digest)
+
     def to_bytes(self) -> bytes:
         return (
-            _UPDATE_MAGIC
-            + _lp(self.node_id.encode())
-            + struct.pack(">QI", self.round, self.epoch)
-            + _lp(self.payload)
-            + self.signature
+            _UPDATE_MAGIC + struct.pack(">Q", self.run_id) + _lp(self.node_id.encode())
+            + struct.pack(">QI", self.round, self.epoch) + self.key_id + struct.pack(">B", self.kind)
+            + _lp(self.tag) + _lp(self.payload) + self.signature
         )
 
     @classmethod
@@ -388,39 +421,52 @@ class SignedUpdate:
         r = _Reader(data, "signed update", SignatureError)
         if r.take(4) != _UPDATE_MAGIC:
             raise SignatureError("not a signed fedkv update (bad magic)")
+        (run_id,) = r.unpack(">Q")
         node_id = r.lp(1024).decode(errors="replace")
         rnd, epoch = r.unpack(">QI")
+        key_id = r.take(16)
+        (kind,) = r.unpack(">B")
+        tag = r.lp(1024)
         payload = r.lp()
         sig = r.take(64)
         r.done()
-        return cls(node_id, rnd, epoch, payload, sig)
+        return cls(run_id, node_id, rnd, epoch, key_id, kind, tag, payload, sig)
 
 
-def sign_update(node_keys: NodeKeys, node_id: str, round: int, payload: bytes, epoch: int = 0) -> bytes:
-    """Sign `payload` (an encrypted update) for `round` under key `epoch`; returns wire bytes."""
+def sign_update(node_keys: NodeKeys, node_id: str, round: int, payload: bytes, epoch: int = 0, *,
+                run_id: int = 0, key_id: bytes = NO_KEY_ID, kind: int = 0, tag: bytes = b"") -> bytes:
+    """Sign ``payload`` for (run, node, round, key epoch, key id, kind, tag); returns wire bytes."""
     if node_id != node_keys.node_id:
         raise ValueError(f"node_keys belong to {node_keys.node_id!r}, not {node_id!r}")
-    if round < 0 or epoch < 0:
-        raise ValueError("round and epoch must be non-negative")
-    digest = hashlib.sha256(payload).digest()
-    sig = node_keys.sign(_update_message(node_id, round, epoch, digest))
-    return SignedUpdate(node_id, round, epoch, bytes(payload), sig).to_bytes()
+    if round < 0 or epoch < 0 or run_id < 0:
+        raise ValueError("run id, round and epoch must be non-negative")
+    if len(key_id) != 16:
+        raise ValueError("key_id is 16 bytes")
+    unsigned = SignedUpdate(run_id, node_id, round, epoch, bytes(key_id), kind, bytes(tag), bytes(payload), b"")
+    return replace(unsigned, signature=node_keys.sign(unsigned.signed_message())).to_bytes()
 
 
 class UpdateVerifier:
-    """Server side: accept each enrolled node's update once, for the current round and epoch."""
+    """Server side: accept each enrolled node's contribution of each kind once, for the current
+    run, round, key epoch and key id; one payload may not arrive under two node ids."""
 
     def __init__(
         self,
         nodes: Iterable[NodePublicKeys] | Mapping[str, NodePublicKeys] = (),
         round: int = 0,
         epoch: int = 0,
+        *,
+        run_id: int = 0,
+        key_id: bytes = NO_KEY_ID,
     ) -> None:
         items = nodes.values() if isinstance(nodes, Mapping) else nodes
         self.nodes = {n.node_id: n for n in items}
         self.round = round
         self.epoch = epoch
-        self._seen = set()
+        self.run_id = run_id
+        self.key_id = key_id
+        self._seen: set[tuple[str, int]] = set()
+        self._digests: dict[bytes, str] = {}
 
     def add_node(self, node: NodePublicKeys) -> None:
         self.nodes[node.node_id] = node
@@ -429,44 +475,52 @@ class UpdateVerifier:
         self.nodes.pop(node_id, None)
 
     def start_round(self, round: int) -> None:
-        """Move to `round` (must not go back); forgets who already sent an update."""
+        """Move to ``round`` (must not go back); forgets who already sent a contribution."""
         if round < self.round:
             raise ReplayError(f"round cannot go back from {self.round} to {round}")
         if round != self.round:
             self._seen.clear()
+            self._digests.clear()
         self.round = round
 
-    def rotate(self, epoch: int) -> None:
-        """Switch to a new key epoch; updates signed under older epochs are refused from now."""
-        if epoch <= self.epoch:
+    def rotate(self, epoch: int, key_id: bytes = NO_KEY_ID) -> None:
+        """Switch to a new key epoch; contributions signed under older epochs are refused from now."""
+        if epoch <= self.epoch and not (epoch == self.epoch == 0 and self.key_id == NO_KEY_ID):
             raise StaleKeyError(f"new epoch {epoch} must be greater than {self.epoch}")
         self.epoch = epoch
+        self.key_id = key_id
 
     def __repr__(self) -> str:
         return f"UpdateVerifier(nodes={sorted(self.nodes)}, round={self.round}, epoch={self.epoch})"
 
-    def verify(self, data: bytes | SignedUpdate) -> SignedUpdate:
-        """Return the verified `SignedUpdate`, or raise without recording anything.
+    def verify(self, data: bytes | SignedUpdate, kind: int = 0) -> SignedUpdate:
+        """Return the verified ``SignedUpdate``, or raise without recording anything.
 
-        Order matters: the signature is checked before round/epoch, so a forged message that
-        claims an old round is reported as forged, not as a replay.
+        The signature is checked before run/round/epoch, so a forged message that claims an old
+        round is reported as forged, not as a replay.
         """
         su = SignedUpdate.from_bytes(data) if isinstance(data, (bytes, bytearray)) else data
         node = self.nodes.get(su.node_id)
         if node is None:
             raise UnknownNodeError(f"update from unknown node {su.node_id!r}")
         try:
-            Ed25519PublicKey.from_public_bytes(node.sign_public).verify(
-                su.signature, _update_message(su.node_id, su.round, su.epoch, su.digest)
-            )
+            Ed25519PublicKey.from_public_bytes(node.sign_public).verify(su.signature, su.signed_message())
         except InvalidSignature as exc:
             raise SignatureError(f"signature of the update from {su.node_id!r} does not verify") from exc
-        if su.epoch != self.epoch:
+        if su.run_id != self.run_id:
+            raise ReplayError(f"update signed for run {su.run_id}, this is run {self.run_id}")
+        if su.epoch != self.epoch or su.key_id != self.key_id:
             raise StaleKeyError(f"update signed under key epoch {su.epoch}, current epoch is {self.epoch}")
+        if su.kind != kind:
+            raise SignatureError(f"update of kind {su.kind} where kind {kind} was expected")
         if su.round != self.round:
-            kind = "replayed/late" if su.round < self.round else "out-of-order (future)"
-            raise ReplayError(f"{kind} update for round {su.round} from {su.node_id!r}; current round is {self.round}")
-        if su.node_id in self._seen:
+            kind_s = "replayed/late" if su.round < self.round else "out-of-order (future)"
+            raise ReplayError(f"{kind_s} update for round {su.round} from {su.node_id!r}; current round is {self.round}")
+        if (su.node_id, su.kind) in self._seen:
             raise ReplayError(f"second update from {su.node_id!r} in round {self.round}")
-        self._seen.add(su.node_id)
+        other = self._digests.get(su.digest)
+        if other is not None:
+            raise ReplayError(f"payload already received from node {other!r} this round")
+        self._seen.add((su.node_id, su.kind))
+        self._digests[su.digest] = su.node_id
         return su

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -109,13 +111,18 @@ def test_forged_and_tampered_updates(world) -> None:
     v = UpdateVerifier([n.public for n in nodes.values()], round=1)
     blob = sign_update(nodes["node-0"], "node-0", 1, b"payload")
     su = SignedUpdate.from_bytes(blob)
+    other_round = SignedUpdate.from_bytes(sign_update(nodes["node-0"], "node-0", 0, b"payload"))
     cases = {
-        "payload": SignedUpdate(su.node_id, su.round, su.epoch, b"payloaX", su.signature),
-        "round": SignedUpdate(su.node_id, 1, su.epoch, su.payload, sign_update(nodes["node-0"], "node-0", 0, b"payload")[-64:]),
-        "node": SignedUpdate("node-1", su.round, su.epoch, su.payload, su.signature),
-        "signature": SignedUpdate(su.node_id, su.round, su.epoch, su.payload, _flip(su.signature, 3)),
+        "payload": replace(su, payload=b"payloaX"),
+        "round": replace(su, signature=other_round.signature),
+        "node": replace(su, node_id="node-1"),
+        "signature": replace(su, signature=_flip(su.signature, 3)),
+        "run": replace(su, run_id=9),
+        "key_id": replace(su, key_id=b"k" * 16),
+        "kind": replace(su, kind=1),
+        "tag": replace(su, tag=b"t" * 16),
         # node-1 signs a message claiming to be node-0
-        "impersonation": SignedUpdate("node-0", 1, 0, b"payload", nodes["node-1"].sign(b"anything")),
+        "impersonation": replace(su, signature=nodes["node-1"].sign(su.signed_message())),
     }
     for name, bad in cases.items():
         with pytest.raises(SignatureError):
@@ -128,6 +135,26 @@ def test_forged_and_tampered_updates(world) -> None:
         sign_update(nodes["node-1"], "node-0", 1, b"payload")
     # nothing above was recorded: the genuine update is still accepted
     assert v.verify(blob).payload == b"payload"
+
+
+def test_signature_binds_run_and_key_id_and_one_payload_has_one_sender(world) -> None:
+    _, nodes = world
+    kid = b"K" * 16
+    v = UpdateVerifier([n.public for n in nodes.values()], round=1, run_id=7)
+    v.rotate(0, kid)
+    with pytest.raises(ReplayError, match="run"):
+        v.verify(sign_update(nodes["node-0"], "node-0", 1, b"p", run_id=8, key_id=kid))
+    with pytest.raises(StaleKeyError):
+        v.verify(sign_update(nodes["node-0"], "node-0", 1, b"p", run_id=7, key_id=b"O" * 16))
+    assert v.verify(sign_update(nodes["node-0"], "node-0", 1, b"p", run_id=7, key_id=kid)).run_id == 7
+    # the same payload (a copied ciphertext) signed by a second node is refused
+    with pytest.raises(ReplayError, match="already received"):
+        v.verify(sign_update(nodes["node-1"], "node-1", 1, b"p", run_id=7, key_id=kid))
+    # a noise share is a separate kind: one of each per node and round
+    noise = sign_update(nodes["node-0"], "node-0", 1, b"n", run_id=7, key_id=kid, kind=1)
+    with pytest.raises(SignatureError, match="kind"):
+        v.verify(noise)
+    assert v.verify(noise, kind=1).kind == 1
 
 
 def test_unknown_node(world) -> None:
