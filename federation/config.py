@@ -1,15 +1,30 @@
 """Run configuration: the ``[tool.flwr.app.config]`` keys, typed and checked once.
 
 Every key can be overridden per run: ``flwr run . --run-config "he=false num-server-rounds=5"``.
-Unknown keys are ignored (so other apps' keys can share a pyproject); bad values
-stop the run before any round starts.
+Every key is checked before any round starts, and every problem is reported at once in
+one ``ConfigError`` (a ``ValueError``): an unknown key (named, with the close known names),
+a value of the wrong type (``num-server-rounds=2.5``, ``he=2``, ``lr='fast'``), NaN or
+infinity for any float, a value out of range, and combinations the code cannot run
+(``dp-sgd=true`` with ``task=lm`` or with ``dp-mode=flower-central``,
+``dp-mode=flower-central`` with ``he=true``, ...).
+
+Accepted spellings (the CLI gives TOML values, tests and scripts give Python ones):
+
+* int keys: an int, an integral float (``5.0``) or a string of one (``"5"``); not a bool;
+* float keys: an int, a float or a numeric string; finite only; not a bool;
+* bool keys: a bool, the ints 0 and 1, or the strings true/false/1/0 (any case);
+* str keys: a string.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
+import numbers
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping
+from typing import Any
 
 DP_MODES = ("none", "local", "distributed", "flower-central")
 TASKS = ("digits", "lm")
@@ -17,6 +32,33 @@ KV_DTYPES = ("fp32", "fp16", "int8", "int4")
 PACKINGS = ("packed", "none")
 CKKS_PRESETS = ("fedkv-4096", "fedkv-8192", "nvflare-default")
 """Names of crypto.PRESETS (kept literal so the config does not import tenseal)."""
+MAX_SEED = 2**32 - 1
+"""numpy and scikit-learn take seeds in [0, 2**32 - 1]."""
+DEFAULT_RESULTS_DIR = "results"
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "task": TASKS,
+    "packing": PACKINGS,
+    "ckks-preset": CKKS_PRESETS,
+    "dp-mode": DP_MODES,
+    "kv-dtype": KV_DTYPES,
+}
+
+
+class ConfigError(ValueError):
+    """A run config that does not parse; ``problems`` lists every problem found."""
+
+    prefix = "bad run config"
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        super().__init__(f"{self.prefix}: " + "; ".join(self.problems))
+
+
+class NodeConfigError(ConfigError):
+    """A node config (``--node-config`` of a SuperNode) that does not parse."""
+
+    prefix = "bad node config"
 
 
 @dataclass(frozen=True)
@@ -24,6 +66,7 @@ class RunConfig:
     """Defaults here equal the pyproject defaults (``[tool.flwr.app.config]`` in pyproject.toml)."""
 
     num_server_rounds: int = 5
+    """Federated rounds (>= 1)."""
     task: str = "lm"
     """digits | lm (lm is provided by the node package's CacheNode)."""
     he: bool = True
@@ -32,13 +75,13 @@ class RunConfig:
     """packed (quantised, several values per CKKS slot part) | none (one CKKS real per part).
     Only used when he=true."""
     packing_bits: int = 8
-    """Quantisation bits per value in packing=packed."""
+    """Quantisation bits per value in packing=packed, in [1, 24]."""
     packing_range: float = 0.0
     """Public saturation range R of the CKKS encoding; 0 = derived from the run config
     (``federation.codec.packing_for``)."""
     max_clients: int = 32
     """Most clients sampled per round with he=true (packing headroom). Larger populations
-    are sampled down to this."""
+    are sampled down to this. At least min-clients."""
     max_weight: float = 1000.0
     """dp-mode=none: public bound on a client's FedAvg weight (its example count); a node
     with more examples counts as max-weight. Keep it close to the largest partition: the
@@ -46,97 +89,200 @@ class RunConfig:
     ckks_preset: str = "fedkv-4096"
     """CKKS parameter set (crypto.PRESETS) the dealer uses."""
     dp_mode: str = "distributed"
-    """none | local | distributed | flower-central (Flower's client-side fixed clipping)."""
+    """none | local | distributed | flower-central (Flower's client-side fixed clipping;
+    needs he=false)."""
     dp_sgd: bool = False
-    """Opacus per-sample DP-SGD in local training (independent of dp-mode)."""
+    """Opacus per-sample DP-SGD in local training (independent of dp-mode; task=digits, and
+    not with dp-mode=flower-central, whose array-protocol training does not run it)."""
     noise_multiplier: float = 0.02
+    """sigma (>= 0)."""
     clip_norm: float = 1.0
     """L2 bound on one update. Applied under DP, and under HE in every dp-mode (the
-    CKKS encoding needs a bounded range)."""
+    CKKS encoding needs a bounded range): > 0 then."""
     target_delta: float = 1e-5
+    """delta of the reported epsilon, in (0, 1)."""
     fraction_train: float = 1.0
-    """Share of connected nodes sampled for training each round (at least min-clients)."""
+    """Share of connected nodes sampled for training each round (at least min-clients), in (0, 1]."""
     local_epochs: int = 2
+    """Local passes per round (>= 1)."""
     lr: float = 0.0
     """Local learning rate; 0 = the task's default (digits 0.3 with SGD, lm 3e-3 with AdamW)."""
     kv_dtype: str = "fp32"
     """KV-cache block dtype for the lm task (passed to the node; unused by digits)."""
-    results_dir: str = "results"
+    results_dir: str = DEFAULT_RESULTS_DIR
     """Where the run's JSON goes; relative paths resolve against the ServerApp's cwd."""
     min_clients: int = 2
     """A round with fewer usable updates than this stops the run."""
     seed: int = 42
+    """In [0, 2**32 - 1]."""
     alpha: float = 1.0
-    """Dirichlet concentration of the non-IID split."""
+    """Dirichlet concentration of the non-IID split (> 0)."""
     round_timeout: float = 120.0
     """Seconds the server waits for replies per phase (late clients are left out),
-    and for min-clients nodes to be connected before a round."""
+    and for min-clients nodes to be connected before a round (> 0)."""
+    server_kit: str = ""
+    """Absolute path of a provisioned server kit (``python -m federation.provision``);
+    "" = simulation: the nodes make the CKKS key."""
+    rotate_every: int = 0
+    """Rotate the CKKS key every K rounds (>= 0); 0 = only when a node leaves."""
 
     def __post_init__(self) -> None:
-        problems = []
-        if self.num_server_rounds < 1:
-            problems.append("num-server-rounds must be >= 1")
-        if self.task not in TASKS:
-            problems.append(f"task must be one of {TASKS}")
-        if self.dp_mode not in DP_MODES:
-            problems.append(f"dp-mode must be one of {DP_MODES}")
-        if self.kv_dtype not in KV_DTYPES:
-            problems.append(f"kv-dtype must be one of {KV_DTYPES}")
-        if not 0.0 < self.fraction_train <= 1.0:
-            problems.append("fraction-train must be in (0, 1]")
-        if self.min_clients < 1:
-            problems.append("min-clients must be >= 1")
-        if self.packing not in PACKINGS:
-            problems.append(f"packing must be one of {PACKINGS}")
-        if not 1 <= self.packing_bits <= 24:
-            problems.append("packing-bits must be in [1, 24]")
-        if not (self.packing_range >= 0 and math.isfinite(self.packing_range)):
-            problems.append("packing-range must be >= 0 (0 = derived)")
-        if self.max_clients < max(self.min_clients, 1):
-            problems.append("max-clients must be >= min-clients")
-        if not (self.max_weight > 0 and math.isfinite(self.max_weight)):
-            problems.append("max-weight must be > 0")
-        if self.ckks_preset not in CKKS_PRESETS:
-            problems.append(f"ckks-preset must be one of {CKKS_PRESETS}")
-        if self.dp_mode != "none" and self.clip_norm <= 0:
-            problems.append("clip-norm must be > 0 when dp-mode is not none")
-        if self.he and self.clip_norm <= 0:
-            problems.append("clip-norm must be > 0 when he=true (updates are clipped to bound the CKKS encoding range)")
-        if self.noise_multiplier < 0:
-            problems.append("noise-multiplier must be >= 0")
-        if not 0.0 < self.target_delta < 1.0:
-            problems.append("target-delta must be in (0, 1)")
-        if self.dp_mode == "flower-central" and self.he:
-            problems.append("dp-mode=flower-central uses Flower's plaintext arrays; set he=false")
-        if self.lr < 0:
-            problems.append("lr must be >= 0 (0 = the task's default)")
+        problems: list[str] = []
+        bad: set[str] = set()
+        for f in fields(self):
+            key = _key(f.name)
+            value, problem = _coerce(getattr(self, f.name), type(f.default), key)
+            if problem is not None:
+                problems.append(problem)
+                bad.add(key)
+            else:
+                object.__setattr__(self, f.name, value)  # normalised type (e.g. 5.0 -> 5)
+        problems += _range_problems(self, bad)
         if problems:
-            raise ValueError("bad run config: " + "; ".join(problems))
+            raise ConfigError(problems)
 
     @staticmethod
     def from_run_config(run_config: Mapping[str, Any]) -> RunConfig:
-        """Build from ``context.run_config`` (dash-separated keys), coercing types."""
-        kwargs: dict[str, Any] = {}
-        for f in fields(RunConfig):
-            key = f.name.replace("_", "-")
-            if key not in run_config:
-                continue
-            kwargs[f.name] = _coerce(run_config[key], type(getattr(RunConfig, f.name)), key)
-        return RunConfig(**kwargs)
+        """Build from ``context.run_config`` (dash-separated keys), coercing types.
+
+        Raises ``ConfigError`` naming every unknown key and every bad value.
+        """
+        known = {_key(f.name): f.name for f in fields(RunConfig)}
+        problems = [_unknown(k, known) for k in run_config if k not in known]
+        kwargs = {known[k]: v for k, v in run_config.items() if k in known}
+        try:
+            cfg = RunConfig(**kwargs)
+        except ConfigError as err:
+            raise ConfigError(problems + err.problems) from None
+        if problems:
+            raise ConfigError(problems)
+        return cfg
 
     def as_dict(self) -> dict[str, Any]:
         """Dash-separated keys, as they appear in pyproject (for results files)."""
-        return {k.replace("_", "-"): v for k, v in asdict(self).items()}
+        return {_key(k): v for k, v in asdict(self).items()}
 
 
-def _coerce(value: Any, typ: type, key: str) -> Any:
+def known_keys() -> list[str]:
+    """Every run-config key, dash-separated, in declaration order."""
+    return [_key(f.name) for f in fields(RunConfig)]
+
+
+def results_dir_of(run_config: Mapping[str, Any]) -> str:
+    """The results-dir of a raw run config if it is a usable string, else "results".
+
+    For writing a ``status: failed: <reason>`` results file when the config itself does
+    not parse (``RunConfig.from_run_config`` raised): never raises.
+    """
     try:
-        if typ is bool:
-            if isinstance(value, str):
-                if value.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError(value)
-                return value.lower() in ("true", "1")
-            return bool(value)
-        return typ(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"bad run config: {key}={value!r} is not a {typ.__name__}") from None
+        value = run_config.get("results-dir", DEFAULT_RESULTS_DIR)
+    except Exception:  # not a mapping at all
+        return DEFAULT_RESULTS_DIR
+    if isinstance(value, str) and value.strip() and "\0" not in value:
+        return value
+    return DEFAULT_RESULTS_DIR
+
+
+# -- internals ------------------------------------------------------------------------------
+def _key(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _unknown(key: Any, known: Mapping[str, str]) -> str:
+    close = difflib.get_close_matches(str(key).replace("_", "-"), list(known), n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(close)}?" if close else "see [tool.flwr.app.config] in pyproject.toml"
+    return f"unknown key {key!r} ({hint})"
+
+
+def _coerce(value: Any, typ: type, key: str) -> tuple[Any, str | None]:
+    """(value of type ``typ``, None) or (None, the problem)."""
+    if typ is bool:
+        if isinstance(value, bool):
+            return value, None
+        if isinstance(value, numbers.Integral) and value in (0, 1):
+            return bool(value), None
+        if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+            return value.strip().lower() in ("true", "1"), None
+        return None, f"{key}={value!r} is not a boolean (true, false, 1 or 0)"
+    if typ is int:
+        if isinstance(value, bool):
+            return None, f"{key}={value!r} is a boolean, not an integer"
+        if isinstance(value, numbers.Integral):
+            return int(value), None
+        number = _number(value)
+        if number is not None and math.isfinite(number) and float(number).is_integer():
+            return int(number), None
+        return None, f"{key}={value!r} is not an integer"
+    if typ is float:
+        if isinstance(value, bool):
+            return None, f"{key}={value!r} is a boolean, not a number"
+        number = _number(value)
+        if number is None:
+            return None, f"{key}={value!r} is not a number"
+        if not math.isfinite(number):
+            return None, f"{key}={value!r} must be a finite number (not NaN or infinity)"
+        return float(number), None
+    if isinstance(value, str):
+        return value, None
+    if key in _CHOICES:
+        return None, f"{key} must be one of {_CHOICES[key]}, not {value!r}"
+    return None, f"{key}={value!r} is not a string"
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            return None
+    return None
+
+
+def _range_problems(cfg: RunConfig, bad: set[str]) -> list[str]:
+    """Range and combination checks over the values that parsed (``bad``: those that did not)."""
+    problems: list[str] = []
+
+    def check(keys: str, ok: Any, message: str) -> None:
+        if not any(k in bad for k in keys.split()) and not ok():
+            problems.append(message)
+
+    for key, choices in _CHOICES.items():
+        value = getattr(cfg, key.replace("-", "_"))
+        check(key, lambda: value in choices, f"{key} must be one of {choices}, not {value!r}")
+    check("num-server-rounds", lambda: cfg.num_server_rounds >= 1, "num-server-rounds must be >= 1")
+    check("packing-bits", lambda: 1 <= cfg.packing_bits <= 24, "packing-bits must be in [1, 24]")
+    check("packing-range", lambda: cfg.packing_range >= 0, "packing-range must be >= 0 (0 = derived)")
+    check("min-clients", lambda: cfg.min_clients >= 1, "min-clients must be >= 1")
+    check("max-clients min-clients", lambda: cfg.max_clients >= max(cfg.min_clients, 1),
+          "max-clients must be >= min-clients")
+    check("max-weight", lambda: cfg.max_weight > 0, "max-weight must be > 0")
+    check("noise-multiplier", lambda: cfg.noise_multiplier >= 0, "noise-multiplier must be >= 0")
+    check("clip-norm", lambda: cfg.clip_norm >= 0, "clip-norm must be >= 0")
+    check("clip-norm dp-mode", lambda: cfg.dp_mode == "none" or cfg.clip_norm != 0,
+          "clip-norm must be > 0 when dp-mode is not none")
+    check("clip-norm he", lambda: not cfg.he or cfg.clip_norm != 0,
+          "clip-norm must be > 0 when he=true (updates are clipped to bound the CKKS encoding range)")
+    check("target-delta", lambda: 0.0 < cfg.target_delta < 1.0, "target-delta must be in (0, 1)")
+    check("fraction-train", lambda: 0.0 < cfg.fraction_train <= 1.0, "fraction-train must be in (0, 1]")
+    check("local-epochs", lambda: cfg.local_epochs >= 1, "local-epochs must be >= 1")
+    check("lr", lambda: cfg.lr >= 0, "lr must be >= 0 (0 = the task's default)")
+    check("results-dir", lambda: bool(cfg.results_dir.strip()) and "\0" not in cfg.results_dir,
+          "results-dir must be a non-empty path")
+    check("seed", lambda: 0 <= cfg.seed <= MAX_SEED, f"seed must be in [0, {MAX_SEED}]")
+    check("alpha", lambda: cfg.alpha > 0, "alpha (Dirichlet concentration) must be > 0")
+    check("round-timeout", lambda: cfg.round_timeout > 0, "round-timeout must be > 0 seconds")
+    check("server-kit", lambda: cfg.server_kit == "" or ("\0" not in cfg.server_kit and os.path.isabs(cfg.server_kit)),
+          f"server-kit must be an absolute path (or \"\" for simulation), not {cfg.server_kit!r}")
+    check("rotate-every", lambda: cfg.rotate_every >= 0, "rotate-every must be >= 0 (0 = only when a node leaves)")
+    check("dp-mode he", lambda: not (cfg.dp_mode == "flower-central" and cfg.he),
+          "dp-mode=flower-central uses Flower's plaintext arrays; set he=false")
+    check("dp-sgd task", lambda: not (cfg.dp_sgd and cfg.task == "lm"),
+          "dp-sgd=true needs task=digits (Opacus DP-SGD is not implemented for the lm task)")
+    check("dp-sgd dp-mode", lambda: not (cfg.dp_sgd and cfg.dp_mode == "flower-central"),
+          "dp-sgd=true does not run with dp-mode=flower-central (its array-protocol training has "
+          "no DP-SGD); use dp-mode none, local or distributed")
+    return problems

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from federation.config import RunConfig
+from federation.config import ConfigError, RunConfig, known_keys, results_dir_of
 
 
 def test_defaults_match_pyproject() -> None:
@@ -12,12 +14,40 @@ def test_defaults_match_pyproject() -> None:
     pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
     cfg = tomllib.loads(pyproject.read_text())["tool"]["flwr"]["app"]["config"]
     assert RunConfig.from_run_config(cfg) == RunConfig()
-    assert set(cfg) == set(RunConfig().as_dict())
+    assert set(cfg) == set(RunConfig().as_dict()) == set(known_keys())
 
 
 def test_coercion_from_cli_strings() -> None:
-    cfg = RunConfig.from_run_config({"he": "false", "num-server-rounds": "5", "lr": "0.05", "dp-sgd": "true"})
+    cfg = RunConfig.from_run_config({"he": "false", "num-server-rounds": "5", "lr": "0.05", "dp-sgd": "true",
+                                     "task": "digits"})
     assert cfg.he is False and cfg.num_server_rounds == 5 and cfg.lr == 0.05 and cfg.dp_sgd is True
+
+
+def test_coercion_normalises_types() -> None:
+    cfg = RunConfig.from_run_config({"num-server-rounds": 3.0, "lr": 1, "he": 0, "rotate-every": "2",
+                                     "dp-mode": "none", "clip-norm": 1})
+    assert type(cfg.num_server_rounds) is int and cfg.num_server_rounds == 3
+    assert type(cfg.lr) is float and cfg.lr == 1.0
+    assert cfg.he is False and cfg.rotate_every == 2 and type(cfg.clip_norm) is float
+    assert RunConfig(local_epochs=4.0).local_epochs == 4  # direct construction is checked too
+    assert RunConfig.from_run_config(cfg.as_dict()) == cfg
+
+
+def test_new_keys_defaults() -> None:
+    cfg = RunConfig()
+    assert cfg.server_kit == "" and cfg.rotate_every == 0
+    assert RunConfig.from_run_config({"server-kit": "/srv/kit", "rotate-every": 3}).server_kit == "/srv/kit"
+
+
+FLOAT_KEYS = ["packing-range", "max-weight", "noise-multiplier", "clip-norm", "target-delta",
+              "fraction-train", "lr", "alpha", "round-timeout"]
+
+
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, "nan", "inf"])
+def test_every_float_rejects_nan_and_inf(key, value) -> None:
+    with pytest.raises(ConfigError, match=f"{key}=.* must be a finite number"):
+        RunConfig.from_run_config({key: value})
 
 
 @pytest.mark.parametrize(
@@ -26,21 +56,110 @@ def test_coercion_from_cli_strings() -> None:
         ({"dp-mode": "central"}, "dp-mode"),
         ({"task": "cifar"}, "task"),
         ({"fraction-train": 0.0}, "fraction-train"),
+        ({"fraction-train": 1.5}, "fraction-train"),
         ({"dp-mode": "local", "clip-norm": 0.0}, "clip-norm"),
         ({"he": "maybe"}, "he="),
+        ({"he": 2}, "he=2 is not a boolean"),
+        ({"he": 1.0}, "he=1.0 is not a boolean"),
         ({"dp-mode": "flower-central", "he": True}, "flower-central"),
         ({"packing": 1}, "packing must be one of"),
         ({"packing": "zip"}, "packing must be one of"),
         ({"he": True, "clip-norm": 0.0, "dp-mode": "none"}, "clip-norm must be > 0 when he=true"),
+        ({"clip-norm": -1.0}, "clip-norm must be >= 0"),
         ({"max-clients": 1, "min-clients": 2}, "max-clients"),
         ({"max-weight": 0.0}, "max-weight"),
         ({"ckks-preset": "tiny"}, "ckks-preset"),
         ({"packing-range": -1.0}, "packing-range"),
+        ({"packing-bits": 25}, "packing-bits"),
+        ({"num-server-rounds": 2.5}, "num-server-rounds=2.5 is not an integer"),
+        ({"num-server-rounds": "2.5"}, "num-server-rounds='2.5' is not an integer"),
+        ({"num-server-rounds": True}, "num-server-rounds=True is a boolean"),
+        ({"num-server-rounds": 0}, "num-server-rounds must be >= 1"),
+        ({"local-epochs": 0}, "local-epochs must be >= 1"),
+        ({"min-clients": 0}, "min-clients must be >= 1"),
+        ({"round-timeout": 0.0}, "round-timeout must be > 0"),
+        ({"round-timeout": -5}, "round-timeout must be > 0"),
+        ({"noise-multiplier": -0.1}, "noise-multiplier must be >= 0"),
+        ({"target-delta": 1.0}, "target-delta"),
+        ({"lr": -0.1}, "lr must be >= 0"),
+        ({"lr": "fast"}, "lr='fast' is not a number"),
+        ({"lr": False}, "lr=False is a boolean"),
+        ({"alpha": 0.0}, "alpha"),
+        ({"seed": -1}, "seed must be in"),
+        ({"seed": 2**32}, "seed must be in"),
+        ({"kv-dtype": "int2"}, "kv-dtype"),
+        ({"results-dir": ""}, "results-dir"),
+        ({"results-dir": 5}, "results-dir=5 is not a string"),
+        ({"server-kit": "kits/server"}, "server-kit must be an absolute path"),
+        ({"rotate-every": -1}, "rotate-every must be >= 0"),
+        ({"rotate-every": 1.5}, "rotate-every=1.5 is not an integer"),
+        ({"dp-sgd": True, "task": "lm"}, "dp-sgd=true needs task=digits"),
+        ({"dp-sgd": True, "task": "digits", "dp-mode": "flower-central", "he": False},
+         "dp-sgd=true does not run with dp-mode=flower-central"),
     ],
 )
 def test_bad_values_are_rejected(override, match) -> None:
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigError, match=match):
         RunConfig.from_run_config(override)
+
+
+def test_config_error_is_a_value_error() -> None:
+    assert issubclass(ConfigError, ValueError)
+    with pytest.raises(ValueError, match="^bad run config: "):
+        RunConfig(num_server_rounds=0)
+
+
+def test_good_combinations_pass() -> None:
+    RunConfig.from_run_config({"task": "digits", "dp-sgd": True, "dp-mode": "none"})
+    RunConfig.from_run_config({"task": "digits", "dp-sgd": True, "dp-mode": "distributed"})
+    RunConfig.from_run_config({"dp-mode": "flower-central", "he": False})
+    RunConfig.from_run_config({"dp-mode": "none", "he": False, "clip-norm": 0.0})
+
+
+def test_unknown_keys_are_named_with_close_known_names() -> None:
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_run_config({"num-server-round": 3, "noise_multiplier": 0.5, "colour": "red"})
+    problems = info.value.problems
+    assert len(problems) == 3
+    assert "unknown key 'num-server-round'" in problems[0] and "num-server-rounds" in problems[0]
+    assert "unknown key 'noise_multiplier'" in problems[1] and "noise-multiplier" in problems[1]
+    assert "unknown key 'colour'" in problems[2] and "pyproject.toml" in problems[2]
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_run_config({"num-server-rounds": 2.5, "lr": math.nan, "task": "cifar",
+                                   "fraction-train": 0, "he": "maybe", "roundtimeout": 3})
+    text = str(info.value)
+    for part in ("unknown key 'roundtimeout'", "round-timeout", "num-server-rounds=2.5",
+                 "lr=nan", "task must be one of", "fraction-train", "he='maybe'"):
+        assert part in text, part
+    assert len(info.value.problems) == 6
+
+
+def test_a_bad_value_does_not_cause_follow_up_complaints() -> None:
+    # task does not parse: the dp-sgd/task combination is not judged on a guess
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_run_config({"task": 3, "dp-sgd": True})
+    assert info.value.problems == ["task must be one of ('digits', 'lm'), not 3"]
+
+
+@pytest.mark.parametrize(
+    "raw, expected",
+    [
+        ({"results-dir": "/tmp/out"}, "/tmp/out"),
+        ({"results-dir": "rel/out", "lr": "fast"}, "rel/out"),
+        ({}, "results"),
+        ({"results-dir": ""}, "results"),
+        ({"results-dir": "   "}, "results"),
+        ({"results-dir": 5}, "results"),
+        ({"results-dir": None}, "results"),
+        ({"results-dir": "a\0b"}, "results"),
+        (None, "results"),
+    ],
+)
+def test_results_dir_of_a_raw_config(raw, expected) -> None:
+    assert results_dir_of(raw) == expected  # type: ignore[arg-type]
 
 
 def test_default_job_is_the_readme_main_job() -> None:
