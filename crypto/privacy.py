@@ -19,13 +19,26 @@ Accounting is Opacus' (RDP or PRV); nothing here re-derives a bound. Client leve
 round with sample rate = clients per round / population and noise multiplier sigma. Sample
 level (DP-SGD inside a node): Opacus' `PrivacyEngine` keeps its own accountant; wrap its history
 with `PrivacyAccountant.from_opacus`.
+
+RDP orders: Opacus' default orders (1.1 ... 63) do not reach the regimes fedkv runs. The main job
+(sigma = 0.02, every node every round) has its optimal order near 1.04, below the smallest
+default (Opacus then warns "Optimal order is the smallest alpha" and returns a looser ε), and
+strong-privacy settings (large sigma, small q) want orders above 63. `rdp_orders(history)` adds
+fractional orders down to 1 + 1e-5 and large orders: up to 1024 for subsampled steps (Opacus'
+integer-order series overflows to NaN above ~1029), up to 2**20 when every step has q = 1 (the
+closed form alpha / (2 sigma^2)). Every order gives a valid bound, so more orders only tighten ε.
+The PRV accountant uses the same orders for the RDP bound that sizes its discretisation domain.
+Left as Opacus warns it: a subsampled (q < 1) history whose optimum lies above order 1024, i.e. a
+tiny ε (about 0.03 at sigma = 20, q = 0.1, one step): the bound is then a little loose, not wrong.
+
+`privacy_claim(epsilon, dp_mode)` turns an ε into the label a results file may print: no ε above
+`MEANINGFUL_EPSILON` is presented as a guarantee.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -43,6 +56,10 @@ __all__ = [
     "client_sample_rate",
     "PrivacyAccountant",
     "noise_multiplier_for",
+    "rdp_orders",
+    "privacy_claim",
+    "MEANINGFUL_EPSILON",
+    "NO_MEANINGFUL_EPSILON",
 ]
 
 Placement = Literal["local", "distributed", "server"]
@@ -143,14 +160,78 @@ def client_sample_rate(clients_per_round: int, population: int) -> float:
     return clients_per_round / population
 
 
-def _opacus_accountant(mechanism: Mechanism) -> Any:
-    from opacus.accountants import PRVAccountant, RDPAccountant  # lazy: opacus imports torch
+# -- RDP orders --------------------------------------------------------------------------------
+_OPACUS_DEFAULT_ORDERS = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))
+"""opacus.accountants.RDPAccountant.DEFAULT_ALPHAS (1.1 ... 10.9, 12 ... 63)."""
+SMALL_ORDERS = tuple(float(f"{1 + x:.10g}") for x in np.geomspace(1e-5, 0.1, 17)[:-1])
+"""1 + 1e-5 ... 1 + 0.056, four per decade: the optimum for small sigma (the main job's 0.02)."""
+LARGE_ORDERS = tuple(int(round(64 * 2 ** (k / 2))) for k in range(1, 9))
+"""91 ... 1024 (sqrt(2) apart): large sigma / small q. Opacus' integer-order series for q < 1
+overflows (NaN and a RuntimeWarning) above ~1029, so subsampled steps stop at 1024."""
+FULL_BATCH_ORDERS = tuple(int(round(2 ** (k / 2))) for k in range(21, 41))
+"""1448 ... 2**20: only when every step has q = 1 (closed form, no overflow)."""
 
-    if mechanism == "rdp":
-        return RDPAccountant()
-    if mechanism == "prv":
-        return PRVAccountant()
-    raise ParameterError(f"accountant must be 'rdp' or 'prv', not {mechanism!r}")
+
+def rdp_orders(history: Sequence[tuple[float, float, int]] = ()) -> tuple[float, ...]:
+    """The RDP orders fedkv accounts with for a history of (sigma, q, steps), sorted."""
+    orders = SMALL_ORDERS + _OPACUS_DEFAULT_ORDERS + LARGE_ORDERS
+    if history and all(float(q) == 1.0 for _, q, _ in history):
+        orders += FULL_BATCH_ORDERS
+    return tuple(sorted(orders))
+
+
+def _opacus_classes() -> tuple[type, type]:
+    """(RDP, PRV) accountant classes using `rdp_orders`; registered with Opacus as
+    "fedkv-rdp" / "fedkv-prv" so `get_noise_multiplier` can search with them."""
+    global _CLASSES
+    if _CLASSES is not None:
+        return _CLASSES
+    from opacus.accountants import PRVAccountant, RDPAccountant, register_accountant
+    from opacus.accountants.analysis.prv.domain import Domain
+
+    class FedkvRDPAccountant(RDPAccountant):
+        """Opacus' RDP accountant; default orders `rdp_orders(history)` instead of 1.1 ... 63."""
+
+        def get_privacy_spent(self, *, delta: float, alphas: Any = None) -> tuple[float, float]:
+            if alphas is None:
+                alphas = list(rdp_orders(self.history))
+            return super().get_privacy_spent(delta=delta, alphas=alphas)
+
+    class FedkvPRVAccountant(PRVAccountant):
+        """Opacus' PRV accountant; its domain-size RDP bound uses `rdp_orders`.
+
+        `_get_domain` is Opacus 1.6.0's (``PRVAccountant._get_domain`` +
+        ``analysis.prv.domain.compute_safe_domain_size``, remark 5.6 of Gopi et al.) with
+        ``FedkvRDPAccountant``: a tighter valid RDP bound is still a safe truncation bound.
+        """
+
+        def _get_domain(self, prvs, num_self_compositions, eps_error, delta_error):  # type: ignore[no-untyped-def]
+            total = sum(num_self_compositions)
+            rdp = FedkvRDPAccountant()
+            rdp.history = [(p.noise_multiplier, p.sample_rate, k) for p, k in zip(prvs, num_self_compositions)]
+            L = rdp.get_epsilon(delta_error / 4)
+            for p in prvs:
+                one = FedkvRDPAccountant()
+                one.history = [(p.noise_multiplier, p.sample_rate, 1)]
+                L = max(L, one.get_epsilon(delta=delta_error / (8 * total)))
+            L = max(L, eps_error) + 3
+            mesh_size = eps_error / np.sqrt(total * np.log(12 / delta_error) / 2)
+            return Domain.create_aligned(-L, L, mesh_size)
+
+    for name, cls in (("fedkv-rdp", FedkvRDPAccountant), ("fedkv-prv", FedkvPRVAccountant)):
+        register_accountant(name, cls, force=True)
+    _CLASSES = (FedkvRDPAccountant, FedkvPRVAccountant)
+    return _CLASSES
+
+
+_CLASSES: tuple[type, type] | None = None
+
+
+def _opacus_accountant(mechanism: Mechanism) -> Any:
+    if mechanism not in ("rdp", "prv"):
+        raise ParameterError(f"accountant must be 'rdp' or 'prv', not {mechanism!r}")
+    rdp, prv = _opacus_classes()  # lazy: opacus imports torch
+    return rdp() if mechanism == "rdp" else prv()
 
 
 class PrivacyAccountant:
@@ -193,11 +274,7 @@ class PrivacyAccountant:
             raise ParameterError("delta must be in (0, 1)")
         if not self._acc.history:
             return 0.0
-        with warnings.catch_warnings():
-            # PRV bounds its discretisation domain with an internal RDP estimate and warns when
-            # that estimate's optimal order is the largest alpha; it does not affect the PRV ε.
-            warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
-            return float(self._acc.get_epsilon(delta=delta))
+        return float(self._acc.get_epsilon(delta=delta))
 
     @classmethod
     def from_opacus(cls, accountant: Any, mechanism: Mechanism | None = None) -> PrivacyAccountant:
@@ -223,17 +300,53 @@ class PrivacyAccountant:
 def noise_multiplier_for(
     target_eps: float, delta: float, sample_rate: float, steps: int, accountant: Mechanism = "rdp"
 ) -> float:
-    """Smallest noise multiplier reaching `target_eps` after `steps` (Opacus' search)."""
+    """Smallest noise multiplier reaching `target_eps` after `steps` (Opacus' search, fedkv's orders)."""
     from opacus.accountants.utils import get_noise_multiplier
 
-    with warnings.catch_warnings():  # the bisection probes tiny sigmas whose RDP optimum is alpha_max
-        warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
-        return float(
-            get_noise_multiplier(
-                target_epsilon=target_eps,
-                target_delta=delta,
-                sample_rate=sample_rate,
-                steps=steps,
-                accountant=accountant,
-            )
+    if accountant not in ("rdp", "prv"):
+        raise ParameterError(f"accountant must be 'rdp' or 'prv', not {accountant!r}")
+    _opacus_classes()
+    return float(
+        get_noise_multiplier(
+            target_epsilon=target_eps,
+            target_delta=delta,
+            sample_rate=sample_rate,
+            steps=steps,
+            accountant=f"fedkv-{accountant}",
         )
+    )
+
+
+# -- what a run may claim -------------------------------------------------------------------------
+MEANINGFUL_EPSILON = 10.0
+"""Above this ε (or at ε = ∞) a run claims no DP guarantee, only the mechanism."""
+NO_MEANINGFUL_EPSILON = "clipping and noise, no meaningful ε at this population"
+_DP_MODES = ("none", "local", "distributed", "flower-central")
+
+
+def privacy_claim(
+    epsilon: float, dp_mode: str, *, delta: float | None = None, level: Literal["client", "sample"] = "client"
+) -> str:
+    """The short, honest label of what a run's DP amounts to.
+
+    * dp_mode "none" (client level): ``"none: no DP"``;
+    * ε <= `MEANINGFUL_EPSILON`: ``"client-level (ε=2.31, δ)"``, or with `delta`
+      ``"client-level (ε=2.31, δ=1e-05)"`` (`level="sample"` for DP-SGD inside the nodes);
+    * ε > `MEANINGFUL_EPSILON`, ε = ∞ or ε not accounted (NaN): exactly `NO_MEANINGFUL_EPSILON`.
+    """
+    if dp_mode not in _DP_MODES:
+        raise ParameterError(f"dp_mode must be one of {_DP_MODES}, not {dp_mode!r}")
+    if level not in ("client", "sample"):
+        raise ParameterError(f"level must be 'client' or 'sample', not {level!r}")
+    if dp_mode == "none" and level == "client":
+        return "none: no DP"
+    epsilon = float(epsilon)
+    if epsilon < 0:
+        raise ParameterError(f"epsilon must be >= 0, not {epsilon}")
+    if math.isnan(epsilon) or epsilon > MEANINGFUL_EPSILON:
+        return NO_MEANINGFUL_EPSILON
+    if delta is None:
+        return f"{level}-level (ε={epsilon:.3g}, δ)"
+    if not 0 < delta < 1:
+        raise ParameterError(f"delta must be in (0, 1), not {delta}")
+    return f"{level}-level (ε={epsilon:.3g}, δ={delta:.3g})"

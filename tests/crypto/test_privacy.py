@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from crypto import (
     noise_multiplier_for,
     noise_std,
 )
+from crypto.privacy import MEANINGFUL_EPSILON, NO_MEANINGFUL_EPSILON, privacy_claim, rdp_orders
 
 
 def test_clip_whole_update_across_tensors() -> None:
@@ -159,3 +161,138 @@ def test_accountant_rejects_bad_input() -> None:
         acc.epsilon(0.0)
     with pytest.raises(ParameterError):
         PrivacyAccountant("moments")  # type: ignore[arg-type]
+
+
+# -- RDP orders: no "Optimal order is the smallest/largest alpha", consistent ε ---------------------
+MAIN_JOB = (0.02, 1.0, 5)
+"""The default job: sigma 0.02, all 5 nodes every round (q = 1), 5 rounds, delta 1e-5."""
+SWEEP_SIGMAS = (0.5, 2.0, 5.0)
+SWEEP_STEPS = (25, 50, 100)
+SWEEP_Q = 0.1
+
+
+def _alpha_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if "Optimal order" in str(w.message)]
+
+
+def test_opacus_default_orders_miss_the_main_job() -> None:
+    """The problem being fixed: Opacus' own orders stop at 1.1, the main job's optimum is ~1.04."""
+    from opacus.accountants import RDPAccountant
+
+    acc = RDPAccountant()
+    acc.history = [MAIN_JOB]
+    with pytest.warns(UserWarning, match="Optimal order is the smallest alpha"):
+        acc.get_epsilon(1e-5)
+
+
+def test_main_job_accounting_emits_no_alpha_warning_and_a_tighter_epsilon() -> None:
+    from opacus.accountants import RDPAccountant
+
+    sigma, q, rounds = MAIN_JOB
+    acc = PrivacyAccountant("rdp")
+    eps = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(rounds):  # as the server accountant does: one step per round
+            acc.step(sigma, q)
+            eps.append(acc.epsilon(1e-5))
+    assert _alpha_warnings(caught) == []
+    assert all(a < b for a, b in zip(eps, eps[1:]))
+    opacus_default = RDPAccountant()
+    opacus_default.history = [MAIN_JOB]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loose = opacus_default.get_epsilon(1e-5)
+    assert eps[-1] < loose  # a valid bound at a better order: strictly tighter
+    assert eps[-1] == pytest.approx(6800, rel=0.01)  # huge: sigma 0.02 buys no meaningful client-level ε
+
+
+def test_sweep_accounting_emits_no_alpha_warning_and_is_consistent() -> None:
+    from opacus.accountants import RDPAccountant
+
+    eps: dict[tuple[float, int], float] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for sigma in SWEEP_SIGMAS:
+            for steps in SWEEP_STEPS:
+                acc = PrivacyAccountant("rdp")
+                acc.step(sigma, SWEEP_Q, steps)
+                eps[sigma, steps] = acc.epsilon(1e-5)
+    assert _alpha_warnings(caught) == []
+    for sigma in SWEEP_SIGMAS:  # monotone in steps
+        series = [eps[sigma, k] for k in SWEEP_STEPS]
+        assert all(0 < a < b for a, b in zip(series, series[1:])), (sigma, series)
+    for steps in SWEEP_STEPS:  # decreasing in sigma
+        series = [eps[s, steps] for s in SWEEP_SIGMAS]
+        assert all(a > b for a, b in zip(series, series[1:])), (steps, series)
+    for (sigma, steps), value in eps.items():  # optimum inside Opacus' range: the same ε as Opacus
+        theirs = RDPAccountant()
+        theirs.history = [(sigma, SWEEP_Q, steps)]
+        assert value == pytest.approx(theirs.get_epsilon(1e-5), rel=1e-9)
+
+
+def test_prv_uses_the_same_orders_without_warning() -> None:
+    from opacus.accountants import PRVAccountant
+
+    abadi = PrivacyAccountant("prv")
+    abadi.step(4.0, 0.01, 10_000)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eps = abadi.epsilon(1e-5)
+        sweep = []
+        for sigma in (0.5, 5.0):
+            acc = PrivacyAccountant("prv")
+            acc.step(sigma, SWEEP_Q, 25)
+            sweep.append(acc.epsilon(1e-5))
+    assert _alpha_warnings(caught) == []
+    theirs = PRVAccountant()
+    theirs.history = [(4.0, 0.01, 10_000)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Opacus' own domain bound stops at order 63 here
+        assert eps == pytest.approx(theirs.get_epsilon(1e-5), rel=1e-6)
+    assert sweep[0] > sweep[1] > 0
+
+
+def test_noise_multiplier_for_the_sweep_emits_no_alpha_warning() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sigmas = [noise_multiplier_for(e, 1e-5, SWEEP_Q, 25) for e in (1.0, 2.0)]
+    assert _alpha_warnings(caught) == []
+    assert sigmas[0] > sigmas[1] > 0
+
+
+def test_rdp_orders() -> None:
+    from opacus.accountants import RDPAccountant
+
+    sub = rdp_orders([(1.0, 0.1, 3)])
+    full = rdp_orders([(1.0, 1.0, 3), (2.0, 1.0, 1)])
+    assert list(sub) == sorted(sub) and set(RDPAccountant.DEFAULT_ALPHAS) <= set(sub)
+    assert min(sub) < 1.0001 and max(sub) == 1024  # Opacus' series overflows above ~1029 for q < 1
+    assert max(full) >= 2**20 and set(sub) < set(full)
+    assert rdp_orders() == sub
+
+
+# -- privacy_claim ------------------------------------------------------------------------------------
+def test_privacy_claim_labels() -> None:
+    assert privacy_claim(math.nan, "none") == "none: no DP"
+    assert privacy_claim(2.314, "distributed") == "client-level (ε=2.31, δ)"
+    assert privacy_claim(2.314, "local", delta=1e-5) == "client-level (ε=2.31, δ=1e-05)"
+    assert privacy_claim(MEANINGFUL_EPSILON, "flower-central") == "client-level (ε=10, δ)"
+    assert privacy_claim(0.5, "none", level="sample") == "sample-level (ε=0.5, δ)"
+    for eps in (10.01, 6800.0, math.inf, math.nan):
+        assert privacy_claim(eps, "distributed") == "clipping and noise, no meaningful ε at this population"
+    assert NO_MEANINGFUL_EPSILON == "clipping and noise, no meaningful ε at this population"
+
+
+def test_privacy_claim_of_the_main_job_is_honest() -> None:
+    sigma, q, rounds = MAIN_JOB
+    acc = PrivacyAccountant("rdp")
+    acc.step(sigma, q, rounds)
+    assert privacy_claim(acc.epsilon(1e-5), "distributed") == NO_MEANINGFUL_EPSILON
+
+
+def test_privacy_claim_rejects_bad_input() -> None:
+    for args, kwargs in [((1.0, "central"), {}), ((-1.0, "local"), {}), ((1.0, "local"), {"delta": 0.0}),
+                         ((1.0, "local"), {"level": "node"})]:
+        with pytest.raises(ParameterError):
+            privacy_claim(*args, **kwargs)
