@@ -42,11 +42,46 @@ _CACHE: "OrderedDict[tuple[int, int], _Entry]" = OrderedDict()
 
 
 def spec_from_context(context: Context) -> NodeSpec:
-    """Node identity from node_config (partition) and run_config (task, seed, split)."""
+    """Node identity from node_config (partition) and run_config (task, seed, split).
+
+    Raises ``NodeConfigError`` (a ``ConfigError``, so a ``ValueError``) when partition-id or
+    num-partitions is missing or not an integer with 0 <= partition-id < num-partitions;
+    a SuperNode gets them from ``--node-config "partition-id=0 num-partitions=N"``.
+    """
+    from federation.config import NodeConfigError
+
     rc, nc = context.run_config, context.node_config
+    how = 'pass them to every SuperNode: --node-config "partition-id=0 num-partitions=N" (one partition-id per node)'
+    problems: list[str] = []
+    ids: dict[str, int] = {}
+    for key in ("partition-id", "num-partitions"):
+        if key not in nc:
+            problems.append(f"{key} is missing")
+            continue
+        value = nc[key]
+        if isinstance(value, str):
+            value = value.strip()
+            try:
+                value = int(value) if value.lstrip("+-").isdigit() else float(value)
+            except ValueError:
+                pass
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            problems.append(f"{key}={nc[key]!r} is not an integer")
+        else:
+            ids[key] = value
+    if len(ids) == 2:
+        pid, n = ids["partition-id"], ids["num-partitions"]
+        if n < 1:
+            problems.append(f"num-partitions={n} must be >= 1")
+        elif not 0 <= pid < n:
+            problems.append(f"partition-id={pid} must be in [0, num-partitions={n})")
+    if problems:
+        raise NodeConfigError([*problems, how])
     return NodeSpec(
-        partition_id=int(nc["partition-id"]),
-        num_partitions=int(nc["num-partitions"]),
+        partition_id=ids["partition-id"],
+        num_partitions=ids["num-partitions"],
         task=str(rc.get("task", "digits")),
         seed=int(rc.get("seed", 42)),
         alpha=float(rc.get("alpha", 1.0)),

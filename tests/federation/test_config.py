@@ -173,3 +173,44 @@ def test_ckks_presets_match_crypto() -> None:
     from federation.config import CKKS_PRESETS
 
     assert set(CKKS_PRESETS) == set(PRESETS)
+
+
+# -- node config (federation.node_host.spec_from_context) ------------------------------------------
+def _context(node_config: dict) -> object:
+    from flwr.app import Context, RecordDict
+
+    return Context(run_id=1, node_id=7, node_config=node_config, state=RecordDict(), run_config={"task": "digits"})
+
+
+def test_node_spec_from_a_good_node_config() -> None:
+    from federation.node_host import spec_from_context
+
+    spec = spec_from_context(_context({"partition-id": 1, "num-partitions": 3}))
+    assert (spec.partition_id, spec.num_partitions, spec.task) == (1, 3, "digits")
+    spec = spec_from_context(_context({"partition-id": "0", "num-partitions": 2.0}))
+    assert (spec.partition_id, spec.num_partitions) == (0, 2)
+
+
+@pytest.mark.parametrize(
+    "node_config, match",
+    [
+        ({}, "partition-id is missing; num-partitions is missing"),
+        ({"num-partitions": 2}, "partition-id is missing"),
+        ({"partition-id": 0}, "num-partitions is missing"),
+        ({"partition-id": "zero", "num-partitions": 2}, "partition-id='zero' is not an integer"),
+        ({"partition-id": 0.5, "num-partitions": 2}, "partition-id=0.5 is not an integer"),
+        ({"partition-id": True, "num-partitions": 2}, "partition-id=True is not an integer"),
+        ({"partition-id": 2, "num-partitions": 2}, r"partition-id=2 must be in \[0, num-partitions=2\)"),
+        ({"partition-id": -1, "num-partitions": 2}, "partition-id=-1 must be in"),
+        ({"partition-id": 0, "num-partitions": 0}, "num-partitions=0 must be >= 1"),
+    ],
+)
+def test_node_config_errors_say_how_to_pass_the_partition(node_config, match) -> None:
+    from federation.config import NodeConfigError
+    from federation.node_host import spec_from_context
+
+    with pytest.raises(NodeConfigError, match=match) as info:
+        spec_from_context(_context(node_config))
+    assert isinstance(info.value, ConfigError) and not isinstance(info.value, KeyError)
+    assert str(info.value).startswith("bad node config: ")
+    assert '--node-config "partition-id=0 num-partitions=N"' in str(info.value)
