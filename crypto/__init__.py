@@ -50,6 +50,7 @@ from crypto.privacy import (
     global_l2_norm,
     noise_multiplier_for,
     noise_std,
+    privacy_claim,
 )
 
 __all__ = [
@@ -101,6 +102,7 @@ __all__ = [
     "make_secret_context",
     "noise_multiplier_for",
     "noise_std",
+    "privacy_claim",
     "public_context_bytes",
     "sign_update",
     "suggest_clip_range",

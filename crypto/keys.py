@@ -158,9 +158,11 @@ class NodeKeys:
         """The same keys under another id (a kit's name -> the Flower node id it runs as)."""
         return NodeKeys(node_id, self._kx, self._sign)
 
-    def dealer(self, params: CkksParams | str = DEFAULT_PRESET) -> Dealer:
-        """A ``Dealer`` that signs with this node's Ed25519 key: a node that makes the CKKS key."""
-        return Dealer(params, signing_key=self._sign)
+    def dealer(self, params: CkksParams | str = DEFAULT_PRESET, *, context: CkksContext | None = None,
+               epoch: int = 0, effective_round: int = 0) -> Dealer:
+        """A ``Dealer`` that signs with this node's Ed25519 key: the node that makes (or re-wraps) the
+        CKKS key. ``context`` re-wraps a key the node holds instead of making a new one."""
+        return Dealer(params, signing_key=self._sign, context=context, epoch=epoch, effective_round=effective_round)
 
     def private_pem(self) -> bytes:
         """Both private keys as unencrypted PKCS#8 PEM, for ``crypto.at_rest`` (which seals them)."""
@@ -284,14 +286,15 @@ class Dealer:
     """
 
     def __init__(
-        self, params: CkksParams | str = DEFAULT_PRESET, signing_key: Ed25519PrivateKey | None = None
+        self, params: CkksParams | str = DEFAULT_PRESET, signing_key: Ed25519PrivateKey | None = None,
+        *, context: CkksContext | None = None, epoch: int = 0, effective_round: int = 0,
     ) -> None:
         self.params = params
         self._signing_key = signing_key or Ed25519PrivateKey.generate()
         self._nodes: dict[str, NodePublicKeys] = {}
-        self.epoch = 0
-        self.effective_round = 0
-        self._context = make_secret_context(params)
+        self.epoch = epoch
+        self.effective_round = effective_round
+        self._context = context if context is not None else make_secret_context(params)
 
     @property
     def verify_key(self) -> bytes:

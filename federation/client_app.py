@@ -2,9 +2,11 @@
 
 Protocols, routed by message type:
 
-* ``query.fedkv_enroll`` / ``query.fedkv_provision``: key provisioning
-  (``federation/provisioning.py``): the node makes its X25519/Ed25519 keys once, keeps them
-  in ``context.state``, and (he=true) receives the CKKS secret context wrapped for it.
+* ``query.fedkv_enroll`` / ``query.fedkv_keygen`` / ``query.fedkv_provision``: key provisioning
+  (``federation/provisioning.py``): the node's identity keys and CKKS keys live in its kit or
+  node-local directory (``federation/node_store.py``), never in ``context.state``; one node
+  makes the CKKS key (or the kits hold it) and the server only relays wrapped bundles.
+* ``query.fedkv_noise``: distributed-DP noise shares for nodes that left a round (he=true).
 * ``train.fedkv`` / ``evaluate.fedkv`` (the product path): the node first applies the
   aggregates it is missing (decrypt -> write back), then trains, clips, encrypts, signs
   and replies with the signed bytes, or evaluates on its held-out share. The server never
@@ -17,13 +19,26 @@ Protocols, routed by message type:
 
 from __future__ import annotations
 
+import math
 import time
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import fixedclipping_mod
 
+from crypto import (
+    KIND_NOISE,
+    KIND_UPDATE,
+    AggregateMac,
+    Manifest,
+    ciphertext_coefficients,
+    ciphertext_info,
+    clip_update,
+    last_modulus,
+    noise_std,
+)
 from federation import node_host, protocol, provisioning
 from federation.codec import ClientCodec, client_weight, make_client_codec, packing_for
 from federation.config import RunConfig
@@ -32,36 +47,68 @@ from node.cache_node import CacheNode, DpConfig
 app = ClientApp()
 
 
+class AggregateRejected(RuntimeError):
+    """The one answer a node gives for any aggregate it will not apply (no detail, no numbers:
+    what leaves a node must not depend on the secret key's decryption noise)."""
+
+    def __init__(self) -> None:
+        super().__init__("aggregate rejected")
+
+
 @app.query("fedkv_enroll")
 def enroll(msg: Message, context: Context) -> Message:
-    """Return this node's public keys (generated on first contact, kept in context.state)."""
+    """Check the run against this node's policy; return its public identity keys."""
     return provisioning.handle_enroll(msg, context)
+
+
+@app.query("fedkv_keygen")
+def keygen(msg: Message, context: Context) -> Message:
+    """Make (or re-wrap) the CKKS key for the listed peers: this node is the key's origin."""
+    return provisioning.handle_keygen(msg, context)
 
 
 @app.query("fedkv_provision")
 def provision(msg: Message, context: Context) -> Message:
-    """Verify and keep the dealer's wrapped CKKS context; acknowledge its key id."""
+    """Verify a peer-wrapped CKKS key, keep it in the node's own files; acknowledge its key id."""
     return provisioning.handle_provision(msg, context)
 
 
-def _codec(cfg: RunConfig, context: Context, dim: int) -> tuple[ClientCodec, int]:
-    """(client codec, key epoch): CKKS with the node's unwrapped secret context, or plaintext."""
+def _run_config(context: Context) -> RunConfig:
+    """The run config, once it passed this node's policy (a run cannot lower the node's floors)."""
+    cfg = RunConfig.from_run_config(context.run_config)
+    provisioning.node_policy(context).check(cfg)
+    return cfg
+
+
+def _codec(cfg: RunConfig, context: Context, dim: int, epoch: int | None = None) -> tuple[ClientCodec, int, Any]:
+    """(client codec, key epoch, secret context or None): CKKS with the node's key, or plaintext."""
     if not cfg.he:
-        return make_client_codec(False, dim), 0
-    ctx, epoch = provisioning.secret_context(context)
-    return make_client_codec(True, dim, packing_for(cfg, dim), ctx), epoch
+        return make_client_codec(False, dim), 0, None
+    ctx, epoch = provisioning.secret_context(context, epoch)
+    return make_client_codec(True, dim, packing_for(cfg, dim), ctx), epoch, ctx
+
+
+def _signed(cfg: RunConfig, context: Context, rnd: int, payload: bytes, epoch: int, ctx: Any, kind: int,
+            dim: int) -> bytes:
+    """Tag (he=true, ``crypto.binding``) and sign one contribution."""
+    keys = provisioning.node_keys(context)
+    if ctx is None:
+        return provisioning.sign(context, keys, rnd, payload, epoch, kind=kind)
+    coeffs = ciphertext_coefficients(ctx, packing_for(cfg, dim), payload)
+    tag = AggregateMac(ctx.mac_key, last_modulus(ctx)).tag(coeffs, int(context.run_id), rnd, epoch, str(context.node_id), kind)
+    return provisioning.sign(context, keys, rnd, payload, epoch, key_id=ctx.key_id, kind=kind, tag=tag)
 
 
 @app.train("fedkv")
 def train(msg: Message, context: Context) -> Message:
-    """Catch up to the global model, train, clip/noise, encode, sign, reply with bytes."""
-    cfg = RunConfig.from_run_config(context.run_config)
-    keys = provisioning.node_keys(context)  # raises if this node was never enrolled
+    """Catch up to the global model, train, clip/noise, encode, tag, sign, reply with bytes."""
+    cfg = _run_config(context)
+    provisioning.node_keys(context)  # raises if this node was never enrolled
     node, source = node_host.get_node(context)
     try:
         server_round = int(msg.content[protocol.CONFIG]["server-round"])
-        codec, epoch = _codec(cfg, context, node.layout.size)
-        decrypt_s, writeback_s = _catch_up(node, msg, codec)
+        decrypt_s, writeback_s = _catch_up(cfg, node, msg, context)
+        codec, epoch, ctx = _codec(cfg, context, node.layout.size)
         dp = DpConfig(
             mode=cfg.dp_mode,
             clip_norm=cfg.clip_norm,
@@ -76,8 +123,6 @@ def train(msg: Message, context: Context) -> Message:
         if cfg.he and cfg.dp_mode == "none":
             # Under DP the node clips (before its noise); under HE without DP we clip here:
             # the CKKS encoding needs a bounded range (federation.codec.packing_for).
-            from crypto import clip_update
-
             res = clip_update(delta, cfg.clip_norm)
             delta, clipped = np.asarray(res.clipped, dtype=np.float32), clipped or res.was_clipped
         weight, capped = client_weight(cfg, out.num_examples)
@@ -85,21 +130,16 @@ def train(msg: Message, context: Context) -> Message:
         payload = codec.encode(delta, weight)
         encrypt_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        blob = provisioning.sign(context, keys, server_round, payload, epoch)
+        blob = _signed(cfg, context, server_round, payload, epoch, ctx, KIND_UPDATE, node.layout.size)
         sign_s = time.perf_counter() - t0
         node_host.save_node(context, node)
     except Exception:
         node_host.discard(context)  # the cached object may be half-updated
         raise
-    metrics = {
+    metrics: dict[str, Any] = {
         "num-examples": out.num_examples,
-        "train-loss": out.loss,
         "upload-bytes": len(blob),
-        "clipped": int(clipped),
-        "delta-norm": out.delta_norm,
-        "epsilon-sample": out.epsilon,
         "num-values": int(delta.shape[0]),
-        "saturated": int(codec.saturated),
         "weight-capped": int(capped),
         "train-s": out.train_s,
         "encrypt-s": encrypt_s,
@@ -110,6 +150,11 @@ def train(msg: Message, context: Context) -> Message:
         "node-source": source,
         "pid": node_host.pid(),
     }
+    if cfg.dp_sgd:
+        metrics["epsilon-sample"] = out.epsilon
+    if cfg.dp_mode not in ("local", "distributed"):  # under DP these are private, outside the accounting
+        metrics.update({"train-loss": out.loss, "clipped": int(clipped), "delta-norm": out.delta_norm,
+                        "saturated": int(codec.saturated)})
     content = RecordDict(
         {
             protocol.UPDATE: ArrayRecord({"update": protocol.bytes_to_array(blob)}),
@@ -119,14 +164,33 @@ def train(msg: Message, context: Context) -> Message:
     return Message(content, reply_to=msg)
 
 
+@app.query("fedkv_noise")
+def noise(msg: Message, context: Context) -> Message:
+    """Distributed DP under HE: noise shares for sampled nodes that left the round (tagged, signed)."""
+    cfg = _run_config(context)
+    if not cfg.he or cfg.dp_mode != "distributed":
+        raise RuntimeError("noise shares are made only with he=true and dp-mode=distributed")
+    req = msg.content[protocol.CONFIG]
+    rnd, shares, sampled = int(req["server-round"]), int(req["shares"]), int(req["num-sampled"])
+    if not (1 <= shares < sampled <= cfg.max_clients):
+        raise RuntimeError("noise request out of range")
+    node, _ = node_host.get_node(context)
+    codec, epoch, ctx = _codec(cfg, context, node.layout.size)
+    std = noise_std(cfg.noise_multiplier, cfg.clip_norm, "distributed", sampled) * math.sqrt(shares)
+    rng = np.random.default_rng()
+    dim = node.layout.size
+    payload = codec.encode(np.zeros(dim, dtype=np.float32), 0.0, noise=rng.normal(0.0, std, dim))
+    blob = _signed(cfg, context, rnd, payload, epoch, ctx, KIND_NOISE, dim)
+    return Message(RecordDict({protocol.UPDATE: ArrayRecord({"update": protocol.bytes_to_array(blob)})}), reply_to=msg)
+
+
 @app.evaluate("fedkv")
 def evaluate(msg: Message, context: Context) -> Message:
     """Catch up to the newest aggregate, then evaluate on the local held-out share."""
-    cfg = RunConfig.from_run_config(context.run_config)
+    cfg = _run_config(context)
     node, source = node_host.get_node(context)
     try:
-        codec, _ = _codec(cfg, context, node.layout.size)
-        decrypt_s, writeback_s = _catch_up(node, msg, codec)
+        decrypt_s, writeback_s = _catch_up(cfg, node, msg, context)
         t0 = time.perf_counter()
         loss, acc, n = node.evaluate()
         eval_s = time.perf_counter() - t0
@@ -148,16 +212,15 @@ def evaluate(msg: Message, context: Context) -> Message:
     return Message(RecordDict({protocol.METRICS: MetricRecord(metrics)}), reply_to=msg)
 
 
-def _catch_up(node: CacheNode, msg: Message, codec: ClientCodec) -> tuple[float, float]:
+def _catch_up(cfg: RunConfig, node: CacheNode, msg: Message, context: Context) -> tuple[float, float]:
     """Apply every aggregate newer than the node's version; returns (decode s, write-back s)."""
     target = int(msg.content[protocol.CONFIG]["target-version"])
-    record = msg.content.array_records.get(protocol.AGGREGATES)
     decrypt_s = writeback_s = 0.0
-    for version, blob in protocol.unpack_aggregates(record):
+    for version, blob, manifest in protocol.unpack_aggregates(msg.content.array_records.get(protocol.AGGREGATES)):
         if version <= node.version:
             continue  # already applied (e.g. the server did not see our last reply)
         t0 = time.perf_counter()
-        mean = codec.decode_mean(blob)
+        mean = _open(cfg, context, node.layout.size, version, blob, manifest)
         t1 = time.perf_counter()
         node.apply_mean_update(mean, version)
         decrypt_s += t1 - t0
@@ -168,6 +231,31 @@ def _catch_up(node: CacheNode, msg: Message, codec: ClientCodec) -> tuple[float,
             "aggregates are missing (server will resend the full history)"
         )
     return decrypt_s, writeback_s
+
+
+def _open(cfg: RunConfig, context: Context, dim: int, version: int, blob: bytes, manifest: bytes) -> np.ndarray:
+    """Check an aggregate against its manifest (he=true) and decode it; AggregateRejected otherwise.
+
+    Every check that can fail before decryption is public (run, round, summand count, the MAC);
+    after it, a failure can only come from a summand a node signed, and it gets the same answer."""
+    try:
+        if not cfg.he:
+            return make_client_codec(False, dim).decode_mean(blob)
+        m = Manifest.from_bytes(manifest)
+        updates = [e for e in m.entries if e.kind == KIND_UPDATE]
+        distinct = len({(e.node_id, e.kind) for e in m.entries}) == len(m.entries)
+        floor = max(cfg.min_clients, provisioning.node_policy(context).min_clients)
+        if m.run_id != int(context.run_id) or m.round != version or not distinct or len(updates) < floor:
+            raise AggregateRejected()
+        codec, _, ctx = _codec(cfg, context, dim, m.epoch)
+        if ciphertext_info(blob)["n_updates"] != len(m.entries):
+            raise AggregateRejected()
+        coeffs = ciphertext_coefficients(ctx, packing_for(cfg, dim), blob)
+        if not AggregateMac(ctx.mac_key, last_modulus(ctx)).check(coeffs, m):
+            raise AggregateRejected()
+        return codec.decode_mean(blob)
+    except Exception:  # noqa: BLE001 - one answer for every reason, chained to nothing
+        raise AggregateRejected() from None
 
 
 # --- Flower's array protocol: the flower-central DP baseline --------------------------

@@ -6,9 +6,8 @@ each message, turns handler exceptions into Error replies (like the simulation e
 only commits a node's context when its handler succeeded. ``faults`` injects the failure
 kinds the strategy must survive (tests).
 
-``run_local(run_config, num_nodes)`` does what ``server_app.main`` does (KeyService +
-``OpaqueFedAvg``, or Flower's ``DifferentialPrivacyClientSideFixedClipping`` for
-``dp-mode=flower-central``) over such a grid and returns the ``RunResults``. Pass your own
+``run_local(run_config, num_nodes)`` does what ``server_app.main`` does
+(``federation.run.run_rounds``) over such a grid and returns the ``RunResults``. Pass your own
 ``grid=InProcessGrid(...)`` to reach the nodes afterwards: ``grid.node(node_id)`` is the
 node's ``CacheNode`` (its model holds the final global model once the last evaluate ran).
 
@@ -18,8 +17,9 @@ node's ``CacheNode`` (its model holds the final global model once the last evalu
 
 Same code paths as ``flwr run``; what differs: no process boundary (so node objects are
 always reused from ``federation.node_host``'s cache, which this grid sizes to hold every
-node), no timeouts (messages run one after another), and the dealer, server and nodes share
-one process (the cryptography is the same, the isolation is not).
+node), no timeouts (messages run one after another), and the server and nodes share one process
+(the cryptography is the same, the isolation is not: node secrets are in node-local files,
+``$FEDKV_NODE_DIR``, but this process can read them).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import itertools
 import math
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict
 from logging import ERROR, INFO
 from typing import Any
 
@@ -151,11 +150,9 @@ def run_local(
     recorded in ``results.status`` ("stopped: ...") and not raised; other errors raise.
     """
     from federation.config import RunConfig
-    from federation.flower_central import run_flower_central
-    from federation.provisioning import KeyService
     from federation.results import RunResults
-    from federation.strategy import NotEnoughClients, OpaqueFedAvg
-    from node.cache_node import model_layout
+    from federation.run import mode_of, run_rounds
+    from federation.strategy import NotEnoughClients
 
     cfg = RunConfig.from_run_config(run_config)
     if grid is None:
@@ -163,29 +160,15 @@ def run_local(
     elif len(grid.contexts) != num_nodes:
         raise ValueError(f"grid has {len(grid.contexts)} nodes, num_nodes={num_nodes}")
     set_server_identity(grid.run_id)
-    mode = "flower-central" if cfg.dp_mode == "flower-central" else ("he" if cfg.he else "plain")
-    results = RunResults(config=cfg.as_dict(), mode=mode, run_id=grid.run_id)
+    results = RunResults(config=cfg.as_dict(), mode=mode_of(cfg), run_id=grid.run_id)
+
+    def record(rec: Any) -> None:
+        log(INFO, "fedkv %s", rec.summary(cfg.num_server_rounds))
+        if on_round is not None:
+            on_round(rec)
+
     try:
-        if mode == "flower-central":
-            run_flower_central(grid, cfg, results)
-            if on_round is not None:
-                for rec in results.rounds:
-                    on_round(rec)
-        else:
-            dim = model_layout(cfg.task, cfg.seed).size
-            keys = KeyService(cfg.he, cfg.ckks_preset, timeout=cfg.round_timeout)
-            results.provisioning = keys.stats
-            strategy = OpaqueFedAvg(cfg, dim, keys.verifier, keys.public_context, wait_for_nodes_s=0.0)
-            if strategy.packing is not None:
-                results.encoding = {**asdict(strategy.packing), "preset": cfg.ckks_preset, "dim": dim}
-
-            def record(rec: Any) -> None:
-                results.rounds.append(rec)
-                log(INFO, "fedkv %s", rec.summary(cfg.num_server_rounds))
-                if on_round is not None:
-                    on_round(rec)
-
-            strategy.run(grid, record, admit=keys.admit)
+        run_rounds(grid, cfg, grid.run_id, results, wait_for_nodes_s=0.0, on_round=record)
         results.status = "completed"
     except NotEnoughClients as err:
         results.status = f"stopped: {err}"

@@ -11,14 +11,18 @@ Before a node takes part it is enrolled (and, with he=true, provisioned with the
 ``query.fedkv_enroll`` / ``query.fedkv_provision``, see ``federation/provisioning.py``.
 
 server -> client (train/evaluate):
-    ArrayRecord "aggregates": {"v<k>": aggregate bytes that produce global version k}
-        for every version the node may be missing (it applies them in order); with
-        he=true these are CKKS aggregate ciphertexts only the nodes can decrypt
+    ArrayRecord "aggregates": {"v<k>": aggregate bytes that produce global version k,
+        "m<k>": its manifest (he=true: ``crypto.Manifest``, the summands' node ids, kinds and
+        tags; the node checks the aggregate against it before decrypting, ``crypto.binding``)}
+        for every version the node may be missing (it applies them in order)
     ConfigRecord "config": server-round, target-version, num-sampled
+server -> client (query.fedkv_noise, he=true + dp-mode distributed, only for rounds with drops):
+    ConfigRecord "config": server-round, shares, num-sampled
+    reply: ArrayRecord "update" {"update": a signed contribution of kind noise}
 client -> server (train):
-    ArrayRecord "update": {"update": crypto.SignedUpdate bytes = node id, round, key epoch,
-        payload (CKKS update ciphertext, or the plaintext codec's bytes with he=false),
-        Ed25519 signature over (node id, round, epoch, SHA-256(payload))}
+    ArrayRecord "update": {"update": crypto.SignedUpdate bytes = run id, node id, round, key
+        epoch, key id, kind, aggregate tag, payload (CKKS update ciphertext, or the plaintext
+        codec's bytes with he=false), Ed25519 signature over all of them (payload by SHA-256)}
     MetricRecord "metrics": see ``TRAIN_METRICS``
 client -> server (evaluate):
     MetricRecord "metrics": see ``EVAL_METRICS``
@@ -31,6 +35,8 @@ from flwr.app import Array, ArrayRecord
 
 TRAIN = "train.fedkv"
 EVALUATE = "evaluate.fedkv"
+NOISE = "query.fedkv_noise"
+"""he=true, distributed DP: a survivor makes noise shares for sampled nodes that left the round."""
 
 AGGREGATES = "aggregates"
 CONFIG = "config"
@@ -38,10 +44,12 @@ UPDATE = "update"
 METRICS = "metrics"
 
 TRAIN_METRICS = (
-    "num-examples", "train-loss", "upload-bytes", "clipped", "delta-norm", "epsilon-sample",
-    "num-values", "saturated", "weight-capped",
+    "num-examples", "upload-bytes", "num-values", "weight-capped",
     "train-s", "encrypt-s", "sign-s", "decrypt-s", "writeback-s", "version", "node-source", "pid",
 )
+"""Always sent (``epsilon-sample`` too, with dp-sgd)."""
+TRAIN_METRICS_NON_DP = ("train-loss", "clipped", "delta-norm", "saturated")
+"""Functions of private data outside the accounting: sent only with dp-mode none."""
 EVAL_METRICS = ("num-examples", "eval-loss", "eval-metric", "decrypt-s", "writeback-s", "eval-s",
                 "version", "node-source", "pid")
 
@@ -57,20 +65,52 @@ def array_to_bytes(arr: Array) -> bytes:
     return data.tobytes()
 
 
-def pack_aggregates(history: list[bytes], from_version: int) -> ArrayRecord:
-    """Aggregates for versions from_version+1 .. len(history) (history[k-1] makes v k)."""
-    return ArrayRecord(
-        {f"v{k}": bytes_to_array(history[k - 1]) for k in range(from_version + 1, len(history) + 1)}
-    )
+def pack_aggregates(history: list[tuple[bytes, bytes]], from_version: int) -> ArrayRecord:
+    """Aggregates (+ manifests) for versions from_version+1 .. len(history)."""
+    rec = {}
+    for k in range(from_version + 1, len(history) + 1):
+        aggregate, manifest = history[k - 1]
+        rec[f"v{k}"] = bytes_to_array(aggregate)
+        if manifest:
+            rec[f"m{k}"] = bytes_to_array(manifest)
+    return ArrayRecord(rec)
 
 
-def unpack_aggregates(record: ArrayRecord | None) -> list[tuple[int, bytes]]:
-    """[(version, bytes)] sorted by version."""
+def unpack_aggregates(record: ArrayRecord | None) -> list[tuple[int, bytes, bytes]]:
+    """[(version, aggregate, manifest or b"")] sorted by version."""
     if record is None:
         return []
-    out = []
+    aggregates, manifests = {}, {}
     for key, arr in record.items():
-        if not key.startswith("v") or not key[1:].isdigit():
-            raise ValueError(f"unexpected aggregate key {key!r}")
-        out.append((int(key[1:]), array_to_bytes(arr)))
-    return sorted(out)
+        if key[:1] not in ("v", "m") or not key[1:].isdigit() or len(key) > 12:
+            raise ValueError("unexpected aggregate key")
+        (aggregates if key[0] == "v" else manifests)[int(key[1:])] = array_to_bytes(arr)
+    return [(k, aggregates[k], manifests.get(k, b"")) for k in sorted(aggregates)]
+
+
+def error_text(reply: object, limit: int = 200) -> str:
+    """A reply's error reason, shortened (a node must not make the server log megabytes)."""
+    try:
+        reason = str(reply.error.reason)  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - a malformed error is still an error
+        reason = "unreadable error"
+    return reason if len(reason) <= limit else reason[:limit] + "..."
+
+
+def pack_blobs(blobs: list[bytes]) -> bytes:
+    """Several byte strings as one (4-byte big-endian length before each)."""
+    return b"".join(len(b).to_bytes(4, "big") + b for b in blobs)
+
+
+def unpack_blobs(data: bytes, limit: int = 64) -> list[bytes]:
+    """Inverse of ``pack_blobs``; ValueError for framing that does not add up."""
+    out, pos = [], 0
+    while pos < len(data):
+        if len(out) >= limit or pos + 4 > len(data):
+            raise ValueError("bad blob framing")
+        n = int.from_bytes(data[pos : pos + 4], "big")
+        if pos + 4 + n > len(data):
+            raise ValueError("bad blob framing")
+        out.append(bytes(data[pos + 4 : pos + 4 + n]))
+        pos += 4 + n
+    return out

@@ -1,216 +1,206 @@
-"""Key provisioning and update signing for a fedkv run (``crypto.keys`` over Flower messages).
+"""Key provisioning for a fedkv run: the CKKS secret key is made by a node or a provisioner, never the server.
 
-Roles
------
-* **Node**: owns an X25519 key pair (receives the wrapped CKKS secret context) and an Ed25519
-  key pair (signs its updates): ``crypto.NodeKeys``, generated once per run and kept in its
-  ``context.state`` (the only per-node storage Flower keeps across messages; never logged,
-  never sent — only ``NodePublicKeys`` leave the node).
-* **Dealer**: ``crypto.Dealer`` creates the CKKS secret context, wraps it for each enrolled
-  node (ephemeral X25519 -> HKDF-SHA256 -> AES-256-GCM) and signs each bundle and the public
-  context with its Ed25519 key.
-* **Server** (``OpaqueFedAvg``): receives the dealer-signed *public* context (checked: no
-  secret key) and an ``UpdateVerifier`` holding the nodes' public signing keys. Nothing else.
+Who makes the key (``key_origin`` in the results JSON)
+------------------------------------------------------
+* **deployment** (``server-kit`` in the run config, ``kit-dir`` in each node config): the offline
+  provisioner (``python -m federation.provision``) made epoch 0 and wrote it into every node kit;
+  the server kit holds only the provisioner-signed public context. Identity keys are pinned: the
+  server accepts an enroll reply only if its keys are the roster's for that name, and a node wraps
+  or accepts keys only for and from roster members.
+* **simulation** (no kits): the admitted node with the lowest Flower node id makes the context
+  (``query.fedkv_keygen``) and wraps it for each peer (X25519 + HKDF + AES-GCM, signed with its
+  Ed25519 key); the server relays the bundles (``query.fedkv_provision``) and keeps only the
+  node-signed public context. Peer keys are trusted on first use (logged as such): a server
+  that substitutes keys at first contact is not detected in simulation.
 
-Where the dealer runs
----------------------
-In this app (simulation and the localhost demo) ``KeyService`` plays the dealer inside the
-ServerApp *process*, at the start of the run, and relays bundles through Flower messages;
-the strategy object never gets a reference to it (``KeyService.admit`` is passed to
-``OpaqueFedAvg.run`` as an argument, not stored). Relaying is safe because a bundle is
-AES-GCM-encrypted to one node's X25519 key and signed by the dealer: the server can neither
-read nor forge it. In a real deployment the dealer is a separate trusted process (an
-operator's machine) that the server cannot inspect: it receives the nodes' public keys
-(relayed by the server or out of band), returns one bundle per node and the signed public
-context, and the ServerApp forwards them with the same two messages as here. Nodes pin the
-dealer's Ed25519 verify key: from their node config (``--node-config "dealer-key='<hex>'"``,
-obtained out of band) when given, otherwise trust-on-first-use from the enroll message (what
-simulation does; it only protects later messages, not the first one).
+Either way the ServerApp process never creates, receives or parses a secret context (the
+``crypto.context`` guard records where that happens; a test checks a real ``flwr run``).
 
-Messages (``query`` category, so they never reach Flower's default train/evaluate handlers)
---------------------------------------------------------------------------------------
-``query.fedkv_enroll``
-    server -> node: ConfigRecord ``enroll`` {``dealer-key``: 32-byte Ed25519 verify key
-    (he=true only)}.
-    node -> server: ConfigRecord ``node-keys`` {``node-id``: str, ``kx-public``: 32 bytes,
-    ``sign-public``: 32 bytes}. The node generates its keys on first contact and returns the
-    same public keys afterwards; a dealer key that differs from the pinned one is refused.
-``query.fedkv_provision`` (he=true only)
-    server -> node: ConfigRecord ``provision`` {``bundle``: WrappedKeyBundle bytes (~187 KB at
-    fedkv-4096), ``dealer-key``, ``public-context``: dealer-signed public context (~125 KB)}.
-    The node checks the dealer key against its pin, both signatures, that the bundle is for it
-    and that its context's key id equals the signed public context's, then keeps the *wrapped*
-    bundle (not the raw secret) in ``context.state`` and unwraps it when it needs the key.
-    node -> server: ConfigRecord ``provisioned`` {``key-id``: 16 bytes, ``epoch``: int}.
+Rotation: when a node leaves (dropped, killed, removed) and, with ``rotate-every`` K, every K
+rounds, a remaining node makes a new context (epoch + 1) for the remaining nodes only; a node
+that joins later receives every epoch's key from a holder, so it can replay the history.
 
-Signed updates: every update blob (CKKS or plaintext alike) travels as
-``crypto.sign_update(keys, node_id, round, payload, epoch)``; ``OpaqueFedAvg`` verifies it
-with ``UpdateVerifier`` (started for the round) before ``Aggregator.add``.
-
-Not wired here: key rotation (``Dealer.rotate``) — one key epoch (0) per run.
+Messages (``query`` category)
+-----------------------------
+``query.fedkv_enroll``   server -> node: ``enroll`` {} ; node -> server: ``node-keys``
+    {node-id, name, kx-public, sign-public, epoch, key-id} (epoch -1 = holds no CKKS key).
+``query.fedkv_keygen``   server -> key-making node: ``keygen`` {epoch, fresh, preset,
+    effective-round, members, names, kx, sign, epochs}; reply ``keygen`` {epoch, key-id, members}
+    + ArrayRecord ``bundles`` {"<member>": its bundles, one per epoch asked (``protocol.pack_blobs``)}
+    + ArrayRecord ``public-context`` {ctx}. Members include the key-making node itself.
+``query.fedkv_provision`` server -> node: ``provision`` {dealer-node, dealer-name, dealer-sign}
+    + ArrayRecord ``bundles`` {"e<epoch>": bundle} + ``public-context``; reply ``provisioned``
+    {key-id, epoch}.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any
 
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.common import log
 
 from crypto import (
-    CkksContext,
-    Dealer,
+    NO_KEY_ID,
     NodeKeys,
     NodePublicKeys,
     UpdateVerifier,
     WrappedKeyBundle,
-    load_context,
+    load_public_context,
     sign_update,
     unwrap_bundle,
     verify_public_context,
 )
 from crypto.errors import CryptoError
+from federation import protocol, replies
+from federation.config import RunConfig
+from federation.node_store import NodeStore, ProvisioningError
+from federation.policy import NodePolicy
+
+__all__ = ["ENROLL", "KEYGEN", "PROVISION", "KeyService", "AdmitReport", "ProvisioningError",
+           "node_keys", "node_policy", "secret_context", "sign"]
 
 ENROLL = "query.fedkv_enroll"
+KEYGEN = "query.fedkv_keygen"
 PROVISION = "query.fedkv_provision"
 
-# record names in messages
-ENROLL_REC = "enroll"
-NODE_KEYS_REC = "node-keys"
-PROVISION_REC = "provision"
-PROVISIONED_REC = "provisioned"
-
-# record names in the node's context.state
-STATE_KEYS = "fedkv.node-keys"
-STATE_DEALER = "fedkv.dealer"
-STATE_CKKS = "fedkv.ckks"
-
-PASSPHRASE_ENV = "FEDKV_NODE_KEY_PASSPHRASE"
-_DEFAULT_PASSPHRASE = b"fedkv-node-keys-at-rest"
-"""Used when FEDKV_NODE_KEY_PASSPHRASE is unset. NOT a protection (it is in the source): it
-keeps one storage format. Set the variable on a real node to encrypt its keys at rest."""
+ENROLL_REC, NODE_KEYS_REC = "enroll", "node-keys"
+KEYGEN_REC, PROVISION_REC, PROVISIONED_REC = "keygen", "provision", "provisioned"
+BUNDLES_REC, PUBLIC_CONTEXT_REC = "bundles", "public-context"
 
 
-class ProvisioningError(RuntimeError):
-    """A node cannot take part: it refused provisioning or lacks its keys."""
+class PeerKeyError(ProvisioningError):
+    """A peer's identity keys are not the pinned ones: nothing is wrapped for them."""
 
 
 # --- node side ----------------------------------------------------------------------------
 
 
-def _passphrase() -> bytes:
-    value = os.environ.get(PASSPHRASE_ENV)
-    return value.encode() if value else _DEFAULT_PASSPHRASE
-
-
-def node_id_of(context: Context) -> str:
-    """The id a node signs with: Flower's node id as a string (the server sees the same id)."""
-    return str(context.node_id)
+def node_policy(context: Context) -> NodePolicy:
+    store = NodeStore.for_context(context)
+    return NodePolicy.of(context.node_config, store.kit.policy if store.kit is not None else None)
 
 
 def node_keys(context: Context, *, create: bool = False) -> NodeKeys:
-    """This node's private keys from ``context.state`` (generated there if ``create``)."""
-    rec = context.state.config_records.get(STATE_KEYS)
-    if rec is None:
-        if not create:
-            raise ProvisioningError("node has no keys: it was not enrolled in this run")
-        keys = NodeKeys.generate(node_id_of(context))
-        context.state[STATE_KEYS] = ConfigRecord(
-            {"node-id": keys.node_id, "private": keys.private_bytes(_passphrase())}
-        )
-        return keys
-    keys = NodeKeys.from_private_bytes(bytes(rec["private"]), _passphrase())
-    if keys.node_id != node_id_of(context):
-        raise ProvisioningError(f"stored keys belong to node {keys.node_id}, not {node_id_of(context)}")
-    return keys
+    """This node's identity keys, from its kit or its node-local directory."""
+    return NodeStore.for_context(context).identity(create=create)
 
 
-def _pinned_dealer_key(context: Context) -> bytes | None:
-    configured = context.node_config.get("dealer-key")
-    if configured:
-        return bytes.fromhex(str(configured))
-    rec = context.state.config_records.get(STATE_DEALER)
-    return bytes(rec["dealer-key"]) if rec is not None else None
+def secret_context(context: Context, epoch: int | None = None) -> tuple[Any, int]:
+    """(secret CKKS context, epoch): the newest the node holds, or the one of ``epoch``."""
+    store = NodeStore.for_context(context)
+    held = store.held()
+    if held is None:
+        raise ProvisioningError("node holds no CKKS key: it was not provisioned in this run")
+    epoch = held[0] if epoch is None else epoch
+    return store.context(epoch), epoch
 
 
-def _check_dealer_key(context: Context, offered: bytes) -> bytes:
-    """Pin on first contact (unless node-config pins it); refuse a different key later."""
-    pinned = _pinned_dealer_key(context)
-    if pinned is None:
-        context.state[STATE_DEALER] = ConfigRecord({"dealer-key": offered})
-        return offered
-    if offered != pinned:
-        raise ProvisioningError("the server offers a dealer key that differs from the pinned one; refusing")
-    return pinned
+def sign(context: Context, keys: NodeKeys, server_round: int, payload: bytes, epoch: int = 0, *,
+         key_id: bytes = NO_KEY_ID, kind: int = 0, tag: bytes = b"") -> bytes:
+    """The wire form of a contribution: signed over (run, node, round, epoch, key id, kind, tag, digest)."""
+    return sign_update(keys, str(context.node_id), server_round, payload, epoch, run_id=int(context.run_id),
+                       key_id=key_id, kind=kind, tag=tag)
 
 
 def handle_enroll(msg: Message, context: Context) -> Message:
-    """``query.fedkv_enroll``: make (once) and return this node's public keys."""
-    req = msg.content.config_records.get(ENROLL_REC)
-    offered = req.get("dealer-key") if req is not None else None
-    if offered:
-        _check_dealer_key(context, bytes(offered))
-    pub = node_keys(context, create=True).public
-    reply = ConfigRecord({"node-id": pub.node_id, "kx-public": pub.kx_public, "sign-public": pub.sign_public})
+    """``query.fedkv_enroll``: check the run against the node's policy, return its public keys."""
+    node_policy(context).check(RunConfig.from_run_config(context.run_config))
+    store = NodeStore.for_context(context)
+    pub = store.identity(create=True).public
+    held = store.held()
+    reply = ConfigRecord({
+        "node-id": pub.node_id, "name": store.name, "kx-public": pub.kx_public, "sign-public": pub.sign_public,
+        "epoch": held[0] if held else -1, "key-id": held[1] if held else b"",
+    })
     return Message(RecordDict({NODE_KEYS_REC: reply}), reply_to=msg)
 
 
+def _members(req: ConfigRecord, store: NodeStore) -> list[tuple[NodePublicKeys, str]]:
+    """The peers to wrap for, checked against the kit roster (or trusted on first use)."""
+    ids, names = list(req["members"]), list(req["names"])
+    kx, sg = list(req["kx"]), list(req["sign"])
+    if not (len(ids) == len(names) == len(kx) == len(sg)) or len(set(ids)) != len(ids):
+        raise ProvisioningError("malformed member list")
+    out = []
+    for nid, name, k, s in zip(ids, names, kx, sg):
+        pub = NodePublicKeys(str(nid), bytes(k), bytes(s))
+        if store.kit is not None:
+            entry = store.kit.roster.by_name(str(name))
+            if entry is None or entry.kx_public != pub.kx_public or entry.sign_public != pub.sign_public:
+                raise PeerKeyError(f"member {name!r} does not hold the keys pinned in this node's kit; refusing to wrap")
+        out.append((pub, str(name)))
+    if store.kit is None:
+        log(WARNING, "keygen: peer keys are trusted on first use (simulation, no kits)")
+    return out
+
+
+def handle_keygen(msg: Message, context: Context) -> Message:
+    """``query.fedkv_keygen``: make (fresh) or re-wrap CKKS keys for the listed members."""
+    node_policy(context).check(RunConfig.from_run_config(context.run_config))
+    req = msg.content.config_records[KEYGEN_REC]
+    store = NodeStore.for_context(context)
+    keys = store.identity()
+    epoch, members = int(req["epoch"]), _members(req, store)
+    if int(req["fresh"]):
+        dealer = keys.dealer(str(req["preset"]), epoch=epoch, effective_round=int(req["effective-round"]))
+        store.save_context(dealer._context, epoch)
+        epochs = [epoch]
+    else:
+        epochs = sorted(int(e) for e in req["epochs"])
+    packs: dict[str, list[bytes]] = {pub.node_id: [] for pub, _ in members}
+    dealer = None
+    for e in epochs:
+        dealer = keys.dealer(store.context(e).params, context=store.context(e), epoch=e)
+        for pub, _ in members:
+            dealer.enroll(pub)
+            packs[pub.node_id].append(dealer.wrap_for(pub.node_id).to_bytes())
+    assert dealer is not None
+    done = ConfigRecord({"epoch": dealer.epoch, "key-id": dealer.key_id, "members": [p.node_id for p, _ in members]})
+    content = RecordDict({
+        KEYGEN_REC: done,
+        BUNDLES_REC: ArrayRecord({k: protocol.bytes_to_array(protocol.pack_blobs(v)) for k, v in packs.items()}),
+        PUBLIC_CONTEXT_REC: ArrayRecord({"ctx": protocol.bytes_to_array(dealer.signed_public_context())}),
+    })
+    return Message(content, reply_to=msg)
+
+
+def _check_dealer(store: NodeStore, dealer_node: str, dealer_name: str, dealer_sign: bytes) -> None:
+    if store.kit is not None:
+        entry = store.kit.roster.by_name(dealer_name)
+        if entry is None or entry.sign_public != dealer_sign:
+            raise PeerKeyError("the key bundle's signer is not a member pinned in this node's kit; refusing")
+    elif not store.pinned_signer(dealer_node, dealer_sign):
+        raise PeerKeyError("the key bundle's signer differs from the key first seen for that node; refusing")
+
+
 def handle_provision(msg: Message, context: Context) -> Message:
-    """``query.fedkv_provision``: verify + unwrap the bundle, keep it, acknowledge its key id."""
+    """``query.fedkv_provision``: verify the signer, unwrap every bundle, keep the keys in files."""
     req = msg.content.config_records[PROVISION_REC]
-    dealer_key = _check_dealer_key(context, bytes(req["dealer-key"]))
-    bundle = bytes(req["bundle"])
-    keys = node_keys(context)
-    pub_bytes, epoch, _ = verify_public_context(bytes(req["public-context"]), dealer_key)
-    ctx = unwrap_bundle(bundle, keys, dealer_key)
-    public = load_context(pub_bytes)
-    if public.is_private:
-        raise ProvisioningError("the 'public' context carries a secret key; refusing")
-    if ctx.key_id != public.key_id:
-        raise ProvisioningError("the wrapped context does not match the dealer's public context")
-    b = WrappedKeyBundle.from_bytes(bundle)
-    if b.epoch != epoch:
-        raise ProvisioningError(f"bundle epoch {b.epoch} != public context epoch {epoch}")
-    context.state[STATE_CKKS] = ConfigRecord({"bundle": bundle, "epoch": epoch, "key-id": ctx.key_id})
-    ack = ConfigRecord({"key-id": ctx.key_id, "epoch": epoch})
+    store = NodeStore.for_context(context)
+    dealer_sign = bytes(req["dealer-sign"])
+    _check_dealer(store, str(req["dealer-node"]), str(req["dealer-name"]), dealer_sign)
+    keys = store.identity()
+    pub_signed = protocol.array_to_bytes(msg.content.array_records[PUBLIC_CONTEXT_REC]["ctx"])
+    pub_bytes, pub_epoch, _ = verify_public_context(pub_signed, dealer_sign)
+    public = load_public_context(pub_bytes)
+    newest = None
+    for key, arr in sorted(msg.content.array_records[BUNDLES_REC].items()):
+        bundle = WrappedKeyBundle.from_bytes(protocol.array_to_bytes(arr))
+        ctx = unwrap_bundle(bundle, keys, dealer_sign)
+        store.save_context(ctx, bundle.epoch)
+        if newest is None or bundle.epoch > newest[0]:
+            newest = (bundle.epoch, ctx.key_id)
+    if newest is None or newest != (pub_epoch, public.key_id):
+        raise ProvisioningError("the bundles do not match the signed public context")
+    ack = ConfigRecord({"key-id": newest[1], "epoch": newest[0]})
     return Message(RecordDict({PROVISIONED_REC: ack}), reply_to=msg)
 
 
-_UNWRAPPED: OrderedDict[bytes, CkksContext] = OrderedDict()
-"""Per-process cache of unwrapped contexts, keyed by a digest of (node, dealer key, bundle):
-unwrapping and loading a context costs ~6 ms per message otherwise. A process that ran the
-handler held the secret anyway; nothing here outlives the process."""
-
-
-def secret_context(context: Context) -> tuple[CkksContext, int]:
-    """(secret CKKS context, key epoch), unwrapped from the bundle kept in ``context.state``."""
-    rec = context.state.config_records.get(STATE_CKKS)
-    dealer_key = _pinned_dealer_key(context)
-    if rec is None or dealer_key is None:
-        raise ProvisioningError("node holds no CKKS key: it was not provisioned in this run")
-    bundle = bytes(rec["bundle"])
-    key = hashlib.sha256(node_id_of(context).encode() + b"|" + dealer_key + b"|" + bundle).digest()
-    ctx = _UNWRAPPED.get(key)
-    if ctx is None:
-        ctx = unwrap_bundle(bundle, node_keys(context), dealer_key)
-        _UNWRAPPED[key] = ctx
-        while len(_UNWRAPPED) > 64:
-            _UNWRAPPED.popitem(last=False)
-    return ctx, int(rec["epoch"])
-
-
-def sign(context: Context, keys: NodeKeys, server_round: int, payload: bytes, epoch: int = 0) -> bytes:
-    """The wire form of an update: signed over (node id, round, epoch, SHA-256(payload))."""
-    return sign_update(keys, node_id_of(context), server_round, payload, epoch)
-
-
-# --- server side (the dealer's relay) ---------------------------------------------------------
+# --- server side (relay, roster, rotation) --------------------------------------------------
 
 
 @dataclass
@@ -223,61 +213,84 @@ class AdmitReport:
     seconds: float = 0.0
 
 
-class KeyService:
-    """Enrolls nodes, provisions them (he=true) and fills the strategy's ``UpdateVerifier``.
+@dataclass
+class _Member:
+    pub: NodePublicKeys
+    name: str
 
-    Holds the ``Dealer`` (the CKKS secret context) when he=true: keep it out of the strategy.
-    Exposes only public material: ``verifier``, ``public_context``, ``dealer_key``.
+
+class KeyService:
+    """Enrolls nodes, has a node (or the kits) supply the CKKS key, relays bundles, rotates.
+
+    Holds only public material: the nodes' public keys, the current signed public context and
+    the ``UpdateVerifier``. It never holds, receives or parses a secret context.
     """
 
-    def __init__(self, he: bool, preset: str = "fedkv-4096", timeout: float = 120.0,
-                 dealer: Dealer | None = None) -> None:
-        self.he = he
-        self.timeout = timeout
-        self._dealer = (dealer or Dealer(preset)) if he else None
-        self.verifier = UpdateVerifier()
-        self.ready: set[int] = set()
-        self.signed_public_context: bytes | None = None
+    def __init__(self, cfg: RunConfig, run_id: int, server_kit: Any = None) -> None:
+        self.cfg = cfg
+        self.he = cfg.he
+        self.timeout = cfg.round_timeout
+        self.kit = server_kit
+        self.verifier = UpdateVerifier(run_id=run_id)
+        self.members: dict[int, _Member] = {}
+        self.holders: set[int] = set()
+        self.retry_at: dict[int, int] = {}
+        """Round from which a node whose enrollment or keying failed is tried again (back-off)."""
+        self.epoch = -1
+        self.key_id = NO_KEY_ID
         self.public_context: bytes | None = None
-        if self._dealer is not None:
-            self.signed_public_context = self._dealer.signed_public_context()
-            # what the server would do with a remote dealer: check the signature, keep the bytes
-            self.public_context, _, _ = verify_public_context(self.signed_public_context, self.dealer_key)
-        self.stats: dict[str, Any] = {
-            "dealer": "serverapp-process" if he else None,
-            "enrolled": 0,
-            "provisioned": 0,
-            "refused": 0,
-            "bundle_bytes": 0,
-            "public_context_bytes": len(self.public_context or b""),
-            "signed_public_context_bytes": len(self.signed_public_context or b""),
-            "seconds": 0.0,
-        }
+        self.key_origin: dict[str, Any] = {"party": None}
+        self._failures: dict[int, int] = {}
+        self._rekeyed: set[int] = set()
+        self.rotations: list[dict[str, Any]] = []
+        self.stats: dict[str, Any] = {"enrollment": "pinned" if server_kit is not None else "tofu",
+                                      "enrolled": 0, "provisioned": 0, "refused": 0, "seconds": 0.0}
+        if server_kit is not None and self.he:
+            pub, epoch, _ = verify_public_context(server_kit.signed_public_context, server_kit.roster.provisioner_key)
+            self._set_key(pub, epoch, {"party": "provisioner", "node": None, "epoch": epoch})
 
-    @property
-    def dealer_key(self) -> bytes | None:
-        return self._dealer.verify_key if self._dealer is not None else None
+    def __repr__(self) -> str:
+        return f"KeyService(he={self.he}, epoch={self.epoch}, holders={sorted(self.holders)})"
 
-    def __repr__(self) -> str:  # never show key material
-        return f"KeyService(he={self.he}, ready={sorted(self.ready)})"
+    def _set_key(self, pub_bytes: bytes, epoch: int, origin: dict[str, Any]) -> None:
+        ctx = load_public_context(pub_bytes)  # refuses a secret context before parsing it
+        self.public_context, self.epoch, self.key_id = pub_bytes, epoch, ctx.key_id
+        self.verifier.rotate(epoch, ctx.key_id)
+        if self.key_origin.get("party") is None:
+            self.key_origin = origin
+        if not self.kit and epoch == 0:
+            log(WARNING, "provisioning: simulation without kits; peer keys are trusted on first use")
 
-    def admit(self, grid: Any, node_ids: list[int]) -> AdmitReport:
-        """Enroll (+ provision) every node in ``node_ids`` not ready yet; return who is ready."""
-        out = AdmitReport()
-        t0 = time.perf_counter()
-        new = [n for n in node_ids if n not in self.ready]
+    # -- admission ----------------------------------------------------------------------
+    def admit(self, grid: Any, node_ids: list[int], rnd: int = 1) -> AdmitReport:
+        """Enroll (and, he=true, key) every connected node not ready yet; return who is ready."""
+        out, t0 = AdmitReport(), time.perf_counter()
+        due = [n for n in node_ids if self.retry_at.get(n, 0) <= rnd]
+        new = [n for n in due if n not in self.members]
         if new:
-            enrolled = self._enroll(grid, new, out)
-            done = self._provision(grid, enrolled, out) if self.he else enrolled
-            for n in done:
-                self.ready.add(n)
-                out.admitted.append(n)
-            if done:
-                log(INFO, "provisioning: admitted node(s) %s", done)
-        out.ready = sorted(n for n in node_ids if n in self.ready)
+            self._enroll(grid, new, out)
+        if self.he:
+            lacking = [n for n in due if n in self.members and n not in self.holders]
+            if lacking:
+                self._key(grid, lacking, rnd, out)
+        ready = self.holders if self.he else set(self.members)
+        out.admitted = sorted(n for n in due if n in ready and (n in new or n in self._rekeyed))
+        self._rekeyed = set()
+        if out.admitted:
+            log(INFO, "provisioning: admitted node(s) %s", out.admitted)
+        for d in out.dropped:  # back off: 1, 2, 4 ... rounds before trying that node again
+            tries = self._failures[d["node"]] = self._failures.get(d["node"], 0) + 1
+            self.retry_at[d["node"]] = rnd + 2 ** (tries - 1)
+        out.ready = sorted(n for n in node_ids if n in ready)
         out.seconds = time.perf_counter() - t0
         self.stats["seconds"] += out.seconds
         return out
+
+    def depart(self, nodes: list[int]) -> list[int]:
+        """Nodes that left a round (he=true): out of the key group until a holder re-keys them."""
+        gone = sorted(n for n in nodes if n in self.holders)
+        self.holders.difference_update(gone)
+        return gone
 
     def _refuse(self, out: AdmitReport, node: int, phase: str, reason: str) -> None:
         log(WARNING, "%s: node %s not admitted: %s", phase, node, reason)
@@ -285,69 +298,137 @@ class KeyService:
         self.stats["refused"] += 1
 
     def _exchange(self, grid: Any, phase: str, messages: list[Message], out: AdmitReport) -> dict[int, Message]:
-        expected = [m.metadata.dst_node_id for m in messages]
-        replies: dict[int, Message] = {}
+        expected = {m.metadata.dst_node_id for m in messages}
+        got: dict[int, Message] = {}
         for reply in grid.send_and_receive(messages, timeout=self.timeout):
             node = reply.metadata.src_node_id
-            if reply.has_error():
-                self._refuse(out, node, phase, f"client error: {reply.error.reason}")
-            else:
-                replies[node] = reply
-        for node in expected:
-            if node not in replies and not any(d["node"] == node and d["phase"] == phase for d in out.dropped):
-                self._refuse(out, node, phase, f"no reply within round-timeout={self.timeout}s")
-        return replies
-
-    def _enroll(self, grid: Any, nodes: list[int], out: AdmitReport) -> list[int]:
-        body = {"dealer-key": self.dealer_key} if self.dealer_key is not None else {}
-        messages = [
-            Message(RecordDict({ENROLL_REC: ConfigRecord(dict(body))}), dst_node_id=n, message_type=ENROLL)
-            for n in nodes
-        ]
-        enrolled = []
-        for node, reply in self._exchange(grid, "enroll", messages, out).items():
-            try:
-                rec = reply.content.config_records[NODE_KEYS_REC]
-                pub = NodePublicKeys(str(rec["node-id"]), bytes(rec["kx-public"]), bytes(rec["sign-public"]))
-                if pub.node_id != str(node):
-                    raise ProvisioningError(f"reply claims node id {pub.node_id!r}")
-                if self._dealer is not None:
-                    self._dealer.enroll(pub)  # validates key sizes
-                elif len(pub.kx_public) != 32 or len(pub.sign_public) != 32:
-                    raise ProvisioningError("public keys must be raw 32-byte keys")
-            except (KeyError, TypeError, ValueError, ProvisioningError, CryptoError) as err:
-                self._refuse(out, node, "enroll", f"bad enroll reply: {type(err).__name__}: {err}")
+            if node not in expected or node in got:
                 continue
+            if reply.has_error():
+                self._refuse(out, node, phase, f"client error: {protocol.error_text(reply)}")
+                expected.discard(node)
+            else:
+                got[node] = reply
+        for node in sorted(expected - set(got)):
+            self._refuse(out, node, phase, f"no reply within round-timeout={self.timeout}s")
+        return got
+
+    def _enroll(self, grid: Any, nodes: list[int], out: AdmitReport) -> None:
+        msgs = [Message(RecordDict({ENROLL_REC: ConfigRecord({})}), dst_node_id=n, message_type=ENROLL) for n in nodes]
+        for node, reply in sorted(self._exchange(grid, "enroll", msgs, out).items()):
+            try:
+                rec = replies.parse_enroll_reply(reply, str(node))
+                self._check_roster(rec)
+            except (replies.BadReply, ProvisioningError) as err:
+                self._refuse(out, node, "enroll", f"bad enroll reply: {err}")
+                continue
+            pub = NodePublicKeys(rec.node_id, rec.kx_public, rec.sign_public)
+            self.members[node] = _Member(pub, rec.name)
             self.verifier.add_node(pub)
             self.stats["enrolled"] += 1
-            enrolled.append(node)
-        return sorted(enrolled)
+            if self.he and rec.epoch == self.epoch and rec.key_id == self.key_id and self.epoch >= 0:
+                self.holders.add(node)  # a kit node: holds the provisioner's key already
 
-    def _provision(self, grid: Any, nodes: list[int], out: AdmitReport) -> list[int]:
-        assert self._dealer is not None and self.signed_public_context is not None
-        messages = []
-        for n in nodes:
-            bundle = self._dealer.wrap_for(str(n)).to_bytes()
-            self.stats["bundle_bytes"] = len(bundle)
-            rec = ConfigRecord(
-                {"bundle": bundle, "dealer-key": self.dealer_key, "public-context": self.signed_public_context}
-            )
-            messages.append(Message(RecordDict({PROVISION_REC: rec}), dst_node_id=n, message_type=PROVISION))
-        done = []
-        for node, reply in self._exchange(grid, "provision", messages, out).items():
+    def _check_roster(self, rec: Any) -> None:
+        if self.kit is None:
+            return
+        entry = self.kit.roster.by_name(rec.name)
+        if entry is None:
+            raise PeerKeyError(f"node name {rec.name[:40]!r} is not in the server kit's roster")
+        if entry.kx_public != rec.kx_public or entry.sign_public != rec.sign_public:
+            raise PeerKeyError(f"keys of {rec.name[:40]!r} differ from the ones pinned in the roster")
+        if any(m.name == rec.name for m in self.members.values()):
+            raise PeerKeyError(f"{rec.name[:40]!r} is already enrolled under another node id")
+
+    # -- keys ---------------------------------------------------------------------------
+    def _key(self, grid: Any, lacking: list[int], rnd: int, out: AdmitReport) -> None:
+        """Give ``lacking`` nodes the key: a fresh one if there is none, else a holder re-wraps."""
+        if self.epoch < 0:
+            self._fresh_key(grid, sorted(lacking), rnd, out)
+            return
+        dealers = sorted(self.holders)
+        if dealers:
+            self._distribute(grid, dealers[0], lacking, list(range(self.epoch + 1)), False, rnd, out)
+
+    def rotate(self, grid: Any, remaining: list[int], rnd: int, reason: str) -> bool:
+        """New key epoch for ``remaining`` only (a departed node cannot read later aggregates)."""
+        members = sorted(n for n in remaining if n in self.holders)
+        if not self.he or not members:
+            return False
+        out = AdmitReport()
+        if self._fresh_key(grid, members, rnd, out):
+            self.rotations.append({"round": rnd, "epoch": self.epoch, "reason": reason, "members": len(self.holders)})
+            log(INFO, "provisioning: rotated to key epoch %d before round %d (%s)", self.epoch, rnd, reason)
+            return True
+        return False
+
+    def _fresh_key(self, grid: Any, members: list[int], rnd: int, out: AdmitReport) -> bool:
+        for dealer in members:  # the lowest node id makes the key; the next one if it fails
+            if self._distribute(grid, dealer, members, [self.epoch + 1], True, rnd, out):
+                return True
+        return False
+
+    def _distribute(self, grid: Any, dealer: int, members: list[int], epochs: list[int], fresh: bool,
+                    rnd: int, out: AdmitReport) -> bool:
+        everyone = sorted({dealer, *members})
+        req = ConfigRecord({
+            "epoch": epochs[-1], "fresh": int(fresh), "preset": self.cfg.ckks_preset, "effective-round": rnd,
+            "members": [str(n) for n in everyone], "names": [self.members[n].name for n in everyone],
+            "kx": [self.members[n].pub.kx_public for n in everyone],
+            "sign": [self.members[n].pub.sign_public for n in everyone], "epochs": epochs,
+        })
+        msg = Message(RecordDict({KEYGEN_REC: req}), dst_node_id=dealer, message_type=KEYGEN)
+        reply = self._exchange(grid, "keygen", [msg], out).get(dealer)
+        if reply is None:
+            return False
+        try:
+            made = replies.parse_keygen_reply(reply, [str(n) for n in everyone], epochs[-1])
+            pub, epoch, _ = verify_public_context(made.signed_public_context, self.members[dealer].pub.sign_public)
+            if epoch != epochs[-1]:
+                raise ProvisioningError("public context of another epoch")
+            if fresh:
+                origin = {"party": "provisioner" if self.kit is not None and epoch == 0 else "node",
+                          "node": dealer, "epoch": epoch}
+                self._set_key(pub, epoch, origin)
+                self.holders = {dealer}
+            elif epoch != self.epoch or load_public_context(pub).key_id != self.key_id:
+                raise ProvisioningError("re-wrapped key is not the current one")
+            bundles = {n: self._split(made.bundles[str(n)], epochs) for n in members if n != dealer}
+        except (replies.BadReply, ProvisioningError, CryptoError, ValueError) as err:
+            self._refuse(out, dealer, "keygen", f"bad keygen reply: {replies.safe_reason(err)}")
+            return False
+        self._provision(grid, dealer, bundles, made.signed_public_context, out)
+        return True
+
+    @staticmethod
+    def _split(pack: bytes, epochs: list[int]) -> dict[str, bytes]:
+        """One node's bundles by epoch ("e<k>"); exactly the epochs asked for."""
+        out = {f"e{WrappedKeyBundle.from_bytes(b).epoch}": b for b in protocol.unpack_blobs(pack)}
+        if sorted(out) != sorted(f"e{e}" for e in epochs):
+            raise ProvisioningError("bundles of other epochs than asked")
+        return out
+
+    def _provision(self, grid: Any, dealer: int, bundles: dict[int, dict[str, bytes]], signed_public: bytes,
+                   out: AdmitReport) -> None:
+        d = self.members[dealer]
+        msgs = []
+        for n, by_epoch in bundles.items():
+            content = RecordDict({
+                PROVISION_REC: ConfigRecord({"dealer-node": str(dealer), "dealer-name": d.name,
+                                             "dealer-sign": d.pub.sign_public}),
+                BUNDLES_REC: ArrayRecord({k: protocol.bytes_to_array(v) for k, v in by_epoch.items()}),
+                PUBLIC_CONTEXT_REC: ArrayRecord({"ctx": protocol.bytes_to_array(signed_public)}),
+            })
+            msgs.append(Message(content, dst_node_id=n, message_type=PROVISION))
+        for node, reply in self._exchange(grid, "provision", msgs, out).items():
             try:
-                ack = reply.content.config_records[PROVISIONED_REC]
-                ok = bytes(ack["key-id"]) == self._dealer.key_id and int(ack["epoch"]) == self._dealer.epoch
-            except (KeyError, TypeError, ValueError) as err:
-                self._refuse(out, node, "provision", f"bad provision reply: {type(err).__name__}: {err}")
+                ack = replies.parse_provision_ack(reply)
+            except replies.BadReply as err:
+                self._refuse(out, node, "provision", f"bad provision reply: {err}")
                 continue
-            if not ok:
+            if ack.key_id != self.key_id or ack.epoch != self.epoch:
                 self._refuse(out, node, "provision", "node acknowledged another key id/epoch")
                 continue
+            self.holders.add(node)
+            self._rekeyed.add(node)
             self.stats["provisioned"] += 1
-            done.append(node)
-        # nodes that did not finish provisioning cannot decrypt: keep them out of the verifier
-        for n in nodes:
-            if n not in done:
-                self.verifier.remove_node(str(n))
-        return sorted(done)

@@ -27,7 +27,10 @@ from pathlib import Path
 from typing import Any
 
 
-SCHEMA = 2
+SCHEMA = 3
+"""3 added ``key_origin``, ``key_rotations``, ``server_pid``, ``privacy_claim`` and the round
+fields ``key_epoch``, ``key_rotated``, ``departed``; under DP ``train_loss``, ``clipped_fraction``
+and ``saturated_fraction`` are null (nodes do not send them)."""
 
 
 @dataclass
@@ -74,6 +77,12 @@ class RoundRecord:
     """How nodes were obtained this round: built / restored / reused (see node_host)."""
     pids: list[int] = field(default_factory=list)
     """Distinct ClientApp process ids that replied this round (Ray actors in simulation)."""
+    key_epoch: int = -1
+    """CKKS key epoch of this round's updates (-1: he=false)."""
+    key_rotated: bool = False
+    """A new key epoch was made before this round (a node left, or rotate-every)."""
+    departed: list[int] = field(default_factory=list)
+    """Nodes dropped this round that left the key group (he=true)."""
 
     def summary(self, num_rounds: int) -> str:
         s = self.seconds
@@ -108,6 +117,13 @@ class RunResults:
     """KeyService stats: who played the dealer, nodes enrolled/provisioned/refused, bytes."""
     encoding: dict[str, Any] = field(default_factory=dict)
     """The public CKKS PackingConfig of the run (he=true), e.g. the derived clip_range."""
+    key_origin: dict[str, Any] = field(default_factory=dict)
+    """Which party made the CKKS key of epoch 0: {"party": "node" | "provisioner", "node", "epoch"}."""
+    key_rotations: int = 0
+    server_pid: int = 0
+    """Process id of the ServerApp (tests compare it with the secret-context guard's records)."""
+    privacy_claim: str = ""
+    """What the run's privacy amounts to (crypto.privacy_claim of the final client-level ε)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

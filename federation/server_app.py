@@ -1,11 +1,10 @@
 """fedkv ServerApp: reads the run config, runs the rounds, writes one results JSON.
 
-* ``dp-mode`` none/local/distributed -> ``OpaqueFedAvg`` over signed codec bytes
-  (plaintext codec when ``he=false``, CKKS via crypto/ when ``he=true``). Clients
-  clip/noise locally. Key provisioning first (``federation.provisioning.KeyService``: in
-  this process, the dealer; see that module for the deployment split); the strategy gets
-  only the dealer-signed public context and the verifier of the nodes' public keys.
-* ``dp-mode=flower-central`` -> Flower's FedAvg + client-side fixed clipping baseline.
+The ServerApp holds public material only: it never creates, receives or parses a CKKS secret
+context (in simulation a node makes the key; in deployment the provisioner did, see
+``federation.provisioning``). ``federation.run.run_rounds`` does the work; this file is the
+Flower entry point and the results file around it. A run config that does not parse still
+writes a results file (``status: failed: <reason>``) before anything else runs.
 
 The results file path is absolute and printed at the end (the ServerApp's cwd is the
 SuperLink's, not necessarily the project's).
@@ -13,52 +12,42 @@ SuperLink's, not necessarily the project's).
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from logging import ERROR, INFO
 
 from flwr.app import Context
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
-from federation.config import RunConfig
-from federation.flower_central import run_flower_central
-from federation.provisioning import KeyService
-from federation.results import RoundRecord, RunResults
-from federation.strategy import NotEnoughClients, OpaqueFedAvg
-from node.cache_node import model_layout
+from federation.config import ConfigError, RunConfig, results_dir_of
+from federation.results import RunResults
+from federation.run import mode_of, run_rounds
+from federation.strategy import NotEnoughClients
 
 app = ServerApp()
 
 
+def _write(results: RunResults, results_dir: str) -> None:
+    path = results.write(results_dir)
+    log(INFO, "fedkv: results written to %s", path)
+    print(f"FEDKV_RESULTS {path}", flush=True)
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    cfg = RunConfig.from_run_config(context.run_config)
-    mode = "flower-central" if cfg.dp_mode == "flower-central" else ("he" if cfg.he else "plain")
-    results = RunResults(config=cfg.as_dict(), mode=mode, run_id=context.run_id)
-    log(INFO, "fedkv: mode=%s config=%s", mode, cfg.as_dict())
-
+    try:
+        cfg = RunConfig.from_run_config(context.run_config)
+    except ConfigError as err:
+        results = RunResults(config=dict(context.run_config), mode="invalid", run_id=context.run_id,
+                             status=f"failed: {err}")
+        log(ERROR, "fedkv: %s", err)
+        _write(results, results_dir_of(context.run_config))
+        raise
+    results = RunResults(config=cfg.as_dict(), mode=mode_of(cfg), run_id=context.run_id)
+    log(INFO, "fedkv: mode=%s config=%s", results.mode, cfg.as_dict())
     error: Exception | None = None
     try:
-        if mode == "flower-central":
-            run_flower_central(grid, cfg, results)
-            for rec in results.rounds:
-                log(INFO, "fedkv %s", rec.summary(cfg.num_server_rounds))
-        else:
-            dim = model_layout(cfg.task, cfg.seed).size
-            keys = KeyService(cfg.he, cfg.ckks_preset, timeout=cfg.round_timeout)
-            results.provisioning = keys.stats
-            strategy = OpaqueFedAvg(
-                cfg, dim, keys.verifier, keys.public_context, wait_for_nodes_s=cfg.round_timeout
-            )
-            if strategy.packing is not None:
-                results.encoding = {**asdict(strategy.packing), "preset": cfg.ckks_preset, "dim": dim}
-                log(INFO, "fedkv: CKKS encoding %s", results.encoding)
-
-            def on_round(rec: RoundRecord) -> None:
-                results.rounds.append(rec)
-                log(INFO, "fedkv %s", rec.summary(cfg.num_server_rounds))
-
-            strategy.run(grid, on_round, admit=keys.admit)
+        run_rounds(grid, cfg, int(context.run_id), results, wait_for_nodes_s=cfg.round_timeout,
+                   on_round=lambda rec: log(INFO, "fedkv %s", rec.summary(cfg.num_server_rounds)))
         results.status = "completed"
     except NotEnoughClients as err:
         results.status = f"stopped: {err}"
@@ -70,8 +59,6 @@ def main(grid: Grid, context: Context) -> None:
     finally:
         if results.status == "running":
             results.status = "failed"
-        path = results.write(cfg.results_dir)
-        log(INFO, "fedkv: results written to %s", path)
-        print(f"FEDKV_RESULTS {path}", flush=True)
+        _write(results, cfg.results_dir)
     if error is not None:
         raise error

@@ -45,17 +45,16 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from crypto import PrivacyAccountant, SignedUpdate, UpdateVerifier, client_sample_rate, load_context, noise_std
-from crypto.errors import SecretKeyPresentError, SignatureError
-from federation import protocol
+from crypto import KIND_NOISE, KIND_UPDATE, Manifest, ManifestEntry, PrivacyAccountant, SignedUpdate
+from crypto import client_sample_rate, noise_std
+from crypto.errors import SignatureError
+from federation import protocol, replies
 from federation.codec import Aggregator, make_aggregator, packing_for
 from federation.config import RunConfig
 from federation.results import METRIC_NAMES, RoundRecord, mean, weighted_mean
 
 if TYPE_CHECKING:
-    from federation.provisioning import AdmitReport
-
-Admit = Callable[[Grid, list[int]], "AdmitReport"]
+    from federation.provisioning import KeyService
 
 SOURCES = {0: "built", 1: "restored", 2: "reused"}
 
@@ -68,93 +67,97 @@ class NotEnoughClients(RuntimeError):
 class PhaseReplies:
     """Replies of one phase, split into usable ones and left-out nodes with reasons."""
 
-    ok: list[Message] = field(default_factory=list)
+    ok: list[tuple[int, object]] = field(default_factory=list)
+    """(node id, parsed reply: replies.TrainReply or replies.EvalMetrics)."""
     dropped: list[dict] = field(default_factory=list)
 
 
 class OpaqueFedAvg:
     """Weighted FedAvg of opaque updates; the server sees bytes and public material only."""
 
-    def __init__(
-        self,
-        cfg: RunConfig,
-        dim: int,
-        verifier: UpdateVerifier,
-        public_context: bytes | None = None,
-        wait_for_nodes_s: float = 60.0,
-    ) -> None:
+    def __init__(self, cfg: RunConfig, dim: int, keys: KeyService, wait_for_nodes_s: float = 60.0) -> None:
         self.cfg = cfg
         self.dim = dim
-        self.verifier = verifier
-        self.public_context = public_context
-        self.packing = None
-        if cfg.he:
-            if public_context is None:
-                raise ValueError("he=true needs the dealer's public CKKS context")
-            if load_context(public_context).is_private:
-                raise SecretKeyPresentError("the strategy must only ever hold the public CKKS context")
-            self.packing = packing_for(cfg, dim)
+        self.keys = keys
+        self.packing = packing_for(cfg, dim) if cfg.he else None
         self.wait_for_nodes_s = wait_for_nodes_s
-        self.history: list[bytes] = []
+        self.history: list[tuple[bytes, bytes]] = []
+        """(aggregate, manifest) per global version: history[k-1] makes v k."""
         self.known_version: dict[int, int] = {}
         """Last global version each node confirmed; 0 (resend all) when unknown."""
         self.rng = random.Random(cfg.seed)
         self.noise_rng = np.random.default_rng()
         self.accountant = PrivacyAccountant("rdp") if cfg.dp_mode in ("local", "distributed") else None
         self.client_epsilon = 0.0 if self.accountant is not None else math.nan
+        self.rotate_reason: str | None = None
+
+    @property
+    def verifier(self):  # noqa: ANN201 - crypto.UpdateVerifier
+        return self.keys.verifier
 
     def make_aggregator(self) -> Aggregator:
-        return make_aggregator(self.cfg.he, self.dim, self.packing, self.public_context)
+        return make_aggregator(self.cfg.he, self.dim, self.packing, self.keys.public_context)
 
     # -- the loop ---------------------------------------------------------------------
-    def run(self, grid: Grid, on_round: Callable[[RoundRecord], None], admit: Admit | None = None) -> None:
-        """All rounds; ``on_round`` gets each finished round. Raises NotEnoughClients.
-
-        ``admit(grid, node_ids)`` enrolls/provisions nodes and says which are ready; without
-        it, nodes whose public keys the verifier already holds take part.
-        """
+    def run(self, grid: Grid, on_round: Callable[[RoundRecord], None]) -> None:
+        """All rounds; ``on_round`` gets each finished round. Raises NotEnoughClients."""
         for rnd in range(1, self.cfg.num_server_rounds + 1):
-            on_round(self.round(grid, rnd, admit))
+            on_round(self.round(grid, rnd))
 
-    def round(self, grid: Grid, rnd: int, admit: Admit | None = None) -> RoundRecord:
+    def round(self, grid: Grid, rnd: int) -> RoundRecord:
         rec = RoundRecord(round=rnd, metric=METRIC_NAMES[self.cfg.task])
-        nodes = self.wait_for_nodes(grid)
-        if admit is not None:
-            report = admit(grid, nodes)
-            ready = report.ready
-            rec.admitted = list(report.admitted)
-            rec.dropped.extend(report.dropped)
-            rec.seconds["provision"] = report.seconds
-        else:
-            ready = [n for n in nodes if str(n) in self.verifier.nodes]
-        if len(ready) < self.cfg.min_clients:
-            raise NotEnoughClients(
-                f"round {rnd}: {len(ready)} admitted node(s) < min-clients={self.cfg.min_clients} "
-                f"({len(nodes)} connected); left out: {[(d['node'], d['reason']) for d in rec.dropped]}"
-            )
+        ready = self.admit(grid, rnd, rec)
         rec.population = len(ready)
         sampled = self.sample(ready)
         rec.sampled = len(sampled)
 
         t0 = time.perf_counter()
         self.verifier.start_round(rnd)
-        replies = grid.send_and_receive(
-            self.configure(protocol.TRAIN, rnd, sampled), timeout=self.cfg.round_timeout
-        )
-        train = self.collect("train", sampled, replies)
+        replies_ = grid.send_and_receive(self.configure(protocol.TRAIN, rnd, sampled), timeout=self.cfg.round_timeout)
+        train = self.collect("train", sampled, replies_)
         rec.seconds["train_phase"] = time.perf_counter() - t0
-        self.aggregate_train(rnd, train, rec)
+        self.aggregate_train(grid, rnd, train, rec)
 
         t0 = time.perf_counter()
-        replies = grid.send_and_receive(
-            self.configure(protocol.EVALUATE, rnd, ready), timeout=self.cfg.round_timeout
-        )
-        evaluated = self.collect("evaluate", ready, replies)
+        replies_ = grid.send_and_receive(self.configure(protocol.EVALUATE, rnd, ready), timeout=self.cfg.round_timeout)
+        evaluated = self.collect("evaluate", ready, replies_)
         rec.seconds["evaluate_phase"] = time.perf_counter() - t0
         self.aggregate_evaluate(evaluated, rec)
+        self.note_departures(rec)
         return rec
 
     # -- node selection -----------------------------------------------------------------
+    def admit(self, grid: Grid, rnd: int, rec: RoundRecord) -> list[int]:
+        """Rotate the key if due, enroll/key new nodes; the admitted nodes (>= min-clients)."""
+        nodes = self.wait_for_nodes(grid)
+        due = self.cfg.rotate_every > 0 and rnd > 1 and (rnd - 1) % self.cfg.rotate_every == 0
+        reason = self.rotate_reason or ("rotate-every" if due else None)
+        if reason is not None:
+            rec.key_rotated = self.keys.rotate(grid, nodes, rnd, reason)
+            self.rotate_reason = None
+        report = self.keys.admit(grid, nodes, rnd)
+        rec.admitted = list(report.admitted)
+        rec.dropped.extend(report.dropped)
+        rec.seconds["provision"] = report.seconds
+        rec.key_epoch = self.keys.epoch
+        if len(report.ready) < self.cfg.min_clients:
+            raise NotEnoughClients(
+                f"round {rnd}: {len(report.ready)} admitted node(s) < min-clients={self.cfg.min_clients} "
+                f"({len(nodes)} connected); left out: {[(d['node'], d['reason']) for d in rec.dropped]}"
+            )
+        return report.ready
+
+    def note_departures(self, rec: RoundRecord) -> None:
+        """With he=true a node dropped from a round leaves the key group: rotate before the next
+        round, so it cannot read later aggregates unless the server re-admits it (a holder then
+        re-keys it)."""
+        if not self.cfg.he:
+            return
+        gone = self.keys.depart(sorted({d["node"] for d in rec.dropped if d["phase"] in ("train", "evaluate", "noise")}))
+        if gone:
+            rec.departed = gone
+            self.rotate_reason = f"node(s) {gone} left in round {rec.round}"
+
     def wait_for_nodes(self, grid: Grid) -> list[int]:
         """Connected node ids, waiting up to ``wait_for_nodes_s`` for ``min-clients``."""
         deadline = time.monotonic() + self.wait_for_nodes_s
@@ -180,7 +183,7 @@ class OpaqueFedAvg:
 
     # -- messages -----------------------------------------------------------------------
     def configure(self, message_type: str, rnd: int, node_ids: list[int]) -> list[Message]:
-        """One message per node: the aggregates it may lack + the round's config.
+        """One message per node: the aggregates (and manifests) it may lack + the round's config.
 
         Train messages of round r bring nodes to v(r-1); evaluate messages to v r.
         """
@@ -199,27 +202,29 @@ class OpaqueFedAvg:
             messages.append(Message(content, dst_node_id=node_id, message_type=message_type))
         return messages
 
-    def collect(self, phase: str, expected: list[int], replies: Iterable[Message]) -> PhaseReplies:
-        """Split replies into usable ones and dropped nodes (error, missing, malformed)."""
+    def collect(self, phase: str, expected: list[int], replies_: Iterable[Message]) -> PhaseReplies:
+        """Parse every reply (``federation.replies``); errors, silence and bad fields drop the node."""
         out = PhaseReplies()
-        required = protocol.TRAIN_METRICS if phase == "train" else protocol.EVAL_METRICS
+        dp = self.cfg.dp_mode in ("local", "distributed")
         seen: set[int] = set()
-        for reply in replies:
+        for reply in replies_:
             node = reply.metadata.src_node_id
-            if node in seen:
-                log(WARNING, "%s: ignoring a second reply from node %s", phase, node)
+            if node in seen or node not in expected:
+                log(WARNING, "%s: ignoring an unexpected or second reply from node %s", phase, node)
                 continue
-            if reply.has_error():
-                self._drop(out, node, phase, f"client error: {reply.error.reason}")
-            elif protocol.METRICS not in reply.content.metric_records:
-                self._drop(out, node, phase, "reply has no metrics record")
-            elif missing := [k for k in required if k not in reply.content.metric_records[protocol.METRICS]]:
-                self._drop(out, node, phase, f"reply metrics lack {missing}")
-            elif node not in expected:
-                self._drop(out, node, phase, "reply from a node that was not asked")
-            else:
-                out.ok.append(reply)
             seen.add(node)
+            if reply.has_error():
+                self._drop(out, node, phase, f"client error: {protocol.error_text(reply)}")
+                continue
+            try:
+                if phase == "train":
+                    parsed: object = replies.parse_train_reply(reply, dp=dp, dim=self.dim)
+                else:
+                    parsed = replies.parse_eval_reply(reply)
+            except replies.BadReply as err:
+                self._drop(out, node, phase, f"bad reply: {err}")
+                continue
+            out.ok.append((node, parsed))
         for node in expected:
             if node not in seen:
                 self._drop(out, node, phase, f"no reply within round-timeout={self.cfg.round_timeout}s")
@@ -231,42 +236,45 @@ class OpaqueFedAvg:
         self.known_version[node] = 0  # unknown state: resend the whole history next time
 
     # -- aggregation --------------------------------------------------------------------
-    def aggregate_train(self, rnd: int, train: PhaseReplies, rec: RoundRecord) -> None:
-        """Verify each update's signature, feed it to a fresh aggregator, append the result."""
+    def _verified(self, out: PhaseReplies, node: int, phase: str, blob: bytes, kind: int) -> SignedUpdate | None:
+        """The verified contribution, or None (the node is dropped with the reason)."""
+        try:
+            signed = SignedUpdate.from_bytes(blob)
+            # sender first: a node relaying another node's captured update must not use
+            # up that node's one update of the round in the verifier
+            if signed.node_id != str(node):
+                raise SignatureError(f"update signed by node {signed.node_id[:40]} arrived from node {node}")
+            return self.verifier.verify(signed, kind)
+        except Exception as err:  # noqa: BLE001 - SignatureError, ReplayError, UnknownNodeError...
+            self._drop(out, node, phase, f"signature check failed: {replies.safe_reason(err)}")
+            return None
+
+    def _add(self, agg: Aggregator, out: PhaseReplies, node: int, phase: str, signed: SignedUpdate) -> bool:
+        try:
+            agg.add(signed.payload)  # validates fully before touching the sum
+            return True
+        except Exception as err:  # noqa: BLE001 - any rejection drops this client only
+            self._drop(out, node, phase, f"update rejected: {replies.safe_reason(err)}")
+            return False
+
+    def aggregate_train(self, grid: Grid, rnd: int, train: PhaseReplies, rec: RoundRecord) -> None:
+        """Verify each update's signature, add it, top up missing noise, append the aggregate."""
         agg = self.make_aggregator()
-        used: list[Message] = []
-        agg_s = verify_s = 0.0
-        for reply in train.ok:
-            node = reply.metadata.src_node_id
-            try:
-                blob = protocol.array_to_bytes(reply.content.array_records[protocol.UPDATE]["update"])
-            except Exception as err:  # noqa: BLE001 - malformed reply: this client only
-                self._drop(train, node, "train", f"malformed update record: {type(err).__name__}: {err}")
-                continue
+        used: list[tuple[int, replies.TrainReply]] = []
+        entries: list[ManifestEntry] = []
+        verify_s = add_s = 0.0
+        for node, reply in train.ok:
             t0 = time.perf_counter()
-            try:
-                signed = SignedUpdate.from_bytes(blob)
-                # sender first: a node relaying another node's captured update must not use
-                # up that node's one update of the round in the verifier
-                if signed.node_id != str(node):
-                    raise SignatureError(f"update signed by node {signed.node_id} arrived from node {node}")
-                self.verifier.verify(signed)
-            except Exception as err:  # noqa: BLE001 - SignatureError, ReplayError, UnknownNodeError...
-                self._drop(train, node, "train", f"signature check failed: {type(err).__name__}: {err}")
+            signed = self._verified(train, node, "train", reply.blob, KIND_UPDATE)
+            t1 = time.perf_counter()
+            ok = signed is not None and self._add(agg, train, node, "train", signed)
+            verify_s, add_s = verify_s + t1 - t0, add_s + time.perf_counter() - t1
+            if not ok:
                 continue
-            finally:
-                verify_s += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            try:
-                agg.add(signed.payload)
-            except Exception as err:  # noqa: BLE001 - any rejection drops this client only
-                # Aggregators validate fully before touching their sum, so the round goes on.
-                self._drop(train, node, "train", f"update rejected: {type(err).__name__}: {err}")
-                continue
-            finally:
-                agg_s += time.perf_counter() - t0
-            used.append(reply)
-            rec.upload_bytes[str(node)] = len(blob)
+            entries.append(ManifestEntry(signed.node_id, KIND_UPDATE, signed.tag))
+            used.append((node, reply))
+            rec.upload_bytes[str(node)] = len(reply.blob)
+        rec.seconds["verify"], rec.seconds["aggregate"] = verify_s, add_s
         rec.dropped.extend(train.dropped)
         rec.num_clients = len(used)
         if len(used) < self.cfg.min_clients:
@@ -274,57 +282,106 @@ class OpaqueFedAvg:
                 f"round {rnd}: {len(used)} usable update(s) < min-clients={self.cfg.min_clients}; "
                 f"left out: {[(d['node'], d['reason']) for d in train.dropped]}"
             )
-        missing = rec.sampled - len(used)
-        if self.cfg.dp_mode == "distributed" and missing > 0 and self.cfg.noise_multiplier > 0:
-            # Each sampled client was to add a share σC/√n; add the shares of those left out
-            # (under encryption with he=true) so the sum still carries σC.
-            std = noise_std(self.cfg.noise_multiplier, self.cfg.clip_norm, "distributed", rec.sampled)
-            t0 = time.perf_counter()
-            saturated = agg.add_noise(std, shares=missing, rng=self.noise_rng)
-            agg_s += time.perf_counter() - t0
-            rec.noise_shares_added = missing
-            log(INFO, "round %d: added %d noise share(s) of std %.4g for left-out client(s)%s",
-                rnd, missing, std, f" ({saturated} values saturated)" if saturated else "")
-        t0 = time.perf_counter()
-        result = agg.result()
-        agg_s += time.perf_counter() - t0
-        self.history.append(result)
-        rec.aggregate_bytes = len(result)
+        shares = self.top_up_noise(grid, rnd, agg, [n for n, _ in used], rec, entries)
+        self.history.append((agg.result(), self._manifest(rnd, entries)))
+        rec.aggregate_bytes = len(self.history[-1][0])
+        for node, reply in used:
+            self.known_version[node] = reply.metrics.version
+        self._summarize_train([r.metrics for _, r in used], rec)
+        rec.epsilon_client = self._account(rec, len(used) + shares)
 
-        m = [r.content[protocol.METRICS] for r in used]
-        for r in used:
-            self.known_version[r.metadata.src_node_id] = int(r.content[protocol.METRICS]["version"])
-        n = [float(x["num-examples"]) for x in m]
-        rec.train_loss = weighted_mean([float(x["train-loss"]) for x in m], n)
+    def _manifest(self, rnd: int, entries: list[ManifestEntry]) -> bytes:
+        if not self.cfg.he:
+            return b""
+        return Manifest(self.verifier.run_id, rnd, self.keys.epoch, tuple(entries)).to_bytes()
+
+    def top_up_noise(self, grid: Grid, rnd: int, agg: Aggregator, survivors: list[int], rec: RoundRecord,
+                     entries: list[ManifestEntry]) -> int:
+        """Distributed DP: add the noise shares of sampled clients that were left out.
+
+        he=true: survivors make the missing shares (signed, tagged contributions of kind noise), so
+        every summand of an aggregate is a node's, and a node can check it (``crypto.binding``);
+        each survivor knows only its own extra share. he=false: the server draws them itself.
+        Returns the noise shares present beyond the survivors' own."""
+        missing = rec.sampled - len(survivors)
+        if self.cfg.dp_mode != "distributed" or missing <= 0 or self.cfg.noise_multiplier <= 0:
+            return 0
+        std = noise_std(self.cfg.noise_multiplier, self.cfg.clip_norm, "distributed", rec.sampled)
+        t0 = time.perf_counter()
+        if self.cfg.he:
+            added = self._noise_from_survivors(grid, rnd, agg, survivors, missing, rec, entries)
+        else:
+            agg.add_noise(std, shares=missing, rng=self.noise_rng)
+            added = missing
+        rec.seconds["noise"] = time.perf_counter() - t0
+        rec.noise_shares_added = added
+        log(INFO, "round %d: added %d of %d missing noise share(s) of std %.4g", rnd, added, missing, std)
+        return added
+
+    def _noise_from_survivors(self, grid: Grid, rnd: int, agg: Aggregator, survivors: list[int], missing: int,
+                              rec: RoundRecord, entries: list[ManifestEntry]) -> int:
+        plan = {n: missing // len(survivors) + (1 if i < missing % len(survivors) else 0)
+                for i, n in enumerate(self.rng.sample(survivors, len(survivors)))}
+        plan = {n: k for n, k in plan.items() if k > 0}
+        msgs = [
+            Message(RecordDict({protocol.CONFIG: ConfigRecord(
+                {"server-round": rnd, "shares": k, "num-sampled": rec.sampled})}),
+                dst_node_id=n, message_type=protocol.NOISE)
+            for n, k in plan.items()
+        ]
+        out = PhaseReplies()
+        added = 0
+        for reply in grid.send_and_receive(msgs, timeout=self.cfg.round_timeout):
+            node = reply.metadata.src_node_id
+            if node not in plan or any(e.node_id == str(node) and e.kind == KIND_NOISE for e in entries):
+                continue
+            if reply.has_error():
+                self._drop(out, node, "noise", f"client error: {protocol.error_text(reply)}")
+                continue
+            try:
+                blob = replies.parse_noise_reply(reply)
+            except replies.BadReply as err:
+                self._drop(out, node, "noise", f"bad reply: {err}")
+                continue
+            signed = self._verified(out, node, "noise", blob, KIND_NOISE)
+            if signed is not None and self._add(agg, out, node, "noise", signed):
+                entries.append(ManifestEntry(signed.node_id, KIND_NOISE, signed.tag))
+                added += plan[node]
+        rec.dropped.extend(out.dropped)
+        return added
+
+    def _summarize_train(self, m: list[replies.TrainMetrics], rec: RoundRecord) -> None:
+        n = [float(x.num_examples) for x in m]
         rec.upload_bytes_mean = mean([float(b) for b in rec.upload_bytes.values()])
-        rec.clipped_fraction = mean([float(x["clipped"]) for x in m])
-        values = sum(float(x["num-values"]) for x in m)
-        rec.saturated_fraction = sum(float(x["saturated"]) for x in m) / values if values else math.nan
-        rec.weight_capped = int(sum(int(x["weight-capped"]) for x in m))
-        rec.epsilon_sample = max((float(x["epsilon-sample"]) for x in m), default=math.nan)
-        rec.epsilon_client = self._account(rec)
+        dp = self.cfg.dp_mode in ("local", "distributed")
+        if not dp:  # under DP these are private values nodes do not send
+            rec.train_loss = weighted_mean([float(x.train_loss) for x in m], n)
+            rec.clipped_fraction = mean([float(x.clipped) for x in m])
+            values = sum(float(x.num_values) for x in m)
+            rec.saturated_fraction = sum(float(x.saturated) for x in m) / values if values else math.nan
+        rec.weight_capped = int(sum(int(x.weight_capped) for x in m))
+        rec.epsilon_sample = max((x.epsilon_sample for x in m if x.epsilon_sample is not None), default=math.nan)
         rec.delta = self.cfg.target_delta
         for key in ("train", "encrypt", "sign", "decrypt", "writeback"):
-            rec.seconds[key] = mean([float(x[f"{key}-s"]) for x in m])
-        rec.seconds["verify"] = verify_s
-        rec.seconds["aggregate"] = agg_s
+            rec.seconds[key] = mean([float(getattr(x, f"{key}_s")) for x in m])
         self._count_sources(m, rec)
 
-    def _account(self, rec: RoundRecord) -> float:
+    def _account(self, rec: RoundRecord, shares: int) -> float:
         """Client-level ε so far (RDP, δ = target-delta) for dp-mode local/distributed.
 
-        One subsampled-Gaussian step per round with q = sampled / admitted nodes and noise
-        multiplier: σ for local (each update carries σC); σ for distributed with he=true
-        (the server only sees the sum, which carries σC incl. its top-up); σ/√n for
-        distributed with he=false (the server sees each update with its share σC/√n).
-        Subsampling amplification assumes the sample is secret, which the server that
-        samples does not respect: read ε as the guarantee against other parties.
+        One subsampled-Gaussian step per round with q = sampled / admitted nodes and the noise
+        multiplier the aggregate really carries: σ for local (each update carries σC); for
+        distributed with he=true σ·sqrt(shares present / sampled) (the server sees only the sum,
+        whose noise is the survivors' shares plus the top-up that arrived); σ/√n for distributed
+        with he=false (the server sees each update with its share σC/√n). Subsampling
+        amplification assumes the sample is secret, which the server that samples does not
+        respect: read ε as the guarantee against other parties.
         """
         if self.accountant is None:
             return math.nan
         sigma = self.cfg.noise_multiplier
-        if self.cfg.dp_mode == "distributed" and not self.cfg.he:
-            sigma /= math.sqrt(rec.sampled)
+        if self.cfg.dp_mode == "distributed":
+            sigma = sigma * math.sqrt(min(shares, rec.sampled) / rec.sampled) if self.cfg.he else sigma / math.sqrt(rec.sampled)
         if sigma <= 0 or not math.isfinite(self.client_epsilon):
             self.client_epsilon = math.inf
             return math.inf
@@ -334,15 +391,15 @@ class OpaqueFedAvg:
 
     def aggregate_evaluate(self, evaluated: PhaseReplies, rec: RoundRecord) -> None:
         rec.dropped.extend(evaluated.dropped)
-        m = [r.content[protocol.METRICS] for r in evaluated.ok]
-        for r in evaluated.ok:
-            self.known_version[r.metadata.src_node_id] = int(r.content[protocol.METRICS]["version"])
-        n = [float(x["num-examples"]) for x in m]
+        m = [x for _, x in evaluated.ok]
+        for node, x in evaluated.ok:
+            self.known_version[node] = x.version
+        n = [float(x.num_examples) for x in m]
         rec.eval_clients = len(m)
-        rec.eval_loss = weighted_mean([float(x["eval-loss"]) for x in m], n)
-        rec.eval_metric = weighted_mean([float(x["eval-metric"]) for x in m], n)
-        rec.seconds["eval_decrypt"] = mean([float(x["decrypt-s"]) for x in m])
-        rec.seconds["eval_writeback"] = mean([float(x["writeback-s"]) for x in m])
+        rec.eval_loss = weighted_mean([x.eval_loss for x in m], n)
+        rec.eval_metric = weighted_mean([x.eval_metric for x in m], n)
+        rec.seconds["eval_decrypt"] = mean([x.decrypt_s for x in m])
+        rec.seconds["eval_writeback"] = mean([x.writeback_s for x in m])
         if not m:
             log(ERROR, "round %d: no evaluation replies", rec.round)
         self._count_sources(m, rec)
@@ -350,7 +407,7 @@ class OpaqueFedAvg:
     @staticmethod
     def _count_sources(metrics: list, rec: RoundRecord) -> None:
         for x in metrics:
-            name = SOURCES.get(int(x["node-source"]), "?")
+            name = SOURCES.get(x.node_source, "?")
             rec.node_sources[name] = rec.node_sources.get(name, 0) + 1
-            if int(x["pid"]) not in rec.pids:
-                rec.pids.append(int(x["pid"]))
+            if x.pid not in rec.pids:
+                rec.pids.append(x.pid)

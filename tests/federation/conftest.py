@@ -12,6 +12,12 @@ from federation.flwr_sandbox import FlwrSandbox, flwr_sandbox
 
 
 @pytest.fixture(autouse=True)
+def _node_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node-local key files of each test go to its own temporary directory."""
+    monkeypatch.setenv("FEDKV_NODE_DIR", str(tmp_path / "fedkv-nodes"))
+
+
+@pytest.fixture(autouse=True)
 def _fresh_node_cache() -> Iterator[None]:
     """Each test starts with no cached nodes (as a fresh ClientApp process would)."""
     node_host.forget_all()

@@ -56,7 +56,8 @@ def payload_fault(grid: FakeGrid, mutate: Callable[[bytes, Message, Context], by
         su = SignedUpdate.from_bytes(protocol.array_to_bytes(rec["update"]))
         keys = provisioning.node_keys(node_ctx)
         payload = mutate(su.payload, msg, node_ctx)
-        rec["update"] = protocol.bytes_to_array(provisioning.sign(node_ctx, keys, su.round, payload, su.epoch))
+        rec["update"] = protocol.bytes_to_array(provisioning.sign(
+            node_ctx, keys, su.round, payload, su.epoch, key_id=su.key_id, kind=su.kind, tag=su.tag))
         return reply
 
     return fault
@@ -82,17 +83,15 @@ class Federation:
         self.cfg = RunConfig.from_run_config(self.run_config)
         self.dim = model_layout(self.cfg.task, self.cfg.seed).size
         self.grid = FakeGrid(num_nodes, self.run_config)
-        self.keys = KeyService(self.cfg.he, self.cfg.ckks_preset, timeout=self.cfg.round_timeout)
-        self.strategy = OpaqueFedAvg(
-            self.cfg, self.dim, self.keys.verifier, self.keys.public_context, wait_for_nodes_s=0.0
-        )
+        self.keys = KeyService(self.cfg, self.grid.run_id)
+        self.strategy = OpaqueFedAvg(self.cfg, self.dim, self.keys, wait_for_nodes_s=0.0)
 
     def round(self, rnd: int):
-        return self.strategy.round(self.grid, rnd, self.keys.admit)
+        return self.strategy.round(self.grid, rnd)
 
     def run_all(self) -> list:
         records: list = []
-        self.strategy.run(self.grid, records.append, admit=self.keys.admit)
+        self.strategy.run(self.grid, records.append)
         return records
 
     def admit(self) -> list[int]:

@@ -25,7 +25,7 @@ def test_server_main_writes_results_json(tmp_path, capsys) -> None:
     (path,) = tmp_path.glob("run-1-*.json")
     assert f"FEDKV_RESULTS {path}" in capsys.readouterr().out
     data = json.loads(path.read_text())
-    assert data["status"] == "completed" and data["schema"] == 2 and data["mode"] == "plain"
+    assert data["status"] == "completed" and data["schema"] == 3 and data["mode"] == "plain"
     assert data["provisioning"]["enrolled"] == 3 and data["provisioning"]["provisioned"] == 0
     assert data["config"]["results-dir"] == str(tmp_path)
     r = data["rounds"][1]
@@ -107,17 +107,21 @@ def test_server_main_he_run_writes_results_with_privacy_and_sizes(tmp_path) -> N
     data = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert data["status"] == "completed" and data["mode"] == "he"
     prov = data["provisioning"]
-    assert prov["dealer"] == "serverapp-process" and prov["provisioned"] == 3 and prov["refused"] == 0
-    assert prov["bundle_bytes"] > 0 and prov["public_context_bytes"] > 0
+    # simulation: node 100 (lowest id) made the key and wrapped it for the two others
+    assert prov["enrollment"] == "tofu" and prov["provisioned"] == 2 and prov["refused"] == 0
+    assert data["key_origin"] == {"party": "node", "node": 100, "epoch": 0} and data["key_rotations"] == 0
+    assert data["privacy_claim"]
     enc = data["encoding"]
     assert enc["mode"] == "packed" and enc["max_weight"] == 1.0 and enc["clip_range"] > 0 and enc["dim"] == 4810
     assert data["rounds"][0]["admitted"] == [100, 101, 102] and data["rounds"][1]["admitted"] == []
     for r in data["rounds"]:
         assert r["num_clients"] == 3 and r["population"] == 3 and r["dropped"] == []
         assert set(r["upload_bytes"]) == {"100", "101", "102"}
-        assert r["saturated_fraction"] is not None and r["delta"] == 1e-5
+        assert r["saturated_fraction"] is None and r["train_loss"] is None  # private under DP: not sent
+        assert r["delta"] == 1e-5 and r["key_epoch"] == 0
         assert {"train", "encrypt", "sign", "aggregate", "verify", "decrypt", "writeback"} <= set(r["seconds"])
     assert 0 < data["rounds"][0]["epsilon_client"] < data["rounds"][1]["epsilon_client"]
     assert data["rounds"][0]["epsilon_sample"] is None  # no dp-sgd
     types = {m.metadata.message_type for m in grid.sent}
-    assert types == {"query.fedkv_enroll", "query.fedkv_provision", protocol.TRAIN, protocol.EVALUATE}
+    assert types == {"query.fedkv_enroll", "query.fedkv_keygen", "query.fedkv_provision", protocol.TRAIN,
+                     protocol.EVALUATE}

@@ -32,6 +32,7 @@ from federation import client_app, node_host, protocol, provisioning
 from federation.codec import CkksAggregatorCodec, CkksClientCodec, CodecError, make_aggregator, packing_for
 from federation.config import RunConfig
 from federation.provisioning import KeyService
+from federation.node_store import NodeStore
 from federation.strategy import NotEnoughClients, OpaqueFedAvg
 from tests.federation.fakes import (
     BASE_CONFIG, Federation, make_context, payload_fault, raise_fault, set_server_identity,
@@ -42,11 +43,6 @@ HE = {"he": True}
 
 def he_federation(num_nodes: int = 3, **overrides) -> Federation:
     return Federation(num_nodes, **{**HE, **overrides})
-
-
-def dealer_of(fed: Federation) -> Dealer:
-    """The test peeks at the dealer (in the ServerApp process, never in the strategy)."""
-    return fed.keys._dealer
 
 
 def drops(rec, phase: str = "train") -> dict[int, str]:
@@ -126,10 +122,11 @@ def test_server_side_refuses_a_secret_context() -> None:
     secret = make_secret_context()
     with pytest.raises(CodecError, match="secret key"):
         make_aggregator(True, 100, packing_for(cfg, 100), secret.secret_bytes())
+    # a key-making node that hands the server its secret context: refused before parsing
+    keys = KeyService(cfg, run_id=1)
     with pytest.raises(SecretKeyPresentError):
-        OpaqueFedAvg(cfg, 100, KeyService(False).verifier, secret.secret_bytes())
-    with pytest.raises(ValueError, match="public CKKS context"):
-        OpaqueFedAvg(cfg, 100, KeyService(False).verifier, None)
+        keys._set_key(secret.secret_bytes(), 0, {"party": "node"})
+    assert keys.public_context is None and keys.epoch == -1
 
 
 # --- the server only ever handles public material -------------------------------------------
@@ -171,55 +168,63 @@ def test_server_only_ever_handles_ciphertexts_and_a_public_context() -> None:
     fed = he_federation(3, **{"dp-mode": "distributed", "num-server-rounds": 2})
     recs = fed.run_all()
     assert [r.num_clients for r in recs] == [3, 3]
-    dealer = dealer_of(fed)
-    secret_key = seal_save(dealer._context.secret_key())
+    secret = node_secret(fed, 100)
+    secret_key = seal_save(secret.secret_key())
     probes = [secret_key] + [secret_key[i : i + 64] for i in range(0, len(secret_key) - 64, len(secret_key) // 16)]
 
-    # 1) the strategy object graph: public context only, no dealer, no node keys, no decryptor
+    # 1) the strategy and key-service object graph: public context only, no node keys, no decryptor
     agg = fed.strategy.make_aggregator()
-    for obj in _walk([fed.strategy, agg]):
-        assert not isinstance(obj, (Dealer, NodeKeys, KeyService, CkksClientCodec)), type(obj)
+    for obj in _walk([fed.strategy, fed.keys, agg]):
+        assert not isinstance(obj, (Dealer, NodeKeys, CkksClientCodec)), type(obj)
         assert type(obj).__name__ not in ("Decryptor", "SecretKey"), type(obj)
         if isinstance(obj, CkksContext):
             assert not obj.is_private
         if isinstance(obj, (bytes, bytearray)) and len(obj) >= 64:
             assert not any(p in obj for p in probes)
-    assert not load_context(fed.strategy.public_context).is_private
+    assert not load_context(fed.keys.public_context).is_private
     assert isinstance(agg, CkksAggregatorCodec) and not agg.context.is_private
 
     # 2) every message the grid carried, both directions: every byte string is classified
-    kinds = {"update": 0, "aggregate": 0, "context": 0, "bundle": 0, "key/id": 0}
+    kinds = {"update": 0, "aggregate": 0, "manifest": 0, "context": 0, "bundle": 0, "key/id": 0}
     for msg in fed.grid.sent + fed.grid.received:
         for blob in _message_blobs(msg):
             assert not any(p in blob for p in probes), msg.metadata.message_type
             if len(blob) <= 32:
                 kinds["key/id"] += 1  # public keys (32 B), key id (16 B)
-            elif blob[:4] == b"FKC\x01":
-                assert not load_context(blob).is_private
-                kinds["context"] += 1
-            elif blob[:4] == b"FKP\x01":  # dealer-signed public context
-                pub = provisioning.verify_public_context(blob, dealer.verify_key)[0]
+            elif blob[:4] == b"FKP\x01":  # node-signed public context
+                pub = provisioning.verify_public_context(blob, fed.keys.members[100].pub.sign_public)[0]
                 assert not load_context(pub).is_private
                 kinds["context"] += 1
-            elif blob[:4] == b"FKB\x01":
-                kinds["bundle"] += 1  # AES-GCM-wrapped for one node, dealer-signed
-            elif blob[:4] == b"FKS\x01":
+            elif blob[:4] == b"FKB\x01" or blob[4:8] == b"FKB\x01":  # a bundle, or a pack of them
+                kinds["bundle"] += 1  # AES-GCM-wrapped for one node, signed by the key-making node
+            elif blob[:4] == b"FKS\x02":
                 info = ciphertext_info(SignedUpdate.from_bytes(blob).payload)
                 assert info["kind"] == "update" and info["n_values"] == fed.dim
                 kinds["update"] += 1
+            elif blob[:4] == b"FKM\x01":
+                kinds["manifest"] += 1
             else:
                 assert ciphertext_info(blob)["kind"] == "aggregate"
                 kinds["aggregate"] += 1
-    assert all(ciphertext_info(a)["kind"] == "aggregate" for a in fed.strategy.history)
-    # updates: 3 nodes x 2 rounds; aggregates sent: v1 and v2 to 3 evaluators (trainers of round 2
-    # already confirmed v1); 3 bundles + 3 signed public contexts; keys: 3 x (dealer key out,
-    # 2 public keys back) at enroll, 3 x (dealer key out, key id back) at provision
-    assert kinds == {"update": 6, "aggregate": 6, "context": 3, "bundle": 3, "key/id": 15}
-    # nodes keep the *wrapped* bundle in context.state, not the raw secret context
+    assert all(ciphertext_info(a)["kind"] == "aggregate" for a, _ in fed.strategy.history)
+    # updates: 3 nodes x 2 rounds; aggregates (each with its manifest) sent: v1 and v2 to 3
+    # evaluators (trainers of round 2 already confirmed v1); bundles: node 100 wraps for 3
+    # members (itself included) and the server relays 2; public context: 1 from node 100 + 2 relayed;
+    # keys: 3 x (2 public keys + key id) at enroll, 3 x dealer key sent at provision... see below
+    assert kinds["update"] == 6 and kinds["aggregate"] == 6 and kinds["manifest"] == 6
+    assert kinds["bundle"] == 3 + 2 and kinds["context"] == 3
+    # no node secret lives in context.state (in simulation it sits in the ServerApp's process)
     for ctx in fed.grid.contexts.values():
         stored = b"".join(bytes(v) for rec in ctx.state.config_records.values()
                           for v in rec.values() if isinstance(v, bytes))
-        assert secret_key not in stored
+        stored += b"".join(protocol.array_to_bytes(a) for rec in ctx.state.array_records.values()
+                           for a in rec.values() if a.dtype == "uint8")
+        assert secret_key not in stored and b"PRIVATE KEY" not in stored
+
+
+def node_secret(fed: Federation, node_id: int) -> CkksContext:
+    """A node's secret context, read from its node-local files (the test plays that node)."""
+    return provisioning.secret_context(fed.grid.contexts[node_id])[0]
 
 
 def test_he_round_aggregate_equals_plain_fedavg_of_the_same_updates(monkeypatch) -> None:
@@ -264,7 +269,7 @@ def test_he_learns_like_plaintext_with_the_same_clipping() -> None:
     he = he_federation(3, **common).run_all()
     assert abs(plain[-1].eval_metric - he[-1].eval_metric) < 0.005
     assert he[-1].eval_loss == pytest.approx(plain[-1].eval_loss, rel=0.02)
-    assert he[-1].saturated_fraction == 0.0
+    assert he[-1].saturated_fraction is None or math.isnan(he[-1].saturated_fraction)  # private under DP
     assert he[0].upload_bytes_mean < plain[0].upload_bytes_mean * 2  # 4810 values: one ciphertext
 
 
@@ -281,10 +286,12 @@ def _resign(fed: Federation, signer: int, node_id: str | None = None, keys: Node
         rec = reply.content.array_records[protocol.UPDATE]
         su = SignedUpdate.from_bytes(protocol.array_to_bytes(rec["update"]))
         if keys is not None:
-            blob = sign_update(keys, node_id, su.round + round_shift, su.payload, su.epoch)
+            blob = sign_update(keys, node_id, su.round + round_shift, su.payload, su.epoch, run_id=su.run_id,
+                               key_id=su.key_id, kind=su.kind, tag=su.tag)
         else:
             c = fed.grid.contexts[signer]
-            blob = provisioning.sign(c, provisioning.node_keys(c), su.round + round_shift, su.payload, su.epoch)
+            blob = provisioning.sign(c, provisioning.node_keys(c), su.round + round_shift, su.payload, su.epoch,
+                                     key_id=su.key_id, kind=su.kind, tag=su.tag)
         rec["update"] = protocol.bytes_to_array(blob)
         return reply
 
@@ -332,8 +339,10 @@ def test_bad_update_is_left_out_and_round_completes(name, caplog) -> None:
     for rec in recs:
         assert set(drops(rec)) == {100} and reason in drops(rec)[100], drops(rec)
         assert set(rec.upload_bytes) == {"101", "102"}
-        assert rec.noise_shares_added == 1  # distributed: the server added node 100's share
+        assert rec.noise_shares_added == 1  # distributed: a survivor made node 100's share
         assert rec.eval_clients == 3  # node 100 still decrypts the aggregate and evaluates
+    # node 100 dropped each round: the key rotated before round 2 and node 100 was re-keyed
+    assert recs[1].key_rotated and recs[1].key_epoch == 1 and recs[0].departed == [100]
     assert any("leaving out node 100" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
 
 
@@ -364,7 +373,8 @@ def test_replayed_previous_round_update_is_left_out() -> None:
     recs = fed.run_all()
     assert [r.num_clients for r in recs] == [3, 2, 2]
     assert "ReplayError: replayed/late update for round 1 from '100'; current round is 2" in drops(recs[1])[100]
-    assert "current round is 3" in drops(recs[2])[100]
+    # node 100 was dropped in round 2, so the key rotated: in round 3 the replay is also stale
+    assert "StaleKeyError: update signed under key epoch 0, current epoch is 1" in drops(recs[2])[100]
 
 
 def test_distributed_top_up_noise_is_added_under_encryption(monkeypatch) -> None:
@@ -383,13 +393,16 @@ def test_distributed_top_up_noise_is_added_under_encryption(monkeypatch) -> None
     fed.grid.faults[(101, protocol.TRAIN)] = raise_fault
     (rec,) = fed.run_all()
     assert rec.sampled == 3 and rec.num_clients == 2 and rec.noise_shares_added == 1
-    dec = AggregateDecryptor(dealer_of(fed)._context, fed.strategy.packing)
-    result = dec.decrypt(fed.strategy.history[0])
-    assert result.n_updates == 2 and result.contributions == 3 and result.weight_sum == pytest.approx(2.0)
-    server_noise = result.mean * 2 - (sent[0] + sent[1])
+    dec = AggregateDecryptor(node_secret(fed, 100), fed.strategy.packing)
+    result = dec.decrypt(fed.strategy.history[0][0])
+    # two updates + one noise share (made by a survivor, weight 0): three contributions
+    assert result.n_updates == 3 and result.contributions == 3 and result.weight_sum == pytest.approx(2.0)
+    trained = [v for v in sent if np.any(v)]
+    server_noise = result.mean * 2 - (trained[0] + trained[1])
     share = 1.0 * 0.5 / math.sqrt(3)
     assert np.std(server_noise) == pytest.approx(share, rel=0.1)
     assert abs(np.mean(server_noise)) < 0.05 * share
+    assert rec.epsilon_client < math.inf
 
 
 def test_fewer_than_min_clients_after_faults_stops_clearly() -> None:
@@ -416,97 +429,23 @@ def test_client_level_epsilon_is_accounted_per_round() -> None:
 # --- provisioning ---------------------------------------------------------------------------
 
 
-def _enroll_msg(dealer_key: bytes, node_id: int) -> Message:
-    set_server_identity()
-    return Message(RecordDict({provisioning.ENROLL_REC: ConfigRecord({"dealer-key": dealer_key})}),
-                   dst_node_id=node_id, message_type=provisioning.ENROLL)
-
-
-def _provision_msg(bundle: bytes, dealer_key: bytes, signed_pub: bytes, node_id: int) -> Message:
-    rec = ConfigRecord({"bundle": bundle, "dealer-key": dealer_key, "public-context": signed_pub})
-    return Message(RecordDict({provisioning.PROVISION_REC: rec}), dst_node_id=node_id,
-                   message_type=provisioning.PROVISION)
-
-
-def _enrolled_node(dealer: Dealer, node_id: int = 7):
-    ctx = make_context(node_id, 0, 3, {**BASE_CONFIG, **HE})
-    reply = client_app.app(_enroll_msg(dealer.verify_key, node_id), ctx)
-    rec = reply.content.config_records[provisioning.NODE_KEYS_REC]
-    from crypto import NodePublicKeys
-
-    pub = NodePublicKeys(rec["node-id"], bytes(rec["kx-public"]), bytes(rec["sign-public"]))
-    return ctx, pub
-
-
-def test_node_provisioning_happy_path_and_keys_stay_private() -> None:
-    dealer = Dealer()
-    ctx, pub = _enrolled_node(dealer)
-    assert pub.node_id == "7"
-    dealer.enroll(pub)
-    msg = _provision_msg(dealer.wrap_for("7").to_bytes(), dealer.verify_key, dealer.signed_public_context(), 7)
-    ack = client_app.app(msg, ctx).content.config_records[provisioning.PROVISIONED_REC]
-    assert bytes(ack["key-id"]) == dealer.key_id and ack["epoch"] == 0
-    secret, epoch = provisioning.secret_context(ctx)
-    assert secret.is_private and secret.key_id == dealer.key_id and epoch == 0
-    private = bytes(ctx.state.config_records[provisioning.STATE_KEYS]["private"])
-    assert b"ENCRYPTED PRIVATE KEY" in private  # passphrase-encrypted PKCS#8
-    # enrolling again returns the same public keys (generated once per node)
-    again = client_app.app(_enroll_msg(dealer.verify_key, 7), ctx).content.config_records[provisioning.NODE_KEYS_REC]
-    assert bytes(again["sign-public"]) == pub.sign_public
-
-
-def test_node_refuses_a_bundle_with_a_wrong_dealer_signature() -> None:
-    dealer, evil = Dealer(), Dealer()
-    ctx, pub = _enrolled_node(dealer)  # pins dealer's key on first contact
-    evil.enroll(pub)
-    # bundle and public context signed by another dealer, presented under the pinned key
-    msg = _provision_msg(evil.wrap_for("7").to_bytes(), dealer.verify_key, evil.signed_public_context(), 7)
-    with pytest.raises(Exception, match="signature does not verify"):
-        client_app.app(msg, ctx)
-    # ... or under its own key: the node refuses the key change
-    msg = _provision_msg(evil.wrap_for("7").to_bytes(), evil.verify_key, evil.signed_public_context(), 7)
-    with pytest.raises(provisioning.ProvisioningError, match="differs from the pinned"):
-        client_app.app(msg, ctx)
-    # a genuine bundle whose signature was tampered with
-    dealer.enroll(pub)
-    good = bytearray(dealer.wrap_for("7").to_bytes())
-    good[-1] ^= 1
-    msg = _provision_msg(bytes(good), dealer.verify_key, dealer.signed_public_context(), 7)
-    with pytest.raises(Exception, match="signature does not verify"):
-        client_app.app(msg, ctx)
-    assert provisioning.STATE_CKKS not in ctx.state.config_records
-    with pytest.raises(provisioning.ProvisioningError, match="not provisioned"):
-        provisioning.secret_context(ctx)
-
-
-def test_node_refuses_a_bundle_wrapped_for_another_node() -> None:
-    dealer = Dealer()
-    ctx, pub = _enrolled_node(dealer, 7)
-    other_ctx, other = _enrolled_node(dealer, 8)
-    dealer.enroll(pub)
-    dealer.enroll(other)
-    msg = _provision_msg(dealer.wrap_for("8").to_bytes(), dealer.verify_key, dealer.signed_public_context(), 7)
-    with pytest.raises(Exception, match="bundle is for node '8'"):
-        client_app.app(msg, ctx)
-
-
-def test_node_with_a_pinned_dealer_key_refuses_another_dealer_and_the_round_goes_on() -> None:
-    fed = he_federation(3, **{"num-server-rounds": 1})
-    fed.grid.contexts[102].node_config["dealer-key"] = Dealer().verify_key.hex()
-    (rec,) = fed.run_all()
-    assert "differs from the pinned one" in drops(rec, "enroll")[102]
-    assert rec.population == 2 and rec.num_clients == 2 and rec.eval_clients == 2
-    assert not any(m.metadata.dst_node_id == 102 and m.metadata.message_type in (protocol.TRAIN, protocol.EVALUATE)
-                   for m in fed.grid.sent)
-    assert "102" not in fed.keys.verifier.nodes
-
-
-def test_provisioning_failure_keeps_the_node_out_of_the_verifier() -> None:
+def test_provisioning_failure_keeps_the_node_out_of_the_round() -> None:
     fed = he_federation(3, **{"num-server-rounds": 1})
     fed.grid.faults[(101, provisioning.PROVISION)] = lambda msg, ctx: None  # times out
     (rec,) = fed.run_all()
     assert "no reply" in drops(rec, "provision")[101]
-    assert rec.num_clients == 2 and "101" not in fed.keys.verifier.nodes
+    assert rec.num_clients == 2 and 101 not in fed.keys.holders
+
+
+def test_node_keys_and_ckks_keys_live_in_node_files_not_in_context_state() -> None:
+    fed = he_federation(3, **{"num-server-rounds": 1})
+    fed.run_all()
+    for node_id, ctx in fed.grid.contexts.items():
+        store = NodeStore.for_context(ctx)
+        files = {p.name: p.stat().st_mode & 0o777 for p in store.root.iterdir()}
+        assert files["identity.key"] == 0o600 and files["ckks-0.ctx"] == 0o600
+        assert provisioning.secret_context(ctx)[0].key_id == fed.keys.key_id
+        assert not [k for k in ctx.state.config_records if "key" in k or "ckks" in k]
 
 
 def test_node_that_connects_later_is_enrolled_when_first_seen_and_catches_up() -> None:
@@ -524,11 +463,14 @@ def test_node_that_connects_later_is_enrolled_when_first_seen_and_catches_up() -
 
 
 def test_keyservice_exposes_public_material_only() -> None:
-    keys = KeyService(True)
-    assert not load_context(keys.public_context).is_private
-    assert "Dealer" not in repr(keys) and len(keys.dealer_key) == 32
-    plain = KeyService(False)
-    assert plain.public_context is None and plain.dealer_key is None
+    fed = he_federation(2, **{"num-server-rounds": 1})
+    fed.run_all()
+    keys = fed.keys
+    assert not load_context(keys.public_context).is_private and len(keys.key_id) == 16
+    assert keys.key_origin == {"party": "node", "node": 100, "epoch": 0}
+    assert "secret" not in repr(keys).lower()
+    plain = KeyService(RunConfig.from_run_config(BASE_CONFIG), run_id=1)
+    assert plain.public_context is None
 
 
 def test_he_config_requires_clipping() -> None:

@@ -1,0 +1,153 @@
+"""A node's own directory: its identity keys and CKKS secret contexts, never ``context.state``.
+
+Why a directory: in simulation every node's ``context.state`` lives in the process that runs the
+ServerApp (docs/flower-notes.md), so a secret kept there, or a key that unwraps one, is a secret
+in the server's process. Node secrets therefore live in files only the node's processes open:
+
+* deployment: the node's provisioned kit (``--node-config "kit-dir='...'"``, see
+  ``federation.kit``) holds its identity keys, the epoch-0 CKKS secret context and the pinned
+  roster; what a run adds (rotated keys) goes to ``<kit>/state/run-<run id>/``;
+* simulation: ``$FEDKV_NODE_DIR`` (default ``~/.fedkv/nodes``)``/run-<run id>/node-<node id>/``,
+  made on first contact (identity keys, then the CKKS contexts the node receives or makes).
+
+Files are written by ``crypto.at_rest`` (atomic, mode 0600), sealed with
+``$FEDKV_NODE_KEY_PASSPHRASE`` when it is set. ``context.state`` keeps nothing secret.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from crypto import CkksContext, NodeKeys, load_context, read_secret_file, write_public_file, write_secret_file
+from crypto.errors import CryptoError
+
+if TYPE_CHECKING:
+    from federation.kit import NodeKit
+
+NODE_DIR_ENV = "FEDKV_NODE_DIR"
+PASSPHRASE_ENV = "FEDKV_NODE_KEY_PASSPHRASE"
+
+_CONTEXTS: OrderedDict[tuple[str, int, bytes], CkksContext] = OrderedDict()
+"""Per-process cache of loaded secret contexts (loading costs ~6 ms); gone with the process."""
+_KITS: dict[str, Any] = {}
+
+
+class ProvisioningError(RuntimeError):
+    """A node cannot take part: it refused provisioning or lacks its keys."""
+
+
+def _passphrase() -> bytes | None:
+    value = os.environ.get(PASSPHRASE_ENV)
+    return value.encode() if value else None
+
+
+def _kit(path: str) -> NodeKit:
+    from federation.kit import load_node_kit
+
+    kit = _KITS.get(path)
+    if kit is None:
+        kit = _KITS[path] = load_node_kit(Path(path))
+    return kit
+
+
+class NodeStore:
+    """Identity keys and CKKS contexts (by key epoch) of one node in one run."""
+
+    def __init__(self, root: Path, node_id: str, kit: NodeKit | None = None) -> None:
+        self.root = Path(root)
+        self.node_id = node_id
+        self.kit = kit
+
+    @classmethod
+    def for_context(cls, context: Any) -> NodeStore:
+        node_id, run = str(context.node_id), f"run-{context.run_id}"
+        kit_dir = str(context.node_config.get("kit-dir", "") or "")
+        if kit_dir:
+            return cls(Path(kit_dir) / "state" / run, node_id, _kit(kit_dir))
+        base = Path(os.environ.get(NODE_DIR_ENV) or Path.home() / ".fedkv" / "nodes")
+        return cls(base / run / f"node-{node_id}", node_id, None)
+
+    @property
+    def name(self) -> str:
+        """The kit's name of this node ("" without a kit)."""
+        return self.kit.name if self.kit is not None else ""
+
+    # -- identity ---------------------------------------------------------------------------
+    def identity(self, *, create: bool = False) -> NodeKeys:
+        if self.kit is not None:
+            return self.kit.identity(_passphrase()).renamed(self.node_id)
+        path = self.root / "identity.key"
+        if not path.exists():
+            if not create:
+                raise ProvisioningError("node has no keys: it was not enrolled in this run")
+            keys = NodeKeys.generate(self.node_id)
+            write_secret_file(path, keys.private_pem(), _passphrase())
+            return keys
+        keys = NodeKeys.from_private_pem(read_secret_file(path, _passphrase()))
+        if keys.node_id != self.node_id:
+            raise ProvisioningError("stored keys belong to another node")
+        return keys
+
+    # -- CKKS contexts ----------------------------------------------------------------------
+    def held(self) -> tuple[int, bytes] | None:
+        """(newest key epoch, key id) this node holds, or None."""
+        path = self.root / "held.json"
+        if path.exists():
+            rec = json.loads(path.read_text())
+            return int(rec["epoch"]), bytes.fromhex(rec["key-id"])
+        if self.kit is not None:
+            return 0, self.kit.roster.key_id
+        return None
+
+    def save_context(self, ctx: CkksContext, epoch: int) -> None:
+        if not ctx.is_private:
+            raise ProvisioningError("a node stores secret contexts only")
+        write_secret_file(self.root / f"ckks-{epoch}.ctx", ctx.secret_bytes(), _passphrase())
+        current = self.held()
+        if current is None or epoch >= current[0]:
+            write_public_file(self.root / "held.json", json.dumps({"epoch": epoch, "key-id": ctx.key_id.hex()}).encode())
+        _CONTEXTS[(str(self.root), epoch, ctx.key_id)] = ctx
+
+    def context(self, epoch: int) -> CkksContext:
+        """The secret context of ``epoch``; ProvisioningError when the node does not hold it."""
+        for (root, e, _), ctx in _CONTEXTS.items():
+            if root == str(self.root) and e == epoch:
+                return ctx
+        path = self.root / f"ckks-{epoch}.ctx"
+        try:
+            if path.exists():
+                data = read_secret_file(path, _passphrase())
+            elif self.kit is not None and epoch == 0:
+                data = self.kit.ckks_secret_bytes(_passphrase())
+            else:
+                raise ProvisioningError("node holds no CKKS key of the requested epoch")
+            ctx = load_context(data)
+        except CryptoError as err:
+            raise ProvisioningError(f"cannot load the node's CKKS key: {type(err).__name__}") from err
+        _CONTEXTS[(str(self.root), epoch, ctx.key_id)] = ctx
+        while len(_CONTEXTS) > 64:
+            _CONTEXTS.popitem(last=False)
+        return ctx
+
+    def epochs(self) -> list[int]:
+        """Every key epoch this node holds, oldest first."""
+        found = {int(p.stem.split("-", 1)[1]) for p in self.root.glob("ckks-*.ctx")}
+        if self.kit is not None:
+            found.add(0)
+        return sorted(found)
+
+    # -- trust on first use (simulation only) ----------------------------------------------
+    def pinned_signer(self, node_id: str, sign_public: bytes) -> bool:
+        """Pin ``sign_public`` as ``node_id``'s key on first use; False if it differs from the pin."""
+        path = self.root / "pins.json"
+        pins = json.loads(path.read_text()) if path.exists() else {}
+        known = pins.get(node_id)
+        if known is None:
+            pins[node_id] = sign_public.hex()
+            write_public_file(path, json.dumps(pins).encode())
+            return True
+        return known == sign_public.hex()

@@ -1,0 +1,66 @@
+"""A node's own privacy policy: floors that a run config cannot lower.
+
+The run config is written by whoever submits the run, i.e. the server side. A node that only
+took part under encryption and noise must not be talked out of them by ``--run-config
+"he=false"``. Its floors come from its node config (``--node-config "require-he=true
+min-noise-multiplier=0.5"``) and, in deployment, from the ``node-policy.json`` of its kit; the
+stricter of the two wins. A run that asks for less is refused before the node does anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from federation.config import RunConfig
+
+DP_STRENGTH = {"none": 0, "flower-central": 0, "local": 1, "distributed": 1}
+
+
+class PolicyError(RuntimeError):
+    """The run asks a node for less protection than its policy allows."""
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes")
+    return bool(value)
+
+
+@dataclass(frozen=True)
+class NodePolicy:
+    require_he: bool = False
+    """Refuse runs with he=false (the server would see single updates)."""
+    min_noise_multiplier: float = 0.0
+    """Refuse runs whose noise multiplier is lower (and, when > 0, runs without client DP)."""
+    min_clients: int = 1
+    """Refuse to decrypt an aggregate of fewer updates than this (a small sum says more about each)."""
+
+    @classmethod
+    def of(cls, node_config: Mapping[str, Any], kit_policy: Mapping[str, Any] | None = None) -> NodePolicy:
+        """The stricter of the node config's and the kit's floors."""
+        sources = [dict(kit_policy or {}), dict(node_config)]
+        try:
+            return cls(
+                require_he=any(_bool(s.get("require-he", False)) for s in sources),
+                min_noise_multiplier=max(float(s.get("min-noise-multiplier", 0.0)) for s in sources),
+                min_clients=max(int(s.get("min-clients", 1)) for s in sources),
+            )
+        except (TypeError, ValueError) as err:
+            raise PolicyError(f"bad node policy value: {err}") from None
+
+    def check(self, cfg: RunConfig) -> None:
+        """Raise PolicyError naming the first floor the run config goes below."""
+        if self.require_he and not cfg.he:
+            raise PolicyError("node policy requires he=true; this run asks for he=false")
+        if self.min_noise_multiplier > 0:
+            if DP_STRENGTH.get(cfg.dp_mode, 0) == 0:
+                raise PolicyError(f"node policy requires client DP noise; this run has dp-mode={cfg.dp_mode}")
+            if cfg.noise_multiplier < self.min_noise_multiplier:
+                raise PolicyError(
+                    f"node policy requires noise-multiplier >= {self.min_noise_multiplier:g}; "
+                    f"this run asks for {cfg.noise_multiplier:g}"
+                )
+        if cfg.min_clients < self.min_clients:
+            raise PolicyError(f"node policy requires min-clients >= {self.min_clients}; this run has {cfg.min_clients}")

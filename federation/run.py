@@ -1,0 +1,80 @@
+"""One fedkv run over any ``Grid``: what the ServerApp and ``federation.local.run_local`` share.
+
+Wires the server's side: the ``KeyService`` (public material only: the server kit in deployment,
+node-made keys in simulation), ``OpaqueFedAvg`` over signed ciphertext bytes, or Flower's DP
+baseline for ``dp-mode=flower-central``; fills the ``RunResults``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import asdict
+from logging import INFO, WARNING
+from typing import Any
+
+from flwr.common import log
+
+from crypto import privacy_claim
+from federation.config import RunConfig
+from federation.flower_central import run_flower_central
+from federation.provisioning import KeyService
+from federation.results import RoundRecord, RunResults
+from federation.strategy import OpaqueFedAvg
+from node.cache_node import model_layout
+
+
+def mode_of(cfg: RunConfig) -> str:
+    return "flower-central" if cfg.dp_mode == "flower-central" else ("he" if cfg.he else "plain")
+
+
+def key_service(cfg: RunConfig, run_id: int) -> KeyService:
+    """The server's key relay; with ``server-kit`` it pins every node to the kit's roster."""
+    kit = None
+    if cfg.server_kit:
+        from federation.kit import load_server_kit
+
+        kit = load_server_kit(cfg.server_kit)
+    return KeyService(cfg, run_id, kit)
+
+
+def run_rounds(grid: Any, cfg: RunConfig, run_id: int, results: RunResults, *, wait_for_nodes_s: float,
+               on_round: Callable[[RoundRecord], None]) -> None:
+    """All rounds of one run; NotEnoughClients propagates (the caller records it)."""
+    results.server_pid = os.getpid()
+    if cfg.dp_mode == "flower-central":
+        run_flower_central(grid, cfg, results)
+        for rec in results.rounds:
+            on_round(rec)
+        _claim(cfg, results)
+        return
+    keys = key_service(cfg, run_id)
+    results.provisioning = keys.stats
+    dim = model_layout(cfg.task, cfg.seed).size
+    strategy = OpaqueFedAvg(cfg, dim, keys, wait_for_nodes_s=wait_for_nodes_s)
+    if strategy.packing is not None:
+        results.encoding = {**asdict(strategy.packing), "preset": cfg.ckks_preset, "dim": dim}
+        log(INFO, "fedkv: CKKS encoding %s", results.encoding)
+
+    def record(rec: RoundRecord) -> None:
+        results.rounds.append(rec)
+        results.key_origin = dict(keys.key_origin)
+        results.key_rotations = len(keys.rotations)
+        on_round(rec)
+
+    try:
+        strategy.run(grid, record)
+    finally:
+        results.key_origin = dict(keys.key_origin)
+        results.key_rotations = len(keys.rotations)
+        _claim(cfg, results)
+
+
+def _claim(cfg: RunConfig, results: RunResults) -> None:
+    eps = results.rounds[-1].epsilon_client if results.rounds else math.nan
+    if cfg.dp_mode in ("local", "distributed", "flower-central") and not math.isfinite(eps):
+        eps = math.inf
+    results.privacy_claim = privacy_claim(eps, cfg.dp_mode, delta=cfg.target_delta)
+    if cfg.dp_mode != "none":
+        log(INFO if "no meaningful" not in results.privacy_claim else WARNING, "fedkv privacy: %s", results.privacy_claim)
