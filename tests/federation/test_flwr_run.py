@@ -19,7 +19,9 @@ from federation.flwr_sandbox import alive, flwr_sandbox
 def test_flwr_run_digits_he(tmp_path) -> None:
     """he=true through the real CLI: enroll + provision, CKKS updates, signed, DP accounting."""
     results_dir = tmp_path / "results"
+    guard = tmp_path / "secret-guard.log"
     with flwr_sandbox(tmp_path / "sandbox") as box:
+        box.env["FEDKV_SECRET_GUARD_LOG"] = str(guard)  # every process records its secret contexts
         run = box.run(
             num_supernodes=3,
             run_config={"num-server-rounds": 2, "task": "digits", "he": True, "dp-mode": "distributed",
@@ -38,7 +40,7 @@ def test_flwr_run_digits_he(tmp_path) -> None:
     assert data["mode"] == "he" and data["schema"] == 3
     assert data["config"]["num-server-rounds"] == 2 and data["config"]["he"] is True
     prov = data["provisioning"]
-    assert prov["enrolled"] == 3 and prov["provisioned"] == 3 and prov["refused"] == 0
+    assert prov["enrolled"] == 3 and prov["provisioned"] == 2 and prov["refused"] == 0  # + 1 key maker
     assert [r["round"] for r in data["rounds"]] == [1, 2]
     assert len(data["rounds"][0]["admitted"]) == 3 and data["rounds"][1]["admitted"] == []
     for r in data["rounds"]:
@@ -48,8 +50,17 @@ def test_flwr_run_digits_he(tmp_path) -> None:
         assert 60_000 < r["aggregate_bytes"] < 70_000
         assert r["eval_loss"] is not None and 0.0 <= r["eval_metric"] <= 1.0
         assert {"train", "encrypt", "sign", "aggregate", "verify", "decrypt", "writeback"} <= set(r["seconds"])
-        assert r["clipped_fraction"] is not None and r["saturated_fraction"] is not None
+        assert r["clipped_fraction"] is None and r["train_loss"] is None  # private under DP: not sent
     eps = [r["epsilon_client"] for r in data["rounds"]]
     assert 0 < eps[0] < eps[1]
     assert data["rounds"][1]["eval_loss"] < data["rounds"][0]["eval_loss"]
     assert "fedkv round 2/2" in run.output
+
+    # the claim "the ServerApp process never holds the secret key", checked on the real processes:
+    # a node made the key, and no creation or parse of a secret context happened in the server's pid
+    assert data["key_origin"]["party"] == "node" and data["provisioning"]["enrollment"] == "tofu"
+    events = [line.split() for line in guard.read_text().splitlines()]
+    assert any(e[1] == "create" for e in events) and len({e[2] for e in events}) == 1
+    server_pid = data["server_pid"]
+    assert server_pid > 0 and all(int(e[0]) != server_pid for e in events), (server_pid, events)
+    assert "no meaningful" in data["privacy_claim"] or "client-level" in data["privacy_claim"]
