@@ -75,7 +75,7 @@ class Federation:
 
     def __init__(self, num_nodes: int = 3, **overrides: object) -> None:
         from federation.config import RunConfig
-        from federation.provisioning import KeyService
+        from federation.run import key_service
         from federation.strategy import OpaqueFedAvg
         from node.cache_node import model_layout
 
@@ -83,7 +83,7 @@ class Federation:
         self.cfg = RunConfig.from_run_config(self.run_config)
         self.dim = model_layout(self.cfg.task, self.cfg.seed).size
         self.grid = FakeGrid(num_nodes, self.run_config)
-        self.keys = KeyService(self.cfg, self.grid.run_id)
+        self.keys = key_service(self.cfg, self.grid.run_id)
         self.strategy = OpaqueFedAvg(self.cfg, self.dim, self.keys, wait_for_nodes_s=0.0)
 
     def round(self, rnd: int):

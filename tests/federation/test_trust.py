@@ -1,0 +1,242 @@
+"""Issue 8's attacks, each written as the attacker would run it, and what stops it.
+
+* hostile server with a decryption oracle (crafted aggregates, accept/reject, error texts);
+* man in the middle substituting a node's identity keys at enrollment (kits pin them), and a
+  hostile server forwarding substituted keys to the key-making node;
+* a run config that lowers a node's privacy (node policy);
+* a node that leaves: the key rotates and its old keys cannot read later aggregates.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Message, RecordDict
+
+from crypto import CkksAggregator, NodeKeys, load_context
+from crypto.errors import ContextMismatchError
+from federation import protocol, provisioning
+from federation.codec import CkksClientCodec
+from federation.kit import write_kits
+from tests.federation.fakes import Federation, raise_fault, timeout_fault
+
+HE = {"he": True, "dp-mode": "distributed", "noise-multiplier": 0.05}
+
+
+def drops(rec, phase: str) -> dict[int, str]:
+    return {d["node"]: d["reason"] for d in rec.dropped if d["phase"] == phase}
+
+
+# --- a hostile server bisecting on accept/reject -----------------------------------------------
+
+
+def _ask(fed: Federation, node: int, rnd: int, aggregate: bytes, manifest: bytes) -> tuple[bool, str]:
+    """Send one evaluate message whose newest aggregate is the server's choice; (accepted, text)."""
+    history = list(fed.strategy.history[:-1]) + [(aggregate, manifest)]
+    fed.strategy.known_version[node] = rnd - 1
+    saved, fed.strategy.history = fed.strategy.history, history
+    try:
+        (msg,) = fed.strategy.configure(protocol.EVALUATE, rnd, [node])
+    finally:
+        fed.strategy.history = saved
+    reply = fed.grid.deliver(msg)
+    return (not reply.has_error()), (reply.error.reason if reply.has_error() else "")
+
+
+def test_a_hostile_server_learns_nothing_from_64_crafted_aggregates() -> None:
+    """Li-Micciancio needs answers that depend on decryption noise. The server here scales an
+    update by k (noise x k crosses the rounding margin at some k: a bisection on k measures the
+    noise), adds its own encryptions, or drops a summand while keeping the manifest. Every one is
+    refused before decryption by the aggregate MAC, with one text that carries no number."""
+    fed = Federation(3, **HE, **{"num-server-rounds": 1})
+    for node in (100, 101, 102):  # the nodes stay at v0: each query below is a fresh v1 for them
+        fed.grid.faults[(node, protocol.EVALUATE)] = timeout_fault
+    fed.run_all()
+    honest, manifest = fed.strategy.history[-1]
+    updates = [m for m in fed.grid.received if m.metadata.message_type == protocol.TRAIN]
+    from crypto import SignedUpdate
+
+    payloads = [SignedUpdate.from_bytes(protocol.array_to_bytes(m.content[protocol.UPDATE]["update"])).payload
+                for m in updates]
+    public = load_context(fed.keys.public_context)
+
+    answers = []
+    lo, hi = 1, 2**40
+    for q in range(64):
+        agg = CkksAggregator(public, fed.strategy.packing, expected_values=fed.dim)
+        kind = q % 3
+        if kind == 0:  # bisection on the scale factor of one update (+ the others once)
+            k = (lo + hi) // 2
+            for _ in range(min(k, 30)):
+                agg.add(payloads[0])
+            agg.add(payloads[1])
+        elif kind == 1:  # the honest summands plus a server-made "noise" ciphertext
+            for p in payloads:
+                agg.add(p)
+            agg.add_noise(1e-3 * (q + 1), shares=1)
+        else:  # a subset of the summands under the full manifest
+            agg.add(payloads[0])
+            agg.add(payloads[2])
+        accepted, text = _ask(fed, 100 + q % 3, 1, agg.result(), manifest)
+        answers.append((accepted, text))
+        if kind == 0:  # the attacker bisects on whatever it sees
+            lo, hi = (lo, (lo + hi) // 2) if accepted else ((lo + hi) // 2, hi)
+    assert {a for a in answers} == {(False, answers[0][1])}, "the answers must not vary with the query"
+    assert "aggregate rejected" in answers[0][1]
+    assert _ask(fed, 100, 1, honest, manifest) == (True, "")  # control: the honest sum is applied
+    for _, text in answers:
+        reason = text.split(":", 1)[1] if ":" in text else text
+        assert not re.search(r"\d", reason), text
+
+
+def test_decode_failure_texts_carry_no_numbers() -> None:
+    fed = Federation(3, **HE, **{"num-server-rounds": 1})
+    fed.grid.faults[(101, protocol.EVALUATE)] = timeout_fault
+    fed.run_all()
+    honest, manifest = fed.strategy.history[-1]
+    flipped = bytearray(honest)
+    flipped[len(flipped) // 2] ^= 0x10
+    cases = [bytes(flipped), honest[:-7], b"", b"\x00" * 64]
+    bad_manifests = [manifest[:-1], b"FKM\x01" + b"\xff" * 40, b""]
+    texts = [_ask(fed, 101, 1, c, manifest)[1] for c in cases]
+    texts += [_ask(fed, 101, 1, honest, m)[1] for m in bad_manifests]
+    assert all(t.endswith("aggregate rejected") for t in texts), texts
+    assert len(set(texts)) == 1 and not re.search(r"\d", texts[0].split(":", 1)[-1])
+
+
+# --- man in the middle at enrollment; kits pin identity keys -------------------------------------
+
+
+def kit_federation(tmp_path, n: int = 3, **overrides) -> Federation:
+    kits = write_kits(tmp_path / "kits", n)
+    fed = Federation(n, **HE, **{"server-kit": str(kits["server"]), **overrides})
+    for i, ctx in enumerate(sorted(fed.grid.contexts)):
+        fed.grid.contexts[ctx].node_config["kit-dir"] = str(kits[f"node-{i}"])
+    return fed
+
+
+def test_with_kits_the_provisioner_made_the_key_and_nothing_is_keyed_over_the_wire(tmp_path) -> None:
+    fed = kit_federation(tmp_path, **{"num-server-rounds": 2})
+    recs = fed.run_all()
+    assert [r.num_clients for r in recs] == [3, 3]
+    assert fed.keys.key_origin["party"] == "provisioner" and fed.keys.stats["enrollment"] == "pinned"
+    types = {m.metadata.message_type for m in fed.grid.sent}
+    assert provisioning.KEYGEN not in types and provisioning.PROVISION not in types
+
+
+def test_substituted_enroll_keys_are_refused_and_nothing_is_wrapped_for_the_attacker(tmp_path) -> None:
+    fed = kit_federation(tmp_path, **{"num-server-rounds": 1})
+    attacker = NodeKeys.generate("102")
+
+    def mitm(msg: Message, ctx):
+        reply = fed.grid.deliver(msg)
+        rec = reply.content.config_records[provisioning.NODE_KEYS_REC]
+        rec["kx-public"], rec["sign-public"] = attacker.public.kx_public, attacker.public.sign_public
+        return reply
+
+    fed.grid.faults[(102, provisioning.ENROLL)] = mitm
+    (rec,) = fed.run_all()
+    assert "PeerKeyError" in drops(rec, "enroll")[102] or "differ from the ones pinned" in drops(rec, "enroll")[102]
+    assert rec.num_clients == 2 and 102 not in fed.keys.members
+    assert attacker.public.sign_public not in {m.pub.sign_public for m in fed.keys.members.values()}
+
+
+def test_a_hostile_server_cannot_get_a_key_wrapped_for_a_substituted_peer(tmp_path) -> None:
+    fed = kit_federation(tmp_path, **{"num-server-rounds": 1})
+    fed.run_all()
+    attacker = NodeKeys.generate("102")
+    members = sorted(fed.keys.members)
+    names = [fed.keys.members[n].name for n in members]
+    kx = [fed.keys.members[n].pub.kx_public for n in members]
+    sign = [fed.keys.members[n].pub.sign_public for n in members]
+    kx[-1], sign[-1] = attacker.public.kx_public, attacker.public.sign_public  # "node-2" is now the attacker
+    req = ConfigRecord({"epoch": 1, "fresh": 1, "preset": "fedkv-4096", "effective-round": 2,
+                        "members": [str(n) for n in members], "names": names, "kx": kx, "sign": sign,
+                        "epochs": [1]})
+    msg = Message(RecordDict({provisioning.KEYGEN_REC: req}), dst_node_id=100, message_type=provisioning.KEYGEN)
+    reply = fed.grid.deliver(msg)
+    assert reply.has_error() and "does not hold the keys pinned" in reply.error.reason
+    store = provisioning.NodeStore.for_context(fed.grid.contexts[100])
+    assert store.epochs() == [0]  # no key of epoch 1 was made, so none was wrapped
+
+
+# --- a run config cannot lower a node's policy ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("node_config", "run", "reason"),
+    [
+        ({"require-he": "true"}, {"he": False, "dp-mode": "none"}, "node policy requires he=true"),
+        ({"min-noise-multiplier": 0.5}, {**HE, "noise-multiplier": 0.1}, "noise-multiplier >= 0.5"),
+        ({"min-noise-multiplier": 0.5}, {"he": True, "dp-mode": "none"}, "requires client DP noise"),
+    ],
+)
+def test_a_node_refuses_a_run_below_its_policy(node_config, run, reason) -> None:
+    fed = Federation(3, **run, **{"num-server-rounds": 1})
+    fed.grid.contexts[102].node_config.update(node_config)
+    (rec,) = fed.run_all()
+    assert reason in drops(rec, "enroll")[102]
+    assert rec.num_clients == 2 and not any(
+        m.metadata.dst_node_id == 102 and m.metadata.message_type == protocol.TRAIN for m in fed.grid.sent)
+
+
+def test_a_node_policy_floor_on_min_clients_refuses_the_run_early() -> None:
+    fed = Federation(3, **HE, **{"num-server-rounds": 1})
+    fed.grid.contexts[100].node_config["min-clients"] = 3
+    (rec,) = fed.run_all()
+    assert "node policy requires min-clients >= 3" in drops(rec, "enroll")[100]
+
+
+def test_a_node_will_not_decrypt_a_sum_of_fewer_updates_than_min_clients() -> None:
+    """A hostile server sends one node's update alone, correctly tagged (the MAC holds): the
+    receiving node refuses because the manifest names fewer updates than the floor."""
+    from crypto import Manifest, SignedUpdate
+
+    fed = Federation(3, **HE, **{"num-server-rounds": 1})
+    fed.grid.faults[(101, protocol.EVALUATE)] = timeout_fault
+    fed.run_all()
+    first = next(m for m in fed.grid.received if m.metadata.message_type == protocol.TRAIN)
+    su = SignedUpdate.from_bytes(protocol.array_to_bytes(first.content[protocol.UPDATE]["update"]))
+    agg = CkksAggregator(load_context(fed.keys.public_context), fed.strategy.packing, expected_values=fed.dim)
+    agg.add(su.payload)
+    _, manifest = fed.strategy.history[-1]
+    m = Manifest.from_bytes(manifest)
+    alone = Manifest(m.run_id, m.round, m.epoch, tuple(e for e in m.entries if e.node_id == su.node_id))
+    assert _ask(fed, 101, 1, agg.result(), alone.to_bytes())[1].endswith("aggregate rejected")
+
+
+# --- rotation: a node that leaves cannot read later aggregates -------------------------------------
+
+
+def test_after_a_node_leaves_the_key_rotates_and_its_keys_cannot_decrypt_later_aggregates() -> None:
+    fed = Federation(3, **HE, **{"num-server-rounds": 3})
+    r1 = fed.round(1)
+    old = {e: provisioning.NodeStore.for_context(fed.grid.contexts[102]).context(e) for e in (0,)}
+    for kind in (protocol.TRAIN, protocol.EVALUATE, provisioning.PROVISION, provisioning.KEYGEN, protocol.NOISE):
+        fed.grid.faults[(102, kind)] = timeout_fault  # node 102 is gone (killed)
+    r2 = fed.round(2)
+    r3 = fed.round(3)
+    assert not r1.key_rotated and r2.departed == [102] and r3.key_rotated and r3.key_epoch == 1
+    assert fed.keys.rotations[0]["reason"].startswith("node(s) [102] left")
+    assert r3.num_clients == 2 and 102 not in fed.keys.holders
+    packing = fed.strategy.packing
+    late_aggregate = fed.strategy.history[2][0]
+    with pytest.raises(Exception, match="ContextMismatchError"):
+        CkksClientCodec(fed.dim, old[0], packing).decode_mean(late_aggregate)
+    with pytest.raises(ContextMismatchError):
+        from crypto import AggregateDecryptor
+
+        AggregateDecryptor(old[0], packing).decrypt(late_aggregate)
+    # the nodes that stayed decrypt it, and agree
+    p0 = fed.grid.contexts[100].state.array_records["fedkv.params"]["params"].numpy()
+    p1 = fed.grid.contexts[101].state.array_records["fedkv.params"]["params"].numpy()
+    np.testing.assert_array_equal(p0, p1)
+
+
+def test_rotate_every_k_rounds() -> None:
+    fed = Federation(3, **HE, **{"num-server-rounds": 3, "rotate-every": 1})
+    recs = fed.run_all()
+    assert [r.key_epoch for r in recs] == [0, 1, 2] and len(fed.keys.rotations) == 2
+    assert all(r.num_clients == 3 for r in recs)
