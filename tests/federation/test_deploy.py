@@ -1,0 +1,72 @@
+"""The real multi-process deployment (``python -m federation.deploy demo``), small version.
+
+3 SuperNodes + 1 SuperLink with TLS and SuperNode auth on loopback, 2 rounds, one SuperNode
+SIGKILLed in round 2. A few minutes: SuperNodes poll every 3 s, each message starts a
+ClientApp process, and the SuperLink reports the killed node unavailable only after two
+missed heartbeats (<= 60 s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from federation.flwr_sandbox import REPO, alive
+
+
+def _start_time(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line or environment names ``text`` (our work dir)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        for name in ("cmdline", "environ"):
+            try:
+                if text.encode() in Path(f"/proc/{entry}/{name}").read_bytes() and alive(int(entry)):
+                    found.append(int(entry))
+                    break
+            except OSError:
+                pass
+    return found
+
+
+@pytest.mark.timeout(600)
+def test_deploy_demo_survives_a_killed_supernode(tmp_path) -> None:
+    work = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "federation.deploy", "demo", "--nodes", "3", "--rounds", "2", "--kill-one",
+         "--workdir", str(work)],
+        cwd=REPO, capture_output=True, text=True, timeout=560, stdin=subprocess.DEVNULL,
+    )
+    lines = proc.stdout.strip().splitlines()
+    assert lines, proc.stderr[-4000:]
+    out = json.loads(lines[-1])
+    context = f"{out}\n{proc.stderr[-4000:]}"
+    assert out["tls"] is True and out["node_auth"] is True, context
+    assert out["refused_unregistered"] is True and out["refused_bad_cert"] is True, context
+    assert out["killed_node"] == 2, context
+    assert out["rounds_completed"] == 2 and out["status"] == "completed", context
+    assert out["leftover_processes"] == 0, context
+    assert proc.returncode == 0, context
+
+    started = json.loads((work / "pids.json").read_text())
+    assert len(started) >= 3 + 1 + 2  # SuperLink, SuperNodes, refused probes at least
+    assert not [pid for pid, st in started if alive(pid) and _start_time(pid) == st]
+    assert not _processes_mentioning(str(work))
+
+    results = json.loads(next((work / "results").glob("*.json")).read_text())
+    assert [r["round"] for r in results["rounds"]] == [1, 2]
+    assert results["rounds"][0]["num_clients"] == 3
+    assert results["rounds"][1]["num_clients"] == 2  # the survivors
