@@ -42,8 +42,10 @@ from crypto import (
 from federation import node_host, protocol, provisioning
 from federation.codec import ClientCodec, client_weight, make_client_codec, packing_for
 from federation.config import RunConfig
+from federation.logs import configure_logging
 from node.cache_node import CacheNode, DpConfig
 
+configure_logging()  # each log line once (Opacus adds a root handler on import)
 app = ClientApp()
 
 

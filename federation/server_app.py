@@ -19,10 +19,12 @@ from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
 from federation.config import ConfigError, RunConfig, results_dir_of
+from federation.logs import configure_logging
 from federation.results import RunResults
 from federation.run import mode_of, run_rounds
 from federation.strategy import NotEnoughClients
 
+configure_logging()  # each log line once (Opacus adds a root handler on import)
 app = ServerApp()
 
 
