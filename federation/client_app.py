@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import fixedclipping_mod
 
@@ -48,13 +48,17 @@ from node.cache_node import CacheNode, DpConfig
 configure_logging()  # each log line once (Opacus adds a root handler on import)
 app = ClientApp()
 
+APPLIED_KEY = "fedkv.applied"
+"""context.state: the round of the last aggregate applied (public): an aggregate must come from
+a later round, so a server cannot make a node apply the same round's sum twice."""
+
 
 class AggregateRejected(RuntimeError):
     """The one answer a node gives for any aggregate it will not apply (no detail, no numbers:
     what leaves a node must not depend on the secret key's decryption noise)."""
 
     def __init__(self) -> None:
-        super().__init__("aggregate rejected")
+        super().__init__(protocol.AGGREGATE_REJECTED)
 
 
 @app.query("fedkv_enroll")
@@ -222,9 +226,10 @@ def _catch_up(cfg: RunConfig, node: CacheNode, msg: Message, context: Context) -
         if version <= node.version:
             continue  # already applied (e.g. the server did not see our last reply)
         t0 = time.perf_counter()
-        mean = _open(cfg, context, node.layout.size, version, blob, manifest)
+        mean, made_in = _open(cfg, context, node.layout.size, blob, manifest)
         t1 = time.perf_counter()
         node.apply_mean_update(mean, version)
+        context.state[APPLIED_KEY] = ConfigRecord({"round": made_in})
         decrypt_s += t1 - t0
         writeback_s += time.perf_counter() - t1
     if node.version != target:
@@ -235,19 +240,23 @@ def _catch_up(cfg: RunConfig, node: CacheNode, msg: Message, context: Context) -
     return decrypt_s, writeback_s
 
 
-def _open(cfg: RunConfig, context: Context, dim: int, version: int, blob: bytes, manifest: bytes) -> np.ndarray:
+def _open(cfg: RunConfig, context: Context, dim: int, blob: bytes, manifest: bytes) -> tuple[np.ndarray, int]:
     """Check an aggregate against its manifest (he=true) and decode it; AggregateRejected otherwise.
+    Returns (mean update, round the aggregate was made in).
 
-    Every check that can fail before decryption is public (run, round, summand count, the MAC);
-    after it, a failure can only come from a summand a node signed, and it gets the same answer."""
+    Every check that can fail before decryption is public (run, a round later than the last
+    applied one, summand count, the MAC); after it, a failure can only come from a summand a
+    node signed, and it gets the same answer."""
     try:
         if not cfg.he:
-            return make_client_codec(False, dim).decode_mean(blob)
+            return make_client_codec(False, dim).decode_mean(blob), 0
         m = Manifest.from_bytes(manifest)
         updates = [e for e in m.entries if e.kind == KIND_UPDATE]
         distinct = len({(e.node_id, e.kind) for e in m.entries}) == len(m.entries)
         floor = max(cfg.min_clients, provisioning.node_policy(context).min_clients)
-        if m.run_id != int(context.run_id) or m.round != version or not distinct or len(updates) < floor:
+        applied = context.state.config_records.get(APPLIED_KEY)
+        last = int(applied["round"]) if applied is not None else 0
+        if m.run_id != int(context.run_id) or m.round <= last or not distinct or len(updates) < floor:
             raise AggregateRejected()
         codec, _, ctx = _codec(cfg, context, dim, m.epoch)
         if ciphertext_info(blob)["n_updates"] != len(m.entries):
@@ -255,7 +264,7 @@ def _open(cfg: RunConfig, context: Context, dim: int, version: int, blob: bytes,
         coeffs = ciphertext_coefficients(ctx, packing_for(cfg, dim), blob)
         if not AggregateMac(ctx.mac_key, last_modulus(ctx)).check(coeffs, m):
             raise AggregateRejected()
-        return codec.decode_mean(blob)
+        return codec.decode_mean(blob), m.round
     except Exception:  # noqa: BLE001 - one answer for every reason, chained to nothing
         raise AggregateRejected() from None
 

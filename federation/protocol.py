@@ -38,6 +38,9 @@ EVALUATE = "evaluate.fedkv"
 NOISE = "query.fedkv_noise"
 """he=true, distributed DP: a survivor makes noise shares for sampled nodes that left the round."""
 
+AGGREGATE_REJECTED = "aggregate rejected"
+"""The whole text of a node's answer to any aggregate it will not apply (no numbers, no detail)."""
+
 AGGREGATES = "aggregates"
 CONFIG = "config"
 UPDATE = "update"

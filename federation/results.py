@@ -83,6 +83,10 @@ class RoundRecord:
     """A new key epoch was made before this round (a node left, or rotate-every)."""
     departed: list[int] = field(default_factory=list)
     """Nodes dropped this round that left the key group (he=true)."""
+    aggregate_discarded: bool = False
+    """No node accepted this round's aggregate (a summand's tag did not match: a node signed a
+    ciphertext it did not tag); the round is discarded and the next one starts from the last
+    accepted version."""
 
     def summary(self, num_rounds: int) -> str:
         s = self.seconds

@@ -122,6 +122,7 @@ class OpaqueFedAvg:
         replies_ = grid.send_and_receive(self.configure(protocol.EVALUATE, rnd, ready), timeout=self.cfg.round_timeout)
         evaluated = self.collect("evaluate", ready, replies_)
         rec.seconds["evaluate_phase"] = time.perf_counter() - t0
+        self.discard_if_refused(evaluated, rec)
         self.aggregate_evaluate(evaluated, rec)
         self.note_departures(rec)
         return rec
@@ -153,7 +154,9 @@ class OpaqueFedAvg:
         re-keys it)."""
         if not self.cfg.he:
             return
-        gone = self.keys.depart(sorted({d["node"] for d in rec.dropped if d["phase"] in ("train", "evaluate", "noise")}))
+        left = {d["node"] for d in rec.dropped if d["phase"] in ("train", "evaluate", "noise")
+                and not (rec.aggregate_discarded and d["reason"].endswith(protocol.AGGREGATE_REJECTED))}
+        gone = self.keys.depart(sorted(left))
         if gone:
             rec.departed = gone
             self.rotate_reason = f"node(s) {gone} left in round {rec.round}"
@@ -388,6 +391,25 @@ class OpaqueFedAvg:
         self.accountant.step(sigma, client_sample_rate(rec.sampled, rec.population))
         self.client_epsilon = self.accountant.epsilon(self.cfg.target_delta)
         return self.client_epsilon
+
+    def discard_if_refused(self, evaluated: PhaseReplies, rec: RoundRecord) -> None:
+        """he=true: if no node accepted the round's aggregate and some refused it, drop it.
+
+        Which summand was bad cannot be found without showing a node two different sums (their
+        difference would be a single update), so the round is discarded, not recomputed: every
+        node stays at the last accepted version, nothing of this round was decrypted."""
+        if not self.cfg.he or not self.history:
+            return
+        accepted = any(x.version == len(self.history) for _, x in evaluated.ok)
+        refused = [d for d in evaluated.dropped if d["reason"].endswith(protocol.AGGREGATE_REJECTED)]
+        if accepted or not refused:
+            return
+        self.history.pop()
+        rec.aggregate_discarded = True
+        for d in refused:
+            self.known_version[d["node"]] = len(self.history)
+        log(WARNING, "round %d: every node refused the aggregate; round discarded (summands: %s)",
+            rec.round, sorted(rec.upload_bytes))
 
     def aggregate_evaluate(self, evaluated: PhaseReplies, rec: RoundRecord) -> None:
         rec.dropped.extend(evaluated.dropped)

@@ -240,3 +240,41 @@ def test_rotate_every_k_rounds() -> None:
     recs = fed.run_all()
     assert [r.key_epoch for r in recs] == [0, 1, 2] and len(fed.keys.rotations) == 2
     assert all(r.num_clients == 3 for r in recs)
+
+
+# --- one node's bad contribution cannot stop the run ---------------------------------------------
+
+
+def test_a_ciphertext_mutated_in_transit_is_caught_before_it_is_added() -> None:
+    from tests.federation.fakes import tamper_fault
+
+    fed = Federation(3, **HE, **{"num-server-rounds": 1})
+
+    def flip(blob: bytes) -> bytes:  # a bit in the ciphertext, well inside the signed payload
+        b = bytearray(blob)
+        b[len(b) // 2] ^= 0x01
+        return bytes(b)
+
+    fed.grid.faults[(101, protocol.TRAIN)] = tamper_fault(fed.grid, flip)
+    (rec,) = fed.run_all()
+    assert "signature" in drops(rec, "train")[101] and rec.num_clients == 2
+    assert rec.eval_clients == 3 and not rec.aggregate_discarded  # the aggregate is sound
+
+
+def test_a_key_holder_that_signs_an_untagged_ciphertext_costs_one_round_not_the_run() -> None:
+    """Node 102 signs a valid ciphertext that is not the one it tagged: the server cannot tell
+    (it has no MAC key), every node refuses the sum, the round is discarded and the run goes on."""
+    from tests.federation.fakes import payload_fault
+
+    fed = Federation(3, **HE, **{"num-server-rounds": 3})
+    def swap(payload: bytes, msg, ctx) -> bytes:
+        node_ctx = provisioning.secret_context(ctx)[0]
+        return CkksClientCodec(fed.dim, node_ctx, fed.strategy.packing).encode(np.zeros(fed.dim), 1.0)
+
+    fed.grid.faults[(102, protocol.TRAIN)] = payload_fault(fed.grid, swap)
+    r1 = fed.round(1)
+    del fed.grid.faults[(102, protocol.TRAIN)]
+    r2, r3 = fed.round(2), fed.round(3)
+    assert r1.aggregate_discarded and r1.eval_clients == 0 and len(fed.strategy.history) == 2
+    assert not r2.aggregate_discarded and r2.eval_clients == 3 and r3.num_clients == 3
+    assert r1.departed == []  # refusing a bad sum is not leaving
