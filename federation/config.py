@@ -278,6 +278,10 @@ def _range_problems(cfg: RunConfig, bad: set[str]) -> list[str]:
     check("server-kit", lambda: cfg.server_kit == "" or ("\0" not in cfg.server_kit and os.path.isabs(cfg.server_kit)),
           f"server-kit must be an absolute path (or \"\" for simulation), not {cfg.server_kit!r}")
     check("rotate-every", lambda: cfg.rotate_every >= 0, "rotate-every must be >= 0 (0 = only when a node leaves)")
+    check("rotate-every he", lambda: cfg.rotate_every == 0 or cfg.he,
+          "rotate-every rotates the CKKS key; it needs he=true")
+    check("server-kit he", lambda: not cfg.server_kit or cfg.he,
+          "server-kit provisions the CKKS key; it needs he=true")
     check("dp-mode he", lambda: not (cfg.dp_mode == "flower-central" and cfg.he),
           "dp-mode=flower-central uses Flower's plaintext arrays; set he=false")
     check("dp-sgd task", lambda: not (cfg.dp_sgd and cfg.task == "lm"),
