@@ -24,13 +24,20 @@ def test_coercion_from_cli_strings() -> None:
 
 
 def test_coercion_normalises_types() -> None:
-    cfg = RunConfig.from_run_config({"num-server-rounds": 3.0, "lr": 1, "he": 0, "rotate-every": "2",
+    cfg = RunConfig.from_run_config({"num-server-rounds": 3.0, "lr": 1, "he": 1, "rotate-every": "2",
                                      "dp-mode": "none", "clip-norm": 1})
     assert type(cfg.num_server_rounds) is int and cfg.num_server_rounds == 3
     assert type(cfg.lr) is float and cfg.lr == 1.0
-    assert cfg.he is False and cfg.rotate_every == 2 and type(cfg.clip_norm) is float
+    assert cfg.he is True and cfg.rotate_every == 2 and type(cfg.clip_norm) is float
     assert RunConfig(local_epochs=4.0).local_epochs == 4  # direct construction is checked too
     assert RunConfig.from_run_config(cfg.as_dict()) == cfg
+
+
+def test_key_rotation_and_kits_need_he() -> None:
+    with pytest.raises(ConfigError, match="rotate-every rotates the CKKS key"):
+        RunConfig.from_run_config({"he": False, "dp-mode": "none", "rotate-every": 2})
+    with pytest.raises(ConfigError, match="server-kit provisions the CKKS key"):
+        RunConfig.from_run_config({"he": False, "dp-mode": "none", "server-kit": "/srv/kit"})
 
 
 def test_new_keys_defaults() -> None:
