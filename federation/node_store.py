@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 NODE_DIR_ENV = "FEDKV_NODE_DIR"
 PASSPHRASE_ENV = "FEDKV_NODE_KEY_PASSPHRASE"
 
-_CONTEXTS: OrderedDict[tuple[str, int, bytes], CkksContext] = OrderedDict()
+_CONTEXTS: OrderedDict[tuple[str, int], CkksContext] = OrderedDict()
 """Per-process cache of loaded secret contexts (loading costs ~6 ms); gone with the process."""
 _KITS: dict[str, Any] = {}
 
@@ -110,13 +110,13 @@ class NodeStore:
         current = self.held()
         if current is None or epoch >= current[0]:
             write_public_file(self.root / "held.json", json.dumps({"epoch": epoch, "key-id": ctx.key_id.hex()}).encode())
-        _CONTEXTS[(str(self.root), epoch, ctx.key_id)] = ctx
+        _CONTEXTS[(str(self.root), epoch)] = ctx  # replaces a key this node made but nobody took
 
     def context(self, epoch: int) -> CkksContext:
         """The secret context of ``epoch``; ProvisioningError when the node does not hold it."""
-        for (root, e, _), ctx in _CONTEXTS.items():
-            if root == str(self.root) and e == epoch:
-                return ctx
+        cached = _CONTEXTS.get((str(self.root), epoch))
+        if cached is not None:
+            return cached
         path = self.root / f"ckks-{epoch}.ctx"
         try:
             if path.exists():
@@ -128,7 +128,7 @@ class NodeStore:
             ctx = load_context(data)
         except CryptoError as err:
             raise ProvisioningError(f"cannot load the node's CKKS key: {type(err).__name__}") from err
-        _CONTEXTS[(str(self.root), epoch, ctx.key_id)] = ctx
+        _CONTEXTS[(str(self.root), epoch)] = ctx
         while len(_CONTEXTS) > 64:
             _CONTEXTS.popitem(last=False)
         return ctx

@@ -386,17 +386,16 @@ class KeyService:
             pub, epoch, _ = verify_public_context(made.signed_public_context, self.members[dealer].pub.sign_public)
             if epoch != epochs[-1]:
                 raise ProvisioningError("public context of another epoch")
-            if fresh:
-                origin = {"party": "provisioner" if self.kit is not None and epoch == 0 else "node",
-                          "node": dealer, "epoch": epoch}
-                self._set_key(pub, epoch, origin)
-                self.holders = {dealer}
-            elif epoch != self.epoch or load_public_context(pub).key_id != self.key_id:
-                raise ProvisioningError("re-wrapped key is not the current one")
+            key_id = load_public_context(pub).key_id  # refuses a secret context before parsing it
+            if key_id != made.key_id or (not fresh and (epoch != self.epoch or key_id != self.key_id)):
+                raise ProvisioningError("the key made is not the one asked for")
             bundles = {n: self._split(made.bundles[str(n)], epochs) for n in members if n != dealer}
         except (replies.BadReply, ProvisioningError, CryptoError, ValueError) as err:
             self._refuse(out, dealer, "keygen", f"bad keygen reply: {replies.safe_reason(err)}")
             return False
+        if fresh:  # only now, with every part of the reply checked
+            self._set_key(pub, epoch, {"party": "node", "node": dealer, "epoch": epoch})
+            self.holders = {dealer}
         self._provision(grid, dealer, bundles, made.signed_public_context, out)
         return True
 
