@@ -125,3 +125,16 @@ def test_server_main_he_run_writes_results_with_privacy_and_sizes(tmp_path) -> N
     types = {m.metadata.message_type for m in grid.sent}
     assert types == {"query.fedkv_enroll", "query.fedkv_keygen", "query.fedkv_provision", protocol.TRAIN,
                      protocol.EVALUATE}
+
+
+def test_a_bad_run_config_writes_a_failed_results_file_before_anything_runs(tmp_path) -> None:
+    from federation.config import ConfigError
+
+    rc = {**BASE_CONFIG, "results-dir": str(tmp_path), "noise-multiplier": float("nan"), "num-server-round": 3}
+    grid = FakeGrid(3, {**BASE_CONFIG})
+    with pytest.raises(ConfigError):
+        server_app.main(grid, server_context(rc))
+    data = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert data["status"].startswith("failed: ") and "noise-multiplier" in data["status"]
+    assert "num-server-round" in data["status"]  # the unknown key is named
+    assert grid.sent == []  # nothing reached a node
