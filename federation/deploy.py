@@ -13,8 +13,9 @@ descendants; all are stopped by pid on success, failure, SIGINT and SIGTERM. The
 line is one JSON object (see ``summary``); progress goes to stderr.
 
 ``--netns`` puts each SuperNode in a network namespace of its own (``fedkv-<tag>-<i>``), joined
-to the host by a veth pair on 10.250.<i>.0/30; the SuperLink binds 0.0.0.0 on its port and the
-nodes reach it at the host end of their veth. Namespaces and links are removed at the end.
+by a veth pair to a bridge the command creates on the host (10.250.<k>.0/24, the first free
+<k>); the SuperLink binds the bridge's address 10.250.<k>.1 only. Namespaces, veths and the
+bridge are removed at the end.
 """
 
 from __future__ import annotations
@@ -104,14 +105,18 @@ class Tracker:
             self.seen.setdefault(pid, st)
 
     def scan(self) -> None:
+        """Remember every descendant of a live process of ours (one pass over /proc)."""
+        children = _children_map()
         with self._lock:
-            for pid in list(self.seen):
-                if self._is_ours(pid):
-                    for child in descendants(pid):
+            todo = [p for p in self.seen if self._is_ours(p)]
+            while todo:
+                for child in children.get(todo.pop(), ()):
+                    if child not in self.seen:
                         self._remember(child)
+                        todo.append(child)
 
     def _scan_loop(self) -> None:
-        while not self._stop.wait(0.5):
+        while not self._stop.wait(1.0):
             self.scan()
 
     def _is_ours(self, pid: int) -> bool:
@@ -143,26 +148,51 @@ class Tracker:
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(self._is_ours(p) for p in pids):
             time.sleep(0.2)
-        for pid in pids:
-            if self._is_ours(pid):
-                _signal(pid, signal.SIGKILL)
+        stubborn = [p for p in pids if self._is_ours(p)]
+        for pid in stubborn:
+            _signal(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0  # SIGKILL is not instant (a process in D state)
+        while time.monotonic() < deadline and any(self._is_ours(p) for p in stubborn):
+            time.sleep(0.1)
 
-    def stop_all(self) -> int:
-        """Stop everything (newest first), then anything seen and still alive; returns survivors."""
-        for name in reversed(list(self.roots)):
-            self.stop(name)
+    def stop_all(self, grace_s: float = 10.0) -> int:
+        """SIGTERM every started process at once, then what is left of their families;
+        SIGKILL whatever outlives the grace period. Returns how many are still alive."""
+        self.scan()
+        roots = [p.pid for p in reversed(list(self.roots.values())) if self._is_ours(p.pid)]
+        self._terminate(roots, grace_s)
+        self.scan()
         self._stop.set()
         self._thread.join(timeout=5)
-        self.scan()
-        leftovers = [p for p in self.seen if self._is_ours(p)]
-        self._terminate(leftovers, 5.0)
+        rest = [p for p in self.seen if self._is_ours(p)]
+        if rest:
+            say(f"stopping {len(rest)} orphaned descendant(s): {rest}")
+        self._terminate(rest, grace_s / 2)
         for proc in self.roots.values():
             proc.poll()  # reap
-        time.sleep(0.2)
         return sum(1 for p in self.seen if self._is_ours(p))
 
     def started_pids(self) -> list[tuple[int, int]]:
         return list(self.seen.items())
+
+
+def _children_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def _net_ns(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net")
+    except OSError:
+        return None
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -172,7 +202,11 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def _raise_on_sigterm(signum: int, frame: object) -> None:
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGINT/SIGTERM -> an exception in the main thread, so the cleanup in ``finally`` runs
+    (installed explicitly: a shell may start us with SIGINT ignored)."""
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     raise SystemExit(128 + signum)
 
 
@@ -181,29 +215,48 @@ def _raise_on_sigterm(signum: int, frame: object) -> None:
 
 @dataclass
 class Netns:
-    """One namespace per SuperNode with a veth pair 10.250.<i>.1 (host) / .2 (namespace)."""
+    """One namespace per SuperNode, all joined to a host bridge we create (10.250.<k>.0/24).
+
+    The bridge holds 10.250.<k>.1 (the SuperLink binds exactly that address, not 0.0.0.0);
+    node i's namespace holds 10.250.<k>.<10+i> on its end of a veth pair whose host end is a
+    bridge port. <k> is the first 10.250.x subnet no interface of this host uses yet."""
 
     tag: str
+    subnet: int = 0
     created: list[str] = field(default_factory=list)
     links: list[str] = field(default_factory=list)
+
+    @property
+    def bridge(self) -> str:
+        return f"fk{self.tag}br"
+
+    @property
+    def link_ip(self) -> str:
+        return f"10.250.{self.subnet}.1"
 
     def name(self, i: int) -> str:
         return f"fedkv-{self.tag}-{i}"
 
-    @staticmethod
-    def host_ip(i: int) -> str:
-        return f"10.250.{i}.1"
+    def setup(self, nodes: int) -> None:
+        used = subprocess.run(["ip", "-br", "addr"], capture_output=True, text=True).stdout
+        self.subnet = next(k for k in range(1, 255) if f"10.250.{k}." not in used)
+        _ip("link", "add", self.bridge, "type", "bridge")
+        self.links.append(self.bridge)
+        _ip("addr", "add", f"{self.link_ip}/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        for i in range(nodes):
+            self._add(i)
 
-    def add(self, i: int) -> None:
+    def _add(self, i: int) -> None:
         ns, host_if, ns_if = self.name(i), f"fk{self.tag}h{i}", f"fk{self.tag}n{i}"
         _ip("netns", "add", ns)
         self.created.append(ns)
         _ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
         self.links.append(host_if)
         _ip("link", "set", ns_if, "netns", ns)
-        _ip("addr", "add", f"{self.host_ip(i)}/30", "dev", host_if)
+        _ip("link", "set", host_if, "master", self.bridge)
         _ip("link", "set", host_if, "up")
-        _ip("-n", ns, "addr", "add", f"10.250.{i}.2/30", "dev", ns_if)
+        _ip("-n", ns, "addr", "add", f"10.250.{self.subnet}.{10 + i}/24", "dev", ns_if)
         _ip("-n", ns, "link", "set", ns_if, "up")
         _ip("-n", ns, "link", "set", "lo", "up")
 
@@ -211,12 +264,19 @@ class Netns:
         return ["ip", "netns", "exec", self.name(i), *cmd]
 
     def remove(self) -> None:
-        for link in self.links:
+        """Delete what we created (veths go with their namespace or host end)."""
+        for link in reversed(self.links):
             subprocess.run(["ip", "link", "del", link], capture_output=True)
         for ns in self.created:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self.links.clear()
         self.created.clear()
+
+    def leftovers(self) -> list[str]:
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
+        return [n for n in names.split() if n.startswith(f"fedkv-{self.tag}-")] + \
+            [w for w in links.split() if w.startswith(f"fk{self.tag}")]
 
 
 def _ip(*args: str) -> None:
@@ -256,6 +316,8 @@ class Demo:
     outcome: RunOutcome | None = None
     killed: int | None = None
     app_ref: str | None = None
+    isolated_nodes: int = 0
+    """SuperNodes whose network namespace differs from ours (--netns: all of them)."""
     """Run the app as committed at this git ref instead of the working tree."""
 
     @property
@@ -264,11 +326,10 @@ class Demo:
 
     @property
     def link_host(self) -> str:
-        return "0.0.0.0" if self.netns else "127.0.0.1"
+        return self.netns.link_ip if self.netns else "127.0.0.1"
 
-    def superlink_address(self, i: int | None = None) -> str:
-        host = Netns.host_ip(i) if (self.netns and i is not None) else "127.0.0.1"
-        return f"{host}:{self.port}"
+    def superlink_address(self) -> str:
+        return f"{self.link_host}:{self.port}"
 
 
 def prepare(demo: Demo) -> None:
@@ -277,14 +338,15 @@ def prepare(demo: Demo) -> None:
     demo.logs.mkdir(exist_ok=True)
     hosts = ["localhost", "127.0.0.1", "::1"]
     if demo.netns:
-        hosts += [Netns.host_ip(i) for i in range(demo.nodes)]
+        demo.netns.setup(demo.nodes)
+        hosts.append(demo.netns.link_ip)
     demo.kits = write_kits(demo.work / "kits", demo.nodes, hosts=hosts)
     demo.port = free_port()
     home = demo.work / "flwr-home"
     home.mkdir(exist_ok=True, mode=0o700)
     (home / "config.toml").write_text(
         f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
-        f'address = "127.0.0.1:{demo.port}"\nroot-certificates = "{demo.kits["server"] / "ca.crt"}"\n'
+        f'address = "{demo.superlink_address()}"\nroot-certificates = "{demo.kits["server"] / "ca.crt"}"\n'
     )
     env = os.environ.copy()
     env.update(FLWR_HOME=str(home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
@@ -305,10 +367,10 @@ def _wait_for(cond: Callable[[], bool], timeout: float, what: str, poll: float =
         time.sleep(poll)
 
 
-def _listening(port: int) -> bool:
+def _listening(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+        return s.connect_ex((host, port)) == 0
 
 
 def _exited(proc: subprocess.Popen, log: Path) -> Callable[[], str | None]:
@@ -336,7 +398,7 @@ def start_superlink(demo: Demo) -> None:
     ]
     log = demo.logs / "superlink.log"
     proc = demo.procs.start("superlink", cmd, log, demo.env, cwd=demo.work)
-    _wait_for(lambda: _listening(demo.port) and "Uvicorn running on https://" in _tail(log, 100_000),
+    _wait_for(lambda: _listening(demo.link_host, demo.port) and "Uvicorn running on https://" in _tail(log, 100_000),
               60, "the SuperLink to listen", abort=_exited(proc, log))
     say(f"SuperLink pid {proc.pid} on https://{demo.link_host}:{demo.port} (TLS, SuperNode auth)")
 
@@ -379,7 +441,7 @@ def _supernode_cmd(demo: Demo, i: int | None, root_ca: Path, auth_key: Path, nod
                    extra: Sequence[str] = ()) -> list[str]:
     cmd = [
         str(VENV_BIN / "flower-supernode"), "--root-certificates", str(root_ca),
-        "--superlink", demo.superlink_address(i), "--auth-supernode-private-key", str(auth_key),
+        "--superlink", demo.superlink_address(), "--auth-supernode-private-key", str(auth_key),
         "--port", str(free_port()), *extra,
     ]
     if node_config:
@@ -406,7 +468,8 @@ def start_supernodes(demo: Demo) -> None:
     if not set(demo.node_ids) <= online:
         raise RuntimeError(f"SuperLink lists {len(online)} online node(s), expected {demo.nodes}")
     pids = [demo.procs.roots[f"supernode-{i}"].pid for i in range(demo.nodes)]
-    say(f"{demo.nodes} SuperNodes online (pids {pids})")
+    demo.isolated_nodes = sum(_net_ns(p) not in (None, _net_ns(os.getpid())) for p in pids)
+    say(f"{demo.nodes} SuperNodes online (pids {pids}; {demo.isolated_nodes} in their own network namespace)")
 
 
 REFUSAL_MARKERS = {
@@ -561,6 +624,7 @@ def summary(demo: Demo, leftovers: int, wall_s: float) -> dict[str, object]:
         "wall_s": round(wall_s, 1),
         "nodes": demo.nodes,
         "netns": demo.netns is not None,
+        "nodes_in_own_netns": demo.isolated_nodes,
         "workdir": str(demo.work),
     }
 
@@ -573,7 +637,7 @@ def demo_main(args: argparse.Namespace) -> int:
     demo.app_ref = args.app_ref
     if args.netns:
         demo.netns = Netns(f"{os.getpid() % 10000}")
-    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     error: BaseException | None = None
     try:
         _demo_steps(demo, args)
@@ -581,10 +645,16 @@ def demo_main(args: argparse.Namespace) -> int:
         error = exc
         say(f"demo failed: {type(exc).__name__}: {exc}")
     finally:
+        for sig in previous:  # a second Ctrl-C must not cut the cleanup short
+            signal.signal(sig, signal.SIG_IGN)
+        say("stopping every process started, by pid")
         leftovers = demo.procs.stop_all()
         if demo.netns:
             demo.netns.remove()
-        signal.signal(signal.SIGTERM, previous)
+            if demo.netns.leftovers():
+                say(f"could not remove {demo.netns.leftovers()}")
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     out = summary(demo, leftovers, time.monotonic() - t0)
     out["started_processes"] = len(demo.procs.seen)
     if work.is_dir():  # for whoever checks afterwards that none of them is still alive
@@ -604,9 +674,6 @@ def _demo_steps(demo: Demo, args: argparse.Namespace) -> None:
     if args.nodes < 2 + int(args.kill_one):
         raise ValueError("need at least 2 surviving nodes (min-clients=2)")
     prepare(demo)
-    if demo.netns:
-        for i in range(demo.nodes):
-            demo.netns.add(i)
     start_superlink(demo)
     register_nodes(demo)
     probes = start_refusal_probes(demo)
