@@ -297,6 +297,11 @@ class Dealer:
         self._context = context if context is not None else make_secret_context(params)
 
     @property
+    def context(self) -> CkksContext:
+        """The current secret context: for the key-making node's own store, never for a server."""
+        return self._context
+
+    @property
     def verify_key(self) -> bytes:
         """Raw Ed25519 public key nodes and server pin to check bundles / public contexts."""
         return _pub_raw(self._signing_key.public_key())

@@ -141,13 +141,17 @@ class NodeStore:
         return sorted(found)
 
     # -- trust on first use (simulation only) ----------------------------------------------
-    def pinned_signer(self, node_id: str, sign_public: bytes) -> bool:
-        """Pin ``sign_public`` as ``node_id``'s key on first use; False if it differs from the pin."""
+    def pinned(self, node_id: str, sign_public: bytes, kx_public: bytes | None = None) -> bool:
+        """Pin a peer's keys on first use; False if they differ from what was pinned before."""
         path = self.root / "pins.json"
         pins = json.loads(path.read_text()) if path.exists() else {}
         known = pins.get(node_id)
-        if known is None:
-            pins[node_id] = sign_public.hex()
-            write_public_file(path, json.dumps(pins).encode())
-            return True
-        return known == sign_public.hex()
+        kx = kx_public.hex() if kx_public is not None else None
+        if known is not None:
+            if known["sign"] != sign_public.hex() or (kx and known.get("kx") and known["kx"] != kx):
+                return False
+            if not kx or known.get("kx"):
+                return True
+        pins[node_id] = {"sign": sign_public.hex(), "kx": kx or (known or {}).get("kx")}
+        write_public_file(path, json.dumps(pins).encode())
+        return True

@@ -132,6 +132,8 @@ def _members(req: ConfigRecord, store: NodeStore) -> list[tuple[NodePublicKeys, 
             entry = store.kit.roster.by_name(str(name))
             if entry is None or entry.kx_public != pub.kx_public or entry.sign_public != pub.sign_public:
                 raise PeerKeyError(f"member {name!r} does not hold the keys pinned in this node's kit; refusing to wrap")
+        elif not store.pinned(pub.node_id, pub.sign_public, pub.kx_public):
+            raise PeerKeyError(f"member {pub.node_id!r} offers other keys than on first use; refusing to wrap")
         out.append((pub, str(name)))
     if store.kit is None:
         log(WARNING, "keygen: peer keys are trusted on first use (simulation, no kits)")
@@ -147,7 +149,7 @@ def handle_keygen(msg: Message, context: Context) -> Message:
     epoch, members = int(req["epoch"]), _members(req, store)
     if int(req["fresh"]):
         dealer = keys.dealer(str(req["preset"]), epoch=epoch, effective_round=int(req["effective-round"]))
-        store.save_context(dealer._context, epoch)
+        store.save_context(dealer.context, epoch)
         epochs = [epoch]
     else:
         epochs = sorted(int(e) for e in req["epochs"])
@@ -173,7 +175,7 @@ def _check_dealer(store: NodeStore, dealer_node: str, dealer_name: str, dealer_s
         entry = store.kit.roster.by_name(dealer_name)
         if entry is None or entry.sign_public != dealer_sign:
             raise PeerKeyError("the key bundle's signer is not a member pinned in this node's kit; refusing")
-    elif not store.pinned_signer(dealer_node, dealer_sign):
+    elif not store.pinned(dealer_node, dealer_sign):
         raise PeerKeyError("the key bundle's signer differs from the key first seen for that node; refusing")
 
 

@@ -278,3 +278,20 @@ def test_a_key_holder_that_signs_an_untagged_ciphertext_costs_one_round_not_the_
     assert r1.aggregate_discarded and r1.eval_clients == 0 and len(fed.strategy.history) == 2
     assert not r2.aggregate_discarded and r2.eval_clients == 3 and r3.num_clients == 3
     assert r1.departed == []  # refusing a bad sum is not leaving
+
+
+def test_in_simulation_a_peer_key_change_after_first_use_is_refused() -> None:
+    """TOFU: the first keys a node sees for a peer are pinned; a later substitution is refused."""
+    fed = Federation(3, **HE, **{"num-server-rounds": 1})
+    fed.run_all()
+    attacker = NodeKeys.generate("102")
+    members = sorted(fed.keys.members)
+    kx = [fed.keys.members[n].pub.kx_public for n in members]
+    sign = [fed.keys.members[n].pub.sign_public for n in members]
+    kx[-1], sign[-1] = attacker.public.kx_public, attacker.public.sign_public
+    req = ConfigRecord({"epoch": 1, "fresh": 1, "preset": "fedkv-4096", "effective-round": 2,
+                        "members": [str(n) for n in members], "names": [""] * 3, "kx": kx, "sign": sign,
+                        "epochs": [1]})
+    msg = Message(RecordDict({provisioning.KEYGEN_REC: req}), dst_node_id=100, message_type=provisioning.KEYGEN)
+    reply = fed.grid.deliver(msg)
+    assert reply.has_error() and "other keys than on first use" in reply.error.reason
