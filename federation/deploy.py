@@ -25,6 +25,7 @@ import itertools
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -317,6 +318,9 @@ class Demo:
     killed: int | None = None
     app_ref: str | None = None
     isolated_nodes: int = 0
+    seal_kits: bool = False
+    node_env: dict[str, str] = field(default_factory=dict, repr=False)
+    """Extra environment of the SuperNodes only (the kit passphrase with --seal-kits)."""
     """SuperNodes whose network namespace differs from ours (--netns: all of them)."""
     """Run the app as committed at this git ref instead of the working tree."""
 
@@ -340,7 +344,11 @@ def prepare(demo: Demo) -> None:
     if demo.netns:
         demo.netns.setup(demo.nodes)
         hosts.append(demo.netns.link_ip)
-    demo.kits = write_kits(demo.work / "kits", demo.nodes, hosts=hosts)
+    if demo.seal_kits:  # random, never printed: only the SuperNodes' environment holds it
+        demo.node_env["FEDKV_NODE_KEY_PASSPHRASE"] = secrets.token_urlsafe(24)
+    passphrase = demo.node_env.get("FEDKV_NODE_KEY_PASSPHRASE")
+    demo.kits = write_kits(demo.work / "kits", demo.nodes, hosts=hosts,
+                           passphrase=passphrase.encode() if passphrase else None)
     demo.port = free_port()
     home = demo.work / "flwr-home"
     home.mkdir(exist_ok=True, mode=0o700)
@@ -454,7 +462,7 @@ def start_supernodes(demo: Demo) -> None:
         kit = demo.kits[f"node-{i}"]
         cfg = f"partition-id={i} num-partitions={demo.nodes} kit-dir='{kit}'"
         cmd = _supernode_cmd(demo, i, kit / "ca.crt", kit / "supernode-auth.key", cfg)
-        demo.procs.start(f"supernode-{i}", cmd, demo.logs / f"supernode-{i}.log", demo.env)
+        demo.procs.start(f"supernode-{i}", cmd, demo.logs / f"supernode-{i}.log", {**demo.env, **demo.node_env})
     def ids_in_logs() -> set[int]:
         found = set()
         for i in range(demo.nodes):
@@ -625,6 +633,7 @@ def summary(demo: Demo, leftovers: int, wall_s: float) -> dict[str, object]:
         "nodes": demo.nodes,
         "netns": demo.netns is not None,
         "nodes_in_own_netns": demo.isolated_nodes,
+        "sealed_kits": demo.seal_kits,
         "workdir": str(demo.work),
     }
 
@@ -634,7 +643,7 @@ def demo_main(args: argparse.Namespace) -> int:
     own_work = args.workdir is None
     work = Path(tempfile.mkdtemp(prefix="fedkv-demo-")) if own_work else Path(args.workdir).resolve()
     demo = Demo(work, args.nodes, args.rounds, args.task, args.round_timeout, args.kill_one, args.run_config)
-    demo.app_ref = args.app_ref
+    demo.app_ref, demo.seal_kits = args.app_ref, args.seal_kits
     if args.netns:
         demo.netns = Netns(f"{os.getpid() % 10000}")
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -693,6 +702,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     d.add_argument("--kill-one", action="store_true", help="SIGKILL the highest partition's SuperNode mid round 2")
     d.add_argument("--netns", action="store_true", help="each SuperNode in its own network namespace (root)")
     d.add_argument("--workdir", default=None, help="keep kits, logs and results here (default: a temp dir, removed)")
+    d.add_argument("--seal-kits", action="store_true",
+                   help="seal node secrets with a random passphrase given to the SuperNodes only "
+                        "(FEDKV_NODE_KEY_PASSPHRASE in their environment)")
     d.add_argument("--keep", action="store_true", help="keep the temporary work dir")
     d.add_argument("--task", default="digits")
     d.add_argument("--round-timeout", type=float, default=60.0,
