@@ -654,29 +654,42 @@ def demo_main(args: argparse.Namespace) -> int:
         error = exc
         say(f"demo failed: {type(exc).__name__}: {exc}")
     finally:
-        for sig in previous:  # a second Ctrl-C must not cut the cleanup short
-            signal.signal(sig, signal.SIG_IGN)
+        leftovers = _cleanup(demo, previous)
+    out = _report(demo, error, leftovers, time.monotonic() - t0, remove_work=own_work and not args.keep)
+    print(json.dumps(out), flush=True)
+    if isinstance(error, (KeyboardInterrupt, SystemExit)):
+        return 130
+    return 0 if error is None and out["rounds_completed"] == args.rounds else 1
+
+
+def _cleanup(demo: Demo, handlers: dict[int, object]) -> int:
+    """Stop every process by pid, remove namespaces; returns how many processes survived."""
+    for sig in handlers:  # a second Ctrl-C must not cut the cleanup short
+        signal.signal(sig, signal.SIG_IGN)
+    try:
         say("stopping every process started, by pid")
         leftovers = demo.procs.stop_all()
         if demo.netns:
             demo.netns.remove()
             if demo.netns.leftovers():
                 say(f"could not remove {demo.netns.leftovers()}")
-        for sig, handler in previous.items():
+    finally:
+        for sig, handler in handlers.items():
             signal.signal(sig, handler)
-    out = summary(demo, leftovers, time.monotonic() - t0)
+    return leftovers
+
+
+def _report(demo: Demo, error: BaseException | None, leftovers: int, wall_s: float, remove_work: bool) -> dict:
+    out = summary(demo, leftovers, wall_s)
     out["started_processes"] = len(demo.procs.seen)
-    if work.is_dir():  # for whoever checks afterwards that none of them is still alive
-        (work / "pids.json").write_text(json.dumps(demo.procs.started_pids()))
+    if demo.work.is_dir():  # for whoever checks afterwards that none of them is still alive
+        (demo.work / "pids.json").write_text(json.dumps(demo.procs.started_pids()))
     if error is not None:
         out["error"] = f"{type(error).__name__}: {error}"
-    if own_work and not args.keep:
-        shutil.rmtree(work, ignore_errors=True)
+    if remove_work:
+        shutil.rmtree(demo.work, ignore_errors=True)
         out["workdir"] = None
-    print(json.dumps(out), flush=True)
-    if isinstance(error, (KeyboardInterrupt, SystemExit)):
-        return 130
-    return 0 if error is None and out["rounds_completed"] == args.rounds else 1
+    return out
 
 
 def _demo_steps(demo: Demo, args: argparse.Namespace) -> None:
