@@ -27,7 +27,11 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import secrets
+import shutil
+import tempfile
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from logging import ERROR, INFO
 from typing import Any
@@ -44,7 +48,8 @@ Fault = Callable[[Message, Context], "Message | None"]
 """Given the message (and node context), return a replacement reply or None to drop it."""
 
 FIRST_NODE_ID = 100
-_run_ids = itertools.count(1_000_000)
+_run_ids = itertools.count(secrets.randbelow(2**48))
+"""Run ids of in-process runs: unique across processes too, as Flower's are."""
 
 
 def set_server_identity(run_id: int = 1) -> None:
@@ -55,12 +60,15 @@ def set_server_identity(run_id: int = 1) -> None:
 
 
 def make_context(node_id: int, partition_id: int, num_partitions: int, run_config: Mapping[str, Any],
-                 run_id: int = 1) -> Context:
+                 run_id: int = 1, node_dir: str = "") -> Context:
     """A node's Context as a SuperNode would build it (partition-id / num-partitions)."""
+    node_config: dict[str, Any] = {"partition-id": partition_id, "num-partitions": num_partitions}
+    if node_dir:
+        node_config["node-dir"] = node_dir
     return Context(
         run_id=run_id,
         node_id=node_id,
-        node_config={"partition-id": partition_id, "num-partitions": num_partitions},
+        node_config=node_config,
         state=RecordDict(),
         run_config=dict(run_config),
     )
@@ -75,8 +83,11 @@ class InProcessGrid:
         set_server_identity(run_id)
         self.run_id = run_id
         self.run_config = dict(run_config)
+        self.node_dir = tempfile.mkdtemp(prefix="fedkv-grid-")
+        """The nodes' key files (private to this grid; removed with it)."""
+        weakref.finalize(self, shutil.rmtree, self.node_dir, True)
         self.contexts: dict[int, Context] = {
-            FIRST_NODE_ID + i: make_context(FIRST_NODE_ID + i, i, num_nodes, run_config, run_id)
+            FIRST_NODE_ID + i: make_context(FIRST_NODE_ID + i, i, num_nodes, run_config, run_id, self.node_dir)
             for i in range(num_nodes)
         }
         # all nodes live in this process: keep every node object (else the LRU rebuilds them)

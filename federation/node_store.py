@@ -7,8 +7,10 @@ in the server's process. Node secrets therefore live in files only the node's pr
 * deployment: the node's provisioned kit (``--node-config "kit-dir='...'"``, see
   ``federation.kit``) holds its identity keys, the epoch-0 CKKS secret context and the pinned
   roster; what a run adds (rotated keys) goes to ``<kit>/state/run-<run id>/``;
-* simulation: ``$FEDKV_NODE_DIR`` (default ``~/.fedkv/nodes``)``/run-<run id>/node-<node id>/``,
-  made on first contact (identity keys, then the CKKS contexts the node receives or makes).
+* simulation: node config ``node-dir``, else ``$FEDKV_NODE_DIR``, else ``~/.fedkv/nodes``, then
+  ``/run-<run id>/node-<node id>/``, made on first contact (identity keys, then the CKKS contexts
+  the node receives or makes). ``federation.local.InProcessGrid`` gives its nodes a private
+  temporary ``node-dir``, so in-process runs never meet each other's files.
 
 Files are written by ``crypto.at_rest`` (atomic, mode 0600), sealed with
 ``$FEDKV_NODE_KEY_PASSPHRASE`` when it is set. ``context.state`` keeps nothing secret.
@@ -68,7 +70,8 @@ class NodeStore:
         kit_dir = str(context.node_config.get("kit-dir", "") or "")
         if kit_dir:
             return cls(Path(kit_dir) / "state" / run, node_id, _kit(kit_dir))
-        base = Path(os.environ.get(NODE_DIR_ENV) or Path.home() / ".fedkv" / "nodes")
+        base = Path(str(context.node_config.get("node-dir", "") or "") or os.environ.get(NODE_DIR_ENV)
+                    or Path.home() / ".fedkv" / "nodes")
         return cls(base / run / f"node-{node_id}", node_id, None)
 
     @property
