@@ -433,7 +433,7 @@ def write_kits(out: Path, num_nodes: int, *, preset: str = "fedkv-4096", passphr
     roster_json = roster.to_json().encode()
     sig = signer.sign(roster_json)
     tls = make_tls(hosts)
-    secret_ctx = dealer._context.secret_bytes()
+    secret_ctx = dealer.context.secret_bytes()
     node_policy = {**DEFAULT_POLICY, **(policy or {})}
     kits = {"server": out / "server"}
     _write_server(kits["server"], tls, dealer.signed_public_context(), roster_json, sig, nodes, pinned)
