@@ -584,7 +584,8 @@ def run_app(demo: Demo, timeout: float) -> RunOutcome:
     lines: list[str] = []
     reader = threading.Thread(target=_pump, args=(proc, lines, demo.logs / "flwr-run.log"), daemon=True)
     reader.start()
-    victim, kill_round = demo.nodes - 1, min(2, demo.rounds)
+    # the round before the last, so a key rotation follows the departure (round 1 of 2, 2 of 3)
+    victim, kill_round = demo.nodes - 1, max(1, demo.rounds - 1)
     killed, deadline = None, time.monotonic() + timeout
     while proc.poll() is None and time.monotonic() < deadline:
         if demo.kill_one and killed is None and _round_done(lines, kill_round - 1) \

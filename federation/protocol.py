@@ -117,3 +117,17 @@ def unpack_blobs(data: bytes, limit: int = 64) -> list[bytes]:
         out.append(bytes(data[pos + 4 : pos + 4 + n]))
         pos += 4 + n
     return out
+
+
+def reply_sender(reply: object, sent: dict[str, int]) -> int:
+    """The node a reply answers for. Flower's own error replies (NODE_UNAVAILABLE for a node that
+    died) come from the SuperLink (node id 1); ``sent`` (message id -> destination) maps them back."""
+    meta = reply.metadata  # type: ignore[attr-defined]
+    if reply.has_error() and meta.reply_to_message_id in sent:  # type: ignore[attr-defined]
+        return sent[meta.reply_to_message_id]
+    return int(meta.src_node_id)
+
+
+def destinations(messages: list[object]) -> dict[str, int]:
+    """message id -> destination node of messages the grid has sent (ids are set on push)."""
+    return {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id}  # type: ignore[attr-defined]

@@ -303,7 +303,7 @@ class KeyService:
         expected = {m.metadata.dst_node_id for m in messages}
         got: dict[int, Message] = {}
         for reply in grid.send_and_receive(messages, timeout=self.timeout):
-            node = reply.metadata.src_node_id
+            node = protocol.reply_sender(reply, protocol.destinations(messages))
             if node not in expected or node in got:
                 continue
             if reply.has_error():

@@ -113,14 +113,16 @@ class OpaqueFedAvg:
 
         t0 = time.perf_counter()
         self.verifier.start_round(rnd)
-        replies_ = grid.send_and_receive(self.configure(protocol.TRAIN, rnd, sampled), timeout=self.cfg.round_timeout)
-        train = self.collect("train", sampled, replies_)
+        msgs = self.configure(protocol.TRAIN, rnd, sampled)
+        replies_ = grid.send_and_receive(msgs, timeout=self.cfg.round_timeout)
+        train = self.collect("train", sampled, replies_, protocol.destinations(msgs))
         rec.seconds["train_phase"] = time.perf_counter() - t0
         self.aggregate_train(grid, rnd, train, rec)
 
         t0 = time.perf_counter()
-        replies_ = grid.send_and_receive(self.configure(protocol.EVALUATE, rnd, ready), timeout=self.cfg.round_timeout)
-        evaluated = self.collect("evaluate", ready, replies_)
+        msgs = self.configure(protocol.EVALUATE, rnd, ready)
+        replies_ = grid.send_and_receive(msgs, timeout=self.cfg.round_timeout)
+        evaluated = self.collect("evaluate", ready, replies_, protocol.destinations(msgs))
         rec.seconds["evaluate_phase"] = time.perf_counter() - t0
         self.discard_if_refused(evaluated, rec)
         self.aggregate_evaluate(evaluated, rec)
@@ -205,13 +207,14 @@ class OpaqueFedAvg:
             messages.append(Message(content, dst_node_id=node_id, message_type=message_type))
         return messages
 
-    def collect(self, phase: str, expected: list[int], replies_: Iterable[Message]) -> PhaseReplies:
+    def collect(self, phase: str, expected: list[int], replies_: Iterable[Message],
+                sent: dict[str, int] | None = None) -> PhaseReplies:
         """Parse every reply (``federation.replies``); errors, silence and bad fields drop the node."""
         out = PhaseReplies()
         dp = self.cfg.dp_mode in ("local", "distributed")
         seen: set[int] = set()
         for reply in replies_:
-            node = reply.metadata.src_node_id
+            node = protocol.reply_sender(reply, sent or {})
             if node in seen or node not in expected:
                 log(WARNING, "%s: ignoring an unexpected or second reply from node %s", phase, node)
                 continue
@@ -335,7 +338,7 @@ class OpaqueFedAvg:
         out = PhaseReplies()
         added = 0
         for reply in grid.send_and_receive(msgs, timeout=self.cfg.round_timeout):
-            node = reply.metadata.src_node_id
+            node = protocol.reply_sender(reply, protocol.destinations(msgs))
             if node not in plan or any(e.node_id == str(node) and e.kind == KIND_NOISE for e in entries):
                 continue
             if reply.has_error():

@@ -237,3 +237,20 @@ def test_reply_with_incomplete_metrics_is_left_out_before_aggregation() -> None:
     grid.faults[(102, protocol.TRAIN)] = strip
     (rec,) = fed.run_all()
     assert rec.num_clients == 2 and "missing field 'num-values'" in rec.dropped[0]["reason"]
+
+
+def test_flowers_node_unavailable_reply_is_charged_to_the_dead_node() -> None:
+    """The SuperLink answers for a dead node itself (src node 1): the drop names the node."""
+    from flwr.app import Error, Message
+
+    _, grid, strategy = make(num_nodes=3, **{"num-server-rounds": 1})
+
+    def unavailable(msg, ctx):
+        reply = Message(Error(code=5, reason="Error: Node Unavailable"), reply_to=msg)
+        reply.metadata.__dict__["_src_node_id"] = 1
+        return reply
+
+    grid.faults[(101, protocol.TRAIN)] = unavailable
+    (rec,) = run_all(grid, strategy)
+    reasons = {d["node"]: d["reason"] for d in rec.dropped if d["phase"] == "train"}
+    assert set(reasons) == {101} and "Node Unavailable" in reasons[101]
