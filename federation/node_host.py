@@ -3,7 +3,11 @@
 What persists where (measured, see docs/flower-notes.md):
 
 * ``context.state`` is the only thing Flower guarantees per node across messages, in
-  simulation and in deployment. It is authoritative here: parameters + scalars.
+  simulation and in deployment; but in simulation it lives in the ServerApp's process. So it
+  keeps only public scalars (global version, generation); the parameters (the decrypted global
+  model, which the server must not read) go to the node's own directory
+  (``federation.node_store``, ``params-<generation>.npy``, mode 0600), named by generation so a
+  handler that fails after writing leaves the committed generation's file in place.
 * A module-level cache lives as long as the *process* that runs the ClientApp: a Ray
   actor in simulation (actors are shared by all nodes, a node may land on a different
   actor each message), a fresh process per message in deployment. So the cache is
@@ -20,11 +24,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context
+from flwr.app import ConfigRecord, Context
 
+from federation.node_store import NodeStore
 from node.cache_node import CacheNode, NodeSpec
 
-PARAMS_KEY = "fedkv.params"
 META_KEY = "fedkv.meta"
 MAX_CACHED_NODES = 64
 
@@ -113,7 +117,7 @@ def get_node(context: Context) -> tuple[CacheNode, int]:
     node = CacheNode(spec_from_context(context))
     source = BUILT
     if meta is not None:
-        params = context.state.array_records[PARAMS_KEY]["params"].numpy()
+        params = NodeStore.for_context(context).load_params(generation)
         node.load_state(params, {k: v for k, v in meta.items() if k != "generation"})
         source = RESTORED
     _remember(key, node, generation)
@@ -121,12 +125,13 @@ def get_node(context: Context) -> tuple[CacheNode, int]:
 
 
 def save_node(context: Context, node: CacheNode) -> None:
-    """Write the node into ``context.state`` and bump the generation the cache checks."""
+    """Write the node's parameters to its directory, its public scalars into ``context.state``,
+    and bump the generation the cache checks."""
     key = (context.run_id, context.node_id)
     meta = context.state.config_records.get(META_KEY)
     generation = (int(meta["generation"]) if meta is not None else 0) + 1
     params, scalars = node.to_state()
-    context.state[PARAMS_KEY] = ArrayRecord({"params": Array(np.asarray(params))})
+    NodeStore.for_context(context).save_params(generation, np.asarray(params))
     context.state[META_KEY] = ConfigRecord({**scalars, "generation": generation})
     _remember(key, node, generation)
 
@@ -146,6 +151,12 @@ def discard(context: Context) -> None:
 def forget_all() -> None:
     """Drop the process cache (tests; simulates a fresh ClientApp process)."""
     _CACHE.clear()
+
+
+def stored_params(context: Context) -> np.ndarray:
+    """The parameters of the node's committed generation (tests, inspection)."""
+    meta = context.state.config_records[META_KEY]
+    return NodeStore.for_context(context).load_params(int(meta["generation"]))
 
 
 def pid() -> int:

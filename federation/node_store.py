@@ -18,11 +18,14 @@ Files are written by ``crypto.at_rest`` (atomic, mode 0600), sealed with
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from crypto import CkksContext, NodeKeys, load_context, read_secret_file, write_public_file, write_secret_file
 from crypto.errors import CryptoError
@@ -142,6 +145,22 @@ class NodeStore:
         if self.kit is not None:
             found.add(0)
         return sorted(found)
+
+    # -- the node's model -------------------------------------------------------------------
+    def save_params(self, generation: int, params: np.ndarray) -> None:
+        """Parameters of ``generation`` (keeps the previous one: it may still be the committed one)."""
+        buf = io.BytesIO()
+        np.save(buf, np.asarray(params), allow_pickle=False)
+        write_secret_file(self.root / f"params-{generation}.npy", buf.getvalue())
+        for old in self.root.glob("params-*.npy"):
+            if int(old.stem.split("-")[1]) < generation - 1:
+                old.unlink(missing_ok=True)
+
+    def load_params(self, generation: int) -> np.ndarray:
+        path = self.root / f"params-{generation}.npy"
+        if not path.exists():
+            raise ProvisioningError("the node's parameter file for its committed state is missing")
+        return np.load(io.BytesIO(read_secret_file(path)), allow_pickle=False)
 
     # -- trust on first use (simulation only) ----------------------------------------------
     def pinned(self, node_id: str, sign_public: bytes, kx_public: bytes | None = None) -> bool:

@@ -220,6 +220,8 @@ def test_server_only_ever_handles_ciphertexts_and_a_public_context() -> None:
         stored += b"".join(protocol.array_to_bytes(a) for rec in ctx.state.array_records.values()
                            for a in rec.values() if a.dtype == "uint8")
         assert secret_key not in stored and b"PRIVATE KEY" not in stored
+        # nor the decrypted global model: context.state holds public scalars only
+        assert not ctx.state.array_records
 
 
 def node_secret(fed: Federation, node_id: int) -> CkksContext:
@@ -259,7 +261,7 @@ def _flat_params(fed: Federation, node_id: int, fresh: bool = False) -> np.ndarr
         from node.cache_node import build_model
 
         return flatten(build_model("digits", 42).state_dict())[0].astype(np.float64)
-    return fed.grid.contexts[node_id].state.array_records[node_host.PARAMS_KEY]["params"].numpy().astype(np.float64)
+    return node_host.stored_params(fed.grid.contexts[node_id]).astype(np.float64)
 
 
 def test_he_learns_like_plaintext_with_the_same_clipping() -> None:

@@ -29,7 +29,7 @@ def run_all(grid, fed: Federation):
 
 
 def node_params(grid: FakeGrid, node_id: int) -> np.ndarray:
-    return grid.contexts[node_id].state.array_records[node_host.PARAMS_KEY]["params"].numpy()
+    return node_host.stored_params(grid.contexts[node_id])
 
 
 def test_happy_path_nodes_stay_in_lockstep_and_learn() -> None:

@@ -230,8 +230,10 @@ def test_after_a_node_leaves_the_key_rotates_and_its_keys_cannot_decrypt_later_a
 
         AggregateDecryptor(old[0], packing).decrypt(late_aggregate)
     # the nodes that stayed decrypt it, and agree
-    p0 = fed.grid.contexts[100].state.array_records["fedkv.params"]["params"].numpy()
-    p1 = fed.grid.contexts[101].state.array_records["fedkv.params"]["params"].numpy()
+    from federation import node_host
+
+    p0 = node_host.stored_params(fed.grid.contexts[100])
+    p1 = node_host.stored_params(fed.grid.contexts[101])
     np.testing.assert_array_equal(p0, p1)
 
 
