@@ -352,12 +352,13 @@ class KeyService:
         if dealers:
             self._distribute(grid, dealers[0], lacking, list(range(self.epoch + 1)), False, rnd, out)
 
-    def rotate(self, grid: Any, remaining: list[int], rnd: int, reason: str) -> bool:
-        """New key epoch for ``remaining`` only (a departed node cannot read later aggregates)."""
+    def rotate(self, grid: Any, remaining: list[int], rnd: int, reason: str, out: AdmitReport | None = None) -> bool:
+        """New key epoch for ``remaining`` only (a departed node cannot read later aggregates);
+        nodes that fail to take the new key are listed in ``out.dropped``."""
         members = sorted(n for n in remaining if n in self.holders)
         if not self.he or not members:
             return False
-        out = AdmitReport()
+        out = out if out is not None else AdmitReport()
         if self._fresh_key(grid, members, rnd, out):
             self.rotations.append({"round": rnd, "epoch": self.epoch, "reason": reason, "members": len(self.holders)})
             log(INFO, "provisioning: rotated to key epoch %d before round %d (%s)", self.epoch, rnd, reason)

@@ -53,6 +53,8 @@ from federation.codec import Aggregator, make_aggregator, packing_for
 from federation.config import RunConfig
 from federation.results import METRIC_NAMES, RoundRecord, mean, weighted_mean
 
+from federation.provisioning import AdmitReport
+
 if TYPE_CHECKING:
     from federation.provisioning import KeyService
 
@@ -136,7 +138,9 @@ class OpaqueFedAvg:
         due = self.cfg.rotate_every > 0 and rnd > 1 and (rnd - 1) % self.cfg.rotate_every == 0
         reason = self.rotate_reason or ("rotate-every" if due else None)
         if reason is not None:
-            rec.key_rotated = self.keys.rotate(grid, nodes, rnd, reason)
+            rotation = AdmitReport()
+            rec.key_rotated = self.keys.rotate(grid, nodes, rnd, reason, rotation)
+            rec.dropped.extend(rotation.dropped)
             self.rotate_reason = None
         report = self.keys.admit(grid, nodes, rnd)
         rec.admitted = list(report.admitted)
