@@ -11,7 +11,7 @@ Flow of one decoding step (what ``node.model`` does)::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 
@@ -28,7 +28,7 @@ from cache.errors import (
     UnknownSessionError,
 )
 from cache.policy import EvictionPolicy, LRUPolicy
-from cache.pool import BlockPool, PoolExhausted
+from cache.pool import BlockPool
 from cache.prefix import ROOT, block_hash
 from cache.layout import BlockLayout, pad_bytes
 from cache.quant import BlockFormat, relative_error
@@ -65,7 +65,9 @@ class KVCache:
         self._counters = dict.fromkeys(
             ("prefix_lookups", "prefix_hit_blocks", "prefix_miss_blocks", "prefix_hit_tokens",
              "evictions", "cow_copies", "dedup_blocks", "quantized_blocks",
-             "rematerialised_blocks", "quant_skipped_full", "tail_moves", "alloc_failures"), 0)
+             "rematerialised_blocks", "quant_skipped_full", "tail_moves", "alloc_failures",
+             "eviction_collateral"), 0)
+        # eviction_collateral: the most cached blocks evicted to make room for one block
 
     # == sessions ===========================================================================
     def open_session(self) -> int:
@@ -147,36 +149,48 @@ class KVCache:
         self._epoch += 1
 
     # == allocation ========================================================================
-    def _allocate(self, cls: str) -> int:
-        return self._with_room(lambda: self.pool.allocate(cls))
+    def _allocate(self, classes: Sequence[str]) -> int:
+        """A new block in the first of ``classes`` with room (see :meth:`_make_room`)."""
+        return self.pool.allocate(self._make_room(classes))
 
-    def _allocate_fresh(self, cls: str) -> int:
-        """A full-precision block of class ``cls``; a tail slot that finds no room takes a
-        full block instead (every tail class holding its own slab must not exhaust a small
-        pool)."""
-        try:
-            return self._allocate(cls)
-        except CacheFullError:
-            if cls == self.fresh:
-                raise
-            return self._allocate(self.fresh)
+    def _make_room(self, classes: Sequence[str]) -> str:
+        """The first of ``classes`` with a free slot. Every class is tried before anything is
+        evicted, and then only the fewest cached blocks that free such a slot go, so a small
+        allocation never flushes unrelated prefix-cache entries. CacheFullError when nothing
+        reclaimable helps."""
+        room = self._room_in(classes)
+        if room is not None:
+            return room
+        victims = self._victims_for(classes)
+        for b in victims:
+            self._free(b)
+        self._counters["evictions"] += len(victims)
+        self._counters["eviction_collateral"] = max(
+            self._counters["eviction_collateral"], len(victims))
+        room = self._room_in(classes)
+        if room is None:
+            raise CacheFullError(
+                f"cache full: all {len(self._meta)} blocks are referenced by "
+                f"{sum(not s.closed for s in self._sessions.values())} open sessions "
+                f"(pool {self.config.pool_bytes} bytes); close sessions or grow pool_bytes"
+            )
+        return room
 
-    def _with_room(self, take):
-        """Run ``take`` (a pool allocation); on exhaustion reclaim unreferenced cached blocks
-        through the policy and retry; CacheFullError when nothing is reclaimable."""
-        while True:
-            try:
-                return take()
-            except PoolExhausted:
-                victim = self.policy.victim()
-                if victim is None:
-                    raise CacheFullError(
-                        f"cache full: all {len(self._meta)} blocks are referenced by "
-                        f"{sum(not s.closed for s in self._sessions.values())} open sessions "
-                        f"(pool {self.config.pool_bytes} bytes); close sessions or grow pool_bytes"
-                    ) from None
-                self._counters["evictions"] += 1
-                self._free(victim)
+    def _room_in(self, classes: Sequence[str]) -> str | None:
+        return next((c for c in classes if self.pool.has_room(c)), None)
+
+    def _victims_for(self, classes: Sequence[str]) -> list[int]:
+        """The fewest evictable blocks whose eviction frees a slot in one of ``classes``: the
+        policy's first block of such a class, or alone in its slab; else every block of the
+        fully evictable slab that holds the fewest; [] when no slab can be freed."""
+        by_slab: dict[int, list[int]] = {}
+        for b in self.policy.candidates():
+            cls, slab, _ = self.pool.location(b)
+            if cls in classes or self.pool.slab_live(slab) == 1:
+                return [b]
+            by_slab.setdefault(slab, []).append(b)
+        whole = [bs for s, bs in by_slab.items() if len(bs) == self.pool.slab_live(s)]
+        return min(whole, key=len, default=[])
 
     # == prefix sharing ====================================================================
     def match_prefix(self, sid: int, tokens: Iterable[int]) -> int:
@@ -228,15 +242,15 @@ class KVCache:
         try:
             if t.length % B:
                 old = t.blocks[-1]
-                cls = self.layout.class_for(min(B, total - (len(t.blocks) - 1) * B))
-                cap = self.layout.capacity
-                too_small = cap[self.pool.location(old)[0]] < cap[cls]
+                n = min(B, total - (len(t.blocks) - 1) * B)
+                too_small = self.layout.capacity[self.pool.location(old)[0]] < n
                 if self.pool.refcount(old) > 1 or too_small:
-                    tail = (old, self._allocate_fresh(cls))  # copy-on-write and/or a bigger slot
+                    # copy-on-write and/or a bigger slot
+                    tail = (old, self._allocate(self.layout.classes_for(n)))
             need = t.blocks_needed(total) - len(t.blocks)
             for i in range(need):
                 n = min(B, total - (len(t.blocks) + i) * B)
-                new_blocks.append(self._allocate_fresh(self.layout.class_for(n)))
+                new_blocks.append(self._allocate(self.layout.classes_for(n)))
         except CacheFullError:
             self._counters["alloc_failures"] += 1  # refused to the caller, nothing changed
             for b in new_blocks + ([tail[1]] if tail else []):
@@ -353,7 +367,7 @@ class KVCache:
             self._counters["rematerialised_blocks"] += 1
             return
         try:
-            self._with_room(lambda: self.pool.move(b, c.kv_dtype))
+            self.pool.move(b, self._make_room([c.kv_dtype]))
         except CacheFullError:
             m.keep_fp = True  # everything is pinned: stays full precision, not retried
             self._counters["quant_skipped_full"] += 1

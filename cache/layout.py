@@ -84,6 +84,12 @@ class BlockLayout:
         cap = -(-n_tokens // g) * g if 0 < g < B else B
         return self.fresh if cap >= B else f"{self.fresh}@{cap}"
 
+    def classes_for(self, n_tokens: int) -> list[str]:
+        """Every full-precision class that can hold ``n_tokens``, smallest first: a tail
+        that finds no room in its own class takes a bigger slot rather than evict."""
+        fits = [c for c in self.views if self.capacity[c] >= n_tokens]
+        return sorted(fits, key=self.capacity.__getitem__)
+
     def view_of(self, block: int) -> torch.Tensor:
         """The typed [L, 2, H, cap, D] view of one full-precision block."""
         cls, s, idx = self.pool.location(block)

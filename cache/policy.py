@@ -2,13 +2,13 @@
 
 The engine tells a policy when a block becomes evictable (no session references it, but its
 content is still cached for prefix hits), when it is touched again, and asks it for victims.
-Later policies (LFU, the article's hybrid, adaptive) implement the same four methods.
+Later policies (LFU, the article's hybrid, adaptive) implement the same five methods.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Protocol
+from typing import Iterator, Protocol
 
 
 class EvictionPolicy(Protocol):
@@ -20,6 +20,10 @@ class EvictionPolicy(Protocol):
 
     def victim(self) -> int | None:
         """The next block to reclaim, or None when nothing is evictable."""
+
+    def candidates(self) -> Iterator[int]:
+        """Evictable blocks, best victim first: the engine evicts the first ones that free
+        room of the kind an allocation needs, not blindly the next victim."""
 
     def __len__(self) -> int: ...
 
@@ -40,6 +44,9 @@ class LRUPolicy:
 
     def victim(self) -> int | None:
         return next(iter(self._order), None)
+
+    def candidates(self) -> Iterator[int]:
+        return iter(self._order)  # the engine picks its victims before freeing any
 
     def __len__(self) -> int:
         return len(self._order)

@@ -21,7 +21,8 @@ from cache.errors import ConfigError
 
 
 class PoolExhausted(Exception):
-    """Internal: no free slot in the class and no free slab; the engine reclaims and retries."""
+    """Internal: no free slot in the class and no free slab (the engine checks has_room
+    first and reclaims before it allocates)."""
 
 
 @dataclass
@@ -198,6 +199,14 @@ class BlockPool:
 
     def live_slot_bytes(self) -> int:
         return sum(self.classes[n].slot_bytes for n, _, _ in self._loc.values())
+
+    def has_room(self, name: str) -> bool:
+        """True when a block of class ``name`` can be allocated without reclaiming anything."""
+        return bool(self.classes[name].partial) or bool(self._free_slabs)
+
+    def slab_live(self, slab: int) -> int:
+        """Live blocks in managed block ``slab``; freeing the last one frees the slab."""
+        return self._slabs[slab].live
 
     def free_slots(self, name: str) -> int:
         """Blocks of class ``name`` that can be allocated without reclaiming anything."""
