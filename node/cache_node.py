@@ -8,8 +8,10 @@ The node's KV-cache engine holds its parameters (``param/<name>``) and its lates
     aggregate -> decrypt -> params + mean delta -> cache "param/" at version + 1
               -> cache.bump_version(): K/V computed under the old weights is never served again
 
-Between rounds the node serves generation (``lm`` task) through the cache; sessions keep their
-K/V across turns until a write-back makes it stale, then they are recomputed from their tokens.
+Between rounds the node serves chat sessions (``lm`` task) through the cache:
+``create_session`` / ``send`` / ``reset_context`` / ``close`` (``node.sessions`` documents the
+byte framing and the errors). Sessions keep their K/V across turns until a write-back makes it
+stale, then they are recomputed from their tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from cache import CacheConfig, KVCache
 from crypto import Layout, clip_update, flatten, gaussian_noise
 from node import digits
 from node.model import TinyTransformer
+from node.sessions import Sessions
 from node.tasks import LM_MODEL, Task, build_model, make_task
 
 UPDATE_KEY = "grad/update"
@@ -101,7 +104,8 @@ class CacheNode:
         self.dp_steps = 0
         self.dp_sample_rate = 0.0
         self.dp_sigma = 0.0
-        self.sessions: dict[str, int] = {}
+        self.sessions = Sessions(self.model, self.cache)
+        """Open chat sessions as ``{session id: cache session id}``; closing removes one."""
 
     # -- parameters live in the cache ------------------------------------------------
     @property
@@ -219,21 +223,47 @@ class CacheNode:
         """(loss, metric, n) of the current global model on the local held-out data."""
         return self.task.evaluate(self.model)
 
-    @torch.no_grad()
+    # -- chat sessions (lm task); the framing is documented in node.sessions ---------------
+    def create_session(self, system_prompt: str | bytes = b"") -> str:
+        """A new session id; the system prompt is encoded into the cache once, and its full
+        blocks are shared with every session that starts with the same prompt."""
+        self._serve_lm()
+        return self.sessions.create(system_prompt)
+
+    def send(self, session_id: str, text: str | bytes, max_new_tokens: int = 32) -> bytes:
+        """Append ``text`` to the session and return the greedy reply (raw bytes), decoded
+        through the KV cache; recomputed under the new weights after a write-back."""
+        self._serve_lm()
+        return self.sessions.send(session_id, text, max_new_tokens)
+
+    def close(self, session_id: str) -> None:
+        """Free the session's blocks; the id leaves ``sessions`` and is refused from now on."""
+        self.sessions.close(session_id)
+
+    def reset_context(self, session_id: str) -> None:
+        """Keep the session's system prompt, drop the rest of its conversation."""
+        self.sessions.reset_context(session_id)
+
+    def history(self, session_id: str) -> bytes:
+        """The session's conversation so far: system prompt, texts and replies."""
+        return self.sessions.history(session_id)
+
     def generate(self, prompt: bytes, max_new_tokens: int = 32, session: str = "default") -> bytes:
-        """Continue ``prompt`` in a named session through the KV cache (lm task). A session
-        keeps its K/V across turns; after a parameter write-back its old K/V is dropped and
-        recomputed from the session's tokens under the new weights."""
+        """Legacy name-addressed entry point: ``send`` to session ``session``, created (with no
+        system prompt) on first use. A closed ``create_session`` id is still refused."""
+        self._serve_lm()
+        if session not in self.sessions:
+            if self.sessions.was_closed(session):
+                self.sessions.session(session)  # raises ClosedSessionError
+            self.sessions.create(b"", session_id=session)
+        return self.sessions.send(session, prompt, max_new_tokens)
+
+    def _serve_lm(self) -> None:
+        """Sessions need the byte-level transformer (a digits node has no attention), in eval
+        mode whatever training left it in."""
         if not isinstance(self.model, TinyTransformer):
             raise ValueError(f"generation needs the lm task, this node serves {self.task.name!r}")
         self.model.eval()
-        sid = self.sessions.get(session)
-        tokens = list(prompt)
-        if sid is not None and self.cache.is_stale(sid):
-            tokens = self.cache.reset_session(sid) + tokens  # recompute under the new weights
-        if sid is None:
-            sid = self.sessions[session] = self.cache.open_session()
-        return bytes(self.model.generate(tokens, self.cache, max_new_tokens, sid=sid))
 
     # -- persistence (context.state) ----------------------------------------------------
     def to_state(self) -> tuple[np.ndarray, dict[str, int | float]]:

@@ -1,0 +1,191 @@
+"""Chat sessions on a node: a system prompt, then turns of user text and greedy replies.
+
+Framing: the model is byte-level, so a conversation is one byte string. Text goes in as bytes
+(``str`` is UTF-8 encoded) and replies come out as raw bytes, because a byte model can stop in
+the middle of a UTF-8 character; decode with ``reply.decode("utf-8", "replace")`` for display.
+Nothing is inserted between turns: the session's tokens are exactly
+``system_prompt + text_1 + reply_1 + text_2 + reply_2 + ...``, so a caller that wants
+"User:"/"Assistant:" markers writes them into its text.
+
+Every token of the conversation, the last reply byte included, is in the cache, and the session
+keeps the logits that follow it: a turn feeds only its new text (or nothing, to let the model go
+on), and ``cache.tokens(sid)`` is the conversation. A system prompt is prefilled once per session
+through the engine's prefix index, so sessions that start with the same system prompt share its
+full blocks. After a federated write-back (``cache.bump_version``) a session's K/V is stale; its
+next turn recomputes the whole conversation under the new weights.
+
+Ids are ``chat-<n>`` from a counter, so a closed id is told apart from one never issued without
+remembering closed ids: ``Sessions`` holds open sessions only.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from cache import KVCache
+from node.model import TinyTransformer
+
+_ID = re.compile(r"chat-(\d+)")
+
+
+class UnknownSessionError(KeyError):
+    """A session id this node does not hold open (never created here, or closed)."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else "unknown session"
+
+
+class ClosedSessionError(UnknownSessionError):
+    """A session id that ``create_session`` issued and ``close`` has since closed."""
+
+
+@dataclass
+class ChatSession:
+    """One open conversation: its cache session and what is needed to continue it."""
+
+    sid: int
+    """The engine's session holding the conversation's K/V and tokens."""
+    system: bytes
+    """Kept so ``reset_context`` can restore exactly this prefix."""
+    logits: torch.Tensor | None = None
+    """Next-byte logits after the last token; valid while the cache session is not stale."""
+
+
+def as_bytes(text: str | bytes | bytearray) -> bytes:
+    """The byte framing: ``str`` is UTF-8 encoded, bytes pass through."""
+    if isinstance(text, str):
+        return text.encode("utf-8")
+    if isinstance(text, (bytes, bytearray)):
+        return bytes(text)
+    raise TypeError(f"text must be str or bytes, got {type(text).__name__}")
+
+
+class Sessions(Mapping[str, int]):
+    """The node's open chat sessions, read as ``{session id: cache session id}``.
+
+    Closing removes an entry, so the mapping holds open sessions only and never grows with
+    history. Looking up an id that is not open raises ``UnknownSessionError`` (a KeyError,
+    so ``Mapping.get`` and ``in`` behave as for a dict) or its subclass ``ClosedSessionError``.
+    """
+
+    def __init__(self, model: TinyTransformer, cache: KVCache):
+        self.model = model
+        self.cache = cache
+        self._open: dict[str, ChatSession] = {}
+        self._issued = 0
+
+    # -- Mapping[str, int] ----------------------------------------------------------------
+    def __getitem__(self, session_id: str) -> int:
+        return self.session(session_id).sid
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._open)
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def session(self, session_id: str) -> ChatSession:
+        """The open session ``session_id``, or the error that says why there is none."""
+        chat = self._open.get(session_id) if isinstance(session_id, str) else None
+        if chat is not None:
+            return chat
+        if self.was_closed(session_id):
+            raise ClosedSessionError(f"session {session_id!r} was closed")
+        raise UnknownSessionError(f"session {session_id!r} was never created on this node")
+
+    def was_closed(self, session_id: object) -> bool:
+        """True for an id ``create`` issued that is no longer open (derived from the counter,
+        so closed ids cost no memory)."""
+        m = _ID.fullmatch(session_id) if isinstance(session_id, str) else None
+        return m is not None and int(m.group(1)) < self._issued and session_id not in self._open
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def create(self, system_prompt: str | bytes = b"", session_id: str | None = None) -> str:
+        """Open a session and prefill its system prompt (sharing cached full blocks)."""
+        system = as_bytes(system_prompt)
+        self._check_fits(len(system))
+        if session_id is None:
+            session_id = self._new_id()
+        elif session_id in self._open:
+            raise ValueError(f"session {session_id!r} is already open")
+        chat = ChatSession(self.cache.open_session(), system)
+        try:
+            self._prefill_system(chat)
+        except BaseException:  # e.g. CacheFullError: leave no half-made session behind
+            self.cache.close_session(chat.sid)
+            raise
+        self._open[session_id] = chat
+        return session_id
+
+    def _new_id(self) -> str:
+        """The next ``chat-<n>``; skips a name a legacy ``generate`` call already took."""
+        while True:
+            session_id = f"chat-{self._issued}"
+            self._issued += 1
+            if session_id not in self._open:
+                return session_id
+
+    def _prefill_system(self, chat: ChatSession) -> None:
+        """Encode the system prompt into an empty cache session; ``prefill`` reuses the full
+        blocks other sessions already computed for the same prompt."""
+        chat.logits = None
+        if chat.system:
+            chat.logits = self.model.prefill(list(chat.system), self.cache, chat.sid)
+
+    def close(self, session_id: str) -> None:
+        """Free the session's blocks (shared ones stay for their other holders) and forget it."""
+        chat = self.session(session_id)
+        del self._open[session_id]
+        self.cache.close_session(chat.sid)
+
+    def reset_context(self, session_id: str) -> None:
+        """Drop the conversation but its system prompt; the prompt's full blocks come back
+        from the prefix cache, only its partial last block is recomputed."""
+        chat = self.session(session_id)
+        self.cache.reset_session(chat.sid)
+        self._prefill_system(chat)
+
+    def history(self, session_id: str) -> bytes:
+        """The whole conversation so far (system prompt, texts and replies) as bytes."""
+        return bytes(self.cache.tokens(self.session(session_id).sid))
+
+    # -- turns ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def send(self, session_id: str, text: str | bytes, max_new_tokens: int = 32) -> bytes:
+        """Append ``text`` and decode a greedy reply of ``max_new_tokens`` bytes through the
+        cache; both stay in the session. Empty text lets the model continue its last reply."""
+        chat = self.session(session_id)
+        new = list(as_bytes(text))
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        self._check_fits(len(self.cache.tokens(chat.sid)) + len(new) + max_new_tokens)
+        if self.cache.is_stale(chat.sid):  # written back since: recompute under new weights
+            new = self.cache.reset_session(chat.sid) + new
+            chat.logits = None
+        if new:
+            chat.logits = self._feed(chat.sid, new)
+        if chat.logits is None:
+            raise ValueError(f"session {session_id!r} is empty: send some text first")
+        reply: list[int] = []
+        for _ in range(max_new_tokens):
+            reply.append(int(chat.logits.argmax()))
+            chat.logits = self.model.forward_cached(reply[-1:], self.cache, chat.sid)[-1]
+        return bytes(reply)
+
+    def _feed(self, sid: int, tokens: list[int]) -> torch.Tensor:
+        """Logits after ``tokens`` appended to the session; an empty session goes through
+        ``prefill`` so a cached prefix is reused instead of recomputed."""
+        if self.cache.length(sid) == 0:
+            return self.model.prefill(tokens, self.cache, sid)
+        return self.model.forward_cached(tokens, self.cache, sid)[-1]
+
+    def _check_fits(self, n_tokens: int) -> None:
+        """Refuse a turn that would pass the model's context before anything is written, so
+        a refused turn leaves the session as it was."""
+        limit = self.model.cfg.context_len
+        if n_tokens > limit:
+            raise ValueError(f"conversation of {n_tokens} tokens exceeds context_len {limit}")
