@@ -21,7 +21,6 @@ class BlockTable:
     length: int = 0
     pending: int = 0
     written: set[int] = field(default_factory=set)
-    closed: bool = False
     stale: bool = False
     quant_checked: int = 0  # blocks[:quant_checked] were quantized or kept full precision
     gather_key: tuple[int, int] | None = None  # (layout epoch, #blocks) the gather plan is for

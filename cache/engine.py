@@ -79,9 +79,9 @@ class KVCache:
     def _table(self, sid: int, *, allow_stale: bool = False) -> BlockTable:
         t = self._sessions.get(sid)
         if t is None:
+            if isinstance(sid, int) and 0 <= sid < self._next_sid:  # ids are never reused
+                raise ClosedSessionError(f"session {sid} is closed")
             raise UnknownSessionError(f"session {sid!r} was never opened in this cache")
-        if t.closed:
-            raise ClosedSessionError(f"session {sid} is closed")
         if t.stale and not allow_stale:
             raise StaleSessionError(
                 f"session {sid} holds K/V of model version {t.version} but the model is at "
@@ -100,9 +100,11 @@ class KVCache:
         return list(self._table(sid, allow_stale=True).tokens[: self._sessions[sid].length])
 
     def close_session(self, sid: int) -> None:
-        t = self._table(sid, allow_stale=True)
-        self._release(t)
-        t.closed = True
+        """Release the session's blocks (full ones stay as unreferenced prefix-cache entries)
+        and drop its table, so closed sessions cost nothing in later loops over sessions;
+        using ``sid`` afterwards raises ClosedSessionError."""
+        self._release(self._table(sid, allow_stale=True))
+        del self._sessions[sid]
 
     def reset_session(self, sid: int) -> list[int]:
         """Drop a session's K/V (e.g. after a model update); returns its token history."""
@@ -171,7 +173,7 @@ class KVCache:
         if room is None:
             raise CacheFullError(
                 f"cache full: all {len(self._meta)} blocks are referenced by "
-                f"{sum(not s.closed for s in self._sessions.values())} open sessions "
+                f"{len(self._sessions)} open sessions "
                 f"(pool {self.config.pool_bytes} bytes); close sessions or grow pool_bytes"
             )
         return room
@@ -396,7 +398,7 @@ class KVCache:
         unreferenced ones are freed, and open sessions turn stale (reset_session to reuse)."""
         self.version += 1
         for t in self._sessions.values():
-            if not t.closed and t.version < self.version:
+            if t.version < self.version:
                 self._release(t)
                 t.stale = True
         for b in [b for b, m in self._meta.items() if m.version < self.version]:
@@ -449,7 +451,7 @@ class KVCache:
             **self._counters,
             "prefix_hit_rate": self._counters["prefix_hit_blocks"] / lookups if lookups else 0.0,
             "model_version": self.version,
-            "sessions_open": sum(not s.closed for s in self._sessions.values()),
+            "sessions_open": len(self._sessions),
             "blocks_used": len(self._meta),
             "blocks_referenced": sum(r > 0 for r in refs),
             "blocks_shared": sum(r > 1 for r in refs),

@@ -5,7 +5,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
-from cache import CacheFullError, KVCache, StaleSessionError
+import pytest
+
+from cache import CacheFullError, ClosedSessionError, KVCache, StaleSessionError
 from tests.cache.conftest import small_config
 
 TOKENS = st.lists(st.integers(0, 3), min_size=1, max_size=9)  # few symbols: many prefix hits
@@ -69,6 +71,12 @@ class CacheMachine(RuleBasedStateMachine):
             self.kv.close_session(sid)
             del self.model[sid], self.values[sid]
 
+    @rule(sid=sessions, toks=TOKENS)
+    def use_closed(self, sid, toks):
+        if sid not in self.model:
+            with pytest.raises(ClosedSessionError):
+                self.kv.reserve(sid, toks)
+
     @rule()
     def bump(self):
         self.kv.bump_version()
@@ -94,6 +102,10 @@ class CacheMachine(RuleBasedStateMachine):
         unreferenced = [b for b in kv._meta if kv.pool.refcount(b) == 0]
         assert len(unreferenced) == len(kv.policy)
         assert len(kv._meta) <= self.capacity
+
+    @invariant()
+    def tables_are_exactly_the_open_sessions(self):
+        assert set(self.kv._sessions) == set(self.model)
 
     @invariant()
     def contents_match(self):
