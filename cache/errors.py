@@ -20,8 +20,9 @@ class UnknownSessionError(CacheError, KeyError):
         return str(self.args[0]) if self.args else "unknown session"
 
 
-class ClosedSessionError(CacheError):
-    """A session that was already closed."""
+class ClosedSessionError(UnknownSessionError):
+    """A session that was closed: its table is gone, so the cache no longer knows it (a
+    subclass, so callers that handle unknown ids handle closed ones too; as in node.sessions)."""
 
 
 class StaleSessionError(CacheError):

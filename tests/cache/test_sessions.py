@@ -33,8 +33,10 @@ def test_a_closed_id_raises_closed_session_error_everywhere(kv):
     for use in uses:
         with pytest.raises(ClosedSessionError, match=f"session {s} is closed"):
             use()
-    with pytest.raises(UnknownSessionError, match="never opened"):
+    assert issubclass(ClosedSessionError, UnknownSessionError)  # a closed id is not held
+    with pytest.raises(UnknownSessionError, match="never opened") as err:
         kv.read(s + 1, 0)  # an id not handed out yet is unknown, not closed
+    assert not isinstance(err.value, ClosedSessionError)
 
 
 def test_closing_a_fork_keeps_the_parent_and_frees_only_private_blocks(kv):
