@@ -466,3 +466,32 @@ class KVCache:
             "tensor_bytes": self.tensors.nbytes(),
             **{f"pool_{k}": v for k, v in self.pool.utilisation().items()},
         }
+
+    # == read-only figures for tools (bench_kv reads the engine only through these) ========
+    @property
+    def full_precision_dtype(self) -> str:
+        """Storage dtype of full-precision blocks: ``fp16`` for an fp16 cache, else ``fp32``."""
+        return self.fresh
+
+    def storage_dtypes(self) -> tuple[str, ...]:
+        """The dtypes full blocks of this cache can be stored in."""
+        return tuple(dict.fromkeys((self.fresh, self.config.kv_dtype)))
+
+    def slot_bytes(self, kv_dtype: str | None = None) -> int:
+        """Bytes of the pool slot that holds one full block in ``kv_dtype`` (page-rounded);
+        ``kv_dtype`` must be one of :meth:`storage_dtypes`."""
+        return self.pool.classes[self._storage_class(kv_dtype)].slot_bytes
+
+    def arena_bytes_per_token(self, kv_dtype: str | None = None) -> float:
+        """Arena bytes one token of a full ``kv_dtype`` block really costs: a managed block's
+        bytes over the full blocks it holds, over ``block_size`` (slot rounding and the
+        managed block's unusable tail counted); ``kv_dtype`` as in :meth:`slot_bytes`."""
+        sc = self.pool.classes[self._storage_class(kv_dtype)]
+        return self.pool.slab_bytes / sc.slots_per_slab / self.config.block_size
+
+    def _storage_class(self, kv_dtype: str | None) -> str:
+        d = kv_dtype or self.config.kv_dtype
+        if d not in self.storage_dtypes():
+            raise ValueError(f"this cache stores full blocks as {self.storage_dtypes()}, not "
+                             f"{d!r}; build a KVCache with kv_dtype={d!r}")
+        return d

@@ -1,23 +1,27 @@
-"""KV-cache benchmark: memory per token, decode speed, quantization quality, prefix sharing and
-pool utilisation of the fedkv engine, side by side with Hugging Face's DynamicCache, a naive
-torch.cat cache and no cache at all, in one run.
+"""KV-cache benchmark: memory per token, decode speed, quantization quality, prefix sharing,
+pool utilisation and eviction collateral of the fedkv engine, side by side with Hugging Face's
+DynamicCache, a naive torch.cat cache and no cache at all, in one run.
 
     python -m experiments.bench_kv --quick --json      # < 3 min on 2 cores; last line = JSON
 
-Modes: default (fuller, slower), ``--quick`` and ``--tiny`` (a toy model and 128-token
-context, for tests). Every figure is measured here, now; nothing is copied from the articles.
+Modes: default (fuller, slower), ``--quick`` and ``--tiny`` (a toy model and 128/512-token
+contexts, for tests). Every figure is measured here, now; nothing is copied from the articles.
 Human-readable lines go to stdout before the JSON; with ``--json`` the last line is one JSON
-object.
+object. The engine is read only through its public API (``KVCache`` methods and ``stats()``).
 
 What each section measures (also stated inside the JSON under ``notes``):
 
 * ``bytes_per_token`` — ``KVCache.bytes_per_token(dtype)``: bytes of one full block's format
   (codes + fp16 scales + int4 zero points) over all layers, divided by the block size. The
   pool's page-rounded slot bytes per token are reported separately (``slot_bytes_per_token``).
-* ``decode_tokens_per_s`` — prefill ``context`` tokens, then time greedy decode steps; variants
-  are interleaved across repeats and medians are reported. Same model dimensions everywhere and
-  the same torch thread count. ``hf_dynamic_cache`` runs a randomly initialised GPT-2 of the same
-  size (4 layers, 4 heads, d_model 256, byte vocabulary) with ``DynamicCache``.
+* ``arena_bytes_per_token`` — ``KVCache.arena_bytes_per_token(dtype)`` for the federation's
+  ``node.tasks.LM_MODEL`` (its node cache geometry) and for the benchmark model.
+* ``decode_tokens_per_s`` (1,024 tokens of context) and ``decode_tokens_per_s_4096`` — prefill
+  ``context`` tokens, then time greedy decode steps; variants are interleaved across repeats and
+  medians are reported. Same model dimensions everywhere and the same torch thread count.
+  ``hf_dynamic_cache`` runs a randomly initialised GPT-2 of the same size (4 layers, 4 heads,
+  d_model 256, byte vocabulary) with ``DynamicCache``. At 4,096 tokens the trained checkpoint's
+  position table is tiled to the longer context (timing does not depend on the weights).
 * ``quality`` — teacher-forced decode loop, one token per ``forward_cached`` call, on held-out
   stdlib modules with the briefly trained checkpoint (``node.lm.pretrained_tiny``); int8/int4
   against fp32 of the same model.
@@ -26,12 +30,15 @@ What each section measures (also stated inside the JSON under ``notes``):
 * ``pool_utilisation`` — a replay of sessions with long-tailed lengths, opened/closed
   interleaved, K/V fed through ``reserve``/``write`` with random tensors (memory accounting
   does not depend on the values).
+* ``eviction_collateral`` — a pool full of cached (closed-session) prefix blocks with one free
+  full-size slot; a 3-token ``reserve``; ``stats()["eviction_collateral"]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import inspect
 import io
 import json
@@ -44,6 +51,7 @@ import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -52,8 +60,11 @@ from cache import KVCache
 from node.corpus import random_windows, split_corpus
 from node.lm import pretrained_tiny
 from node.model import ModelConfig, TinyTransformer
+from node.tasks import LM_MODEL
 
 DTYPES = ("fp32", "fp16", "int8", "int4")
+DECODE_VARIANTS = ("fedkv_fp32", "fedkv_int8", "fedkv_int4", "hf_dynamic_cache", "naive_concat",
+                   "no_cache")
 TARGETS = {
     "int4_vs_fp16 <= 0.28": None,
     "int8_vs_fp16 <= 0.53": None,
@@ -66,6 +77,16 @@ TARGETS = {
     "prefix ratio <= 1.05": None,
     "pool_utilisation >= 0.96": None,
     "pool_utilisation_live_sessions >= 0.96": None,
+    # issue 9
+    "fedkv_fp32 >= 1.2x hf_dynamic_cache (1024)": None,
+    "fedkv_fp32 >= 1.2x hf_dynamic_cache (4096)": None,
+    "fedkv_fp32 >= naive_concat (1024)": None,
+    "fedkv_fp32 >= naive_concat (4096)": None,
+    "fedkv_int8 >= 0.9x fedkv_fp32": None,
+    "fedkv_int4 >= 0.8x fedkv_fp32": None,
+    "arena int8/fp16 <= 0.55 (lm_model, bench_model)": None,
+    "arena int4/fp16 <= 0.30 (lm_model, bench_model)": None,
+    "eviction_collateral <= 1": None,
 }
 
 
@@ -91,6 +112,9 @@ class Plan:
     pool_median_len: float
     pool_sigma: float
     pool_max_len: int
+    long_context: int = 4096
+    long_decode_steps: int = 32
+    long_no_cache_steps: int = 2
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -98,15 +122,16 @@ def make_plan(args: argparse.Namespace) -> Plan:
         ctx = args.context or 128
         model = ModelConfig(n_layers=2, n_heads=2, d_model=64, context_len=max(256, ctx + 64))
         return Plan(model, ctx, 4, 2, 1, args.train_steps or 3, 2, 64, 1, 128, 6, 4, 24,
-                    24, 6, 48.0, 0.8, 256)
+                    24, 6, 48.0, 0.8, 256, long_context=4 * ctx, long_decode_steps=4,
+                    long_no_cache_steps=1)
     ctx = args.context or 1024
     model = ModelConfig(n_layers=4, n_heads=4, d_model=256, context_len=max(1280, ctx + 192))
     if args.quick:
         return Plan(model, ctx, 64, 8, 3, args.train_steps or 150, 4, 256, 4, 256, 100, 16,
-                    64, 200, 16, 256.0, 0.9, 2048)
+                    64, 200, 16, 256.0, 0.9, 2048, long_decode_steps=32, long_no_cache_steps=2)
     # quality sequences never exceed the training length (positions beyond it are untrained)
     return Plan(model, ctx, 128, 16, 5, args.train_steps or 600, 8, 256, 8, 256, 100, 16, 64,
-                200, 16, 256.0, 0.9, 2048)
+                200, 16, 256.0, 0.9, 2048, long_decode_steps=64, long_no_cache_steps=4)
 
 
 def log(msg: str) -> None:
@@ -117,17 +142,34 @@ def _median(xs: list[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 
 
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def _pool_bytes_for(cfg: ModelConfig, block: int, tokens: int, slack: float = 1.5) -> int:
+    """A pool that holds ``tokens`` of fp32 K/V with room to spare, in whole superblocks."""
+    cc = cfg.cache_config(block_size=block)
+    blocks = -(-tokens // block) + 2
+    need = int(blocks * cc.block_bytes_fp32 * slack)
+    # every storage class (full, quantized, each tail-slot size) holds at least one slab
+    classes = 2 + (block // cc.tail_granule if 0 < cc.tail_granule < block else 0)
+    need += classes * cc.managed_block_bytes
+    sb = cc.superblock_bytes
+    return max(sb, -(-need // sb) * sb)
+
+
 # == bytes per token =======================================================================
+def _cache_for(cfg: ModelConfig, dtype: str, **kw) -> KVCache:
+    return KVCache(cfg.cache_config(kv_dtype=dtype, pool_bytes=4 << 20, **kw))
+
+
 def bytes_section(cfg: ModelConfig, block_size: int) -> dict:
-    cc = cfg.cache_config(block_size=block_size, pool_bytes=4 << 20)
-    kv = KVCache(cc)
-    bpt = {d: kv.bytes_per_token(d) for d in DTYPES}
-    slot, arena = {}, {}
-    for d in DTYPES:
-        k = KVCache(cfg.cache_config(block_size=block_size, kv_dtype=d, pool_bytes=4 << 20))
-        sc = k.pool.classes[d]
-        slot[d] = sc.slot_bytes / block_size
-        arena[d] = k.pool.slab_bytes / sc.slots_per_slab / block_size
+    """Format, slot and arena bytes per token of every dtype for one block size."""
+    bpt = {d: _cache_for(cfg, "fp32", block_size=block_size).bytes_per_token(d)
+           for d in DTYPES}
+    caches = {d: _cache_for(cfg, d, block_size=block_size) for d in DTYPES}
+    slot = {d: kv.slot_bytes(d) / block_size for d, kv in caches.items()}
+    arena = {d: kv.arena_bytes_per_token(d) for d, kv in caches.items()}
     return {
         "bytes_per_token": bpt,
         "int8_vs_fp16": bpt["int8"] / bpt["fp16"],
@@ -141,7 +183,47 @@ def bytes_section(cfg: ModelConfig, block_size: int) -> dict:
     }
 
 
-# == decode throughput =====================================================================
+def arena_per_token(cfg: ModelConfig, **kw) -> dict[str, float]:
+    """Real arena bytes per token of a full block, per dtype, for one cache geometry."""
+    return {d: _cache_for(cfg, d, **kw).arena_bytes_per_token(d) for d in DTYPES}
+
+
+def arena_section(bench_cfg: ModelConfig, block: int) -> dict:
+    """``arena_bytes_per_token`` for LM_MODEL (the node's cache config: default block size)
+    and for the benchmark model (``--block-size``), with int8/int4 over fp16 ratios."""
+    per = {"lm_model": arena_per_token(LM_MODEL),
+           "bench_model": arena_per_token(bench_cfg, block_size=block)}
+    ratios = {g: {f"{d}_vs_fp16": v[d] / v["fp16"] for d in ("int8", "int4")}
+              for g, v in per.items()}
+    return {
+        "arena_bytes_per_token": per,
+        "arena_ratios": ratios,
+        "arena_geometry": {
+            "lm_model": {**asdict(LM_MODEL), "block_size": LM_MODEL.cache_config().block_size},
+            "bench_model": {**asdict(bench_cfg), "block_size": block},
+        },
+    }
+
+
+def log_bytes(result: dict, block: int) -> None:
+    b = result
+    log(f"bytes/token (block {block}): " + ", ".join(
+        f"{k} {v:.0f}" for k, v in b["bytes_per_token"].items())
+        + f"; int8 {b['int8_vs_fp16']:.3f}x (target <= 0.53), int4 {b['int4_vs_fp16']:.3f}x "
+        "(target <= 0.28) fp16")
+    log(f"  page-rounded slots: int8 {b['slot_int8_vs_fp16']:.3f}x, int4 "
+        f"{b['slot_int4_vs_fp16']:.3f}x fp16")
+    bb = b["by_block_size"]["16"]
+    log(f"  block 16: int8 {bb['int8_vs_fp16']:.3f}x, int4 {bb['int4_vs_fp16']:.3f}x fp16 "
+        f"(arena {bb['arena_int8_vs_fp16']:.3f}x, {bb['arena_int4_vs_fp16']:.3f}x)")
+    for geom, per in b["arena_bytes_per_token"].items():
+        r = b["arena_ratios"][geom]
+        log(f"  arena bytes/token {geom}: " + ", ".join(f"{d} {v:.0f}" for d, v in per.items())
+            + f"; int8/fp16 {r['int8_vs_fp16']:.3f} (target <= 0.55), int4/fp16 "
+            f"{r['int4_vs_fp16']:.3f} (target <= 0.30)")
+
+
+# == decode throughput: the contenders =====================================================
 class NaiveConcat:
     """The article's cache: per-layer K/V tensors grown with torch.cat, same TinyTransformer
     weights (only its public submodules are used)."""
@@ -205,6 +287,23 @@ class HFRunner:
         return out.logits[0]
 
 
+def long_context_model(model: TinyTransformer, context_len: int) -> TinyTransformer:
+    """The same weights with the position table tiled to ``context_len`` rows (for timing
+    decode at contexts longer than the checkpoint was trained for)."""
+    if context_len <= model.cfg.context_len:
+        return model
+    long = TinyTransformer(dataclasses.replace(model.cfg, context_len=context_len))
+    state = dict(model.state_dict())
+    pos = state["pos.weight"]
+    state["pos.weight"] = pos.repeat(-(-context_len // pos.shape[0]), 1)[:context_len]
+    long.load_state_dict(state)
+    return long.eval()
+
+
+# == decode throughput: timing =============================================================
+Runner = Callable[[], tuple[float, torch.Tensor]]
+
+
 def _decode_loop(step, prompt: list[int], n: int) -> tuple[float, torch.Tensor]:
     """Prefill (untimed), then n greedy steps timed; returns (tokens/s, first-step logits)."""
     logits = step(prompt)[-1]
@@ -217,26 +316,26 @@ def _decode_loop(step, prompt: list[int], n: int) -> tuple[float, torch.Tensor]:
     return n / (time.perf_counter() - t0), first
 
 
-def decode_section(model: TinyTransformer, plan: Plan, prompt: list[int], block: int) -> dict:
+def decode_variants(model: TinyTransformer, hf, prompt: list[int], steps: int,
+                    no_cache_steps: int, block: int) -> dict[str, Runner]:
+    """One runner per contender; each builds a fresh cache, prefills ``prompt`` and times
+    ``steps`` greedy decode steps (``no_cache_steps`` for the recompute-everything one)."""
     cfg = model.cfg
-    hfm, hc = hf_model(cfg)
-    pool = _pool_bytes_for(cfg, block, plan.context + plan.decode_steps + 2 * block)
+    pool = _pool_bytes_for(cfg, block, len(prompt) + steps + 2 * block)
+    hfm, hc = hf
 
-    def fedkv(dtype):
+    def fedkv(dtype: str) -> Runner:
         def run():
             kv = KVCache(cfg.cache_config(block_size=block, kv_dtype=dtype, pool_bytes=pool))
             sid = kv.open_session()
-            return _decode_loop(lambda t: model.forward_cached(t, kv, sid), prompt,
-                                plan.decode_steps)
+            return _decode_loop(lambda t: model.forward_cached(t, kv, sid), prompt, steps)
         return run
 
     def naive():
-        nc = NaiveConcat(model)
-        return _decode_loop(nc.step, prompt, plan.decode_steps)
+        return _decode_loop(NaiveConcat(model).step, prompt, steps)
 
-    def hf():
-        r = HFRunner(hfm, hc)
-        return _decode_loop(r.step, prompt, plan.decode_steps)
+    def hf_cache():
+        return _decode_loop(HFRunner(hfm, hc).step, prompt, steps)
 
     def no_cache():
         seq: list[int] = []
@@ -246,66 +345,117 @@ def decode_section(model: TinyTransformer, plan: Plan, prompt: list[int], block:
             seq.extend(toks)
             return model(torch.tensor([seq]))[0]
 
-        return _decode_loop(step, prompt, plan.no_cache_steps)
+        return _decode_loop(step, prompt, no_cache_steps)
 
-    variants = {
-        "fedkv_fp32": fedkv("fp32"), "fedkv_int8": fedkv("int8"), "fedkv_int4": fedkv("int4"),
-        "hf_dynamic_cache": hf, "naive_concat": naive, "no_cache": no_cache,
-    }
-    samples: dict[str, list[float]] = {k: [] for k in variants}
+    runners = {"fedkv_fp32": fedkv("fp32"), "fedkv_int8": fedkv("int8"),
+               "fedkv_int4": fedkv("int4"), "hf_dynamic_cache": hf_cache,
+               "naive_concat": naive, "no_cache": no_cache}
+    assert tuple(runners) == DECODE_VARIANTS
+    return runners
+
+
+def time_interleaved(runners: dict[str, Runner], repeats: int, warmup: bool,
+                     label: str) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
+    """Run every variant ``repeats`` times, rotating the order each repeat so no variant
+    owns a fixed slot; returns the tokens/s samples and each variant's first-step logits."""
+    names = list(runners)
+    if warmup:  # one untimed pass (allocator, kernels, lazy imports); no_cache needs none
+        for name in names:
+            if name != "no_cache":
+                runners[name]()
+    samples: dict[str, list[float]] = {k: [] for k in names}
     firsts: dict[str, torch.Tensor] = {}
-    names = list(variants)
-    # one untimed warm-up pass of each variant (allocator, kernels, lazy imports)
-    for name in names:
-        if name != "no_cache":
-            variants[name]()
-    for rep in range(plan.repeats):
-        order = names[rep % len(names):] + names[: rep % len(names)]  # rotate: no fixed slot
-        for name in order:
-            tps, first = variants[name]()
+    for rep in range(repeats):
+        for name in names[rep % len(names):] + names[: rep % len(names)]:
+            tps, first = runners[name]()
             samples[name].append(tps)
             firsts.setdefault(name, first)
-        log("  decode repeat %d: %s" % (rep + 1, ", ".join(
-            f"{n} {samples[n][-1]:.1f}" for n in names)))
-    med = {k: _median(v) for k, v in samples.items()}
-    ref = firsts["fedkv_fp32"]
-    consistency = {
-        f"max_abs_logit_diff_fedkv_fp32_vs_{k}": float((firsts[k] - ref).abs().max())
-        for k in ("naive_concat", "no_cache")
-    }
+        log(f"  decode {label} repeat {rep + 1}: " + ", ".join(
+            f"{n} {samples[n][-1]:.1f}" for n in names))
+    return samples, firsts
+
+
+def decode_ratios(med: dict[str, float]) -> dict[str, float]:
     return {
-        "hf_attn_implementation": getattr(hfm.config, "_attn_implementation", None),
+        "fedkv_fp32_vs_hf": _ratio(med["fedkv_fp32"], med["hf_dynamic_cache"]),
+        "fedkv_fp32_vs_no_cache": _ratio(med["fedkv_fp32"], med["no_cache"]),
+        "fedkv_fp32_vs_naive_concat": _ratio(med["fedkv_fp32"], med["naive_concat"]),
+        "fedkv_int8_vs_fp32": _ratio(med["fedkv_int8"], med["fedkv_fp32"]),
+        "fedkv_int4_vs_fp32": _ratio(med["fedkv_int4"], med["fedkv_fp32"]),
+    }
+
+
+def decode_consistency(firsts: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The cached fedkv decode must produce the torch.cat cache's and no cache's logits."""
+    ref = firsts["fedkv_fp32"]
+    return {f"max_abs_logit_diff_fedkv_fp32_vs_{k}": float((firsts[k] - ref).abs().max())
+            for k in ("naive_concat", "no_cache")}
+
+
+def decode_section(model: TinyTransformer, plan: Plan, prompt: list[int], block: int) -> dict:
+    """Decode tokens/s at ``plan.context`` tokens (today's keys, unchanged)."""
+    hf = hf_model(model.cfg)
+    runners = decode_variants(model, hf, prompt, plan.decode_steps, plan.no_cache_steps, block)
+    samples, firsts = time_interleaved(runners, plan.repeats, True, str(len(prompt)))
+    med = {k: _median(v) for k, v in samples.items()}
+    return {
+        "hf_attn_implementation": getattr(hf[0].config, "_attn_implementation", None),
         "decode_tokens_per_s": med,
         "decode_samples": samples,
-        "fedkv_fp32_vs_hf": med["fedkv_fp32"] / med["hf_dynamic_cache"],
-        "fedkv_fp32_vs_no_cache": med["fedkv_fp32"] / med["no_cache"],
-        "fedkv_fp32_vs_naive_concat": med["fedkv_fp32"] / med["naive_concat"],
-        "fedkv_int8_vs_fp32": med["fedkv_int8"] / med["fedkv_fp32"],
-        "fedkv_int4_vs_fp32": med["fedkv_int4"] / med["fedkv_fp32"],
-        "decode_consistency": consistency,
+        **decode_ratios(med),
+        "decode_consistency": decode_consistency(firsts),
     }
 
 
-def _pool_bytes_for(cfg: ModelConfig, block: int, tokens: int, slack: float = 1.5) -> int:
-    cc = cfg.cache_config(block_size=block)
-    blocks = -(-tokens // block) + 2
-    need = int(blocks * cc.block_bytes_fp32 * slack)
-    # every storage class (full, quantized, each tail-slot size) holds at least one slab
-    classes = 2 + (block // cc.tail_granule if 0 < cc.tail_granule < block else 0)
-    need += classes * cc.managed_block_bytes
-    sb = cc.superblock_bytes
-    return max(sb, -(-need // sb) * sb)
+def decode_long_section(model: TinyTransformer, plan: Plan, prompt: list[int],
+                        block: int) -> dict:
+    """The same contenders at ``plan.long_context`` tokens: ``decode_tokens_per_s_4096`` and
+    its details (steps timed per variant: ``no_cache`` over fewer)."""
+    long = long_context_model(model, plan.long_context + plan.long_decode_steps + 64)
+    hf = hf_model(long.cfg)
+    runners = decode_variants(long, hf, prompt, plan.long_decode_steps,
+                              plan.long_no_cache_steps, block)
+    # the short-context section already warmed allocator and kernels up
+    samples, firsts = time_interleaved(runners, plan.repeats, False, str(len(prompt)))
+    med = {k: _median(v) for k, v in samples.items()}
+    return {
+        "decode_tokens_per_s_4096": med,
+        "decode_4096": {
+            "context": len(prompt),
+            "decode_steps": plan.long_decode_steps,
+            "no_cache_steps": plan.long_no_cache_steps,
+            "repeats": plan.repeats,
+            "samples": samples,
+            **decode_ratios(med),
+            "decode_consistency": decode_consistency(firsts),
+            "weights": "trained checkpoint, position table tiled to the longer context",
+        },
+    }
+
+
+def log_decode(med: dict[str, float], ratios: dict[str, float], context: int,
+               repeats: int, seconds: float) -> None:
+    log("decode tokens/s at %d context (median of %d): %s" % (context, repeats, ", ".join(
+        f"{k} {v:.1f}" for k, v in med.items())))
+    log(f"  fedkv_fp32 / hf = {ratios['fedkv_fp32_vs_hf']:.2f}x (target >= 1.2), / naive_concat"
+        f" = {ratios['fedkv_fp32_vs_naive_concat']:.2f}x (target >= 1.0), / no_cache = "
+        f"{ratios['fedkv_fp32_vs_no_cache']:.1f}x; int8/fp32 = "
+        f"{ratios['fedkv_int8_vs_fp32']:.2f} (target >= 0.9), int4/fp32 = "
+        f"{ratios['fedkv_int4_vs_fp32']:.2f} (target >= 0.8)  ({seconds:.1f}s)")
 
 
 # == profile ===============================================================================
-def profile_section(model: TinyTransformer, prompt: list[int], block: int, steps: int) -> dict:
-    """Where a fedkv fp32 decode step spends its time, and what the K/V gather would cost
-    with index_select instead of advanced indexing (public pool APIs only)."""
-    cfg = model.cfg
-    pool = _pool_bytes_for(cfg, block, len(prompt) + steps + 2 * block)
-    kv = KVCache(cfg.cache_config(block_size=block, pool_bytes=pool))
-    sid = kv.open_session()
-    logits = model.prefill(prompt, kv, sid)
+def _time_us(f, n: int = 50) -> float:
+    f()
+    t = time.perf_counter()
+    for _ in range(n):
+        f()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def _profiled_decode(model: TinyTransformer, kv: KVCache, sid: int, logits: torch.Tensor,
+                     steps: int) -> tuple[float, list[tuple[float, float, str]]]:
+    """Decode ``steps`` tokens under cProfile; (seconds, rows of (tottime, cumtime, name))."""
     pr = cProfile.Profile()
     pr.enable()
     t0 = time.perf_counter()
@@ -314,97 +464,128 @@ def profile_section(model: TinyTransformer, prompt: list[int], block: int, steps
     total = time.perf_counter() - t0
     pr.disable()
     st = pstats.Stats(pr, stream=io.StringIO())
-    rows = []
-    for (fn, line, name), (cc, nc, tt, ct, _) in st.stats.items():
-        rows.append((tt, ct, f"{os.path.basename(fn)}:{line}({name})"))
-    rows.sort(reverse=True)
-    top = [{"function": r[2], "tottime_share": r[0] / total, "cumtime_share": r[1] / total}
-           for r in rows[:8]]
-    read_ct = sum(r[1] for r in rows if r[2].endswith("(read)") and "engine" in r[2])
-    write_ct = sum(r[1] for r in rows if r[2].endswith("(write)") and "engine" in r[2])
+    rows = [(tt, ct, f"{os.path.basename(fn)}:{line}({name})")
+            for (fn, line, name), (_, _, tt, ct, _) in st.stats.items()]
+    return total, sorted(rows, reverse=True)
 
-    def timeit(f, n=50):
-        f()
-        t = time.perf_counter()
-        for _ in range(n):
-            f()
-        return (time.perf_counter() - t) / n * 1e6
 
-    # the engine's gather: advanced indexing of the strided arena view; vs index_select
-    view = kv.pool.view("fp32", torch.float32)  # [slabs, slots, slot floats]
+def gather_micro(cfg: ModelConfig, block: int, n_blocks: int, slot_floats: int,
+                 context: int) -> dict[str, float]:
+    """Per-layer costs of the ways to read K/V, on a synthetic arena with the engine's slot
+    size and block count (8 slots per slab, blocks scattered): advanced indexing vs one
+    index_select, the transpose to [heads, tokens, dim], HF-style torch.cat, one SDPA."""
     H, D = cfg.n_heads, cfg.head_dim
-    E = 2 * H * block * D
-    locs = [kv.pool.location(h) for h in kv.pool.blocks]
-    slabs = torch.tensor([s for _, s, _ in locs])
-    idxs = torch.tensor([i for _, _, i in locs])
-    layer0 = view[:, :, :E]
-    micro = {
-        "engine_read_us": timeit(lambda: kv.read(sid, 0)),
-        "advanced_index_gather_us": timeit(lambda: layer0[slabs, idxs]),
-    }
-    spp = view.shape[1]
-    if view.stride(0) == spp * view.stride(1):
-        flat = layer0.flatten(0, 1)
-        lin = slabs * spp + idxs
-        micro["index_select_gather_us"] = timeit(lambda: flat.index_select(0, lin))
+    E = 2 * H * block * D  # one layer's K and V of one block
+    per_slab = 8
+    slabs_n = -(-2 * n_blocks // per_slab)
+    arena = torch.randn(slabs_n, per_slab, max(slot_floats, E))
+    where = torch.randperm(slabs_n * per_slab)[:n_blocks]
+    slabs, idxs = where // per_slab, where % per_slab
+    layer0 = arena[:, :, :E]
+    flat = layer0.flatten(0, 1)
     g = layer0[slabs, idxs].view(-1, 2, H, block, D)
-    micro["transpose_reshape_us"] = timeit(
-        lambda: g[:, 0].transpose(0, 1).reshape(H, -1, D))
-    n = len(prompt) + steps
-    kc, kn = torch.randn(1, H, n, D), torch.randn(1, H, 1, D)
-    micro["hf_style_cat_k_and_v_us"] = timeit(
-        lambda: (torch.cat((kc, kn), -2), torch.cat((kc, kn), -2)))
-    q = torch.randn(H, 1, D)
-    kk = torch.randn(H, n, D)
-    micro["sdpa_one_query_us"] = timeit(lambda: F.scaled_dot_product_attention(q, kk, kk))
+    kc, kn = torch.randn(1, H, context, D), torch.randn(1, H, 1, D)
+    q, kk = torch.randn(H, 1, D), torch.randn(H, context, D)
+    return {
+        "advanced_index_gather_us": _time_us(lambda: layer0[slabs, idxs]),
+        "index_select_gather_us": _time_us(lambda: flat.index_select(0, where)),
+        "transpose_reshape_us": _time_us(lambda: g[:, 0].transpose(0, 1).reshape(H, -1, D)),
+        "hf_style_cat_k_and_v_us": _time_us(
+            lambda: (torch.cat((kc, kn), -2), torch.cat((kc, kn), -2))),
+        "sdpa_one_query_us": _time_us(lambda: F.scaled_dot_product_attention(q, kk, kk)),
+    }
+
+
+def profile_section(model: TinyTransformer, prompt: list[int], block: int, steps: int) -> dict:
+    """Where a fedkv fp32 decode step spends its time, what one ``KVCache.read`` costs, and
+    the gather alternatives on a synthetic arena of the same shape."""
+    cfg = model.cfg
+    pool = _pool_bytes_for(cfg, block, len(prompt) + steps + 2 * block)
+    kv = KVCache(cfg.cache_config(block_size=block, pool_bytes=pool))
+    sid = kv.open_session()
+    total, rows = _profiled_decode(model, kv, sid, model.prefill(prompt, kv, sid), steps)
+    share = {op: sum(r[1] for r in rows if r[2].endswith(f"({op})") and "engine" in r[2])
+             / total for op in ("read", "write")}
+    n_blocks = kv.stats()["blocks_used"]
+    micro = {"engine_read_us": _time_us(lambda: kv.read(sid, 0))}
+    micro.update(gather_micro(cfg, block, n_blocks, kv.slot_bytes("fp32") // 4, kv.length(sid)))
     return {
         "context": len(prompt),
         "steps": steps,
         "step_ms": total / steps * 1e3,
-        "share_in_KVCache_read": read_ct / total,
-        "share_in_KVCache_write": write_ct / total,
-        "top_functions": top,
+        "share_in_KVCache_read": share["read"],
+        "share_in_KVCache_write": share["write"],
+        "top_functions": [{"function": n, "tottime_share": tt / total,
+                           "cumtime_share": ct / total} for tt, ct, n in rows[:8]],
         "micro_per_layer": micro,
-        "n_blocks_gathered_per_read": len(locs),
+        "micro_gathers_on": "synthetic arena: same slot size and block count as the engine's",
+        "n_blocks_gathered_per_read": n_blocks,
     }
 
 
 # == quality ===============================================================================
 @torch.no_grad()
+def _teacher_forced(model: TinyTransformer, kv: KVCache, seqs: list[list[int]],
+                    n: int) -> tuple[list[float], list[int]]:
+    """Cross-entropy and argmax of every position, one ``forward_cached`` call per token."""
+    ce, top = [], []
+    for seq in seqs:
+        sid = kv.open_session()
+        for t in range(n):
+            logits = model.forward_cached([seq[t]], kv, sid)[-1]
+            ce.append(float(F.cross_entropy(logits[None], torch.tensor([seq[t + 1]]))))
+            top.append(int(logits.argmax()))
+        kv.close_session(sid)
+    return ce, top
+
+
+def _quality_vs_fp32(r: dict, base: dict, targets: list[int], pos: list[int],
+                     first_quant: int, expected_q: int) -> dict:
+    mce, base_ce = sum(r["ce"]) / len(r["ce"]), sum(base["ce"]) / len(base["ce"])
+    agree = [a == b for a, b in zip(r["top"], base["top"])]
+    agree_q = [a for a, p in zip(agree, pos) if p >= first_quant]
+    return {
+        "top1_agreement": sum(agree) / len(agree),
+        "top1_agreement_on_quantized_positions": (
+            sum(agree_q) / len(agree_q) if agree_q else float("nan")),
+        "ppl": math.exp(mce),
+        "ppl_delta": math.exp(mce) - math.exp(base_ce),
+        "nats_per_byte_delta": mce - base_ce,
+        "top1_accuracy": sum(a == b for a, b in zip(r["top"], targets)) / len(targets),
+        "quantized_blocks": r["quantized_blocks"],
+        "expected_quantized_blocks": expected_q,
+        "kept_full_precision_blocks": r["kept_full_precision_blocks"],
+        "mean_block_relative_error": r["mean_quant_error"],
+        "seconds": r["seconds"],
+    }
+
+
 def quality_section(model: TinyTransformer, heldout: bytes, plan: Plan, block: int,
                     seed: int) -> dict:
+    """int8/int4 vs fp32 in a teacher-forced decode loop on held-out text."""
     cfg = model.cfg
     g = torch.Generator().manual_seed(seed + 7)
     seqs = random_windows(heldout, plan.quality_len, plan.quality_seqs, g).tolist()
     fp_window = cfg.cache_config(block_size=block).fp_window
     first_quant = fp_window + block  # first position whose read includes a quantized block
     # room for every sequence: no eviction, so no quantization is skipped for lack of space
-    # (the engine skips quantizing a block when the pool is full of evictable cached blocks)
     pool = _pool_bytes_for(cfg, block, plan.quality_seqs * (plan.quality_len + 2 * block))
     expected_q = plan.quality_seqs * max(0, (plan.quality_len - fp_window) // block)
     res: dict[str, dict] = {}
     for dtype in ("fp32", "int8", "int4"):
         kv = KVCache(cfg.cache_config(block_size=block, kv_dtype=dtype, pool_bytes=pool))
-        ce, top, t0 = [], [], time.perf_counter()
-        for seq in seqs:
-            sid = kv.open_session()
-            for t in range(plan.quality_len):
-                logits = model.forward_cached([seq[t]], kv, sid)[-1]
-                ce.append(float(F.cross_entropy(logits[None], torch.tensor([seq[t + 1]]))))
-                top.append(int(logits.argmax()))
-            kv.close_session(sid)
+        t0 = time.perf_counter()
+        ce, top = _teacher_forced(model, kv, seqs, plan.quality_len)
         st = kv.stats()
-        res[dtype] = {
-            "ce": ce, "top": top, "seconds": time.perf_counter() - t0,
-            "quantized_blocks": st["quantized_blocks"],
-            "kept_full_precision_blocks": st["rematerialised_blocks"],
-            "mean_quant_error": st["mean_quant_error"],
-        }
+        res[dtype] = {"ce": ce, "top": top, "seconds": time.perf_counter() - t0,
+                      "quantized_blocks": st["quantized_blocks"],
+                      "kept_full_precision_blocks": st["rematerialised_blocks"],
+                      "mean_quant_error": st["mean_quant_error"]}
     targets = [s[t + 1] for s in seqs for t in range(plan.quality_len)]
     pos = [t for _ in seqs for t in range(plan.quality_len)]
     base = res["fp32"]
     base_ce = sum(base["ce"]) / len(base["ce"])
-    out = {
+    return {
         "tokens": len(targets),
         "sequences": len(seqs),
         "sequence_len": plan.quality_len,
@@ -416,49 +597,45 @@ def quality_section(model: TinyTransformer, heldout: bytes, plan: Plan, block: i
             "ppl": math.exp(base_ce),
             "top1_accuracy": sum(a == b for a, b in zip(base["top"], targets)) / len(targets),
         },
+        **{dt: _quality_vs_fp32(res[dt], base, targets, pos, first_quant, expected_q)
+           for dt in ("int8", "int4")},
     }
-    for dtype in ("int8", "int4"):
-        r = res[dtype]
-        mce = sum(r["ce"]) / len(r["ce"])
-        agree = [a == b for a, b in zip(r["top"], base["top"])]
-        agree_q = [a for a, p in zip(agree, pos) if p >= first_quant]
-        out[dtype] = {
-            "top1_agreement": sum(agree) / len(agree),
-            "top1_agreement_on_quantized_positions": (
-                sum(agree_q) / len(agree_q) if agree_q else float("nan")),
-            "ppl": math.exp(mce),
-            "ppl_delta": math.exp(mce) - math.exp(base_ce),
-            "nats_per_byte_delta": mce - base_ce,
-            "top1_accuracy": sum(a == b for a, b in zip(r["top"], targets)) / len(targets),
-            "quantized_blocks": r["quantized_blocks"],
-            "expected_quantized_blocks": expected_q,
-            "kept_full_precision_blocks": r["kept_full_precision_blocks"],
-            "mean_block_relative_error": r["mean_quant_error"],
-            "seconds": r["seconds"],
-        }
-    return out
+
+
+def log_quality(q: dict, seconds: float) -> None:
+    for dt, top, dppl in (("int8", 0.999, 0.02), ("int4", 0.99, 0.1)):
+        r = q[dt]
+        log(f"quality {dt}: top1 agreement {r['top1_agreement']:.4f} (target >= {top}), ppl "
+            f"{r['ppl']:.4f} vs fp32 {q['fp32']['ppl']:.4f} (delta {r['ppl_delta']:+.4f}, "
+            f"target <= {dppl}), {r['quantized_blocks']} blocks quantized, "
+            f"{r['kept_full_precision_blocks']} kept fp")
+    log(f"  ({q['tokens']} tokens, {seconds:.1f}s)")
 
 
 # == prefix sharing ========================================================================
+def _prefill_shared(model: TinyTransformer, kv: KVCache, prefix: list[int],
+                    tails: list[list[int]]) -> float:
+    """prefill(prefix) once, then prefill(prefix + tail) per session; returns seconds."""
+    t0 = time.perf_counter()
+    model.prefill(prefix, kv, kv.open_session())
+    for tail in tails:
+        model.prefill(prefix + tail, kv, kv.open_session())
+    return time.perf_counter() - t0
+
+
 def prefix_section(model: TinyTransformer, prefix: list[int], plan: Plan, block: int,
                    seed: int) -> dict:
+    """Bytes held by N sessions sharing a prefix vs the ideal and vs no sharing."""
     cfg = model.cfg
     rng = random.Random(seed + 11)
     tails = [[rng.randrange(256) for _ in range(rng.randint(plan.tail_min, plan.tail_max))]
              for _ in range(plan.prefix_sessions)]
     tokens = len(prefix) + sum(len(t) for t in tails) + block * (len(tails) + 2)
-    pool = _pool_bytes_for(cfg, block, tokens, slack=1.2)
-    kv = KVCache(cfg.cache_config(block_size=block, pool_bytes=pool))
-    t0 = time.perf_counter()
-    root = kv.open_session()
-    model.prefill(prefix, kv, root)
-    for tail in tails:
-        sid = kv.open_session()
-        model.prefill(prefix + tail, kv, sid)
-    secs = time.perf_counter() - t0
+    kv = KVCache(cfg.cache_config(block_size=block,
+                                  pool_bytes=_pool_bytes_for(cfg, block, tokens, slack=1.2)))
+    secs = _prefill_shared(model, kv, prefix, tails)
     st = kv.stats()
-    bpt = kv.bytes_per_token("fp32")
-    slot = kv.pool.classes["fp32"].slot_bytes
+    bpt, slot = kv.bytes_per_token("fp32"), kv.slot_bytes("fp32")
     n_tail = sum(len(t) for t in tails)
     shared = st["bytes_allocated"]
     ideal = (len(prefix) + n_tail) * bpt
@@ -484,62 +661,100 @@ def prefix_section(model: TinyTransformer, prefix: list[int], plan: Plan, block:
     }
 
 
+def log_prefix(ps: dict, po: dict, other: int) -> None:
+    log(f"prefix sharing: {ps['sessions']} sessions x {ps['prefix_tokens']}-token prefix: "
+        f"{ps['bytes_shared'] / 2**20:.1f} MiB held vs ideal {ps['bytes_ideal'] / 2**20:.1f} MiB "
+        f"(ratio {ps['ratio']:.3f}, target <= 1.05; vs block-granular ideal "
+        f"{ps['ratio_vs_block_granular_ideal']:.3f}), unshared {ps['bytes_unshared'] / 2**20:.1f}"
+        f" MiB ({ps['seconds']:.1f}s); block {other}: ratio {po['ratio']:.3f}")
+
+
 # == pool utilisation ======================================================================
+def session_lengths(plan: Plan, rng: random.Random) -> list[int]:
+    """Long-tailed (lognormal) session lengths, clipped to [1, pool_max_len]."""
+    return [max(1, min(plan.pool_max_len, int(rng.lognormvariate(
+        math.log(plan.pool_median_len), plan.pool_sigma)))) for _ in range(plan.pool_sessions)]
+
+
+class Replay:
+    """Sessions opened, grown and closed interleaved, K/V fed with random tensors."""
+
+    def __init__(self, kv: KVCache, plan: Plan, rng: random.Random, seed: int):
+        self.kv, self.plan, self.rng = kv, plan, rng
+        c = kv.config
+        g = torch.Generator().manual_seed(seed)
+        self.noise = torch.randn(c.num_heads, 64 + plan.pool_max_len, c.head_dim, generator=g)
+        fp = kv.full_precision_dtype
+        self.bpt, self.fresh_slot = kv.bytes_per_token(fp), kv.slot_bytes(fp)
+        self.live: dict[int, int] = {}  # sid -> target length
+        self.samples: list[float] = []
+        self.live_samples: list[float] = []
+        self.events = 0
+
+    def feed(self, sid: int, n: int) -> None:
+        self.kv.reserve(sid, [self.rng.randrange(256) for _ in range(n)])
+        off = self.rng.randrange(64)
+        for layer in range(self.kv.config.num_layers):
+            self.kv.write(sid, layer, self.noise[:, off:off + n],
+                          self.noise[:, off + 1:off + 1 + n])
+
+    def live_util(self) -> float:
+        """Token bytes of open sessions over slot bytes of the blocks they reference (fp32
+        storage only: with quantized blocks the storage of each block is not public)."""
+        if self.kv.config.kv_dtype != "fp32":
+            return float("nan")
+        blocks_live = self.kv.stats()["blocks_referenced"]
+        toks = sum(self.kv.length(s) for s in self.live)
+        return toks * self.bpt / (blocks_live * self.fresh_slot) if blocks_live else 0.0
+
+    def open_up_to_capacity(self, lengths: list[int], opened: int) -> int:
+        while len(self.live) < self.plan.pool_live and opened < len(lengths):
+            sid = self.kv.open_session()
+            self.live[sid] = lengths[opened]
+            opened += 1
+            self.feed(sid, max(1, int(self.live[sid] * self.rng.uniform(0.3, 0.9))))  # prompt
+        return opened
+
+    def step(self) -> None:
+        """One event: a random open session grows a little, or closes when done."""
+        sid = self.rng.choice(list(self.live))
+        have = self.kv.length(sid)
+        if have >= self.live[sid]:
+            self.kv.close_session(sid)
+            del self.live[sid]
+        else:
+            self.feed(sid, min(self.live[sid] - have, self.rng.randint(1, 16)))
+        self.events += 1
+        if self.events % 10 == 0:
+            self.samples.append(self.kv.stats()["kv_utilisation"])
+            self.live_samples.append(self.live_util())
+
+    def run(self, lengths: list[int]) -> None:
+        """Until the last session has been opened (snapshot with the last wave still open)."""
+        opened = 0
+        while True:
+            opened = self.open_up_to_capacity(lengths, opened)
+            if opened >= len(lengths) or not self.live:
+                return
+            self.step()
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
 def pool_section(cfg: ModelConfig, plan: Plan, block: int, seed: int,
                  kv_dtype: str = "fp32") -> dict:
+    """Utilisation of the pool after a replay of sessions with long-tailed lengths."""
     rng = random.Random(seed + 23)
-    lengths = [max(1, min(plan.pool_max_len, int(rng.lognormvariate(
-        math.log(plan.pool_median_len), plan.pool_sigma)))) for _ in range(plan.pool_sessions)]
+    lengths = session_lengths(plan, rng)
     peak_tokens = sum(sorted(lengths)[-plan.pool_live:]) + plan.pool_live * block
     pool = _pool_bytes_for(cfg, block, peak_tokens, slack=1.3)
     kv = KVCache(cfg.cache_config(block_size=block, kv_dtype=kv_dtype, pool_bytes=pool))
-    H, D, L = cfg.n_heads, cfg.head_dim, cfg.n_layers
-    g = torch.Generator().manual_seed(seed)
-    noise = torch.randn(H, 64 + plan.pool_max_len, D, generator=g)
-    bpt = kv.bytes_per_token(kv.fresh)
-    fresh_slot = kv.pool.classes[kv.fresh].slot_bytes
-    live: dict[int, int] = {}  # sid -> target length
-    opened, samples, live_samples, events = 0, [], [], 0
-
-    def feed(sid: int, n: int) -> None:
-        kv.reserve(sid, [rng.randrange(256) for _ in range(n)])
-        off = rng.randrange(64)
-        for layer in range(L):
-            kv.write(sid, layer, noise[:, off:off + n], noise[:, off + 1:off + 1 + n])
-
-    def live_util() -> float:
-        """Token bytes of open sessions over slot bytes of the blocks they reference (fp32
-        storage only: with quantized blocks the slot class of each block is not public)."""
-        if kv_dtype != "fp32":
-            return float("nan")
-        st = kv.stats()
-        toks = sum(kv.length(s) for s in live)
-        blocks_live = st["blocks_referenced"]
-        return toks * bpt / (blocks_live * fresh_slot) if blocks_live else 0.0
-
+    replay = Replay(kv, plan, rng, seed)
     t0 = time.perf_counter()
-    while opened < len(lengths) or live:
-        while len(live) < plan.pool_live and opened < len(lengths):
-            sid = kv.open_session()
-            target = lengths[opened]
-            opened += 1
-            live[sid] = target
-            feed(sid, max(1, int(target * rng.uniform(0.3, 0.9))))  # the prompt
-        if opened >= len(lengths):
-            break  # snapshot with the last wave still open
-        sid = rng.choice(list(live))
-        have = kv.length(sid)
-        if have >= live[sid]:
-            kv.close_session(sid)
-            del live[sid]
-        else:
-            feed(sid, min(live[sid] - have, rng.randint(1, 16)))
-        events += 1
-        if events % 10 == 0:
-            samples.append(kv.stats()["kv_utilisation"])
-            live_samples.append(live_util())
+    replay.run(lengths)
     st = kv.stats()
-    final_live = live_util()
     return {
         "kv_dtype": kv_dtype,
         "block_size": block,
@@ -549,32 +764,88 @@ def pool_section(cfg: ModelConfig, plan: Plan, block: int, seed: int,
             f"lognormal(median={plan.pool_median_len:g}, sigma={plan.pool_sigma}) clipped to "
             f"[1, {plan.pool_max_len}]; mean {sum(lengths) / len(lengths):.1f} tokens"),
         "kv_utilisation": st["kv_utilisation"],
-        "kv_utilisation_mean_during_replay": (
-            sum(samples) / len(samples) if samples else float("nan")),
-        "live_utilisation": final_live,
-        "live_utilisation_mean_during_replay": (
-            sum(live_samples) / len(live_samples) if live_samples else float("nan")),
+        "kv_utilisation_mean_during_replay": _mean(replay.samples),
+        "live_utilisation": replay.live_util(),
+        "live_utilisation_mean_during_replay": _mean(replay.live_samples),
         "slab_slot_fill": st["pool_slot_fill"],
         "kv_utilisation_of_slab_bytes": st["kv_utilisation"] * st["pool_slot_fill"],
         "bytes_allocated": st["bytes_allocated"],
         "bytes_holding_tokens": st["bytes_holding_tokens"],
         "blocks_cached_unreferenced": st["blocks_cached_unreferenced"],
         "evictions": st["evictions"],
-        "events": events,
+        "events": replay.events,
         "seconds": time.perf_counter() - t0,
     }
 
 
-# == main ==================================================================================
+def pool_other_configs(cfg: ModelConfig, plan: Plan, block: int, seed: int) -> dict:
+    """The replay at block 16 (fp32) and with int8 storage, headline figures only."""
+    extra = {}
+    for bs, dt in ((16, "fp32"), (block, "int8")):
+        if (bs, dt) != (block, "fp32"):
+            e = pool_section(cfg, plan, bs, seed, dt)
+            extra[f"block{bs}_{dt}"] = {k: e[k] for k in (
+                "kv_utilisation", "kv_utilisation_mean_during_replay", "live_utilisation",
+                "live_utilisation_mean_during_replay", "slab_slot_fill",
+                "kv_utilisation_of_slab_bytes") if math.isfinite(e[k])}
+    return extra
+
+
+# == eviction collateral ===================================================================
+def _feed_random(kv: KVCache, sid: int, tokens: list[int], g: torch.Generator) -> None:
+    c = kv.config
+    kv.reserve(sid, tokens)
+    for layer in range(c.num_layers):
+        kv.write(sid, layer, torch.randn(c.num_heads, len(tokens), c.head_dim, generator=g),
+                 torch.randn(c.num_heads, len(tokens), c.head_dim, generator=g))
+
+
+def eviction_section(cfg: ModelConfig, pool_bytes: int = 2 << 20, reserve: int = 3) -> dict:
+    """Fill a pool with one-block sessions, closing each (its block stays a cached prefix
+    entry), until one free full-size slot is left; then a ``reserve``-token allocation.
+    Collateral = cached blocks evicted for it (``stats()['eviction_collateral']``)."""
+    kv = KVCache(cfg.cache_config(pool_bytes=pool_bytes))
+    B = kv.config.block_size
+    g = torch.Generator().manual_seed(0)
+    n = 0
+    while kv.stats()["blocks_free_fresh"] > 1:
+        sid = kv.open_session()
+        _feed_random(kv, sid, list(range(B * n, B * n + B)), g)  # distinct content per block
+        kv.close_session(sid)
+        n += 1
+    before = kv.stats()
+    _feed_random(kv, kv.open_session(), [7] * reserve, g)
+    after = kv.stats()
+    return {
+        "eviction_collateral": int(after["eviction_collateral"]),
+        "eviction_scenario": {
+            "geometry": {**asdict(cfg), "block_size": B, "pool_bytes": pool_bytes},
+            "cached_blocks_before": before["blocks_cached_unreferenced"],
+            "free_full_slots_before": before["blocks_free_fresh"],
+            "reserve_tokens": reserve,
+            "evictions": after["evictions"] - before["evictions"],
+            "cached_blocks_after": after["blocks_cached_unreferenced"],
+        },
+    }
+
+
+# == summary ===============================================================================
 NOTES = {
     "bytes_per_token": "KVCache.bytes_per_token(dtype): format bytes of a full block (codes + "
     "fp16 scales + packed int4 zero points), all layers, K and V, divided by block_size. "
-    "slot_bytes_per_token: the pool slot (rounded up to whole 4 KB pages) per token. "
-    "arena_bytes_per_token: managed block (slab) bytes / slots per slab / block_size, i.e. "
-    "what a block really costs in the arena once the slab's unusable tail is counted.",
+    "slot_bytes_per_token: KVCache.slot_bytes(dtype) (the pool slot, rounded up to whole 4 KB "
+    "pages) per token. by_block_size[*].arena_bytes_per_token and arena_int*_vs_fp16: "
+    "KVCache.arena_bytes_per_token(dtype) for the benchmark model, i.e. what a block really "
+    "costs in the arena once the slab's unusable tail is counted.",
+    "arena_bytes_per_token": "{lm_model, bench_model} x {dtype: KVCache.arena_bytes_per_token"
+    "(dtype)}: lm_model = node.tasks.LM_MODEL with the node's cache config (default block "
+    "size), bench_model = the benchmark model at --block-size; geometries in arena_geometry.",
     "decode": "median tokens/s of greedy decode steps after an untimed prefill of `context` "
     "tokens of held-out text; variants interleaved (rotated order) across repeats; same torch "
-    "thread count for all. no_cache recomputes the full sequence each step (fewer steps).",
+    "thread count for all. no_cache recomputes the full sequence each step (fewer steps). "
+    "decode_tokens_per_s is at config.context (1,024), decode_tokens_per_s_4096 at "
+    "decode_4096.context, with decode_4096.decode_steps steps per variant except no_cache "
+    "(decode_4096.no_cache_steps); no separate warm-up there (the 1,024 run warmed up).",
     "quality": "teacher-forced decode loop, one forward_cached call per token, on held-out "
     "stdlib modules; int8/int4 vs fp32 of the same trained checkpoint. ppl = exp(mean nats/byte). "
     "top1_agreement_on_quantized_positions counts only positions >= fp_window + block_size.",
@@ -591,9 +862,45 @@ NOTES = {
     "kv_utilisation_of_slab_bytes = kv_utilisation x slab_slot_fill also count the unusable "
     "tail of each managed block. Snapshot taken when the last session has been opened, with "
     "the last wave still open.",
+    "eviction_collateral": "LM_MODEL geometry, 2 MB pool: one-block sessions opened, fed and "
+    "closed (their blocks stay cached) until stats()['blocks_free_fresh'] == 1, then a 3-token "
+    "reserve; eviction_collateral = stats()['eviction_collateral'] (the most cached blocks "
+    "evicted for one allocation); details in eviction_scenario.",
 }
 
 
+def target_checks(r: dict) -> dict[str, bool]:
+    q, d4 = r["quality"], r["decode_4096"]
+    arena = r["arena_ratios"].values()
+    checks = {
+        "int4_vs_fp16 <= 0.28": r["int4_vs_fp16"] <= 0.28,
+        "int8_vs_fp16 <= 0.53": r["int8_vs_fp16"] <= 0.53,
+        "int8 top1_agreement >= 0.999": q["int8"]["top1_agreement"] >= 0.999,
+        "int8 ppl_delta <= 0.02": q["int8"]["ppl_delta"] <= 0.02,
+        "int4 top1_agreement >= 0.99": q["int4"]["top1_agreement"] >= 0.99,
+        "int4 ppl_delta <= 0.1": q["int4"]["ppl_delta"] <= 0.1,
+        "fedkv_fp32 >= hf_dynamic_cache": r["fedkv_fp32_vs_hf"] >= 1.0,
+        "fedkv_fp32 >= 10x no_cache": r["fedkv_fp32_vs_no_cache"] >= 10.0,
+        "prefix ratio <= 1.05": r["prefix_sharing"]["ratio"] <= 1.05,
+        "pool_utilisation >= 0.96": r["pool_utilisation"] >= 0.96,
+        "pool_utilisation_live_sessions >= 0.96": r["pool_utilisation_live_sessions"] >= 0.96,
+        "fedkv_fp32 >= 1.2x hf_dynamic_cache (1024)": r["fedkv_fp32_vs_hf"] >= 1.2,
+        "fedkv_fp32 >= 1.2x hf_dynamic_cache (4096)": d4["fedkv_fp32_vs_hf"] >= 1.2,
+        "fedkv_fp32 >= naive_concat (1024)": r["fedkv_fp32_vs_naive_concat"] >= 1.0,
+        "fedkv_fp32 >= naive_concat (4096)": d4["fedkv_fp32_vs_naive_concat"] >= 1.0,
+        "fedkv_int8 >= 0.9x fedkv_fp32": r["fedkv_int8_vs_fp32"] >= 0.9,
+        "fedkv_int4 >= 0.8x fedkv_fp32": r["fedkv_int4_vs_fp32"] >= 0.8,
+        "arena int8/fp16 <= 0.55 (lm_model, bench_model)": all(
+            a["int8_vs_fp16"] <= 0.55 for a in arena),
+        "arena int4/fp16 <= 0.30 (lm_model, bench_model)": all(
+            a["int4_vs_fp16"] <= 0.30 for a in arena),
+        "eviction_collateral <= 1": r["eviction_collateral"] <= 1,
+    }
+    assert set(checks) == set(TARGETS)
+    return checks
+
+
+# == main ==================================================================================
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_kv", description=__doc__.split(
         "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -617,9 +924,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(args: argparse.Namespace) -> dict:
-    t_start = time.perf_counter()
-    load0 = os.getloadavg()
+@dataclass
+class Bench:
+    """What every section needs: the plan, the trained model and held-out text."""
+
+    args: argparse.Namespace
+    plan: Plan
+    block: int
+    model: TinyTransformer
+    info: dict
+    ckpt_s: float
+    heldout: bytes
+    prompt: list[int]
+    long_prompt: list[int]
+
+
+def setup(args: argparse.Namespace) -> Bench:
+    """Validate flags, train (or load) the checkpoint and cut the prompts."""
     plan = make_plan(args)
     block = args.block_size
     if block < 1:
@@ -628,137 +949,138 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"--context {plan.context} too long for the model")
     torch.manual_seed(args.seed)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    mode = "tiny" if args.tiny else "quick" if args.quick else "full"
-    log(f"fedkv bench_kv ({mode}): model {asdict(plan.model)}, block {block}, "
-        f"context {plan.context}, threads {args.threads}")
-
-    # -- checkpoint (trained once, then cached) ---------------------------------------------
+    log(f"fedkv bench_kv ({mode_of(args)}): model {asdict(plan.model)}, block {block}, "
+        f"context {plan.context} and {plan.long_context}, threads {args.threads}")
     torch.set_num_threads(args.train_threads or args.threads)
     t = time.perf_counter()
+    small = 2_000_000 if args.tiny else None
     model, info = pretrained_tiny(
         plan.model, args.cache_dir, plan.train_steps, batch_size=plan.train_batch,
-        seq_len=plan.train_seq, seed=args.seed, return_info=True, log=log,
-        max_bytes=2_000_000 if args.tiny else None)
+        seq_len=plan.train_seq, seed=args.seed, return_info=True, log=log, max_bytes=small)
     ckpt_s = time.perf_counter() - t
     log(f"checkpoint {'loaded' if info['cached'] else 'trained'} in {ckpt_s:.1f}s "
         f"(held-out {info['heldout_loss']:.3f} nats/byte)")
     torch.set_num_threads(args.threads)
     model.eval()
-    split = split_corpus(1, seed=args.seed, max_bytes=2_000_000 if args.tiny else None)
-    heldout = split.heldout
+    heldout = split_corpus(1, seed=args.seed, max_bytes=small).heldout
     g = torch.Generator().manual_seed(args.seed + 3)
     prompt = random_windows(heldout, plan.context - 1, 1, g)[0].tolist()  # context tokens
+    long_prompt = random_windows(heldout, plan.long_context - 1, 1, g)[0].tolist()
+    return Bench(args, plan, block, model, info, ckpt_s, heldout, prompt, long_prompt)
 
-    result: dict = {"mode": mode, "block_size": block}
-    # -- bytes -------------------------------------------------------------------------------
-    b = bytes_section(plan.model, block)
-    result.update(b)
-    result["by_block_size"] = {str(bs): bytes_section(plan.model, bs) for bs in (16, 32)}
-    log(f"bytes/token (block {block}): " + ", ".join(
-        f"{k} {v:.0f}" for k, v in b["bytes_per_token"].items())
-        + f"; int8 {b['int8_vs_fp16']:.3f}x, int4 {b['int4_vs_fp16']:.3f}x fp16")
-    log(f"  page-rounded slots: int8 {b['slot_int8_vs_fp16']:.3f}x, int4 "
-        f"{b['slot_int4_vs_fp16']:.3f}x; in the arena (slab tails counted): int8 "
-        f"{b['arena_int8_vs_fp16']:.3f}x, int4 {b['arena_int4_vs_fp16']:.3f}x fp16")
-    bb = result["by_block_size"]["16"]
-    log(f"  block 16: int8 {bb['int8_vs_fp16']:.3f}x, int4 {bb['int4_vs_fp16']:.3f}x fp16 "
-        f"(arena {bb['arena_int8_vs_fp16']:.3f}x, {bb['arena_int4_vs_fp16']:.3f}x)")
 
-    # -- decode ------------------------------------------------------------------------------
+def mode_of(args: argparse.Namespace) -> str:
+    return "tiny" if args.tiny else "quick" if args.quick else "full"
+
+
+def run_bytes(b: Bench, result: dict) -> None:
+    result.update(bytes_section(b.plan.model, b.block))
+    result["by_block_size"] = {str(bs): bytes_section(b.plan.model, bs) for bs in (16, 32)}
+    result.update(arena_section(b.plan.model, b.block))
+    log_bytes(result, b.block)
+
+
+def run_decode(b: Bench, result: dict) -> None:
     t = time.perf_counter()
-    d = decode_section(model, plan, prompt, block)
+    d = decode_section(b.model, b.plan, b.prompt, b.block)
     result.update(d)
-    med = d["decode_tokens_per_s"]
-    log("decode tokens/s at %d context (median of %d): %s" % (plan.context, plan.repeats,
-        ", ".join(f"{k} {v:.1f}" for k, v in med.items())))
-    log(f"  fedkv_fp32 / hf = {d['fedkv_fp32_vs_hf']:.2f}x, / no_cache = "
-        f"{d['fedkv_fp32_vs_no_cache']:.1f}x, / naive_concat = "
-        f"{d['fedkv_fp32_vs_naive_concat']:.2f}x  ({time.perf_counter() - t:.1f}s)")
-
-    if not args.no_profile:
-        p = profile_section(model, prompt, block, 8 if args.tiny else 32)
-        result["profile"] = p
-        log(f"profile: fedkv fp32 step {p['step_ms']:.2f} ms, {p['share_in_KVCache_read']:.0%} "
-            f"in KVCache.read; per layer: " + ", ".join(
-                f"{k} {v:.0f}" for k, v in p["micro_per_layer"].items()))
-
-    # -- quality -----------------------------------------------------------------------------
+    log_decode(d["decode_tokens_per_s"], d, b.plan.context, b.plan.repeats,
+               time.perf_counter() - t)
     t = time.perf_counter()
-    q = quality_section(model, heldout, plan, block, args.seed)
-    result["quality"] = q
-    for dt in ("int8", "int4"):
-        log(f"quality {dt}: top1 agreement {q[dt]['top1_agreement']:.4f}, ppl "
-            f"{q[dt]['ppl']:.4f} vs fp32 {q['fp32']['ppl']:.4f} (delta {q[dt]['ppl_delta']:+.4f})"
-            f", {q[dt]['quantized_blocks']} blocks quantized, "
-            f"{q[dt]['kept_full_precision_blocks']} kept fp")
-    log(f"  ({q['tokens']} tokens, {time.perf_counter() - t:.1f}s)")
+    d4 = decode_long_section(b.model, b.plan, b.long_prompt, b.block)
+    result.update(d4)
+    log_decode(d4["decode_tokens_per_s_4096"], d4["decode_4096"], b.plan.long_context,
+               b.plan.repeats, time.perf_counter() - t)
+    log(f"  (at {b.plan.long_context}: {b.plan.long_decode_steps} steps per variant, no_cache "
+        f"{b.plan.long_no_cache_steps})")
 
-    # -- prefix sharing ----------------------------------------------------------------------
-    prefix = prompt[: plan.context]
-    ps = prefix_section(model, prefix, plan, block, args.seed)
+
+def run_profile(b: Bench, result: dict) -> None:
+    if b.args.no_profile:
+        return
+    p = profile_section(b.model, b.prompt, b.block, 8 if b.args.tiny else 32)
+    result["profile"] = p
+    log(f"profile: fedkv fp32 step {p['step_ms']:.2f} ms, {p['share_in_KVCache_read']:.0%} "
+        f"in KVCache.read; per layer: " + ", ".join(
+            f"{k} {v:.0f}" for k, v in p["micro_per_layer"].items()))
+
+
+def run_quality(b: Bench, result: dict) -> None:
+    t = time.perf_counter()
+    result["quality"] = quality_section(b.model, b.heldout, b.plan, b.block, b.args.seed)
+    log_quality(result["quality"], time.perf_counter() - t)
+
+
+def run_prefix(b: Bench, result: dict) -> None:
+    prefix = b.prompt[: b.plan.context]
+    ps = prefix_section(b.model, prefix, b.plan, b.block, b.args.seed)
+    other = 16 if b.block != 16 else 32
+    po = prefix_section(b.model, prefix, b.plan, other, b.args.seed)
     result["prefix_sharing"] = ps
-    other = 16 if block != 16 else 32
-    po = prefix_section(model, prefix, plan, other, args.seed)
     result["prefix_sharing_other_block_size"] = {str(other): {k: po[k] for k in (
         "bytes_shared", "bytes_ideal", "ratio", "ratio_vs_block_granular_ideal")}}
-    log(f"prefix sharing: {ps['sessions']} sessions x {ps['prefix_tokens']}-token prefix: "
-        f"{ps['bytes_shared'] / 2**20:.1f} MiB held vs ideal {ps['bytes_ideal'] / 2**20:.1f} MiB "
-        f"(ratio {ps['ratio']:.3f}; vs block-granular ideal "
-        f"{ps['ratio_vs_block_granular_ideal']:.3f}), unshared {ps['bytes_unshared'] / 2**20:.1f}"
-        f" MiB ({ps['seconds']:.1f}s); block {other}: ratio {po['ratio']:.3f}")
+    log_prefix(ps, po, other)
 
-    # -- pool utilisation --------------------------------------------------------------------
-    pu = pool_section(plan.model, plan, block, args.seed)
+
+def run_pool(b: Bench, result: dict) -> None:
+    pu = pool_section(b.plan.model, b.plan, b.block, b.args.seed)
+    extra = pool_other_configs(b.plan.model, b.plan, b.block, b.args.seed)
     result["pool_utilisation"] = pu["kv_utilisation"]
     result["pool_utilisation_live_sessions"] = pu["live_utilisation"]
     result["pool"] = pu
-    extra = {}
-    for bs, dt in ((16, "fp32"), (block, "int8")):
-        if (bs, dt) != (block, "fp32"):
-            e = pool_section(plan.model, plan, bs, args.seed, dt)
-            extra[f"block{bs}_{dt}"] = {k: e[k] for k in (
-                "kv_utilisation", "kv_utilisation_mean_during_replay", "live_utilisation",
-                "live_utilisation_mean_during_replay", "slab_slot_fill",
-                "kv_utilisation_of_slab_bytes") if math.isfinite(e[k])}
     result["pool_other_configs"] = extra
-    log(f"pool utilisation: {pu['kv_utilisation']:.4f} (live sessions only "
-        f"{pu['live_utilisation']:.4f}; mean during replay {pu['kv_utilisation_mean_during_replay']:.4f})"
+    log(f"pool utilisation: {pu['kv_utilisation']:.4f} (target >= 0.96; live sessions only "
+        f"{pu['live_utilisation']:.4f}; mean during replay "
+        f"{pu['kv_utilisation_mean_during_replay']:.4f})"
         + "".join(f"; {k}: {v['kv_utilisation']:.4f}" for k, v in extra.items()))
 
-    # -- summary -----------------------------------------------------------------------------
-    checks = {
-        "int4_vs_fp16 <= 0.28": b["int4_vs_fp16"] <= 0.28,
-        "int8_vs_fp16 <= 0.53": b["int8_vs_fp16"] <= 0.53,
-        "int8 top1_agreement >= 0.999": q["int8"]["top1_agreement"] >= 0.999,
-        "int8 ppl_delta <= 0.02": q["int8"]["ppl_delta"] <= 0.02,
-        "int4 top1_agreement >= 0.99": q["int4"]["top1_agreement"] >= 0.99,
-        "int4 ppl_delta <= 0.1": q["int4"]["ppl_delta"] <= 0.1,
-        "fedkv_fp32 >= hf_dynamic_cache": d["fedkv_fp32_vs_hf"] >= 1.0,
-        "fedkv_fp32 >= 10x no_cache": d["fedkv_fp32_vs_no_cache"] >= 10.0,
-        "prefix ratio <= 1.05": ps["ratio"] <= 1.05,
-        "pool_utilisation >= 0.96": pu["kv_utilisation"] >= 0.96,
-        "pool_utilisation_live_sessions >= 0.96": pu["live_utilisation"] >= 0.96,
-    }
-    assert set(checks) == set(TARGETS)
+
+def run_eviction(b: Bench, result: dict) -> None:
+    e = eviction_section(LM_MODEL)
+    result.update(e)
+    s = e["eviction_scenario"]
+    log(f"eviction collateral: {e['eviction_collateral']} (target <= 1) cached blocks evicted "
+        f"for a {s['reserve_tokens']}-token reserve ({s['cached_blocks_before']} cached, "
+        f"{s['free_full_slots_before']} free full slot; {s['evictions']} evictions)")
+
+
+SECTIONS = (run_bytes, run_decode, run_profile, run_quality, run_prefix, run_pool,
+            run_eviction)
+
+
+def finish(b: Bench, result: dict, load0: float, t_start: float) -> None:
+    """Targets, configuration, checkpoint and notes."""
+    checks = target_checks(result)
     result["targets_met"] = checks
+    p = b.plan
     result["config"] = {
-        "model": asdict(plan.model), "context": plan.context, "decode_steps": plan.decode_steps,
-        "no_cache_steps": plan.no_cache_steps, "repeats": plan.repeats,
-        "torch_threads": args.threads, "seed": args.seed, "hf_model": "GPT2LMHeadModel, random "
-        "init, same dims, sdpa attention, DynamicCache",
+        "model": asdict(p.model), "context": p.context, "decode_steps": p.decode_steps,
+        "no_cache_steps": p.no_cache_steps, "repeats": p.repeats,
+        "long_context": p.long_context, "long_decode_steps": p.long_decode_steps,
+        "long_no_cache_steps": p.long_no_cache_steps,
+        "torch_threads": b.args.threads, "seed": b.args.seed, "hf_model": "GPT2LMHeadModel, "
+        "random init, same dims, sdpa attention, DynamicCache",
         "torch": torch.__version__, "python": sys.version.split()[0],
     }
-    result["checkpoint"] = {k: info.get(k) for k in (
+    result["checkpoint"] = {k: b.info.get(k) for k in (
         "cached", "path", "steps", "batch_size", "seq_len", "lr", "train_seconds",
         "first_loss", "final_loss", "heldout_loss", "heldout_ppl")}
-    result["checkpoint"]["seconds_this_run"] = ckpt_s
+    result["checkpoint"]["seconds_this_run"] = b.ckpt_s
     result["notes"] = NOTES
-    result["load_average_start_end"] = [load0[0], os.getloadavg()[0]]
+    result["load_average_start_end"] = [load0, os.getloadavg()[0]]
     result["elapsed_s"] = time.perf_counter() - t_start
-    met = sum(checks.values())
-    log(f"targets met: {met}/{len(checks)}; missed: "
+    log(f"targets met: {sum(checks.values())}/{len(checks)}; missed: "
         + (", ".join(k for k, v in checks.items() if not v) or "none"))
     log(f"elapsed {result['elapsed_s']:.1f}s")
+
+
+def run(args: argparse.Namespace) -> dict:
+    t_start, load0 = time.perf_counter(), os.getloadavg()[0]
+    b = setup(args)
+    result: dict = {"mode": mode_of(args), "block_size": b.block}
+    for section in SECTIONS:
+        section(b, result)
+    finish(b, result, load0, t_start)
     return result
 
 

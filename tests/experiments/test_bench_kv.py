@@ -19,6 +19,9 @@ TOP_KEYS = {
     "by_block_size", "decode_tokens_per_s", "fedkv_fp32_vs_hf", "fedkv_fp32_vs_no_cache",
     "quality", "prefix_sharing", "pool_utilisation", "pool_utilisation_live_sessions",
     "targets_met", "config", "checkpoint", "notes",
+    # issue 9
+    "decode_tokens_per_s_4096", "decode_4096", "arena_bytes_per_token", "arena_ratios",
+    "eviction_collateral", "eviction_scenario",
 }
 DECODE = {"fedkv_fp32", "fedkv_int8", "fedkv_int4", "hf_dynamic_cache", "naive_concat",
           "no_cache"}
@@ -99,6 +102,43 @@ def test_figures_are_consistent(result):
     for v in r["decode_consistency"].values():
         assert v < 1e-3
     assert r["checkpoint"]["cached"] is False
+
+
+def test_issue9_keys_have_sane_types(result):
+    r, _ = result
+    long = r["decode_tokens_per_s_4096"]
+    assert set(long) == DECODE
+    assert all(isinstance(v, float) and v > 0 for v in long.values())
+    d4 = r["decode_4096"]
+    assert d4["context"] > r["config"]["context"]
+    assert isinstance(d4["no_cache_steps"], int) and isinstance(d4["decode_steps"], int)
+    assert 1 <= d4["no_cache_steps"] <= d4["decode_steps"]
+    assert set(d4["samples"]) == DECODE
+    for v in d4["decode_consistency"].values():
+        assert v < 1e-3
+    arena = r["arena_bytes_per_token"]
+    assert set(arena) == {"lm_model", "bench_model"}
+    for geom, per in arena.items():
+        assert set(per) == {"fp32", "fp16", "int8", "int4"}, geom
+        assert all(isinstance(v, (int, float)) and v > 0 for v in per.values())
+        # a block never costs less than its format bytes, and int4 <= int8 <= fp16 < fp32
+        assert per["int4"] <= per["int8"] <= per["fp16"] < per["fp32"]
+        assert set(r["arena_ratios"][geom]) == {"int8_vs_fp16", "int4_vs_fp16"}
+    assert arena["bench_model"]["int8"] >= r["bytes_per_token"]["int8"]
+    assert r["by_block_size"]["32"]["arena_bytes_per_token"] == arena["bench_model"]
+    ec = r["eviction_collateral"]
+    assert isinstance(ec, int) and not isinstance(ec, bool) and ec >= 0
+    sc = r["eviction_scenario"]
+    assert sc["reserve_tokens"] == 3 and sc["free_full_slots_before"] == 1
+    assert sc["cached_blocks_before"] > 1 and sc["evictions"] >= ec
+    assert all(isinstance(v, bool) for v in r["targets_met"].values())
+    assert "eviction_collateral <= 1" in r["targets_met"]
+
+
+def test_uses_only_the_public_cache_api():
+    src = (ROOT / "experiments" / "bench_kv.py").read_text()
+    for private in ("kv.pool", "kv.fresh", "kv.layout", "kv._", ".pool.", "._sessions"):
+        assert private not in src, private
 
 
 def test_bad_flags_rejected():
