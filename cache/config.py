@@ -8,16 +8,18 @@ from cache.errors import ConfigError
 
 KV_DTYPES = ("fp32", "fp16", "int8", "int4")
 QUANT_SCHEMES = ("kivi", "per_layer")
+SCALE_FORMATS = ("fp16", "log8")
 
 
 @dataclass
 class CacheConfig:
     """Geometry and policy of one KV cache.
 
-    The pool is laid out as the article describes: the arena is cut into superblocks (2 MB),
-    each cut into managed blocks (128 KB) that are dedicated to one block size class (a slab),
-    each made of pages (4 KB). A KV block of ``block_size`` tokens occupies a whole number of
-    pages inside one managed block.
+    The arena is cut into managed blocks (128 KB) that are dedicated to one block size class
+    (a slab) and cut into equal slots; a slot is its block's byte size rounded up to a 64 B
+    page (a cache line), so an int8 or int4 block takes about half or a quarter of an fp16
+    block's arena (see ``cache/pool.py`` for the measurements, and
+    ``cache.sizing.arena_bytes_per_token``). The article's superblock layer is not used.
     """
 
     num_layers: int
@@ -33,6 +35,10 @@ class CacheConfig:
     quant_scheme: str = "kivi"
     """``kivi``: keys per-channel, values per-token scales; ``per_layer``: one scale per layer
     and per K/V in each block (the article's scheme; smallest metadata, largest error)."""
+    scale_format: str = "log8"
+    """How KIVI scales are stored: ``log8`` (a uint8 log-code per group under one fp16
+    reference per layer and K/V; see ``cache/quant.py``) or ``fp16`` (2 B per group). At
+    16-token blocks only ``log8`` brings int4 to <= 0.30x of fp16."""
     tail_granule: int = 4
     """The last, partly filled block of a session lives in a smaller slot that grows in steps
     of this many tokens (moved into a full block when it fills), so a session wastes fewer
@@ -43,9 +49,13 @@ class CacheConfig:
     pool_bytes: int = 64 << 20
     """Arena size, preallocated at construction."""
     superblock_bytes: int = 2 << 20
+    """Not used by the pool any more (superblocks bought nothing measurable, see
+    ``cache/pool.py``); kept so existing configs still construct."""
     managed_block_bytes: int | None = None
     """Slab size; ``None`` means 128 KB, or the next power of two holding 8 fp32 blocks."""
-    page_bytes: int = 4 << 10
+    page_bytes: int = 64
+    """Slot granule: every slot is a whole number of these (a multiple of 4 bytes, so fp32
+    views of any slot stay aligned). 4 KB pages made int8 cost as much as fp16."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "head_dim", "block_size", "page_bytes"):
@@ -56,6 +66,12 @@ class CacheConfig:
         if self.quant_scheme not in QUANT_SCHEMES:
             raise ConfigError(
                 f"quant_scheme must be one of {QUANT_SCHEMES}, got {self.quant_scheme!r}"
+            )
+        if self.page_bytes % 4:
+            raise ConfigError(f"page_bytes must be a multiple of 4, got {self.page_bytes}")
+        if self.scale_format not in SCALE_FORMATS:
+            raise ConfigError(
+                f"scale_format must be one of {SCALE_FORMATS}, got {self.scale_format!r}"
             )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for int4 packing, got {self.head_dim}")
@@ -71,22 +87,15 @@ class CacheConfig:
             while mb < need:
                 mb *= 2
             self.managed_block_bytes = mb
-        if self.superblock_bytes % self.managed_block_bytes:
-            self.superblock_bytes = max(self.superblock_bytes, self.managed_block_bytes)
-            if self.superblock_bytes % self.managed_block_bytes:
-                raise ConfigError(
-                    f"superblock_bytes {self.superblock_bytes} is not a multiple of "
-                    f"managed_block_bytes {self.managed_block_bytes}"
-                )
         if self.managed_block_bytes % self.page_bytes:
             raise ConfigError(
                 f"managed_block_bytes {self.managed_block_bytes} is not a multiple of "
                 f"page_bytes {self.page_bytes}"
             )
-        if self.pool_bytes < self.superblock_bytes:
+        if self.pool_bytes < self.managed_block_bytes:
             raise ConfigError(
-                f"pool_bytes {self.pool_bytes} is smaller than one superblock "
-                f"({self.superblock_bytes})"
+                f"pool_bytes {self.pool_bytes} is smaller than one managed block "
+                f"({self.managed_block_bytes})"
             )
 
     @property

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cache.config import CacheConfig
+from cache.config import KV_DTYPES, CacheConfig
 from cache.pool import BlockPool
 from cache.quant import BlockFormat
 
@@ -53,7 +53,7 @@ class BlockLayout:
         self.rows: dict[str, list[torch.Tensor]] = {}  # per class and layer, see BlockPool.rows
         for name, cap in self.capacity.items():
             dt = name.split("@")[0]
-            fmt = BlockFormat(dt, c.quant_scheme, c.num_heads, cap, c.head_dim)
+            fmt = BlockFormat(dt, c.quant_scheme, c.num_heads, cap, c.head_dim, c.scale_format)
             self.formats[name] = fmt
             pool.add_class(name, fmt.layer_bytes * c.num_layers)
             dtype = self.dtype if dt == self.fresh else torch.uint8
@@ -66,6 +66,9 @@ class BlockLayout:
                 pool.rows(name, dtype, layer * fmt.layer_bytes // size, fmt.layer_bytes // size)
                 for layer in range(c.num_layers)
             ]
+        for dt in KV_DTYPES:  # every storage dtype's format, for figures (bytes per token)
+            self.formats.setdefault(dt, BlockFormat(
+                dt, c.quant_scheme, c.num_heads, B, c.head_dim, c.scale_format))
         # Head rows: row r holds one head's block_size x head_dim values starting r * unit
         # elements into the arena, so one index_select lands K and V of all-full-precision
         # sessions directly in [heads, tokens, head_dim] order. A tail slot's row runs past its

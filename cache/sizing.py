@@ -5,6 +5,9 @@ one V vector of the model width per token per layer). That holds only when every
 own K/V (multi-head attention). With grouped-query or multi-query attention K/V exist only for
 ``num_kv_heads`` heads, so the correct size is
 ``2 x num_layers x num_kv_heads x head_dim x max_seq_len x bytes`` (x batch).
+
+:func:`arena_bytes_per_token` is what the engine really spends: a block's stored bytes (scales
+included), rounded to its pool slot, with the managed block's unusable tail counted.
 """
 
 from __future__ import annotations
@@ -53,3 +56,22 @@ def cache_size(
         head_dim = hidden_size // num_heads
     kv_heads = num_kv_heads if num_kv_heads is not None else num_heads
     return int(2 * num_layers * kv_heads * head_dim * max_seq_len * _bytes(dtype) * batch)
+
+
+def arena_bytes_per_token(config, kv_dtype: str | None = None) -> float:
+    """Real arena bytes per token of a full ``block_size`` block stored as ``kv_dtype`` (default
+    ``config.kv_dtype``) in a cache built from ``config``: the block's bytes (scales included)
+    rounded up to whole pages, times the managed block's bytes over the slots it holds, over
+    ``block_size``. ``KVCache(config).pool.arena_bytes_per_block(kv_dtype)`` is the same
+    figure read off a live pool."""
+    from cache.pool import slot_bytes_for
+    from cache.quant import BlockFormat
+
+    c = config
+    dt = kv_dtype or c.kv_dtype
+    fmt = BlockFormat(dt, c.quant_scheme, c.num_heads, c.block_size, c.head_dim, c.scale_format)
+    slot = slot_bytes_for(fmt.layer_bytes * c.num_layers, c.page_bytes)
+    per_slab = c.managed_block_bytes // slot
+    if per_slab < 1:
+        raise ValueError(f"a {dt} block ({slot} B) does not fit a managed block")
+    return c.managed_block_bytes / per_slab / c.block_size
