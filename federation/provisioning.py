@@ -302,8 +302,10 @@ class KeyService:
     def _exchange(self, grid: Any, phase: str, messages: list[Message], out: AdmitReport) -> dict[int, Message]:
         expected = {m.metadata.dst_node_id for m in messages}
         got: dict[int, Message] = {}
-        for reply in grid.send_and_receive(messages, timeout=self.timeout):
-            node = protocol.reply_sender(reply, protocol.destinations(messages))
+        got_replies = grid.send_and_receive(messages, timeout=self.timeout)
+        sent = protocol.destinations(messages)
+        for reply in got_replies:
+            node = protocol.reply_sender(reply, sent)
             if node not in expected or node in got:
                 continue
             if reply.has_error():

@@ -488,12 +488,9 @@ def parse_noise_reply(msg: Message) -> bytes:
 
 
 # -- 5. train ------------------------------------------------------------------------------------------
-TRAIN_REQUIRED = (
-    "num-examples", "upload-bytes", "num-values", "weight-capped",
-    "train-s", "encrypt-s", "sign-s", "decrypt-s", "writeback-s", "version", "node-source", "pid",
-)
+TRAIN_REQUIRED = protocol.TRAIN_METRICS
 TRAIN_OPTIONAL = ("epsilon-sample",)
-TRAIN_NON_DP = ("train-loss", "clipped", "delta-norm", "saturated")
+TRAIN_NON_DP = protocol.TRAIN_METRICS_NON_DP
 """Required when dp is off; under DP these are private values outside the accounting."""
 
 
@@ -549,8 +546,7 @@ def _parse_train(msg: Message, dp: bool, dim: int) -> TrainReply:
 
 
 # -- 6. evaluate ----------------------------------------------------------------------------------------
-EVAL_FIELDS = ("num-examples", "eval-loss", "eval-metric", "decrypt-s", "writeback-s", "eval-s",
-               "version", "node-source", "pid")
+EVAL_FIELDS = protocol.EVAL_METRICS
 
 
 @_guard

@@ -341,8 +341,10 @@ class OpaqueFedAvg:
         ]
         out = PhaseReplies()
         added = 0
-        for reply in grid.send_and_receive(msgs, timeout=self.cfg.round_timeout):
-            node = protocol.reply_sender(reply, protocol.destinations(msgs))
+        got = grid.send_and_receive(msgs, timeout=self.cfg.round_timeout)
+        sent = protocol.destinations(msgs)
+        for reply in got:
+            node = protocol.reply_sender(reply, sent)
             if node not in plan or any(e.node_id == str(node) and e.kind == KIND_NOISE for e in entries):
                 continue
             if reply.has_error():
