@@ -85,7 +85,8 @@ def test_a_bad_keygen_reply_falls_back_to_the_next_key_maker() -> None:
 
     results = _run(HE, mutate, provisioning.KEYGEN, node=100)  # node 100 (lowest id) makes the key
     assert results.status == "completed" and results.key_origin["node"] == 101
-    assert any("keygen" in r for r in _dropped(results, 100)) or results.rounds[0].dropped
+    assert any(d["node"] == 100 and d["phase"] == "keygen" and "bad keygen reply" in d["reason"]
+               for d in results.rounds[0].dropped), results.rounds[0].dropped
 
 
 # --- fuzz: any mutation of any field of one reply -------------------------------------------------
