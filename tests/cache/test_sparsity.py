@@ -12,6 +12,15 @@ from cache.sparsity import (
 )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors on 2 cores: a second torch thread only contends."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def one_hot_attn(n: int, focus: int, heads: int = 2, weight: float = 1.0) -> torch.Tensor:
     """[heads, 1, n]: one query putting ``weight`` on ``focus`` and the rest evenly elsewhere."""
     attn = torch.full((heads, 1, n), (1.0 - weight) / max(1, n - 1))
