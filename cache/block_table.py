@@ -1,34 +1,39 @@
-"""BlockTable: one session's logical -> physical block map and its token history."""
+"""BlockTable: one session's logical -> physical block map, its token history and read plan."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from cache.block import Block
+
 
 @dataclass
 class BlockTable:
-    """Logical block i of the session lives in physical block ``blocks[i]``.
+    """Logical block i of the session is ``blocks[i]``.
 
     ``length`` tokens are complete (written in every layer); ``pending`` more are reserved and
-    being written layer by layer (``written`` holds the layers done for them).
+    being written layer by layer (``written`` holds the layers done for them). ``runs`` is the
+    read plan: ``[first slot, blocks]`` per run of consecutive arena slots, grown as blocks are
+    appended and rebuilt only when a block of this table changes place.
     """
 
     sid: int
     block_size: int
     version: int
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[Block] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     length: int = 0
     pending: int = 0
     written: set[int] = field(default_factory=set)
     stale: bool = False
+    last_access: int = 0
     quant_checked: int = 0  # blocks[:quant_checked] were quantized or kept full precision
-    gather_key: tuple[int, int] | None = None  # (layout epoch, #blocks) the gather plan is for
-    gather_plan: object = None  # a cache.layout.GatherPlan for gather_key
-
-    def slot(self, pos: int) -> tuple[int, int]:
-        """(logical block index, offset in block) of token position ``pos``."""
-        return divmod(pos, self.block_size)
+    runs: list[list[int]] | None = None
+    planned: int = 0  # blocks covered by runs
+    plan_generation: int = -1
+    write_at: slice | torch.Tensor | None = None  # arena token positions of the pending tokens
 
     def blocks_needed(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
@@ -36,3 +41,6 @@ class BlockTable:
     def layer_length(self, layer: int) -> int:
         """Tokens readable in ``layer``: complete ones, plus pending ones written there."""
         return self.length + (self.pending if layer in self.written else 0)
+
+    def block_ids(self) -> set[int]:
+        return {b.id for b in self.blocks}

@@ -15,11 +15,12 @@ SCALE_FORMATS = ("fp16", "log8")
 class CacheConfig:
     """Geometry and policy of one KV cache.
 
-    The arena is cut into managed blocks (128 KB) that are dedicated to one block size class
-    (a slab) and cut into equal slots; a slot is its block's byte size rounded up to a 64 B
-    page (a cache line), so an int8 or int4 block takes about half or a quarter of an fp16
-    block's arena (see ``cache/pool.py`` for the measurements, and
-    ``cache.sizing.arena_bytes_per_token``). The article's superblock layer is not used.
+    ``pool_bytes`` is split into a full-precision TokenArena (head-major, so a session's
+    consecutive blocks are read as views; ``cache/token_arena.py``) and, in int8/int4 caches,
+    a pool of quantized blocks: managed blocks (slabs) cut into slots of the block's byte size
+    rounded up to a 64 B page, so an int8 or int4 block takes about half or a quarter of an
+    fp16 block (see ``cache/pool.py`` for the measurements, and
+    ``cache.sizing.arena_bytes_per_token``).
     """
 
     num_layers: int
@@ -39,23 +40,25 @@ class CacheConfig:
     """How KIVI scales are stored: ``log8`` (a uint8 log-code per group under one fp16
     reference per layer and K/V; see ``cache/quant.py``) or ``fp16`` (2 B per group). At
     16-token blocks only ``log8`` brings int4 to <= 0.30x of fp16."""
-    tail_granule: int = 4
-    """The last, partly filled block of a session lives in a smaller slot that grows in steps
-    of this many tokens (moved into a full block when it fills), so a session wastes fewer
-    than ``tail_granule`` token slots instead of up to ``block_size - 1``. 0 disables."""
     requant_error_threshold: float = 0.25
     """If a block's relative quantization error (||x - q(x)|| / ||x||) passes this, the block
-    is kept at full precision instead (counted in ``stats()['rematerialised_blocks']``)."""
+    is kept at full precision instead (``stats()['kept_full_precision_blocks']``). The error is
+    accumulated (root of summed squares) over every encoding of the block, so a block that is
+    re-encoded (a later tier's demotion) is kept from its full-precision source once the sum
+    passes the threshold."""
     pool_bytes: int = 64 << 20
     """Arena size, preallocated at construction."""
-    superblock_bytes: int = 2 << 20
-    """Not used by the pool any more (superblocks bought nothing measurable, see
-    ``cache/pool.py``); kept so existing configs still construct."""
+    read_buffer_fraction: float = 0.25
+    """int8/int4 caches: share of ``pool_bytes`` held at full precision -- the fresh window
+    blocks and the decoded read buffers of active sessions (their quantized blocks are
+    decoded once, not every step); the rest holds quantized blocks. fp32/fp16 caches use the
+    whole pool at full precision."""
     managed_block_bytes: int | None = None
-    """Slab size; ``None`` means 128 KB, or the next power of two holding 8 fp32 blocks."""
+    """Slab size of the quantized pool; ``None`` means 128 KB, or the next power of two
+    holding 8 fp32 blocks."""
     page_bytes: int = 64
-    """Slot granule: every slot is a whole number of these (a multiple of 4 bytes, so fp32
-    views of any slot stay aligned). 4 KB pages made int8 cost as much as fp16."""
+    """Slot granule of the quantized pool (a multiple of 4 bytes). 4 KB pages made int8
+    cost as much as fp16."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "head_dim", "block_size", "page_bytes"):
@@ -75,8 +78,9 @@ class CacheConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for int4 packing, got {self.head_dim}")
-        if self.tail_granule < 0:
-            raise ConfigError(f"tail_granule must be >= 0, got {self.tail_granule}")
+        if not 0 < self.read_buffer_fraction < 1:
+            raise ConfigError(
+                f"read_buffer_fraction must be in (0, 1), got {self.read_buffer_fraction}")
         if self.fp_window < 0:
             raise ConfigError(f"fp_window must be >= 0, got {self.fp_window}")
         if self.managed_block_bytes is None:

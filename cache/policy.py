@@ -1,52 +1,65 @@
-"""Which unreferenced cached block to reclaim first.
+"""Which unreferenced cached block to reclaim first: policies keyed by content hash.
 
-The engine tells a policy when a block becomes evictable (no session references it, but its
-content is still cached for prefix hits), when it is touched again, and asks it for victims.
-Later policies (LFU, the article's hybrid, adaptive) implement the same five methods.
+A block is evictable when no session references it but its content stays cached for prefix
+hits. The engine tells the policy when a block becomes evictable (``insert``), when it stops
+being one (``remove``: referenced again or freed) and about every hit, also on referenced
+blocks (``hit``), and asks for ``victims(n)``. Keys are content hashes, which outlive the
+block that held them, so a policy may keep history (ARC's ghost lists, LFU counts) across
+evictions. The engine never offers a referenced block.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterator, Protocol
+from typing import Protocol
 
 
 class EvictionPolicy(Protocol):
-    def add(self, block: int) -> None:
-        """``block`` became evictable (refcount fell to 0 while it stays cached)."""
+    def insert(self, key: bytes) -> None:
+        """The block with content ``key`` became evictable."""
 
-    def remove(self, block: int) -> None:
-        """``block`` is referenced again (prefix hit) or was freed; no longer a candidate."""
+    def remove(self, key: bytes) -> None:
+        """``key`` is referenced again or its block was freed: not a candidate any more."""
 
-    def victim(self) -> int | None:
-        """The next block to reclaim, or None when nothing is evictable."""
+    def hit(self, key: bytes) -> None:
+        """A prefix hit on ``key`` (evictable or not)."""
 
-    def candidates(self) -> Iterator[int]:
-        """Evictable blocks, best victim first: the engine evicts the first ones that free
-        room of the kind an allocation needs, not blindly the next victim."""
+    def victims(self, n: int) -> list[bytes]:
+        """Up to ``n`` evictable keys, best victim first (the engine then frees them)."""
 
     def __len__(self) -> int: ...
 
+    def __contains__(self, key: object) -> bool: ...
+
 
 class LRUPolicy:
-    """Least recently released first. The engine releases a session's blocks tail first, so
-    among blocks released together the chain tails go before the shared roots (vLLM's order)."""
+    """Least recently used first. The engine releases a session's blocks tail first, so among
+    blocks released together the chain tails go before the shared roots (vLLM's order)."""
 
     def __init__(self) -> None:
-        self._order: OrderedDict[int, None] = OrderedDict()
+        self._order: OrderedDict[bytes, None] = OrderedDict()
 
-    def add(self, block: int) -> None:
-        self._order[block] = None
-        self._order.move_to_end(block)
+    def insert(self, key: bytes) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
 
-    def remove(self, block: int) -> None:
-        self._order.pop(block, None)
+    def remove(self, key: bytes) -> None:
+        self._order.pop(key, None)
 
-    def victim(self) -> int | None:
-        return next(iter(self._order), None)
+    def hit(self, key: bytes) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
 
-    def candidates(self) -> Iterator[int]:
-        return iter(self._order)  # the engine picks its victims before freeing any
+    def victims(self, n: int) -> list[bytes]:
+        out = []
+        for key in self._order:
+            if len(out) == n:
+                break
+            out.append(key)
+        return out
 
     def __len__(self) -> int:
         return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order

@@ -62,14 +62,16 @@ def arena_bytes_per_token(config, kv_dtype: str | None = None) -> float:
     """Real arena bytes per token of a full ``block_size`` block stored as ``kv_dtype`` (default
     ``config.kv_dtype``) in a cache built from ``config``: the block's bytes (scales included)
     rounded up to whole pages, times the managed block's bytes over the slots it holds, over
-    ``block_size``. ``KVCache(config).pool.arena_bytes_per_block(kv_dtype)`` is the same
-    figure read off a live pool."""
+    ``block_size`` (fp32/fp16 blocks live in the TokenArena at exactly their bytes).
+    ``KVCache(config).arena_bytes_per_token(kv_dtype)`` is the same figure off a live cache."""
     from cache.pool import slot_bytes_for
     from cache.quant import BlockFormat
 
     c = config
     dt = kv_dtype or c.kv_dtype
     fmt = BlockFormat(dt, c.quant_scheme, c.num_heads, c.block_size, c.head_dim, c.scale_format)
+    if not fmt.quantized:  # the full-precision TokenArena: exactly the block's bytes
+        return fmt.layer_bytes * c.num_layers / c.block_size
     slot = slot_bytes_for(fmt.layer_bytes * c.num_layers, c.page_bytes)
     per_slab = c.managed_block_bytes // slot
     if per_slab < 1:

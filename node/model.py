@@ -2,7 +2,7 @@
 
 Training runs ordinary full causal attention (``forward``). Incremental decoding
 (``forward_cached``) never keeps K/V itself: each layer writes the new tokens' K/V into the
-cache engine and reads the whole context back through the session's block table.
+cache engine and attends over the context as views of the cache's arena (``cache.attention``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cache import CacheConfig, KVCache
+from cache.attention import attend
 
 
 @dataclass(frozen=True)
@@ -73,13 +74,8 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         """x: [T, d_model] for the T new tokens; attention over everything the cache holds."""
         q, k, v = self._qkv(x)  # [H, T, D]
-        cache.write(sid, layer, k, v)
-        keys, values = cache.read(sid, layer)  # [H, L, D], dequantized
-        T, L = x.shape[0], keys.shape[1]
-        mask = None
-        if T > 1:  # query j sits at position L - T + j and sees keys up to there
-            mask = torch.ones(T, L, dtype=torch.bool).tril(diagonal=L - T)
-        a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        runs = cache.append_and_read(sid, layer, k, v)  # views of the context, no gather
+        a = attend(q, runs)  # causal over the T new positions
         x = x + self.proj(a.transpose(0, 1).flatten(-2))
         return x + self.mlp(self.ln2(x))
 

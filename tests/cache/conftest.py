@@ -6,7 +6,7 @@ from cache import CacheConfig, KVCache
 
 def small_config(**kw) -> CacheConfig:
     base = dict(num_layers=2, num_heads=2, head_dim=8, block_size=4, pool_bytes=2 << 20,
-                superblock_bytes=256 << 10, managed_block_bytes=16 << 10, page_bytes=1 << 10)
+                managed_block_bytes=16 << 10, page_bytes=64)
     base.update(kw)
     return CacheConfig(**base)
 

@@ -6,17 +6,15 @@ from tests.cache.conftest import feed, small_config
 
 
 def cached_pool(**kw) -> tuple[KVCache, list[list[int]]]:
-    """16 slabs x 8 full-size slots: 127 unreferenced prefix-cached blocks (one session each)
-    and one free full-size slot. Sessions close slot-major (slot 0 of every slab, then slot 1,
-    ...), so LRU order is scattered across slabs as after a real workload."""
+    """A full-precision arena of 128 slots: 127 unreferenced prefix-cached blocks (one
+    session each, closed in a scattered order) and one free slot."""
     kv = KVCache(small_config(block_size=8, pool_bytes=256 << 10, **kw))
-    per_slab = kv.pool.classes[kv.fresh].slots_per_slab
-    n = kv.pool.num_slabs * per_slab - 1
+    n = kv.arena.num_slots - 1
     prompts = [list(range(8 * i, 8 * i + 8)) for i in range(n)]
     sids = [kv.open_session() for _ in prompts]
     for s, p in zip(sids, prompts):
-        feed(kv, s, p)  # session i's block lands in slab i // 8, slot i % 8
-    for i in sorted(range(n), key=lambda i: (i % per_slab, i // per_slab)):
+        feed(kv, s, p)
+    for i in sorted(range(n), key=lambda i: (i % 8, i // 8)):
         kv.close_session(sids[i])
     assert kv.stats()["blocks_cached_unreferenced"] == n
     return kv, prompts
@@ -32,13 +30,12 @@ def cached_hits(kv: KVCache, prompts: list[list[int]]) -> int:
     return hits
 
 
-def test_small_reserve_takes_the_free_full_slot_instead_of_evicting():
+def test_small_reserve_takes_the_free_slot_instead_of_evicting():
     kv, prompts = cached_pool()
-    s = kv.open_session()
-    feed(kv, s, [900, 901, 902])  # a 3-token tail: its own slot class has no slab
+    feed(kv, kv.open_session(), [900, 901, 902])
     st = kv.stats()
-    assert st["evictions"] <= 1 and st["eviction_collateral"] <= 1
-    assert cached_hits(kv, prompts) >= len(prompts) - 1
+    assert st["evictions"] == 0 and st["eviction_collateral"] == 0
+    assert cached_hits(kv, prompts) == len(prompts)
 
 
 def test_small_reserve_in_a_completely_full_pool_evicts_one_block():
@@ -50,25 +47,18 @@ def test_small_reserve_in_a_completely_full_pool_evicts_one_block():
     assert cached_hits(kv, prompts) == len(prompts) - 1
 
 
-def test_quantizing_in_a_full_pool_evicts_at_most_one_slab():
-    # 1-block sessions stay fp32 (they never leave the 8-token window); the session below
-    # quantizes its first block, which needs an int8 slot and so a slab of its own
-    kv, prompts = cached_pool(kv_dtype="int8", fp_window=8)
-    per_slab = kv.pool.classes[kv.fresh].slots_per_slab
-    s = kv.open_session()
-    feed(kv, s, list(range(1000, 1016)))
+def test_quantizing_in_a_full_quantized_pool_evicts_one_block():
+    kv = KVCache(small_config(block_size=8, pool_bytes=256 << 10, kv_dtype="int8",
+                              fp_window=0))
+    prompts = []
+    while kv.qpool.has_room("int8"):  # 1-block sessions: quantized at once, then cached
+        prompts.append(list(range(8 * len(prompts), 8 * len(prompts) + 8)))
+        s = kv.open_session()
+        feed(kv, s, prompts[-1])
+        kv.close_session(s)
+    assert kv.stats()["evictions"] == 0
+    feed(kv, kv.open_session(), list(range(5000, 5008)))
     st = kv.stats()
-    assert st["quantized_blocks"] == 1 and st["quant_skipped_full"] == 0
-    assert st["eviction_collateral"] <= per_slab  # the cheapest slab, not LRU until one empties
-    assert st["evictions"] <= per_slab + 1
-    assert cached_hits(kv, prompts) >= len(prompts) - per_slab - 1
-
-
-def test_allocation_tries_every_class_before_evicting():
-    kv, _ = cached_pool()
-    kv.close_session(kv.open_session())
-    free_full = kv.pool.free_slots(kv.fresh)
-    s = kv.open_session()
-    feed(kv, s, [1])  # 1-token tail: no slab for any tail class, one free full slot
-    assert kv.pool.location(kv._sessions[s].blocks[0])[0] == kv.fresh
-    assert kv.pool.free_slots(kv.fresh) == free_full - 1 and kv.stats()["evictions"] == 0
+    assert st["quantized_blocks"] == len(prompts) + 1 and st["quant_skipped_full"] == 0
+    assert st["evictions"] == 1 and st["eviction_collateral"] == 1
+    assert cached_hits(kv, prompts) == len(prompts) - 1

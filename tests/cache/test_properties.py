@@ -1,4 +1,7 @@
-"""State-machine tests: random session workloads keep refcounts and block tables consistent."""
+"""State machines over the block manager: random session workloads (open with prefix reuse,
+append, fork, close, use after close, model-version bumps) keep refcounts equal to the block
+tables, leak nothing, isolate forks (copy-on-write), forget closed sessions, never serve stale
+K/V and never offer a referenced block to the eviction policy."""
 
 import torch
 from hypothesis import settings
@@ -22,7 +25,6 @@ class CacheMachine(RuleBasedStateMachine):
         self.kv = KVCache(small_config(**self.CONFIG))
         self.model: dict[int, list[int]] = {}  # sid -> tokens we expect
         self.values: dict[int, torch.Tensor] = {}  # sid -> layer-0 keys we wrote
-        self.capacity = self.kv.pool.num_slabs * self.kv.pool.classes["fp32"].slots_per_slab
 
     def _feed(self, sid, toks):
         # like a real model: K/V at position p are a function of tokens[: p + 1]
@@ -91,21 +93,37 @@ class CacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def refcounts_match_block_tables(self):
-        kv = self.kv
+        m = self.kv.blocks
         expected: dict[int, int] = {}
         for sid in self.model:
-            for b in kv._sessions[sid].blocks:
-                expected[b] = expected.get(b, 0) + 1
-        for b in kv._meta:
-            assert kv.pool.refcount(b) == expected.get(b, 0) >= 0
-        # every live block is referenced or evictable: nothing leaks
-        unreferenced = [b for b in kv._meta if kv.pool.refcount(b) == 0]
-        assert len(unreferenced) == len(kv.policy)
-        assert len(kv._meta) <= self.capacity
+            for b in self.kv._table(sid, allow_stale=True).blocks:
+                expected[b.id] = expected.get(b.id, 0) + 1
+                assert m.blocks[b.id] is b  # a table only holds live records
+        for b in m.blocks.values():
+            assert b.ref_count == expected.get(b.id, 0)
+            assert b.slot is not None or b.qhandle is not None
+
+    @invariant()
+    def nothing_leaks(self):
+        m, kv = self.kv.blocks, self.kv
+        unreferenced = [b for b in m.blocks.values() if b.ref_count == 0]
+        assert len(unreferenced) == len(m.policy)  # each one is a prefix-cache entry
+        assert all(m.index.get(b.hash) is b for b in unreferenced)
+        slots = [b.slot for b in m.blocks.values() if b.slot is not None]
+        assert len(set(slots)) == len(slots) == kv.arena.num_slots - kv.arena.free_count
+        if kv.qpool is not None:
+            handles = [b.qhandle for b in m.blocks.values() if b.qhandle is not None]
+            assert sorted(handles) == sorted(kv.qpool.blocks)
+
+    @invariant()
+    def policy_never_offers_a_referenced_block(self):
+        m = self.kv.blocks
+        for key in m.policy.victims(len(m.policy)):
+            assert m.index[key].ref_count == 0
 
     @invariant()
     def tables_are_exactly_the_open_sessions(self):
-        assert set(self.kv._sessions) == set(self.model)
+        assert set(self.kv.sessions()) == set(self.model)
 
     @invariant()
     def contents_match(self):
@@ -121,28 +139,35 @@ class CacheMachine(RuleBasedStateMachine):
             self.kv.close_session(sid)
         self.kv.bump_version()  # drops the prefix cache: every block returns to the pool
         assert self.kv.stats()["blocks_used"] == 0
-        assert self.kv.pool.slabs_in_use() == 0
+        assert self.kv.arena.free_count == self.kv.arena.num_slots
+        assert self.kv.qpool is None or self.kv.qpool.slabs_in_use() == 0
 
 
 CacheMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 TestCacheMachine = CacheMachine.TestCase
 
 
-class TailPackingMachine(CacheMachine):
-    """Blocks of 8 tokens whose tails grow in slots of 2: moves, CoW and reads across classes."""
+class TightPoolMachine(CacheMachine):
+    """A pool so small that allocations evict cached blocks and drop idle read buffers."""
 
-    CONFIG = dict(pool_bytes=256 << 10, kv_dtype="int8", fp_window=4, block_size=8,
-                  tail_granule=2)
+    CONFIG = dict(pool_bytes=64 << 10, kv_dtype="int8", fp_window=4, block_size=4,
+                  read_buffer_fraction=0.5)
 
 
-TailPackingMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30,
-                                                deadline=None)
-TestTailPackingMachine = TailPackingMachine.TestCase
+class FullPrecisionMachine(CacheMachine):
+    CONFIG = dict(pool_bytes=32 << 10, kv_dtype="fp32", block_size=4)
+
+
+for _machine in (TightPoolMachine, FullPrecisionMachine):
+    _machine.TestCase.settings = settings(max_examples=60, stateful_step_count=30,
+                                          deadline=None)
+TestTightPoolMachine = TightPoolMachine.TestCase
+TestFullPrecisionMachine = FullPrecisionMachine.TestCase
 
 
 def test_freed_blocks_are_reused():
     kv = KVCache(small_config(pool_bytes=256 << 10))
-    cap = kv.pool.num_slabs * kv.pool.classes["fp32"].slots_per_slab
+    cap = kv.arena.num_slots
     for round_ in range(3):  # three times the capacity, one session at a time
         s = kv.open_session()
         for i in range(cap):

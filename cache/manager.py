@@ -1,0 +1,234 @@
+"""BlockManager: allocate, free, copy-on-write, prefix match and dedup over Block records.
+
+One ``Block`` per physical block, one hash index (content address -> block), one eviction
+policy keyed by content hash, one model-version counter. Storage is two places: the
+full-precision TokenArena (``Block.slot``) and, in quantized caches, the BlockPool of
+quantized blocks (``Block.qhandle``). A referenced block always has one of them; an
+unreferenced block exists only while it is a prefix-cache entry (hashed, in the index, in the
+policy) and then keeps its quantized copy alone when it has one.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from cache.block import Block
+from cache.errors import CacheFullError
+from cache.pool import BlockPool
+from cache.prefix import ROOT, block_hash
+from cache.policy import EvictionPolicy
+from cache.quant import BlockFormat, relative_error
+from cache.token_arena import TokenArena
+
+COUNTERS = ("prefix_lookups", "prefix_hit_blocks", "prefix_miss_blocks", "prefix_hit_tokens",
+            "evictions", "cow_copies", "dedup_blocks", "quantized_blocks",
+            "kept_full_precision_blocks", "quant_skipped_full", "dequantized_blocks",
+            "read_buffer_evictions", "transient_reads", "alloc_failures", "eviction_collateral")
+
+
+class BlockManager:
+    def __init__(self, arena: TokenArena, policy: EvictionPolicy,
+                 qpool: BlockPool | None = None, qformat: BlockFormat | None = None):
+        self.arena, self.policy, self.qpool, self.qformat = arena, policy, qpool, qformat
+        self.blocks: dict[int, Block] = {}
+        self.index: dict[bytes, Block] = {}
+        self.version = 0
+        self.clock = 0
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.reclaim_fp: Callable[[set[int]], bool] = lambda keep: False
+        """Set by the engine: drop some session's read buffer (never one in ``keep``); False
+        when there is none to drop."""
+        self.generation = 0
+        """Bumped when a referenced block loses its full-precision slot (read plans rebuild)."""
+        self._next_id = 0
+
+    # -- storage -----------------------------------------------------------------------
+    def _fp_slot(self, after: int | None, keep: set[int]) -> int:
+        """A free arena slot; evicts one cached block, then idle read buffers, if needed."""
+        while True:
+            s = self.arena.allocate(after)
+            if s is not None:
+                return s
+            if not (self._evict_cached(lambda b: b.slot is not None) or self.reclaim_fp(keep)):
+                raise CacheFullError(
+                    f"cache full: all {self.arena.num_slots} full-precision slots hold blocks of "
+                    f"open sessions; close sessions or grow pool_bytes")
+
+    def _q_handle(self) -> int | None:
+        """A quantized-pool handle, evicting one cached quantized block if needed; None when
+        every quantized block is referenced."""
+        while not self.qpool.has_room(self.qformat.kv_dtype):
+            if not self._evict_cached(lambda b: b.qhandle is not None):
+                return None
+        return self.qpool.allocate(self.qformat.kv_dtype)
+
+    def _evict_cached(self, frees: Callable[[Block], bool]) -> bool:
+        """Free the policy's first cached block for which ``frees`` holds."""
+        for key in self.policy.victims(len(self.policy)):
+            b = self.index[key]
+            if frees(b):
+                self.free(b)
+                self.counters["evictions"] += 1
+                self.counters["eviction_collateral"] = max(self.counters["eviction_collateral"], 1)
+                return True
+        return False
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def new(self, after: int | None = None, keep: set[int] = frozenset()) -> Block:
+        """A fresh full-precision block (refcount 1) placed after slot ``after`` if free."""
+        slot = self._fp_slot(after, keep)
+        b = Block(self._next_id, self.version, slot=slot, format=self.fp_format,
+                  last_access=self.clock)
+        self._next_id += 1
+        self.blocks[b.id] = b
+        return b
+
+    @property
+    def fp_format(self) -> str:
+        return "fp16" if self.arena.kv.dtype == torch.float16 else "fp32"
+
+    def ref(self, b: Block) -> None:
+        b.ref_count += 1
+        if b.ref_count == 1 and b.hash is not None:
+            self.policy.remove(b.hash)
+
+    def unref(self, b: Block) -> None:
+        if b.ref_count <= 0:
+            raise ValueError(f"block {b.id}: refcount would become negative")
+        b.ref_count -= 1
+        if b.ref_count:
+            return
+        if b.hash is not None and self.index.get(b.hash) is b:
+            if b.qhandle is not None and b.slot is not None:  # idle: keep the compact form
+                self._drop_slot(b)
+            self.policy.insert(b.hash)  # still a prefix-cache entry: reclaimable
+        else:
+            self.free(b)
+
+    def free(self, b: Block) -> None:
+        if b.hash is not None and self.index.get(b.hash) is b:
+            del self.index[b.hash]
+            self.policy.remove(b.hash)
+        if b.slot is not None:
+            self.arena.free(b.slot)
+        if b.qhandle is not None:
+            self.qpool.decref(b.qhandle)
+            self.qpool.free(b.qhandle)
+        b.slot = b.qhandle = None
+        del self.blocks[b.id]
+
+    def _drop_slot(self, b: Block) -> None:
+        self.arena.free(b.slot)
+        b.slot = None
+        if b.ref_count:
+            self.generation += 1
+
+    def drop_read_buffer(self, b: Block) -> bool:
+        """Drop the full-precision copy of a quantized block (its compact form stays)."""
+        if b.slot is None or b.qhandle is None:
+            return False
+        self._drop_slot(b)
+        self.counters["read_buffer_evictions"] += 1
+        return True
+
+    def copy(self, b: Block, n: int, after: int | None, keep: set[int]) -> Block:
+        """Copy-on-write: a new block holding the first ``n`` tokens of ``b``."""
+        self.ensure_fp(b, None, keep)
+        new = self.new(after, keep)
+        self.arena.block(new.slot)[..., :n, :] = self.arena.block(b.slot)[..., :n, :]
+        new.tokens, new.version = list(b.tokens[:n]), b.version
+        return new
+
+    # -- prefix cache --------------------------------------------------------------------
+    def lookup(self, parent: bytes, tokens: list[int]) -> Block | None:
+        """The cached block holding ``tokens`` after ``parent`` under the current version."""
+        b = self.index.get(block_hash(parent, tokens, self.version))
+        if b is None or b.tokens != tokens:
+            return None
+        self.policy.hit(b.hash)
+        b.frequency += 1
+        b.last_access = self.clock
+        return b
+
+    def register(self, b: Block, parent: bytes) -> Block:
+        """Give a full block its content hash; returns the block to keep: ``b``, or an equal
+        block another session computed (then ``b`` is released: one copy of each content)."""
+        h = block_hash(parent, b.tokens, b.version)
+        other = self.index.get(h)
+        if other is None:
+            b.hash, b.parent_hash = h, parent
+            self.index[h] = b
+            return b
+        if other is b or b.ref_count != 1 or other.tokens != b.tokens:
+            return b
+        self.ref(other)
+        self.unref(b)
+        self.counters["dedup_blocks"] += 1
+        return other
+
+    # -- quantization --------------------------------------------------------------------
+    def quantize(self, b: Block, threshold: float) -> None:
+        """Encode a full block into the quantized pool; its full-precision slot then holds the
+        decoded values -- the read buffer, so attention reads what the compact form stores,
+        decoded once -- while the block is referenced. Past ``threshold`` of accumulated error the
+        block stays full precision."""
+        kv = self.arena.block(b.slot).float()
+        raw = self.qformat.encode(kv[:, 0], kv[:, 1])
+        k_hat, v_hat = self.qformat.decode(raw)
+        err = relative_error(kv[:, 0], kv[:, 1], k_hat, v_hat)
+        total = (b.error ** 2 + err ** 2) ** 0.5
+        if total > threshold:
+            b.kept_full_precision = True
+            self.counters["kept_full_precision_blocks"] += 1
+            return
+        h = self._q_handle()
+        if h is None:
+            b.kept_full_precision = True  # everything is pinned: stays full precision
+            self.counters["quant_skipped_full"] += 1
+            return
+        self.qpool.slot_bytes_of(h)[: raw.numel()].copy_(raw.reshape(-1))
+        dst = self.arena.block(b.slot)  # the read buffer holds exactly what was stored
+        dst[:, 0].copy_(k_hat)
+        dst[:, 1].copy_(v_hat)
+        b.qhandle, b.error, b.format = h, total, self.qformat.kv_dtype
+        self.counters["quantized_blocks"] += 1
+
+    def ensure_fp(self, b: Block, after: int | None, keep: set[int]) -> bool:
+        """Decode a quantized-only block into a full-precision slot (once: the slot stays
+        while the block is referenced). True when it decoded."""
+        if b.slot is not None:
+            return False
+        slot = self._fp_slot(after, keep | {b.id})
+        raw = self.qpool.slot_bytes_of(b.qhandle)[: self.qformat.layer_bytes * self._layers]
+        k, v = self.qformat.decode(raw.view(self._layers, -1))
+        dst = self.arena.block(slot)
+        dst[:, 0].copy_(k)
+        dst[:, 1].copy_(v)
+        b.slot = slot
+        self.counters["dequantized_blocks"] += 1
+        return True
+
+    def decode_layer(self, b: Block, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [heads, B, dim] of one layer of a quantized block, decoded (not kept)."""
+        lb = self.qformat.layer_bytes
+        raw = self.qpool.slot_bytes_of(b.qhandle)[layer * lb : (layer + 1) * lb]
+        k, v = self.qformat.decode(raw.view(1, -1))
+        return k[0], v[0]
+
+    @property
+    def _layers(self) -> int:
+        return self.arena.kv.shape[0]
+
+    # -- versions ------------------------------------------------------------------------
+    def set_version(self, version: int) -> None:
+        """Move to model ``version``: older blocks leave the index; unreferenced ones go."""
+        self.version = version
+        for b in [b for b in self.blocks.values() if b.version != version]:
+            if b.hash is not None and self.index.get(b.hash) is b:
+                del self.index[b.hash]
+                self.policy.remove(b.hash)
+            b.hash = None
+            if b.ref_count == 0:
+                self.free(b)

@@ -1,0 +1,66 @@
+"""Figures of a KVCache: counters, block and byte accounting, utilisation."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cache.engine import KVCache
+
+
+def _bytes(kv: "KVCache") -> dict:
+    """Bytes held per storage dtype, bytes whose token positions hold tokens, and the same
+    for referenced blocks only; the read buffer is the full-precision copy of quantized blocks."""
+    m, B = kv.blocks, kv.config.block_size
+    fp_slot = kv.arena.slot_bytes
+    q_slot = kv.qpool.classes[kv.config.kv_dtype].slot_bytes if kv.qpool else 0
+    q_tok = kv.bytes_per_token(kv.config.kv_dtype) if kv.qpool else 0.0
+    held = {kv.fresh: 0, **({kv.config.kv_dtype: 0} if kv.qpool else {})}
+    tokens = live_tokens = live_held = buffer = 0.0
+    for b in m.blocks.values():
+        here = there = 0.0
+        if b.slot is not None:
+            held[kv.fresh] += fp_slot
+            here += fp_slot
+            there += fp_slot / B * len(b.tokens)
+            buffer += fp_slot if b.qhandle is not None else 0
+        if b.qhandle is not None:
+            held[kv.config.kv_dtype] += q_slot
+            here += q_slot
+            there += q_tok * len(b.tokens)
+        tokens += there
+        if b.ref_count:
+            live_tokens, live_held = live_tokens + there, live_held + here
+    return {"held": held, "tokens": tokens, "live_tokens": live_tokens,
+            "live_held": live_held, "buffer": buffer}
+
+
+def cache_stats(kv: "KVCache") -> dict:
+    m = kv.blocks
+    c = m.counters
+    by = _bytes(kv)
+    live = sum(by["held"].values())
+    lookups = c["prefix_hit_blocks"] + c["prefix_miss_blocks"]
+    errors = [b.error for b in m.blocks.values() if b.quantized]
+    refs = [b.ref_count for b in m.blocks.values()]
+    return {
+        **c,
+        "prefix_hit_rate": c["prefix_hit_blocks"] / lookups if lookups else 0.0,
+        "model_version": m.version,
+        "sessions_open": len(kv.sessions()),
+        "blocks_used": len(m.blocks),
+        "blocks_referenced": sum(r > 0 for r in refs),
+        "blocks_shared": sum(r > 1 for r in refs),
+        "blocks_cached_unreferenced": len(m.policy),
+        "blocks_free_fresh": kv.arena.free_count,
+        "bytes_by_dtype": by["held"],
+        "bytes_allocated": live,
+        "bytes_holding_tokens": by["tokens"],
+        "read_buffer_bytes": by["buffer"],
+        "kv_utilisation": by["tokens"] / live if live else 0.0,
+        "kv_utilisation_live": by["live_tokens"] / by["live_held"] if by["live_held"] else 0.0,
+        "mean_quant_error": sum(errors) / len(errors) if errors else 0.0,
+        "tensor_bytes": kv.tensors.nbytes(),
+        "pool_arena_bytes": float(kv.config.pool_bytes),
+        "pool_slot_fill": 1.0 - kv.arena.free_count / kv.arena.num_slots,
+    }
