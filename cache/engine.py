@@ -18,6 +18,7 @@ from typing import Iterable
 import torch
 
 from cache.attention import Run
+from cache.batch import BatchStep, shared_prefix_blocks, tail_positions
 from cache.block import Block
 from cache.block_table import BlockTable
 from cache.config import CacheConfig
@@ -392,6 +393,60 @@ class KVCache:
             return empty, empty.clone()
         return (torch.cat([k for k, _ in runs], 1).float(),
                 torch.cat([v for _, v in runs], 1).float())
+
+    # == batched decode =====================================================================
+    def begin_batch(self, sids: list[int], tokens: list[int]) -> BatchStep:
+        """Reserve one new token per session and plan the step's single write and gather per
+        layer; a prefix of blocks all sessions share is attended once for all of them."""
+        if len(sids) != len(tokens) or len(set(sids)) != len(sids) or not sids:
+            raise ShapeMismatchError(
+                f"begin_batch needs one token per distinct session, got {len(sids)} sessions "
+                f"and {len(tokens)} tokens")
+        for sid, tok in zip(sids, tokens):
+            self.reserve(sid, [tok])
+        tables = [self._table(s) for s in sids]
+        B = self.config.block_size
+        shared = shared_prefix_blocks(tables)
+        runs = self._plan(tables[0])
+        prefix, left = [], shared
+        for slot, nb in runs:
+            if left <= 0:
+                break
+            prefix.append((slot, min(nb, left) * B))
+            left -= nb
+        pos, valid = tail_positions(
+            [[b.slot for b in t.blocks[shared:]] for t in tables],
+            [t.length + 1 - shared * B for t in tables], B)
+        write = torch.tensor([t.blocks[t.length // B].slot * B + t.length % B for t in tables])
+        return BatchStep(list(sids), write, prefix, pos, valid)
+
+    def append_and_read_batch(self, step: BatchStep, layer: int, k: torch.Tensor,
+                              v: torch.Tensor):
+        """k, v: [heads, B, head_dim], the new token of each session. Writes them with one
+        indexed store and returns (prefix runs, tail K [H, B, T, D], tail V, tail mask) for
+        :func:`cache.attention.attend_shared`."""
+        self._check_layer(layer)
+        c = self.config
+        want = (c.num_heads, len(step.sids), c.head_dim)
+        if tuple(k.shape) != want or tuple(v.shape) != want:
+            raise ShapeMismatchError(f"k, v must be {want}, got {tuple(k.shape)}, {tuple(v.shape)}")
+        if step.written != layer:
+            raise ReservationError(f"batch step: layer {layer} written out of order")
+        kv = self.arena.kv[layer]
+        kv[0].index_copy_(1, step.write_pos, k.to(kv.dtype))
+        kv[1].index_copy_(1, step.write_pos, v.to(kv.dtype))
+        prefix = [self.arena.run(layer, slot, n) for slot, n in step.prefix]
+        flat = step.tail_pos.flatten()
+        H, Bn, T = c.num_heads, *step.tail_pos.shape
+        tk = kv[0].index_select(1, flat).view(H, Bn, T, c.head_dim)
+        tv = kv[1].index_select(1, flat).view(H, Bn, T, c.head_dim)
+        step.written += 1
+        if step.written == c.num_layers:
+            for sid in step.sids:
+                t = self._table(sid)
+                t.written = set(range(c.num_layers))
+                self._commit(t)
+        return prefix, tk, tv, step.tail_valid
 
     # == model versions and tensors ========================================================
     def bump_version(self) -> int:

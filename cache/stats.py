@@ -57,6 +57,7 @@ def cache_stats(kv: "KVCache") -> dict:
         "bytes_allocated": live,
         "bytes_holding_tokens": by["tokens"],
         "read_buffer_bytes": by["buffer"],
+        "bytes_stored": live - by["buffer"],  # the compact form: what idle sessions cost
         "kv_utilisation": by["tokens"] / live if live else 0.0,
         "kv_utilisation_live": by["live_tokens"] / by["live_held"] if by["live_held"] else 0.0,
         "mean_quant_error": sum(errors) / len(errors) if errors else 0.0,

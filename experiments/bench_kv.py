@@ -147,15 +147,12 @@ def _ratio(a: float, b: float) -> float:
 
 
 def _pool_bytes_for(cfg: ModelConfig, block: int, tokens: int, slack: float = 1.5) -> int:
-    """A pool that holds ``tokens`` of fp32 K/V with room to spare, in whole superblocks."""
+    """A pool whose full-precision share (all of it in fp caches, ``read_buffer_fraction``
+    in quantized ones) holds ``tokens`` of K/V with room to spare."""
     cc = cfg.cache_config(block_size=block)
     blocks = -(-tokens // block) + 2
-    need = int(blocks * cc.block_bytes_fp32 * slack)
-    # every storage class (full, quantized, each tail-slot size) holds at least one slab
-    classes = 2 + (block // cc.tail_granule if 0 < cc.tail_granule < block else 0)
-    need += classes * cc.managed_block_bytes
-    sb = cc.superblock_bytes
-    return max(sb, -(-need // sb) * sb)
+    need = int(blocks * cc.block_bytes_fp32 * slack / cc.read_buffer_fraction)
+    return need + 2 * cc.managed_block_bytes
 
 
 # == bytes per token =======================================================================
@@ -505,7 +502,7 @@ def profile_section(model: TinyTransformer, prompt: list[int], block: int, steps
     sid = kv.open_session()
     total, rows = _profiled_decode(model, kv, sid, model.prefill(prompt, kv, sid), steps)
     share = {op: sum(r[1] for r in rows if r[2].endswith(f"({op})") and "engine" in r[2])
-             / total for op in ("read", "write")}
+             / total for op in ("read_runs", "write")}
     n_blocks = kv.stats()["blocks_used"]
     micro = {"engine_read_us": _time_us(lambda: kv.read(sid, 0))}
     micro.update(gather_micro(cfg, block, n_blocks, kv.slot_bytes("fp32") // 4, kv.length(sid)))
@@ -513,7 +510,7 @@ def profile_section(model: TinyTransformer, prompt: list[int], block: int, steps
         "context": len(prompt),
         "steps": steps,
         "step_ms": total / steps * 1e3,
-        "share_in_KVCache_read": share["read"],
+        "share_in_KVCache_read": share["read_runs"],
         "share_in_KVCache_write": share["write"],
         "top_functions": [{"function": n, "tottime_share": tt / total,
                            "cumtime_share": ct / total} for tt, ct, n in rows[:8]],
@@ -579,7 +576,7 @@ def quality_section(model: TinyTransformer, heldout: bytes, plan: Plan, block: i
         st = kv.stats()
         res[dtype] = {"ce": ce, "top": top, "seconds": time.perf_counter() - t0,
                       "quantized_blocks": st["quantized_blocks"],
-                      "kept_full_precision_blocks": st["rematerialised_blocks"],
+                      "kept_full_precision_blocks": st["kept_full_precision_blocks"],
                       "mean_quant_error": st["mean_quant_error"]}
     targets = [s[t + 1] for s in seqs for t in range(plan.quality_len)]
     pos = [t for _ in seqs for t in range(plan.quality_len)]

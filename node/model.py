@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cache import CacheConfig, KVCache
-from cache.attention import attend
+from cache.attention import attend, attend_shared
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,18 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+    def forward_batch(self, x: torch.Tensor, cache: KVCache, step, layer: int) -> torch.Tensor:
+        """x: [B, d_model], one new token of each of the step's B sessions."""
+        q, k, v = self._qkv(x)  # [H, B, D]
+        prefix, tk, tv, valid = cache.append_and_read_batch(step, layer, k, v)
+        if tk.dtype != q.dtype:  # an fp16 cache
+            prefix = [(a.to(q.dtype), b.to(q.dtype)) for a, b in prefix]
+            tk, tv = tk.to(q.dtype), tv.to(q.dtype)
+        a = attend_shared(q, prefix, tk, tv, valid)
+        x = x + self.proj(a.transpose(0, 1).flatten(-2))
+        return x + self.mlp(self.ln2(x))
+
+
 class TinyTransformer(nn.Module):
     def __init__(self, cfg: ModelConfig | None = None):
         super().__init__()
@@ -122,6 +134,40 @@ class TinyTransformer(nn.Module):
         for i, blk in enumerate(self.blocks):
             x = blk.forward_cached(x, cache, sid, i)
         return self.head(self.ln_f(x))
+
+    @torch.no_grad()
+    def forward_batch(self, tokens: list[int], cache: KVCache, sids: list[int]) -> torch.Tensor:
+        """One decode step of many sessions in one forward: token i goes to session
+        ``sids[i]``; returns logits [B, vocab]."""
+        starts = [cache.length(s) for s in sids]
+        for n in starts:
+            self._check_len(n + 1)
+        step = cache.begin_batch(list(sids), [int(t) for t in tokens])
+        x = self.tok(torch.as_tensor(tokens, dtype=torch.long)) + self.pos(torch.tensor(starts))
+        for i, blk in enumerate(self.blocks):
+            x = blk.forward_batch(x, cache, step, i)
+        return self.head(self.ln_f(x))
+
+    @torch.no_grad()
+    def generate_batch(self, prompts: list[list[int]], cache: KVCache,
+                       max_new_tokens: int) -> list[list[int]]:
+        """Greedy continuations of several prompts, decoded together: each prompt is
+        prefilled in its own session (reusing cached prefixes), then every step is one
+        forward over all sessions. The sessions are closed afterwards."""
+        sids = [cache.open_session() for _ in prompts]
+        try:
+            logits = torch.stack([self.prefill(list(p), cache, s) for p, s in zip(prompts, sids)])
+            out: list[list[int]] = [[] for _ in prompts]
+            for n in range(max_new_tokens):
+                nxt = logits.argmax(dim=-1).tolist()
+                for o, t in zip(out, nxt):
+                    o.append(t)
+                if n + 1 < max_new_tokens:
+                    logits = self.forward_batch(nxt, cache, sids)
+            return out
+        finally:
+            for s in sids:
+                cache.close_session(s)
 
     @torch.no_grad()
     def prefill(self, prompt: list[int], cache: KVCache, sid: int) -> torch.Tensor:

@@ -1,0 +1,55 @@
+"""BatchStep: one decode step of B sessions as index tensors (one write, one gather per layer).
+
+Built once per step by ``KVCache.begin_batch``: the arena position of each session's new token
+(one ``index_copy_`` per layer writes all of them), the runs of the longest block prefix the
+sessions share (attended once for the whole batch, :func:`cache.attention.attend_shared`), and
+each session's remaining tokens as a padded position matrix (one gather per layer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BatchStep:
+    sids: list[int]
+    write_pos: torch.Tensor
+    """[B] arena token positions of the new tokens."""
+    prefix: list[tuple[int, int]]
+    """(first slot, tokens) per run of the shared prefix."""
+    tail_pos: torch.Tensor
+    """[B, T] arena positions of each session's own tokens (new one included), padded."""
+    tail_valid: torch.Tensor
+    """[B, T] bool: which tail positions hold a token."""
+    written: int = 0
+    """Layers written so far; the step commits after the last one."""
+
+
+def shared_prefix_blocks(tables: list) -> int:
+    """Full blocks, counted from the start, that every table holds (the same records)."""
+    first = tables[0].blocks
+    n = min(len(t.blocks) for t in tables)
+    for t in tables:
+        full = t.length // t.block_size  # a partial block is about to be written into
+        n = min(n, full)
+        for i in range(n):
+            if t.blocks[i] is not first[i]:
+                n = i
+                break
+    return n
+
+
+def tail_positions(slots: list[list[int]], lengths: list[int], block: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded [B, T] arena positions of ``lengths[i]`` tokens held in blocks ``slots[i]``."""
+    T = max(lengths)
+    pos = torch.zeros(len(slots), T, dtype=torch.long)
+    valid = torch.zeros(len(slots), T, dtype=torch.bool)
+    offs = torch.arange(block)
+    for i, (s, n) in enumerate(zip(slots, lengths)):
+        p = (torch.tensor(s).view(-1, 1) * block + offs).flatten()[:n]
+        pos[i, :n], valid[i, :n] = p, True
+    return pos, valid
