@@ -30,13 +30,19 @@ def causal_mask(t: int, n: int) -> torch.Tensor | None:
     return torch.ones(t, n, dtype=torch.bool).tril(diagonal=n - t)
 
 
-def attend(q: torch.Tensor, runs: Sequence[Run]) -> torch.Tensor:
-    """q: [heads, t, dim], the newest t positions' queries -> [heads, t, dim]."""
+def attend(q: torch.Tensor, runs: Sequence[Run], keep: torch.Tensor | None = None,
+           weights: bool = False):
+    """q: [heads, t, dim], the newest t positions' queries -> [heads, t, dim].
+
+    ``keep`` (bool [n]) leaves positions out (a sparsity policy's mask); with ``weights``
+    the softmax weights [heads, t, n] come back too, for the policy to observe."""
     if runs and runs[0][0].dtype != q.dtype:  # an fp16 cache: attend in q's precision
         runs = [(k.to(q.dtype), v.to(q.dtype)) for k, v in runs]
     n = sum(k.shape[1] for k, _ in runs)
     mask = causal_mask(q.shape[1], n)
-    if len(runs) == 1 and mask is not None:  # prefill: SDPA's fused kernel
+    if keep is not None:
+        mask = keep.expand(q.shape[1], -1) if mask is None else mask & keep
+    if len(runs) == 1 and mask is not None and not weights:  # prefill: SDPA's fused kernel
         k, v = runs[0]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     # decode: two matmuls and a softmax beat CPU SDPA for one query (57 vs 90-145 us per
@@ -51,7 +57,7 @@ def attend(q: torch.Tensor, runs: Sequence[Run]) -> torch.Tensor:
         part = torch.matmul(p[..., a : a + k.shape[1]], v)
         out = part if out is None else out.add_(part)
         a += k.shape[1]
-    return out
+    return (out, p) if weights else out
 
 
 def attend_shared(q: torch.Tensor, prefix: Sequence[Run], tail_k: torch.Tensor,

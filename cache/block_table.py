@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cache.block import Block
+from cache.sparsity import SparsityPolicy
 
 
 @dataclass
@@ -22,7 +23,8 @@ class BlockTable:
     sid: int
     block_size: int
     version: int
-    blocks: list[Block] = field(default_factory=list)
+    blocks: list[Block | None] = field(default_factory=list)
+    """``None`` marks a block the session's sparsity policy dropped (its memory is freed)."""
     tokens: list[int] = field(default_factory=list)
     length: int = 0
     pending: int = 0
@@ -34,6 +36,11 @@ class BlockTable:
     planned: int = 0  # blocks covered by runs
     plan_generation: int = -1
     write_at: slice | torch.Tensor | None = None  # arena token positions of the pending tokens
+    sparsity: SparsityPolicy | None = None
+
+    def held(self) -> list[Block]:
+        """The blocks the session still holds (dropped ones left out)."""
+        return [b for b in self.blocks if b is not None]
 
     def blocks_needed(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
@@ -43,4 +50,4 @@ class BlockTable:
         return self.length + (self.pending if layer in self.written else 0)
 
     def block_ids(self) -> set[int]:
-        return {b.id for b in self.blocks}
+        return {b.id for b in self.blocks if b is not None}

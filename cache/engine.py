@@ -31,6 +31,7 @@ from cache.policy import EvictionPolicy, LRUPolicy
 from cache.pool import BlockPool
 from cache.prefix import ROOT
 from cache.quant import BlockFormat
+from cache.sparsity import SparsityPolicy
 from cache.tensor_store import TensorStore
 from cache.token_arena import TokenArena
 
@@ -83,10 +84,14 @@ class KVCache:
         return self.blocks.policy
 
     # == sessions ===========================================================================
-    def open_session(self) -> int:
+    def open_session(self, sparsity: SparsityPolicy | None = None) -> int:
+        """A new, empty session. With a ``sparsity`` policy (``cache.sparsity``) each decode
+        step attends only to the positions the policy keeps, and a block whose positions it
+        dropped in every layer is freed (such sessions cannot be forked or batched)."""
         sid = self._next_sid
         self._next_sid += 1
-        self._sessions[sid] = BlockTable(sid, self.config.block_size, self.version)
+        self._sessions[sid] = BlockTable(sid, self.config.block_size, self.version,
+                                         sparsity=sparsity)
         return sid
 
     def _table(self, sid: int, *, allow_stale: bool = False) -> BlockTable:
@@ -136,6 +141,8 @@ class KVCache:
         t = self._table(sid)
         if t.pending:
             raise ReservationError(f"session {sid} has {t.pending} reserved tokens not written")
+        if t.sparsity is not None:
+            raise ReservationError(f"session {sid} drops K/V (sparsity) and cannot be forked")
         child = self.open_session()
         c = self._sessions[child]
         c.blocks, c.tokens, c.length = list(t.blocks), list(t.tokens), t.length
@@ -145,7 +152,7 @@ class KVCache:
         return child
 
     def _release(self, t: BlockTable) -> None:
-        for b in reversed(t.blocks):  # tails first, so LRU reclaims tails before shared roots
+        for b in reversed(t.held()):  # tails first: LRU reclaims tails before shared roots
             self.blocks.unref(b)
         t.blocks, t.pending, t.written, t.runs, t.planned = [], 0, set(), None, 0
         t.quant_checked = 0
@@ -155,7 +162,7 @@ class KVCache:
         """Drop the decoded read buffer of the least recently used session (its quantized
         blocks stay); blocks in ``keep`` are never touched."""
         for t in sorted(self._sessions.values(), key=lambda t: t.last_access):
-            dropped = [self.blocks.drop_read_buffer(b) for b in t.blocks if b.id not in keep]
+            dropped = [self.blocks.drop_read_buffer(b) for b in t.held() if b.id not in keep]
             if any(dropped):
                 return True
         return False
@@ -201,6 +208,8 @@ class KVCache:
                 f"session {sid}: {t.pending} reserved tokens are not written in every layer yet "
                 f"(done: {sorted(t.written)})")
         self._touch(t)
+        if t.sparsity is not None and t.length:
+            self._drop_sparse_blocks(t)
         self._try_plan(t)  # blocks resident at full precision before anything is allocated
         tail, new = self._allocate(t, t.length + len(toks))
         if tail is not None:
@@ -303,9 +312,28 @@ class KVCache:
         if self.qpool is not None:
             self._quantize_old(t)
 
+    def _drop_sparse_blocks(self, t: BlockTable) -> None:
+        """Free every full block whose positions the policy dropped in all layers (at the
+        next reserve: the last layer's attention runs after the step's commit)."""
+        B, n = self.config.block_size, t.length
+        alive = torch.zeros(t.blocks_needed(n), dtype=torch.bool)
+        for layer in range(self.config.num_layers):
+            keep = t.sparsity.keep(layer, n)
+            pad = torch.zeros(alive.numel() * B, dtype=torch.bool)
+            pad[:n] = keep
+            alive |= pad.view(-1, B).any(dim=1)
+        for i in range(min(n // B, len(t.blocks) - 1)):  # never the block being written
+            b = t.blocks[i]
+            if b is not None and not alive[i]:
+                t.blocks[i] = None
+                self.blocks.unref(b)
+                self.blocks.counters["sparsity_dropped_blocks"] += 1
+                t.runs = None
+
     def _register(self, t: BlockTable, bi: int) -> None:
-        parent = t.blocks[bi - 1].hash if bi else ROOT
-        if parent is None:  # an earlier block of a forked chain is still unhashed
+        prev = t.blocks[bi - 1] if bi else None
+        parent = ROOT if bi == 0 else (prev.hash if prev is not None else None)
+        if parent is None:  # an earlier block is unhashed (forked chain) or dropped
             return
         kept = self.blocks.register(t.blocks[bi], parent)
         if kept is not t.blocks[bi]:
@@ -315,7 +343,7 @@ class KVCache:
     def _quantize_old(self, t: BlockTable) -> None:
         limit = (t.length - self.config.fp_window) // self.config.block_size
         for b in t.blocks[t.quant_checked : max(limit, t.quant_checked)]:
-            if not (b.quantized or b.kept_full_precision) and b.slot is not None:
+            if b is not None and not (b.quantized or b.kept_full_precision) and b.slot is not None:
                 self.blocks.quantize(b, self.config.requant_error_threshold)
         t.quant_checked = max(t.quant_checked, limit)
 
@@ -329,11 +357,13 @@ class KVCache:
         quantized-only blocks decoded, once) only after a block changed place."""
         if t.runs is None or t.plan_generation != self.blocks.generation:
             keep, after = t.block_ids(), None
-            for b in t.blocks:
+            for b in t.held():
                 self.blocks.ensure_fp(b, after, keep)
                 after = b.slot
             t.runs, t.planned = [], 0
         for b in t.blocks[t.planned :]:
+            if b is None:
+                continue
             if t.runs and t.runs[-1][0] + t.runs[-1][1] == b.slot:
                 t.runs[-1][1] += 1
             else:
@@ -354,13 +384,32 @@ class KVCache:
         self.blocks.counters["transient_reads"] += 1
         ks, vs = [], []
         for b in t.blocks[: t.blocks_needed(n)]:
+            if b is None:
+                continue
             if b.slot is not None:
                 k, v = self.arena.run(layer, b.slot, self.config.block_size)
             else:
                 k, v = self.blocks.decode_layer(b, layer)
             ks.append(k.float())
             vs.append(v.float())
-        return [(torch.cat(ks, 1)[:, :n], torch.cat(vs, 1)[:, :n])]
+        return [(torch.cat(ks, 1)[:, : self._resident(t, n)], torch.cat(vs, 1)[:, : self._resident(t, n)])]
+
+    def _resident(self, t: BlockTable, n: int) -> int:
+        """Of the first ``n`` positions, how many are held (dropped blocks left out)."""
+        B = self.config.block_size
+        return n - B * sum(b is None for b in t.blocks[: n // B])
+
+    def sparsity(self, sid: int) -> SparsityPolicy | None:
+        return self._table(sid).sparsity
+
+    def resident_positions(self, sid: int, layer: int) -> torch.Tensor:
+        """Logical positions (0 = the session's first token) of the tokens ``read_runs``
+        returns, in order: what the sparsity policy's masks are indexed by."""
+        t = self._table(sid)
+        B, n = self.config.block_size, t.layer_length(layer)
+        starts = [i * B for i, b in enumerate(t.blocks[: t.blocks_needed(n)]) if b is not None]
+        pos = (torch.tensor(starts).view(-1, 1) + torch.arange(B)).flatten()
+        return pos[pos < n]
 
     def read_runs(self, sid: int, layer: int) -> list[Run]:
         """K and V of every readable token in ``layer`` as views into the arena, one pair
@@ -372,6 +421,7 @@ class KVCache:
         n, B = t.layer_length(layer), self.config.block_size
         if not self._try_plan(t):
             return self._transient_run(t, layer, n)
+        n = self._resident(t, n)
         out = []
         for slot, nb in t.runs:
             if n <= 0:
@@ -405,6 +455,8 @@ class KVCache:
         for sid, tok in zip(sids, tokens):
             self.reserve(sid, [tok])
         tables = [self._table(s) for s in sids]
+        if any(t.sparsity is not None for t in tables):
+            raise ReservationError("sessions with a sparsity policy cannot be batched")
         B = self.config.block_size
         shared = shared_prefix_blocks(tables)
         runs = self._plan(tables[0])

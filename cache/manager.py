@@ -25,7 +25,7 @@ from cache.token_arena import TokenArena
 COUNTERS = ("prefix_lookups", "prefix_hit_blocks", "prefix_miss_blocks", "prefix_hit_tokens",
             "evictions", "cow_copies", "dedup_blocks", "quantized_blocks",
             "kept_full_precision_blocks", "quant_skipped_full", "dequantized_blocks",
-            "read_buffer_evictions", "transient_reads", "alloc_failures", "eviction_collateral")
+            "read_buffer_evictions", "transient_reads", "sparsity_dropped_blocks", "alloc_failures", "eviction_collateral")
 
 
 class BlockManager:

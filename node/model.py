@@ -75,10 +75,31 @@ class Block(nn.Module):
         """x: [T, d_model] for the T new tokens; attention over everything the cache holds."""
         q, k, v = self._qkv(x)  # [H, T, D]
         runs = cache.append_and_read(sid, layer, k, v)  # views of the context, no gather
-        a = attend(q, runs)  # causal over the T new positions
+        policy = cache.sparsity(sid)
+        if policy is None:
+            a = attend(q, runs)  # causal over the T new positions
+        else:
+            a = self._attend_sparse(q, runs, cache, sid, layer, policy)
         x = x + self.proj(a.transpose(0, 1).flatten(-2))
         return x + self.mlp(self.ln2(x))
 
+
+    @staticmethod
+    def _attend_sparse(q, runs, cache: KVCache, sid: int, layer: int, policy) -> torch.Tensor:
+        """Attend to what the policy kept after the last step plus the new positions; the
+        policy then observes this step's weights over every logical position (and the cache
+        frees the blocks it dropped once the step is complete)."""
+        pos = cache.resident_positions(sid, layer)
+        n, T = int(pos[-1]) + 1, q.shape[1]
+        live = torch.ones(n, dtype=torch.bool)
+        if n > T:
+            live[: n - T] = policy.keep(layer, n - T)
+        keep = live[pos]
+        a, w = attend(q, runs, keep=keep, weights=True)
+        full = w.new_zeros(w.shape[0], w.shape[1], n)
+        full[..., pos] = w
+        policy.observe(layer, full)
+        return a
 
     def forward_batch(self, x: torch.Tensor, cache: KVCache, step, layer: int) -> torch.Tensor:
         """x: [B, d_model], one new token of each of the step's B sessions."""
