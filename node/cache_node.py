@@ -6,7 +6,7 @@ The node's KV-cache engine holds its parameters (``param/<name>``) and its lates
     params <- cache "param/"   train locally (SGD, or Opacus DP-SGD)   delta -> cache "grad/"
     clip + noise (crypto.privacy)  -> the federation encrypts and sends it
     aggregate -> decrypt -> params + mean delta -> cache "param/" at version + 1
-              -> cache.bump_version(): K/V computed under the old weights is never served again
+              -> cache.set_version(): K/V computed under the old weights is never served again
 
 Between rounds the node serves chat sessions (``lm`` task) through the cache:
 ``create_session`` / ``send`` / ``reset_context`` / ``close`` (``node.sessions`` documents the
@@ -110,13 +110,17 @@ class CacheNode:
     # -- parameters live in the cache ------------------------------------------------
     @property
     def version(self) -> int:
-        """Global aggregates applied so far (0 = the seeded initial model)."""
-        return self.cache.tensor_version(f"param/{self.layout.names[0]}")
+        """Global aggregates applied so far (0 = the seeded initial model): the cache's one
+        model-version counter, which the stored parameters are tagged with."""
+        return self.cache.version
 
     def _write_params(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Parameters at ``version`` into the cache and the model; K/V computed under any
+        other version are never served again (also after a restore)."""
         for name in self.layout.names:
             self.cache.put_tensor(f"param/{name}", state[name], version=version)
         self.model.load_state_dict({n: state[n] for n in self.layout.names})
+        self.cache.set_version(version)
 
     def params(self) -> dict[str, torch.Tensor]:
         return {n: self.cache.get_tensor(f"param/{n}") for n in self.layout.names}
@@ -139,7 +143,6 @@ class CacheNode:
             raise ValueError("aggregate contains NaN/Inf; refusing to write it back")
         new = self.flat_params().astype(np.float64) + mean_delta
         self._write_params(self.layout.unflatten(new.astype(np.float32), as_torch=True), version)
-        self.cache.bump_version()
 
     # -- local training ------------------------------------------------------------
     def train_round(

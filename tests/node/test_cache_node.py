@@ -87,3 +87,15 @@ def test_distributed_noise_share_has_the_right_scale():
 def test_layout_matches_the_model():
     assert model_layout("digits").size == 4810
     assert model_layout("lm").size == CacheNode(NodeSpec(0, 2, task="lm")).layout.size
+
+
+def test_restoring_a_node_moves_the_one_version_counter_and_stales_kv(lm_node):
+    node = lm_node
+    s = node.create_session(b"hello ")
+    node.send(s, b"hi", max_new_tokens=2)
+    params, scalars = node.to_state()
+    scalars = {**scalars, "version": node.version + 3}
+    node.load_state(params, scalars)
+    assert node.version == node.cache.version == scalars["version"]
+    assert all(node.cache.tensor_version(f"param/{n}") == node.version for n in node.layout.names)
+    assert node.cache.stats()["blocks_referenced"] == 0  # nothing computed under v0 is served
