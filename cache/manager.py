@@ -114,7 +114,6 @@ class BlockManager:
         if b.slot is not None:
             self.arena.free(b.slot)
         if b.qhandle is not None:
-            self.qpool.decref(b.qhandle)
             self.qpool.free(b.qhandle)
         b.slot = b.qhandle = None
         del self.blocks[b.id]

@@ -1,15 +1,11 @@
-"""BlockPool: a preallocated byte arena cut into managed blocks (slabs) of equal slots.
+"""BlockPool: the byte arena of quantized (int8/int4) blocks, cut into managed blocks (slabs).
 
-Managed blocks are slabs: each serves one size class (a storage class's block size) and is cut
-into equal slots. A slot is its block's byte size rounded up to a *page*, which is a 64 B
-granule (a cache line, ``CacheConfig.page_bytes``), not the article's 4 KB. Allocation and
-release are O(1): a size class keeps the slabs that still have a free slot; a slab that empties
-returns to the pool-wide free list so another class can use it. Every slot of a class sits at
-``arena[slab * slab_bytes + index * slot_bytes]``, so one strided view per class lets the engine
-gather many blocks with a single indexing op (:meth:`BlockPool.rows`, one row per page).
-
-Blocks are handles (ints) with refcounts; a block can be moved to another class (quantization)
-without changing its handle, so block tables never need rewriting.
+Full-precision blocks live in ``cache.token_arena.TokenArena`` (head-major, read as views);
+this pool holds the compact form of idle and cached blocks. Managed blocks are slabs: each
+serves one size class and is cut into equal slots. A slot is its block's byte size rounded up
+to a *page*, which is a 64 B granule (a cache line, ``CacheConfig.page_bytes``), not the
+article's 4 KB. Allocation and release are O(1): a size class keeps the slabs that still have a
+free slot; a slab that empties returns to the pool-wide free list. Blocks are handles (ints).
 
 Which layers of the article's pool (superblock -> managed block -> page) are kept, measured on
 this 2-core machine (issue 9, "Allocator"; arena bytes per token of a full block, i.e. slab
@@ -38,10 +34,11 @@ bytes / slots per slab / block_size, as ``cache.sizing.arena_bytes_per_token`` r
   0.44 vs 0.45 us. Filling a 4 MB LM_MODEL pool with 256-token sessions (fp32 window of 32
   tokens each) now holds 11,040 int8 tokens instead of 7,168 and 16,128 int4 instead of 11,776
   (fp16: 8,192 either way).
-* **Managed blocks (slabs): kept.** They let five size classes (full precision, quantized, three
-  tail sizes) share one arena with O(1) allocate/free (0.44 us per pair) while an emptied slab
-  goes back to every class -- quantization moves blocks from fp32 slabs into int8 ones without
-  any per-class reservation. The price is the slab tail: 30 x 4,352 of 131,072 B for int8 on
+* **Managed blocks (slabs): kept.** When this was measured they let five size classes (full
+  precision, quantized, three tail sizes) share one arena with O(1) allocate/free (0.44 us per
+  pair). Since full-precision blocks moved to the head-major TokenArena (so decode reads views
+  instead of gathering), one class remains per cache and slabs are simply its allocation unit.
+  The price is the slab tail: 30 x 4,352 of 131,072 B for int8 on
   LM_MODEL (99.6 % filled), 55 x 2,368 for int4 (99.4 %). Slab size vs int8 / int4 ratio on
   LM_MODEL: 16 KB 0.667 / 0.333, 32 KB 0.571 / 0.308, 128 KB (default) 0.533 / 0.291, 512 KB
   0.533 / 0.290 -- 128 KB is where the tail stops mattering.
@@ -94,9 +91,8 @@ class BlockPool:
         page_bytes: int = 64,
         pad_bytes: int = 0,
     ):
-        """``pad_bytes`` past the last slab let strided row views read a fixed-size region
-        from any slot start (bytes beyond a slot are read, never used). ``superblock_bytes``
-        is accepted for compatibility and not used (see the module docstring)."""
+        """``superblock_bytes`` is accepted for compatibility and not used (see the module
+        docstring); ``pad_bytes`` are extra arena bytes past the last slab."""
         if page_bytes <= 0 or managed_block_bytes % page_bytes:
             raise ConfigError("managed_block_bytes must be a multiple of page_bytes")
         self.num_slabs = pool_bytes // managed_block_bytes
@@ -109,9 +105,8 @@ class BlockPool:
         self._slabs = [_Slab() for _ in range(self.num_slabs)]
         self._free_slabs = list(range(self.num_slabs - 1, -1, -1))  # pop() takes slab 0 first
         self.classes: dict[str, SizeClass] = {}
-        # block handle -> (class, slab, index); refcounts by handle
+        # block handle -> (class, slab, index)
         self._loc: dict[int, tuple[str, int, int]] = {}
-        self._ref: dict[int, int] = {}
         self._free_handles: list[int] = []
         self._next_handle = 0
 
@@ -129,36 +124,10 @@ class BlockPool:
         self.classes[name] = sc
         return sc
 
-    def view(self, name: str, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        """Strided view ``[num_slabs, slots_per_slab, slot_bytes / itemsize]`` of a class."""
-        sc = self.classes[name]
-        item = torch.empty((), dtype=dtype).element_size()
-        base = self.arena.view(dtype)
-        return base.as_strided(
-            (self.num_slabs, sc.slots_per_slab, sc.slot_bytes // item),
-            (self.slab_bytes // item, sc.slot_bytes // item, 1),
-        )
-
-    def rows(self, name: str, dtype: torch.dtype, offset: int, length: int) -> torch.Tensor:
-        """A gather-friendly view: row r holds ``length`` elements of ``dtype`` starting
-        ``offset`` elements into the slot that begins at page r. ``rows.index_select(0,
-        pages)`` then reads one region of many blocks in a single op (4-5x faster than
-        advanced indexing on the 3-D slab view)."""
-        sc = self.classes[name]
-        item = torch.empty((), dtype=dtype).element_size()
-        base = self.arena.view(dtype)
-        n_rows = (self.arena.numel() - sc.slot_bytes) // self.page_bytes + 1
-        return base.as_strided((n_rows, length), (self.page_bytes // item, 1), offset)
-
     def arena_bytes_per_block(self, name: str) -> float:
         """What one block of class ``name`` really costs in the arena: a managed block's
         bytes over the slots it holds (the slab's unusable tail counted)."""
         return self.slab_bytes / self.classes[name].slots_per_slab
-
-    def first_page(self, h: int) -> int:
-        """Index of the page where block ``h``'s slot starts (for :meth:`rows`)."""
-        name, s, idx = self._loc[h]
-        return (s * self.slab_bytes + idx * self.classes[name].slot_bytes) // self.page_bytes
 
     # -- allocation ----------------------------------------------------------------------
     def _take_slot(self, name: str) -> tuple[int, int]:
@@ -190,48 +159,22 @@ class BlockPool:
             sc.partial[s] = None
 
     def allocate(self, name: str) -> int:
-        """A new block of class ``name`` with refcount 1. Raises PoolExhausted when full."""
+        """A slot of class ``name`` (a handle). Raises PoolExhausted when full. Reference
+        counts are the ``Block`` record's, not the pool's."""
         s, idx = self._take_slot(name)
         h = self._free_handles.pop() if self._free_handles else self._new_handle()
         self._loc[h] = (name, s, idx)
-        self._ref[h] = 1
         return h
 
     def _new_handle(self) -> int:
         self._next_handle += 1
         return self._next_handle - 1
 
-    def move(self, h: int, name: str) -> tuple[tuple[str, int, int], tuple[str, int, int]]:
-        """Re-home block ``h`` into class ``name``; returns (old, new) locations. The old
-        slot stays readable until the next allocation, so copy from it right away."""
-        old = self._loc[h]
-        s, idx = self._take_slot(name)
-        new = (name, s, idx)
-        self._loc[h] = new
-        self._give_slot(*old)
-        return old, new
-
     def free(self, h: int) -> None:
-        if self._ref.get(h, 0) != 0:
-            raise ValueError(f"block {h} still has refcount {self._ref.get(h)}")
+        if h not in self._loc:
+            raise ValueError(f"block {h} is not allocated")
         self._give_slot(*self._loc.pop(h))
-        del self._ref[h]
         self._free_handles.append(h)
-
-    # -- refcounts -----------------------------------------------------------------------
-    def incref(self, h: int) -> int:
-        self._ref[h] += 1
-        return self._ref[h]
-
-    def decref(self, h: int) -> int:
-        r = self._ref[h] - 1
-        if r < 0:
-            raise ValueError(f"refcount of block {h} would become negative")
-        self._ref[h] = r
-        return r
-
-    def refcount(self, h: int) -> int:
-        return self._ref[h]
 
     def location(self, h: int) -> tuple[str, int, int]:
         return self._loc[h]
@@ -248,32 +191,9 @@ class BlockPool:
     def blocks(self) -> list[int]:
         return list(self._loc)
 
-    def live_slot_bytes(self) -> int:
-        return sum(self.classes[n].slot_bytes for n, _, _ in self._loc.values())
-
     def has_room(self, name: str) -> bool:
         """True when a block of class ``name`` can be allocated without reclaiming anything."""
         return bool(self.classes[name].partial) or bool(self._free_slabs)
 
-    def slab_live(self, slab: int) -> int:
-        """Live blocks in managed block ``slab``; freeing the last one frees the slab."""
-        return self._slabs[slab].live
-
-    def free_slots(self, name: str) -> int:
-        """Blocks of class ``name`` that can be allocated without reclaiming anything."""
-        sc = self.classes[name]
-        partial = sum(len(self._slabs[s].free) for s in sc.partial)
-        return partial + len(self._free_slabs) * sc.slots_per_slab
-
     def slabs_in_use(self) -> int:
         return self.num_slabs - len(self._free_slabs)
-
-    def utilisation(self) -> dict[str, float]:
-        """Fractions of the arena: slabs handed out, and live slots within those slabs."""
-        used = self.slabs_in_use() * self.slab_bytes
-        total = self.num_slabs * self.slab_bytes
-        return {
-            "arena_bytes": float(total),
-            "slab_fraction": used / total,
-            "slot_fill": self.live_slot_bytes() / used if used else 0.0,
-        }
