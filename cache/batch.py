@@ -19,7 +19,7 @@ class BatchStep:
     write_pos: torch.Tensor
     """[B] arena token positions of the new tokens."""
     prefix: list[tuple[int, int]]
-    """(first slot, tokens) per run of the shared prefix."""
+    """(arena start, tokens) per run of the shared prefix."""
     tail_pos: torch.Tensor
     """[B, T] arena positions of each session's own tokens (new one included), padded."""
     tail_valid: torch.Tensor
@@ -42,14 +42,14 @@ def shared_prefix_blocks(tables: list) -> int:
     return n
 
 
-def tail_positions(slots: list[list[int]], lengths: list[int], block: int
+def tail_positions(starts: list[list[int]], lengths: list[int], block: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Padded [B, T] arena positions of ``lengths[i]`` tokens held in blocks ``slots[i]``."""
+    """Padded [B, T] arena positions of ``lengths[i]`` tokens in the blocks starting at ``starts[i]``."""
     T = max(lengths)
-    pos = torch.zeros(len(slots), T, dtype=torch.long)
-    valid = torch.zeros(len(slots), T, dtype=torch.bool)
+    pos = torch.zeros(len(starts), T, dtype=torch.long)
+    valid = torch.zeros(len(starts), T, dtype=torch.bool)
     offs = torch.arange(block)
-    for i, (s, n) in enumerate(zip(slots, lengths)):
-        p = (torch.tensor(s).view(-1, 1) * block + offs).flatten()[:n]
+    for i, (s, n) in enumerate(zip(starts, lengths)):
+        p = (torch.tensor(s).view(-1, 1) + offs).flatten()[:n]
         pos[i, :n], valid[i, :n] = p, True
     return pos, valid

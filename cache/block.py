@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 class Block:
     """One block of ``block_size`` token positions, in every layer.
 
-    A block's K/V live in up to two places: ``slot`` in the full-precision TokenArena (fresh
-    blocks, and the decoded read buffer of active sessions) and ``qhandle`` in the quantized
+    A block's K/V live in up to two places: positions ``start .. start + capacity`` of the
+    full-precision TokenArena (fresh blocks, and the decoded read buffer of active sessions;
+    a partly filled last block has less than ``block_size`` capacity) and ``qhandle`` in the
+    quantized
     BlockPool (the form of idle and cached blocks once they left the full-precision window).
     """
 
@@ -23,7 +25,8 @@ class Block:
     hash: bytes | None = None
     """Content address once the block is full and complete in every layer."""
     parent_hash: bytes | None = None
-    slot: int | None = None
+    start: int | None = None
+    capacity: int = 0
     qhandle: int | None = None
     format: str = "fp32"
     """Canonical storage: the full-precision dtype, or ``int8``/``int4`` once quantized."""

@@ -40,6 +40,11 @@ class CacheConfig:
     """How KIVI scales are stored: ``log8`` (a uint8 log-code per group under one fp16
     reference per layer and K/V; see ``cache/quant.py``) or ``fp16`` (2 B per group). At
     16-token blocks only ``log8`` brings int4 to <= 0.30x of fp16."""
+    tail_granule: int = 4
+    """A session's partly filled last block takes arena pages of this many tokens and grows
+    in place page by page (moved only when the next page is taken), so it wastes fewer than
+    ``tail_granule`` token positions instead of up to ``block_size - 1``. Must divide
+    ``block_size``; 0 (or ``block_size``) gives every block a whole block of room."""
     requant_error_threshold: float = 0.25
     """If a block's relative quantization error (||x - q(x)|| / ||x||) passes this, the block
     is kept at full precision instead (``stats()['kept_full_precision_blocks']``). The error is
@@ -78,6 +83,9 @@ class CacheConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for int4 packing, got {self.head_dim}")
+        if self.tail_granule < 0 or (self.tail_granule and self.block_size % self.tail_granule):
+            raise ConfigError(f"tail_granule must be 0 or divide block_size {self.block_size}, "
+                              f"got {self.tail_granule}")
         if not 0 < self.read_buffer_fraction < 1:
             raise ConfigError(
                 f"read_buffer_fraction must be in (0, 1), got {self.read_buffer_fraction}")

@@ -47,17 +47,18 @@ def _storage(c: CacheConfig) -> tuple[TokenArena, BlockPool | None, BlockFormat 
     """Split ``pool_bytes``: all full precision, or ``read_buffer_fraction`` of it in a
     quantized cache (fresh window blocks and active sessions' decoded buffers)."""
     _, dtype = fresh_dtype(c)
-    slot = 2 * c.num_layers * c.num_heads * c.block_size * c.head_dim * dtype.itemsize
+    block = 2 * c.num_layers * c.num_heads * c.block_size * c.head_dim * dtype.itemsize
     share = c.read_buffer_fraction if c.kv_dtype in QUANTIZED else 1.0
-    slots = int(c.pool_bytes * share) // slot
-    if slots < 1:
-        raise ConfigError(f"pool_bytes {c.pool_bytes} x {share} holds no {slot}-byte block")
-    arena = TokenArena(slots, c.num_layers, c.num_heads, c.block_size, c.head_dim, dtype)
+    blocks = int(c.pool_bytes * share) // block
+    if blocks < 1:
+        raise ConfigError(f"pool_bytes {c.pool_bytes} x {share} holds no {block}-byte block")
+    arena = TokenArena(blocks, c.num_layers, c.num_heads, c.block_size, c.head_dim, dtype,
+                       c.tail_granule)
     if c.kv_dtype not in QUANTIZED:
         return arena, None, None
     fmt = BlockFormat(c.kv_dtype, c.quant_scheme, c.num_heads, c.block_size, c.head_dim,
                       c.scale_format)
-    pool = BlockPool(c.pool_bytes - slots * slot, None, c.managed_block_bytes, c.page_bytes)
+    pool = BlockPool(c.pool_bytes - blocks * block, None, c.managed_block_bytes, c.page_bytes)
     pool.add_class(c.kv_dtype, fmt.layer_bytes * c.num_layers)
     return arena, pool, fmt
 
@@ -215,8 +216,9 @@ class KVCache:
         if tail is not None:
             old = t.blocks[-1]
             t.blocks[-1] = tail
+            shared = old.ref_count > 1
             self.blocks.unref(old)
-            self.blocks.counters["cow_copies"] += 1
+            self.blocks.counters["cow_copies" if shared else "tail_moves"] += 1
             t.runs = None
         t.blocks.extend(new)
         t.tokens = t.tokens[: t.length] + toks
@@ -224,21 +226,29 @@ class KVCache:
         self._try_plan(t)
         t.write_at = self._positions(t, t.length, len(toks))
 
+    def _end(self, b: Block | None) -> int | None:
+        """Where the block after ``b`` goes to continue its run."""
+        return None if b is None or b.start is None else b.start + self.config.block_size
+
     def _allocate(self, t: BlockTable, total: int) -> tuple[Block | None, list[Block]]:
-        """A copy of a shared partial tail block (or None) and the new blocks for ``total``
-        tokens, each placed right after its predecessor when that slot is free."""
+        """Room for ``total`` tokens: the partly filled last block grows in place, or is
+        copied (shared: copy-on-write; no room after it: a move) -- that copy, or None --
+        and the new blocks, each placed right after its predecessor when that space is free."""
         B, m = self.config.block_size, self.blocks
         keep = t.block_ids()
         tail, new = None, []
-        last = t.blocks[-1].slot if t.blocks else None
+        last = self._end(t.blocks[-1]) if t.blocks else None
         try:
-            if t.length % B and t.blocks[-1].ref_count > 1:
-                before = t.blocks[-2].slot if len(t.blocks) > 1 else None
-                tail = m.copy(t.blocks[-1], t.length % B, before, keep)
-                last = tail.slot
-            for _ in range(t.blocks_needed(total) - len(t.blocks)):
-                new.append(m.new(last, keep | {b.id for b in new}))
-                last = new[-1].slot
+            if t.length % B:
+                old, want = t.blocks[-1], min(B, total - (len(t.blocks) - 1) * B)
+                if old.ref_count > 1 or not m.grow(old, want):
+                    prev = t.blocks[-2] if len(t.blocks) > 1 else None
+                    tail = m.copy(old, t.length % B, want, self._end(prev), keep)
+                    last = self._end(tail)
+            for i in range(t.blocks_needed(total) - len(t.blocks)):
+                n = min(B, total - (len(t.blocks) + i) * B)
+                new.append(m.new(n, last, keep | {b.id for b in new}))
+                last = self._end(new[-1])
         except CacheFullError:
             m.counters["alloc_failures"] += 1  # refused to the caller, nothing changed
             for b in new + ([tail] if tail else []):
@@ -249,7 +259,7 @@ class KVCache:
     def _positions(self, t: BlockTable, start: int, n: int) -> slice | torch.Tensor:
         """Arena token positions of tokens [start, start + n): a slice when contiguous."""
         B = self.config.block_size
-        pos = [t.blocks[p // B].slot * B + p % B for p in range(start, start + n)]
+        pos = [t.blocks[p // B].start + p % B for p in range(start, start + n)]
         if all(b - a == 1 for a, b in zip(pos, pos[1:])):
             return slice(pos[0], pos[0] + n)
         return torch.tensor(pos)
@@ -343,7 +353,7 @@ class KVCache:
     def _quantize_old(self, t: BlockTable) -> None:
         limit = (t.length - self.config.fp_window) // self.config.block_size
         for b in t.blocks[t.quant_checked : max(limit, t.quant_checked)]:
-            if b is not None and not (b.quantized or b.kept_full_precision) and b.slot is not None:
+            if b is not None and not (b.quantized or b.kept_full_precision) and b.start is not None:
                 self.blocks.quantize(b, self.config.requant_error_threshold)
         t.quant_checked = max(t.quant_checked, limit)
 
@@ -353,21 +363,23 @@ class KVCache:
         t.last_access = self.blocks.clock
 
     def _plan(self, t: BlockTable) -> list[list[int]]:
-        """The session's runs of consecutive slots; grown by appended blocks, rebuilt (and
+        """The session's runs of consecutive blocks ([start, blocks]); grown by appended
+        blocks, rebuilt (and
         quantized-only blocks decoded, once) only after a block changed place."""
         if t.runs is None or t.plan_generation != self.blocks.generation:
             keep, after = t.block_ids(), None
             for b in t.held():
                 self.blocks.ensure_fp(b, after, keep)
-                after = b.slot
+                after = self._end(b)
             t.runs, t.planned = [], 0
         for b in t.blocks[t.planned :]:
             if b is None:
                 continue
-            if t.runs and t.runs[-1][0] + t.runs[-1][1] == b.slot:
+            B = self.config.block_size
+            if t.runs and t.runs[-1][0] + t.runs[-1][1] * B == b.start:
                 t.runs[-1][1] += 1
             else:
-                t.runs.append([b.slot, 1])
+                t.runs.append([b.start, 1])
         t.planned, t.plan_generation = len(t.blocks), self.blocks.generation
         return t.runs
 
@@ -386,8 +398,8 @@ class KVCache:
         for b in t.blocks[: t.blocks_needed(n)]:
             if b is None:
                 continue
-            if b.slot is not None:
-                k, v = self.arena.run(layer, b.slot, self.config.block_size)
+            if b.start is not None:
+                k, v = self.arena.run(layer, b.start, self.config.block_size)
             else:
                 k, v = self.blocks.decode_layer(b, layer)
             ks.append(k.float())
@@ -423,11 +435,11 @@ class KVCache:
             return self._transient_run(t, layer, n)
         n = self._resident(t, n)
         out = []
-        for slot, nb in t.runs:
+        for start, nb in t.runs:
             if n <= 0:
                 break
             take = min(n, nb * B)
-            out.append(self.arena.run(layer, slot, take))
+            out.append(self.arena.run(layer, start, take))
             n -= take
         return out
 
@@ -461,15 +473,15 @@ class KVCache:
         shared = shared_prefix_blocks(tables)
         runs = self._plan(tables[0])
         prefix, left = [], shared
-        for slot, nb in runs:
+        for start, nb in runs:
             if left <= 0:
                 break
-            prefix.append((slot, min(nb, left) * B))
+            prefix.append((start, min(nb, left) * B))
             left -= nb
         pos, valid = tail_positions(
-            [[b.slot for b in t.blocks[shared:]] for t in tables],
+            [[b.start for b in t.blocks[shared:]] for t in tables],
             [t.length + 1 - shared * B for t in tables], B)
-        write = torch.tensor([t.blocks[t.length // B].slot * B + t.length % B for t in tables])
+        write = torch.tensor([t.blocks[t.length // B].start + t.length % B for t in tables])
         return BatchStep(list(sids), write, prefix, pos, valid)
 
     def append_and_read_batch(self, step: BatchStep, layer: int, k: torch.Tensor,
@@ -487,7 +499,7 @@ class KVCache:
         kv = self.arena.kv[layer]
         kv[0].index_copy_(1, step.write_pos, k.to(kv.dtype))
         kv[1].index_copy_(1, step.write_pos, v.to(kv.dtype))
-        prefix = [self.arena.run(layer, slot, n) for slot, n in step.prefix]
+        prefix = [self.arena.run(layer, start, n) for start, n in step.prefix]
         flat = step.tail_pos.flatten()
         H, Bn, T = c.num_heads, *step.tail_pos.shape
         tk = kv[0].index_select(1, flat).view(H, Bn, T, c.head_dim)
@@ -551,7 +563,7 @@ class KVCache:
         quantized blocks); ``kv_dtype`` must be one of :meth:`storage_dtypes`."""
         d = self._storage_dtype(kv_dtype)
         if d == self.fresh:
-            return self.arena.slot_bytes
+            return self.arena.block_bytes
         return self.qpool.classes[d].slot_bytes
 
     def arena_bytes_per_token(self, kv_dtype: str | None = None) -> float:
@@ -560,7 +572,7 @@ class KVCache:
         unusable tail counted), over ``block_size``."""
         d = self._storage_dtype(kv_dtype)
         if d == self.fresh:
-            return self.arena.slot_bytes / self.config.block_size
+            return self.arena.block_bytes / self.config.block_size
         return self.qpool.arena_bytes_per_block(d) / self.config.block_size
 
     def _storage_dtype(self, kv_dtype: str | None) -> str:

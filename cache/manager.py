@@ -2,7 +2,7 @@
 
 One ``Block`` per physical block, one hash index (content address -> block), one eviction
 policy keyed by content hash, one model-version counter. Storage is two places: the
-full-precision TokenArena (``Block.slot``) and, in quantized caches, the BlockPool of
+full-precision TokenArena (``Block.start``/``capacity``) and, in quantized caches, the BlockPool of
 quantized blocks (``Block.qhandle``). A referenced block always has one of them; an
 unreferenced block exists only while it is a prefix-cache entry (hashed, in the index, in the
 policy) and then keeps its quantized copy alone when it has one.
@@ -23,7 +23,7 @@ from cache.quant import BlockFormat, relative_error
 from cache.token_arena import TokenArena
 
 COUNTERS = ("prefix_lookups", "prefix_hit_blocks", "prefix_miss_blocks", "prefix_hit_tokens",
-            "evictions", "cow_copies", "dedup_blocks", "quantized_blocks",
+            "evictions", "cow_copies", "tail_moves", "dedup_blocks", "quantized_blocks",
             "kept_full_precision_blocks", "quant_skipped_full", "dequantized_blocks",
             "read_buffer_evictions", "transient_reads", "sparsity_dropped_blocks", "alloc_failures", "eviction_collateral")
 
@@ -45,16 +45,17 @@ class BlockManager:
         self._next_id = 0
 
     # -- storage -----------------------------------------------------------------------
-    def _fp_slot(self, after: int | None, keep: set[int]) -> int:
-        """A free arena slot; evicts one cached block, then idle read buffers, if needed."""
+    def _fp_room(self, tokens: int, after: int | None, keep: set[int]) -> int:
+        """Arena room for ``tokens`` (its start); evicts cached blocks, then idle read
+        buffers, one at a time until it fits."""
         while True:
-            s = self.arena.allocate(after)
+            s = self.arena.allocate(tokens, after)
             if s is not None:
                 return s
-            if not (self._evict_cached(lambda b: b.slot is not None) or self.reclaim_fp(keep)):
+            if not (self._evict_cached(lambda b: b.start is not None) or self.reclaim_fp(keep)):
                 raise CacheFullError(
-                    f"cache full: all {self.arena.num_slots} full-precision slots hold blocks of "
-                    f"open sessions; close sessions or grow pool_bytes")
+                    f"cache full: the full-precision arena ({self.arena.num_blocks} blocks) "
+                    f"holds only blocks of open sessions; close sessions or grow pool_bytes")
 
     def _q_handle(self) -> int | None:
         """A quantized-pool handle, evicting one cached quantized block if needed; None when
@@ -76,10 +77,12 @@ class BlockManager:
         return False
 
     # -- lifecycle ---------------------------------------------------------------------
-    def new(self, after: int | None = None, keep: set[int] = frozenset()) -> Block:
-        """A fresh full-precision block (refcount 1) placed after slot ``after`` if free."""
-        slot = self._fp_slot(after, keep)
-        b = Block(self._next_id, self.version, slot=slot, format=self.fp_format,
+    def new(self, tokens: int, after: int | None = None, keep: set[int] = frozenset()) -> Block:
+        """A fresh full-precision block (refcount 1) with room for ``tokens`` (whole pages),
+        placed at arena position ``after`` (the previous block's end) if free."""
+        start = self._fp_room(tokens, after, keep)
+        b = Block(self._next_id, self.version, start=start,
+                  capacity=self.arena.capacity_for(tokens), format=self.fp_format,
                   last_access=self.clock)
         self._next_id += 1
         self.blocks[b.id] = b
@@ -101,7 +104,7 @@ class BlockManager:
         if b.ref_count:
             return
         if b.hash is not None and self.index.get(b.hash) is b:
-            if b.qhandle is not None and b.slot is not None:  # idle: keep the compact form
+            if b.qhandle is not None and b.start is not None:  # idle: keep the compact form
                 self._drop_slot(b)
             self.policy.insert(b.hash)  # still a prefix-cache entry: reclaimable
         else:
@@ -111,34 +114,42 @@ class BlockManager:
         if b.hash is not None and self.index.get(b.hash) is b:
             del self.index[b.hash]
             self.policy.remove(b.hash)
-        if b.slot is not None:
-            self.arena.free(b.slot)
+        if b.start is not None:
+            self.arena.free(b.start, b.capacity)
         if b.qhandle is not None:
             self.qpool.free(b.qhandle)
-        b.slot = b.qhandle = None
+        b.start = b.qhandle = None
         del self.blocks[b.id]
 
     def _drop_slot(self, b: Block) -> None:
-        self.arena.free(b.slot)
-        b.slot = None
+        self.arena.free(b.start, b.capacity)
+        b.start, b.capacity = None, 0
         if b.ref_count:
             self.generation += 1
 
     def drop_read_buffer(self, b: Block) -> bool:
         """Drop the full-precision copy of a quantized block (its compact form stays)."""
-        if b.slot is None or b.qhandle is None:
+        if b.start is None or b.qhandle is None:
             return False
         self._drop_slot(b)
         self.counters["read_buffer_evictions"] += 1
         return True
 
-    def copy(self, b: Block, n: int, after: int | None, keep: set[int]) -> Block:
-        """Copy-on-write: a new block holding the first ``n`` tokens of ``b``."""
+    def copy(self, b: Block, n: int, tokens: int, after: int | None, keep: set[int]) -> Block:
+        """Copy-on-write (or a move to more room): a new block with room for ``tokens``
+        holding the first ``n`` tokens of ``b``."""
         self.ensure_fp(b, None, keep)
-        new = self.new(after, keep)
-        self.arena.block(new.slot)[..., :n, :] = self.arena.block(b.slot)[..., :n, :]
+        new = self.new(tokens, after, keep | {b.id})
+        self.arena.block(new.start, n).copy_(self.arena.block(b.start, n))
         new.tokens, new.version = list(b.tokens[:n]), b.version
         return new
+
+    def grow(self, b: Block, tokens: int) -> bool:
+        """Room for ``tokens`` in ``b`` in place (the pages after it); False if taken."""
+        if not self.arena.grow(b.start, b.capacity, tokens):
+            return False
+        b.capacity = max(b.capacity, self.arena.capacity_for(tokens))
+        return True
 
     # -- prefix cache --------------------------------------------------------------------
     def lookup(self, parent: bytes, tokens: list[int]) -> Block | None:
@@ -173,7 +184,7 @@ class BlockManager:
         decoded values -- the read buffer, so attention reads what the compact form stores,
         decoded once -- while the block is referenced. Past ``threshold`` of accumulated error the
         block stays full precision."""
-        kv = self.arena.block(b.slot).float()
+        kv = self.arena.block(b.start).float()
         raw = self.qformat.encode(kv[:, 0], kv[:, 1])
         k_hat, v_hat = self.qformat.decode(raw)
         err = relative_error(kv[:, 0], kv[:, 1], k_hat, v_hat)
@@ -188,7 +199,7 @@ class BlockManager:
             self.counters["quant_skipped_full"] += 1
             return
         self.qpool.slot_bytes_of(h)[: raw.numel()].copy_(raw.reshape(-1))
-        dst = self.arena.block(b.slot)  # the read buffer holds exactly what was stored
+        dst = self.arena.block(b.start)  # the read buffer holds exactly what was stored
         dst[:, 0].copy_(k_hat)
         dst[:, 1].copy_(v_hat)
         b.qhandle, b.error, b.format = h, total, self.qformat.kv_dtype
@@ -197,15 +208,16 @@ class BlockManager:
     def ensure_fp(self, b: Block, after: int | None, keep: set[int]) -> bool:
         """Decode a quantized-only block into a full-precision slot (once: the slot stays
         while the block is referenced). True when it decoded."""
-        if b.slot is not None:
+        if b.start is not None:
             return False
-        slot = self._fp_slot(after, keep | {b.id})
+        B = self.arena.B
+        start = self._fp_room(B, after, keep | {b.id})
         raw = self.qpool.slot_bytes_of(b.qhandle)[: self.qformat.layer_bytes * self._layers]
         k, v = self.qformat.decode(raw.view(self._layers, -1))
-        dst = self.arena.block(slot)
+        dst = self.arena.block(start)
         dst[:, 0].copy_(k)
         dst[:, 1].copy_(v)
-        b.slot = slot
+        b.start, b.capacity = start, B
         self.counters["dequantized_blocks"] += 1
         return True
 

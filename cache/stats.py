@@ -12,18 +12,19 @@ def _bytes(kv: "KVCache") -> dict:
     """Bytes held per storage dtype, bytes whose token positions hold tokens, and the same
     for referenced blocks only; the read buffer is the full-precision copy of quantized blocks."""
     m, B = kv.blocks, kv.config.block_size
-    fp_slot = kv.arena.slot_bytes
+    fp_block = kv.arena.block_bytes
     q_slot = kv.qpool.classes[kv.config.kv_dtype].slot_bytes if kv.qpool else 0
     q_tok = kv.bytes_per_token(kv.config.kv_dtype) if kv.qpool else 0.0
     held = {kv.fresh: 0, **({kv.config.kv_dtype: 0} if kv.qpool else {})}
     tokens = live_tokens = live_held = buffer = 0.0
     for b in m.blocks.values():
         here = there = 0.0
-        if b.slot is not None:
-            held[kv.fresh] += fp_slot
-            here += fp_slot
-            there += fp_slot / B * len(b.tokens)
-            buffer += fp_slot if b.qhandle is not None else 0
+        if b.start is not None:
+            fp = fp_block * b.capacity / B
+            held[kv.fresh] += fp
+            here += fp
+            there += fp_block / B * len(b.tokens)
+            buffer += fp if b.qhandle is not None else 0
         if b.qhandle is not None:
             held[kv.config.kv_dtype] += q_slot
             here += q_slot
@@ -52,7 +53,7 @@ def cache_stats(kv: "KVCache") -> dict:
         "blocks_referenced": sum(r > 0 for r in refs),
         "blocks_shared": sum(r > 1 for r in refs),
         "blocks_cached_unreferenced": len(m.policy),
-        "blocks_free_fresh": kv.arena.free_count,
+        "blocks_free_fresh": kv.arena.free_pages * kv.arena.page // kv.config.block_size,
         "bytes_by_dtype": by["held"],
         "bytes_allocated": live,
         "bytes_holding_tokens": by["tokens"],
@@ -63,5 +64,5 @@ def cache_stats(kv: "KVCache") -> dict:
         "mean_quant_error": sum(errors) / len(errors) if errors else 0.0,
         "tensor_bytes": kv.tensors.nbytes(),
         "pool_arena_bytes": float(kv.config.pool_bytes),
-        "pool_slot_fill": 1.0 - kv.arena.free_count / kv.arena.num_slots,
+        "pool_slot_fill": 1.0 - kv.arena.free_pages / kv.arena.num_pages,
     }

@@ -9,7 +9,7 @@ def cached_pool(**kw) -> tuple[KVCache, list[list[int]]]:
     """A full-precision arena of 128 slots: 127 unreferenced prefix-cached blocks (one
     session each, closed in a scattered order) and one free slot."""
     kv = KVCache(small_config(block_size=8, pool_bytes=256 << 10, **kw))
-    n = kv.arena.num_slots - 1
+    n = kv.arena.num_blocks - 1
     prompts = [list(range(8 * i, 8 * i + 8)) for i in range(n)]
     sids = [kv.open_session() for _ in prompts]
     for s, p in zip(sids, prompts):

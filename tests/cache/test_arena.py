@@ -23,7 +23,7 @@ def live_arena_bytes_per_token(model: ModelConfig, dtype: str, block_size: int) 
     kv = KVCache(c)
     if dtype == kv.full_precision_dtype:  # the TokenArena: blocks at exactly their bytes
         arena = kv.arena.kv
-        per_token = arena.numel() * arena.element_size() / (kv.arena.num_slots * block_size)
+        per_token = arena.numel() * arena.element_size() / (kv.arena.num_blocks * block_size)
         assert per_token == pytest.approx(kv.arena_bytes_per_token(dtype))
         assert per_token == pytest.approx(arena_bytes_per_token(c))
         return per_token

@@ -111,7 +111,7 @@ def test_version_bump_invalidates_kv(kv):
 
 def test_reclaims_unreferenced_blocks_tails_first():
     kv = KVCache(small_config(pool_bytes=256 << 10))  # 256 slots of 1 KB fp32 blocks
-    cap = kv.arena.num_slots
+    cap = kv.arena.num_blocks
     a = kv.open_session()
     feed(kv, a, list(range(4 * cap)))  # fills the pool exactly
     kv.close_session(a)
@@ -124,11 +124,11 @@ def test_reclaims_unreferenced_blocks_tails_first():
 
 def test_cache_full_when_everything_pinned_and_nothing_damaged():
     kv = KVCache(small_config(pool_bytes=256 << 10))
-    cap = kv.arena.num_slots
+    cap = kv.arena.num_blocks
     a = kv.open_session()
     ks, _ = feed(kv, a, list(range(4 * cap - 2)))
     before = kv.stats()["blocks_used"]
-    with pytest.raises(CacheFullError, match="slots hold blocks of open sessions"):
+    with pytest.raises(CacheFullError, match="holds only blocks of open sessions"):
         kv.reserve(a, [1, 2, 3, 4, 5])  # needs 2 new blocks, only 0 free
     assert kv.stats()["blocks_used"] == before and kv.length(a) == 4 * cap - 2
     assert kv.stats()["alloc_failures"] == 1
@@ -204,7 +204,7 @@ def test_stats_report_utilisation_and_dtypes(kv):
     feed(kv, s, list(range(6)))
     st = kv.stats()
     assert st["blocks_used"] == 2 and st["sessions_open"] == 1
-    assert st["bytes_by_dtype"] == {"fp32": 2 * kv.arena.slot_bytes}
+    assert st["bytes_by_dtype"] == {"fp32": 2 * kv.arena.block_bytes}
     assert 0 < st["kv_utilisation"] <= 6 / 8
 
 
@@ -223,7 +223,7 @@ def test_quantization_reclaims_room_when_the_pool_holds_only_cached_blocks():
     st = kv.stats()
     assert st["evictions"] > 0 and st["quant_skipped_full"] == 0
     assert st["quantized_blocks"] == 114 and kv.length(b) == 96
-    assert st["read_buffer_bytes"] == 24 * kv.arena.slot_bytes  # b's decoded buffer
+    assert st["read_buffer_bytes"] == 24 * kv.arena.block_bytes  # b's decoded buffer
 
 
 def test_a_growing_session_is_one_run_even_when_others_grow_at_once():
@@ -269,3 +269,29 @@ def test_head_major_reads_are_exact_for_real_geometries(kv_dtype):
             tol = 2e-3 if kv_dtype == "fp16" else 0.0  # fp16 storage: relative rounding
             assert (k - ks[layer]).abs().max() <= tol * (1 + ks[layer].abs().max())
             assert (v - vs[layer]).abs().max() <= tol * (1 + vs[layer].abs().max())
+
+
+def test_a_partial_last_block_grows_in_place_page_by_page():
+    kv = KVCache(small_config(block_size=8, tail_granule=2))
+    s = kv.open_session()
+    written = [feed(kv, s, [i], seed=i) for i in range(11)]  # one token at a time
+    st = kv.stats()
+    assert st["tail_moves"] == 0 and len(kv.read_runs(s, 0)) == 1  # grew in place
+    assert st["bytes_allocated"] == kv.arena.block_bytes * (8 + 4) / 8  # 8 + 3 tokens -> 8 + 4
+    k, _ = kv.read(s, 1)
+    assert torch.equal(k, torch.cat([w[0][1] for w in written], dim=1))
+
+
+def test_a_partial_block_with_no_room_after_it_moves():
+    kv = KVCache(small_config(block_size=8, tail_granule=2))
+    a = kv.open_session()
+    ka, _ = feed(kv, a, [1, 2])  # positions 0..1 of the arena
+    taken = kv.arena.allocate(2, after=2)  # someone else holds the next page
+    assert taken == 2
+    k2, _ = feed(kv, a, [5, 6, 7], seed=3)
+    assert kv.stats()["tail_moves"] == 1
+    assert torch.equal(kv.read(a, 0)[0], torch.cat([ka[0], k2[0]], dim=1))
+    kv.arena.free(taken, 2)
+    kv.close_session(a)
+    kv.bump_version()
+    assert kv.arena.free_pages == kv.arena.num_pages

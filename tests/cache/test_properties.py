@@ -101,7 +101,7 @@ class CacheMachine(RuleBasedStateMachine):
                 assert m.blocks[b.id] is b  # a table only holds live records
         for b in m.blocks.values():
             assert b.ref_count == expected.get(b.id, 0)
-            assert b.slot is not None or b.qhandle is not None
+            assert b.start is not None or b.qhandle is not None
 
     @invariant()
     def nothing_leaks(self):
@@ -109,8 +109,12 @@ class CacheMachine(RuleBasedStateMachine):
         unreferenced = [b for b in m.blocks.values() if b.ref_count == 0]
         assert len(unreferenced) == len(m.policy)  # each one is a prefix-cache entry
         assert all(m.index.get(b.hash) is b for b in unreferenced)
-        slots = [b.slot for b in m.blocks.values() if b.slot is not None]
-        assert len(set(slots)) == len(slots) == kv.arena.num_slots - kv.arena.free_count
+        held = [b for b in m.blocks.values() if b.start is not None]
+        spans = sorted((b.start, b.start + b.capacity) for b in held)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no two blocks overlap
+        used = sum(b.capacity for b in held) // kv.arena.page
+        assert used == kv.arena.num_pages - kv.arena.free_pages
+        assert all(len(b.tokens) <= b.capacity for b in held)
         if kv.qpool is not None:
             handles = [b.qhandle for b in m.blocks.values() if b.qhandle is not None]
             assert sorted(handles) == sorted(kv.qpool.blocks)
@@ -139,7 +143,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.kv.close_session(sid)
         self.kv.bump_version()  # drops the prefix cache: every block returns to the pool
         assert self.kv.stats()["blocks_used"] == 0
-        assert self.kv.arena.free_count == self.kv.arena.num_slots
+        assert self.kv.arena.free_pages == self.kv.arena.num_pages
         assert self.kv.qpool is None or self.kv.qpool.slabs_in_use() == 0
 
 
@@ -155,7 +159,10 @@ class TightPoolMachine(CacheMachine):
 
 
 class FullPrecisionMachine(CacheMachine):
-    CONFIG = dict(pool_bytes=32 << 10, kv_dtype="fp32", block_size=4)
+    """fp32 blocks of 8 tokens whose partly filled tails grow in pages of 2 (in place, or
+    moved when the next page is taken)."""
+
+    CONFIG = dict(pool_bytes=32 << 10, kv_dtype="fp32", block_size=8, tail_granule=2)
 
 
 for _machine in (TightPoolMachine, FullPrecisionMachine):
@@ -167,7 +174,7 @@ TestFullPrecisionMachine = FullPrecisionMachine.TestCase
 
 def test_freed_blocks_are_reused():
     kv = KVCache(small_config(pool_bytes=256 << 10))
-    cap = kv.arena.num_slots
+    cap = kv.arena.num_blocks
     for round_ in range(3):  # three times the capacity, one session at a time
         s = kv.open_session()
         for i in range(cap):

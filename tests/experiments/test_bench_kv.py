@@ -21,8 +21,9 @@ TOP_KEYS = {
     "targets_met", "config", "checkpoint", "notes",
     # issue 9
     "decode_tokens_per_s_4096", "decode_4096", "arena_bytes_per_token", "arena_ratios",
-    "eviction_collateral", "eviction_scenario",
+    "eviction_collateral", "eviction_scenario", "batched",
 }
+BATCHED = ("fedkv_batched", "fedkv_sequential", "hf_batched")
 DECODE = {"fedkv_fp32", "fedkv_int8", "fedkv_int4", "hf_dynamic_cache", "naive_concat",
           "no_cache"}
 
@@ -133,6 +134,28 @@ def test_issue9_keys_have_sane_types(result):
     assert sc["cached_blocks_before"] > 1 and sc["evictions"] >= ec
     assert all(isinstance(v, bool) for v in r["targets_met"].values())
     assert "eviction_collateral <= 1" in r["targets_met"]
+
+
+def test_batched_section(result):
+    r, _ = result
+    bt = r["batched"]
+    assert set(BATCHED) | {"kv_bytes"} <= set(bt)
+    assert set(bt["kv_bytes"]) == set(BATCHED)
+    for k in BATCHED:
+        for v in (bt[k], bt["kv_bytes"][k]):
+            assert isinstance(v, (int, float)) and not isinstance(v, bool), k
+            assert math.isfinite(v) and v > 0, k
+        assert len(bt["samples"][k]) == bt["repeats"]
+    assert bt["sessions"] == 4 and bt["steps"] == 8  # tiny mode stays small
+    # one copy of the shared prefix: fedkv holds less than the padded HF batch
+    assert bt["kv_bytes"]["fedkv_batched"] == bt["kv_bytes"]["fedkv_sequential"]
+    assert bt["kv_bytes"]["fedkv_batched"] < bt["kv_bytes"]["hf_batched"]
+    assert bt["kv_bytes_fedkv_vs_hf"] == pytest.approx(
+        bt["kv_bytes"]["fedkv_batched"] / bt["kv_bytes"]["hf_batched"])
+    # batched and one-at-a-time decode feed the same greedy tokens
+    assert bt["tokens_agree"] is True
+    assert {"fedkv_batched >= 3x hf_batched", "batched kv_bytes fedkv <= 1/8 hf"} <= set(
+        r["targets_met"])
 
 
 def test_uses_only_the_public_cache_api():
