@@ -12,13 +12,7 @@ from cache.sparsity import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors on 2 cores: a second torch thread only contends."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def one_hot_attn(n: int, focus: int, heads: int = 2, weight: float = 1.0) -> torch.Tensor:
