@@ -22,6 +22,9 @@ What each section measures (also stated inside the JSON under ``notes``):
   ``hf_dynamic_cache`` runs a randomly initialised GPT-2 of the same size (4 layers, 4 heads,
   d_model 256, byte vocabulary) with ``DynamicCache``. At 4,096 tokens the trained checkpoint's
   position table is tiled to the longer context (timing does not depend on the weights).
+* ``batched`` — 16 sessions sharing a 1,024-token held-out prefix, each with its own 64-token
+  tail, 64 greedy steps: tokens/s and KV bytes of fedkv batched (``forward_batch``), fedkv one
+  session at a time (``forward_cached``) and HF ``DynamicCache`` batched with left padding.
 * ``quality`` — teacher-forced decode loop, one token per ``forward_cached`` call, on held-out
   stdlib modules with the briefly trained checkpoint (``node.lm.pretrained_tiny``); int8/int4
   against fp32 of the same model.
@@ -87,6 +90,8 @@ TARGETS = {
     "arena int8/fp16 <= 0.55 (lm_model, bench_model)": None,
     "arena int4/fp16 <= 0.30 (lm_model, bench_model)": None,
     "eviction_collateral <= 1": None,
+    "fedkv_batched >= 3x hf_batched": None,
+    "batched kv_bytes fedkv <= 1/8 hf": None,
 }
 
 
@@ -115,6 +120,10 @@ class Plan:
     long_context: int = 4096
     long_decode_steps: int = 32
     long_no_cache_steps: int = 2
+    batch_sessions: int = 16
+    batch_prefix: int = 1024
+    batch_tail: int = 64
+    batch_steps: int = 64
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -123,7 +132,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         model = ModelConfig(n_layers=2, n_heads=2, d_model=64, context_len=max(256, ctx + 64))
         return Plan(model, ctx, 4, 2, 1, args.train_steps or 3, 2, 64, 1, 128, 6, 4, 24,
                     24, 6, 48.0, 0.8, 256, long_context=4 * ctx, long_decode_steps=4,
-                    long_no_cache_steps=1)
+                    long_no_cache_steps=1, batch_sessions=4, batch_prefix=64, batch_tail=8,
+                    batch_steps=8)
     ctx = args.context or 1024
     model = ModelConfig(n_layers=4, n_heads=4, d_model=256, context_len=max(1280, ctx + 192))
     if args.quick:
@@ -269,14 +279,18 @@ def hf_model(cfg: ModelConfig):
     return m.eval(), hc
 
 
+def _hf_cache_kw(model) -> str:
+    """The keyword this transformers version's forward takes the cache under."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class HFRunner:
     def __init__(self, model, hc):
         from transformers import DynamicCache
 
         self.m, self.hc = model, hc
         self.cache = DynamicCache(config=hc)
-        params = inspect.signature(model.forward).parameters
-        self.kw = "cache" if "cache" in params else "past_key_values"
+        self.kw = _hf_cache_kw(model)
 
     @torch.no_grad()
     def step(self, tokens: list[int]) -> torch.Tensor:
@@ -439,6 +453,167 @@ def log_decode(med: dict[str, float], ratios: dict[str, float], context: int,
         f"{ratios['fedkv_fp32_vs_no_cache']:.1f}x; int8/fp32 = "
         f"{ratios['fedkv_int8_vs_fp32']:.2f} (target >= 0.9), int4/fp32 = "
         f"{ratios['fedkv_int4_vs_fp32']:.2f} (target >= 0.8)  ({seconds:.1f}s)")
+
+
+# == batched decode: many sessions over one shared prefix ==================================
+def hf_kv_bytes(cache) -> int:
+    """Bytes of every layer's key and value tensors in a DynamicCache (``layers[i].keys``
+    in recent transformers, ``key_cache``/``value_cache`` lists in older ones)."""
+    if hasattr(cache, "layers"):
+        pairs = [(layer.keys, layer.values) for layer in cache.layers]
+    else:
+        pairs = list(zip(cache.key_cache, cache.value_cache))
+    return sum(k.nbytes + v.nbytes for k, v in pairs if k is not None)
+
+
+def left_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and attention_mask [B, longest], shorter prompts padded on the left."""
+    n = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (n - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+class HFBatched:
+    """HF GPT-2 with one DynamicCache over a left-padded batch: an untimed prefill, then
+    greedy steps of input [B, 1]; positions follow the attention mask (padding skipped)."""
+
+    def __init__(self, hf, prompts: list[list[int]]):
+        from transformers import DynamicCache
+
+        self.m, hc = hf
+        self.cache = DynamicCache(config=hc)
+        self.kw = _hf_cache_kw(self.m)
+        self.ids, self.mask = left_pad(prompts)
+
+    @torch.no_grad()
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        out = self.m(ids, attention_mask=self.mask, position_ids=pos, use_cache=True,
+                     **{self.kw: self.cache})
+        return out.logits[:, -1]
+
+    def prefill(self) -> torch.Tensor:
+        return self._forward(self.ids, (self.mask.cumsum(-1) - 1).clamp(min=0))
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.mask = torch.cat((self.mask, torch.ones_like(self.mask[:, :1])), dim=1)
+        return self._forward(tokens[:, None], self.mask.sum(-1, keepdim=True) - 1)
+
+
+def _fedkv_prefilled(model: TinyTransformer, prompts: list[list[int]], block: int,
+                     pool: int) -> tuple[KVCache, list[int], torch.Tensor]:
+    """A fresh cache with one session per prompt; later sessions reuse the cached prefix."""
+    kv = KVCache(model.cfg.cache_config(block_size=block, pool_bytes=pool))
+    sids = [kv.open_session() for _ in prompts]
+    return kv, sids, torch.stack([model.prefill(p, kv, s) for p, s in zip(prompts, sids)])
+
+
+def _decode_together(model: TinyTransformer, kv: KVCache, sids: list[int],
+                     logits: torch.Tensor, steps: int) -> list[list[int]]:
+    """``steps`` greedy steps, each one ``forward_batch`` over all sessions."""
+    fed = []
+    for _ in range(steps):
+        fed.append(logits.argmax(-1).tolist())
+        logits = model.forward_batch(fed[-1], kv, sids)
+    return [list(t) for t in zip(*fed)]
+
+
+def _decode_one_by_one(model: TinyTransformer, kv: KVCache, sids: list[int],
+                       logits: torch.Tensor, steps: int) -> list[list[int]]:
+    """Each session decodes ``steps`` greedy steps alone, one session after another."""
+    out = []
+    for sid, last in zip(sids, logits):
+        fed: list[int] = []
+        for _ in range(steps):
+            fed.append(int(last.argmax()))
+            last = model.forward_cached([fed[-1]], kv, sid)[-1]
+        out.append(fed)
+    return out
+
+
+def batched_runners(model: TinyTransformer, hf, prompts: list[list[int]], steps: int,
+                    block: int) -> dict[str, Runner]:
+    """Each runner prefills its contender afresh (untimed), times ``steps`` greedy steps of
+    every session and returns (tokens/s, {kv_bytes, tokens fed})."""
+    n_tok = len(prompts) * steps
+    shared = len(os.path.commonprefix(prompts))
+    held = shared + sum(len(p) - shared + steps + 2 * block for p in prompts)
+    pool = _pool_bytes_for(model.cfg, block, held)
+
+    def fedkv(decode) -> Runner:
+        def run():
+            kv, sids, logits = _fedkv_prefilled(model, prompts, block, pool)
+            t0 = time.perf_counter()
+            fed = decode(model, kv, sids, logits, steps)
+            tps = n_tok / (time.perf_counter() - t0)
+            return tps, {"kv_bytes": kv.stats()["bytes_allocated"], "tokens": fed}
+        return run
+
+    def hf_batched():
+        r = HFBatched(hf, prompts)
+        logits = r.prefill()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            logits = r.step(logits.argmax(-1))
+        tps = n_tok / (time.perf_counter() - t0)
+        return tps, {"kv_bytes": hf_kv_bytes(r.cache), "tokens": None}
+
+    return {"fedkv_batched": fedkv(_decode_together),
+            "fedkv_sequential": fedkv(_decode_one_by_one), "hf_batched": hf_batched}
+
+
+def batched_prompts(plan: Plan, text: list[int], heldout: bytes,
+                    seed: int) -> list[list[int]]:
+    """``batch_sessions`` prompts: one shared held-out prefix, each its own held-out tail."""
+    g = torch.Generator().manual_seed(seed + 31)
+    tails = random_windows(heldout, plan.batch_tail - 1, plan.batch_sessions, g).tolist()
+    prefix = text[: plan.batch_prefix]
+    assert len(prefix) == plan.batch_prefix, "held-out prompt shorter than batch_prefix"
+    return [prefix + t for t in tails]
+
+
+def batched_section(model: TinyTransformer, plan: Plan, prompts: list[list[int]],
+                    block: int) -> dict:
+    """tokens/s and KV bytes of fedkv batched, fedkv one session at a time and HF batched."""
+    t = time.perf_counter()
+    long = long_context_model(model, max(map(len, prompts)) + plan.batch_steps + 1)
+    runners = batched_runners(long, hf_model(long.cfg), prompts, plan.batch_steps, block)
+    runners["hf_batched"]()  # untimed warm-up: HF's first [B, L] batch runs cold
+    samples, info = time_interleaved(runners, plan.repeats, False, "batched")
+    med = {k: _median(v) for k, v in samples.items()}
+    kvb = {k: info[k]["kv_bytes"] for k in runners}
+    shared = len(os.path.commonprefix(prompts))
+    held = shared + sum(len(p) - shared + plan.batch_steps for p in prompts)
+    padded = len(prompts) * (max(map(len, prompts)) + plan.batch_steps)
+    return {
+        **med,
+        "kv_bytes": kvb,
+        "fedkv_batched_vs_hf_batched": _ratio(med["fedkv_batched"], med["hf_batched"]),
+        "fedkv_batched_vs_sequential": _ratio(med["fedkv_batched"], med["fedkv_sequential"]),
+        "kv_bytes_fedkv_vs_hf": _ratio(kvb["fedkv_batched"], kvb["hf_batched"]),
+        "tokens_held_fedkv_vs_hf": held / padded,
+        "tokens_agree": info["fedkv_batched"]["tokens"] == info["fedkv_sequential"]["tokens"],
+        "sessions": len(prompts),
+        "prefix_tokens": plan.batch_prefix,
+        "tail_tokens": plan.batch_tail,
+        "steps": plan.batch_steps,
+        "repeats": plan.repeats,
+        "samples": samples,
+        "seconds": time.perf_counter() - t,
+    }
+
+
+def log_batched(r: dict) -> None:
+    kb = r["kv_bytes"]
+    log(f"batched: {r['sessions']} sessions x ({r['prefix_tokens']}-token shared prefix + "
+        f"{r['tail_tokens']}-token tail), {r['steps']} steps; tokens/s fedkv batched "
+        f"{r['fedkv_batched']:.1f}, one at a time {r['fedkv_sequential']:.1f}, hf batched "
+        f"{r['hf_batched']:.1f}: {r['fedkv_batched_vs_hf_batched']:.2f}x hf (target >= 3)")
+    log(f"  KV MiB: fedkv batched {kb['fedkv_batched'] / 2**20:.1f}, sequential "
+        f"{kb['fedkv_sequential'] / 2**20:.1f}, hf {kb['hf_batched'] / 2**20:.1f}: "
+        f"{r['kv_bytes_fedkv_vs_hf']:.3f} of hf (target <= 0.125; tokens held "
+        f"{r['tokens_held_fedkv_vs_hf']:.3f} of hf's); greedy tokens batched == sequential: "
+        f"{r['tokens_agree']}  ({r['seconds']:.1f}s)")
 
 
 # == profile ===============================================================================
@@ -859,6 +1034,22 @@ NOTES = {
     "kv_utilisation_of_slab_bytes = kv_utilisation x slab_slot_fill also count the unusable "
     "tail of each managed block. Snapshot taken when the last session has been opened, with "
     "the last wave still open.",
+    "batched": "sessions prompts = one shared held-out prefix of prefix_tokens + each its own "
+    "held-out tail of tail_tokens; steps greedy decode steps per session, timed after an "
+    "untimed prefill; tokens/s = sessions x steps / decode seconds, median over repeats, the "
+    "three contenders interleaved (rotated order), a fresh cache and prefill for each run. "
+    "fedkv_batched: one KVCache (fp32, --block-size), prefill(prompt) per session (the later "
+    "sessions reuse the cached prefix blocks), then one model.forward_batch per step. "
+    "fedkv_sequential: the same cache setup, each session decoding its steps alone with "
+    "forward_cached, one session after another. hf_batched: random GPT-2 of the same dims, one "
+    "DynamicCache, input [sessions, longest prompt] left-padded with an attention_mask "
+    "(position ids from the mask), then input [sessions, 1] per step. kv_bytes: "
+    "stats()['bytes_allocated'] after the decode (fedkv), sum of every layer's key and value "
+    "tensor bytes in the DynamicCache after the decode (hf). tokens_held_fedkv_vs_hf: token "
+    "positions stored, one copy of the prefix + each session's tail and decoded tokens over "
+    "sessions x (longest prompt + steps) (the kv_bytes ratio at equal precision and no "
+    "block padding). hf_batched is run once untimed first (its first big batch runs cold). "
+    "tokens_agree: the greedy tokens of fedkv_batched and fedkv_sequential are identical.",
     "eviction_collateral": "LM_MODEL geometry, 2 MB pool: one-block sessions opened, fed and "
     "closed (their blocks stay cached) until stats()['blocks_free_fresh'] == 1, then a 3-token "
     "reserve; eviction_collateral = stats()['eviction_collateral'] (the most cached blocks "
@@ -892,6 +1083,8 @@ def target_checks(r: dict) -> dict[str, bool]:
         "arena int4/fp16 <= 0.30 (lm_model, bench_model)": all(
             a["int4_vs_fp16"] <= 0.30 for a in arena),
         "eviction_collateral <= 1": r["eviction_collateral"] <= 1,
+        "fedkv_batched >= 3x hf_batched": r["batched"]["fedkv_batched_vs_hf_batched"] >= 3.0,
+        "batched kv_bytes fedkv <= 1/8 hf": r["batched"]["kv_bytes_fedkv_vs_hf"] <= 1 / 8,
     }
     assert set(checks) == set(TARGETS)
     return checks
@@ -992,6 +1185,12 @@ def run_decode(b: Bench, result: dict) -> None:
         f"{b.plan.long_no_cache_steps})")
 
 
+def run_batched(b: Bench, result: dict) -> None:
+    prompts = batched_prompts(b.plan, b.long_prompt, b.heldout, b.args.seed)
+    result["batched"] = batched_section(b.model, b.plan, prompts, b.block)
+    log_batched(result["batched"])
+
+
 def run_profile(b: Bench, result: dict) -> None:
     if b.args.no_profile:
         return
@@ -1041,7 +1240,7 @@ def run_eviction(b: Bench, result: dict) -> None:
         f"{s['free_full_slots_before']} free full slot; {s['evictions']} evictions)")
 
 
-SECTIONS = (run_bytes, run_decode, run_profile, run_quality, run_prefix, run_pool,
+SECTIONS = (run_bytes, run_decode, run_batched, run_profile, run_quality, run_prefix, run_pool,
             run_eviction)
 
 

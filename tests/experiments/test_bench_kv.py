@@ -152,6 +152,7 @@ def test_batched_section(result):
     assert bt["kv_bytes"]["fedkv_batched"] < bt["kv_bytes"]["hf_batched"]
     assert bt["kv_bytes_fedkv_vs_hf"] == pytest.approx(
         bt["kv_bytes"]["fedkv_batched"] / bt["kv_bytes"]["hf_batched"])
+    assert 0.0 < bt["tokens_held_fedkv_vs_hf"] < 1.0
     # batched and one-at-a-time decode feed the same greedy tokens
     assert bt["tokens_agree"] is True
     assert {"fedkv_batched >= 3x hf_batched", "batched kv_bytes fedkv <= 1/8 hf"} <= set(
