@@ -4,12 +4,17 @@ Public API::
 
     from cache import KVCache, CacheConfig
     kv = KVCache(CacheConfig(num_layers=4, num_heads=4, head_dim=64, kv_dtype="int8"))
-    sid = kv.open_session()
+    sid = kv.open_session()                        # or open_session(sparsity=policy)
     reused = kv.match_prefix(sid, prompt_tokens)   # tokens whose K/V are already cached
-    kv.reserve(sid, new_tokens)                    # slots for the tokens about to be computed
+    kv.reserve(sid, new_tokens)                    # room for the tokens about to be computed
     for layer in range(4):
-        kv.write(sid, layer, k, v)                 # k, v: [heads, new_tokens, head_dim]
-        keys, values = kv.read(sid, layer)         # [heads, length, head_dim], float32
+        runs = kv.append_and_read(sid, layer, k, v)  # k, v: [heads, new_tokens, head_dim]
+        out = cache.attention.attend(q, runs)      # runs: views into the arena, no gather
+    step = kv.begin_batch(sids, next_tokens)       # many sessions, one forward per step
+    prefix, tail_k, tail_v, valid = kv.append_and_read_batch(step, layer, k, v)
+
+``KVCache`` is the façade; ``Block`` records live in ``BlockManager`` (``manager.py``),
+full-precision K/V in the head-major ``TokenArena``, quantized blocks in ``BlockPool``.
 
 ``cache`` knows nothing of ``crypto``, ``node`` or Flower.
 """
