@@ -58,6 +58,16 @@ class CacheConfig:
     blocks and the decoded read buffers of active sessions (their quantized blocks are
     decoded once, not every step); the rest holds quantized blocks. fp32/fp16 caches use the
     whole pool at full precision."""
+    warm_bytes: int = 0
+    """Warm tier: CPU bytes for prefix-cache blocks evicted from hot, each in its own storage
+    format; 0 = no warm tier (evicted blocks are freed, unless a cold store is attached:
+    ``KVCache.open``)."""
+    cooldown_s: float = 60.0
+    """A block that moved tier is not moved again by memory pressure for this long (seed 004),
+    unless nothing else can go."""
+    warmup_ratio: float = 0.3
+    """Warm restart (``KVCache.open``): share of ``warm_bytes`` filled at once with the
+    hottest cold blocks; the rest come back lazily on a prefix hit."""
     managed_block_bytes: int | None = None
     """Slab size of the quantized pool; ``None`` means 128 KB, or the next power of two
     holding 8 fp32 blocks."""
@@ -86,6 +96,8 @@ class CacheConfig:
         if self.tail_granule < 0 or (self.tail_granule and self.block_size % self.tail_granule):
             raise ConfigError(f"tail_granule must be 0 or divide block_size {self.block_size}, "
                               f"got {self.tail_granule}")
+        if self.warm_bytes < 0 or self.cooldown_s < 0 or not 0 <= self.warmup_ratio <= 1:
+            raise ConfigError("warm_bytes and cooldown_s must be >= 0, warmup_ratio in [0, 1]")
         if not 0 < self.read_buffer_fraction < 1:
             raise ConfigError(
                 f"read_buffer_fraction must be in (0, 1), got {self.read_buffer_fraction}")

@@ -13,7 +13,10 @@ keeps sessions (``BlockTable``) and turns them into writes, read plans and figur
 
 from __future__ import annotations
 
-from typing import Iterable
+import logging
+import os
+import time
+from typing import Callable, Iterable
 
 import torch
 
@@ -33,9 +36,11 @@ from cache.prefix import ROOT
 from cache.quant import BlockFormat
 from cache.sparsity import SparsityPolicy
 from cache.tensor_store import TensorStore
+from cache.tiers import ColdStore, Tiers
 from cache.token_arena import TokenArena
 
 QUANTIZED = ("int8", "int4")
+_log = logging.getLogger("fedkv.cache")
 
 
 def fresh_dtype(config: CacheConfig) -> tuple[str, torch.dtype]:
@@ -64,13 +69,22 @@ def _storage(c: CacheConfig) -> tuple[TokenArena, BlockPool | None, BlockFormat 
 
 
 class KVCache:
-    def __init__(self, config: CacheConfig, policy: EvictionPolicy | None = None):
+    def __init__(self, config: CacheConfig, policy: EvictionPolicy | None = None, *,
+                 store: ColdStore | None = None, clock: Callable[[], float] | None = None):
+        """``store``: a cold tier (``cache.segments.SegmentStore``; ``KVCache.open`` makes
+        one); ``clock``: seconds, for the tiers' cooldown (injectable in tests)."""
         self.config = config
         self.fresh, _ = fresh_dtype(config)
         arena, qpool, qformat = _storage(config)
         self.arena, self.qpool = arena, qpool
         self.blocks = BlockManager(arena, policy or LRUPolicy(), qpool, qformat)
         self.blocks.reclaim_fp = self._reclaim_read_buffer
+        if config.warm_bytes or store is not None:
+            self.blocks.tiers = Tiers(config.warm_bytes, config.cooldown_s,
+                                      clock or time.monotonic, store, on_warning=_log.warning)
+        self.store = store
+        self.found_on_disk = 0
+        """K/V blocks the cold store held when this cache was opened (warm start)."""
         self.tensors = TensorStore()
         self._sessions: dict[int, BlockTable] = {}
         self._next_sid = 0
@@ -537,6 +551,28 @@ class KVCache:
 
     def tensor_version(self, name: str) -> int:
         return self.tensors.version(name)
+
+    # == persistence =======================================================================
+    @classmethod
+    def open(cls, directory: str | os.PathLike, config: CacheConfig, *, key: bytes | None = None,
+             policy: EvictionPolicy | None = None, clock: Callable[[], float] | None = None,
+             max_bytes: int | None = None) -> "KVCache":
+        """A cache whose cold tier is ``directory`` (AES-256-GCM at rest with ``key``): warm
+        start from what an earlier process flushed there (tensors, model version, K/V blocks,
+        the hottest into warm at once); a corrupt directory is rebuilt empty, with a warning."""
+        from cache.persist import open_cache
+        return open_cache(cls, directory, config, key=key, policy=policy, clock=clock,
+                          max_bytes=max_bytes)
+
+    def flush(self) -> None:
+        """Write every dirty block worth keeping, the tensors and the model version to the
+        cold store and commit (atomic: a crash keeps the previous commit)."""
+        from cache.persist import flush
+        flush(self)
+
+    def close(self) -> None:
+        from cache.persist import close
+        close(self)
 
     # == figures ===========================================================================
     def bytes_per_token(self, kv_dtype: str | None = None) -> float:

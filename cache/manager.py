@@ -20,6 +20,7 @@ from cache.pool import BlockPool
 from cache.prefix import ROOT, block_hash
 from cache.policy import EvictionPolicy
 from cache.quant import BlockFormat, relative_error
+from cache.tiers import TierEntry, Tiers
 from cache.token_arena import TokenArena
 
 COUNTERS = ("prefix_lookups", "prefix_hit_blocks", "prefix_miss_blocks", "prefix_hit_tokens",
@@ -40,6 +41,8 @@ class BlockManager:
         self.reclaim_fp: Callable[[set[int]], bool] = lambda keep: False
         """Set by the engine: drop some session's read buffer (never one in ``keep``); False
         when there is none to drop."""
+        self.tiers: Tiers | None = None
+        """Warm/cold tiers below hot (``cache/tiers.py``); None: evicted blocks are freed."""
         self.generation = 0
         """Bumped when a referenced block loses its full-precision slot (read plans rebuild)."""
         self._next_id = 0
@@ -70,6 +73,8 @@ class BlockManager:
         for key in self.policy.victims(len(self.policy)):
             b = self.index[key]
             if frees(b):
+                if self.tiers is not None:
+                    self.tiers.put(b.hash, self.entry(b))
                 self.free(b)
                 self.counters["evictions"] += 1
                 self.counters["eviction_collateral"] = max(self.counters["eviction_collateral"], 1)
@@ -151,10 +156,52 @@ class BlockManager:
         b.capacity = max(b.capacity, self.arena.capacity_for(tokens))
         return True
 
+    # -- tiers ---------------------------------------------------------------------------
+    def entry(self, b: Block) -> TierEntry:
+        """``b``'s bytes in its storage format (quantized if it has a compact form)."""
+        L = self._layers
+        if b.qhandle is not None:
+            raw = self.qpool.slot_bytes_of(b.qhandle)[: self.qformat.layer_bytes * L]
+            payload, fmt = raw.numpy().tobytes(), self.qformat.kv_dtype
+        else:
+            payload, fmt = self.arena.block(b.start).contiguous().view(torch.uint8).numpy().tobytes(), self.fp_format
+        return TierEntry(payload, list(b.tokens), b.version, b.parent_hash or b"", fmt, 0.0,
+                         b.last_access, b.frequency, dirty=b.dirty)
+
+    def restore(self, h: bytes, e: TierEntry) -> Block | None:
+        """A hot, cached (unreferenced) block from a tier entry; None when hot has no room."""
+        b = Block(self._next_id, e.version, tokens=list(e.tokens), ref_count=0, hash=h,
+                  parent_hash=e.parent, format=e.format, last_access=self.clock,
+                  frequency=e.frequency, dirty=e.dirty)
+        data = torch.frombuffer(bytearray(e.payload), dtype=torch.uint8)
+        try:
+            if self.qformat is not None and e.format == self.qformat.kv_dtype:
+                b.qhandle = self._q_handle()
+                if b.qhandle is None:
+                    return None
+                self.qpool.slot_bytes_of(b.qhandle)[: data.numel()].copy_(data)
+            else:
+                b.start, b.capacity = self._fp_room(self.arena.B, None, set()), self.arena.B
+                dst = self.arena.block(b.start)
+                dst.copy_(data.view(self.arena.kv.dtype).view(dst.shape))
+        except CacheFullError:
+            return None
+        self._next_id += 1
+        self.blocks[b.id] = b
+        self.index[h] = b
+        self.policy.insert(h)
+        return b
+
     # -- prefix cache --------------------------------------------------------------------
     def lookup(self, parent: bytes, tokens: list[int]) -> Block | None:
-        """The cached block holding ``tokens`` after ``parent`` under the current version."""
-        b = self.index.get(block_hash(parent, tokens, self.version))
+        """The cached block holding ``tokens`` after ``parent`` under the current version
+        (promoted from warm or cold when it was demoted)."""
+        h = block_hash(parent, tokens, self.version)
+        b = self.index.get(h)
+        if b is None and self.tiers is not None:
+            e = self.tiers.take(h)
+            if e is not None and e.tokens == tokens and e.version == self.version:
+                b = self.restore(h, e)
         if b is None or b.tokens != tokens:
             return None
         self.policy.hit(b.hash)
@@ -234,8 +281,11 @@ class BlockManager:
 
     # -- versions ------------------------------------------------------------------------
     def set_version(self, version: int) -> None:
-        """Move to model ``version``: older blocks leave the index; unreferenced ones go."""
+        """Move to model ``version``: older blocks leave the index (and the tiers, on disk
+        too); unreferenced ones go."""
         self.version = version
+        if self.tiers is not None:
+            self.tiers.drop_versions_other_than(version)
         for b in [b for b in self.blocks.values() if b.version != version]:
             if b.hash is not None and self.index.get(b.hash) is b:
                 del self.index[b.hash]

@@ -36,6 +36,27 @@ def _bytes(kv: "KVCache") -> dict:
             "live_held": live_held, "buffer": buffer}
 
 
+def _tier_stats(kv: "KVCache", hot_bytes: float) -> dict:
+    """Hits per tier (hot = prefix hits served without a promotion), swaps, bytes per tier."""
+    t = kv.blocks.tiers
+    if t is None:
+        return {"tier_hits": {"hot": kv.blocks.counters["prefix_hit_blocks"]},
+                "tier_bytes": {"hot": hot_bytes}}
+    s = t.stats
+    hot = kv.blocks.counters["prefix_hit_blocks"] - s.warm_hits - s.cold_hits
+    return {
+        "tier_hits": {"hot": hot, "warm": s.warm_hits, "cold": s.cold_hits},
+        "tier_misses": s.misses,
+        "swaps_in": s.swaps_in,
+        "swaps_out": {"warm": s.swaps_out_warm, "cold": s.swaps_out_cold},
+        "tier_dropped": s.dropped,
+        "cold_corrupt_blocks": s.cold_corrupt,
+        "cold_write_failures": s.cold_write_failures,
+        "tier_bytes": {"hot": hot_bytes, **t.bytes_by_tier()},
+        "found_on_disk": kv.found_on_disk,
+    }
+
+
 def cache_stats(kv: "KVCache") -> dict:
     m = kv.blocks
     c = m.counters
@@ -63,6 +84,7 @@ def cache_stats(kv: "KVCache") -> dict:
         "kv_utilisation_live": by["live_tokens"] / by["live_held"] if by["live_held"] else 0.0,
         "mean_quant_error": sum(errors) / len(errors) if errors else 0.0,
         "tensor_bytes": kv.tensors.nbytes(),
+        **_tier_stats(kv, live),
         "pool_arena_bytes": float(kv.config.pool_bytes),
         "pool_slot_fill": 1.0 - kv.arena.free_pages / kv.arena.num_pages,
     }

@@ -1,0 +1,99 @@
+"""Persistence of a KVCache in a directory: what survives between Flower messages.
+
+Everything goes into one ``SegmentStore`` (``cache/segments.py``: atomic commits, a checksum
+per record and per manifest, AES-256-GCM with the node's key): K/V blocks (``kind: kv``, keyed
+by content hash), named tensors (``kind: tensor``: the node's ``param/`` and ``grad/``, one
+safetensors blob each) and the engine's model version (``kind: engine``). Opening a directory
+restores tensors and version at once and blocks lazily (the hottest into warm first).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Callable
+
+from safetensors.torch import load as st_load, save as st_save
+
+if TYPE_CHECKING:
+    from cache.config import CacheConfig
+    from cache.engine import KVCache
+
+_log = logging.getLogger("fedkv.cache")
+ENGINE_KEY = b"engine:state"
+TENSOR_PREFIX = b"tensor:"
+
+
+def open_store(directory: str | os.PathLike, key: bytes | None, max_bytes: int | None):
+    """The directory's store; a corrupt manifest means a clean rebuild (logged)."""
+    from cache.segments import CorruptManifestError, SegmentStore
+
+    try:
+        return SegmentStore(directory, key=key, max_bytes=max_bytes)
+    except CorruptManifestError as e:
+        _log.warning("cache directory %s is unreadable (%s); rebuilding it empty", directory, e)
+        SegmentStore.wipe(directory)
+        return SegmentStore(directory, key=key, max_bytes=max_bytes)
+
+
+def open_cache(cls, directory, config: "CacheConfig", *, key, policy, clock, max_bytes
+               ) -> "KVCache":
+    store = open_store(directory, key, max_bytes)
+    kv = cls(config, policy, store=store, clock=clock)
+    kv.found_on_disk = sum(1 for k in store.keys() if store.meta(k).get("kind") == "kv")
+    _load_tensors(kv)
+    if ENGINE_KEY in store:
+        kv.blocks.version = int(store.meta(ENGINE_KEY)["model_version"])
+    kv.blocks.tiers.prewarm(int(config.warm_bytes * config.warmup_ratio))
+    return kv
+
+
+def _load_tensors(kv: "KVCache") -> None:
+    store = kv.store
+    for k in store.keys():
+        meta = store.meta(k)
+        if meta.get("kind") != "tensor":
+            continue
+        try:
+            t = st_load(store.get(k))["t"]
+        except Exception as e:  # noqa: BLE001 -- a corrupt tensor is dropped, logged
+            _log.warning("stored tensor %s dropped: %s: %s", meta.get("name"), type(e).__name__, e)
+            store.delete(k)
+            continue
+        kv.tensors.put(str(meta["name"]), t, int(meta["version"]))
+
+
+def _save_tensors(kv: "KVCache") -> None:
+    for name in kv.tensors.names():
+        t = kv.tensors.get(name)
+        kv.store.put(TENSOR_PREFIX + name.encode(), st_save({"t": t.contiguous()}),
+                     {"kind": "tensor", "name": name, "version": kv.tensors.version(name)})
+
+
+def _hot_entries(kv: "KVCache") -> dict:
+    m = kv.blocks
+    return {b.hash: m.entry(b) for b in m.blocks.values()
+            if b.hash is not None and m.index.get(b.hash) is b and b.dirty
+            and b.version == m.version}
+
+
+def flush(kv: "KVCache") -> None:
+    if kv.store is None:
+        return
+    entries = _hot_entries(kv)
+    try:
+        _save_tensors(kv)
+        kv.store.put(ENGINE_KEY, b"", {"kind": "engine", "model_version": kv.version})
+    except OSError as e:
+        _log.warning("cache flush could not write tensors (%s: %s); memory only", type(e).__name__, e)
+    kv.blocks.tiers.flush(entries)
+    for h in entries:
+        kv.blocks.index[h].dirty = False
+
+
+def close(kv: "KVCache") -> None:
+    flush(kv)
+    if kv.store is not None:
+        kv.store.close()
+        kv.store = None
+        kv.blocks.tiers.cold = None
