@@ -58,6 +58,9 @@ class CacheConfig:
     blocks and the decoded read buffers of active sessions (their quantized blocks are
     decoded once, not every step); the rest holds quantized blocks. fp32/fp16 caches use the
     whole pool at full precision."""
+    low_watermark: float = 0.2
+    """Free full-precision arena share below which a reserve triggers a (lazy) compaction
+    that restores sessions' contiguous runs (``cache/compaction.py``)."""
     warm_bytes: int = 0
     """Warm tier: CPU bytes for prefix-cache blocks evicted from hot, each in its own storage
     format; 0 = no warm tier (evicted blocks are freed, unless a cold store is attached:

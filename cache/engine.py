@@ -24,6 +24,7 @@ from cache.attention import Run
 from cache.batch import BatchStep, shared_prefix_blocks, tail_positions
 from cache.block import Block
 from cache.block_table import BlockTable
+from cache.compaction import COMPACT_EVERY, compact
 from cache.config import CacheConfig
 from cache.errors import (
     CacheFullError, ClosedSessionError, ConfigError, LayerIndexError, ReservationError,
@@ -83,6 +84,8 @@ class KVCache:
             self.blocks.tiers = Tiers(config.warm_bytes, config.cooldown_s,
                                       clock or time.monotonic, store, on_warning=_log.warning)
         self.store = store
+        self._reserves_since_compact = 0
+        self._alloc_failures_in_row = 0
         self.found_on_disk = 0
         """K/V blocks the cold store held when this cache was opened (warm start)."""
         self.tensors = TensorStore()
@@ -225,8 +228,9 @@ class KVCache:
         self._touch(t)
         if t.sparsity is not None and t.length:
             self._drop_sparse_blocks(t)
+        self._maybe_compact()
         self._try_plan(t)  # blocks resident at full precision before anything is allocated
-        tail, new = self._allocate(t, t.length + len(toks))
+        tail, new = self._allocate_or_compact(t, t.length + len(toks))
         if tail is not None:
             old = t.blocks[-1]
             t.blocks[-1] = tail
@@ -239,6 +243,32 @@ class KVCache:
         t.pending, t.written = len(toks), set()
         self._try_plan(t)
         t.write_at = self._positions(t, t.length, len(toks))
+
+    def _maybe_compact(self) -> None:
+        """Compact lazily when free arena memory is below the low watermark."""
+        self._reserves_since_compact += 1
+        free = self.arena.free_pages / self.arena.num_pages
+        if free < self.config.low_watermark and self._reserves_since_compact >= COMPACT_EVERY:
+            self.compact()
+
+    def _allocate_or_compact(self, t: BlockTable, total: int):
+        """Allocate; the third failure in a row compacts and retries once."""
+        try:
+            out = self._allocate(t, total)
+        except CacheFullError:
+            self._alloc_failures_in_row += 1
+            if self._alloc_failures_in_row < 3:
+                raise
+            self._alloc_failures_in_row = 0
+            self.compact()
+            out = self._allocate(t, total)
+        self._alloc_failures_in_row = 0
+        return out
+
+    def compact(self) -> dict[str, int]:
+        """Mark-and-sweep, then move scattered sessions into contiguous runs."""
+        self._reserves_since_compact = 0
+        return compact(self)
 
     def _end(self, b: Block | None) -> int | None:
         """Where the block after ``b`` goes to continue its run."""

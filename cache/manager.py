@@ -26,7 +26,8 @@ from cache.token_arena import TokenArena
 COUNTERS = ("prefix_lookups", "prefix_hit_blocks", "prefix_miss_blocks", "prefix_hit_tokens",
             "evictions", "cow_copies", "tail_moves", "dedup_blocks", "quantized_blocks",
             "kept_full_precision_blocks", "quant_skipped_full", "dequantized_blocks",
-            "read_buffer_evictions", "transient_reads", "sparsity_dropped_blocks", "alloc_failures", "eviction_collateral")
+            "read_buffer_evictions", "transient_reads", "sparsity_dropped_blocks",
+            "compactions", "compacted_blocks", "swept_blocks", "alloc_failures", "eviction_collateral")
 
 
 class BlockManager:

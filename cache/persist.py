@@ -78,6 +78,7 @@ def _hot_entries(kv: "KVCache") -> dict:
 
 
 def flush(kv: "KVCache") -> None:
+    kv.compact()
     if kv.store is None:
         return
     entries = _hot_entries(kv)

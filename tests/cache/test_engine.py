@@ -295,3 +295,38 @@ def test_a_partial_block_with_no_room_after_it_moves():
     kv.close_session(a)
     kv.bump_version()
     assert kv.arena.free_pages == kv.arena.num_pages
+
+
+def test_compaction_restores_one_run_per_session_and_keeps_contents():
+    kv = KVCache(small_config(block_size=4, pool_bytes=64 << 10))
+    a = kv.open_session()
+    ks = [feed(kv, a, [1, 2, 3, 4], seed=1)[0][0]]
+    blocker = kv.arena.allocate(4, after=4)  # another party takes the space after a's block
+    for i in range(3):
+        ks.append(feed(kv, a, [5 + i] * 4, seed=2 + i)[0][0])
+    kv.arena.free(blocker, 4)
+    assert len(kv.read_runs(a, 0)) == 2
+    result = kv.compact()
+    assert result == {"moved": 4, "swept": 0}
+    assert len(kv.read_runs(a, 0)) == 1
+    assert torch.equal(kv.read(a, 0)[0], torch.cat(ks, dim=1))
+    st = kv.stats()
+    assert st["compactions"] == 1 and st["compacted_blocks"] == 4
+    feed(kv, a, [9])  # the session keeps working in its new place
+    assert kv.length(a) == 17
+
+
+def test_three_allocation_failures_in_a_row_trigger_compaction():
+    kv = KVCache(small_config(block_size=4, pool_bytes=16 << 10))
+    s = kv.open_session()
+    feed(kv, s, list(range(4 * kv.arena.num_blocks)))
+    for _ in range(3):
+        with pytest.raises(CacheFullError):
+            kv.reserve(s, [1])
+    assert kv.stats()["compactions"] == 1 and kv.stats()["alloc_failures"] == 4
+
+
+def test_flush_compacts():
+    kv = KVCache(small_config())
+    kv.flush()
+    assert kv.stats()["compactions"] == 1
