@@ -22,8 +22,10 @@ deletes segment files the manifest does not list (orphans of a crash or of an in
 ``compact``), so nothing uncommitted is ever visible.
 
 **Reads** see the committed state only (``get``, ``meta``, ``in``, ``len``, ``keys``); staged puts,
-deletes and meta updates become visible at ``commit``. ``close`` does not commit: staged work is
-dropped, exactly as a crash would drop it.
+deletes and meta updates become visible at ``commit`` -- unless the store is opened with
+``read_staged=True`` (read-your-writes: what a cache tier wants, a block demoted a moment ago
+can be promoted before the next commit). ``close`` does not commit: staged work is dropped,
+exactly as a crash would drop it.
 
 **Integrity.** Every record carries a checksum over its header, key and payload (xxh3-64 when the
 ``xxhash`` package is installed, else BLAKE2b-64; the choice is fixed per store in the manifest),
@@ -303,11 +305,15 @@ class SegmentStore:
     created with a key must always be opened with one (and vice versa). ``max_bytes``: disk
     budget for segments + manifest (None = only the disk's own limit). ``segment_bytes``: a
     segment is closed for appends once it would grow past this (a single larger record gets a
-    segment of its own).
+    segment of its own). ``read_staged``: False (default) = reads see the committed state only;
+    True = reads also see this process's staged puts/deletes/meta updates (read-your-writes, what
+    a cache tier that demotes a block and may promote it before the next commit wants).
+    Durability is the same either way: only committed work survives a restart.
     """
 
     def __init__(self, directory: str | os.PathLike, *, key: bytes | None = None,
-                 max_bytes: int | None = None, segment_bytes: int = 4 << 20) -> None:
+                 max_bytes: int | None = None, segment_bytes: int = 4 << 20,
+                 read_staged: bool = False) -> None:
         if key is not None:
             key = bytes(key)
             if len(key) != 32:
@@ -319,6 +325,7 @@ class SegmentStore:
         self.directory = os.fspath(directory)
         self.max_bytes = max_bytes
         self.segment_bytes = segment_bytes
+        self.read_staged = bool(read_staged)
         self._aead = None
         if key is not None:
             from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -352,9 +359,11 @@ class SegmentStore:
 
     @classmethod
     def open(cls, directory: str | os.PathLike, *, key: bytes | None = None,
-             max_bytes: int | None = None, segment_bytes: int = 4 << 20) -> "SegmentStore":
+             max_bytes: int | None = None, segment_bytes: int = 4 << 20,
+             read_staged: bool = False) -> "SegmentStore":
         """Open (or create) the store in ``directory``; same as the constructor."""
-        return cls(directory, key=key, max_bytes=max_bytes, segment_bytes=segment_bytes)
+        return cls(directory, key=key, max_bytes=max_bytes, segment_bytes=segment_bytes,
+                   read_staged=read_staged)
 
     @staticmethod
     def wipe(directory: str | os.PathLike) -> None:
@@ -527,6 +536,12 @@ class SegmentStore:
         if key in self._staged:
             return self._staged[key]
         return self._committed.get(key)
+
+    def _visible(self, key: bytes) -> _Entry | None:
+        return self._pending(key) if self.read_staged else self._committed.get(key)
+
+    def _visible_items(self) -> list[tuple[bytes, _Entry]]:
+        return self._pending_items() if self.read_staged else list(self._committed.items())
 
     def _pending_items(self) -> list[tuple[bytes, _Entry]]:
         out = [(k, e) for k, e in self._committed.items() if k not in self._staged]
@@ -872,59 +887,63 @@ class SegmentStore:
     # ------------------------------------------------------------------ reads
 
     def get(self, key: bytes) -> bytes:
-        """The committed payload of ``key``, read through mmap and verified.
+        """The payload of ``key``, read through mmap and verified (committed state, or with
+        ``read_staged`` the pending one).
 
-        Raises ``UnknownRecordError`` for a key not committed, ``CorruptBlockError`` when the
+        Raises ``UnknownRecordError`` for a key not visible, ``CorruptBlockError`` when the
         record fails its checksum, header, length or GCM check (counted in ``stats()``).
         """
         key = bytes(key)
         with self._lock:
             self._check_open()
-            e = self._committed.get(key)
+            e = self._visible(key)
             if e is None:
-                raise UnknownRecordError(f"no committed record {_show_key(key)}")
+                raise UnknownRecordError(f"no record {_show_key(key)}")
             return self._get_verified(key, e)
 
     def meta(self, key: bytes) -> dict:
-        """A copy of the committed meta of ``key``."""
+        """A copy of the meta of ``key``."""
         key = bytes(key)
         with self._lock:
             self._check_open()
-            e = self._committed.get(key)
+            e = self._visible(key)
             if e is None:
-                raise UnknownRecordError(f"no committed record {_show_key(key)}")
+                raise UnknownRecordError(f"no record {_show_key(key)}")
             return dict(e.meta)
 
     def __contains__(self, key) -> bool:
         with self._lock:
-            return bytes(key) in self._committed
+            return self._visible(bytes(key)) is not None
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._committed)
+            if not self.read_staged:
+                return len(self._committed)
+            return len(self._pending_items())
 
     def __iter__(self) -> Iterator[bytes]:
         return iter(self.keys())
 
     def keys(self) -> list[bytes]:
         with self._lock:
-            return list(self._committed)
+            return [k for k, _ in self._visible_items()]
 
     def keys_hottest_first(self) -> list[bytes]:
-        """Committed keys by ``meta["last_access"]`` descending (records without it last)."""
+        """Keys by ``meta["last_access"]`` descending (records without it last): the order a
+        warm restart restores them in."""
         def heat(item):
             v = item[1].meta.get("last_access")
             return v if isinstance(v, (int, float)) else -math.inf
 
         with self._lock:
-            return [k for k, _ in sorted(self._committed.items(), key=heat, reverse=True)]
+            return [k for k, _ in sorted(self._visible_items(), key=heat, reverse=True)]
 
     def verify(self) -> list[bytes]:
-        """Read and verify every committed record; the keys that fail (also counted)."""
+        """Read and verify every visible record; the keys that fail (also counted)."""
         bad = []
         with self._lock:
             self._check_open()
-            for k, e in self._committed.items():
+            for k, e in self._visible_items():
                 try:
                     self._get_verified(k, e)
                 except CorruptBlockError:

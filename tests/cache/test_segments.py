@@ -308,6 +308,22 @@ def test_uncommitted_puts_are_invisible_after_reopen(tmp_path, key):
         assert sorted(s.keys()) == [b"a", b"c"] and s.get(b"c") == b"C"
 
 
+def test_read_staged_sees_this_process_writes_but_a_restart_does_not(tmp_path, key):
+    with SegmentStore(tmp_path, key=key, read_staged=True) as s:
+        s.put(b"a", b"A", {"last_access": 1})
+        s.commit()
+        s.put(b"b", b"B", {"last_access": 2})
+        s.update_meta(b"a", {"last_access": 3})
+        assert b"b" in s and s.get(b"b") == b"B" and len(s) == 2
+        assert s.keys_hottest_first() == [b"a", b"b"]
+        s.delete(b"a")
+        assert b"a" not in s and s.keys() == [b"b"]
+        with pytest.raises(UnknownRecordError):
+            s.get(b"a")
+    with SegmentStore(tmp_path, key=key, read_staged=True) as s:
+        assert s.keys() == [b"a"] and s.get(b"a") == b"A" and s.meta(b"a") == {"last_access": 1}
+
+
 def test_put_then_delete_before_commit(tmp_path):
     with SegmentStore(tmp_path) as s:
         s.put(b"a", b"A", {})
@@ -615,13 +631,16 @@ ops = st.lists(
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=ops, encrypted=st.booleans())
-def test_random_operations_match_a_dict_model(ops, encrypted):
+@given(ops=ops, encrypted=st.booleans(), read_staged=st.booleans())
+def test_random_operations_match_a_dict_model(ops, encrypted, read_staged):
+    """Reads match the committed dict (or, with read_staged, the pending one); a reopen (= crash)
+    falls back to the committed dict."""
     key = KEY if encrypted else None
     with tempfile.TemporaryDirectory() as d:
-        s = SegmentStore(d, key=key, segment_bytes=512)
+        s = SegmentStore(d, key=key, segment_bytes=512, read_staged=read_staged)
         committed: dict[bytes, tuple[bytes, dict]] = {}
         pending = dict(committed)
+        visible = committed
         try:
             for step, (op, n, payload) in enumerate(ops):
                 k = f"key{n}".encode()
@@ -643,11 +662,13 @@ def test_random_operations_match_a_dict_model(ops, encrypted):
                     committed = dict(pending)
                 elif op == "reopen":
                     s.close()
-                    s = SegmentStore.open(d, key=key, segment_bytes=512)
+                    s = SegmentStore.open(d, key=key, segment_bytes=512, read_staged=read_staged)
                     pending = dict(committed)
-                assert sorted(s.keys()) == sorted(committed)
-                assert len(s) == len(committed)
-            for k, (p, m) in committed.items():
+                visible = pending if read_staged else committed
+                assert sorted(s.keys()) == sorted(visible)
+                assert len(s) == len(visible)
+                assert (k in s) == (k in visible)
+            for k, (p, m) in visible.items():
                 assert s.get(k) == p and s.meta(k) == m
             s.close()
             s = SegmentStore.open(d, key=key)
