@@ -395,9 +395,8 @@ class SegmentStore:
             os.unlink(self._path(_MANIFEST_TMP))
         if _MANIFEST not in names:
             if seg_files:
-                raise CorruptManifestError(
-                    f"{self._path(_MANIFEST)} is missing but {len(seg_files)} segment file(s) "
-                    f"are present; call SegmentStore.wipe({self.directory!r}) to start over")
+                raise self._bad_manifest(f"{self._path(_MANIFEST)} is missing but "
+                                         f"{len(seg_files)} segment file(s) are present")
             self._hasher = _Hasher(_default_algo())
             late = self._write_manifest(self._encode_manifest({}, {}, 0, self._next_seg))
             if late is not None:
@@ -407,7 +406,7 @@ class SegmentStore:
             with open(self._path(_MANIFEST), "rb") as f:
                 raw = f.read()
         except OSError as e:
-            raise CorruptManifestError(f"cannot read {self._path(_MANIFEST)}: {e}") from e
+            raise self._bad_manifest(f"cannot read {self._path(_MANIFEST)}: {e}") from e
         self._parse_manifest(raw)
         self._manifest_size = len(raw)
         # Reconcile the files with the manifest.
@@ -431,26 +430,27 @@ class SegmentStore:
                 self._corrupt.add(key)
                 self._truncated_at_open += 1
 
+    def _bad_manifest(self, what: str) -> CorruptManifestError:
+        return CorruptManifestError(f"{what}; the committed state cannot be trusted: call "
+                                    f"SegmentStore.wipe({self.directory!r}) to start over")
+
     def _parse_manifest(self, raw: bytes) -> None:
         path = self._path(_MANIFEST)
         if not raw:
-            raise CorruptManifestError(f"{path} is empty (truncated); call "
-                                       f"SegmentStore.wipe({self.directory!r}) to start over")
+            raise self._bad_manifest(f"{path} is empty (truncated)")
         try:
             obj = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
-            raise CorruptManifestError(
-                f"{path} is not valid JSON ({len(raw)} bytes; truncated or overwritten?): {e}; "
-                f"call SegmentStore.wipe({self.directory!r}) to start over") from None
+            raise self._bad_manifest(f"{path} is not valid JSON ({len(raw)} bytes; truncated or "
+                                     f"overwritten?): {e}") from None
         if not isinstance(obj, dict) or obj.get("format") != _FORMAT:
-            raise CorruptManifestError(f"{path} is not a {_FORMAT} manifest")
+            raise self._bad_manifest(f"{path} is not a {_FORMAT} manifest")
         stored = obj.pop(_SUM_FIELD, None)
         if not isinstance(stored, str):
-            raise CorruptManifestError(f"{path} has no {_SUM_FIELD} field")
+            raise self._bad_manifest(f"{path} has no {_SUM_FIELD} field")
         if hashlib.sha256(_canonical(obj)).hexdigest() != stored:
-            raise CorruptManifestError(
-                f"{path} fails its checksum: the content was modified or partially written; "
-                f"call SegmentStore.wipe({self.directory!r}) to start over")
+            raise self._bad_manifest(
+                f"{path} fails its checksum: the content was modified or partially written")
         if obj.get("version") != _MANIFEST_VERSION:
             raise StoreError(f"{path} has manifest version {obj.get('version')!r}; this code "
                              f"reads version {_MANIFEST_VERSION}")
@@ -465,7 +465,7 @@ class SegmentStore:
                 records[bytes.fromhex(khex)] = _Entry(int(r["seg"]), int(r["off"]), int(r["len"]),
                                                       int(r["sum"], 16), _check_meta(r["meta"]))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise CorruptManifestError(f"{path} passes its checksum but is malformed: {e!r}") from None
+            raise self._bad_manifest(f"{path} passes its checksum but is malformed: {e!r}") from None
         if encrypted and self._aead is None:
             raise StoreError(f"the store in {self.directory} is encrypted: open it with its key")
         if not encrypted and self._aead is not None:
