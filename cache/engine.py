@@ -601,8 +601,26 @@ class KVCache:
         flush(self)
 
     def close(self) -> None:
+        """Flush, then release the directory (its lock) for the next process; the cache
+        stays usable in memory and ``attach`` re-opens the directory."""
         from cache.persist import close
         close(self)
+
+    def release(self) -> None:
+        """Let go of the directory without flushing (what is on disk stays the last flush):
+        for a process that must not write a half-updated state."""
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+            self.blocks.tiers.cold = None
+
+    def attach(self, directory: str | os.PathLike, *, key: bytes | None = None,
+               max_bytes: int | None = None) -> None:
+        """Use ``directory`` as the cold tier again (after ``close``), without reloading."""
+        from cache.persist import open_store
+        if self.store is None:
+            self.store = open_store(directory, key, max_bytes)
+            self.blocks.tiers.cold = self.store
 
     # == figures ===========================================================================
     def bytes_per_token(self, kv_dtype: str | None = None) -> float:

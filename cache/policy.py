@@ -22,7 +22,7 @@ import heapq
 import math
 import zlib
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import count
 from typing import Callable, Protocol
 

@@ -797,7 +797,12 @@ class SegmentStore:
                 raise _os_error(late, "fsyncing the directory after the manifest rename") from late
 
     def _drop_staged_puts(self) -> None:
-        for k in [k for k, e in self._staged.items() if e is not None]:
+        """Forget staged records whose bytes are not known durable (meta updates of committed
+        bytes and deletes stay staged)."""
+        def durable(e: _Entry) -> bool:
+            return e.off + e.length <= self._seg_committed.get(e.seg, -1)
+
+        for k in [k for k, e in self._staged.items() if e is not None and not durable(e)]:
             del self._staged[k]
         self._staged_manifest_est = 0
         # Never append to these segments again; open() truncates them to their committed length.

@@ -87,6 +87,8 @@ class Tiers:
     warm_used: int = 0
     stats: TierStats = field(default_factory=TierStats)
     on_warning: Callable[[str], None] = lambda msg: None
+    bad: set[bytes] = field(default_factory=set)
+    """Cold records found corrupt: dropped, never read again (the block is recomputed)."""
 
     def put(self, key: bytes, entry: TierEntry) -> None:
         """Demote a block from hot: into warm, pushing the oldest warm blocks down first."""
@@ -137,19 +139,27 @@ class Tiers:
             self.stats.warm_hits += 1
             self.stats.swaps_in += 1
             return entry
-        if self.cold is not None and key in self.cold:
+        if self.cold is not None and key in self.cold and key not in self.bad:
             try:
                 entry = TierEntry.from_meta(self.cold.get(key), self.cold.meta(key), self.clock())
             except Exception as e:  # noqa: BLE001 -- a corrupt record is dropped, recomputed
-                self.stats.cold_corrupt += 1
-                self.on_warning(f"cold block dropped: {type(e).__name__}: {e}")
-                self.cold.delete(key)
+                self._drop_corrupt(key, e)
+                self.stats.misses += 1
                 return None
             self.stats.cold_hits += 1  # the cold copy stays: the block comes back clean
             self.stats.swaps_in += 1
             return entry
         self.stats.misses += 1
         return None
+
+    def _drop_corrupt(self, key: bytes, err: Exception) -> None:
+        self.stats.cold_corrupt += 1
+        self.bad.add(key)
+        self.on_warning(f"cold block dropped, will be recomputed: {type(err).__name__}: {err}")
+        try:
+            self.cold.delete(key)
+        except KeyError:  # already dropped
+            pass
 
     def drop_versions_other_than(self, version: int) -> None:
         for key in [k for k, e in self.warm.items() if e.version != version]:
@@ -180,14 +190,12 @@ class Tiers:
         n = 0
         for key in self.cold.keys_hottest_first():
             meta = self.cold.meta(key)
-            if meta.get("kind") != "kv" or key in self.warm:
+            if meta.get("kind") != "kv" or key in self.warm or key in self.bad:
                 continue
             try:
                 e = TierEntry.from_meta(self.cold.get(key), meta, self.clock() - self.cooldown_s)
             except Exception as err:  # noqa: BLE001 -- corrupt: dropped, recomputed later
-                self.stats.cold_corrupt += 1
-                self.on_warning(f"cold block dropped at warm start: {type(err).__name__}: {err}")
-                self.cold.delete(key)
+                self._drop_corrupt(key, err)
                 continue
             if self.warm_used + len(e.payload) > budget:
                 break

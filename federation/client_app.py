@@ -106,6 +106,7 @@ def _signed(cfg: RunConfig, context: Context, rnd: int, payload: bytes, epoch: i
 
 
 @app.train("fedkv")
+@node_host.releasing
 def train(msg: Message, context: Context) -> Message:
     """Catch up to the global model, train, clip/noise, encode, tag, sign, reply with bytes."""
     cfg = _run_config(context)
@@ -154,6 +155,7 @@ def train(msg: Message, context: Context) -> Message:
         "writeback-s": writeback_s,
         "version": node.version,
         "node-source": source,
+        "kv-on-disk": node_host.kv_on_disk(node, source),
         "pid": node_host.pid(),
     }
     if cfg.dp_sgd:
@@ -171,6 +173,7 @@ def train(msg: Message, context: Context) -> Message:
 
 
 @app.query("fedkv_noise")
+@node_host.releasing
 def noise(msg: Message, context: Context) -> Message:
     """Distributed DP under HE: noise shares for sampled nodes that left the round (tagged, signed)."""
     cfg = _run_config(context)
@@ -191,6 +194,7 @@ def noise(msg: Message, context: Context) -> Message:
 
 
 @app.evaluate("fedkv")
+@node_host.releasing
 def evaluate(msg: Message, context: Context) -> Message:
     """Catch up to the newest aggregate, then evaluate on the local held-out share."""
     cfg = _run_config(context)
@@ -213,6 +217,7 @@ def evaluate(msg: Message, context: Context) -> Message:
         "eval-s": eval_s,
         "version": node.version,
         "node-source": source,
+        "kv-on-disk": node_host.kv_on_disk(node, source),
         "pid": node_host.pid(),
     }
     return Message(RecordDict({protocol.METRICS: MetricRecord(metrics)}), reply_to=msg)
@@ -273,6 +278,7 @@ def _open(cfg: RunConfig, context: Context, dim: int, blob: bytes, manifest: byt
 
 
 @app.train(mods=[fixedclipping_mod])
+@node_host.releasing
 def train_arrays(msg: Message, context: Context) -> Message:
     """Load the global weights, train, return weights (Flower's mod clips the update)."""
     cfg = RunConfig.from_run_config(context.run_config)
@@ -300,6 +306,7 @@ def train_arrays(msg: Message, context: Context) -> Message:
 
 
 @app.evaluate()
+@node_host.releasing
 def evaluate_arrays(msg: Message, context: Context) -> Message:
     """Evaluate Flower-sent global weights on the local held-out share."""
     node, _ = node_host.get_node(context)

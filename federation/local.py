@@ -136,8 +136,7 @@ class InProcessGrid:
         """The node's ``CacheNode`` (reused from node_host's cache, or rebuilt from its
         committed context.state). Its ``model`` holds the weights of the node's last message:
         after a run, the final global model (evaluate phases reach every node)."""
-        node, _ = node_host.get_node(self.contexts[node_id])
-        return node
+        return node_host.peek_node(self.contexts[node_id])
 
     def partition_of(self, node_id: int) -> int:
         return int(self.contexts[node_id].node_config["partition-id"])

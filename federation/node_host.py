@@ -2,6 +2,9 @@
 
 What persists where (measured, see docs/flower-notes.md):
 
+* The node's KV cache (K/V blocks, ``param/``, ``grad/``, model version) persists in its
+  cache directory (``cache.KVCache.open``; encrypted with the node's own key), so a fresh
+  ClientApp process warm-starts from what the previous message flushed.
 * ``context.state`` is the only thing Flower guarantees per node across messages, in
   simulation and in deployment; but in simulation it lives in the ServerApp's process. So it
   keeps only public scalars (global version, generation); the parameters (the decrypted global
@@ -18,9 +21,11 @@ What persists where (measured, see docs/flower-notes.md):
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import numpy as np
 import torch
@@ -29,6 +34,7 @@ from flwr.app import ConfigRecord, Context
 from federation.node_store import NodeStore
 from node.cache_node import CacheNode, NodeSpec
 
+T = TypeVar("T")
 META_KEY = "fedkv.meta"
 MAX_CACHED_NODES = 64
 
@@ -43,6 +49,34 @@ class _Entry:
 
 
 _CACHE: "OrderedDict[tuple[int, int], _Entry]" = OrderedDict()
+_OPEN: list[CacheNode] = []
+"""Nodes whose cache directory this message opened; ``releasing`` closes them at its end
+(another process -- a Ray actor, the next SuperNode message -- may need the directory)."""
+
+
+def releasing(handler: Callable[..., T]) -> Callable[..., T]:
+    """Wrap a ClientApp handler: every cache directory it opened is released when it ends,
+    also when it raises (what a message persists is what ``save_node`` flushed)."""
+    @functools.wraps(handler)
+    def wrapped(*args, **kwargs):
+        try:
+            return handler(*args, **kwargs)
+        finally:
+            _release_open()
+    return wrapped
+
+
+def _release_open() -> None:
+    while _OPEN:
+        _OPEN.pop().release()
+
+
+def peek_node(context: Context) -> CacheNode:
+    """The node for inspection outside a handler (its directory released again)."""
+    try:
+        return get_node(context)[0]
+    finally:
+        _release_open()
 
 
 def spec_from_context(context: Context) -> NodeSpec:
@@ -113,15 +147,30 @@ def get_node(context: Context) -> tuple[CacheNode, int]:
     entry = _CACHE.get(key)
     if entry is not None and entry.generation == generation:
         _CACHE.move_to_end(key)
+        entry.node.reattach()
+        _OPEN.append(entry.node)
         return entry.node, REUSED
-    node = CacheNode(spec_from_context(context))
+    node = build_node(context)
+    _OPEN.append(node)
     source = BUILT
     if meta is not None:
-        params = NodeStore.for_context(context).load_params(generation)
-        node.load_state(params, {k: v for k, v in meta.items() if k != "generation"})
+        scalars = {k: v for k, v in meta.items() if k != "generation"}
+        if node.version != int(scalars["version"]):  # the cache is behind: restore the copy
+            params = NodeStore.for_context(context).load_params(generation)
+            node.load_state(params, scalars)
+        else:
+            node.load_scalars(scalars)
         source = RESTORED
     _remember(key, node, generation)
     return node, source
+
+
+def build_node(context: Context) -> CacheNode:
+    """A node on its persistent cache directory (node-config ``cache-dir``, else beside its
+    node-local files): K/V, parameters and gradients survive between ClientApp processes."""
+    store = NodeStore.for_context(context)
+    where = store.cache_dir(str(context.node_config.get("cache-dir", "") or ""))
+    return CacheNode(spec_from_context(context), cache_dir=where, cache_key=store.cache_key())
 
 
 def save_node(context: Context, node: CacheNode) -> None:
@@ -132,6 +181,7 @@ def save_node(context: Context, node: CacheNode) -> None:
     generation = (int(meta["generation"]) if meta is not None else 0) + 1
     params, scalars = node.to_state()
     NodeStore.for_context(context).save_params(generation, np.asarray(params))
+    node.persist()  # the cache directory is the source of truth; the file above a copy
     context.state[META_KEY] = ConfigRecord({**scalars, "generation": generation})
     _remember(key, node, generation)
 
@@ -144,8 +194,11 @@ def _remember(key: tuple[int, int], node: CacheNode, generation: int) -> None:
 
 
 def discard(context: Context) -> None:
-    """Drop this node's cached object (after a failed handler left it half-updated)."""
-    _CACHE.pop((context.run_id, context.node_id), None)
+    """Drop this node's cached object (after a failed handler left it half-updated); its
+    cache directory keeps what the last successful message flushed."""
+    entry = _CACHE.pop((context.run_id, context.node_id), None)
+    if entry is not None:
+        entry.node.release()
 
 
 def forget_all() -> None:
@@ -157,6 +210,12 @@ def stored_params(context: Context) -> np.ndarray:
     """The parameters of the node's committed generation (tests, inspection)."""
     meta = context.state.config_records[META_KEY]
     return NodeStore.for_context(context).load_params(int(meta["generation"]))
+
+
+def kv_on_disk(node: CacheNode, source: int) -> int:
+    """K/V blocks the node found on disk when this process opened its cache (0 when the
+    process reused a node it already held)."""
+    return 0 if source == REUSED else node.kv_blocks_on_disk
 
 
 def pid() -> int:

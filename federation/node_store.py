@@ -162,6 +162,24 @@ class NodeStore:
             raise ProvisioningError("the node's parameter file for its committed state is missing")
         return np.load(io.BytesIO(read_secret_file(path)), allow_pickle=False)
 
+    # -- the node's KV cache ----------------------------------------------------------------
+    def cache_dir(self, override: str = "") -> Path:
+        """Where the node's KV cache persists (node-config ``cache-dir``, else beside its
+        other node-local files)."""
+        return Path(override) if override else self.root / "kv-cache"
+
+    def cache_key(self) -> bytes:
+        """The node's AES-256-GCM key for its cache at rest (made once, from
+        ``cryptography``; kept 0600 and sealed like the node's other secrets)."""
+        path = self.root / "kv-cache.key"
+        if path.exists():
+            return read_secret_file(path, _passphrase())
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        key = AESGCM.generate_key(bit_length=256)
+        write_secret_file(path, key, _passphrase())
+        return key
+
     # -- trust on first use (simulation only) ----------------------------------------------
     def pinned(self, node_id: str, sign_public: bytes, kx_public: bytes | None = None) -> bool:
         """Pin a peer's keys on first use; False if they differ from what was pinned before."""

@@ -49,12 +49,14 @@ METRICS = "metrics"
 TRAIN_METRICS = (
     "num-examples", "upload-bytes", "num-values", "weight-capped",
     "train-s", "encrypt-s", "sign-s", "decrypt-s", "writeback-s", "version", "node-source", "pid",
+    "kv-on-disk",
 )
 """Always sent (``epsilon-sample`` too, with dp-sgd)."""
 TRAIN_METRICS_NON_DP = ("train-loss", "clipped", "delta-norm", "saturated")
 """Functions of private data outside the accounting: sent only with dp-mode none."""
 EVAL_METRICS = ("num-examples", "eval-loss", "eval-metric", "decrypt-s", "writeback-s", "eval-s",
-                "version", "node-source", "pid")
+                "version", "node-source", "pid", "kv-on-disk")
+"""``kv-on-disk``: K/V blocks the node's cache found in its directory at warm start."""
 
 
 def bytes_to_array(blob: bytes) -> Array:

@@ -84,6 +84,7 @@ MAX_UPLOAD_BYTES = 2**40
 MAX_SECONDS = 1e6
 VERSION_MAX = 2**31 - 1
 PID_MAX = 2**31 - 1
+MAX_KV_BLOCKS = 2**31 - 1
 MAX_NUM_VALUES = 2**40
 NODE_SOURCES = (0, 1, 2)
 _NPY_HEADER_MAX = 1024
@@ -160,6 +161,7 @@ class TrainMetrics:
     version: int
     node_source: int
     pid: int
+    kv_on_disk: int
     epsilon_sample: float | None = None
     """Per-sample DP-SGD epsilon (>= 0, may be +inf); None = not applicable."""
     # None under DP (a node must not send them), set otherwise:
@@ -190,6 +192,7 @@ class EvalMetrics:
     version: int
     node_source: int
     pid: int
+    kv_on_disk: int
 
 
 # -- showing client values without echoing them --------------------------------------------------
@@ -540,6 +543,7 @@ def _parse_train(msg: Message, dp: bool, dim: int) -> TrainReply:
         version=_int(w("version"), m["version"], 0, VERSION_MAX),
         node_source=_int(w("node-source"), m["node-source"], min(NODE_SOURCES), max(NODE_SOURCES)),
         pid=_int(w("pid"), m["pid"], 1, PID_MAX),
+        kv_on_disk=_int(w("kv-on-disk"), m["kv-on-disk"], 0, MAX_KV_BLOCKS),
         **extra,
     )
     return TrainReply(_update(recs[protocol.UPDATE]), metrics)
@@ -565,4 +569,5 @@ def parse_eval_reply(msg: Message) -> EvalMetrics:
         version=_int(f"{M}.version", m["version"], 0, VERSION_MAX),
         node_source=_int(f"{M}.node-source", m["node-source"], min(NODE_SOURCES), max(NODE_SOURCES)),
         pid=_int(f"{M}.pid", m["pid"], 1, PID_MAX),
+        kv_on_disk=_int(f"{M}.kv-on-disk", m["kv-on-disk"], 0, MAX_KV_BLOCKS),
     )

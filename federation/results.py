@@ -76,6 +76,9 @@ class RoundRecord:
     node_sources: dict[str, int] = field(default_factory=dict)
     """How nodes were obtained this round: built / restored / reused (see node_host)."""
     pids: list[int] = field(default_factory=list)
+    kv_blocks_on_disk: int = 0
+    """K/V blocks the replying nodes' caches found on disk when their process warm-started
+    this round (0 for nodes whose process already held them)."""
     """Distinct ClientApp process ids that replied this round (Ray actors in simulation)."""
     key_epoch: int = -1
     """CKKS key epoch of this round's updates (-1: he=false)."""

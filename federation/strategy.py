@@ -442,3 +442,4 @@ class OpaqueFedAvg:
             rec.node_sources[name] = rec.node_sources.get(name, 0) + 1
             if x.pid not in rec.pids:
                 rec.pids.append(x.pid)
+            rec.kv_blocks_on_disk += x.kv_on_disk

@@ -17,6 +17,7 @@ stale, then they are recomputed from their tokens.
 from __future__ import annotations
 
 import copy
+import os
 import time
 from dataclasses import dataclass
 
@@ -86,21 +87,30 @@ def model_layout(task: str, seed: int = 0) -> Layout:
 
 def _kv_config(spec: NodeSpec) -> CacheConfig:
     if spec.task == "lm":
-        return LM_MODEL.cache_config(kv_dtype=spec.kv_dtype, pool_bytes=spec.kv_pool_bytes)
+        # a warm tier as big as the hot pool: evicted prefix blocks stay a hit
+        return LM_MODEL.cache_config(kv_dtype=spec.kv_dtype, pool_bytes=spec.kv_pool_bytes,
+                                     warm_bytes=spec.kv_pool_bytes)
     # digits has no attention; the engine still holds its parameters and updates
     return CacheConfig(num_layers=1, num_heads=1, head_dim=16, pool_bytes=2 << 20)
 
 
 class CacheNode:
-    def __init__(self, spec: NodeSpec, task: Task | None = None):
+    def __init__(self, spec: NodeSpec, task: Task | None = None, *,
+                 cache_dir: str | os.PathLike | None = None, cache_key: bytes | None = None):
+        """With ``cache_dir`` the node's cache (K/V blocks, ``param/``, ``grad/`` and the
+        model version) persists there between processes, encrypted with ``cache_key``; a
+        node built on a directory that holds parameters starts from them."""
         self.spec = spec
         self.task = task or make_task(
             spec.task, spec.partition_id, spec.num_partitions, spec.seed, spec.alpha
         )
         self.model = self.task.build_model(spec.seed)
-        self.cache = KVCache(_kv_config(spec))
+        cfg = _kv_config(spec)
+        self.cache_dir, self._cache_key = cache_dir, cache_key
+        self.cache = KVCache.open(cache_dir, cfg, key=cache_key) if cache_dir else KVCache(cfg)
         _, self.layout = flatten(self.model.state_dict())
-        self._write_params(self.model.state_dict(), version=0)
+        if not self._load_cached_params():
+            self._write_params(self.model.state_dict(), version=0)
         self.dp_steps = 0
         self.dp_sample_rate = 0.0
         self.dp_sigma = 0.0
@@ -121,6 +131,39 @@ class CacheNode:
             self.cache.put_tensor(f"param/{name}", state[name], version=version)
         self.model.load_state_dict({n: state[n] for n in self.layout.names})
         self.cache.set_version(version)
+
+    def _load_cached_params(self) -> bool:
+        """Start from the parameters the cache holds (a warm start); False if it has none."""
+        names = [f"param/{n}" for n in self.layout.names]
+        if not all(n in self.cache.tensors.names("param") for n in names):
+            return False
+        state = {n: self.cache.get_tensor(f"param/{n}") for n in self.layout.names}
+        if any(self.cache.tensor_version(f"param/{n}") != self.cache.version
+               for n in self.layout.names):
+            return False
+        self.model.load_state_dict(state)
+        return True
+
+    def persist(self) -> None:
+        """Flush the cache to its directory and release it (no-op without one): what the
+        next process -- or the next message in this one, after ``reattach`` -- sees."""
+        if self.cache_dir:
+            self.reattach()
+            self.cache.close()
+
+    def release(self) -> None:
+        """Release the cache directory without flushing (end of a message, or a failure)."""
+        self.cache.release()
+
+    def reattach(self) -> None:
+        """Re-open the cache directory after ``persist`` (a process reusing this node)."""
+        if self.cache_dir:
+            self.cache.attach(self.cache_dir, key=self._cache_key)
+
+    @property
+    def kv_blocks_on_disk(self) -> int:
+        """K/V blocks this node's cache found in its directory when it was opened."""
+        return self.cache.found_on_disk
 
     def params(self) -> dict[str, torch.Tensor]:
         return {n: self.cache.get_tensor(f"param/{n}") for n in self.layout.names}
@@ -283,6 +326,10 @@ class CacheNode:
         version = int(scalars["version"])
         self._write_params(self.layout.unflatten(np.asarray(params, np.float32), as_torch=True),
                            version)
+        self.load_scalars(scalars)
+
+    def load_scalars(self, scalars: dict) -> None:
+        """The accounting scalars of ``to_state`` (the parameters came from the cache)."""
         self.dp_steps = int(scalars.get("dp_steps", 0))
         self.dp_sample_rate = float(scalars.get("dp_sample_rate", 0.0))
         self.dp_sigma = float(scalars.get("dp_sigma", 0.0))

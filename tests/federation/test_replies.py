@@ -79,7 +79,7 @@ def train_metrics(dp: bool) -> dict:
     m = {
         "num-examples": 120, "upload-bytes": 4091, "num-values": DIM, "weight-capped": 0,
         "train-s": 0.5, "encrypt-s": 0.01, "sign-s": 0.001, "decrypt-s": 0, "writeback-s": 0.002,
-        "version": 2, "node-source": 2, "pid": 4242,
+        "version": 2, "node-source": 2, "pid": 4242, "kv-on-disk": 12,
     }
     if dp:
         m["epsilon-sample"] = 1.5
@@ -96,7 +96,7 @@ def train_spec(dp: bool = False) -> dict:
 def eval_spec() -> dict:
     return {protocol.METRICS: ("metric", {
         "num-examples": 30, "eval-loss": 0.4, "eval-metric": 0.9, "decrypt-s": 0.1, "writeback-s": 0.0,
-        "eval-s": 0.2, "version": 3, "node-source": 0, "pid": 7,
+        "eval-s": 0.2, "version": 3, "node-source": 0, "pid": 7, "kv-on-disk": 0,
     })}
 
 
@@ -172,7 +172,7 @@ def test_train_reply_accepts_infinite_sample_epsilon_and_numpy_floats() -> None:
 
 def test_eval_reply_parses() -> None:
     r = parse_eval_reply(build(eval_spec()))
-    assert r == replies.EvalMetrics(30, 0.4, 0.9, 0.1, 0.0, 0.2, 3, 0, 7)
+    assert r == replies.EvalMetrics(30, 0.4, 0.9, 0.1, 0.0, 0.2, 3, 0, 7, 0)
 
 
 def test_a_large_update_parses() -> None:
@@ -417,6 +417,7 @@ EDGES: dict[str, list] = {
     "num-values": [DIM - 1, DIM, DIM + 1, 0],
     "weight-capped": [-1, 0, 1, 2], "clipped": [-1, 0, 1, 2],
     "version": [-1, 0, 2**31 - 1, 2**31], "node-source": [-1, 0, 1, 2, 3], "pid": [-1, 0, 1, 2**31 - 1, 2**31, 7.0],
+    "kv-on-disk": [-1, 0, 5, 2**31 - 1, 2**31, 3.0],
     "epsilon-sample": [0, 0.0, math.inf, -math.inf, math.nan, -1e-300, 10**400],
     "train-loss": [-1e300, 1e300, 0, -5, math.nan, math.inf, 10**400],
     "eval-loss": [-1e300, 1e300, 0, -5, math.nan, -math.inf],
@@ -649,7 +650,8 @@ PRIVATE = ("train-loss", "clipped", "delta-norm", "saturated")
 def o_train(spec: dict, dp: bool) -> replies.TrainReply:
     o_layout(spec, {protocol.UPDATE: "array", protocol.METRICS: "metric"})
     m = spec[protocol.METRICS][1]
-    always = ("num-examples", "upload-bytes", "num-values", "weight-capped", *SECONDS, "version", "node-source", "pid")
+    always = ("num-examples", "upload-bytes", "num-values", "weight-capped", *SECONDS, "version", "node-source", "pid",
+              "kv-on-disk")
     o_keys(m, always if dp else always + PRIVATE, ("epsilon-sample",))
     n = o_int(m["num-values"], DIM, DIM)
     private = {} if dp else {
@@ -661,7 +663,7 @@ def o_train(spec: dict, dp: bool) -> replies.TrainReply:
         num_values=n, weight_capped=o_int(m["weight-capped"], 0, 1) == 1,
         **{k.replace("-", "_"): o_float(m[k], 0, 1e6) for k in SECONDS},
         version=o_int(m["version"], 0, 2**31 - 1), node_source=o_int(m["node-source"], 0, 2),
-        pid=o_int(m["pid"], 1, 2**31 - 1),
+        pid=o_int(m["pid"], 1, 2**31 - 1), kv_on_disk=o_int(m["kv-on-disk"], 0, 2**31 - 1),
         epsilon_sample=o_float(m["epsilon-sample"], 0, inf_ok=True) if "epsilon-sample" in m else None,
         **private,
     )
@@ -676,6 +678,7 @@ def o_eval(spec: dict) -> replies.EvalMetrics:
         o_int(m["num-examples"], 1, 10**9), o_float(m["eval-loss"]), o_float(m["eval-metric"], 0),
         o_float(m["decrypt-s"], 0, 1e6), o_float(m["writeback-s"], 0, 1e6), o_float(m["eval-s"], 0, 1e6),
         o_int(m["version"], 0, 2**31 - 1), o_int(m["node-source"], 0, 2), o_int(m["pid"], 1, 2**31 - 1),
+        o_int(m["kv-on-disk"], 0, 2**31 - 1),
     )
 
 
