@@ -129,6 +129,8 @@ class _HeapPolicy:
     def hit(self, key: bytes) -> None:
         self._clock += 1
         self._access(key)
+        if len(self._hit_seen) > self.history:  # hits on keys freed while referenced
+            self._hit_seen.clear()
         self._hit_seen.add(key)
         if key in self._live:
             self._push(key)
@@ -152,9 +154,11 @@ class _HeapPolicy:
         return key in self._live
 
     def _trim(self, stats: dict) -> None:
-        """Bound the per-key history: forget the oldest non-evictable keys past ``history``."""
+        """Bound the per-key history (``history`` keys, well above any cache size): forget the
+        oldest half of the keys that are neither evictable nor awaiting their release."""
         if len(stats) > self.history:
-            for k in [k for k in list(stats)[: len(stats) // 2] if k not in self._live]:
+            keep = self._live.keys() | self._hit_seen
+            for k in [k for k in list(stats)[: len(stats) // 2] if k not in keep]:
                 del stats[k]
 
 
@@ -162,8 +166,8 @@ class LFUPolicy(_HeapPolicy):
     """Least frequently used first, ties by least recent (SGLang's LFU: ``(hits, last_access)``).
 
     frequency = accesses seen on the key: hits plus misses (kept across evictions: hashes
-    outlive blocks); recency = the clock tick of the last insert (release) or hit. Tails released before their roots carry
-    the older tick, so at equal frequency the tail goes first."""
+    outlive blocks); recency = the clock tick of the last release (insert). Tails released
+    before their roots carry the older tick, so at equal frequency the tail goes first."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -200,8 +204,9 @@ class HybridPolicy(_HeapPolicy):
     ranking by the static key ``log2(score(t_last)) + t_last / half_life``, so the heap key is
     fixed at push time (O(log n) updates). Ties (equal key) go to the earlier push: the tail.
 
-    half_life: ticks (default 2,000, about the blocks touched by ~100 requests of the Mooncake
-        conversation trace; scale it with the cache size, see ``for_capacity``).
+    half_life: ticks (default 2,000); ``make_policy`` uses ``for_capacity``: 2 x the cache size
+        in blocks, the best single factor of 0.25/1/2/4 x on the Mooncake conversation trace
+        (a shorter one tends to LRU, a longer one keeps stale counts).
     first_weight: the weight of the first access (default 1.0, as LRFU).
     """
 
@@ -255,7 +260,10 @@ class ARCPolicy:
     referenced keys. Directory bounds as in the paper: |T1| + |B1| <= c, total <= 2c.
 
     The engine's ``remove`` means "referenced again" right after a ``hit`` and "freed" otherwise
-    (eviction, or a second remove of a referenced key): only freed keys become ghosts.
+    (eviction, or a second remove of a referenced key): only freed keys become ghosts. The
+    engine evicts before it admits the missing key, so REPLACE sees ``p`` as it was before that
+    key's ghost hit adapts it (the paper adapts first; results differ only when |T1| lies
+    between the two values of p).
 
     capacity: c, the cache size in blocks (T1 + T2 at most; also the ghost budget).
     """

@@ -4,7 +4,6 @@ the adaptive policy choosing its half life."""
 
 from __future__ import annotations
 
-import math
 
 import pytest
 from hypothesis import given, settings
