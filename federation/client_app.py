@@ -196,7 +196,8 @@ def noise(msg: Message, context: Context) -> Message:
 @app.evaluate("fedkv")
 @node_host.releasing
 def evaluate(msg: Message, context: Context) -> Message:
-    """Catch up to the newest aggregate, then evaluate on the local held-out share."""
+    """Catch up to the newest aggregate, evaluate on the local held-out share, then serve a
+    chat turn through the cache (the K/V the next process finds on disk)."""
     cfg = _run_config(context)
     node, source = node_host.get_node(context)
     try:
@@ -204,6 +205,7 @@ def evaluate(msg: Message, context: Context) -> Message:
         t0 = time.perf_counter()
         loss, acc, n = node.evaluate()
         eval_s = time.perf_counter() - t0
+        node.serve_between_rounds()  # a chat turn through the cache (its blocks persist)
         node_host.save_node(context, node)
     except Exception:
         node_host.discard(context)

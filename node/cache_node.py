@@ -80,6 +80,10 @@ class TrainOutcome:
     epsilon: float = float("nan")
 
 
+SERVE_PROMPT = b"You are a fedkv cache node. Answer in one short line. "
+"""The system prompt of the chat turn a node serves between rounds (3 full blocks)."""
+
+
 def model_layout(task: str, seed: int = 0) -> Layout:
     """Names and shapes of the task's parameters: what the server needs to size aggregates."""
     return flatten(build_model(task, seed).state_dict())[1]
@@ -268,6 +272,15 @@ class CacheNode:
     def evaluate(self) -> tuple[float, float, int]:
         """(loss, metric, n) of the current global model on the local held-out data."""
         return self.task.evaluate(self.model)
+
+    def serve_between_rounds(self, max_new_tokens: int = 8) -> None:
+        """One chat turn through the cache, as a node serves between rounds (lm task): the
+        system prompt's blocks stay cached (and persisted) for the next turn or process."""
+        if self.task.name != "lm":
+            return
+        sid = self.create_session(system_prompt=SERVE_PROMPT)
+        self.send(sid, b"status?", max_new_tokens)
+        self.close(sid)
 
     # -- chat sessions (lm task); the framing is documented in node.sessions ---------------
     def create_session(self, system_prompt: str | bytes = b"") -> str:

@@ -254,3 +254,17 @@ def test_flowers_node_unavailable_reply_is_charged_to_the_dead_node() -> None:
     (rec,) = run_all(grid, strategy)
     reasons = {d["node"]: d["reason"] for d in rec.dropped if d["phase"] == "train"}
     assert set(reasons) == {101} and "Node Unavailable" in reasons[101]
+
+
+def test_lm_nodes_in_fresh_processes_warm_start_their_kv_from_disk() -> None:
+    """Deployment starts a ClientApp process per message: the node's cache directory carries
+    its K/V blocks (and parameters) from one message to the next."""
+    _, grid, strat = make(num_nodes=2, task="lm", **{"num-server-rounds": 2})
+    node_host.forget_all()
+    recs = []
+    for rnd in range(1, 3):
+        node_host.forget_all()  # a "fresh process" for the round
+        recs.append(strat.round(rnd))
+    assert recs[0].kv_blocks_on_disk == 0  # nothing served yet when round 1 trained
+    assert recs[1].kv_blocks_on_disk >= 2 * 3  # round 1's chat turn: 3 prompt blocks/node
+    assert recs[1].node_sources["restored"] == 2
