@@ -28,12 +28,14 @@ def open_store(directory: str | os.PathLike, key: bytes | None, max_bytes: int |
     """The directory's store; a corrupt manifest means a clean rebuild (logged)."""
     from cache.segments import CorruptManifestError, SegmentStore
 
+    # read_staged: a block demoted to cold this process is a hit before the next commit
+    kw = dict(key=key, max_bytes=max_bytes, read_staged=True)
     try:
-        return SegmentStore(directory, key=key, max_bytes=max_bytes)
+        return SegmentStore(directory, **kw)
     except CorruptManifestError as e:
         _log.warning("cache directory %s is unreadable (%s); rebuilding it empty", directory, e)
         SegmentStore.wipe(directory)
-        return SegmentStore(directory, key=key, max_bytes=max_bytes)
+        return SegmentStore(directory, **kw)
 
 
 def open_cache(cls, directory, config: "CacheConfig", *, key, policy, clock, max_bytes

@@ -16,7 +16,9 @@ older ones. A read always restores (correctness first).
 
 from __future__ import annotations
 
+import struct
 import time
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -37,17 +39,25 @@ class TierEntry:
     dirty: bool = True
     """Not in the cold store yet (a block restored from cold and not changed is clean)."""
 
-    def meta(self) -> dict:
-        return {"kind": "kv", "tokens": ",".join(map(str, self.tokens)), "version": self.version,
-                "parent": self.parent.hex(), "format": self.format,
+    def to_record(self) -> tuple[bytes, dict]:
+        """(payload, meta) for the cold store. Token ids and the parent hash go inside the
+        payload (encrypted at rest); the store's manifest is checksummed, not encrypted, so
+        meta holds only what is not secret."""
+        head = struct.pack("<IB", len(self.tokens), len(self.parent))
+        payload = head + array("i", self.tokens).tobytes() + self.parent + self.payload
+        meta = {"kind": "kv", "version": self.version, "format": self.format,
                 "last_access": self.last_access, "frequency": self.frequency}
+        return payload, meta
 
     @classmethod
-    def from_meta(cls, payload: bytes, meta: dict, now: float) -> "TierEntry":
-        toks = [int(t) for t in str(meta["tokens"]).split(",") if t != ""]
-        return cls(payload, toks, int(meta["version"]), bytes.fromhex(str(meta["parent"])),
-                   str(meta["format"]), now, int(meta.get("last_access", 0)),
-                   int(meta.get("frequency", 0)), dirty=False)
+    def from_record(cls, payload: bytes, meta: dict, now: float) -> "TierEntry":
+        n, plen = struct.unpack_from("<IB", payload)
+        toks = array("i")
+        toks.frombytes(payload[5 : 5 + 4 * n])
+        a = 5 + 4 * n
+        return cls(bytes(payload[a + plen :]), list(toks), int(meta["version"]),
+                   bytes(payload[a : a + plen]), str(meta["format"]), now,
+                   int(meta.get("last_access", 0)), int(meta.get("frequency", 0)), dirty=False)
 
 
 class ColdStore(Protocol):
@@ -123,7 +133,7 @@ class Tiers:
         if not entry.dirty and key in self.cold:  # the cold copy is already this block
             return
         try:
-            self.cold.put(key, entry.payload, entry.meta())
+            self.cold.put(key, *entry.to_record())
             self.stats.swaps_out_cold += 1
         except OSError as e:  # a full disk: memory-only from here on, nothing committed lost
             self.stats.cold_write_failures += 1
@@ -141,7 +151,7 @@ class Tiers:
             return entry
         if self.cold is not None and key in self.cold and key not in self.bad:
             try:
-                entry = TierEntry.from_meta(self.cold.get(key), self.cold.meta(key), self.clock())
+                entry = TierEntry.from_record(self.cold.get(key), self.cold.meta(key), self.clock())
             except Exception as e:  # noqa: BLE001 -- a corrupt record is dropped, recomputed
                 self._drop_corrupt(key, e)
                 self.stats.misses += 1
@@ -193,7 +203,7 @@ class Tiers:
             if meta.get("kind") != "kv" or key in self.warm or key in self.bad:
                 continue
             try:
-                e = TierEntry.from_meta(self.cold.get(key), meta, self.clock() - self.cooldown_s)
+                e = TierEntry.from_record(self.cold.get(key), meta, self.clock() - self.cooldown_s)
             except Exception as err:  # noqa: BLE001 -- corrupt: dropped, recomputed later
                 self._drop_corrupt(key, err)
                 continue

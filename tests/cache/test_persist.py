@@ -88,3 +88,11 @@ def test_a_flipped_byte_in_a_block_is_dropped_and_recomputed(tmp_path):
     s = kv2.open_session()
     assert kv2.match_prefix(s, list(range(8)) + [0]) == 0  # not served: recompute instead
     assert kv2.stats()["cold_corrupt_blocks"] == 1
+
+
+def test_token_ids_are_not_in_the_plaintext_manifest(tmp_path):
+    kv = KVCache.open(tmp_path, config(), key=KEY)
+    cached_prompt(kv, [1234567] * 8)
+    kv.close()
+    manifest = next(tmp_path.rglob("manifest.json")).read_text()
+    assert "1234567" not in manifest and "tokens" not in manifest
