@@ -405,15 +405,21 @@ class AdaptivePolicy(HybridPolicy):
     (exponentially decayed, halved each window) shadow hits becomes the live half life and the
     heap is re-keyed (O(n), rare). Eviction order is the hybrid's: lowest
     ``score(t) = sum_i 2 ** (-(t - t_i) / half_life)`` first, ties to the earlier release
-    (chain tails before roots). Cost per access: O(log n) plus ``sample_rate * len(factors)``
-    shadow updates.
+    (chain tails before roots). Prefix-aware when the caller passes ``parent``: a key no
+    inserted key has named as its parent (a chain's leaf, e.g. a request's partial last block,
+    which a longer next turn never reproduces) has its score divided by ``2 ** leaf_penalty``,
+    so leaves go before the roots they hang from. Cost per access: O(log n) plus
+    ``sample_rate * len(factors)`` shadow updates.
 
-    capacity: cache size in blocks. factors: candidate half lives in cache sizes (default
+    capacity: cache size in blocks. leaf_penalty: log2 of a leaf's score divisor (default 2:
+    leaves count a quarter; without ``parent`` info no key is treated as a leaf).
+    factors: candidate half lives in cache sizes (default
     0.5, 2, 8, 32 and infinity = LFU with recency ties). start: index of the initial factor
     (2: 8x). sample_rate: default 1/8. window: sampled accesses per decision (default 1,000).
     """
 
     capacity: int = 1024
+    leaf_penalty: float = 2.0
     factors: tuple[float, ...] = (0.5, 2.0, 8.0, 32.0, math.inf)
     start: int = 2
     sample_rate: float = 0.125
@@ -431,6 +437,21 @@ class AdaptivePolicy(HybridPolicy):
         self.choice = self.start
         self.half_life = self.factors[self.choice] * self.capacity
         self._sampled = 0
+        self._parents: dict[bytes, None] = {}  # keys some inserted key named as its parent
+
+    def insert(self, key: bytes, parent: bytes | None = None) -> None:
+        if parent is not None and parent not in self._parents:
+            self._parents[parent] = None
+            self._trim(self._parents)
+            if parent in self._live:  # no longer a leaf: re-key it
+                self._push(parent)
+        super().insert(key, parent)
+
+    def _priority(self, key: bytes) -> tuple:
+        (base,) = super()._priority(key)
+        if self._parents and key not in self._parents:
+            base -= self.leaf_penalty
+        return (base,)
 
     def _access(self, key: bytes) -> None:
         super()._access(key)

@@ -28,9 +28,10 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
-from cache.policy import EVICT_BATCH, POLICIES, make_policy
+from cache.policy import EVICT_BATCH, POLICIES, EvictionPolicy, LRUPolicy, make_policy
 from experiments.output import (
     add_common_args, make_run_dir, markdown_table, plot_lines, print_estimate,
     print_results_dir, write_csv, write_json,
@@ -59,10 +60,6 @@ class GenConfig:
 
 
 # -- traces ------------------------------------------------------------------------------
-def _interner() -> dict[object, bytes]:
-    return {}
-
-
 def _key(table: dict[object, bytes], x: object) -> bytes:
     k = table.get(x)
     if k is None:
@@ -72,7 +69,7 @@ def _key(table: dict[object, bytes], x: object) -> bytes:
 
 def load_trace(path: str | os.PathLike[str], limit: int | None = None) -> Trace:
     """Mooncake ``.jsonl`` or ARC ``.lis``; block ids become 8-byte keys (one object per id)."""
-    table = _interner()
+    table: dict[object, bytes] = {}
     out: Trace = []
     with open(path) as fh:
         for line in fh:
@@ -92,7 +89,7 @@ def load_trace(path: str | os.PathLike[str], limit: int | None = None) -> Trace:
 
 def generated_trace(cfg: GenConfig = GenConfig()) -> Trace:
     rng = random.Random(cfg.seed)
-    table = _interner()
+    table: dict[object, bytes] = {}
     fresh = iter(range(10**9))
     prompts = [[("p", i, j) for j in range(cfg.prompt_blocks)] for i in range(cfg.prompts)]
     convs: list[list[object]] = []
@@ -135,10 +132,12 @@ class Result:
         return self.prefix_hits / max(1, self.accesses)
 
 
-def simulate(trace: Trace, capacity: int, policy_name: str, batch: int = EVICT_BATCH) -> Result:
-    """Replay ``trace`` through a ``capacity``-slot cache run by the named engine policy."""
+def simulate(trace: Trace, capacity: int, policy_name: str, batch: int = EVICT_BATCH,
+             policy: EvictionPolicy | None = None) -> Result:
+    """Replay ``trace`` through a ``capacity``-slot cache run by the named engine policy (or
+    the given ``policy`` object)."""
     t0 = time.perf_counter()
-    policy = make_policy(policy_name, capacity)
+    policy = policy if policy is not None else make_policy(policy_name, capacity)
     cached: set[bytes] = set()
     hits = phits = accesses = 0
     for req in trace:
@@ -225,10 +224,58 @@ def belady(trace: Trace, capacity: int) -> Result:
     return Result(hits, phits, len(flat), time.perf_counter() - t0)
 
 
+class DeadBlockOracle(LRUPolicy):
+    """LRU that knows which blocks will never be used again and evicts those first: an offline
+    bound isolating how much of Bélády's lead is dead-block prediction alone."""
+
+    def __init__(self, trace: Trace) -> None:
+        super().__init__()
+        self.left: dict[bytes, int] = {}
+        for req in trace:
+            for key in dict.fromkeys(req):  # the simulator signals a key once per request
+                self.left[key] = self.left.get(key, 0) + 1
+        self.dead: dict[bytes, None] = {}
+        self._hit: set[bytes] = set()
+
+    def insert(self, key: bytes, parent: bytes | None = None) -> None:
+        if key in self._hit:
+            self._hit.discard(key)
+        else:
+            self.left[key] -= 1
+        if self.left[key] == 0:
+            self.dead[key] = None
+        else:
+            super().insert(key)
+
+    def hit(self, key: bytes) -> None:
+        self.left[key] -= 1
+        self._hit.add(key)
+        super().hit(key)
+
+    def remove(self, key: bytes) -> None:
+        super().remove(key)
+        self.dead.pop(key, None)
+
+    def victims(self, n: int) -> list[bytes]:
+        out = list(islice(self.dead, n))
+        return out + super().victims(n - len(out))
+
+    def __len__(self) -> int:
+        return super().__len__() + len(self.dead)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.dead or super().__contains__(key)
+
+
+OFFLINE = ("belady", "oracle_dead")
+
+
 def _run(args: tuple[Trace, int, str]) -> tuple[str, int, Result]:
     trace, cap, name = args
-    res = belady(trace, cap) if name == "belady" else simulate(trace, cap, name)
-    return name, cap, res
+    if name == "belady":
+        return name, cap, belady(trace, cap)
+    policy = DeadBlockOracle(trace) if name == "oracle_dead" else None
+    return name, cap, simulate(trace, cap, name, policy=policy)
 
 
 _TRACE: Trace = []
@@ -275,7 +322,7 @@ def report(results: dict[str, dict[int, Result]], capacities: Sequence[int], uni
     ratios = {} if bel is None else {
         n: {m: [v / b if b else float("nan") for v, b in zip(d[m], bel[m])] for m in d}
         for n, d in pol.items() if n != "belady"}
-    online = [n for n in pol if n != "belady"]
+    online = [n for n in pol if n not in OFFLINE]
     out: dict = {"capacities": caps, "capacity_frac": [c / unique for c in caps],
                  "unique_blocks": unique, "policies": pol, "ratio_to_belady": ratios}
     if "arc" in pol and online:
@@ -319,8 +366,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--trace", default=None, help="Mooncake .jsonl or ARC .lis trace (default: generated)")
     p.add_argument("--capacities", type=int, nargs="+", default=None,
                    help="cache sizes in blocks (default 1%%, 2%%, 5%%, 10%% of the unique blocks)")
-    p.add_argument("--policies", nargs="+", default=[*POLICIES, "belady"],
-                   help=f"default: {' '.join(POLICIES)} belady")
+    p.add_argument("--policies", nargs="+", default=[*POLICIES, *OFFLINE],
+                   help=f"default: {' '.join(POLICIES)} {' '.join(OFFLINE)} (oracle_dead: LRU that "
+                        "evicts never-reused blocks first, an offline bound)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--json", action="store_true", help="print the result JSON last")
@@ -352,7 +400,8 @@ def main(argv: list[str] | None = None) -> dict:
                {n: (caps, out_json["policies"][n]["block_hit"]) for n in names},
                xlabel="cache capacity (blocks)", ylabel="block hit ratio",
                title=f"eviction policies on {Path(source).name}", logx=True, logy=False,
-               styles={"belady": {"linestyle": "--", "color": "black"}})
+               styles={"belady": {"linestyle": "--", "color": "black"},
+                       "oracle_dead": {"linestyle": ":", "color": "gray"}})
     print(markdown_table(rows, ["policy", "capacity", "block_hit", "prefix_hit", "block_vs_belady"]))
     print_results_dir(run)
     if args.json:
@@ -364,8 +413,10 @@ def summary_md(res: dict, rows: list[dict]) -> str:
     lines = [f"# Eviction policies on {res['trace']} ({res['requests']:,} requests, "
              f"{res['accesses']:,} block accesses, {res['unique_blocks']:,} unique blocks)\n",
              f"Capacities in blocks: {res['capacities']}; eviction in batches of {res['evict_batch']}; "
-             "Bélády = offline MIN (furthest next use, one block at a time). prefix_hit counts a "
-             "request's blocks only up to its first miss.\n",
+             "Bélády = offline MIN (furthest next use, one block at a time); oracle_dead = LRU that "
+             "knows which blocks are never used again (offline: how much of Bélády's lead is "
+             "dead-block prediction). prefix_hit counts a request's blocks only up to its first "
+             "miss.\n",
              markdown_table(rows, COLUMNS)]
     if "targets" in res:
         lines.append("\n## Targets\n\n" + "\n".join(f"- {k}: {v}" for k, v in res["targets"].items())

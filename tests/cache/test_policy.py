@@ -217,7 +217,7 @@ def test_every_policy_is_a_set_of_evictable_keys(name, seq):
     for op, x, n in seq:
         key = k(x)
         if op == "insert" and key not in model:  # the engine inserts only unreferenced keys
-            p.insert(key)
+            p.insert(key, parent=k(n % 8) if n % 2 else None)
             model.add(key)
         elif op == "remove":
             p.remove(key)
@@ -230,3 +230,22 @@ def test_every_policy_is_a_set_of_evictable_keys(name, seq):
             assert set(got) <= model
         assert len(p) == len(model)
         assert all((key in p) == (key in model) for key in map(k, range(8)))
+
+
+def test_adaptive_evicts_leaves_before_their_roots():
+    """With ``parent`` info a chain's leaf goes before the blocks it hangs from even when
+    newer (a request's partial last block is never reproduced by a longer next turn)."""
+    p = AdaptivePolicy(capacity=64)
+    p.insert(k("leaf"), parent=k("mid"))  # the engine's order: tail first
+    p.insert(k("mid"), parent=k("root"))
+    p.insert(k("root"))
+    p.insert(k("x"))  # newest, but nobody's parent: a leaf too
+    assert p.victims(4) == [k("leaf"), k("x"), k("mid"), k("root")]
+    q = AdaptivePolicy(capacity=64)
+    q.insert(k("a"))
+    q.insert(k("b"), parent=k("a"))  # a stops being a leaf: b (newer) goes first
+    assert q.victims(2) == [k("b"), k("a")]
+    r = AdaptivePolicy(capacity=64, leaf_penalty=0.0)
+    r.insert(k("a"))
+    r.insert(k("b"), parent=k("a"))
+    assert r.victims(2) == [k("a"), k("b")]  # no penalty: plain recency

@@ -27,10 +27,10 @@ def test_generated_run_writes_outputs_and_json(tmp_path, capsys, monkeypatch):
     res = ev.main(["--quick", "--json", "--limit", "500", "--workers", "1", "--out", str(tmp_path)])
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed["capacities"] == res["capacities"] and len(printed["capacities"]) >= 4
-    assert {"belady", "arc", *POLICIES} <= set(printed["policies"])
+    assert {"belady", "arc", "oracle_dead", *POLICIES} <= set(printed["policies"])
     for name, d in printed["policies"].items():
         assert len(d["block_hit"]) == len(d["prefix_hit"]) == len(printed["capacities"]), name
-    assert set(printed["ratio_to_belady"]) == set(POLICIES)
+    assert set(printed["ratio_to_belady"]) == {*POLICIES, "oracle_dead"}
     assert "hybrid_vs_lru_block_hit_gain" in printed["claims"]
     assert "best_online_ge_arc_every_capacity" in printed["targets"]
     run = Path(res["run_dir"])
@@ -42,10 +42,10 @@ def test_generated_run_writes_outputs_and_json(tmp_path, capsys, monkeypatch):
 
 def test_belady_bounds_every_policy_and_prefix_bounds_block(small_trace):
     caps = ev.default_capacities(small_trace)
-    results = ev.run_all(small_trace, caps, [*POLICIES, "belady"])
+    results = ev.run_all(small_trace, caps, [*POLICIES, *ev.OFFLINE])
     for c in caps:
         best = results["belady"][c]
-        for name in POLICIES:
+        for name in [*POLICIES, "oracle_dead"]:
             r = results[name][c]
             assert r.block_hits <= best.block_hits, (name, c)
             assert r.prefix_hits <= r.block_hits, (name, c)
@@ -54,8 +54,8 @@ def test_belady_bounds_every_policy_and_prefix_bounds_block(small_trace):
     assert lru == sorted(lru) and lru[-1] > lru[0]  # more room, more hits
 
 
-def test_belady_is_optimal_on_a_tiny_trace():
-    """Forward-looking MIN beats a policy that would be optimal for a loop only by luck."""
+def test_belady_keeps_part_of_a_loop_lru_thrashes():
+    """A 5-block loop in 4 slots: LRU never hits, MIN keeps 3 of the 5 blocks each turn."""
     loop = [[bytes([i])] for i in range(5)] * 6  # a 5-block loop in a 4-slot cache
     assert ev.simulate(loop, 4, "lru").block_hits == 0
     assert ev.belady(loop, 4).block_hits >= 18
@@ -77,6 +77,14 @@ def test_lis_and_jsonl_parsing(tmp_path):
     jl.write_text('{"hash_ids": [0, 1, 2]}\n{"hash_ids": [0, 5]}\n')
     t = ev.load_trace(jl)
     assert t[0][0] == t[1][0] and t[1][1] not in t[0]
+
+
+def test_dead_block_oracle_evicts_never_reused_blocks_first():
+    a, b, c, d = (bytes([i]) for i in range(4))
+    trace = [[a], [b], [c], [a]]  # b and c are never used again: a must survive in 2 slots
+    assert ev.simulate(trace, 2, "lru").block_hits == 0
+    r = ev.simulate(trace, 2, "oracle_dead", policy=ev.DeadBlockOracle(trace), batch=1)
+    assert r.block_hits == 1
 
 
 def test_requests_longer_than_the_cache_bypass():
