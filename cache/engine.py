@@ -200,7 +200,8 @@ class KVCache:
         m.counters["prefix_lookups"] += 1
         parent = ROOT
         for i in range((len(toks) - 1) // B):
-            b = m.lookup(parent, toks[i * B : (i + 1) * B])
+            b = m.lookup(parent, toks[i * B : (i + 1) * B],
+                         self._end(t.blocks[-1]) if t.blocks else None)
             if b is None:
                 m.counters["prefix_miss_blocks"] += 1
                 break
@@ -605,6 +606,23 @@ class KVCache:
         stays usable in memory and ``attach`` re-opens the directory."""
         from cache.persist import close
         close(self)
+
+    def offload(self, tier: str = "warm") -> int:
+        """Demote every unreferenced prefix-cache block out of hot memory, to ``warm`` or
+        (with a cold store) ``cold``: what an idle node does; returns the blocks moved."""
+        t = self.blocks.tiers
+        if t is None or tier not in ("warm", "cold") or (tier == "cold" and t.cold is None):
+            raise ValueError(f"cannot offload to {tier!r}: this cache has "
+                             f"{'no tiers' if t is None else 'no cold store'}")
+        m, moved = self.blocks, 0
+        for key in m.policy.victims(len(m.policy)):
+            b = m.index[key]
+            t.put(key, m.entry(b))
+            m.free(b)
+            moved += 1
+        if tier == "cold":
+            t.spill_warm()
+        return moved
 
     def release(self) -> None:
         """Let go of the directory without flushing (what is on disk stays the last flush):

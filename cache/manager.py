@@ -170,7 +170,7 @@ class BlockManager:
         return TierEntry(payload, list(b.tokens), b.version, b.parent_hash or b"", fmt, 0.0,
                          b.last_access, b.frequency, dirty=b.dirty)
 
-    def restore(self, h: bytes, e: TierEntry) -> Block | None:
+    def restore(self, h: bytes, e: TierEntry, after: int | None = None) -> Block | None:
         """A hot, cached (unreferenced) block from a tier entry; None when hot has no room."""
         b = Block(self._next_id, e.version, tokens=list(e.tokens), ref_count=0, hash=h,
                   parent_hash=e.parent, format=e.format, last_access=self.clock,
@@ -183,7 +183,7 @@ class BlockManager:
                     return None
                 self.qpool.slot_bytes_of(b.qhandle)[: data.numel()].copy_(data)
             else:
-                b.start, b.capacity = self._fp_room(self.arena.B, None, set()), self.arena.B
+                b.start, b.capacity = self._fp_room(self.arena.B, after, set()), self.arena.B
                 dst = self.arena.block(b.start)
                 dst.copy_(data.view(self.arena.kv.dtype).view(dst.shape))
         except CacheFullError:
@@ -195,15 +195,16 @@ class BlockManager:
         return b
 
     # -- prefix cache --------------------------------------------------------------------
-    def lookup(self, parent: bytes, tokens: list[int]) -> Block | None:
+    def lookup(self, parent: bytes, tokens: list[int], after: int | None = None) -> Block | None:
         """The cached block holding ``tokens`` after ``parent`` under the current version
-        (promoted from warm or cold when it was demoted)."""
+        (promoted from warm or cold when it was demoted, placed at arena position ``after``
+        if free, so a restored chain is one run)."""
         h = block_hash(parent, tokens, self.version)
         b = self.index.get(h)
         if b is None and self.tiers is not None:
             e = self.tiers.take(h)
             if e is not None and e.tokens == tokens and e.version == self.version:
-                b = self.restore(h, e)
+                b = self.restore(h, e, after)
         if b is None or b.tokens != tokens:
             return None
         self.policy.hit(b.hash)

@@ -192,6 +192,17 @@ class Tiers:
             self.on_warning(f"cold tier commit failed ({type(e).__name__}: {e}); blocks since "
                             f"the last commit stay in memory only")
 
+    def spill_warm(self) -> int:
+        """Move every warm block to cold (when there is a cold store); returns how many."""
+        if self.cold is None:
+            return 0
+        n = len(self.warm)
+        while self.warm:
+            key, entry = self.warm.popitem(last=False)
+            self.warm_used -= len(entry.payload)
+            self._to_cold(key, entry)
+        return n
+
     def prewarm(self, budget: int) -> int:
         """Warm restart: copy the hottest cold blocks into warm, up to ``budget`` bytes
         (the rest are restored lazily on a hit); returns how many."""

@@ -1070,6 +1070,8 @@ def target_checks(r: dict) -> dict[str, bool]:
         "fedkv_fp32 >= hf_dynamic_cache": r["fedkv_fp32_vs_hf"] >= 1.0,
         "fedkv_fp32 >= 10x no_cache": r["fedkv_fp32_vs_no_cache"] >= 10.0,
         "prefix ratio <= 1.05": r["prefix_sharing"]["ratio"] <= 1.05,
+        "restore warm >= 10x recompute": r["restore_vs_recompute"]["warm_speedup"] >= 10,
+        "restore cold >= 3x recompute": r["restore_vs_recompute"]["cold_speedup"] >= 3,
         "pool_utilisation >= 0.96": r["pool_utilisation"] >= 0.96,
         "pool_utilisation_live_sessions >= 0.96": r["pool_utilisation_live_sessions"] >= 0.96,
         "fedkv_fp32 >= 1.2x hf_dynamic_cache (1024)": r["fedkv_fp32_vs_hf"] >= 1.2,
@@ -1240,7 +1242,17 @@ def run_eviction(b: Bench, result: dict) -> None:
         f"{s['free_full_slots_before']} free full slot; {s['evictions']} evictions)")
 
 
-SECTIONS = (run_bytes, run_decode, run_batched, run_profile, run_quality, run_prefix, run_pool,
+def run_restore(b: Bench, result: dict) -> None:
+    from experiments.bench_restore import restore_section
+
+    r = restore_section(b.model, b.prompt, b.block, 2 if b.args.tiny else 3)
+    result["restore_vs_recompute"] = r
+    log(f"restore vs recompute ({r['prefix_tokens']} tokens, {r['disk']}): warm "
+        f"{r['warm_speedup']:.1f}x (target >= 10), cold {r['cold_speedup']:.1f}x (target >= 3; "
+        f"{r['cold_speedup_incl_open']:.1f}x including the store's open)")
+
+
+SECTIONS = (run_bytes, run_decode, run_batched, run_restore, run_profile, run_quality, run_prefix, run_pool,
             run_eviction)
 
 

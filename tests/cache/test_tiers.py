@@ -143,3 +143,17 @@ def test_a_version_bump_drops_old_kv_from_every_tier():
     assert kv.stats()["tier_bytes"]["warm"] == 0
     assert not [k for k in store.keys() if store.meta(k).get("kind") == "kv"]
     assert hit(kv, prompts[0])[1] == 0
+
+
+def test_offload_moves_every_cached_block_out_of_hot_and_hits_bring_them_back():
+    store = DictStore()
+    kv = KVCache(small_config(block_size=8, pool_bytes=64 << 10, warm_bytes=1 << 20),
+                 store=store)
+    prompts, written = full_cache(kv, 4)
+    assert kv.offload("warm") == 4 and kv.stats()["blocks_used"] == 0
+    s, n = hit(kv, prompts[2])
+    assert n == 8 and torch.equal(kv.read(s, 0)[0], written[2][0])
+    kv.close_session(s)
+    assert kv.offload("cold") == 1 and kv.stats()["tier_bytes"]["warm"] == 0
+    s, n = hit(kv, prompts[3])
+    assert n == 8 and kv.stats()["tier_hits"]["cold"] == 1
