@@ -78,6 +78,8 @@ TARGETS = {
     "fedkv_fp32 >= hf_dynamic_cache": None,
     "fedkv_fp32 >= 10x no_cache": None,
     "prefix ratio <= 1.05": None,
+    "restore warm >= 10x recompute": None,
+    "restore cold >= 3x recompute": None,
     "pool_utilisation >= 0.96": None,
     "pool_utilisation_live_sessions >= 0.96": None,
     # issue 9

@@ -22,6 +22,8 @@ TOP_KEYS = {
     # issue 9
     "decode_tokens_per_s_4096", "decode_4096", "arena_bytes_per_token", "arena_ratios",
     "eviction_collateral", "eviction_scenario", "batched",
+    # issue 10
+    "restore_vs_recompute",
 }
 BATCHED = ("fedkv_batched", "fedkv_sequential", "hf_batched")
 DECODE = {"fedkv_fp32", "fedkv_int8", "fedkv_int4", "hf_dynamic_cache", "naive_concat",
@@ -172,3 +174,11 @@ def test_bad_flags_rejected():
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode != 0
+
+
+def test_restore_vs_recompute_section(result):
+    r = result["restore_vs_recompute"]
+    for key in ("warm_speedup", "cold_speedup", "cold_speedup_incl_open"):
+        assert r[key] is not None and r[key] > 0
+    assert set(r["seconds_median"]) == {"recompute", "warm", "cold", "cold_open"}
+    assert r["prefix_tokens"] > 0 and len(r["samples"]["warm"]) == r["repeats"]
