@@ -177,7 +177,7 @@ def test_bad_flags_rejected():
 
 
 def test_restore_vs_recompute_section(result):
-    r = result["restore_vs_recompute"]
+    r = result[0]["restore_vs_recompute"]
     for key in ("warm_speedup", "cold_speedup", "cold_speedup_incl_open"):
         assert r[key] is not None and r[key] > 0
     assert set(r["seconds_median"]) == {"recompute", "warm", "cold", "cold_open"}
