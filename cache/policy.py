@@ -481,20 +481,27 @@ class AdaptivePolicy(HybridPolicy):
         return cls(capacity=capacity)
 
 
-POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
+POLICIES: dict[str, type] = {
     "lru": LRUPolicy,
     "lfu": LFUPolicy,
     "hybrid": HybridPolicy,
     "arc": ARCPolicy,
     "adaptive": AdaptivePolicy,
 }
-_NEEDS_CAPACITY = {"arc"}
+"""Name -> policy class; ``make_policy`` builds one for a cache size."""
+
+_FACTORIES: dict[str, Callable[[int], EvictionPolicy]] = {
+    "lru": lambda capacity: LRUPolicy(),
+    "lfu": lambda capacity: LFUPolicy(),
+    "hybrid": HybridPolicy.for_capacity,
+    "arc": ARCPolicy,
+    "adaptive": AdaptivePolicy.for_capacity,
+}
 
 
 def make_policy(name: str, capacity: int) -> EvictionPolicy:
-    """The named policy for a cache of ``capacity`` blocks (ignored by those without a size)."""
-    if name not in POLICIES:
+    """The named policy for a cache of ``capacity`` blocks (LRU and LFU need no size; the
+    hybrid's half life is 2 x capacity; ARC's c and the adaptive shadows use it)."""
+    if name not in _FACTORIES:
         raise ValueError(f"unknown policy {name!r}; known: {sorted(POLICIES)}")
-    if name in ("hybrid", "adaptive"):
-        return POLICIES[name].for_capacity(capacity)
-    return POLICIES[name](capacity) if name in _NEEDS_CAPACITY else POLICIES[name]()
+    return _FACTORIES[name](capacity)
