@@ -61,6 +61,12 @@ class CacheConfig:
     low_watermark: float = 0.2
     """Free full-precision arena share below which a reserve triggers a (lazy) compaction
     that restores sessions' contiguous runs (``cache/compaction.py``)."""
+    eviction_policy: str = "lru"
+    """Which cached block leaves hot first: ``lru``, ``lfu``, ``hybrid``, ``arc`` or
+    ``adaptive`` (``cache/policy.py``; measured on real traces by experiments.eviction)."""
+    evict_batch: int = 16
+    """Blocks demoted per round when free hot memory is below ``low_watermark`` (SGLang's
+    ``evict_batch``; one ``victims`` call). A single allocation still evicts one block."""
     warm_bytes: int = 0
     """Warm tier: CPU bytes for prefix-cache blocks evicted from hot, each in its own storage
     format; 0 = no warm tier (evicted blocks are freed, unless a cold store is attached:

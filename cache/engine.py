@@ -31,7 +31,7 @@ from cache.errors import (
     ShapeMismatchError, StaleSessionError, TensorDTypeError, UnknownSessionError,
 )
 from cache.manager import BlockManager
-from cache.policy import EvictionPolicy, LRUPolicy
+from cache.policy import EvictionPolicy, make_policy
 from cache.pool import BlockPool
 from cache.prefix import ROOT
 from cache.quant import BlockFormat
@@ -78,7 +78,8 @@ class KVCache:
         self.fresh, _ = fresh_dtype(config)
         arena, qpool, qformat = _storage(config)
         self.arena, self.qpool = arena, qpool
-        self.blocks = BlockManager(arena, policy or LRUPolicy(), qpool, qformat)
+        policy = policy or make_policy(config.eviction_policy, arena.num_blocks)
+        self.blocks = BlockManager(arena, policy, qpool, qformat)
         self.blocks.reclaim_fp = self._reclaim_read_buffer
         if config.warm_bytes or store is not None:
             self.blocks.tiers = Tiers(config.warm_bytes, config.cooldown_s,
@@ -229,7 +230,7 @@ class KVCache:
         self._touch(t)
         if t.sparsity is not None and t.length:
             self._drop_sparse_blocks(t)
-        self._maybe_compact()
+        self._relieve_pressure()
         self._try_plan(t)  # blocks resident at full precision before anything is allocated
         tail, new = self._allocate_or_compact(t, t.length + len(toks))
         if tail is not None:
@@ -245,11 +246,18 @@ class KVCache:
         self._try_plan(t)
         t.write_at = self._positions(t, t.length, len(toks))
 
-    def _maybe_compact(self) -> None:
-        """Compact lazily when free arena memory is below the low watermark."""
-        self._reserves_since_compact += 1
+    def _relieve_pressure(self) -> None:
+        """Below the low watermark of free arena memory: demote a batch of ``evict_batch``
+        cached blocks to warm (when there is a warm tier: they stay hits) and compact lazily.
+        A single allocation still evicts at most the one block it needs."""
         free = self.arena.free_pages / self.arena.num_pages
-        if free < self.config.low_watermark and self._reserves_since_compact >= COMPACT_EVERY:
+        self._reserves_since_compact += 1
+        if free >= self.config.low_watermark:
+            return
+        if self.blocks.tiers is not None and self.config.warm_bytes:
+            self.blocks.counters["pressure_demotions"] += self.blocks.demote(
+                self.config.evict_batch)
+        if self._reserves_since_compact >= COMPACT_EVERY:
             self.compact()
 
     def _allocate_or_compact(self, t: BlockTable, total: int):
@@ -614,12 +622,7 @@ class KVCache:
         if t is None or tier not in ("warm", "cold") or (tier == "cold" and t.cold is None):
             raise ValueError(f"cannot offload to {tier!r}: this cache has "
                              f"{'no tiers' if t is None else 'no cold store'}")
-        m, moved = self.blocks, 0
-        for key in m.policy.victims(len(m.policy)):
-            b = m.index[key]
-            t.put(key, m.entry(b))
-            m.free(b)
-            moved += 1
+        moved = self.blocks.demote(len(self.blocks.policy))
         if tier == "cold":
             t.spill_warm()
         return moved

@@ -28,7 +28,7 @@ COUNTERS = ("prefix_lookups", "prefix_hit_blocks", "prefix_miss_blocks", "prefix
             "evictions", "cow_copies", "tail_moves", "dedup_blocks", "quantized_blocks",
             "kept_full_precision_blocks", "quant_skipped_full", "dequantized_blocks",
             "read_buffer_evictions", "transient_reads", "sparsity_dropped_blocks",
-            "compactions", "compacted_blocks", "swept_blocks", "alloc_failures", "eviction_collateral")
+            "compactions", "compacted_blocks", "swept_blocks", "pressure_demotions", "alloc_failures", "eviction_collateral")
 
 
 class BlockManager:
@@ -113,7 +113,7 @@ class BlockManager:
         if b.hash is not None and self.index.get(b.hash) is b:
             if b.qhandle is not None and b.start is not None:  # idle: keep the compact form
                 self._drop_slot(b)
-            self.policy.insert(b.hash)  # still a prefix-cache entry: reclaimable
+            self.policy.insert(b.hash, b.parent_hash)  # still a prefix-cache entry
         else:
             self.free(b)
 
@@ -159,6 +159,16 @@ class BlockManager:
         return True
 
     # -- tiers ---------------------------------------------------------------------------
+    def demote(self, n: int) -> int:
+        """Move up to ``n`` of the policy's first victims to the tiers (one ``victims``
+        call: batch eviction); returns how many moved."""
+        keys = self.policy.victims(n)
+        for key in keys:
+            b = self.index[key]
+            self.tiers.put(key, self.entry(b))
+            self.free(b)
+        return len(keys)
+
     def entry(self, b: Block) -> TierEntry:
         """``b``'s bytes in its storage format (quantized if it has a compact form)."""
         L = self._layers

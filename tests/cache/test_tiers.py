@@ -77,7 +77,8 @@ def hit(kv, prompt):
 
 def test_an_evicted_block_goes_warm_and_comes_back_on_a_hit_bit_exact():
     clock = Clock()
-    kv = KVCache(small_config(block_size=8, pool_bytes=64 << 10, warm_bytes=1 << 20), clock=clock)
+    kv = KVCache(small_config(block_size=8, pool_bytes=64 << 10, warm_bytes=1 << 20,
+                              low_watermark=0.0), clock=clock)  # eviction at allocation only
     cap = kv.arena.num_blocks
     prompts, written = full_cache(kv, cap + 5)  # 5 more than hot holds
     st = kv.stats()
@@ -99,8 +100,8 @@ def test_without_tiers_an_evicted_block_is_a_miss():
 def test_warm_overflow_goes_cold_and_cold_hits_restore():
     clock, store = Clock(), DictStore()
     block = 2 * 2 * 2 * 8 * 8 * 4  # small_config geometry, block_size 8, fp32
-    kv = KVCache(small_config(block_size=8, pool_bytes=64 << 10, warm_bytes=3 * block),
-                 clock=clock, store=store)
+    kv = KVCache(small_config(block_size=8, pool_bytes=64 << 10, warm_bytes=3 * block,
+                              low_watermark=0.0), clock=clock, store=store)
     prompts, written = full_cache(kv, kv.arena.num_blocks + 6)
     clock.t += 120  # past every cooldown
     st = kv.stats()
@@ -114,7 +115,7 @@ def test_cooldown_keeps_a_just_demoted_block_warm_while_older_ones_go_cold():
     clock, store = Clock(), DictStore()
     block = 2 * 2 * 2 * 8 * 8 * 4
     kv = KVCache(small_config(block_size=8, pool_bytes=64 << 10, warm_bytes=2 * block,
-                              cooldown_s=60), clock=clock, store=store)
+                              cooldown_s=60, low_watermark=0.0), clock=clock, store=store)
     cap = kv.arena.num_blocks
     prompts, _ = full_cache(kv, cap + 1)  # prompt 0 demoted at t=1000
     clock.t += 100
@@ -157,3 +158,21 @@ def test_offload_moves_every_cached_block_out_of_hot_and_hits_bring_them_back():
     assert kv.offload("cold") == 1 and kv.stats()["tier_bytes"]["warm"] == 0
     s, n = hit(kv, prompts[3])
     assert n == 8 and kv.stats()["tier_hits"]["cold"] == 1
+
+
+def test_below_the_low_watermark_a_batch_of_evict_batch_blocks_is_demoted():
+    kv = KVCache(small_config(block_size=8, pool_bytes=64 << 10, warm_bytes=1 << 20,
+                              low_watermark=0.2, evict_batch=4))
+    cap = kv.arena.num_blocks  # 32
+    prompts, written = full_cache(kv, int(cap * 0.8) + 2)  # the 27th reserve: 6 of 32 free
+    st = kv.stats()
+    assert st["pressure_demotions"] == 4 and st["evictions"] == 0  # a batch, no allocation eviction
+    assert st["swaps_out"]["warm"] == 4
+    s, n = hit(kv, prompts[0])  # the LRU ones went first, and they still hit
+    assert n == 8 and torch.equal(kv.read(s, 0)[0], written[0][0])
+
+
+def test_the_configured_policy_is_the_engines():
+    from cache.policy import ARCPolicy
+    kv = KVCache(small_config(eviction_policy="arc"))
+    assert isinstance(kv.policy, ARCPolicy)
