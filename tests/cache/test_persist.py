@@ -96,3 +96,23 @@ def test_token_ids_are_not_in_the_plaintext_manifest(tmp_path):
     kv.close()
     manifest = next(tmp_path.rglob("manifest.json")).read_text()
     assert "1234567" not in manifest and "tokens" not in manifest
+
+
+def test_a_full_disk_degrades_to_memory_only_and_loses_nothing_committed(tmp_path, caplog):
+    kv = KVCache.open(tmp_path, config(), key=KEY)
+    ks = cached_prompt(kv, list(range(16)))
+    kv.close()  # committed: 2 blocks
+    kv = KVCache.open(tmp_path, config(), key=KEY, max_bytes=1)  # a disk with no room left
+    with caplog.at_level(logging.WARNING, logger="fedkv.cache"):
+        for i in range(6):
+            cached_prompt(kv, list(range(1000 + 8 * i, 1008 + 8 * i)), seed=i)
+        kv.put_tensor("param/w", torch.ones(3))
+        kv.flush()  # the disk is "full": a warning, and the cache keeps working in memory
+    assert "failed" in caplog.text
+    s = kv.open_session()
+    assert kv.match_prefix(s, list(range(1000, 1008)) + [0]) == 8  # still served from memory
+    kv.close()
+    kv2 = KVCache.open(tmp_path, config(), key=KEY)  # what was committed before is intact
+    s = kv2.open_session()
+    assert kv2.match_prefix(s, list(range(16)) + [0]) == 16
+    assert torch.equal(kv2.read(s, 0)[0], ks[0])
