@@ -71,8 +71,9 @@ class BlockManager:
         return self.qpool.allocate(self.qformat.kv_dtype)
 
     def _evict_cached(self, frees: Callable[[Block], bool]) -> bool:
-        """Free the policy's first cached block for which ``frees`` holds."""
-        for key in self.policy.victims(len(self.policy)):
+        """Free the policy's first cached block for which ``frees`` holds (victims asked in
+        growing batches: heap policies pay O(n log n) per ``victims(n)``)."""
+        for key in self._victims_lazily():
             b = self.index[key]
             if frees(b):
                 if self.tiers is not None:
@@ -82,6 +83,15 @@ class BlockManager:
                 self.counters["eviction_collateral"] = max(self.counters["eviction_collateral"], 1)
                 return True
         return False
+
+    def _victims_lazily(self):
+        n, seen = 1, 0
+        while True:
+            keys = self.policy.victims(n)
+            yield from keys[seen:]
+            if len(keys) < n:
+                return
+            seen, n = len(keys), n * 4
 
     # -- lifecycle ---------------------------------------------------------------------
     def new(self, tokens: int, after: int | None = None, keep: set[int] = frozenset()) -> Block:
