@@ -629,6 +629,7 @@ def summary(demo: Demo, leftovers: int, wall_s: float) -> dict[str, object]:
         "refused_unregistered": refused.get("unregistered", False),
         "refused_bad_cert": refused.get("bad-cert", False),
         "server_key_origin": res.get("key_origin"),
+        "kv_blocks_on_disk_per_round": [r.get("kv_blocks_on_disk", 0) for r in res.get("rounds", [])],
         "leftover_processes": leftovers,
         "wall_s": round(wall_s, 1),
         "nodes": demo.nodes,
