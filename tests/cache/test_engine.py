@@ -330,3 +330,18 @@ def test_flush_compacts():
     kv = KVCache(small_config())
     kv.flush()
     assert kv.stats()["compactions"] == 1
+
+
+def test_below_the_low_watermark_compaction_runs_lazily():
+    from cache.compaction import COMPACT_EVERY
+    kv = KVCache(small_config(block_size=4, pool_bytes=16 << 10, low_watermark=0.5))
+    feed(kv, kv.open_session(), list(range(4 * 12)))  # 12 of 16 blocks: below the watermark
+    s = kv.open_session()
+    for i in range(COMPACT_EVERY - 2):
+        feed(kv, s, [i])
+        kv.reset_session(s)
+    assert kv.stats()["compactions"] == 0  # lazy: not on every reserve
+    for i in range(4):
+        feed(kv, s, [i])
+        kv.reset_session(s)
+    assert kv.stats()["compactions"] == 1
