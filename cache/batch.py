@@ -26,6 +26,10 @@ class BatchStep:
     """[B, T] bool: which tail positions hold a token."""
     written: int = 0
     """Layers written so far; the step commits after the last one."""
+    tails: "TailBuffer | None" = None
+    """Where this step's tails are read from when the previous step's are still valid."""
+    fresh: bool = True
+    """True: gather the tails from the arena (and fill ``tails``); False: append to them."""
 
 
 def shared_prefix_blocks(tables: list) -> int:
@@ -53,3 +57,29 @@ def tail_positions(starts: list[list[int]], lengths: list[int], block: int
         p = (torch.tensor(s).view(-1, 1) + offs).flatten()[:n]
         pos[i, :n], valid[i, :n] = p, True
     return pos, valid
+
+
+@dataclass
+class TailBuffer:
+    """The batch's tails, kept from one step to the next: ``[layers, 2, heads, B, cap, dim]``.
+
+    A step that continues the previous one (same sessions, same shared prefix, every session
+    one token longer, no block moved, nothing quantized) appends its new tokens here -- one
+    indexed store per layer -- instead of gathering every tail again; anything else rebuilds
+    it. A bounded copy of the tails only (the prefix is read in place), like a read buffer."""
+
+    key: tuple
+    kv: torch.Tensor
+    valid: torch.Tensor
+    lengths: list[int]
+
+    @classmethod
+    def empty(cls, key: tuple, layers: int, heads: int, n: int, cap: int, dim: int,
+              dtype: torch.dtype) -> "TailBuffer":
+        return cls(key, torch.zeros(layers, 2, heads, n, cap, dim, dtype=dtype),
+                   torch.zeros(n, cap, dtype=torch.bool), [0] * n)
+
+    def continues(self, key: tuple, lengths: list[int]) -> bool:
+        """The step after the one this buffer holds, with room for it."""
+        return (key == self.key and all(n == m + 1 for n, m in zip(lengths, self.lengths))
+                and max(lengths) <= self.kv.shape[4])

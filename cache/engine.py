@@ -21,7 +21,7 @@ from typing import Callable, Iterable
 import torch
 
 from cache.attention import Run
-from cache.batch import BatchStep, shared_prefix_blocks, tail_positions
+from cache.batch import BatchStep, TailBuffer, shared_prefix_blocks, tail_positions
 from cache.block import Block
 from cache.block_table import BlockTable
 from cache.compaction import COMPACT_EVERY, compact
@@ -87,6 +87,7 @@ class KVCache:
         self.store = store
         self._reserves_since_compact = 0
         self._alloc_failures_in_row = 0
+        self._tails: TailBuffer | None = None
         self.found_on_disk = 0
         """K/V blocks the cold store held when this cache was opened (warm start)."""
         self.tensors = TensorStore()
@@ -531,11 +532,24 @@ class KVCache:
                 break
             prefix.append((start, min(nb, left) * B))
             left -= nb
-        pos, valid = tail_positions(
-            [[b.start for b in t.blocks[shared:]] for t in tables],
-            [t.length + 1 - shared * B for t in tables], B)
+        lengths = [t.length + 1 - shared * B for t in tables]
         write = torch.tensor([t.blocks[t.length // B].start + t.length % B for t in tables])
-        return BatchStep(list(sids), write, prefix, pos, valid)
+        key = (tuple(sids), shared, self.blocks.generation, self.blocks.counters["quantized_blocks"],
+               tuple(t.blocks[shared].id if len(t.blocks) > shared else -1 for t in tables))
+        buf = self._tails
+        if buf is not None and buf.continues(key, lengths):
+            step = BatchStep(list(sids), write, prefix, torch.empty(0), buf.valid, tails=buf,
+                             fresh=False)
+        else:
+            pos, valid = tail_positions(
+                [[b.start for b in t.blocks[shared:]] for t in tables], lengths, B)
+            c = self.config
+            self._tails = TailBuffer.empty(key, c.num_layers, c.num_heads, len(sids),
+                                           max(lengths) + 64, c.head_dim, self.arena.kv.dtype)
+            step = BatchStep(list(sids), write, prefix, pos, valid, tails=self._tails)
+        step.tails.lengths = lengths
+        step.tails.key = key
+        return step
 
     def append_and_read_batch(self, step: BatchStep, layer: int, k: torch.Tensor,
                               v: torch.Tensor):
@@ -553,18 +567,33 @@ class KVCache:
         kv[0].index_copy_(1, step.write_pos, k.to(kv.dtype))
         kv[1].index_copy_(1, step.write_pos, v.to(kv.dtype))
         prefix = [self.arena.run(layer, start, n) for start, n in step.prefix]
-        flat = step.tail_pos.flatten()
-        H, Bn, T = c.num_heads, *step.tail_pos.shape
-        # one gather for K and V: 9x faster than index_select on the [H, N, D] views
-        tkv = kv.index_select(2, flat).view(2, H, Bn, T, c.head_dim)
-        tk, tv = tkv[0], tkv[1]
+        tk, tv, valid = self._tails_of(step, layer, k, v)
         step.written += 1
         if step.written == c.num_layers:
             for sid in step.sids:
                 t = self._table(sid)
                 t.written = set(range(c.num_layers))
                 self._commit(t)
-        return prefix, tk, tv, step.tail_valid
+        return prefix, tk, tv, valid
+
+    def _tails_of(self, step: BatchStep, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Tail K, V [H, B, T, D] and mask [B, T]: gathered (one index_select for K and V
+        together, 9x faster than on the [H, N, D] views) into the step's buffer, or the new
+        token appended to the buffer the previous step left."""
+        buf, c = step.tails, self.config
+        T = max(buf.lengths)
+        if step.fresh:
+            H, Bn, Tp = c.num_heads, *step.tail_pos.shape
+            got = self.arena.kv[layer].index_select(2, step.tail_pos.flatten())
+            buf.kv[layer, :, :, :, :Tp] = got.view(2, H, Bn, Tp, c.head_dim)
+            buf.valid[:, :Tp] = step.tail_valid
+        else:
+            rows = torch.arange(len(step.sids))
+            at = torch.tensor(buf.lengths) - 1
+            buf.kv[layer, 0, :, rows, at] = k.to(buf.kv.dtype)  # [H, B, D]
+            buf.kv[layer, 1, :, rows, at] = v.to(buf.kv.dtype)
+            buf.valid[rows, at] = True
+        return buf.kv[layer, 0, :, :, :T], buf.kv[layer, 1, :, :, :T], buf.valid[:, :T]
 
     # == model versions and tensors ========================================================
     def bump_version(self) -> int:

@@ -36,3 +36,29 @@ def test_batch_layers_must_come_in_order():
     H, D = kv.config.num_heads, kv.config.head_dim
     with pytest.raises(ReservationError, match="out of order"):
         kv.append_and_read_batch(step, 1, torch.zeros(H, 1, D), torch.zeros(H, 1, D))
+
+
+def test_a_continuing_step_appends_to_the_tails_instead_of_gathering_them():
+    kv = KVCache(small_config())
+    a = kv.open_session()
+    feed(kv, a, list(range(8)))
+    b = kv.fork(a)
+    H, D = kv.config.num_heads, kv.config.head_dim
+    seen = []
+    for step_i in range(3):
+        step = kv.begin_batch([a, b], [step_i, 100 + step_i])
+        assert step.fresh == (step_i == 0)
+        for layer in range(kv.config.num_layers):
+            k = torch.full((H, 2, D), float(step_i))
+            _, tk, _, valid = kv.append_and_read_batch(step, layer, k, -k)
+        seen.append(tk.clone())
+    # what the buffer holds equals a fresh gather of the same tokens
+    kv._tails = None
+    step = kv.begin_batch([a, b], [7, 8])
+    for layer in range(kv.config.num_layers):
+        _, tk, _, valid = kv.append_and_read_batch(step, layer, torch.zeros(H, 2, D),
+                                                   torch.zeros(H, 2, D))
+    assert torch.equal(tk[:, :, :3], seen[-1][:, :, :3])
+    kv.reset_session(b)  # blocks move: the next step rebuilds
+    feed(kv, b, [1, 2, 3])
+    assert kv.begin_batch([a, b], [1, 2]).fresh
