@@ -79,6 +79,8 @@ def cache_stats(kv: "KVCache") -> dict:
         "bytes_allocated": live,
         "bytes_holding_tokens": by["tokens"],
         "read_buffer_bytes": by["buffer"],
+        "batch_tail_buffer_bytes": (kv._tails.kv.numel() * kv._tails.kv.element_size()
+                                    if kv._tails is not None else 0),
         "bytes_stored": live - by["buffer"],  # the compact form: what idle sessions cost
         "kv_utilisation": by["tokens"] / live if live else 0.0,
         "kv_utilisation_live": by["live_tokens"] / by["live_held"] if by["live_held"] else 0.0,
