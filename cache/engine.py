@@ -42,6 +42,8 @@ from cache.token_arena import TokenArena
 
 QUANTIZED = ("int8", "int4")
 _log = logging.getLogger("fedkv.cache")
+TAIL_ROOM = 16
+"""Decode steps a batch's tail buffer has room for before it is gathered again."""
 
 
 def fresh_dtype(config: CacheConfig) -> tuple[str, torch.dtype]:
@@ -545,7 +547,8 @@ class KVCache:
                 [[b.start for b in t.blocks[shared:]] for t in tables], lengths, B)
             c = self.config
             self._tails = TailBuffer.empty(key, c.num_layers, c.num_heads, len(sids),
-                                           max(lengths) + 64, c.head_dim, self.arena.kv.dtype)
+                                           max(lengths) + TAIL_ROOM, c.head_dim,
+                                           self.arena.kv.dtype)
             step = BatchStep(list(sids), write, prefix, pos, valid, tails=self._tails)
         step.tails.lengths = lengths
         step.tails.key = key

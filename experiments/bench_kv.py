@@ -548,7 +548,9 @@ def batched_runners(model: TinyTransformer, hf, prompts: list[list[int]], steps:
             t0 = time.perf_counter()
             fed = decode(model, kv, sids, logits, steps)
             tps = n_tok / (time.perf_counter() - t0)
-            return tps, {"kv_bytes": kv.stats()["bytes_allocated"], "tokens": fed}
+            st = kv.stats()  # the batch's tail buffer is K/V memory too
+            held = st["bytes_allocated"] + st["batch_tail_buffer_bytes"]
+            return tps, {"kv_bytes": held, "tokens": fed}
         return run
 
     def hf_batched():
@@ -1046,7 +1048,8 @@ NOTES = {
     "forward_cached, one session after another. hf_batched: random GPT-2 of the same dims, one "
     "DynamicCache, input [sessions, longest prompt] left-padded with an attention_mask "
     "(position ids from the mask), then input [sessions, 1] per step. kv_bytes: "
-    "stats()['bytes_allocated'] after the decode (fedkv), sum of every layer's key and value "
+    "stats()['bytes_allocated'] + stats()['batch_tail_buffer_bytes'] after the decode (fedkv), "
+    "sum of every layer's key and value "
     "tensor bytes in the DynamicCache after the decode (hf). tokens_held_fedkv_vs_hf: token "
     "positions stored, one copy of the prefix + each session's tail and decoded tokens over "
     "sessions x (longest prompt + steps) (the kv_bytes ratio at equal precision and no "
