@@ -538,7 +538,7 @@ class KVCache:
         write = torch.tensor([t.blocks[t.length // B].start + t.length % B for t in tables])
         key = (tuple(sids), shared, self.blocks.generation, self.blocks.counters["quantized_blocks"],
                tuple(t.blocks[shared].id if len(t.blocks) > shared else -1 for t in tables))
-        buf = self._tails
+        buf = self._tails if self.config.batch_tail_buffer else None
         if buf is not None and buf.continues(key, lengths):
             step = BatchStep(list(sids), write, prefix, torch.empty(0), buf.valid, tails=buf,
                              fresh=False)

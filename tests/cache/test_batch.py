@@ -62,3 +62,19 @@ def test_a_continuing_step_appends_to_the_tails_instead_of_gathering_them():
     kv.reset_session(b)  # blocks move: the next step rebuilds
     feed(kv, b, [1, 2, 3])
     assert kv.begin_batch([a, b], [1, 2]).fresh
+
+
+def test_without_the_tail_buffer_every_step_gathers():
+    kv = KVCache(small_config(batch_tail_buffer=False))
+    a, b = kv.open_session(), kv.open_session()
+    feed(kv, a, list(range(6)))
+    feed(kv, b, [9, 9])  # nothing shared: the tails are the whole sessions
+    H, D = kv.config.num_heads, kv.config.head_dim
+    for i in range(3):
+        step = kv.begin_batch([a, b], [i, i])
+        assert step.fresh and not step.prefix
+        for layer in range(kv.config.num_layers):
+            _, tk, _, valid = kv.append_and_read_batch(step, layer, torch.ones(H, 2, D),
+                                                       torch.ones(H, 2, D))
+    assert valid.sum(1).tolist() == [9, 5]
+    assert torch.equal(tk[:, 0, 6:9], torch.ones(H, 3, D))
