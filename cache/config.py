@@ -63,10 +63,10 @@ class CacheConfig:
     that restores sessions' contiguous runs (``cache/compaction.py``)."""
     batch_tail_buffer: bool = True
     """Batched decode keeps a contiguous copy of each session's own tokens from step to step
-    and appends the new ones, instead of gathering every tail every step: 1.44x faster steps
-    (16 sessions x 1,024 + 128 tokens: 7.7 vs 11.1 ms, medians of 4, here) for about the
-    tails' bytes again (``stats()['batch_tail_buffer_bytes']``). Strided views of the arena
-    were measured too: attention over them is slower than the gather (428 vs 226 us)."""
+    and appends the new ones, instead of gathering every tail every step: faster steps for
+    about the tails' bytes again (``stats()['batch_tail_buffer_bytes']``; experiments.bench_kv
+    reports both, ``batched.tail_buffer_speedup``). Attention over strided views of the arena
+    (no copy at all) measured slower than the gather here."""
     eviction_policy: str = "lru"
     """Which cached block leaves hot first: ``lru``, ``lfu``, ``hybrid``, ``arc`` or
     ``adaptive`` (``cache/policy.py``; measured on real traces by experiments.eviction)."""

@@ -503,9 +503,9 @@ class HFBatched:
 
 
 def _fedkv_prefilled(model: TinyTransformer, prompts: list[list[int]], block: int,
-                     pool: int) -> tuple[KVCache, list[int], torch.Tensor]:
+                     pool: int, **cfg) -> tuple[KVCache, list[int], torch.Tensor]:
     """A fresh cache with one session per prompt; later sessions reuse the cached prefix."""
-    kv = KVCache(model.cfg.cache_config(block_size=block, pool_bytes=pool))
+    kv = KVCache(model.cfg.cache_config(block_size=block, pool_bytes=pool, **cfg))
     sids = [kv.open_session() for _ in prompts]
     return kv, sids, torch.stack([model.prefill(p, kv, s) for p, s in zip(prompts, sids)])
 
@@ -542,9 +542,9 @@ def batched_runners(model: TinyTransformer, hf, prompts: list[list[int]], steps:
     held = shared + sum(len(p) - shared + steps + 2 * block for p in prompts)
     pool = _pool_bytes_for(model.cfg, block, held)
 
-    def fedkv(decode) -> Runner:
+    def fedkv(decode, **cfg) -> Runner:
         def run():
-            kv, sids, logits = _fedkv_prefilled(model, prompts, block, pool)
+            kv, sids, logits = _fedkv_prefilled(model, prompts, block, pool, **cfg)
             t0 = time.perf_counter()
             fed = decode(model, kv, sids, logits, steps)
             tps = n_tok / (time.perf_counter() - t0)
@@ -563,6 +563,7 @@ def batched_runners(model: TinyTransformer, hf, prompts: list[list[int]], steps:
         return tps, {"kv_bytes": hf_kv_bytes(r.cache), "tokens": None}
 
     return {"fedkv_batched": fedkv(_decode_together),
+            "fedkv_batched_no_tail_buffer": fedkv(_decode_together, batch_tail_buffer=False),
             "fedkv_sequential": fedkv(_decode_one_by_one), "hf_batched": hf_batched}
 
 
@@ -594,6 +595,7 @@ def batched_section(model: TinyTransformer, plan: Plan, prompts: list[list[int]]
         "kv_bytes": kvb,
         "fedkv_batched_vs_hf_batched": _ratio(med["fedkv_batched"], med["hf_batched"]),
         "fedkv_batched_vs_sequential": _ratio(med["fedkv_batched"], med["fedkv_sequential"]),
+        "tail_buffer_speedup": _ratio(med["fedkv_batched"], med["fedkv_batched_no_tail_buffer"]),
         "kv_bytes_fedkv_vs_hf": _ratio(kvb["fedkv_batched"], kvb["hf_batched"]),
         "tokens_held_fedkv_vs_hf": held / padded,
         "tokens_agree": info["fedkv_batched"]["tokens"] == info["fedkv_sequential"]["tokens"],

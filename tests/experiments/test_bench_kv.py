@@ -25,7 +25,7 @@ TOP_KEYS = {
     # issue 10
     "restore_vs_recompute",
 }
-BATCHED = ("fedkv_batched", "fedkv_sequential", "hf_batched")
+BATCHED = ("fedkv_batched", "fedkv_batched_no_tail_buffer", "fedkv_sequential", "hf_batched")
 DECODE = {"fedkv_fp32", "fedkv_int8", "fedkv_int4", "hf_dynamic_cache", "naive_concat",
           "no_cache"}
 
