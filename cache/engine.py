@@ -546,10 +546,10 @@ class KVCache:
             pos, valid = tail_positions(
                 [[b.start for b in t.blocks[shared:]] for t in tables], lengths, B)
             c = self.config
-            self._tails = TailBuffer.empty(key, c.num_layers, c.num_heads, len(sids),
-                                           max(lengths) + TAIL_ROOM, c.head_dim,
-                                           self.arena.kv.dtype)
-            step = BatchStep(list(sids), write, prefix, pos, valid, tails=self._tails)
+            buf = TailBuffer.empty(key, c.num_layers, c.num_heads, len(sids),
+                                   max(lengths) + TAIL_ROOM, c.head_dim, self.arena.kv.dtype)
+            self._tails = buf if c.batch_tail_buffer else None  # kept only when reused
+            step = BatchStep(list(sids), write, prefix, pos, valid, tails=buf)
         step.tails.lengths = lengths
         step.tails.key = key
         return step
