@@ -93,6 +93,23 @@ def flush(kv: "KVCache") -> None:
     kv.blocks.tiers.flush(entries)
     for h in entries:
         kv.blocks.index[h].dirty = False
+    _compact_if_mostly_dead(kv)
+
+
+COMPACT_DEAD_RATIO = 2.0
+"""Rewrite the store once its files hold this many times its live records' bytes: tensors
+are rewritten at every flush, so without it a node's directory grows by the model each
+message."""
+
+
+def _compact_if_mostly_dead(kv: "KVCache") -> None:
+    st = kv.store.stats()
+    if st["bytes_on_disk"] > COMPACT_DEAD_RATIO * max(st["live_bytes"], 1):
+        try:
+            kv.store.compact()
+        except OSError as e:
+            _log.warning("cache store compaction failed (%s: %s); it keeps its old files",
+                         type(e).__name__, e)
 
 
 def close(kv: "KVCache") -> None:

@@ -116,3 +116,16 @@ def test_a_full_disk_degrades_to_memory_only_and_loses_nothing_committed(tmp_pat
     s = kv2.open_session()
     assert kv2.match_prefix(s, list(range(16)) + [0]) == 16
     assert torch.equal(kv2.read(s, 0)[0], ks[0])
+
+
+def test_repeated_flushes_do_not_grow_the_directory_without_bound(tmp_path):
+    kv = KVCache.open(tmp_path, config(), key=KEY)
+    sizes = []
+    for i in range(12):
+        kv.put_tensor("param/w", torch.randn(20_000), version=None)  # 80 KB rewritten each time
+        kv.flush()
+        sizes.append(sum(p.stat().st_size for p in tmp_path.glob("seg-*")))
+    assert max(sizes[4:]) < 3.5 * 80_000  # compacted: bounded by ~2x the live bytes
+    kv.close()
+    kv2 = KVCache.open(tmp_path, config(), key=KEY)
+    assert kv2.get_tensor("param/w").numel() == 20_000
