@@ -49,6 +49,13 @@ class DictStore:
     def keys_hottest_first(self):
         return sorted(self.items, key=lambda k: -int(self.items[k][1].get("last_access", 0)))
 
+    def stats(self):
+        n = sum(len(p) for p, _ in self.items.values())
+        return {"live_bytes": n, "bytes_on_disk": n}
+
+    def compact(self):
+        pass
+
     def __contains__(self, key):
         return key in self.items
 
