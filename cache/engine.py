@@ -464,6 +464,8 @@ class KVCache:
 
     def _resident(self, t: BlockTable, n: int) -> int:
         """Of the first ``n`` positions, how many are held (dropped blocks left out)."""
+        if t.sparsity is None:  # the decode hot path: nothing is ever dropped
+            return n
         B = self.config.block_size
         return n - B * sum(b is None for b in t.blocks[: n // B])
 

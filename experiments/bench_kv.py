@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from cache import KVCache
+from cache.attention import attend
 from node.corpus import random_windows, split_corpus
 from node.lm import pretrained_tiny
 from node.model import ModelConfig, TinyTransformer
@@ -671,6 +672,7 @@ def gather_micro(cfg: ModelConfig, block: int, n_blocks: int, slot_floats: int,
         "hf_style_cat_k_and_v_us": _time_us(
             lambda: (torch.cat((kc, kn), -2), torch.cat((kc, kn), -2))),
         "sdpa_one_query_us": _time_us(lambda: F.scaled_dot_product_attention(q, kk, kk)),
+        "attend_one_query_us": _time_us(lambda: attend(q, [(kk, kk)])),
     }
 
 

@@ -1,6 +1,7 @@
 """Per-session sparsification in the engine (issue 9 item 6): a session opened with a policy
 attends to the positions it keeps, frees blocks it dropped, and decodes exactly like the
-explicit masked loop that experiments.kv_sparsity measures."""
+explicit masked loop that experiments.kv_sparsity measures (so this test lives with the
+experiment's tests: node and cache tests never import experiments)."""
 
 import pytest
 import torch
