@@ -28,7 +28,8 @@ COUNTERS = ("prefix_lookups", "prefix_hit_blocks", "prefix_miss_blocks", "prefix
             "evictions", "cow_copies", "tail_moves", "dedup_blocks", "quantized_blocks",
             "kept_full_precision_blocks", "quant_skipped_full", "dequantized_blocks",
             "read_buffer_evictions", "transient_reads", "sparsity_dropped_blocks",
-            "compactions", "compacted_blocks", "swept_blocks", "pressure_demotions", "alloc_failures", "eviction_collateral")
+            "compactions", "compacted_blocks", "swept_blocks", "pressure_demotions", "alloc_failures", "eviction_collateral",
+            "stale_hit_tokens", "invalidated_blocks")
 
 
 class BlockManager:
@@ -45,6 +46,11 @@ class BlockManager:
         when there is none to drop."""
         self.tiers: Tiers | None = None
         """Warm/cold tiers below hot (``cache/tiers.py``); None: evicted blocks are freed."""
+        self.keep_versions = 0
+        """Older model versions whose K/V stay servable (``CacheConfig.stale_versions``)."""
+        self.invalidated: set[bytes] = set()
+        """Hashes of blocks version moves made unservable, until ``take_invalidated``."""
+        self.invalidated_versions: set[int] = set()
         self.generation = 0
         """Bumped when a referenced block loses its full-precision slot (read plans rebuild)."""
         self._next_id = 0
@@ -219,18 +225,26 @@ class BlockManager:
         """The cached block holding ``tokens`` after ``parent`` under the current version
         (promoted from warm or cold when it was demoted, placed at arena position ``after``
         if free, so a restored chain is one run)."""
-        h = block_hash(parent, tokens, self.version)
-        b = self.index.get(h)
-        if b is None and self.tiers is not None:
-            e = self.tiers.take(h)
-            if e is not None and e.tokens == tokens and e.version == self.version:
-                b = self.restore(h, e, after)
-        if b is None or b.tokens != tokens:
+        for version in range(self.version, self.version - self.keep_versions - 1, -1):
+            b = self._find(block_hash(parent, tokens, version), tokens, version, after)
+            if b is not None:
+                break
+        else:
             return None
+        if b.version != self.version:
+            self.counters["stale_hit_tokens"] += len(tokens)
         self.policy.hit(b.hash)
         b.frequency += 1
         b.last_access = self.clock
         return b
+
+    def _find(self, h: bytes, tokens: list[int], version: int, after: int | None) -> Block | None:
+        b = self.index.get(h)
+        if b is None and self.tiers is not None and version >= 0:
+            e = self.tiers.take(h)
+            if e is not None and e.tokens == tokens and e.version == version:
+                b = self.restore(h, e, after)
+        return b if b is not None and b.tokens == tokens else None
 
     def register(self, b: Block, parent: bytes) -> Block:
         """Give a full block its content hash; returns the block to keep: ``b``, or an equal
@@ -303,16 +317,47 @@ class BlockManager:
         return self.arena.kv.shape[0]
 
     # -- versions ------------------------------------------------------------------------
+    def servable(self, version: int) -> bool:
+        """K/V of ``version`` may be served: the current one, or one of the ``keep_versions``
+        before it (``CacheConfig.stale_versions``)."""
+        return self.version - self.keep_versions <= version <= self.version
+
     def set_version(self, version: int) -> None:
-        """Move to model ``version``: older blocks leave the index (and the tiers, on disk
-        too); unreferenced ones go."""
+        """Move to model ``version``: blocks of versions no longer servable leave the index
+        (and the tiers, on disk too); unreferenced ones go. Their hashes are remembered until
+        ``take_invalidated`` so a caller can tell what it recomputes because of the move."""
         self.version = version
         if self.tiers is not None:
-            self.tiers.drop_versions_other_than(version)
-        for b in [b for b in self.blocks.values() if b.version != version]:
+            for key, v in self.tiers.drop_versions_where(lambda v: not self.servable(v)):
+                self.invalidated.add(key)
+                self.invalidated_versions.add(v)
+        for b in [b for b in self.blocks.values() if not self.servable(b.version)]:
             if b.hash is not None and self.index.get(b.hash) is b:
                 del self.index[b.hash]
                 self.policy.remove(b.hash)
+                self.invalidated.add(b.hash)
+                self.invalidated_versions.add(b.version)
             b.hash = None
             if b.ref_count == 0:
                 self.free(b)
+        self.counters["invalidated_blocks"] = len(self.invalidated)
+
+    def stale_prefix_tokens(self, tokens: list[int]) -> int:
+        """Leading full-block tokens of ``tokens`` (walked as ``lookup`` walks them) whose
+        K/V were cached under a version that a move since ``take_invalidated`` invalidated."""
+        B, best = self.arena.B, 0
+        for version in self.invalidated_versions:
+            parent, n = ROOT, 0
+            for i in range((len(tokens) - 1) // B):
+                h = block_hash(parent, tokens[i * B : (i + 1) * B], version)
+                if h not in self.invalidated:
+                    break
+                parent, n = h, n + B
+            best = max(best, n)
+        return best
+
+    def take_invalidated(self) -> int:
+        """Blocks invalidated by version moves since the last call (then forgotten)."""
+        n = len(self.invalidated)
+        self.invalidated, self.invalidated_versions = set(), set()
+        return n

@@ -84,7 +84,7 @@ def flush(kv: "KVCache") -> None:
     if kv.store is None:
         return
     entries = _hot_entries(kv)
-    kv.blocks.tiers.drop_versions_other_than(kv.version)  # a write-back while detached
+    kv.blocks.tiers.drop_versions_where(lambda v: not kv.blocks.servable(v))  # moved while detached
     try:
         _save_tensors(kv)
         kv.store.put(ENGINE_KEY, b"", {"kind": "engine", "model_version": kv.version})

@@ -173,11 +173,20 @@ class Tiers:
         except KeyError:  # already dropped
             pass
 
-    def drop_versions_other_than(self, version: int) -> None:
-        for key in [k for k, e in self.warm.items() if e.version != version]:
-            self.warm_used -= len(self.warm.pop(key).payload)
+    def drop_versions_where(self, stale: Callable[[int], bool]) -> list[tuple[bytes, int]]:
+        """Drop warm and cold blocks whose model version is ``stale``; (key, version) of each."""
+        gone = []
+        for key in [k for k, e in self.warm.items() if stale(e.version)]:
+            e = self.warm.pop(key)
+            self.warm_used -= len(e.payload)
+            gone.append((key, e.version))
         if self.cold is not None:
-            self.cold.drop_where(lambda m: m.get("kind") == "kv" and int(m["version"]) != version)
+            for key in self.cold.keys_hottest_first():
+                meta = self.cold.meta(key)
+                if meta.get("kind") == "kv" and stale(int(meta["version"])):
+                    gone.append((key, int(meta["version"])))
+            self.cold.drop_where(lambda m: m.get("kind") == "kv" and stale(int(m["version"])))
+        return gone
 
     def flush(self, entries: dict[bytes, TierEntry]) -> None:
         """Write ``entries`` (hot blocks worth keeping) and every dirty warm block to cold and
