@@ -610,11 +610,30 @@ class KVCache:
         """Move to model ``version`` (a restored node's version, say); K/V of any other
         version are never served again."""
         if version != self.version:
-            for t in self._sessions.values():
-                self._release(t)
-                t.stale = True
             self.blocks.set_version(int(version))
+            for t in self._sessions.values():
+                if not t.stale and not self.blocks.servable(t.version):
+                    self._release(t)
+                    t.stale = True
         return self.version
+
+    def keep_stale_versions(self, k: int) -> None:
+        """Serve K/V of up to ``k`` model versions before the current one (0: only the
+        current): open sessions and cached blocks survive ``k`` write-backs, at the quality
+        cost of attending over K/V the new weights did not compute."""
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ConfigError(f"stale versions kept must be an int >= 0, got {k!r}")
+        self.blocks.keep_versions = k
+
+    def stale_prefix_tokens(self, tokens: Iterable[int]) -> int:
+        """Prefix tokens of ``tokens`` that were cached under a model version a write-back
+        has since invalidated (``take_invalidated`` resets): what serving recomputes because
+        of the write-back, not because it never saw them."""
+        return self.blocks.stale_prefix_tokens([int(x) for x in tokens])
+
+    def take_invalidated(self) -> int:
+        """Blocks (every tier) invalidated by version moves since the last call."""
+        return self.blocks.take_invalidated()
 
     def put_tensor(self, name: str, tensor: torch.Tensor, version: int | None = None) -> int:
         return self.tensors.put(name, tensor, version)
