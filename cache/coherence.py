@@ -160,7 +160,7 @@ class AgentRecord:
 
 
 STAT_KEYS = ("reads", "writes", "invalidations_sent", "invalidations_queued", "acks_received",
-             "invalidations_discarded", "batches_sent", "pendings_opened", "pendings_resolved",
+             "invalidations_discarded", "invalidations_unsent", "batches_sent", "pendings_opened", "pendings_resolved",
              "timeouts", "joins", "leaves", "crashes")
 
 
@@ -317,7 +317,7 @@ class CoherenceTable:
             if target in self.agents:
                 self._deliver(target, key, version)
             else:
-                self.counts["invalidations_discarded"] += 1
+                self.counts["invalidations_unsent"] += 1  # its target left: nothing to invalidate
         if queued:
             self.counts["batches_sent"] += 1
         return len(queued)
@@ -543,6 +543,8 @@ class Agent(AgentBase):
             self._dir._cond.notify_all()
 
     def poll(self) -> list[str]:
+        """ACK the inbox; the keys whose copies were dropped since the last poll (including
+        those an ``acquire_*`` dropped on the way, even if read again since)."""
         with self._dir._cond:
             self._check()
             self._take_inbox()

@@ -1,0 +1,393 @@
+"""cache.coherence: a hypothesis state machine drives agents (join, leave, crash, read, write,
+release, poll, sync) through the in-process directory in both modes, single-threaded and so
+deterministic (ACKs are delivered when the machine makes an agent poll or request); unit tests
+pin each transition, the error paths and a threaded smoke test."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from cache.coherence import (
+    AgentGoneError, CoherenceConfigError, CoherenceTimeout, Directory, Mode, NotOwnerError, State,
+)
+
+KEYS = ("param", "kv/a1", "kv/b2")
+VALID = (State.MODIFIED, State.EXCLUSIVE, State.SHARED)
+
+
+def check_directory(d: Directory, live_ids: set[int], mode: Mode) -> None:
+    """The invariants every backend keeps after every step."""
+    for key in KEYS:
+        e = d.entry(key)
+        assert set(e.holders) <= live_ids, (key, e)
+        assert e.waiting_on <= live_ids, (key, e)
+        if e.owner is not None:  # single writer ...
+            assert set(e.holders) == {e.owner}, (key, e)
+        if e.state is State.EXCLUSIVE:
+            assert len(e.holders) == 1, (key, e)
+        assert all(v == e.version for v in e.holders.values()), (key, e)  # holders are current
+    s = d.stats()
+    assert s["invalidations_sent"] == (s["acks_received"] + s["invalidations_discarded"]
+                                       + s["invalidations_in_inboxes"]), s
+    assert s["pendings_opened"] == s["pendings_resolved"] + s["pendings_open"], s
+
+
+def check_local_copies(d: Directory, agents: list, mode: Mode) -> None:
+    """... or many readers, as the agents see it: in strong mode an M/E copy excludes every
+    other valid copy (in relaxed mode stale S copies may linger until the batch arrives)."""
+    for key in KEYS:
+        states = {a.id: a.holds(key) for a in agents}
+        version = d.entry(key).version
+        for a in agents:
+            if states[a.id] in VALID:
+                assert a._copies[key] <= version
+        exclusive = [i for i, s in states.items() if s in (State.MODIFIED, State.EXCLUSIVE)]
+        assert len(exclusive) <= 1, (key, states)
+        if exclusive and mode is Mode.STRONG:
+            others = [s for i, s in states.items() if i != exclusive[0]]
+            assert all(s in (State.INVALID, State.PENDING) for s in others), (key, states)
+
+
+class CoherenceMachine(RuleBasedStateMachine):
+    mode = Mode.STRONG
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.d = Directory(self.mode, batch=2, timeout_s=1.0)
+        self.agents: list = []
+        self.waiting: dict[int, tuple[str, bool]] = {}   # agent id -> (key, write) not granted
+        self.completed: dict[str, int] = {}              # key -> version of the last completed write
+        self.granted: dict[int, set[str]] = {}           # agent id -> keys granted since its last poll
+
+    # helpers -----------------------------------------------------------------------------
+    def _pick(self, i: int, idle: bool | None = None):
+        pool = [a for a in self.agents if idle is None or (a.id in self.waiting) != idle]
+        return pool[i % len(pool)] if pool else None
+
+    def _granted(self, agent, key: str, write: bool, version: int) -> None:
+        if write:
+            assert version == self.completed.get(key, 0) + 1
+            self.completed[key] = version
+        elif self.mode is Mode.STRONG:
+            assert version >= self.completed.get(key, 0), "stale read in strong mode"
+        assert version <= self.d.entry(key).version
+
+    def _attempt(self, agent, key: str, write: bool) -> None:
+        v = agent.try_write(key) if write else agent.try_read(key)
+        if v is None:
+            self.waiting[agent.id] = (key, write)
+            assert agent.holds(key) is State.PENDING or self.d.entry(key).pending_requester != agent.id
+        else:
+            self.waiting.pop(agent.id, None)
+            self.granted.setdefault(agent.id, set()).add(key)
+            self._granted(agent, key, write, v)
+
+    def _owned(self, agent) -> list[str]:
+        return [k for k in KEYS if self.d.entry(k).owner == agent.id]
+
+    # rules -------------------------------------------------------------------------------
+    @precondition(lambda self: len(self.agents) < 4)
+    @rule(name=st.sampled_from(["trainer", "server", "prefetch"]))
+    def join(self, name: str) -> None:
+        self.agents.append(self.d.join(name))
+
+    @precondition(lambda self: any(a.id not in self.waiting for a in self.agents))
+    @rule(i=st.integers(0, 7), key=st.sampled_from(KEYS), write=st.booleans())
+    def request(self, i: int, key: str, write: bool) -> None:
+        self._attempt(self._pick(i, idle=True), key, write)
+
+    @precondition(lambda self: self.waiting)
+    @rule(i=st.integers(0, 7))
+    def retry(self, i: int) -> None:
+        agent = self._pick(i, idle=False)
+        self._attempt(agent, *self.waiting[agent.id])
+
+    @precondition(lambda self: self.agents)
+    @rule(i=st.integers(0, 7))
+    def release(self, i: int) -> None:
+        agent = self._pick(i)
+        for key in self._owned(agent)[:1]:
+            agent.release(key)
+            assert agent.holds(key) in (State.SHARED, State.INVALID)
+
+    @precondition(lambda self: self.agents)
+    @rule(i=st.integers(0, 7))
+    def poll(self, i: int) -> None:
+        agent = self._pick(i)
+        regained = self.granted.pop(agent.id, set())  # dropped inside a request, then re-read
+        for key in agent.poll():
+            assert agent.holds(key) in (State.INVALID, State.PENDING) or key in regained
+
+    @precondition(lambda self: self.agents)
+    @rule(i=st.integers(0, 7))
+    def sync(self, i: int) -> None:
+        self._pick(i).sync()
+
+    @precondition(lambda self: self.agents)
+    @rule(i=st.integers(0, 7), crash=st.booleans())
+    def leave(self, i: int, crash: bool) -> None:
+        agent = self._pick(i)
+        self.agents.remove(agent)
+        self.waiting.pop(agent.id, None)
+        self.d.crash(agent) if crash else agent.leave()
+        with pytest.raises(AgentGoneError):
+            agent.poll()
+
+    # invariants --------------------------------------------------------------------------
+    @invariant()
+    def directory_consistent(self) -> None:
+        check_directory(self.d, {a.id for a in self.agents}, self.mode)
+
+    @invariant()
+    def local_copies_consistent(self) -> None:
+        check_local_copies(self.d, self.agents, self.mode)
+
+    def teardown(self) -> None:
+        """Every Pending resolves once its agents poll and the owners release: drain."""
+        for _ in range(2 * len(self.agents) + 2):
+            for a in self.agents:
+                a.sync()
+            for a in self.agents:
+                a.poll()
+                for key in self._owned(a):
+                    a.release(key)
+            for a in [a for a in self.agents if a.id in self.waiting]:
+                self._attempt(a, *self.waiting[a.id])
+        assert not self.waiting, f"unresolved requests {self.waiting}"
+        assert self.d.stats()["pendings_open"] == 0
+        for a in self.agents:  # after sync + poll no copy is stale, in either mode
+            a.poll()
+            for key in KEYS:
+                if a.holds(key) in VALID:
+                    assert a.try_read(key) == self.d.entry(key).version
+        check_directory(self.d, {a.id for a in self.agents}, self.mode)
+
+
+class RelaxedMachine(CoherenceMachine):
+    mode = Mode.RELAXED
+
+
+for _machine in (CoherenceMachine, RelaxedMachine):
+    _machine.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+TestStrongMachine = CoherenceMachine.TestCase
+TestRelaxedMachine = RelaxedMachine.TestCase
+
+
+# --------------------------------------------------------------------------- unit tests
+
+
+def test_strong_write_waits_for_every_holder_ack():
+    d = Directory(Mode.STRONG, timeout_s=1.0)
+    t, s1, s2 = d.join("trainer"), d.join("s1"), d.join("s2")
+    assert s1.acquire_read("param") == 0 and s1.holds("param") is State.EXCLUSIVE
+    assert s2.acquire_read("param") == 0 and s1.holds("param") is State.SHARED
+    assert t.try_write("param") is None and t.holds("param") is State.PENDING
+    assert s1.holds("param") is State.INVALID  # delivered: stale from now on, before the ACK
+    assert d.entry("param").waiting_on == {s1.id, s2.id}
+    assert s1.poll() == ["param"]
+    assert t.try_write("param") is None and d.entry("param").waiting_on == {s2.id}
+    assert s2.poll() == ["param"]
+    assert t.try_write("param") == 1 and t.holds("param") is State.MODIFIED
+    assert s1.try_read("param") is None  # downgrade pending until the trainer releases
+    t.release("param")
+    assert s1.try_read("param") == 1 and d.entry("param").state is State.SHARED
+    s = d.stats()
+    assert (s["invalidations_sent"], s["acks_received"], s["pendings_open"]) == (2, 2, 0)
+
+
+def test_relaxed_writer_does_not_wait_and_readers_see_the_batch_late():
+    d = Directory(Mode.RELAXED, batch=2, timeout_s=1.0)
+    w, r = d.join("writer"), d.join("reader")
+    assert r.acquire_read("k") == 0
+    assert w.acquire_write("k") == 1  # no wait: invalidation queued
+    w.release("k")
+    assert d.stats()["invalidations_queued"] == 1 and d.stats()["invalidations_sent"] == 0
+    assert r.acquire_read("k") == 0 and r.holds("k") is State.SHARED  # stale copy, allowed
+    assert r.poll() == []
+    w.sync()
+    assert r.holds("k") is State.INVALID and d.stats()["batches_sent"] == 1
+    assert r.poll() == ["k"] and r.acquire_read("k") == 1
+
+
+def test_relaxed_batch_is_sent_every_batch_writes():
+    d = Directory(Mode.RELAXED, batch=2, timeout_s=1.0)
+    w, r = d.join("writer"), d.join("reader")
+    for key in ("a", "b"):
+        r.acquire_read(key)
+    w.acquire_write("a")
+    assert d.stats()["batches_sent"] == 0
+    w.acquire_write("b")
+    assert d.stats()["batches_sent"] == 1 and sorted(r.poll()) == ["a", "b"]
+
+
+def test_a_late_relaxed_invalidation_does_not_drop_a_newer_copy():
+    d = Directory(Mode.RELAXED, batch=8, timeout_s=1.0)
+    w, r = d.join("writer"), d.join("reader")
+    r.acquire_read("k")
+    w.acquire_write("k")
+    w.release("k")
+    r.poll()
+    r._copies.pop("k")  # as if evicted locally: it reads again and gets version 1
+    assert r.acquire_read("k") == 1
+    w.sync()  # delivers the (k, 1) invalidation queued before
+    assert r.poll() == [] and r.holds("k") is State.SHARED and d.entry("k").holders[r.id] == 1
+
+
+@pytest.mark.parametrize("how", ["leave", "crash"])
+def test_leave_or_crash_resolves_a_pending_write(how):
+    d = Directory(Mode.STRONG, timeout_s=1.0)
+    t, s = d.join("trainer"), d.join("server")
+    s.acquire_read("param")
+    assert t.try_write("param") is None
+    s.leave() if how == "leave" else d.crash(s)
+    assert t.try_write("param") == 1
+    st_ = d.stats()
+    assert st_["invalidations_discarded"] == 1 and st_["crashes" if how == "crash" else "leaves"] == 1
+    for call in (s.poll, lambda: s.acquire_read("x"), lambda: s.holds("x"), s.leave):
+        with pytest.raises(AgentGoneError, match="has left"):
+            call()
+
+
+def test_leaving_delivers_queued_relaxed_invalidations():
+    d = Directory(Mode.RELAXED, batch=100, timeout_s=1.0)
+    w, r = d.join("writer"), d.join("reader")
+    r.acquire_read("k")
+    w.acquire_write("k")
+    w.leave()
+    assert r.poll() == ["k"] and d.entry("k").state is State.INVALID
+
+
+def test_timeout_withdraws_the_pending_and_names_the_silent_agent():
+    d = Directory(Mode.STRONG, timeout_s=0.05)
+    t, s = d.join("trainer"), d.join("server")
+    s.acquire_read("param")
+    with pytest.raises(CoherenceTimeout, match=rf"waiting on agent\(s\) \[{s.id}\]"):
+        t.acquire_write("param")
+    assert d.entry("param").pending_requester is None and d.stats()["timeouts"] == 1
+    s.poll()  # the late ACK: its copy is dropped (safe), the trainer's retry is granted
+    assert t.acquire_write("param") == 1
+
+
+def test_a_reader_times_out_on_an_owner_that_never_releases():
+    d = Directory(Mode.STRONG, timeout_s=0.05)
+    t, s = d.join("trainer"), d.join("server")
+    t.acquire_write("param")
+    with pytest.raises(CoherenceTimeout, match="read of 'param'"):
+        s.acquire_read("param")
+    assert d.stats()["pendings_open"] == 0
+
+
+def test_owner_may_write_again_while_a_read_waits_on_it():
+    d = Directory(Mode.STRONG, timeout_s=1.0)
+    t, s = d.join("trainer"), d.join("server")
+    t.acquire_write("k")
+    assert s.try_read("k") is None
+    assert t.acquire_write("k") == 2  # no self-deadlock on the downgrade it owes
+    t.release("k")
+    assert s.try_read("k") == 2
+
+
+def test_a_write_waits_for_the_owner_release_then_invalidates_it():
+    d = Directory(Mode.STRONG, timeout_s=1.0)
+    a, b = d.join("a"), d.join("b")
+    a.acquire_write("k")
+    assert b.try_write("k") is None
+    a.release("k")
+    assert a.holds("k") is State.INVALID and b.try_write("k") == 2
+    check_directory(d, {a.id, b.id}, Mode.STRONG)
+
+
+def test_bad_input_is_a_named_error_and_changes_nothing():
+    with pytest.raises(CoherenceConfigError, match="mode"):
+        Directory(3)
+    with pytest.raises(CoherenceConfigError, match="batch"):
+        Directory(Mode.RELAXED, batch=0)
+    with pytest.raises(CoherenceConfigError, match="timeout_s"):
+        Directory(timeout_s=0)
+    d = Directory()
+    with pytest.raises(CoherenceConfigError, match="agent name"):
+        d.join("")
+    a = d.join("a")
+    with pytest.raises(CoherenceConfigError, match="key"):
+        a.acquire_read("")
+    with pytest.raises(NotOwnerError, match="does not hold"):
+        a.release("k")
+    a.acquire_read("k")
+    with pytest.raises(NotOwnerError, match="state E"):
+        a.release("k")
+    assert d.entry("k").holders == {a.id: 0} and d.stats()["pendings_open"] == 0
+    with pytest.raises(CoherenceConfigError, match="interval_s"):
+        a.start_polling(0)
+
+
+def test_poller_acks_for_an_idle_agent_and_calls_back():
+    d = Directory(Mode.STRONG, timeout_s=5.0)
+    t, s = d.join("trainer"), d.join("server")
+    s.acquire_read("param")
+    seen: list[list[str]] = []
+    poller = s.start_polling(0.001, on_invalidate=seen.append)
+    try:
+        assert t.acquire_write("param") == 1
+    finally:
+        poller.stop()
+    assert seen == [["param"]] and poller.polls > 0
+
+
+def test_poller_surfaces_a_callback_error_on_stop():
+    d = Directory(Mode.STRONG, timeout_s=5.0)
+    t, s = d.join("trainer"), d.join("server")
+    s.acquire_read("k")
+
+    def boom(keys: list[str]) -> None:
+        raise RuntimeError("reload failed")
+
+    poller = s.start_polling(0.001, on_invalidate=boom)
+    t.acquire_write("k")
+    with pytest.raises(RuntimeError, match="reload failed"):
+        poller.stop()
+
+
+def test_threads_never_read_a_version_older_than_the_last_completed_write():
+    """Four threads, strong mode: each op starts from the last completed version of the key
+    and must see it or a newer one; every strong write completes (none times out)."""
+    d = Directory(Mode.STRONG, timeout_s=10.0)
+    store = {k: 0 for k in KEYS}          # the data: key -> version written
+    completed = dict.fromkeys(KEYS, 0)
+    stale: list[tuple] = []
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        agent = d.join(f"t{seed}")
+        try:
+            for i in range(300):
+                key = KEYS[(i * (seed + 1)) % len(KEYS)]
+                floor = completed[key]
+                if (i + seed) % 5 == 0:
+                    v = agent.acquire_write(key)
+                    completed[key] = max(completed[key], v)
+                    store[key] = v
+                    agent.release(key)
+                else:
+                    v = agent.acquire_read(key)
+                    if store[key] < floor or v < floor:
+                        stale.append((key, v, store[key], floor))
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            agent.leave()
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not errors and not stale
+    s = d.stats()
+    assert s["writes"] == sum(completed.values()) and s["timeouts"] == 0
+    assert s["invalidations_sent"] == s["acks_received"] + s["invalidations_discarded"]
+    assert s["pendings_open"] == 0 and s["agents"] == 0
