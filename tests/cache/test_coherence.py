@@ -58,11 +58,18 @@ class CoherenceMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.d = Directory(self.mode, batch=2, timeout_s=1.0)
+        self.d = self.make_directory()
         self.agents: list = []
         self.waiting: dict[int, tuple[str, bool]] = {}   # agent id -> (key, write) not granted
         self.completed: dict[str, int] = {}              # key -> version of the last completed write
         self.granted: dict[int, set[str]] = {}           # agent id -> keys granted since its last poll
+
+    # backend hooks (the file backend's machine overrides them) ----------------------------
+    def make_directory(self):
+        return Directory(self.mode, batch=2, timeout_s=1.0)
+
+    def crash(self, agent) -> None:
+        self.d.crash(agent)
 
     # helpers -----------------------------------------------------------------------------
     def _pick(self, i: int, idle: bool | None = None):
@@ -134,7 +141,7 @@ class CoherenceMachine(RuleBasedStateMachine):
         agent = self._pick(i)
         self.agents.remove(agent)
         self.waiting.pop(agent.id, None)
-        self.d.crash(agent) if crash else agent.leave()
+        self.crash(agent) if crash else agent.leave()
         with pytest.raises(AgentGoneError):
             agent.poll()
 
