@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cache.errors import ConfigError
+from cache.tunables import TUNABLES, validate_tunable
 
 KV_DTYPES = ("fp32", "fp16", "int8", "int4")
 QUANT_SCHEMES = ("kivi", "per_layer")
@@ -14,6 +15,11 @@ SCALE_FORMATS = ("fp16", "log8")
 @dataclass
 class CacheConfig:
     """Geometry and policy of one KV cache.
+
+    The fields named in ``cache.tunables.TUNABLES`` (warmup_ratio, evict_batch,
+    prefetch_degree, coherence_protocol, low_watermark, cooldown_s, eviction_policy) may be
+    changed on a live engine (``KVCache.set_tunable``, ``python -m cache set``); the engine
+    reads them from this object, the one place they live.
 
     ``pool_bytes`` is split into a full-precision TokenArena (head-major, so a session's
     consecutive blocks are read as views; ``cache/token_arena.py``) and, in int8/int4 caches,
@@ -69,7 +75,9 @@ class CacheConfig:
     (no copy at all) measured slower than the gather here."""
     eviction_policy: str = "lru"
     """Which cached block leaves hot first: ``lru``, ``lfu``, ``hybrid``, ``arc`` or
-    ``adaptive`` (``cache/policy.py``; measured on real traces by experiments.eviction)."""
+    ``adaptive`` (``cache/policy.py``; measured on real traces by experiments.eviction).
+    Switching it at runtime (``KVCache.set_tunable``) hands the cached blocks to the new
+    policy in the old one's eviction order."""
     evict_batch: int = 16
     """Blocks demoted per round when free hot memory is below ``low_watermark`` (SGLang's
     ``evict_batch``; one ``victims`` call). A single allocation still evicts one block."""
@@ -83,6 +91,13 @@ class CacheConfig:
     warmup_ratio: float = 0.3
     """Warm restart (``KVCache.open``): share of ``warm_bytes`` filled at once with the
     hottest cold blocks; the rest come back lazily on a prefix hit."""
+    prefetch_degree: int = 2
+    """Blocks the prefetcher (``cache/prefetch.py``) moves to hot ahead of use per access;
+    0 turns prefetch off."""
+    coherence_protocol: int = 2
+    """Coherence between agents sharing the cache (``cache/coherence*.py``): 2 = strong MESI
+    (a write returns once every holder has invalidated), 1 = relaxed (batched
+    invalidations)."""
     managed_block_bytes: int | None = None
     """Slab size of the quantized pool; ``None`` means 128 KB, or the next power of two
     holding 8 fp32 blocks."""
@@ -111,8 +126,10 @@ class CacheConfig:
         if self.tail_granule < 0 or (self.tail_granule and self.block_size % self.tail_granule):
             raise ConfigError(f"tail_granule must be 0 or divide block_size {self.block_size}, "
                               f"got {self.tail_granule}")
-        if self.warm_bytes < 0 or self.cooldown_s < 0 or not 0 <= self.warmup_ratio <= 1:
-            raise ConfigError("warm_bytes and cooldown_s must be >= 0, warmup_ratio in [0, 1]")
+        if self.warm_bytes < 0:
+            raise ConfigError(f"warm_bytes must be >= 0, got {self.warm_bytes}")
+        for name in TUNABLES:  # the runtime knobs: one validator (cache/tunables.py)
+            setattr(self, name, validate_tunable(name, getattr(self, name)))
         if not 0 < self.read_buffer_fraction < 1:
             raise ConfigError(
                 f"read_buffer_fraction must be in (0, 1), got {self.read_buffer_fraction}")

@@ -16,7 +16,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Callable, Iterable
+from dataclasses import fields
+from time import perf_counter_ns
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -26,12 +28,14 @@ from cache.block import Block
 from cache.block_table import BlockTable
 from cache.compaction import COMPACT_EVERY, compact
 from cache.config import CacheConfig
+from cache.control import POLL_S, PUBLISH_S, LiveControl
 from cache.errors import (
     CacheFullError, ClosedSessionError, ConfigError, LayerIndexError, ReservationError,
     ShapeMismatchError, StaleSessionError, TensorDTypeError, UnknownSessionError,
 )
+from cache.latency import OpLatencies
 from cache.manager import BlockManager
-from cache.policy import EvictionPolicy, make_policy
+from cache.policy import POLICIES, EvictionPolicy, make_policy
 from cache.pool import BlockPool
 from cache.prefix import ROOT
 from cache.quant import BlockFormat
@@ -39,6 +43,7 @@ from cache.sparsity import SparsityPolicy
 from cache.tensor_store import TensorStore
 from cache.tiers import ColdStore, Tiers
 from cache.token_arena import TokenArena
+from cache.tunables import TUNABLES, validate_tunable
 
 QUANTIZED = ("int8", "int4")
 _log = logging.getLogger("fedkv.cache")
@@ -95,6 +100,13 @@ class KVCache:
         self.tensors = TensorStore()
         self._sessions: dict[int, BlockTable] = {}
         self._next_sid = 0
+        self.latency = OpLatencies()
+        """Recent durations of lookups and operations (``stats()['latency']``)."""
+        self.live: LiveControl | None = None
+        """Set by ``KVCache.open``: snapshots and change requests in the directory."""
+        self._boundary_ns = 0  # perf_counter_ns after which the next op looks at ``live``
+        self._publish_ns = 0
+        self._context_started = time.monotonic()
 
     @property
     def version(self) -> int:
@@ -196,6 +208,16 @@ class KVCache:
         At most ``len(tokens) - 1`` tokens are reused so the caller still computes the logits
         of the last prompt token. Returns the number of tokens reused.
         """
+        start = perf_counter_ns()  # timing inlined in each timed op: see _op_boundary
+        try:
+            return self._match_prefix(sid, tokens)
+        finally:
+            end = perf_counter_ns()
+            self.latency.lookup.append(end - start)
+            if end >= self._boundary_ns:
+                self._op_boundary(end)
+
+    def _match_prefix(self, sid: int, tokens: Iterable[int]) -> int:
         t = self._table(sid)
         toks = [int(x) for x in tokens]
         if t.length or t.pending:
@@ -222,6 +244,16 @@ class KVCache:
     # == writing ===========================================================================
     def reserve(self, sid: int, tokens: Iterable[int]) -> None:
         """Make room for new tokens; allocation is all-or-nothing."""
+        start = perf_counter_ns()
+        try:
+            self._reserve(sid, tokens)
+        finally:
+            end = perf_counter_ns()
+            self.latency.reserve.append(end - start)
+            if end >= self._boundary_ns:
+                self._op_boundary(end)
+
+    def _reserve(self, sid: int, tokens: Iterable[int]) -> None:
         t = self._table(sid)
         toks = [int(x) for x in tokens]
         if not toks:
@@ -345,6 +377,16 @@ class KVCache:
 
     def write(self, sid: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V of the reserved tokens for one layer; k, v: [heads, pending, head_dim]."""
+        start = perf_counter_ns()
+        try:
+            self._write(sid, layer, k, v)
+        finally:
+            end = perf_counter_ns()
+            self.latency.write.append(end - start)
+            if end >= self._boundary_ns:
+                self._op_boundary(end)
+
+    def _write(self, sid: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         t = self._table(sid)
         self._check_kv(t, layer, k, v)
         dst = self.arena.kv[layer]
@@ -362,8 +404,15 @@ class KVCache:
                         v: torch.Tensor) -> list[Run]:
         """Write the reserved tokens' K/V in ``layer`` and return the layer's whole context
         as views to attend over (:func:`cache.attention.attend`)."""
-        self.write(sid, layer, k, v)
-        return self.read_runs(sid, layer)
+        start = perf_counter_ns()
+        try:
+            self._write(sid, layer, k, v)
+            return self.read_runs(sid, layer)
+        finally:
+            end = perf_counter_ns()
+            self.latency.append_and_read.append(end - start)
+            if end >= self._boundary_ns:
+                self._op_boundary(end)
 
     def _commit(self, t: BlockTable) -> None:
         """All layers written: tokens become complete; hash full blocks; quantize old ones."""
@@ -518,6 +567,16 @@ class KVCache:
     def begin_batch(self, sids: list[int], tokens: list[int]) -> BatchStep:
         """Reserve one new token per session and plan the step's single write and gather per
         layer; a prefix of blocks all sessions share is attended once for all of them."""
+        start = perf_counter_ns()
+        try:
+            return self._begin_batch(sids, tokens)
+        finally:
+            end = perf_counter_ns()
+            self.latency.batch_begin.append(end - start)
+            if end >= self._boundary_ns:
+                self._op_boundary(end)
+
+    def _begin_batch(self, sids: list[int], tokens: list[int]) -> BatchStep:
         if len(sids) != len(tokens) or len(set(sids)) != len(sids) or not sids:
             raise ShapeMismatchError(
                 f"begin_batch needs one token per distinct session, got {len(sids)} sessions "
@@ -561,6 +620,17 @@ class KVCache:
         """k, v: [heads, B, head_dim], the new token of each session. Writes them with one
         indexed store and returns (prefix runs, tail K [H, B, T, D], tail V, tail mask) for
         :func:`cache.attention.attend_shared`."""
+        start = perf_counter_ns()
+        try:
+            return self._append_and_read_batch(step, layer, k, v)
+        finally:
+            end = perf_counter_ns()
+            self.latency.batch_append_and_read.append(end - start)
+            if end >= self._boundary_ns:
+                self._op_boundary(end)
+
+    def _append_and_read_batch(self, step: BatchStep, layer: int, k: torch.Tensor,
+                               v: torch.Tensor):
         self._check_layer(layer)
         c = self.config
         want = (c.num_heads, len(step.sids), c.head_dim)
@@ -653,20 +723,25 @@ class KVCache:
         start from what an earlier process flushed there (tensors, model version, K/V blocks,
         the hottest into warm at once); a corrupt directory is rebuilt empty, with a warning."""
         from cache.persist import open_cache
-        return open_cache(cls, directory, config, key=key, policy=policy, clock=clock,
-                          max_bytes=max_bytes)
+        kv = open_cache(cls, directory, config, key=key, policy=policy, clock=clock,
+                        max_bytes=max_bytes)
+        kv._go_live(directory)
+        return kv
 
     def flush(self) -> None:
         """Write every dirty block worth keeping, the tensors and the model version to the
-        cold store and commit (atomic: a crash keeps the previous commit)."""
+        cold store and commit (atomic: a crash keeps the previous commit); publishes a
+        stats snapshot for ``python -m cache stats``."""
         from cache.persist import flush
         flush(self)
+        self._publish(perf_counter_ns())
 
     def close(self) -> None:
         """Flush, then release the directory (its lock) for the next process; the cache
         stays usable in memory and ``attach`` re-opens the directory."""
         from cache.persist import close
         close(self)
+        self._leave_live()
 
     def offload(self, tier: str = "warm") -> int:
         """Demote every unreferenced prefix-cache block out of hot memory, to ``warm`` or
@@ -687,6 +762,7 @@ class KVCache:
             self.store.close()
             self.store = None
             self.blocks.tiers.cold = None
+        self._leave_live()
 
     def attach(self, directory: str | os.PathLike, *, key: bytes | None = None,
                max_bytes: int | None = None) -> None:
@@ -695,6 +771,93 @@ class KVCache:
         if self.store is None:
             self.store = open_store(directory, key, max_bytes)
             self.blocks.tiers.cold = self.store
+            self._go_live(directory)
+
+    # == tunables, statistics context, live control ==========================================
+    def tunables(self) -> dict[str, Any]:
+        """The runtime-settable values (``cache.tunables.TUNABLES``) as the engine uses them."""
+        return {name: getattr(self.config, name) for name in TUNABLES}
+
+    def set_tunable(self, key: str, value: Any) -> Any:
+        """Change one tunable now (validated: ConfigError names key, value and what is
+        allowed); returns the old value. A new ``eviction_policy`` takes over the cached
+        blocks in the old policy's eviction order."""
+        value = validate_tunable(key, value)
+        old = getattr(self.config, key)
+        if key == "eviction_policy" and type(self.policy) is not POLICIES[value]:
+            self._switch_policy(value)
+        setattr(self.config, key, value)
+        if key == "cooldown_s" and self.blocks.tiers is not None:
+            self.blocks.tiers.cooldown_s = value
+        return old
+
+    def _switch_policy(self, name: str) -> None:
+        old, new = self.policy, make_policy(name, self.arena.num_blocks)
+        for key in old.victims(len(old)):  # best victim first: inserted first, leaves first
+            new.insert(key, self.blocks.index[key].parent_hash)
+        self.blocks.policy = new
+
+    def reset_context(self) -> None:
+        """Start a clean measurement: zero the counters (``stats()``'s, the tiers') and the
+        latency windows. Sessions, blocks, tiers and tunables are kept."""
+        c = self.blocks.counters
+        for name in c:
+            c[name] = 0
+        if self.blocks.tiers is not None:
+            s = self.blocks.tiers.stats
+            for f in fields(s):
+                setattr(s, f.name, 0)
+        self.latency.clear()
+        self._tails = None  # its key counts quantized blocks, which just restarted from 0
+        self._context_started = time.monotonic()
+
+    @property
+    def context_age_s(self) -> float:
+        """Seconds since the statistics context started (construction or reset_context)."""
+        return time.monotonic() - self._context_started
+
+    def _op_boundary(self, now_ns: int) -> None:
+        """After a timed operation, at most every ``POLL_S``: take pending change requests
+        and, every ``PUBLISH_S``, publish a snapshot (an engine opened on a directory).
+
+        Each timed operation (``cache.latency.OP_KINDS``) inlines its own timing (two
+        ``perf_counter_ns``, a ring append, this deadline check) instead of a decorator:
+        a wrapper's extra frame doubled the cost per call on this machine, and decode runs
+        ``num_layers + 1`` of them a step (``python -m cache overhead``)."""
+        self._boundary_ns = now_ns + int(POLL_S * 1e9)
+        if self.live is not None:
+            self._serve_live(now_ns)
+
+    def _serve_live(self, now_ns: int) -> None:
+        try:
+            self.live.serve(self._apply_remote)
+            if now_ns >= self._publish_ns:
+                self._publish(now_ns)
+        except Exception:  # noqa: BLE001 -- a live node never fails an operation for this
+            _log.exception("cache live control failed; the engine goes on")
+
+    def _apply_remote(self, key: str, value: Any) -> tuple[Any, Any]:
+        old = self.set_tunable(key, value)
+        _log.info("cache tunable %s changed from another process: %r -> %r", key, old,
+                  getattr(self.config, key))
+        return old, getattr(self.config, key)
+
+    def _publish(self, now_ns: int, *, attached: bool = True) -> None:
+        if self.live is not None:
+            self._publish_ns = now_ns + int(PUBLISH_S * 1e9)
+            self.live.publish(self.stats(), attached=attached)
+
+    def _go_live(self, directory: str | os.PathLike) -> None:
+        try:
+            self.live = LiveControl(directory)
+        except OSError as e:
+            _log.warning("cache live control unavailable in %s (%s)", directory, e)
+            return
+        self._publish(perf_counter_ns())
+
+    def _leave_live(self) -> None:
+        self._publish(perf_counter_ns(), attached=False)
+        self.live = None
 
     # == figures ===========================================================================
     def bytes_per_token(self, kv_dtype: str | None = None) -> float:

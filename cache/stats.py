@@ -1,4 +1,9 @@
-"""Figures of a KVCache: counters, block and byte accounting, utilisation."""
+"""Figures of a KVCache: counters, block and byte accounting, utilisation, latency.
+
+Counters and latency windows describe the statistics context, which starts at construction
+and again at ``KVCache.reset_context()``; byte, block and utilisation figures describe the
+cache as it is now.
+"""
 
 from __future__ import annotations
 
@@ -57,6 +62,25 @@ def _tier_stats(kv: "KVCache", hot_bytes: float) -> dict:
     }
 
 
+def _rates_and_use(kv: "KVCache", tiers: dict, lookups: int, hot_tokens: float) -> dict:
+    """Hit rate per tier (that tier's hits over block lookups: they sum to the prefix hit
+    rate), swaps (tier moves in plus out), and how full each tier is: the hot arena's pages
+    in use, the share of hot bytes holding tokens (``kv_utilisation``), warm bytes used."""
+    t = kv.blocks.tiers
+    hits = {"hot": 0, "warm": 0, "cold": 0, **tiers["tier_hits"]}
+    swaps_in = tiers.get("swaps_in", 0)
+    swaps_out = sum(tiers.get("swaps_out", {}).values())
+    return {
+        "hit_rate_by_tier": {k: v / lookups if lookups else 0.0 for k, v in hits.items()},
+        "swaps": {"in": swaps_in, "out": swaps_out, "total": swaps_in + swaps_out},
+        "utilisation": {
+            "hot_arena": 1.0 - kv.arena.free_pages / kv.arena.num_pages,
+            "hot_tokens": hot_tokens,
+            "warm": t.warm_used / t.warm_bytes if t is not None and t.warm_bytes else 0.0,
+        },
+    }
+
+
 def cache_stats(kv: "KVCache") -> dict:
     m = kv.blocks
     c = m.counters
@@ -65,6 +89,7 @@ def cache_stats(kv: "KVCache") -> dict:
     lookups = c["prefix_hit_blocks"] + c["prefix_miss_blocks"]
     errors = [b.error for b in m.blocks.values() if b.quantized]
     refs = [b.ref_count for b in m.blocks.values()]
+    tiers = _tier_stats(kv, live)
     return {
         **c,
         "prefix_hit_rate": c["prefix_hit_blocks"] / lookups if lookups else 0.0,
@@ -86,7 +111,11 @@ def cache_stats(kv: "KVCache") -> dict:
         "kv_utilisation_live": by["live_tokens"] / by["live_held"] if by["live_held"] else 0.0,
         "mean_quant_error": sum(errors) / len(errors) if errors else 0.0,
         "tensor_bytes": kv.tensors.nbytes(),
-        **_tier_stats(kv, live),
+        **tiers,
         "pool_arena_bytes": float(kv.config.pool_bytes),
         "pool_slot_fill": 1.0 - kv.arena.free_pages / kv.arena.num_pages,
+        **_rates_and_use(kv, tiers, lookups, by["tokens"] / live if live else 0.0),
+        "latency": kv.latency.summary(),
+        "context_age_s": kv.context_age_s,
+        "tunables": kv.tunables(),
     }
