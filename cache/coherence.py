@@ -620,15 +620,12 @@ class Directory:
         self.timeout_s = float(timeout_s)
         self._table = CoherenceTable(self.mode, batch)
         self._cond = threading.Condition(threading.Lock())
-        self._agents: dict[int, Agent] = {}
 
     def join(self, name: str) -> Agent:
         if not isinstance(name, str) or not name:
             raise CoherenceConfigError(f"an agent name is a non-empty str, not {name!r}")
         with self._cond:
-            aid = self._table.add_agent(name)
-            agent = self._agents[aid] = Agent(self, aid, name)
-            return agent
+            return Agent(self, self._table.add_agent(name), name)
 
     def crash(self, agent: Agent) -> None:
         """What a crashed agent leaves behind, without its cooperation (tests, supervisors)."""
@@ -653,5 +650,4 @@ class Directory:
             self._table.remove_agent(agent.id, crashed=crashed)
             agent._gone = True
             agent._copies.clear()
-            del self._agents[agent.id]
             self._cond.notify_all()

@@ -110,6 +110,22 @@ def test_a_corrupt_directory_file_is_a_clear_error_and_left_untouched(tmp_path, 
     assert FileDirectory.reset(tmp_path / "empty") is None
 
 
+def test_a_forked_child_cannot_act_as_its_parents_agent(tmp_path):
+    agent = FileDirectory(tmp_path).join("parent")
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if the agent refuses to act here
+        try:
+            agent.poll()
+        except AgentGoneError:
+            os._exit(0)
+        except BaseException:
+            os._exit(2)
+        os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert agent.poll() == []  # the parent's agent still works
+
+
 def test_pid_liveness():
     assert pid_alive(os.getpid()) and not pid_alive(dead_pid())
     assert not pid_alive(os.getpid(), start=1)  # same pid, another start time: a reused pid
