@@ -1,0 +1,96 @@
+"""``python -m cache``: read and change a live node's cache from another process.
+
+    python -m cache stats --dir DIR              # the live engine's stats (JSON)
+    python -m cache set evict_batch 24 --dir DIR # validated, applied by the engine: 16 → 24
+    python -m cache tunables                     # the tunables and their allowed values
+    python -m cache overhead [--quick]           # what the instrumentation costs (JSON)
+
+Exit codes: 0 ok; 2 bad usage or a value the validator refuses; 1 no live engine (no
+snapshot, its writer exited, or no answer in time) or an unreadable file in ``DIR/live``.
+The engine side and the file protocol are in ``cache/control.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from cache.control import (
+    CorruptLiveFileError, NoLiveEngineError, read_snapshot, request_change,
+)
+from cache.errors import ConfigError
+from cache.tunables import TUNABLES, validate_tunable
+
+OK, NO_ENGINE, BAD_USAGE = 0, 1, 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m cache", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    stats = sub.add_parser("stats", help="print the live engine's stats snapshot (JSON)")
+    stats.add_argument("--dir", required=True, help="the cache directory (KVCache.open)")
+    put = sub.add_parser("set", help="change a tunable of the live engine")
+    put.add_argument("key", help="one of: " + ", ".join(TUNABLES))
+    put.add_argument("value")
+    put.add_argument("--dir", required=True, help="the cache directory (KVCache.open)")
+    put.add_argument("--timeout", type=float, default=5.0,
+                     help="seconds to wait for the engine's answer (default 5)")
+    sub.add_parser("tunables", help="list the tunables and their allowed values")
+    over = sub.add_parser("overhead", help="time a decode loop with and without the "
+                                           "instrumentation (JSON)")
+    over.add_argument("--quick", action="store_true", help="fewer, shorter rounds")
+    return p
+
+
+def _stats(directory: str) -> int:
+    snap = read_snapshot(directory)
+    print(json.dumps({"pid": snap.pid, "age_s": round(snap.age_s, 3), "live": snap.live,
+                      "stats": snap.stats}, indent=1))
+    if not snap.live:
+        print(f"python -m cache stats: no live engine for {directory}: {snap.why_not_live()} "
+              f"(the snapshot above is {snap.age_s:.1f} s old)", file=sys.stderr)
+        return NO_ENGINE
+    return OK
+
+
+def _set(directory: str, key: str, raw: str, timeout: float) -> int:
+    value = validate_tunable(key, raw)  # refused here, before any live engine is asked
+    answer = request_change(directory, key, value, timeout_s=timeout)
+    print(f"{key}: {answer['old']!r} → {answer['new']!r} (engine pid {answer.get('pid')})")
+    return OK
+
+
+def _tunables() -> int:
+    for name, spec in TUNABLES.items():
+        print(f"{name}: {spec.allowed}")
+    return OK
+
+
+def _overhead(quick: bool) -> int:
+    from cache.overhead import OverheadConfig, measure_overhead  # torch: only for this command
+    print(json.dumps(measure_overhead(OverheadConfig.quick() if quick else OverheadConfig())))
+    return OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "stats":
+            return _stats(args.dir)
+        if args.command == "set":
+            return _set(args.dir, args.key, args.value, args.timeout)
+        if args.command == "tunables":
+            return _tunables()
+        return _overhead(args.quick)
+    except ConfigError as e:  # includes ChangeRejectedError and UnknownTunableError
+        print(f"python -m cache {args.command}: {e}", file=sys.stderr)
+        return BAD_USAGE
+    except (NoLiveEngineError, CorruptLiveFileError) as e:
+        print(f"python -m cache {args.command}: {e}", file=sys.stderr)
+        return NO_ENGINE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
