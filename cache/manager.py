@@ -225,7 +225,7 @@ class BlockManager:
         """The cached block holding ``tokens`` after ``parent`` under the current version
         (promoted from warm or cold when it was demoted, placed at arena position ``after``
         if free, so a restored chain is one run)."""
-        for version in range(self.version, self.version - self.keep_versions - 1, -1):
+        for version in range(self.version, max(-1, self.version - self.keep_versions - 1), -1):
             b = self._find(block_hash(parent, tokens, version), tokens, version, after)
             if b is not None:
                 break

@@ -44,6 +44,8 @@ from federation.codec import ClientCodec, client_weight, make_client_codec, pack
 from federation.config import RunConfig
 from federation.logs import configure_logging
 from node.cache_node import CacheNode, DpConfig
+from node.serving import ServeReport
+from node.workload import WorkloadConfig
 
 configure_logging()  # each log line once (Opacus adds a root handler on import)
 app = ClientApp()
@@ -205,7 +207,8 @@ def evaluate(msg: Message, context: Context) -> Message:
         t0 = time.perf_counter()
         loss, acc, n = node.evaluate()
         eval_s = time.perf_counter() - t0
-        node.serve_between_rounds()  # a chat turn through the cache (its blocks persist)
+        serving = node.serve_between_rounds(  # its blocks persist for the next process
+            WorkloadConfig(sessions=cfg.serve_sessions), seed=cfg.seed + 7919 * node.version)
         node_host.save_node(context, node)
     except Exception:
         node_host.discard(context)
@@ -221,8 +224,25 @@ def evaluate(msg: Message, context: Context) -> Message:
         "node-source": source,
         "kv-on-disk": node_host.kv_on_disk(node, source),
         "pid": node_host.pid(),
+        **serve_metrics(serving),
     }
     return Message(RecordDict({protocol.METRICS: MetricRecord(metrics)}), reply_to=msg)
+
+
+def serve_metrics(r: ServeReport | None) -> dict[str, int | float]:
+    """The serving pass as ``protocol.SERVE_COUNTS``/``SERVE_AMOUNTS`` (zeros: none served)."""
+    if r is None:
+        return {**dict.fromkeys(protocol.SERVE_COUNTS, 0), **dict.fromkeys(protocol.SERVE_AMOUNTS, 0.0)}
+    return {
+        "serve-sessions": r.sessions, "serve-turns": r.turns,
+        "serve-prompt-tokens": r.prompt_tokens, "serve-prefix-hit-tokens": r.prefix_hit_tokens,
+        "serve-lookups": r.lookups, "serve-hit-hot": r.tier_hits["hot"],
+        "serve-hit-warm": r.tier_hits["warm"], "serve-hit-cold": r.tier_hits["cold"],
+        "serve-decode-tokens": r.decode_tokens, "serve-recomputed": r.recomputed_tokens,
+        "serve-invalidated": r.invalidated_blocks, "serve-stale-served": r.stale_tokens_served,
+        "serve-scored": r.scored, "serve-s": r.seconds, "serve-nll": r.nll,
+        "serve-nll-fresh": r.nll_fresh,
+    }
 
 
 def _catch_up(cfg: RunConfig, node: CacheNode, msg: Message, context: Context) -> tuple[float, float]:

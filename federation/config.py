@@ -22,6 +22,7 @@ import difflib
 import math
 import numbers
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -35,6 +36,7 @@ CKKS_PRESETS = ("fedkv-4096", "fedkv-8192", "nvflare-default")
 MAX_SEED = 2**32 - 1
 """numpy and scikit-learn take seeds in [0, 2**32 - 1]."""
 DEFAULT_RESULTS_DIR = "results"
+MAX_SERVE_SESSIONS = 64
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "task": TASKS,
@@ -125,6 +127,18 @@ class RunConfig:
     "" = simulation: the nodes make the CKKS key."""
     rotate_every: int = 0
     """Rotate the CKKS key every K rounds (>= 0); 0 = only when a node leaves."""
+    serve_sessions: int = 4
+    """Chat sessions each node serves through its cache in every evaluate phase (lm task;
+    0 = none), behind one shared system prompt (``node.workload``)."""
+    kv_stale_policy: str = "invalidate"
+    """What a write-back does to cached K/V: ``invalidate`` (never serve K/V of an older
+    model version) or ``keep-<k>`` (serve K/V of up to k older versions; the results show the
+    perplexity cost against recomputing)."""
+
+    @property
+    def kv_stale_versions(self) -> int:
+        """Older model versions whose K/V stay servable (0 for ``invalidate``)."""
+        return stale_versions(self.kv_stale_policy)
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -161,6 +175,20 @@ class RunConfig:
     def as_dict(self) -> dict[str, Any]:
         """Dash-separated keys, as they appear in pyproject (for results files)."""
         return {_key(k): v for k, v in asdict(self).items()}
+
+
+_KEEP = re.compile(r"keep-([0-9]{1,3})")
+
+
+def stale_versions(policy: str) -> int:
+    """``invalidate`` -> 0, ``keep-<k>`` -> k; ValueError for anything else."""
+    if policy == "invalidate":
+        return 0
+    m = _KEEP.fullmatch(policy)
+    if m is None or int(m.group(1)) < 1:
+        raise ValueError(f"kv-stale-policy must be 'invalidate' or 'keep-<k>' with k >= 1, "
+                         f"not {policy!r}")
+    return int(m.group(1))
 
 
 def known_keys() -> list[str]:
@@ -242,6 +270,14 @@ def _number(value: Any) -> float | None:
     return None
 
 
+def _is_stale_policy(policy: str) -> bool:
+    try:
+        stale_versions(policy)
+        return True
+    except ValueError:
+        return False
+
+
 def _range_problems(cfg: RunConfig, bad: set[str]) -> list[str]:
     """Range and combination checks over the values that parsed (``bad``: those that did not)."""
     problems: list[str] = []
@@ -278,6 +314,10 @@ def _range_problems(cfg: RunConfig, bad: set[str]) -> list[str]:
     check("server-kit", lambda: cfg.server_kit == "" or ("\0" not in cfg.server_kit and os.path.isabs(cfg.server_kit)),
           f"server-kit must be an absolute path (or \"\" for simulation), not {cfg.server_kit!r}")
     check("rotate-every", lambda: cfg.rotate_every >= 0, "rotate-every must be >= 0 (0 = only when a node leaves)")
+    check("serve-sessions", lambda: 0 <= cfg.serve_sessions <= MAX_SERVE_SESSIONS,
+          f"serve-sessions must be in [0, {MAX_SERVE_SESSIONS}]")
+    check("kv-stale-policy", lambda: _is_stale_policy(cfg.kv_stale_policy),
+          f"kv-stale-policy must be 'invalidate' or 'keep-<k>' (k >= 1), not {cfg.kv_stale_policy!r}")
     check("rotate-every he", lambda: cfg.rotate_every == 0 or cfg.he,
           "rotate-every rotates the CKKS key; it needs he=true")
     check("server-kit he", lambda: not cfg.server_kit or cfg.he,

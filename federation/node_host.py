@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context
 
+from federation.config import stale_versions
 from federation.node_store import NodeStore
 from node.cache_node import CacheNode, NodeSpec
 
@@ -124,6 +125,7 @@ def spec_from_context(context: Context) -> NodeSpec:
         seed=int(rc.get("seed", 42)),
         alpha=float(rc.get("alpha", 1.0)),
         kv_dtype=str(rc.get("kv-dtype", "fp32")),
+        kv_stale_versions=stale_versions(str(rc.get("kv-stale-policy", "invalidate"))),
     )
 
 

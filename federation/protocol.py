@@ -54,8 +54,16 @@ TRAIN_METRICS = (
 """Always sent (``epsilon-sample`` too, with dp-sgd)."""
 TRAIN_METRICS_NON_DP = ("train-loss", "clipped", "delta-norm", "saturated")
 """Functions of private data outside the accounting: sent only with dp-mode none."""
+SERVE_COUNTS = ("serve-sessions", "serve-turns", "serve-prompt-tokens", "serve-prefix-hit-tokens",
+                "serve-lookups", "serve-hit-hot", "serve-hit-warm", "serve-hit-cold",
+                "serve-decode-tokens", "serve-recomputed", "serve-invalidated",
+                "serve-stale-served", "serve-scored")
+"""What a node's serving pass counted (``node.serving.ServeReport``; all 0 when it served
+nothing): sums over nodes are exact, rates are derived on the server."""
+SERVE_AMOUNTS = ("serve-s", "serve-nll", "serve-nll-fresh")
+"""Seconds serving, and summed log-loss of the served texts through the cache / cache-free."""
 EVAL_METRICS = ("num-examples", "eval-loss", "eval-metric", "decrypt-s", "writeback-s", "eval-s",
-                "version", "node-source", "pid", "kv-on-disk")
+                "version", "node-source", "pid", "kv-on-disk", *SERVE_COUNTS, *SERVE_AMOUNTS)
 """``kv-on-disk``: K/V blocks the node's cache found in its directory at warm start."""
 
 

@@ -40,7 +40,7 @@ import functools
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -193,6 +193,9 @@ class EvalMetrics:
     node_source: int
     pid: int
     kv_on_disk: int
+    serve: dict[str, float] = field(default_factory=dict)
+    """``protocol.SERVE_COUNTS`` and ``SERVE_AMOUNTS`` by name (checked: counts are ints in
+    range, amounts finite and >= 0)."""
 
 
 # -- showing client values without echoing them --------------------------------------------------
@@ -570,4 +573,6 @@ def parse_eval_reply(msg: Message) -> EvalMetrics:
         node_source=_int(f"{M}.node-source", m["node-source"], min(NODE_SOURCES), max(NODE_SOURCES)),
         pid=_int(f"{M}.pid", m["pid"], 1, PID_MAX),
         kv_on_disk=_int(f"{M}.kv-on-disk", m["kv-on-disk"], 0, MAX_KV_BLOCKS),
+        serve={**{k: _int(f"{M}.{k}", m[k], 0, MAX_KV_BLOCKS) for k in protocol.SERVE_COUNTS},
+               **{k: _float(f"{M}.{k}", m[k], 0.0) for k in protocol.SERVE_AMOUNTS}},
     )

@@ -76,10 +76,14 @@ class RoundRecord:
     node_sources: dict[str, int] = field(default_factory=dict)
     """How nodes were obtained this round: built / restored / reused (see node_host)."""
     pids: list[int] = field(default_factory=list)
+    """Distinct ClientApp process ids that replied this round (Ray actors in simulation)."""
     kv_blocks_on_disk: int = 0
     """K/V blocks the replying nodes' caches found on disk when their process warm-started
     this round (0 for nodes whose process already held them)."""
-    """Distinct ClientApp process ids that replied this round (Ray actors in simulation)."""
+    serving: dict[str, Any] = field(default_factory=dict)
+    """What the nodes' serving passes did this round (``serving_summary``): sessions, turns,
+    prefix and per-tier hit rates, tokens/s, K/V recomputed because of the write-back,
+    blocks invalidated, stale tokens served, perplexity through the cache and cache-free."""
     key_epoch: int = -1
     """CKKS key epoch of this round's updates (-1: he=false)."""
     key_rotated: bool = False
@@ -105,7 +109,41 @@ class RoundRecord:
             f" | clipped {self.clipped_fraction:.2f} sat {self.saturated_fraction:.4f}"
             f" | eps client {self.epsilon_client:.3g} sample {self.epsilon_sample:.3g}"
             f" | dropped {len(self.dropped)}"
+            + serving_line(self.serving)
         )
+
+
+def serving_summary(counts: dict[str, float]) -> dict[str, Any]:
+    """Rates from the nodes' summed serving counts (``protocol.SERVE_COUNTS``/``AMOUNTS``)."""
+    c = counts
+
+    def ratio(a: float, b: float) -> float:
+        return a / b if b else math.nan
+
+    return {
+        "sessions": int(c.get("serve-sessions", 0)), "turns": int(c.get("serve-turns", 0)),
+        "prefix_hit_rate": ratio(c.get("serve-prefix-hit-tokens", 0), c.get("serve-prompt-tokens", 0)),
+        "tier_hit_rates": {t: ratio(c.get(f"serve-hit-{t}", 0), c.get("serve-lookups", 0))
+                           for t in ("hot", "warm", "cold")},
+        "tokens_per_s": ratio(c.get("serve-decode-tokens", 0), c.get("serve-s", 0.0)),
+        "decode_tokens": int(c.get("serve-decode-tokens", 0)),
+        "recomputed_tokens": int(c.get("serve-recomputed", 0)),
+        "invalidated_blocks": int(c.get("serve-invalidated", 0)),
+        "stale_tokens_served": int(c.get("serve-stale-served", 0)),
+        "ppl": math.exp(ratio(c.get("serve-nll", 0.0), c.get("serve-scored", 0))) if c.get("serve-scored") else math.nan,
+        "ppl_fresh": math.exp(ratio(c.get("serve-nll-fresh", 0.0), c.get("serve-scored", 0))) if c.get("serve-scored") else math.nan,
+    }
+
+
+def serving_line(s: dict[str, Any]) -> str:
+    """The round line's serving part ("" when nothing was served)."""
+    if not s or not s.get("turns"):
+        return ""
+    t = s["tier_hit_rates"]
+    return (f" | serve {s['sessions']} sess {s['turns']} turns: prefix {s['prefix_hit_rate']:.2f}"
+            f" hot/warm/cold {t['hot']:.2f}/{t['warm']:.2f}/{t['cold']:.2f}"
+            f" {s['tokens_per_s']:.0f} tok/s recomputed {s['recomputed_tokens']}"
+            f" invalidated {s['invalidated_blocks']} ppl {s['ppl']:.1f} (fresh {s['ppl_fresh']:.1f})")
 
 
 METRIC_NAMES = {"digits": "accuracy", "lm": "perplexity"}

@@ -51,7 +51,7 @@ from crypto.errors import SignatureError
 from federation import protocol, replies
 from federation.codec import Aggregator, make_aggregator, packing_for
 from federation.config import RunConfig
-from federation.results import METRIC_NAMES, RoundRecord, mean, weighted_mean
+from federation.results import METRIC_NAMES, RoundRecord, mean, serving_summary, weighted_mean
 
 from federation.provisioning import AdmitReport
 
@@ -431,6 +431,11 @@ class OpaqueFedAvg:
         rec.eval_metric = weighted_mean([x.eval_metric for x in m], n)
         rec.seconds["eval_decrypt"] = mean([x.decrypt_s for x in m])
         rec.seconds["eval_writeback"] = mean([x.writeback_s for x in m])
+        totals: dict[str, float] = {}
+        for x in m:
+            for k, v in x.serve.items():
+                totals[k] = totals.get(k, 0) + v
+        rec.serving = serving_summary(totals)
         if not m:
             log(ERROR, "round %d: no evaluation replies", rec.round)
         self._count_sources(m, rec)

@@ -28,7 +28,11 @@ from cache import CacheConfig, KVCache
 from crypto import Layout, clip_update, flatten, gaussian_noise
 from node import digits
 from node.model import TinyTransformer
+from node import param_channel
+from node.coherence import exclusive_params
+from node.serving import ServeReport, serve_workload
 from node.sessions import Sessions
+from node.workload import WorkloadConfig, find_trace, plan_turns
 from node.tasks import LM_MODEL, Task, build_model, make_task
 
 UPDATE_KEY = "grad/update"
@@ -47,6 +51,9 @@ class NodeSpec:
     kv_dtype: str = "fp32"
     """Storage of KV blocks that left the full-precision window (lm task)."""
     kv_pool_bytes: int = 8 << 20
+    kv_stale_versions: int = 0
+    """K/V of up to this many older model versions stay servable after a write-back
+    (run-config ``kv-stale-policy``: ``invalidate`` = 0, ``keep-<k>`` = k)."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +119,10 @@ class CacheNode:
         self.model = self.task.build_model(spec.seed)
         cfg = _kv_config(spec)
         self.cache_dir, self._cache_key = cache_dir, cache_key
+        self.agents_invalidated = 0
+        """Serving agents this node's write-backs invalidated (coherence directory)."""
         self.cache = KVCache.open(cache_dir, cfg, key=cache_key) if cache_dir else KVCache(cfg)
+        self.cache.keep_stale_versions(spec.kv_stale_versions)
         _, self.layout = flatten(self.model.state_dict())
         if not self._load_cached_params():
             self._write_params(self.model.state_dict(), version=0)
@@ -131,11 +141,17 @@ class CacheNode:
 
     def _write_params(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Parameters at ``version`` into the cache and the model; K/V computed under any
-        other version are never served again (also after a restore)."""
-        for name in self.layout.names:
-            self.cache.put_tensor(f"param/{name}", state[name], version=version)
-        self.model.load_state_dict({n: state[n] for n in self.layout.names})
-        self.cache.set_version(version)
+        older version than the policy keeps are never served again (also after a restore).
+        The node's serving agents are invalidated first (``node.coherence``) and read the
+        parameters published beside the cache afterwards."""
+        with exclusive_params(self.cache_dir) as invalidated:
+            for name in self.layout.names:
+                self.cache.put_tensor(f"param/{name}", state[name], version=version)
+            self.model.load_state_dict({n: state[n] for n in self.layout.names})
+            self.cache.set_version(version)
+            if self.cache_dir:
+                param_channel.publish(self.cache_dir, self._cache_key, self.params(), version)
+        self.agents_invalidated += invalidated
 
     def _load_cached_params(self) -> bool:
         """Start from the parameters the cache holds (a warm start); False if it has none."""
@@ -274,14 +290,20 @@ class CacheNode:
         """(loss, metric, n) of the current global model on the local held-out data."""
         return self.task.evaluate(self.model)
 
-    def serve_between_rounds(self, max_new_tokens: int = 8) -> None:
-        """One chat turn through the cache, as a node serves between rounds (lm task): the
-        system prompt's blocks stay cached (and persisted) for the next turn or process."""
-        if self.task.name != "lm":
-            return
-        sid = self.create_session(system_prompt=SERVE_PROMPT)
-        self.send(sid, b"status?", max_new_tokens)
-        self.close(sid)
+    def serve_between_rounds(self, workload: WorkloadConfig = WorkloadConfig(),
+                             seed: int = 0) -> ServeReport | None:
+        """Serve a workload of chat sessions through the cache behind ``SERVE_PROMPT`` (lm
+        task; None for digits): texts from the node's held-out share, shaped by the
+        Mooncake trace when this machine has one. The prompt's blocks stay cached (and
+        persisted) for the next pass or process."""
+        if self.task.name != "lm" or workload.sessions == 0:
+            return None
+        self._serve_lm()
+        trace = find_trace()
+        turns = plan_turns(workload, self.task.heldout, seed, trace)
+        report = serve_workload(self.sessions, SERVE_PROMPT, turns)
+        report.shape = "mooncake" if trace else "synthetic"
+        return report
 
     # -- chat sessions (lm task); the framing is documented in node.sessions ---------------
     def create_session(self, system_prompt: str | bytes = b"") -> str:

@@ -21,7 +21,7 @@ remembering closed ids: ``Sessions`` holds open sessions only.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +55,30 @@ class ChatSession:
     """Next-byte logits after the last token; valid while the cache session is not stale."""
 
 
+@dataclass(frozen=True)
+class TurnResult:
+    reply: bytes
+    nll: float
+    """Summed log-loss (nats) of the turn's text tokens given everything before them."""
+    scored: int
+    """Text tokens in ``nll`` (a text token taken from the prefix cache has no logits here)."""
+    recomputed: int
+    """Tokens of the conversation recomputed because the session's K/V were stale."""
+
+
+def _log_loss(prev: torch.Tensor | None, logits: torch.Tensor, text: list[int]) -> tuple[float, int]:
+    """Log-loss of the last ``len(text)`` tokens fed: token i is predicted by the row before
+    it (the first by ``prev``, the logits the session held). Rows are right-aligned with the
+    tokens fed, so tokens reused from the prefix cache (at the front) are simply not scored."""
+    rows = torch.cat([prev[None], logits]) if prev is not None else logits
+    n = min(len(text), rows.shape[0] - 1)
+    if n <= 0:
+        return 0.0, 0
+    target = torch.as_tensor(text[len(text) - n :], dtype=torch.long)
+    pred = rows[-n - 1 : -1]
+    return float(torch.nn.functional.cross_entropy(pred, target, reduction="sum")), n
+
+
 def as_bytes(text: str | bytes | bytearray) -> bytes:
     """The byte framing: ``str`` is UTF-8 encoded, bytes pass through."""
     if isinstance(text, str):
@@ -77,6 +101,9 @@ class Sessions(Mapping[str, int]):
         self.cache = cache
         self._open: dict[str, ChatSession] = {}
         self._issued = 0
+        self.before_token: Callable[[], None] | None = None
+        """Called before a turn feeds its text and before each decode step; a serving agent
+        polls its coherence directory here (and raises to abandon a turn, see ``rollback``)."""
 
     # -- Mapping[str, int] ----------------------------------------------------------------
     def __getitem__(self, session_id: str) -> int:
@@ -154,34 +181,62 @@ class Sessions(Mapping[str, int]):
         return bytes(self.cache.tokens(self.session(session_id).sid))
 
     # -- turns ----------------------------------------------------------------------------
-    @torch.no_grad()
     def send(self, session_id: str, text: str | bytes, max_new_tokens: int = 32) -> bytes:
         """Append ``text`` and decode a greedy reply of ``max_new_tokens`` bytes through the
         cache; both stay in the session. Empty text lets the model continue its last reply."""
+        return self.turn(session_id, text, max_new_tokens).reply
+
+    @torch.no_grad()
+    def turn(self, session_id: str, text: str | bytes, max_new_tokens: int = 32) -> TurnResult:
+        """``send`` that also says what the turn cost: the text's log-loss under the cached
+        context (perplexity measured in the decode loop) and the tokens recomputed because
+        a write-back made the session's K/V stale."""
         chat = self.session(session_id)
         new = list(as_bytes(text))
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         self._check_fits(len(self.cache.tokens(chat.sid)) + len(new) + max_new_tokens)
+        self._before_token()
+        recomputed = 0
         if self.cache.is_stale(chat.sid):  # written back since: recompute under new weights
-            new = self.cache.reset_session(chat.sid) + new
-            chat.logits = None
+            old = self.cache.reset_session(chat.sid)
+            recomputed, new, chat.logits = len(old), old + new, None
+        nll, scored = 0.0, 0
         if new:
-            chat.logits = self._feed(chat.sid, new)
+            prev, logits = chat.logits, self._feed(chat.sid, new)
+            nll, scored = _log_loss(prev, logits, new[recomputed:])
+            chat.logits = logits[-1]
         if chat.logits is None:
             raise ValueError(f"session {session_id!r} is empty: send some text first")
         reply: list[int] = []
         for _ in range(max_new_tokens):
+            self._before_token()
             reply.append(int(chat.logits.argmax()))
             chat.logits = self.model.forward_cached(reply[-1:], self.cache, chat.sid)[-1]
-        return bytes(reply)
+        return TurnResult(bytes(reply), nll, scored, recomputed)
+
+    def _before_token(self) -> None:
+        if self.before_token is not None:
+            self.before_token()
+
+    @torch.no_grad()
+    def rollback(self, session_id: str, length: int) -> None:
+        """Cut the conversation back to its first ``length`` tokens (a turn abandoned half
+        way) and recompute them under the current weights."""
+        chat = self.session(session_id)
+        tokens = self.cache.reset_session(chat.sid)
+        if not 0 <= length <= len(tokens):
+            raise ValueError(f"cannot roll session {session_id!r} back to {length} tokens")
+        chat.logits = self._feed(chat.sid, tokens[:length])[-1] if length else None
 
     def _feed(self, sid: int, tokens: list[int]) -> torch.Tensor:
-        """Logits after ``tokens`` appended to the session; an empty session goes through
-        ``prefill`` so a cached prefix is reused instead of recomputed."""
+        """Logits [n, vocab] after ``tokens`` appended to the session (rows for tokens taken
+        from the prefix cache are absent: n may be < len(tokens)); an empty session goes
+        through the prefix cache so a cached prefix is reused instead of recomputed."""
         if self.cache.length(sid) == 0:
-            return self.model.prefill(tokens, self.cache, sid)
-        return self.model.forward_cached(tokens, self.cache, sid)[-1]
+            reused = self.cache.match_prefix(sid, tokens)
+            return self.model.forward_cached(tokens[reused:], self.cache, sid)
+        return self.model.forward_cached(tokens, self.cache, sid)
 
     def _check_fits(self, n_tokens: int) -> None:
         """Refuse a turn that would pass the model's context before anything is written, so

@@ -97,7 +97,13 @@ def eval_spec() -> dict:
     return {protocol.METRICS: ("metric", {
         "num-examples": 30, "eval-loss": 0.4, "eval-metric": 0.9, "decrypt-s": 0.1, "writeback-s": 0.0,
         "eval-s": 0.2, "version": 3, "node-source": 0, "pid": 7, "kv-on-disk": 0,
+        **SERVE_SPEC,
     })}
+
+
+SERVE_SPEC = {**{k: i for i, k in enumerate(protocol.SERVE_COUNTS)},
+              **{k: 0.5 + i for i, k in enumerate(protocol.SERVE_AMOUNTS)}}
+"""A serving pass's counts (ints) and amounts (floats), all distinct."""
 
 
 KINDS = {"config": ConfigRecord, "metric": MetricRecord, "array": ArrayRecord}
@@ -172,7 +178,15 @@ def test_train_reply_accepts_infinite_sample_epsilon_and_numpy_floats() -> None:
 
 def test_eval_reply_parses() -> None:
     r = parse_eval_reply(build(eval_spec()))
-    assert r == replies.EvalMetrics(30, 0.4, 0.9, 0.1, 0.0, 0.2, 3, 0, 7, 0)
+    assert r == replies.EvalMetrics(30, 0.4, 0.9, 0.1, 0.0, 0.2, 3, 0, 7, 0, SERVE_SPEC)
+
+
+def test_eval_reply_refuses_bad_serving_counts() -> None:
+    for key, bad in (("serve-turns", -1), ("serve-turns", 2.5), ("serve-nll", math.nan),
+                     ("serve-s", -0.1), ("serve-recomputed", 2**31)):
+        spec = eval_spec()
+        spec[protocol.METRICS][1][key] = bad
+        assert key in reason_of(lambda: parse_eval_reply(build(spec)))
 
 
 def test_a_large_update_parses() -> None:
@@ -418,6 +432,8 @@ EDGES: dict[str, list] = {
     "weight-capped": [-1, 0, 1, 2], "clipped": [-1, 0, 1, 2],
     "version": [-1, 0, 2**31 - 1, 2**31], "node-source": [-1, 0, 1, 2, 3], "pid": [-1, 0, 1, 2**31 - 1, 2**31, 7.0],
     "kv-on-disk": [-1, 0, 5, 2**31 - 1, 2**31, 3.0],
+    **{k: [-1, 0, 5, 2**31 - 1, 2**31, 3.0] for k in protocol.SERVE_COUNTS},
+    **{k: [-1e-300, 0, 0.0, 1e300, math.inf, math.nan] for k in protocol.SERVE_AMOUNTS},
     "epsilon-sample": [0, 0.0, math.inf, -math.inf, math.nan, -1e-300, 10**400],
     "train-loss": [-1e300, 1e300, 0, -5, math.nan, math.inf, 10**400],
     "eval-loss": [-1e300, 1e300, 0, -5, math.nan, -math.inf],
@@ -679,6 +695,8 @@ def o_eval(spec: dict) -> replies.EvalMetrics:
         o_float(m["decrypt-s"], 0, 1e6), o_float(m["writeback-s"], 0, 1e6), o_float(m["eval-s"], 0, 1e6),
         o_int(m["version"], 0, 2**31 - 1), o_int(m["node-source"], 0, 2), o_int(m["pid"], 1, 2**31 - 1),
         o_int(m["kv-on-disk"], 0, 2**31 - 1),
+        {**{k: o_int(m[k], 0, 2**31 - 1) for k in protocol.SERVE_COUNTS},
+         **{k: o_float(m[k], 0) for k in protocol.SERVE_AMOUNTS}},
     )
 
 

@@ -1,0 +1,83 @@
+"""The parameters a node's trainer publishes for the node's other agents (a serving process).
+
+The cache directory's store takes one process at a time (``cache/segments.py`` flocks it), and
+a ClientApp holds it for a whole message; a serving process that opened it would make the
+trainer's next message fail. So every write-back also writes the parameters, with their model
+version, into one file beside the store, sealed with the node's cache key (AES-256-GCM from
+``cryptography``; the version is bound as associated data, so a file cannot be passed off as
+another version). Written atomically (temporary file, fsync, rename), mode 0600: a reader sees
+the old parameters or the new ones, never a mix. Who may read when is the coherence
+protocol's business (``cache.coherence``: the ``param`` entry).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import torch
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from safetensors.torch import load as st_load, save as st_save
+
+FILE_NAME = "published-params.bin"
+_MAGIC = b"FKVP1"
+_HEAD = struct.Struct("<5sQ12s")  # magic, model version, nonce
+
+
+class PublishedParamsError(ValueError):
+    """The published parameters are missing, cut short, forged or sealed with another key."""
+
+
+def path_in(cache_dir: str | os.PathLike) -> Path:
+    return Path(cache_dir) / FILE_NAME
+
+
+def publish(cache_dir: str | os.PathLike, key: bytes | None, state: dict[str, torch.Tensor],
+            version: int) -> Path:
+    """Seal ``state`` at model ``version`` into the cache directory (replacing the last one).
+    Without a key (tests, an unencrypted cache) the payload is stored unsealed but checked."""
+    blob = st_save({n: t.detach().contiguous() for n, t in state.items()})
+    nonce = os.urandom(12)
+    head = _HEAD.pack(_MAGIC, int(version), nonce)
+    body = AESGCM(key).encrypt(nonce, blob, head) if key else blob
+    path = path_in(cache_dir)
+    tmp = path.with_name(f".{FILE_NAME}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(head + body)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load(cache_dir: str | os.PathLike, key: bytes | None) -> tuple[dict[str, torch.Tensor], int]:
+    """(parameters, model version) last published in ``cache_dir``."""
+    path = path_in(cache_dir)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise PublishedParamsError(f"{path} does not exist: no write-back published yet") from None
+    if len(raw) < _HEAD.size:
+        raise PublishedParamsError(f"{path} is cut short ({len(raw)} bytes)")
+    magic, version, nonce = _HEAD.unpack_from(raw)
+    if magic != _MAGIC:
+        raise PublishedParamsError(f"{path} is not a published-parameters file")
+    body = raw[_HEAD.size :]
+    if key:
+        try:
+            body = AESGCM(key).decrypt(nonce, body, raw[: _HEAD.size])
+        except InvalidTag:
+            raise PublishedParamsError(
+                f"{path} does not open with this node's cache key (another key, or altered)"
+            ) from None
+    try:
+        return dict(st_load(body)), int(version)
+    except Exception as e:  # safetensors raises its own error types for garbage
+        raise PublishedParamsError(f"{path} holds no readable tensors ({type(e).__name__})") from None
