@@ -159,9 +159,13 @@ class AgentRecord:
     writes: int = 0
 
 
+# reads/writes: directory grants (local hits are not counted: they take no lock);
+# invalidations_sent: delivered to an inbox; _queued: relaxed, waiting for a batch; acks_received:
+# taken from an inbox by its agent; _discarded: in the inbox of an agent that left or crashed;
+# _unsent: queued for an agent that left before the batch; pendings_*: Pending records.
 STAT_KEYS = ("reads", "writes", "invalidations_sent", "invalidations_queued", "acks_received",
-             "invalidations_discarded", "invalidations_unsent", "batches_sent", "pendings_opened", "pendings_resolved",
-             "timeouts", "joins", "leaves", "crashes")
+             "invalidations_discarded", "invalidations_unsent", "batches_sent", "pendings_opened",
+             "pendings_resolved", "timeouts", "joins", "leaves", "crashes")
 
 
 def check_key(key: str) -> None:
@@ -174,7 +178,8 @@ def check_settings(mode: Mode | int, batch: int, timeout_s: float) -> Mode:
     try:
         mode = Mode(mode)
     except ValueError:
-        raise CoherenceConfigError(f"coherence mode must be 1 (relaxed) or 2 (strong), not {mode!r}") from None
+        raise CoherenceConfigError(
+            f"coherence mode must be 1 (relaxed) or 2 (strong), not {mode!r}") from None
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise CoherenceConfigError(f"batch must be an int >= 1, not {batch!r}")
     if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
@@ -632,6 +637,8 @@ class Directory:
         self._remove(agent, crashed=True)
 
     def stats(self) -> dict[str, Any]:
+        """Counters (see ``STAT_KEYS``) plus pendings_open, invalidations_in_inboxes, agents,
+        entries, mode, batch. Balance: sent == acks + discarded + in inboxes."""
         with self._cond:
             return self._table.stats()
 

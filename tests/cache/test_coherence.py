@@ -6,6 +6,7 @@ pin each transition, the error paths and a threaded smoke test."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from hypothesis import settings
@@ -398,3 +399,44 @@ def test_threads_never_read_a_version_older_than_the_last_completed_write():
     assert s["writes"] == sum(completed.values()) and s["timeouts"] == 0
     assert s["invalidations_sent"] == s["acks_received"] + s["invalidations_discarded"]
     assert s["pendings_open"] == 0 and s["agents"] == 0
+
+
+def test_serving_thread_with_a_poller_never_returns_a_token_older_than_a_completed_write():
+    """Model-version coherence with a ``start_polling`` thread ACKing for the server: the server
+    checks ``holds("param")`` after computing each token and before returning it, so every
+    write newer than a returned token's version completed after that check."""
+    d = Directory(Mode.STRONG, timeout_s=10.0)
+    trainer, server = d.join("trainer"), d.join("server")
+    params = {0: 0.0}                      # version -> parameters (here one number)
+    completed: dict[int, float] = {}       # version -> time its strong write completed
+    returned: list[tuple[int, float]] = []  # (version, time of the check before returning)
+    reloads: list[list[str]] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            v = server.acquire_read("param")
+            token = params[v] * 2          # computed with parameters of version v
+            checked = time.monotonic()
+            if server.holds("param") is State.INVALID:
+                continue                   # invalidated meanwhile: recompute, don't return
+            assert token == v * 2
+            returned.append((v, checked))
+
+    poller = server.start_polling(0.0005, on_invalidate=reloads.append)
+    th = threading.Thread(target=serve)
+    th.start()
+    try:
+        for _ in range(30):
+            v = trainer.acquire_write("param")
+            completed[v] = time.monotonic()
+            params[v] = float(v)
+            trainer.release("param")
+            time.sleep(0.001)
+    finally:
+        stop.set()
+        th.join(10)
+        poller.stop()
+    assert len(completed) == 30 and returned and reloads
+    for v, checked in returned:
+        assert all(completed[w] > checked for w in completed if w > v), (v, checked)
