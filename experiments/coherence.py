@@ -323,7 +323,9 @@ def summary_md(res: dict[str, Any]) -> str:
         "over one lock is capped near the number of cores (about 2x here), whatever the protocol. "
         f"During this run the bare work (`none`) ran {res['parallel_ceiling']['read_mostly']:.2f}x "
         f"faster with {n} agents than with {min(res['agents'])} (read-mostly): the ceiling any "
-        "protocol could reach here. "
+        "protocol could reach here. While other processes compete for the cores, a process "
+        "with more runnable threads gets a larger share of them (the scheduler is fair per "
+        "thread), so compare contenders at the same agent count rather than across counts. "
         "`none` is the unsafe upper bound; `global_lock` holds the lock for the whole op, as a "
         "cache whose blocks are written in place must.\n\n"
         "## Stale reads (total over repeats)\n\n" + markdown_table(stale_rows)
@@ -341,7 +343,7 @@ def write_outputs(run_dir: Path, rows: list[dict[str, Any]], res: dict[str, Any]
         series = {c: (xs, [per_n[a][c] for a in per_n]) for c in CONTENDERS}
         plot_lines(run_dir / f"throughput_{mix}.png", series, xlabel="agents (threads)",
                    ylabel="ops/s", title=f"coherence throughput, {mix} ({res['cores']} cores)",
-                   logx=True, logy=False)
+                   logx=False, logy=False)
     write_json(run_dir / "result.json", res)
 
 
