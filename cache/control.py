@@ -143,9 +143,14 @@ class LiveControl:
 
     def _serve_one(self, path: str, rid: str, apply: Callable[[str, Any], tuple[Any, Any]]
                    ) -> int:
+        taken = path + ".taken"
+        try:  # claim it: of two threads at a boundary, or an engine and a withdrawing
+            os.rename(path, taken)  # requester, exactly one gets the request
+        except FileNotFoundError:
+            return 0
         answer: dict[str, Any] = {"pid": os.getpid()}
         try:
-            req = _read_json_object(path)
+            req = _read_json_object(taken)
             if not isinstance(req.get("key"), str) or "value" not in req:
                 raise CorruptLiveFileError(f"{path} has no string 'key' and 'value'")
             old, new = apply(req["key"], req["value"])
@@ -155,7 +160,7 @@ class LiveControl:
         except (CorruptLiveFileError, OSError) as e:
             _log.warning("cache control request %s ignored: %s", path, e)
             answer.update(status="unreadable", error=str(e))
-        _unlink_quietly(path)
+        _unlink_quietly(taken)
         try:
             write_json_atomic(os.path.join(self.dir, f"ack-{rid}.json"), answer)
         except OSError as e:

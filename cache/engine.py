@@ -9,6 +9,10 @@ Flow of one decoding step (what ``node.model`` does)::
 
 Blocks are ``cache.block.Block`` records kept by ``cache.manager.BlockManager``; this module
 keeps sessions (``BlockTable``) and turns them into writes, read plans and figures.
+
+Runtime knobs: ``set_tunable``/``tunables`` (``cache/tunables.py``); figures: ``stats()``, with
+``reset_context()`` to start a clean measurement; a ``KVCache.open(dir)`` engine is read and
+changed from another process with ``python -m cache stats|set --dir DIR`` (``cache/control.py``).
 """
 
 from __future__ import annotations

@@ -85,6 +85,15 @@ def measure_overhead(cfg: OverheadConfig) -> dict[str, dict[str, float]]:
 
 
 def _measure(cfg: OverheadConfig, attention: bool) -> dict[str, float]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # intra-op threads spin under a loaded machine: noise, not cost
+    try:
+        return _measure_single_thread(cfg, attention)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure_single_thread(cfg: OverheadConfig, attention: bool) -> dict[str, float]:
     times: dict[str, list[int]] = {"instrumented": [], "bare": []}
     geometry = CacheConfig(num_layers=cfg.num_layers, num_heads=cfg.num_heads,
                            head_dim=cfg.head_dim, pool_bytes=32 << 20, warm_bytes=4 << 20)
