@@ -1,12 +1,16 @@
 """Runtime tunables: validation of every knob, and changes that take effect on a live engine."""
 
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import rule
 
 from cache import CacheConfig, ConfigError, KVCache
 from cache.policy import POLICIES, ARCPolicy
 from cache.tunables import TUNABLES, UnknownTunableError, validate_tunable
 
 from tests.cache.conftest import feed, small_config
+from tests.cache.test_properties import TightPoolMachine
 
 DEFAULTS = {"warmup_ratio": 0.3, "evict_batch": 16, "prefetch_degree": 2,
             "coherence_protocol": 2, "low_watermark": 0.2, "cooldown_s": 60.0,
@@ -176,3 +180,37 @@ def test_warmup_ratio_is_read_by_the_next_warm_start(tmp_path):
 def test_config_keeps_validating_its_other_fields():
     with pytest.raises(ConfigError, match="warm_bytes"):
         CacheConfig(num_layers=1, num_heads=1, head_dim=8, warm_bytes=-1)
+
+
+class TunablesMachine(TightPoolMachine):
+    """The session workloads of test_properties on a tight pool with a warm tier, while the
+    tunables change under them (policy switches, eviction batches, watermarks) and the
+    statistics context is reset: the same invariants hold (the cached blocks are exactly the
+    policy's keys, nothing leaks, no stale or wrong K/V)."""
+
+    CONFIG = dict(TightPoolMachine.CONFIG, warm_bytes=16 << 10)
+
+    @rule(name=st.sampled_from(sorted(POLICIES)))
+    def switch_policy(self, name):
+        before = set(self.kv.policy.victims(len(self.kv.policy)))
+        self.kv.set_tunable("eviction_policy", name)
+        assert set(self.kv.policy.victims(len(self.kv.policy))) == before
+
+    @rule(n=st.integers(1, 8))
+    def evict_batch(self, n):
+        self.kv.set_tunable("evict_batch", n)
+
+    @rule(w=st.sampled_from([0.0, 0.5, 0.99]))
+    def low_watermark(self, w):
+        self.kv.set_tunable("low_watermark", w)
+
+    @rule()
+    def reset_context(self):
+        self.kv.reset_context()
+        st_ = self.kv.stats()
+        assert st_["prefix_hit_blocks"] == 0 and st_["swaps"]["total"] == 0
+
+
+TunablesMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30,
+                                             deadline=None)
+TestTunablesMachine = TunablesMachine.TestCase
