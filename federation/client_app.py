@@ -241,7 +241,7 @@ def serve_metrics(r: ServeReport | None) -> dict[str, int | float]:
         "serve-decode-tokens": r.decode_tokens, "serve-recomputed": r.recomputed_tokens,
         "serve-invalidated": r.invalidated_blocks, "serve-stale-served": r.stale_tokens_served,
         "serve-scored": r.scored, "serve-s": r.seconds, "serve-nll": r.nll,
-        "serve-nll-fresh": r.nll_fresh,
+        "serve-nll-fresh": r.nll_fresh, "serve-trace-shaped": int(r.shape == "mooncake"),
     }
 
 

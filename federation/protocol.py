@@ -57,9 +57,10 @@ TRAIN_METRICS_NON_DP = ("train-loss", "clipped", "delta-norm", "saturated")
 SERVE_COUNTS = ("serve-sessions", "serve-turns", "serve-prompt-tokens", "serve-prefix-hit-tokens",
                 "serve-lookups", "serve-hit-hot", "serve-hit-warm", "serve-hit-cold",
                 "serve-decode-tokens", "serve-recomputed", "serve-invalidated",
-                "serve-stale-served", "serve-scored")
+                "serve-stale-served", "serve-scored", "serve-trace-shaped")
 """What a node's serving pass counted (``node.serving.ServeReport``; all 0 when it served
-nothing): sums over nodes are exact, rates are derived on the server."""
+nothing): sums over nodes are exact, rates are derived on the server. ``serve-trace-shaped``
+is 1 when the Mooncake trace shaped the node's sessions."""
 SERVE_AMOUNTS = ("serve-s", "serve-nll", "serve-nll-fresh")
 """Seconds serving, and summed log-loss of the served texts through the cache / cache-free."""
 EVAL_METRICS = ("num-examples", "eval-loss", "eval-metric", "decrypt-s", "writeback-s", "eval-s",

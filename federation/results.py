@@ -122,6 +122,7 @@ def serving_summary(counts: dict[str, float]) -> dict[str, Any]:
 
     return {
         "sessions": int(c.get("serve-sessions", 0)), "turns": int(c.get("serve-turns", 0)),
+        "nodes_trace_shaped": int(c.get("serve-trace-shaped", 0)),
         "prefix_hit_rate": ratio(c.get("serve-prefix-hit-tokens", 0), c.get("serve-prompt-tokens", 0)),
         "tier_hit_rates": {t: ratio(c.get(f"serve-hit-{t}", 0), c.get("serve-lookups", 0))
                            for t in ("hot", "warm", "cold")},

@@ -10,6 +10,7 @@ otherwise. Only lengths and order are taken from the trace: it holds no text.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -19,7 +20,7 @@ from pathlib import Path
 DEFAULT_TRACE_NAME = "mooncake_conversation_trace.jsonl"
 TRACE_ENV = "FEDKV_SERVE_TRACE"
 """Path of a Mooncake conversation trace that shapes the workload (unset: look beside the
-repository, in ``../shared/data/traces``, and fall back to the synthetic shape)."""
+repository or the working directory, in ``../shared/data/traces``; else the synthetic shape)."""
 
 
 @dataclass(frozen=True)
@@ -43,10 +44,15 @@ def find_trace() -> Path | None:
     env = os.environ.get(TRACE_ENV)
     if env:
         return Path(env) if Path(env).is_file() else None
-    here = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / DEFAULT_TRACE_NAME
-    return here if here.is_file() else None
+    # the repository's neighbour; under ``flwr run .`` the app runs from a copy, in the cwd
+    for root in (Path(__file__).resolve().parents[2], Path.cwd().resolve().parent):
+        here = root / "shared" / "data" / "traces" / DEFAULT_TRACE_NAME
+        if here.is_file():
+            return here
+    return None
 
 
+@functools.lru_cache(maxsize=4)  # a node serves every round: parse the trace once
 def load_conversations(path: str | os.PathLike, limit: int = 4000) -> list[Conversation]:
     """Group a Mooncake trace's first ``limit`` requests into conversations, in arrival order."""
     groups: dict[tuple, list[dict]] = {}
