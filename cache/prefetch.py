@@ -11,8 +11,9 @@ One small class per mode (SGLang ``evict_policy.py`` style), all with the same i
 * ``sequential``: the blocks ``stride .. stride + degree - 1`` steps ahead along the block chain
   (a block's successor is the block that followed it last time: a conversation's next turn
   re-reads its history in order);
-* ``heat``: a decayed access-count table, randomly sampled (Redis-style approximate LFU: no
-  sort of the whole table); the hottest sampled blocks not in hot (knowledge retrieval);
+* ``heat``: a decayed access-count table; a prediction draws a random sample of the recent
+  accesses (no sort of the whole table) and fetches the hottest drawn blocks not in hot
+  (knowledge retrieval: a hot set of documents);
 * ``hybrid``: runs both, scores each one's predictions over a sliding window and follows the
   one that has been predicting better recently;
 * ``lstm``: a small torch LSTM over the last 8 accesses, as address deltas in first-seen order
