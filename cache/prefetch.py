@@ -348,7 +348,9 @@ class AccessOrder:
 
 @dataclass(frozen=True)
 class LstmConfig:
-    """The LSTM predictor's size and training schedule (defaults train in ~0.2 s on 2 cores)."""
+    """The LSTM predictor's size and training schedule. A training with the defaults (256
+    samples, 60 epochs, 9,188 parameters) costs 0.26 s of CPU, median of 5 (about 1 s of wall
+    time while this shared 2-core machine ran at load 11)."""
 
     history: int = 8
     """Accesses the model reads (the issue's 'last 8 accesses')."""
