@@ -12,6 +12,10 @@ Every process is started in its own session and tracked by (pid, start time), wi
 descendants; all are stopped by pid on success, failure, SIGINT and SIGTERM. The last stdout
 line is one JSON object (see ``summary``); progress goes to stderr.
 
+``--serve`` (with ``--task lm``) starts ``python -m node.serve`` beside SuperNode 0, on that
+node's cache directory: each write-back of the node invalidates it, and the summary's
+``serve_agent`` shows the model versions its replies were computed under.
+
 ``--netns`` puts each SuperNode in a network namespace of its own (``fedkv-<tag>-<i>``), joined
 by a veth pair to a bridge the command creates on the host (10.250.<k>.0/24, the first free
 <k>); the SuperLink binds the bridge's address 10.250.<k>.1 only. Namespaces, veths and the
@@ -39,8 +43,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from federation.flwr_sandbox import alive, descendants, free_port, make_app_dir
+from federation.flwr_sandbox import REPO, alive, descendants, free_port, make_app_dir
 from federation.kit import make_auth_key, make_tls, write_kits
+from federation.serve_probe import ServeProbe
 
 CONNECTION = "fedkv-demo"
 VENV_BIN = Path(sys.executable).parent
@@ -317,12 +322,14 @@ class Demo:
     outcome: RunOutcome | None = None
     killed: int | None = None
     app_ref: str | None = None
+    """Run the app as committed at this git ref instead of the working tree."""
     isolated_nodes: int = 0
+    """SuperNodes whose network namespace differs from ours (--netns: all of them)."""
     seal_kits: bool = False
     node_env: dict[str, str] = field(default_factory=dict, repr=False)
     """Extra environment of the SuperNodes only (the kit passphrase with --seal-kits)."""
-    """SuperNodes whose network namespace differs from ours (--netns: all of them)."""
-    """Run the app as committed at this git ref instead of the working tree."""
+    serve: ServeProbe | None = None
+    """--serve: a ``node.serve`` agent beside SuperNode 0, on its cache directory."""
 
     @property
     def logs(self) -> Path:
@@ -461,6 +468,8 @@ def start_supernodes(demo: Demo) -> None:
     for i in range(demo.nodes):
         kit = demo.kits[f"node-{i}"]
         cfg = f"partition-id={i} num-partitions={demo.nodes} kit-dir='{kit}'"
+        if demo.serve is not None and i == 0:
+            cfg += f" cache-dir='{demo.serve.cache_dir}'"
         cmd = _supernode_cmd(demo, i, kit / "ca.crt", kit / "supernode-auth.key", cfg)
         demo.procs.start(f"supernode-{i}", cmd, demo.logs / f"supernode-{i}.log", {**demo.env, **demo.node_env})
     def ids_in_logs() -> set[int]:
@@ -630,6 +639,8 @@ def summary(demo: Demo, leftovers: int, wall_s: float) -> dict[str, object]:
         "refused_bad_cert": refused.get("bad-cert", False),
         "server_key_origin": res.get("key_origin"),
         "kv_blocks_on_disk_per_round": [r.get("kv_blocks_on_disk", 0) for r in res.get("rounds", [])],
+        "serving_per_round": [r.get("serving", {}) for r in res.get("rounds", [])],
+        "serve_agent": demo.serve.report() if demo.serve is not None else None,
         "leftover_processes": leftovers,
         "wall_s": round(wall_s, 1),
         "nodes": demo.nodes,
@@ -646,6 +657,8 @@ def demo_main(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="fedkv-demo-")) if own_work else Path(args.workdir).resolve()
     demo = Demo(work, args.nodes, args.rounds, args.task, args.round_timeout, args.kill_one, args.run_config)
     demo.app_ref, demo.seal_kits = args.app_ref, args.seal_kits
+    if args.serve:
+        demo.serve = ServeProbe(work, work / "serve-node-0" / "kv-cache")
     if args.netns:
         demo.netns = Netns(f"{os.getpid() % 10000}")
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -697,13 +710,21 @@ def _report(demo: Demo, error: BaseException | None, leftovers: int, wall_s: flo
 def _demo_steps(demo: Demo, args: argparse.Namespace) -> None:
     if args.nodes < 2 + int(args.kill_one):
         raise ValueError("need at least 2 surviving nodes (min-clients=2)")
+    if args.serve and args.task != "lm":
+        raise ValueError("--serve needs --task lm (the digits model does not generate text)")
     prepare(demo)
     start_superlink(demo)
     register_nodes(demo)
     probes = start_refusal_probes(demo)
     start_supernodes(demo)
     demo.refused = refusal_results(demo, probes)
-    demo.outcome = run_app(demo, args.run_timeout)
+    if demo.serve is not None:
+        demo.serve.start(demo.procs, {**demo.env, **demo.node_env}, demo.logs / "serve-node-0.log", REPO)
+    try:
+        demo.outcome = run_app(demo, args.run_timeout)
+    finally:
+        if demo.serve is not None:
+            demo.serve.stop()
     say(f"flwr run exited with {demo.outcome.returncode}; results status: "
         f"{(demo.outcome.results or {}).get('status')}")
 
@@ -728,6 +749,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     d.add_argument("--run-timeout", type=float, default=420.0, help="stop flwr run after this many seconds")
     d.add_argument("--app-ref", default=None, help="run the app as committed at this git ref (default: working tree)")
     d.add_argument("--run-config", default="", help="extra run-config overrides, e.g. \"local-epochs=1\"")
+    d.add_argument("--serve", action="store_true",
+                   help="run a serving agent (python -m node.serve) beside SuperNode 0 on its cache "
+                        "directory and ask it a chat turn every 0.5 s (--task lm)")
     return p.parse_args(argv)
 
 

@@ -172,7 +172,7 @@ def build_node(context: Context) -> CacheNode:
     node-local files): K/V, parameters and gradients survive between ClientApp processes."""
     store = NodeStore.for_context(context)
     where = store.cache_dir(str(context.node_config.get("cache-dir", "") or ""))
-    return CacheNode(spec_from_context(context), cache_dir=where, cache_key=store.cache_key())
+    return CacheNode(spec_from_context(context), cache_dir=where, cache_key=store.cache_key(where))
 
 
 def save_node(context: Context, node: CacheNode) -> None:

@@ -168,10 +168,12 @@ class NodeStore:
         other node-local files)."""
         return Path(override) if override else self.root / "kv-cache"
 
-    def cache_key(self) -> bytes:
+    def cache_key(self, cache_dir: Path | None = None) -> bytes:
         """The node's AES-256-GCM key for its cache at rest (made once, from
-        ``cryptography``; kept 0600 and sealed like the node's other secrets)."""
-        path = self.root / "kv-cache.key"
+        ``cryptography``; kept 0600 and sealed like the node's other secrets), in
+        ``kv-cache.key`` beside the cache directory: a cache kept across runs keeps its key,
+        and the node's serving agent (``python -m node.serve``) finds it there."""
+        path = (Path(cache_dir).parent if cache_dir else self.root) / "kv-cache.key"
         if path.exists():
             return read_secret_file(path, _passphrase())
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM

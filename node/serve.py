@@ -86,17 +86,17 @@ class ServingAgent:
         return self.cache.version
 
     def _load(self) -> None:
-        """Read ``param`` (waits while a writer holds it) and the parameters published."""
-        self.agent.acquire_read(PARAM_ENTRY)
+        """Read ``param`` (waits while a writer holds it) and the parameters published. The
+        first parameters are waited for *before* taking ``param``: a reader that held it
+        while sleeping would hold the trainer's first write up."""
         deadline = time.monotonic() + self._wait_s
-        while True:
-            try:
-                state, version = param_channel.load(self.cache_dir, self.key)
-                break
-            except param_channel.PublishedParamsError as e:
-                if "does not exist" not in str(e) or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)  # the node has not written its parameters yet
+        while not param_channel.path_in(self.cache_dir).exists():
+            if time.monotonic() > deadline:
+                raise param_channel.PublishedParamsError(
+                    f"no parameters were published in {self.cache_dir} within {self._wait_s} s")
+            time.sleep(0.1)  # the node has not written its parameters yet
+        self.agent.acquire_read(PARAM_ENTRY)
+        state, version = param_channel.load(self.cache_dir, self.key)
         self.model.load_state_dict(state)
         self.cache.set_version(version)  # K/V of other versions are never served again
         self.counters.reloads += 1
@@ -237,22 +237,30 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cache-dir", required=True, type=Path, help="the node's cache directory")
     p.add_argument("--key-file", type=Path, default=None,
                    help="the node's sealed cache key (default: kv-cache.key beside --cache-dir; "
-                        f"passphrase in ${PASSPHRASE_ENV}); none = an unencrypted cache")
+                        f"passphrase in ${PASSPHRASE_ENV})")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8470, help="0 = any free port")
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write {pid, port, version} here once serving")
     p.add_argument("--coherence", type=int, choices=[1, 2], default=2,
                    help="coherence_protocol: 2 strong (default), 1 relaxed")
+    p.add_argument("--no-key", action="store_true", help="the cache is not encrypted (tests)")
+    p.add_argument("--wait-s", type=float, default=600.0,
+                   help="how long to wait for the node's key and first parameters")
     return p.parse_args(argv)
 
 
 def _key(args: argparse.Namespace) -> bytes | None:
-    path = args.key_file or args.cache_dir.parent / "kv-cache.key"
-    if not path.exists():
-        if args.key_file is not None:
-            raise SystemExit(f"key file {path} does not exist")
+    """The node's cache key; waits for it (the node's first ClientApp message makes it)."""
+    if args.no_key:
         return None
+    path = args.key_file or args.cache_dir.parent / "kv-cache.key"
+    deadline = time.monotonic() + args.wait_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"key file {path} did not appear within {args.wait_s} s "
+                             "(is the node running? --no-key for an unencrypted cache)")
+        time.sleep(0.2)
     passphrase = os.environ.get(PASSPHRASE_ENV)
     return read_secret_file(path, passphrase.encode() if passphrase else None)
 
@@ -260,7 +268,7 @@ def _key(args: argparse.Namespace) -> bytes | None:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(message)s")
     args = _args(argv)
-    agent = ServingAgent(args.cache_dir, _key(args), mode=Mode(args.coherence))
+    agent = ServingAgent(args.cache_dir, _key(args), mode=Mode(args.coherence), wait_s=args.wait_s)
     server = ServeHTTPServer((args.host, args.port), agent)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     port = server.server_address[1]

@@ -74,3 +74,28 @@ def test_deploy_demo_survives_a_killed_supernode(tmp_path) -> None:
     assert r1["noise_shares_added"] == 1  # a survivor made the dead node's noise share
     assert r1["departed"] and r2["key_rotated"] and r2["key_epoch"] == 1 and r2["num_clients"] == 2
     assert results["provisioning"]["enrollment"] == "pinned"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_deploy_demo_with_a_serving_agent_picks_up_every_version(tmp_path) -> None:
+    """--serve: ``node.serve`` beside SuperNode 0 loads each model version the node writes
+    back (one invalidation per write-back) and its replies move to the new versions."""
+    work = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "federation.deploy", "demo", "--nodes", "2", "--rounds", "3", "--task", "lm",
+         "--serve", "--workdir", str(work)],
+        cwd=REPO, capture_output=True, text=True, timeout=860, stdin=subprocess.DEVNULL,
+    )
+    lines = proc.stdout.strip().splitlines()
+    assert lines, proc.stderr[-4000:]
+    out = json.loads(lines[-1])
+    context = f"{out}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0 and out["rounds_completed"] == 3, context
+    agent = out["serve_agent"]
+    assert agent["started"] and agent["errors"] == [], context
+    assert agent["versions_loaded"] == [0, 1, 2, 3] and agent["invalidations"] == 3, context
+    assert {"1", "2"} <= set(agent["replies_per_version"]), context
+    assert out["leftover_processes"] == 0 and not _processes_mentioning(str(work)), context
+    for r in out["serving_per_round"][1:]:  # every write-back invalidated the prompt's K/V
+        assert r["recomputed_tokens"] > 0 and r["invalidated_blocks"] > 0 and r["ppl"] == r["ppl_fresh"], context
