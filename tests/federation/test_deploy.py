@@ -9,6 +9,7 @@ missed heartbeats (<= 60 s).
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -98,4 +99,4 @@ def test_deploy_demo_with_a_serving_agent_picks_up_every_version(tmp_path) -> No
     assert {"1", "2"} <= set(agent["replies_per_version"]), context
     assert out["leftover_processes"] == 0 and not _processes_mentioning(str(work)), context
     for r in out["serving_per_round"][1:]:  # every write-back invalidated the prompt's K/V
-        assert r["recomputed_tokens"] > 0 and r["invalidated_blocks"] > 0 and r["ppl"] == r["ppl_fresh"], context
+        assert r["recomputed_tokens"] > 0 and r["invalidated_blocks"] > 0 and math.isclose(r["ppl"], r["ppl_fresh"], rel_tol=1e-4), context
