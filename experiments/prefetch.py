@@ -229,6 +229,10 @@ def report(rows: list[dict], results: dict[str, Replay]) -> dict:
     return out
 
 
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.1%}"
+
+
 def summary_md(res: dict, rows: list[dict]) -> str:
     t = res.get("target", {})
     return "\n".join([
@@ -242,7 +246,8 @@ def summary_md(res: dict, rows: list[dict]) -> str:
         "still unused at the end) / prefetched bytes.\n",
         markdown_table(rows, COLUMNS),
         f"\n## Target\n\nbest mode within {TARGET_WASTED:.0%} waste: **{res.get('best_mode')}**, "
-        f"stall reduction {t.get('best_stall_reduction')}, wasted {t.get('best_wasted_fraction')} "
+        f"stall reduction {_pct(t.get('best_stall_reduction'))}, wasted "
+        f"{_pct(t.get('best_wasted_fraction'))} "
         f"(target >= {TARGET_STALL_REDUCTION:.0%} and <= {TARGET_WASTED:.0%}): "
         f"{'met' if t.get('met') else 'NOT met'}.\n",
         "## What the model assumes\n\n"
