@@ -16,11 +16,12 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 
 from cache import KVCache
 from node.model import TinyTransformer
-from node.sessions import Sessions
+from node.sessions import Sessions, TurnResult
 from node.workload import Turn
 
 TIERS = ("hot", "warm", "cold")
@@ -36,6 +37,7 @@ class ServeReport:
     decode_tokens: int = 0
     """Reply tokens generated (one decode step each)."""
     seconds: float = 0.0
+    """Time spent serving turns (the cache-free scoring of ``ppl_fresh`` excluded)."""
     tier_hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     lookups: int = 0
     """Prefix-cache block lookups (hits of any tier + the first miss of each chain)."""
@@ -51,6 +53,11 @@ class ServeReport:
     scored: int = 0
     shape: str = ""
     """Where the session shapes came from: ``mooncake`` (the trace) or ``synthetic``."""
+    turn_ms: list[float] = field(default_factory=list, repr=False)
+    """Wall time of each turn (session creation included for a session's first)."""
+
+    def turn_ms_quantile(self, q: float) -> float:
+        return float(np.quantile(self.turn_ms, q)) if self.turn_ms else math.nan
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -73,7 +80,9 @@ class ServeReport:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(prefix_hit_rate=self.prefix_hit_rate, tokens_per_s=self.tokens_per_s,
+        del d["turn_ms"]
+        d.update(turn_ms_p50=self.turn_ms_quantile(0.5), turn_ms_p99=self.turn_ms_quantile(0.99),
+                 prefix_hit_rate=self.prefix_hit_rate, tokens_per_s=self.tokens_per_s,
                  ppl=self.ppl, ppl_fresh=self.ppl_fresh, tier_hit_rates=self.tier_hit_rates())
         return d
 
@@ -93,6 +102,17 @@ def _fresh_nll(model: TinyTransformer, history: list[int], n: int) -> float:
     return float(torch.nn.functional.cross_entropy(logits[-n - 1 : -1], target, reduction="sum"))
 
 
+def _count(rep: ServeReport, r: TurnResult, model: TinyTransformer, history: bytes) -> None:
+    rep.turns += 1
+    rep.decode_tokens += len(r.reply)
+    rep.recomputed_tokens += r.recomputed
+    rep.prompt_tokens += r.recomputed  # offered to the prefix cache again
+    if r.scored:  # the reply follows the text in the conversation: score the text, not it
+        rep.nll += r.nll
+        rep.nll_fresh += _fresh_nll(model, list(history[: -len(r.reply) or None]), r.scored)
+        rep.scored += r.scored
+
+
 def serve_workload(sessions: Sessions, system_prompt: bytes, turns: list[Turn]) -> ServeReport:
     """Play ``turns`` through ``sessions`` (each session opened on first use, all closed at
     the end, also on an error) and report what serving them cost and hit."""
@@ -101,28 +121,20 @@ def serve_workload(sessions: Sessions, system_prompt: bytes, turns: list[Turn]) 
     rep.recomputed_tokens = cache.stale_prefix_tokens(list(system_prompt))
     rep.invalidated_blocks = cache.take_invalidated()
     ids: dict[int, str] = {}
-    t0 = time.perf_counter()
     try:
         for turn in turns:
+            t0 = time.perf_counter()
             if turn.session not in ids:
                 ids[turn.session] = sessions.create(system_prompt)
                 rep.prompt_tokens += len(system_prompt)
             sid = ids[turn.session]
             r = sessions.turn(sid, turn.text, turn.reply_bytes)
-            rep.turns += 1
-            rep.decode_tokens += len(r.reply)
-            rep.recomputed_tokens += r.recomputed
-            rep.prompt_tokens += r.recomputed  # offered to the prefix cache again
-            if r.scored:
-                # the reply follows the text in the conversation: score the text, not it
-                history = sessions.history(sid)[: -len(r.reply) or None]
-                rep.nll += r.nll
-                rep.nll_fresh += _fresh_nll(model, list(history), r.scored)
-                rep.scored += r.scored
+            rep.turn_ms.append((time.perf_counter() - t0) * 1e3)  # serving only, not scoring
+            _count(rep, r, model, sessions.history(sid))
     finally:
-        rep.seconds = time.perf_counter() - t0
         for sid in ids.values():
             sessions.close(sid)
+    rep.seconds = sum(rep.turn_ms) / 1e3
     after = _counters(cache)
     rep.sessions = len(ids)
     rep.prefix_hit_tokens = after["hit_tokens"] - before["hit_tokens"]
