@@ -50,6 +50,8 @@ from cache.token_arena import TokenArena
 from cache.tunables import TUNABLES, validate_tunable
 
 QUANTIZED = ("int8", "int4")
+PUBLISH_COST_FACTOR = 100
+"""Live snapshots take at most 1/100 of the engine's time (see ``KVCache._publish``)."""
 _log = logging.getLogger("fedkv.cache")
 TAIL_ROOM = 16
 """Decode steps a batch's tail buffer has room for before it is gathered again."""
@@ -847,9 +849,13 @@ class KVCache:
         return old, getattr(self.config, key)
 
     def _publish(self, now_ns: int, *, attached: bool = True) -> None:
+        """Write a snapshot; the next one while operating comes after ``PUBLISH_S`` or 100x
+        this one's cost, whichever is later (``stats()`` walks every block: on a large cache
+        a snapshot a second would cost more than 1 % of the node's time)."""
         if self.live is not None:
-            self._publish_ns = now_ns + int(PUBLISH_S * 1e9)
             self.live.publish(self.stats(), attached=attached)
+            took = perf_counter_ns() - now_ns
+            self._publish_ns = now_ns + max(int(PUBLISH_S * 1e9), PUBLISH_COST_FACTOR * took)
 
     def _go_live(self, directory: str | os.PathLike) -> None:
         try:

@@ -175,3 +175,19 @@ def test_atomic_write_leaves_no_temporary_file_on_failure(tmp_path):
     with pytest.raises(TypeError):
         write_json_atomic(str(tmp_path / "x.json"), {"bad": object()})
     assert os.listdir(tmp_path) == []
+
+
+def test_an_expensive_snapshot_spaces_the_next_ones_out(kv, monkeypatch):
+    from time import perf_counter_ns, sleep
+
+    from cache.control import PUBLISH_S
+    from cache.engine import PUBLISH_COST_FACTOR
+
+    start = perf_counter_ns()
+    kv._publish(start)
+    assert kv._publish_ns - start >= PUBLISH_S * 1e9  # a cheap one: the floor
+    real = kv.stats
+    monkeypatch.setattr(kv, "stats", lambda: (sleep(0.02), real())[1])
+    start = perf_counter_ns()
+    kv._publish(start)
+    assert kv._publish_ns - start >= PUBLISH_COST_FACTOR * 0.02e9
