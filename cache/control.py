@@ -4,7 +4,8 @@ A ``KVCache.open(dir, ...)`` engine owns ``dir/live/`` (mode 0700):
 
 * ``stats.json``: its latest ``stats()`` snapshot with its pid and the wall time it was
   written; published on ``open``, on ``flush()`` and at most every ``PUBLISH_S`` while it runs
-  operations (``attached: false`` once ``close``/``release`` let go of the directory);
+  operations (less often when a snapshot is expensive: at most 1 % of the engine's time;
+  ``attached: false`` once ``close``/``release`` let go of the directory);
 * ``set-<id>.json``: a change request (``{"key", "value"}``) written by ``python -m cache set``;
   the engine looks for requests at an operation boundary at most every ``POLL_S`` (one
   ``os.scandir`` of this small directory), applies each through ``KVCache.set_tunable`` (the
