@@ -94,6 +94,10 @@ class CacheConfig:
     prefetch_degree: int = 2
     """Blocks the prefetcher (``cache/prefetch.py``) moves to hot ahead of use per access;
     0 turns prefetch off."""
+    prefetch_mode: str = "none"
+    """Which prefetcher runs after each prefix lookup of a tiered cache: ``none``,
+    ``sequential`` (the block chain: conversations), ``heat`` (knowledge retrieval),
+    ``hybrid`` or ``lstm`` (measured on the Mooncake trace by experiments.prefetch)."""
     coherence_protocol: int = 2
     """Coherence between agents sharing the cache (``cache/coherence*.py``): 2 = strong MESI
     (a write returns once every holder has invalidated), 1 = relaxed (batched

@@ -41,6 +41,7 @@ from cache.latency import OpLatencies
 from cache.manager import BlockManager
 from cache.policy import POLICIES, EvictionPolicy, make_policy
 from cache.pool import BlockPool
+from cache.prefetch import Prefetcher, make_prefetcher, prefetch_after_lookup
 from cache.prefix import ROOT
 from cache.quant import BlockFormat
 from cache.sparsity import SparsityPolicy
@@ -106,6 +107,8 @@ class KVCache:
         self.tensors = TensorStore()
         self._sessions: dict[int, BlockTable] = {}
         self._next_sid = 0
+        self.prefetcher: Prefetcher | None = None
+        """Made on the first lookup when ``prefetch_mode`` is not ``none`` (``_prefetch``)."""
         self.latency = OpLatencies()
         """Recent durations of lookups and operations (``stats()['latency']``)."""
         self.live: LiveControl | None = None
@@ -245,7 +248,20 @@ class KVCache:
         t.tokens = toks[: t.length]
         t.quant_checked = len(t.blocks) if self.qpool is not None else 0
         m.counters["prefix_hit_tokens"] += t.length
+        self._prefetch([b.hash for b in t.blocks])
         return t.length
+
+    def _prefetch(self, hashes: list[bytes]) -> None:
+        """After a lookup: the prefetcher sees the blocks it touched and moves what it
+        predicts from warm/cold into hot (``cache/prefetch.py``). Built on first use and again
+        when ``prefetch_mode``/``prefetch_degree`` change (a new one learns from scratch)."""
+        c = self.config
+        if c.prefetch_mode == "none" or not c.prefetch_degree or self.blocks.tiers is None:
+            return
+        p = self.prefetcher
+        if p is None or p.name != c.prefetch_mode or p.degree != c.prefetch_degree:
+            p = self.prefetcher = make_prefetcher(c.prefetch_mode, c.prefetch_degree)
+        prefetch_after_lookup(self, p, hashes)
 
     # == writing ===========================================================================
     def reserve(self, sid: int, tokens: Iterable[int]) -> None:
@@ -460,6 +476,8 @@ class KVCache:
         if kept is not t.blocks[bi]:
             t.blocks[bi] = kept
             t.runs = None
+        if self.prefetcher is not None and kept.hash is not None:
+            self.prefetcher.observe(kept.hash)  # a new block: learn the chain into it
 
     def _quantize_old(self, t: BlockTable) -> None:
         limit = (t.length - self.config.fp_window) // self.config.block_size

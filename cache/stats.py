@@ -118,4 +118,5 @@ def cache_stats(kv: "KVCache") -> dict:
         "latency": kv.latency.summary(),
         "context_age_s": kv.context_age_s,
         "tunables": kv.tunables(),
+        "prefetch": kv.prefetcher.stats() if kv.prefetcher is not None else None,
     }

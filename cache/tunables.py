@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from cache.errors import ConfigError
 from cache.policy import POLICIES
+from cache.prefetch import PREFETCH_MODES
 
 COHERENCE_PROTOCOLS = {2: "strong MESI", 1: "relaxed"}
 """``coherence_protocol`` values: 2 = a write returns once every holder invalidated."""
@@ -73,6 +74,8 @@ TUNABLES: dict[str, Tunable] = {
                            "an integer in [1, 1048576]"),
     "prefetch_degree": Tunable(_as_int, lambda v: 0 <= v <= 64,
                                "an integer in [0, 64] (0 = no prefetch)"),
+    "prefetch_mode": Tunable(_as_name, lambda v: v in PREFETCH_MODES,
+                             "one of " + ", ".join(PREFETCH_MODES)),
     "coherence_protocol": Tunable(_as_int, lambda v: v in COHERENCE_PROTOCOLS,
                                   "2 (strong MESI) or 1 (relaxed)"),
     "low_watermark": Tunable(_as_float, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)"),

@@ -98,10 +98,11 @@ def model_layout(task: str, seed: int = 0) -> Layout:
 
 def _kv_config(spec: NodeSpec) -> CacheConfig:
     if spec.task == "lm":
-        # a warm tier as big as the hot pool: evicted prefix blocks stay a hit
-        # the best policy on the Mooncake trace (experiments.eviction)
+        # a warm tier as big as the hot pool: evicted prefix blocks stay a hit; the best
+        # policy (experiments.eviction) and prefetcher (experiments.prefetch) on Mooncake
         return LM_MODEL.cache_config(kv_dtype=spec.kv_dtype, pool_bytes=spec.kv_pool_bytes,
-                                     warm_bytes=spec.kv_pool_bytes, eviction_policy="adaptive")
+                                     warm_bytes=spec.kv_pool_bytes, eviction_policy="adaptive",
+                                     prefetch_mode="sequential")
     # digits has no attention; the engine still holds its parameters and updates
     return CacheConfig(num_layers=1, num_heads=1, head_dim=16, pool_bytes=2 << 20)
 

@@ -314,3 +314,38 @@ def test_prefetch_needs_a_tier_below_hot():
     kv = KVCache(small_config())
     with pytest.raises(PrefetchError, match="no warm tier"):
         prefetch_into_hot(kv, [b"x"])
+
+
+def test_the_engine_prefetches_after_each_lookup_when_a_mode_is_set():
+    """prefetch_mode=sequential: a returning conversation's next blocks come back to hot
+    right after a lookup touches its first ones, so the next lookup finds them hot."""
+    cfg = small_config(block_size=BLOCK, pool_bytes=64 << 10, warm_bytes=64 * BLOCK_BYTES,
+                       low_watermark=0.0, cooldown_s=0.0, prefetch_mode="sequential")
+    kv = KVCache(cfg)
+
+    def run(tokens: list[int]) -> int:
+        sid = kv.open_session()
+        n = kv.match_prefix(sid, tokens)
+        feed(kv, sid, tokens[n:])
+        kv.close_session(sid)
+        return n
+
+    chat = list(range(1000, 1000 + 8 * BLOCK))  # 8 blocks; the chain is learned as they register
+    run(chat)
+    run(list(range((kv.arena.num_blocks - 2) * BLOCK)))  # fills hot: the chat goes to warm
+    assert run(chat[: 2 * BLOCK + 1]) == 2 * BLOCK  # 2 blocks from warm; blocks 3-4 prefetched
+    p = kv.stats()["prefetch"]
+    assert p["mode"] == "sequential" and p["issued"] >= 2
+    chain = [ROOT]
+    for i in range(8):
+        chain.append(block_hash(chain[-1], chat[i * BLOCK : (i + 1) * BLOCK], kv.version))
+    assert [h in kv.blocks.index for h in chain[1:]] == [True] * 4 + [False] * 4  # 3, 4 fetched
+    assert run(chat[: 4 * BLOCK + 1]) == 4 * BLOCK
+    assert kv.stats()["prefetch"]["used"] >= 2  # ... and the lookup used them
+
+
+def test_no_prefetcher_runs_unless_a_mode_is_set():
+    kv = KVCache(small_config(block_size=BLOCK, warm_bytes=8 * BLOCK_BYTES))
+    sid = kv.open_session()
+    kv.match_prefix(sid, list(range(3 * BLOCK)))
+    assert kv.prefetcher is None and kv.stats()["prefetch"] is None

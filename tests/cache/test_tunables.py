@@ -7,13 +7,14 @@ from hypothesis.stateful import rule
 
 from cache import CacheConfig, ConfigError, KVCache
 from cache.policy import POLICIES, ARCPolicy
+from cache.prefetch import PREFETCH_MODES
 from cache.tunables import TUNABLES, UnknownTunableError, validate_tunable
 
 from tests.cache.conftest import feed, small_config
 from tests.cache.test_properties import TightPoolMachine
 
 DEFAULTS = {"warmup_ratio": 0.3, "evict_batch": 16, "prefetch_degree": 2,
-            "coherence_protocol": 2, "low_watermark": 0.2, "cooldown_s": 60.0,
+            "prefetch_mode": "none", "coherence_protocol": 2, "low_watermark": 0.2, "cooldown_s": 60.0,
             "eviction_policy": "lru"}
 
 GOOD = [("warmup_ratio", 0.0, 0.0), ("warmup_ratio", "1", 1.0), ("warmup_ratio", 0.5, 0.5),
@@ -21,7 +22,8 @@ GOOD = [("warmup_ratio", 0.0, 0.0), ("warmup_ratio", "1", 1.0), ("warmup_ratio",
         ("prefetch_degree", "64", 64), ("coherence_protocol", 1, 1),
         ("coherence_protocol", "2", 2), ("low_watermark", 0.0, 0.0),
         ("low_watermark", "0.5", 0.5), ("cooldown_s", 0, 0.0), ("cooldown_s", "2.5", 2.5),
-        *[("eviction_policy", name, name) for name in POLICIES]]
+        *[("eviction_policy", name, name) for name in POLICIES],
+        *[("prefetch_mode", name, name) for name in PREFETCH_MODES]]
 
 BAD = [("warmup_ratio", 1.5), ("warmup_ratio", -0.1), ("warmup_ratio", "nan"),
        ("warmup_ratio", "lots"), ("warmup_ratio", True), ("evict_batch", 0),
@@ -29,7 +31,8 @@ BAD = [("warmup_ratio", 1.5), ("warmup_ratio", -0.1), ("warmup_ratio", "nan"),
        ("evict_batch", None), ("prefetch_degree", -1), ("prefetch_degree", 65),
        ("coherence_protocol", 0), ("coherence_protocol", 3), ("coherence_protocol", "strong"),
        ("low_watermark", 1.0), ("low_watermark", -0.01), ("cooldown_s", -1),
-       ("cooldown_s", "inf"), ("eviction_policy", "fifo"), ("eviction_policy", 3)]
+       ("cooldown_s", "inf"), ("eviction_policy", "fifo"), ("eviction_policy", 3),
+       ("prefetch_mode", "random"), ("prefetch_mode", 2)]
 
 
 def test_defaults_are_the_documented_ones():
