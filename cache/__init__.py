@@ -35,6 +35,7 @@ from cache.errors import (
     UnknownTensorError,
 )
 from cache.sizing import cache_size, cache_size_article
+from cache.tunables import TUNABLES, UnknownTunableError
 
 __all__ = [
     "CacheConfig",
@@ -53,4 +54,6 @@ __all__ = [
     "UnknownTensorError",
     "cache_size",
     "cache_size_article",
+    "TUNABLES",
+    "UnknownTunableError",
 ]

@@ -875,6 +875,17 @@ class KVCache:
             took = perf_counter_ns() - now_ns
             self._publish_ns = now_ns + max(int(PUBLISH_S * 1e9), PUBLISH_COST_FACTOR * took)
 
+    def go_live(self, directory: str | os.PathLike) -> None:
+        """Publish stats and take tunable changes through ``directory/live`` (what
+        ``KVCache.open`` does) for a cache without a store, e.g. a serving agent's."""
+        self._go_live(directory)
+
+    def idle(self) -> None:
+        """A live engine with no operations to do: still take change requests."""
+        now = perf_counter_ns()
+        if now >= self._boundary_ns:
+            self._op_boundary(now)
+
     def _go_live(self, directory: str | os.PathLike) -> None:
         try:
             self.live = LiveControl(directory)

@@ -15,7 +15,8 @@ rolled back and decoded again. Parameters come from the file the trainer publish
 HTTP (JSON, loopback by default): ``POST /v1/sessions`` ``{"system": str}`` -> ``{"session"}``;
 ``POST /v1/sessions/<id>`` ``{"text": str, "max_new_tokens": int}`` -> ``{"reply", "reply_hex",
 "version", "recomputed"}``; ``DELETE /v1/sessions/<id>``; ``GET /v1/stats``. Bad requests get
-400 with ``{"error"}``; the agent goes on.
+400 with ``{"error"}``; the agent goes on. Its cache is live: ``python -m cache stats --dir
+<cache-dir>/serve`` and ``python -m cache set KEY VALUE --dir <cache-dir>/serve``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ from node.tasks import LM_MODEL
 _log = logging.getLogger("fedkv.serve")
 PASSPHRASE_ENV = "FEDKV_NODE_KEY_PASSPHRASE"
 """The node's key-file passphrase variable (the same one the node's ClientApp reads)."""
+LIVE_SUBDIR = "serve"
+"""``python -m cache stats --dir <cache-dir>/serve`` reads (and ``set`` changes) this agent's cache."""
 MAX_BODY = 1 << 16
 MAX_NEW_TOKENS = 128
 
@@ -75,6 +78,7 @@ class ServingAgent:
         self.cache = KVCache(LM_MODEL.cache_config(pool_bytes=8 << 20))
         self.sessions = Sessions(self.model, self.cache)
         self.sessions.before_token = self.check
+        self.cache.go_live(self.cache_dir / LIVE_SUBDIR)  # python -m cache stats|set --dir ...
         self.counters = ServeCounters()
         self.directory = FileDirectory(self.cache_dir / COHERENCE_DIR, mode=mode, timeout_s=timeout_s)
         self.agent = self.directory.join("serve")
@@ -111,11 +115,12 @@ class ServingAgent:
             raise ModelChanged
 
     def idle(self) -> None:
-        """Between requests: the same check, reloading at once."""
+        """Between requests: the same check, reloading at once; tunable changes are taken."""
         try:
             self.check()
         except ModelChanged:
             self._load()
+        self.cache.idle()
 
     def create(self, system: bytes) -> str:
         self.idle()  # the system prompt is prefilled under the newest weights

@@ -141,3 +141,19 @@ def test_bad_requests_get_clear_errors_and_the_agent_goes_on(served):
         _call(port, f"/v1/sessions/{sid}", {"text": "x", "max_new_tokens": 10**6})
     assert info.value.code == 400
     assert _call(port, f"/v1/sessions/{sid}", {"text": "hi", "max_new_tokens": 2})["version"] == 0
+
+
+def test_the_agents_cache_is_read_and_tuned_from_another_process(served, tmp_path):
+    _, port, _ = served
+    sid = _call(port, "/v1/sessions", {"system": "s"})["session"]
+    _call(port, f"/v1/sessions/{sid}", {"text": "hi", "max_new_tokens": 2})
+    live = tmp_path / "kv-cache" / "serve"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cli = [sys.executable, "-m", "cache"]
+    out = subprocess.run([*cli, "set", "evict_batch", "24", "--dir", str(live)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "16" in out.stdout and "24" in out.stdout, out.stdout + out.stderr
+    out = subprocess.run([*cli, "stats", "--dir", str(live)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["stats"]["tunables"]["evict_batch"] == 24
