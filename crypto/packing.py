@@ -21,6 +21,7 @@ per client, pick ``clip_range`` of about 4-5 noise std plus the signal tail
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -36,6 +37,7 @@ __all__ = [
     "pack_fields",
     "unpack_fields",
     "stochastic_quantize",
+    "dequantize",
     "saturate",
     "suggest_clip_range",
 ]
@@ -130,10 +132,16 @@ class PackingConfig:
 
     def fingerprint(self) -> bytes:
         """8 bytes identifying everything that changes the encoding (embedded in ciphertexts)."""
-        public = asdict(self)
-        public.pop("on_saturation")  # a local policy; does not change the encoding
-        blob = json.dumps(public, sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(b"fedkv-packing-v1" + blob).digest()[:8]
+        return _fingerprint(self)
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint(cfg: PackingConfig) -> bytes:
+    """Cached: every encrypt and every parse asks, and asdict + JSON + SHA-256 cost ~4 ms."""
+    public = asdict(cfg)
+    public.pop("on_saturation")  # a local policy; does not change the encoding
+    blob = json.dumps(public, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(b"fedkv-packing-v1" + blob).digest()[:8]
 
 
 def saturate(y: np.ndarray, bound: float) -> tuple[np.ndarray, int]:
@@ -157,6 +165,11 @@ def stochastic_quantize(
     q = fl + (rng.random(u.shape) < (u - fl))
     np.clip(q, 0, contributions * levels, out=q)  # float edge cases only: y was saturated first
     return q.astype(np.int64)
+
+
+def dequantize(q: np.ndarray, clip_range: float, levels: int, contributions: int = 1) -> np.ndarray:
+    """The value a quantized integer stands for: ``q * step - contributions * R``."""
+    return np.asarray(q, dtype=np.float64) * (2.0 * clip_range / levels) - contributions * clip_range
 
 
 def pack_fields(q: np.ndarray, field_bits: int, k: int) -> np.ndarray:
