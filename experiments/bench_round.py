@@ -37,6 +37,7 @@ def summarise(results: dict) -> dict:
             phases[key] = _median(vals)
     last = rounds[-1]
     return {
+        **phase_accounting(rounds),
         "status": results["status"],
         "seconds_per_round": _median(per_round),
         "seconds_per_round_after_first": _median(per_round[1:]),
@@ -48,6 +49,28 @@ def summarise(results: dict) -> dict:
         "final_eval_loss": last["eval_loss"],
         "phase_seconds_median": phases,
         "clients_per_round": [r["num_clients"] for r in rounds],
+    }
+
+
+def phase_accounting(rounds: list[dict]) -> dict:
+    """Medians over rounds of each server phase, each node phase (summed over nodes), the share
+    of the round's wall time the named server phases explain, and of the server's waits the
+    node handlers explain (the rest of a wait is ``transport``: Flower's queues and polling)."""
+    def medians(rows: list[dict]) -> dict:
+        keys = sorted({k for r in rows for k in r})
+        return {k: _median([r.get(k, 0.0) for r in rows]) for k in keys}
+
+    server = [r.get("server_seconds") or {} for r in rounds]
+    explained = [1.0 - s.get("other", 0.0) / r["seconds"]["round"] for s, r in zip(server, rounds)
+                 if r["seconds"].get("round")]
+    waits = [s.get("wait", 0.0) + s.get("eval_wait", 0.0) for s in server]
+    busy = [r["seconds"].get("nodes_busy", 0.0) for r in rounds]
+    return {
+        "server_phase_seconds_median": medians(server),
+        "node_phase_seconds_median": {
+            ph: medians([(r.get("node_seconds") or {}).get(ph, {}) for r in rounds]) for ph in ("train", "evaluate")},
+        "round_wall_explained_by_server_phases": _median(explained),
+        "waits_explained_by_node_handlers": _median([b / w for b, w in zip(busy, waits) if w > 0]),
     }
 
 

@@ -162,6 +162,21 @@ class NodeStore:
             raise ProvisioningError("the node's parameter file for its committed state is missing")
         return np.load(io.BytesIO(read_secret_file(path)), allow_pickle=False)
 
+    def save_residual(self, residual: np.ndarray) -> None:
+        """The error-feedback residual of the node's last update (private: a function of it)."""
+        buf = io.BytesIO()
+        np.save(buf, np.asarray(residual, dtype=np.float64), allow_pickle=False)
+        write_secret_file(self.root / "residual.npy", buf.getvalue())
+
+    def load_residual(self, dim: int) -> np.ndarray:
+        """The residual saved last, or zeros (none yet, or one for another model size)."""
+        path = self.root / "residual.npy"
+        if path.exists():
+            arr = np.load(io.BytesIO(read_secret_file(path)), allow_pickle=False)
+            if arr.shape == (dim,) and np.isfinite(arr).all():
+                return arr
+        return np.zeros(dim, dtype=np.float64)
+
     # -- the node's KV cache ----------------------------------------------------------------
     def cache_dir(self, override: str = "") -> Path:
         """Where the node's KV cache persists (node-config ``cache-dir``, else beside its

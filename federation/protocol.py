@@ -46,15 +46,21 @@ CONFIG = "config"
 UPDATE = "update"
 METRICS = "metrics"
 
+NODE_TRAIN_PHASES = ("restore", "key", "decrypt", "writeback", "train", "encrypt", "sign", "save")
+"""Timed phases of a train handler, sent as ``<phase>-s`` with ``handler-s`` (the whole handler):
+restore the node, load/unwrap the CKKS key and codec, decode aggregates it lacks, write them back,
+train, encode (clip + quantize + encrypt), tag + sign, save the node's state."""
+NODE_EVAL_PHASES = ("restore", "key", "decrypt", "writeback", "eval", "serve", "save")
+"""Timed phases of an evaluate handler (``serve``: the chat turn through the cache)."""
 TRAIN_METRICS = (
     "num-examples", "upload-bytes", "num-values", "weight-capped",
-    "train-s", "encrypt-s", "sign-s", "decrypt-s", "writeback-s", "version", "node-source", "pid",
+    *(f"{p}-s" for p in NODE_TRAIN_PHASES), "handler-s", "version", "node-source", "pid",
     "kv-on-disk",
 )
 """Always sent (``epsilon-sample`` too, with dp-sgd)."""
 TRAIN_METRICS_NON_DP = ("train-loss", "clipped", "delta-norm", "saturated")
 """Functions of private data outside the accounting: sent only with dp-mode none."""
-EVAL_METRICS = ("num-examples", "eval-loss", "eval-metric", "decrypt-s", "writeback-s", "eval-s",
+EVAL_METRICS = ("num-examples", "eval-loss", "eval-metric", *(f"{p}-s" for p in NODE_EVAL_PHASES), "handler-s",
                 "version", "node-source", "pid", "kv-on-disk")
 """``kv-on-disk``: K/V blocks the node's cache found in its directory at warm start."""
 

@@ -234,9 +234,10 @@ def test_he_round_aggregate_equals_plain_fedavg_of_the_same_updates(monkeypatch)
     sent: list[tuple[np.ndarray, float]] = []
     real_encode = CkksClientCodec.encode
 
-    def spy(self, vec, weight, noise=None):
+    def spy(self, vec, weight, noise=None, carry=None):
+        assert carry is None or not np.any(carry)  # error feedback: nothing to carry in round 1
         sent.append((np.asarray(vec, dtype=np.float64).copy(), float(weight)))
-        return real_encode(self, vec, weight, noise)
+        return real_encode(self, vec, weight, noise, carry)
 
     monkeypatch.setattr(CkksClientCodec, "encode", spy)
     fed = he_federation(3, **{"num-server-rounds": 1, "max-weight": 500.0})
