@@ -70,7 +70,15 @@ from crypto.errors import (
     WeightRangeError,
 )
 from crypto.layout import Layout, flatten, to_numpy
-from crypto.packing import PackingConfig, dequantize, pack_fields, saturate, stochastic_quantize, unpack_fields
+from crypto.packing import (
+    PackingConfig,
+    dequantize,
+    dithered_quantize,
+    pack_fields,
+    saturate,
+    stochastic_quantize,
+    unpack_fields,
+)
 from crypto.wire import (
     KIND_AGGREGATE,
     KIND_UPDATE,
@@ -267,13 +275,18 @@ class _Packer:
     def encode_values(self, y: np.ndarray, contributions: int) -> np.ndarray:
         return self.quantize(y, contributions)[0]
 
-    def quantize(self, y: np.ndarray, contributions: int) -> tuple[np.ndarray, np.ndarray]:
-        """(slot parts, the values they stand for): the second is what the sum will contain."""
+    def quantize(self, y: np.ndarray, contributions: int, u: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(slot parts, the values they stand for): the second is what the sum will contain.
+        With a dither `u` (one contribution) the rounding is subtractive-dithered."""
         plan, pk = self.plan, self.plan.packing
         if not plan.packed:
             return y, y
-        q = stochastic_quantize(y, pk.clip_range, pk.levels, self.rng, contributions)
-        sent = dequantize(q, pk.clip_range, pk.levels, contributions)
+        if u is not None:
+            q = dithered_quantize(y, pk.clip_range, pk.levels, u)
+            sent = dequantize(q - u + 0.5, pk.clip_range, pk.levels)
+        else:
+            q = stochastic_quantize(y, pk.clip_range, pk.levels, self.rng, contributions)
+            sent = dequantize(q, pk.clip_range, pk.levels, contributions)
         return pack_fields(q, pk.field_bits, plan.k).astype(np.float64), sent
 
     def assemble(self, header: tuple[float, float], data: np.ndarray, n_values: int) -> np.ndarray:
@@ -351,6 +364,7 @@ class UpdateEncryptor:
         layout: Layout | None = None,
         noise: np.ndarray | None = None,
         carry: np.ndarray | None = None,
+        dither: np.ndarray | None = None,
     ) -> bytes:
         """Encrypt `update` (flat vector or dict of tensors) with client weight `weight`.
 
@@ -359,7 +373,8 @@ class UpdateEncryptor:
         update itself would be scaled down with the weight. `carry` (error feedback: the
         previous round's `last_residual`) is added after the noise. Values then outside the
         packing range are saturated and counted in `last_report.saturated`; what rounding and
-        saturation leave out is `last_residual`.
+        saturation leave out is `last_residual`. `dither` (``crypto.dither``, values in [0, 1))
+        is required exactly when the packing says ``dither=True``.
         """
         plan, pk = self._plan, self.packing
         vec, layout = _as_vector(update, layout)
@@ -384,7 +399,7 @@ class UpdateEncryptor:
         y, saturated = saturate(y, pk.clip_range)
         if saturated and pk.on_saturation == "raise":
             raise SaturationError(f"{saturated} values outside [-{pk.clip_range}, {pk.clip_range}]")
-        data, sent = self._packer.quantize(y, contributions=1)
+        data, sent = self._packer.quantize(y, contributions=1, u=self._checked_dither(dither, vec.shape))
         parts = self._packer.assemble(header, data, vec.shape[0])
         blobs = self._ops.encrypt_parts(parts, plan.scale, symmetric=self.context.is_private)
         env = Envelope(
@@ -402,6 +417,18 @@ class UpdateEncryptor:
         self.total_saturated += saturated
         self.last_residual = wanted - sent
         return out
+
+    def _checked_dither(self, u: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray | None:
+        if not (self.packing.dither and self._plan.packed):
+            if u is not None:
+                raise ParameterError("a dither was given but this packing does not use one")
+            return None
+        if u is None:
+            raise ParameterError("this packing is dithered: encrypt needs dither=crypto.dither.dither(...)")
+        u = np.asarray(u, dtype=np.float64)
+        if u.shape != shape or not np.isfinite(u).all() or u.min(initial=0.0) < 0 or u.max(initial=0.0) >= 1:
+            raise LayoutMismatchError(f"dither must be {shape} values in [0, 1)")
+        return u
 
     def _normalized_weight(self, weight: float) -> float:
         try:
@@ -629,15 +656,19 @@ class AggregateDecryptor:
         return RawAggregate(sums, w_sum, contributions, env.n_updates)
 
     def decrypt(
-        self, data: bytes, layout: Layout | None = None, *, accept: Callable[[np.ndarray], bool] | None = None
+        self, data: bytes, layout: Layout | None = None, *, accept: Callable[[np.ndarray], bool] | None = None,
+        dither_total: np.ndarray | None = None,
     ) -> AggregateResult:
-        """Decrypt an aggregate (or a single update) to the weighted mean (`accept`: see decrypt_raw)."""
+        """Decrypt an aggregate (or a single update) to the weighted mean (`accept`: see decrypt_raw).
+
+        A dithered packing needs `dither_total` (``crypto.dither.dither_total`` of the summands)."""
         raw = self.decrypt_raw(data, layout, accept=accept)
         pk = self.packing
         if raw.weight_sum <= 0:
             raise EmptyAggregateError("weight sum is zero: no client weight in this aggregate")
-        if self._plan.packed:  # undo the per-contribution offset R
-            total = raw.sums * pk.step - pk.clip_range * raw.contributions
+        if self._plan.packed:  # undo the per-contribution offset R (and the dithers)
+            sums = raw.sums - self._checked_total(dither_total, raw.sums.shape)
+            total = sums * pk.step - pk.clip_range * raw.contributions
         else:
             total = raw.sums
         return AggregateResult(total / raw.weight_sum, raw.weight_sum * pk.max_weight, raw.contributions, raw.n_updates)
@@ -648,6 +679,18 @@ class AggregateDecryptor:
         """Weighted mean as a flat vector, or unflattened into named tensors if `layout` given."""
         mean = self.decrypt(data, layout).mean
         return layout.unflatten(mean, as_torch=as_torch) if layout is not None else mean
+
+    def _checked_total(self, total: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray | float:
+        if not self.packing.dither:
+            if total is not None:
+                raise ParameterError("a dither total was given but this packing does not use one")
+            return 0.0
+        if total is None:
+            raise ParameterError("this packing is dithered: decrypt needs dither_total=crypto.dither.dither_total(...)")
+        total = np.asarray(total, dtype=np.float64)
+        if total.shape != shape or not np.isfinite(total).all():
+            raise LayoutMismatchError(f"dither_total must be {shape} finite values")
+        return total
 
     def _check_header(self, w_sum: float, contributions: int) -> None:
         if not (1 <= contributions <= self.packing.max_clients) or not (

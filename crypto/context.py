@@ -310,6 +310,16 @@ class CkksContext:
         info = b"fedkv-aggregate-mac-v1" + self.key_id
         return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(self.secret_bytes())
 
+    @property
+    def dither_key(self) -> bytes:
+        """32-byte key of the quantization dither (``crypto.dither``), from the secret envelope
+        like ``mac_key`` (another HKDF label): key holders share it, the server cannot derive it."""
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+        info = b"fedkv-dither-v1" + self.key_id
+        return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(self.secret_bytes())
+
     def public(self) -> CkksContext:
         """A public-only copy (same key_id)."""
         return load_context(self.public_bytes())

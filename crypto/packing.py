@@ -38,6 +38,7 @@ __all__ = [
     "unpack_fields",
     "stochastic_quantize",
     "dequantize",
+    "dithered_quantize",
     "saturate",
     "suggest_clip_range",
 ]
@@ -68,6 +69,10 @@ class PackingConfig:
     max_clients: int = 32
     max_weight: float = 1.0
     on_saturation: Literal["count", "raise"] = "count"
+    dither: bool = False
+    """Subtractive dither instead of stochastic rounding (``crypto.dither``): every client
+    passes ``dither=`` to encrypt, every decoder the summands' ``dither_total``. For
+    dp-mode distributed, where the rounding error must not depend on a client's data."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("none", "packed"):
@@ -82,6 +87,18 @@ class PackingConfig:
             raise ParameterError(f"max_weight must be finite and > 0, not {self.max_weight!r}")
         if self.on_saturation not in ("count", "raise"):
             raise ParameterError("on_saturation must be 'count' or 'raise'")
+
+    @classmethod
+    def dense(cls, slot_bits: int, max_clients: int, values_per_part: int = 5, **kwargs: object) -> PackingConfig:
+        """The packing that puts `values_per_part` values in each `slot_bits`-bit slot part with
+        headroom for exactly `max_clients` contributions: bits = slot_bits // values_per_part -
+        headroom. Why: bytes per parameter are 8 / values_per_part (5: 1.6 B, 0.4x fp32); the
+        coarser grid is paid back over rounds by error feedback (``UpdateEncryptor`` ``carry``)."""
+        headroom = (max_clients - 1).bit_length()
+        bits = slot_bits // values_per_part - headroom
+        if bits < 1:
+            raise ParameterError(f"{values_per_part} values of {headroom} headroom bits do not fit {slot_bits} bits")
+        return cls(mode="packed", bits=bits, max_clients=max_clients, **kwargs)  # type: ignore[arg-type]
 
     # --- derived quantities ---
     @property
@@ -164,6 +181,15 @@ def stochastic_quantize(
     fl = np.floor(u)
     q = fl + (rng.random(u.shape) < (u - fl))
     np.clip(q, 0, contributions * levels, out=q)  # float edge cases only: y was saturated first
+    return q.astype(np.int64)
+
+
+def dithered_quantize(y: np.ndarray, clip_range: float, levels: int, u: np.ndarray) -> np.ndarray:
+    """``floor((y + R)/step + u)`` in [0, levels]: with u ~ U[0, 1) the error of ``q - u + 1/2``
+    is uniform and independent of y (``crypto.dither``)."""
+    step = 2.0 * clip_range / levels
+    q = np.floor((np.asarray(y, dtype=np.float64) + clip_range) / step + u)
+    np.clip(q, 0, levels, out=q)  # float edge cases only: y was saturated first
     return q.astype(np.int64)
 
 

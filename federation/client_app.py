@@ -38,6 +38,7 @@ from crypto import (
     last_modulus,
     noise_std,
 )
+from crypto.dither import dither, dither_total
 from federation import node_host, protocol, provisioning
 from federation.codec import ClientCodec, client_weight, make_client_codec, packing_for
 from federation.config import RunConfig
@@ -145,7 +146,8 @@ def train(msg: Message, context: Context) -> Message:
             feedback = _uses_error_feedback(cfg)
             store = NodeStore.for_context(context)
             carry = store.load_residual(int(delta.shape[0])) if feedback else None
-            payload = codec.encode(delta, weight, carry=carry) if feedback else codec.encode(delta, weight)
+            u = _dither(cfg, context, ctx, server_round, epoch, KIND_UPDATE, int(delta.shape[0]))
+            payload = codec.encode(delta, weight, carry=carry, dither=u) if cfg.he else codec.encode(delta, weight)
         with timer.phase("sign"):
             blob = _signed(cfg, context, server_round, payload, epoch, ctx, KIND_UPDATE, node.layout.size)
         with timer.phase("save"):
@@ -180,6 +182,13 @@ def train(msg: Message, context: Context) -> Message:
     return Message(content, reply_to=msg)
 
 
+def _dither(cfg: RunConfig, context: Context, ctx: Any, rnd: int, epoch: int, kind: int, dim: int) -> np.ndarray | None:
+    """This contribution's quantization dither (``crypto.dither``) when the packing uses one."""
+    if ctx is None or not packing_for(cfg, dim).dither:
+        return None
+    return dither(ctx.dither_key, int(context.run_id), rnd, epoch, str(context.node_id), kind, dim)
+
+
 def _uses_error_feedback(cfg: RunConfig) -> bool:
     """Error feedback runs with he=true, packed, and not under distributed DP (crypto.privacy)."""
     return cfg.he and cfg.packing == "packed" and cfg.error_feedback and cfg.dp_mode != "distributed"
@@ -209,7 +218,8 @@ def noise(msg: Message, context: Context) -> Message:
     std = noise_std(cfg.noise_multiplier, cfg.clip_norm, "distributed", sampled) * math.sqrt(shares)
     rng = np.random.default_rng()
     dim = node.layout.size
-    payload = codec.encode(np.zeros(dim, dtype=np.float32), 0.0, noise=rng.normal(0.0, std, dim))
+    payload = codec.encode(np.zeros(dim, dtype=np.float32), 0.0, noise=rng.normal(0.0, std, dim),
+                           dither=_dither(cfg, context, ctx, rnd, epoch, KIND_NOISE, dim))
     blob = _signed(cfg, context, rnd, payload, epoch, ctx, KIND_NOISE, dim)
     return Message(RecordDict({protocol.UPDATE: ArrayRecord({"update": protocol.bytes_to_array(blob)})}), reply_to=msg)
 
@@ -291,7 +301,11 @@ def _open(cfg: RunConfig, context: Context, dim: int, blob: bytes, manifest: byt
         with timer.phase("decrypt"):
             if ciphertext_info(blob)["n_updates"] != len(m.entries):
                 raise AggregateRejected()
-            return codec.decode_mean(blob, accept=lambda coeffs: mac.check(coeffs, m)), m.round
+            total = None
+            if packing_for(cfg, dim).dither:
+                total = dither_total(ctx.dither_key, m.run_id, m.round, m.epoch,
+                                     [(e.node_id, e.kind) for e in m.entries], dim)
+            return codec.decode_mean(blob, accept=lambda coeffs: mac.check(coeffs, m), dither_total=total), m.round
     except Exception:  # noqa: BLE001 - one answer for every reason, chained to nothing
         raise AggregateRejected() from None
 

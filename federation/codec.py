@@ -20,7 +20,8 @@ which refuses a context holding a secret key. Every ``crypto.CryptoError`` becom
 The public encoding parameters (``packing_for``), identical on every node and the server
 because they are a function of the run config and the model size only:
 
-* mode = ``packing``, bits = ``packing-bits``, max_clients = ``max-clients``;
+* mode = ``packing``, bits = ``packing-bits``, max_clients = ``max-clients``; dither under
+  dp-mode distributed (``crypto.dither``: the rounding error does not depend on the data);
 * max_weight = 1 under DP (every client has weight 1: the sensitivity analysis assumes
   equal weights), ``max-weight`` with dp-mode=none (weight = min(num_examples, max-weight));
 * clip_range R = ``packing-range`` if > 0, else derived: updates are L2-clipped to C =
@@ -225,6 +226,7 @@ def packing_for(cfg: RunConfig, dim: int) -> PackingConfig:
             clip_range=float(clip_range),
             max_clients=cfg.max_clients,
             max_weight=client_max_weight(cfg),
+            dither=cfg.dp_mode == "distributed",  # rounding independent of the data (crypto.dither)
         )
     except ParameterError as err:
         raise ValueError(f"bad run config: packing parameters rejected by crypto: {err}") from None
@@ -283,12 +285,13 @@ class CkksClientCodec:
             raise _codec_error(err) from err
 
     def encode(self, vec: np.ndarray, weight: float, noise: np.ndarray | None = None,
-               carry: np.ndarray | None = None) -> bytes:
+               carry: np.ndarray | None = None, dither: np.ndarray | None = None) -> bytes:
         """Encrypt ``vec`` with FedAvg weight ``weight`` (<= packing.max_weight).
 
         ``noise`` is added after the weight pre-scale (crypto's place for distributed-DP
         shares under unequal weights); unused while DP runs use equal weights. ``carry`` is the
-        error-feedback residual of this node's previous update (``residual`` after the call).
+        error-feedback residual of this node's previous update (``residual`` after the call);
+        ``dither`` this contribution's ``crypto.dither.dither`` when the packing is dithered.
         """
         from crypto.errors import CryptoError
 
@@ -296,7 +299,7 @@ class CkksClientCodec:
         if vec.shape != (self.dim,):
             raise CodecError(f"update has shape {vec.shape}, expected ({self.dim},)")
         try:
-            blob = self._enc.encrypt(vec, weight, noise=noise, carry=carry)
+            blob = self._enc.encrypt(vec, weight, noise=noise, carry=carry, dither=dither)
         except CryptoError as err:
             raise _codec_error(err) from err
         self.residual = self._enc.last_residual
@@ -304,13 +307,15 @@ class CkksClientCodec:
         self.saturated = int(report.saturated) if report is not None else 0
         return blob
 
-    def decode_mean(self, blob: bytes, accept: Callable[[np.ndarray], bool] | None = None) -> np.ndarray:
+    def decode_mean(self, blob: bytes, accept: Callable[[np.ndarray], bool] | None = None,
+                    dither_total: np.ndarray | None = None) -> np.ndarray:
         """The weighted mean of an aggregate; `accept` checks its ciphertext coefficients first
-        (``crypto.AggregateMac.check``), on the ciphertexts decryption then uses."""
+        (``crypto.AggregateMac.check``), on the ciphertexts decryption then uses; a dithered
+        packing needs the summands' ``dither_total``."""
         from crypto.errors import CryptoError
 
         try:
-            result = self._dec.decrypt(bytes(blob), accept=accept)
+            result = self._dec.decrypt(bytes(blob), accept=accept, dither_total=dither_total)
         except CryptoError as err:
             raise _codec_error(err) from err
         if result.mean.shape != (self.dim,):

@@ -165,7 +165,7 @@ class NodeStore:
     def save_residual(self, residual: np.ndarray) -> None:
         """The error-feedback residual of the node's last update (private: a function of it)."""
         buf = io.BytesIO()
-        np.save(buf, np.asarray(residual, dtype=np.float64), allow_pickle=False)
+        np.save(buf, np.asarray(residual, dtype=np.float32), allow_pickle=False)  # half the bytes; error << a step
         write_secret_file(self.root / "residual.npy", buf.getvalue())
 
     def load_residual(self, dim: int) -> np.ndarray:
@@ -174,7 +174,7 @@ class NodeStore:
         if path.exists():
             arr = np.load(io.BytesIO(read_secret_file(path)), allow_pickle=False)
             if arr.shape == (dim,) and np.isfinite(arr).all():
-                return arr
+                return arr.astype(np.float64)
         return np.zeros(dim, dtype=np.float64)
 
     # -- the node's KV cache ----------------------------------------------------------------

@@ -163,8 +163,9 @@ class OpaqueFedAvg:
     def _close_books(rec: RoundRecord, timer: PhaseTimer) -> None:
         """Round wall time, server phases + their remainder, and the time the two waits spent
         outside any node handler (Flower's queues and polling: ``transport``)."""
-        rec.seconds["round"] = timer.total
-        rec.server_seconds = {**timer.seconds, "other": timer.other()}
+        total = timer.total
+        rec.seconds["round"] = total
+        rec.server_seconds = {**timer.seconds, "other": timer.other(total)}
         waited = timer.seconds.get("wait", 0.0) + timer.seconds.get("eval_wait", 0.0)
         busy = sum(rec.node_seconds.get(k, {}).get("handler", 0.0) for k in ("train", "evaluate"))
         rec.seconds["nodes_busy"] = busy

@@ -38,6 +38,7 @@ class PhaseTimer:
         """Seconds since the timer was made."""
         return time.perf_counter() - self._start
 
-    def other(self) -> float:
-        """Seconds of ``total`` outside every named phase (never negative)."""
-        return max(0.0, self.total - sum(self.seconds.values()))
+    def other(self, total: float | None = None) -> float:
+        """Seconds of ``total`` (default: now) outside every named phase (never negative)."""
+        total = self.total if total is None else total
+        return max(0.0, total - sum(self.seconds.values()))
