@@ -49,6 +49,7 @@ def summarise(results: dict) -> dict:
         "final_eval_loss": last["eval_loss"],
         "phase_seconds_median": phases,
         "clients_per_round": [r["num_clients"] for r in rounds],
+        "encoding": {k: results.get("encoding", {}).get(k) for k in ("preset", "bits", "clip_range", "max_clients")},
     }
 
 
@@ -83,10 +84,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--repeats", type=int, default=None, help="runs per mode (default 2 quick, 4 full)")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--packing-bits", type=int, default=5,
+                   help="he run: bits per value (default 5: 5 values per 40-bit slot part with 3 headroom bits)")
+    p.add_argument("--max-clients", type=int, default=None,
+                   help="he run: packing headroom in contributions (default: --nodes, the real number of contributors)")
+    p.add_argument("--error-feedback", type=int, choices=(0, 1), default=1, help="he run: carry residuals (default 1)")
     args = p.parse_args(argv)
     repeats = args.repeats or (2 if args.quick else 4)
     common = {"task": args.task, "num-server-rounds": args.rounds, "seed": args.seed,
               "dp-mode": "local", "noise-multiplier": 0.0, "clip-norm": 1.0, "min-clients": 2}
+    encoding = {"packing-bits": args.packing_bits, "max-clients": args.max_clients or args.nodes,
+                "error-feedback": bool(args.error_feedback)}
     print(f"bench_round: {args.nodes} nodes x {args.rounds} rounds, task {args.task}, "
           f"{repeats} run(s) per mode; expect ~{35 * 2 * repeats} s", file=sys.stderr)
     out: dict[str, list[dict]] = {"plain": [], "he": []}
@@ -95,7 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
             flwr_sandbox(Path(tmp)) as box:
         for i in range(repeats):
             for mode in ("plain", "he"):
-                rc = {**common, "he": mode == "he", "results-dir": str(Path(tmp) / f"{mode}-{i}")}
+                rc = {**common, **(encoding if mode == "he" else {}), "he": mode == "he",
+                      "results-dir": str(Path(tmp) / f"{mode}-{i}")}
                 run = box.run(args.nodes, rc)
                 if run.results_path is None:
                     raise SystemExit(f"{mode} run wrote no results (exit {run.returncode}):\n"
@@ -124,6 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
             m: med(m, "upload_bytes_per_client_per_round") for m in out},
         "final_metric": {m: med(m, "final_metric") for m in out},
         "metric": out["he"][0]["metric"],
+        "he_encoding": {**encoding, **out["he"][0].get("encoding", {})},
     }
     sp, up, fm = (result["seconds_per_round"], result["upload_bytes_per_client_per_round"],
                   result["final_metric"])
