@@ -119,17 +119,17 @@ def _zstd_raw_frame(frame: memoryview) -> bytes | None:
 
 
 def _mod_sum(x: np.ndarray, q: int) -> int:
-    """sum(x) mod q for x < 2^60 without overflow: sums of 8 values < 2^60 stay below 2^63,
-    reduced mod q and summed again until one value is left (vectorized: a Python loop over the
+    """sum(x) mod q for x < 2^60 and q < 2^60 without overflow: sums of 8 values < 2^60 stay
+    below 2^63, reduced mod q and summed again until one value is left (vectorized: a Python loop over the
     partial sums cost ~10 ms per tag on ``lm``)."""
     qq = np.uint64(q)
-    x = np.asarray(x, dtype=np.uint64) % qq
+    x = np.asarray(x, dtype=np.uint64)
     while x.shape[0] > 1:
         pad = (-x.shape[0]) % 8
         if pad:
             x = np.concatenate([x, np.zeros(pad, dtype=np.uint64)])
         x = x.reshape(-1, 8).sum(axis=1, dtype=np.uint64) % qq
-    return int(x[0]) if x.shape[0] else 0
+    return int(x[0]) % q if x.shape[0] else 0
 
 
 def _inner(c: np.ndarray, r: np.ndarray, q: int) -> int:

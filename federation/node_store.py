@@ -21,13 +21,14 @@ from __future__ import annotations
 import io
 import json
 import os
+import tempfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from crypto import CkksContext, NodeKeys, load_context, read_secret_file, write_public_file, write_secret_file
+from crypto import CkksContext, NodeKeys, load_context, read_secret_file, seal, write_public_file, write_secret_file
 from crypto.errors import CryptoError
 
 if TYPE_CHECKING:
@@ -163,10 +164,23 @@ class NodeStore:
         return np.load(io.BytesIO(read_secret_file(path)), allow_pickle=False)
 
     def save_residual(self, residual: np.ndarray) -> None:
-        """The error-feedback residual of the node's last update (private: a function of it)."""
+        """The error-feedback residual of the node's last update (private: a function of it).
+
+        Framed and mode 0600 like the parameter files, replaced atomically but not fsync'ed: a
+        residual lost in a crash costs at most a step of accuracy once, while the fsync cost
+        ~8 ms of every lm round."""
         buf = io.BytesIO()
         np.save(buf, np.asarray(residual, dtype=np.float32), allow_pickle=False)  # half the bytes; error << a step
-        write_secret_file(self.root / "residual.npy", buf.getvalue())
+        path = self.root / "residual.npy"
+        fd, tmp = tempfile.mkstemp(prefix=".residual.", dir=self.root)
+        try:
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(seal(buf.getvalue(), None))
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     def load_residual(self, dim: int) -> np.ndarray:
         """The residual saved last, or zeros (none yet, or one for another model size)."""
