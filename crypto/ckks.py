@@ -15,9 +15,13 @@ Round trip (every party holds the same public `PackingConfig`):
    decrypted weight sum.
 
 Why it is small: a seeded last-level ciphertext at N=4096 is 32,972 bytes for 2,048 complex
-slots = 4,096 slot parts; packed, each part holds three 13-bit fields (8-bit value + 5 bits of
-headroom for 32 contributions), so 12,288 parameters per ciphertext = 2.69 bytes/param (0.67x
-fp32). Mode "none" carries one real per part: 8.07 bytes/param.
+slots = 4,096 slot parts of 40 exact bits. Packed with headroom for 32 contributions, each part
+holds three 13-bit fields (8-bit value + 5 bits): 2.69 bytes/param (0.67x fp32). With headroom
+sized to the real contributors and 5 values per part (``PackingConfig.dense``: 5 nodes, 5-bit
+values + 3 bits) it is 1.61 bytes/param (0.40x), the coarser grid paid back over rounds by error
+feedback (`carry`). A model that fits one N=2048 ciphertext (``preset_for``: one 54-bit prime,
+16.5 KB, 2,048 parts of 35 bits) uploads less than its fp32 plaintext. Mode "none" carries one
+real per part: 8.07 bytes/param.
 
 SEAL objects are driven through `tenseal.sealapi` because the high-level `ckks_vector` neither
 exposes complex slots nor keeps the symmetric seed.

@@ -140,6 +140,14 @@ class PackingConfig:
         itself is rounded away exactly.
         none: CKKS noise only; < 2^-(real_scale_bits-20) / weight_sum (~1e-6/W at 2^40;
         measured ~1e-8).
+
+        With error feedback (each client passes its ``last_residual`` as the next ``carry``) the
+        per-round error is the same, but it does not accumulate: what one round leaves out the
+        next sends, so over any number of rounds the running sum of decrypted means differs from
+        the running sum of true means by the clients' last residuals only — < step per client
+        and coordinate without saturation, i.e. still < step * contributions / weight_sum
+        (``tests/crypto/test_error_feedback.py``). With ``dither`` each client's error is
+        uniform on one step (< step/2 in absolute value), independent of the value.
         """
         if weight_sum <= 0:
             return math.inf
