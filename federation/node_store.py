@@ -183,12 +183,16 @@ class NodeStore:
             raise
 
     def load_residual(self, dim: int) -> np.ndarray:
-        """The residual saved last, or zeros (none yet, or one for another model size)."""
+        """The residual saved last, or zeros: none yet, one for another model size, or a file that
+        does not read back (torn by a crash: it was not fsync'ed). A lost residual costs at most a
+        step of accuracy once; refusing to train would cost the node's round."""
         path = self.root / "residual.npy"
-        if path.exists():
+        try:
             arr = np.load(io.BytesIO(read_secret_file(path)), allow_pickle=False)
-            if arr.shape == (dim,) and np.isfinite(arr).all():
-                return arr.astype(np.float64)
+        except (OSError, ValueError, EOFError, CryptoError):
+            return np.zeros(dim, dtype=np.float64)
+        if arr.shape == (dim,) and np.issubdtype(arr.dtype, np.floating) and np.isfinite(arr).all():
+            return arr.astype(np.float64)
         return np.zeros(dim, dtype=np.float64)
 
     # -- the node's KV cache ----------------------------------------------------------------

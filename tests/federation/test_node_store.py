@@ -17,3 +17,13 @@ def test_residual_round_trips_privately(tmp_path) -> None:
     assert not np.any(store.load_residual(11))  # another model size: not carried
     store.save_residual(np.full(10, np.nan))
     assert not np.any(store.load_residual(10))  # a non-finite residual is not carried either
+
+
+def test_a_torn_or_foreign_residual_file_is_not_carried(tmp_path) -> None:
+    store = NodeStore(tmp_path, "n1")
+    store.save_residual(np.ones(10))
+    path = tmp_path / "residual.npy"
+    path.write_bytes(path.read_bytes()[:40])  # torn
+    assert not np.any(store.load_residual(10))
+    path.write_bytes(b"not a residual")
+    assert not np.any(store.load_residual(10))
