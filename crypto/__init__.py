@@ -10,6 +10,8 @@ from crypto.ckks import (
     ciphertext_coefficients,
     ciphertext_info,
     last_modulus,
+    preset_for,
+    update_bytes_estimate,
 )
 from crypto.at_rest import read_secret_file, seal, unseal, write_public_file, write_secret_file
 from crypto.binding import KIND_NOISE, KIND_UPDATE, AggregateMac, Manifest, ManifestEntry
@@ -63,6 +65,8 @@ __all__ = [
     "NO_KEY_ID",
     "ciphertext_coefficients",
     "last_modulus",
+    "preset_for",
+    "update_bytes_estimate",
     "load_public_context",
     "read_secret_file",
     "seal",

@@ -15,9 +15,13 @@ Round trip (every party holds the same public `PackingConfig`):
    decrypted weight sum.
 
 Why it is small: a seeded last-level ciphertext at N=4096 is 32,972 bytes for 2,048 complex
-slots = 4,096 slot parts; packed, each part holds three 13-bit fields (8-bit value + 5 bits of
-headroom for 32 contributions), so 12,288 parameters per ciphertext = 2.69 bytes/param (0.67x
-fp32). Mode "none" carries one real per part: 8.07 bytes/param.
+slots = 4,096 slot parts of 40 exact bits. Packed with headroom for 32 contributions, each part
+holds three 13-bit fields (8-bit value + 5 bits): 2.69 bytes/param (0.67x fp32). With headroom
+sized to the real contributors and 5 values per part (``PackingConfig.dense``: 5 nodes, 5-bit
+values + 3 bits) it is 1.61 bytes/param (0.40x), the coarser grid paid back over rounds by error
+feedback (`carry`). A model that fits one N=2048 ciphertext (``preset_for``: one 54-bit prime,
+16.5 KB, 2,048 parts of 35 bits) uploads less than its fp32 plaintext. Mode "none" carries one
+real per part: 8.07 bytes/param.
 
 SEAL objects are driven through `tenseal.sealapi` because the high-level `ckks_vector` neither
 exposes complex slots nor keeps the symmetric seed.
@@ -33,7 +37,8 @@ decrypted mean must not be shown to the server in raw form.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +58,7 @@ from crypto.context import (
     seal_save,
 )
 from crypto.errors import (
+    AggregateRejectedError,
     ContextMismatchError,
     DecryptionError,
     EmptyAggregateError,
@@ -68,7 +74,15 @@ from crypto.errors import (
     WeightRangeError,
 )
 from crypto.layout import Layout, flatten, to_numpy
-from crypto.packing import PackingConfig, pack_fields, saturate, stochastic_quantize, unpack_fields
+from crypto.packing import (
+    PackingConfig,
+    dequantize,
+    dithered_quantize,
+    pack_fields,
+    saturate,
+    stochastic_quantize,
+    unpack_fields,
+)
 from crypto.wire import (
     KIND_AGGREGATE,
     KIND_UPDATE,
@@ -98,8 +112,11 @@ __all__ = [
     "CkksAggregator",
     "AggregateDecryptor",
     "ciphertext_info",
+    "preset_for",
+    "update_bytes_estimate",
 ]
 
+AGGREGATOR_PHASES = ("parse", "deserialize", "add", "serialize")
 _HEADER_PARTS = 2  # slot part 0: weight sum, part 1: contribution count
 _NOISE_MARGIN = 0.3  # max |decoded - nearest integer| accepted for packed parts (measured < 0.1)
 
@@ -260,11 +277,21 @@ class _Packer:
         self.rng = rng
 
     def encode_values(self, y: np.ndarray, contributions: int) -> np.ndarray:
+        return self.quantize(y, contributions)[0]
+
+    def quantize(self, y: np.ndarray, contributions: int, u: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(slot parts, the values they stand for): the second is what the sum will contain.
+        With a dither `u` (one contribution) the rounding is subtractive-dithered."""
         plan, pk = self.plan, self.plan.packing
         if not plan.packed:
-            return y
-        q = stochastic_quantize(y, pk.clip_range, pk.levels, self.rng, contributions)
-        return pack_fields(q, pk.field_bits, plan.k).astype(np.float64)
+            return y, y
+        if u is not None:
+            q = dithered_quantize(y, pk.clip_range, pk.levels, u)
+            sent = dequantize(q - u + 0.5, pk.clip_range, pk.levels)
+        else:
+            q = stochastic_quantize(y, pk.clip_range, pk.levels, self.rng, contributions)
+            sent = dequantize(q, pk.clip_range, pk.levels, contributions)
+        return pack_fields(q, pk.field_bits, plan.k).astype(np.float64), sent
 
     def assemble(self, header: tuple[float, float], data: np.ndarray, n_values: int) -> np.ndarray:
         n_ct = self.plan.n_ciphertexts(n_values)
@@ -297,6 +324,15 @@ def _as_vector(update: Any, layout: Layout | None) -> tuple[np.ndarray, Layout |
     return vec, layout
 
 
+def _checked_carry(carry: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    carry = np.asarray(carry, dtype=np.float64)
+    if carry.shape != shape:
+        raise LayoutMismatchError(f"carry shape {carry.shape} != update shape {shape}")
+    if not np.isfinite(carry).all():
+        raise NonFiniteUpdateError("carry (error-feedback residual) contains NaN or Inf")
+    return carry
+
+
 class UpdateEncryptor:
     """Client side: encrypt one flat update (pre-scaled by its weight) into bytes.
 
@@ -319,6 +355,10 @@ class UpdateEncryptor:
         self._packer = _Packer(self._plan, rng if rng is not None else np.random.default_rng())
         self.last_report: EncryptReport | None = None
         self.total_saturated = 0
+        self.last_residual: np.ndarray | None = None
+        """What the last `encrypt` did not send (pre-scaled domain): the value it was to encode
+        minus the value its ciphertext stands for (rounding + saturation). Error feedback passes
+        it as the next round's `carry`."""
 
     def encrypt(
         self,
@@ -327,13 +367,18 @@ class UpdateEncryptor:
         *,
         layout: Layout | None = None,
         noise: np.ndarray | None = None,
+        carry: np.ndarray | None = None,
+        dither: np.ndarray | None = None,
     ) -> bytes:
         """Encrypt `update` (flat vector or dict of tensors) with client weight `weight`.
 
         `noise` (same length) is added *after* the weight pre-scale, before quantization: the
         right place for distributed-DP shares when weights differ, because noise added to the
-        update itself would be scaled down with the weight. Values then outside the packing range
-        are saturated and counted in `last_report.saturated`.
+        update itself would be scaled down with the weight. `carry` (error feedback: the
+        previous round's `last_residual`) is added after the noise. Values then outside the
+        packing range are saturated and counted in `last_report.saturated`; what rounding and
+        saturation leave out is `last_residual`. `dither` (``crypto.dither``, values in [0, 1))
+        is required exactly when the packing says ``dither=True``.
         """
         plan, pk = self._plan, self.packing
         vec, layout = _as_vector(update, layout)
@@ -352,10 +397,13 @@ class UpdateEncryptor:
             if not np.isfinite(noise).all():
                 raise NonFiniteUpdateError("noise contains NaN or Inf")
             y = y + noise
+        if carry is not None:
+            y = y + _checked_carry(carry, vec.shape)
+        wanted = y
         y, saturated = saturate(y, pk.clip_range)
         if saturated and pk.on_saturation == "raise":
             raise SaturationError(f"{saturated} values outside [-{pk.clip_range}, {pk.clip_range}]")
-        data = self._packer.encode_values(y, contributions=1)
+        data, sent = self._packer.quantize(y, contributions=1, u=self._checked_dither(dither, vec.shape))
         parts = self._packer.assemble(header, data, vec.shape[0])
         blobs = self._ops.encrypt_parts(parts, plan.scale, symmetric=self.context.is_private)
         env = Envelope(
@@ -371,7 +419,20 @@ class UpdateEncryptor:
         out = pack_envelope(env)
         self.last_report = EncryptReport(vec.shape[0], len(blobs), len(out), saturated, w)
         self.total_saturated += saturated
+        self.last_residual = wanted - sent
         return out
+
+    def _checked_dither(self, u: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray | None:
+        if not (self.packing.dither and self._plan.packed):
+            if u is not None:
+                raise ParameterError("a dither was given but this packing does not use one")
+            return None
+        if u is None:
+            raise ParameterError("this packing is dithered: encrypt needs dither=crypto.dither.dither(...)")
+        u = np.asarray(u, dtype=np.float64)
+        if u.shape != shape or not np.isfinite(u).all() or u.min(initial=0.0) < 0 or u.max(initial=0.0) >= 1:
+            raise LayoutMismatchError(f"dither must be {shape} values in [0, 1)")
+        return u
 
     def _normalized_weight(self, weight: float) -> float:
         try:
@@ -417,6 +478,9 @@ class CkksAggregator:
         self.count = 0  # client updates added
         self.noise_shares = 0  # server noise shares added
         self.noise_saturated = 0
+        self.seconds = dict.fromkeys(AGGREGATOR_PHASES, 0.0)
+        """Where `add` and `result` spent their time, summed over calls (the results JSON's
+        server phases): header checks, SEAL load + validation, homomorphic add, serialization."""
 
     @property
     def contributions(self) -> int:
@@ -424,14 +488,20 @@ class CkksAggregator:
 
     def add(self, data: bytes) -> None:
         """Add one client's encrypted update to the sum."""
+        t0 = time.perf_counter()
         env = self._parse(data, KIND_UPDATE)
         if self.contributions + 1 > self.packing.max_clients:
             raise HeadroomError(
                 f"aggregate already holds {self.contributions} contributions; "
                 f"max_clients={self.packing.max_clients} would overflow the packed fields"
             )
+        t1 = time.perf_counter()
         cts = self._ops.load_checked(env.ciphertexts, self._plan.scale)
+        t2 = time.perf_counter()
         self._accumulate(cts)
+        self.seconds["parse"] += t1 - t0
+        self.seconds["deserialize"] += t2 - t1
+        self.seconds["add"] += time.perf_counter() - t2
         self._n_values = env.n_values
         self._layout_fp = env.layout_fp
         self.count += 1
@@ -471,6 +541,7 @@ class CkksAggregator:
         """The encrypted aggregate (not seeded: a sum is a full ciphertext, 2x an update)."""
         if self._acc is None or self.count == 0:
             raise EmptyAggregateError("no update has been added")
+        t0 = time.perf_counter()
         env = Envelope(
             KIND_AGGREGATE,
             MODE_CODES[self.packing.mode],
@@ -481,7 +552,9 @@ class CkksAggregator:
             self.count,
             tuple(seal_save(ct) for ct in self._acc),
         )
-        return pack_envelope(env)
+        out = pack_envelope(env)
+        self.seconds["serialize"] += time.perf_counter() - t0
+        return out
 
     def reset(self) -> None:
         self._acc = None
@@ -538,8 +611,15 @@ class AggregateDecryptor:
         self._plan = _Plan(secret_context.params, self.packing)
         self._ops = _SealOps(secret_context)
 
-    def decrypt_raw(self, data: bytes, layout: Layout | None = None) -> RawAggregate:
-        """Decrypt to the raw sums: exact integer field sums (packed) or real sums (none)."""
+    def decrypt_raw(
+        self, data: bytes, layout: Layout | None = None, *, accept: Callable[[np.ndarray], bool] | None = None
+    ) -> RawAggregate:
+        """Decrypt to the raw sums: exact integer field sums (packed) or real sums (none).
+
+        `accept` (e.g. ``AggregateMac.check``) sees the ciphertexts' coefficients before anything
+        is decrypted; False raises `AggregateRejectedError`. Passing it here instead of calling
+        ``ciphertext_coefficients`` first loads each ciphertext once, not twice.
+        """
         plan, pk = self._plan, self.packing
         env = _parse_for(self.context, pk, plan, data)
         if layout is not None:
@@ -547,7 +627,13 @@ class AggregateDecryptor:
                 raise LayoutMismatchError(f"aggregate has {env.n_values} values, layout has {layout.size}")
             if env.layout_fp not in (NO_LAYOUT, layout.digest()):
                 raise LayoutMismatchError("aggregate was made for another tensor layout")
-        parts = self._ops.decrypt_parts(self._ops.load_checked(env.ciphertexts, plan.scale))
+        cts = self._ops.load_checked(env.ciphertexts, plan.scale)
+        if accept is not None:
+            from crypto.binding import coefficients
+
+            if not accept(coefficients(cts)):
+                raise AggregateRejectedError("the aggregate is not the sum its manifest announces")
+        parts = self._ops.decrypt_parts(cts)
         n = env.n_values
         if plan.packed:
             ints = np.rint(parts)
@@ -573,14 +659,20 @@ class AggregateDecryptor:
             sums = parts[_HEADER_PARTS : _HEADER_PARTS + n]
         return RawAggregate(sums, w_sum, contributions, env.n_updates)
 
-    def decrypt(self, data: bytes, layout: Layout | None = None) -> AggregateResult:
-        """Decrypt an aggregate (or a single update) to the weighted mean."""
-        raw = self.decrypt_raw(data, layout)
+    def decrypt(
+        self, data: bytes, layout: Layout | None = None, *, accept: Callable[[np.ndarray], bool] | None = None,
+        dither_total: np.ndarray | None = None,
+    ) -> AggregateResult:
+        """Decrypt an aggregate (or a single update) to the weighted mean (`accept`: see decrypt_raw).
+
+        A dithered packing needs `dither_total` (``crypto.dither.dither_total`` of the summands)."""
+        raw = self.decrypt_raw(data, layout, accept=accept)
         pk = self.packing
         if raw.weight_sum <= 0:
             raise EmptyAggregateError("weight sum is zero: no client weight in this aggregate")
-        if self._plan.packed:  # undo the per-contribution offset R
-            total = raw.sums * pk.step - pk.clip_range * raw.contributions
+        if self._plan.packed:  # undo the per-contribution offset R (and the dithers)
+            sums = raw.sums - self._checked_total(dither_total, raw.sums.shape)
+            total = sums * pk.step - pk.clip_range * raw.contributions
         else:
             total = raw.sums
         return AggregateResult(total / raw.weight_sum, raw.weight_sum * pk.max_weight, raw.contributions, raw.n_updates)
@@ -591,6 +683,18 @@ class AggregateDecryptor:
         """Weighted mean as a flat vector, or unflattened into named tensors if `layout` given."""
         mean = self.decrypt(data, layout).mean
         return layout.unflatten(mean, as_torch=as_torch) if layout is not None else mean
+
+    def _checked_total(self, total: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray | float:
+        if not self.packing.dither:
+            if total is not None:
+                raise ParameterError("a dither total was given but this packing does not use one")
+            return 0.0
+        if total is None:
+            raise ParameterError("this packing is dithered: decrypt needs dither_total=crypto.dither.dither_total(...)")
+        total = np.asarray(total, dtype=np.float64)
+        if total.shape != shape or not np.isfinite(total).all():
+            raise LayoutMismatchError(f"dither_total must be {shape} finite values")
+        return total
 
     def _check_header(self, w_sum: float, contributions: int) -> None:
         if not (1 <= contributions <= self.packing.max_clients) or not (
@@ -628,3 +732,29 @@ def ciphertext_coefficients(ctx: CkksContext, packing: PackingConfig, data: byte
 def last_modulus(ctx: CkksContext) -> int:
     """q0: the one prime left at the level where fedkv ciphertexts live."""
     return int(ctx.seal.last_context_data().parms().coeff_modulus()[0].value())
+
+
+AUTO_PRESETS = ("fedkv-2048", "fedkv-4096")
+"""The rings `preset_for` chooses among (all 128-bit secure by the HE standard's tables)."""
+
+
+def update_bytes_estimate(params: CkksParams, packing: PackingConfig, n_values: int) -> int:
+    """Bytes of a seeded update of `n_values` under `params`: one N-word polynomial per
+    ciphertext plus SEAL's header and seed (~210 bytes, measured), envelope excluded."""
+    plan = _Plan(params, packing)
+    return plan.n_ciphertexts(n_values) * (8 * params.poly_modulus_degree + 210)
+
+
+def preset_for(n_values: int, packing: PackingConfig, names: tuple[str, ...] = AUTO_PRESETS) -> str:
+    """The smallest ring of `names` (ordered small to large) whose ONE ciphertext holds
+    `n_values`; the last of `names` when none does. Why: a model below one N=4096 ciphertext's
+    capacity pays for the whole ciphertext, and the smallest secure ring that holds it costs half
+    as much. Larger models stay on the larger ring: the same bytes per parameter in fewer
+    ciphertexts, and 60-bit coefficients the MAC reads fast (``crypto.binding``)."""
+    for name in names:
+        try:
+            if _Plan(PRESETS[name], packing).n_ciphertexts(n_values) == 1:
+                return name
+        except ParameterError:
+            continue  # this packing does not fit that ring's slots
+    return names[-1]

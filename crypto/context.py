@@ -29,6 +29,7 @@ import tenseal as ts
 import tenseal.sealapi as sealapi
 
 from crypto.errors import NoSecretKeyError, NotAContextError, NotACiphertextError, ParameterError
+from crypto.seal_keys import SEAL_KEYS_MAGIC, SealKeys, load_seal_keys, make_seal_keys
 
 __all__ = [
     "CkksParams",
@@ -53,8 +54,10 @@ class CkksParams:
 
     poly_modulus_degree: N; N/2 complex slots = N slot parts (real + imaginary) per ciphertext.
     coeff_mod_bit_sizes: prime sizes; the FIRST prime is the one left at the last level, where
-        fedkv encrypts. Total bits must stay within SEAL's 128-bit bound for N (109 at 4096, 218
-        at 8192), which TenSEAL enforces.
+        fedkv encrypts. Total bits must stay within SEAL's 128-bit bound for N (54 at 2048, 109
+        at 4096, 218 at 8192: the HE standard's tables), which SEAL enforces. A single prime
+        means no key switching (none is needed to add): such contexts are held by
+        ``crypto.seal_keys`` because TenSEAL refuses them.
     packed_scale_bits:   log2 of the CKKS scale for packed integers. Decryption noise of a sum of
         32 fresh ciphertexts is < 0.1 at 2^18 (measured: 0.03-0.07 at N=4096), far below the 0.5
         that rounding to the exact integer tolerates.
@@ -77,8 +80,8 @@ class CkksParams:
         n = self.poly_modulus_degree
         if n < 2048 or n & (n - 1):
             raise ParameterError(f"poly_modulus_degree must be a power of two >= 2048, not {n}")
-        if len(self.coeff_mod_bit_sizes) < 2:
-            raise ParameterError("need at least two primes (data prime + special prime)")
+        if len(self.coeff_mod_bit_sizes) < 1:
+            raise ParameterError("need at least one prime")
         q0 = self.coeff_mod_bit_sizes[0]
         if self.slot_bits + self.packed_scale_bits > q0 - 2:
             raise ParameterError(
@@ -114,6 +117,15 @@ class CkksParams:
 
 
 PRESETS: dict[str, CkksParams] = {
+    # The smallest secure ring: N=2048, one 54-bit prime (the 128-bit maximum at N=2048, no
+    # special prime). 2,048 slot parts of 35 exact bits per 16.5 KB seeded ciphertext: for a
+    # model below ~6k values one ciphertext is smaller than its fp32 plaintext. Scale 2^17:
+    # decryption noise of a 32-update sum measured 0.016 here (rounding tolerates 0.5);
+    # tests/crypto/test_seal_keys.py checks exact sums at the headroom limit.
+    "fedkv-2048": CkksParams(
+        name="fedkv-2048", poly_modulus_degree=2048, coeff_mod_bit_sizes=(54,), packed_scale_bits=17,
+        real_scale_bits=34, slot_bits=35,
+    ),
     # Default. 109 bits = the 128-bit maximum at N=4096. 12,288 values (8-bit, 3 per part) or
     # 4,096 reals per 32,972-byte seeded ciphertext: 2.69 / 8.07 bytes per parameter (one full ciphertext).
     "fedkv-4096": CkksParams(),
@@ -229,7 +241,7 @@ _CTX_MAGIC = b"FKC\x01"
 _FLAG_SECRET = 1
 
 
-def _ts_public_bytes(ctx: ts.Context) -> bytes:
+def _ts_public_bytes(ctx: ts.Context | SealKeys) -> bytes:
     return ctx.serialize(
         save_public_key=True, save_secret_key=False, save_galois_keys=False, save_relin_keys=False
     )
@@ -247,7 +259,8 @@ class CkksContext:
     `public_bytes()`, from which the secret key cannot be recovered.
     """
 
-    tenseal: ts.Context
+    tenseal: ts.Context | SealKeys
+    """TenSEAL's context, or `crypto.seal_keys.SealKeys` (same methods) for single-prime sets."""
     params: CkksParams
     key_id: bytes
     _seal: Any = field(default=None, repr=False)
@@ -298,6 +311,16 @@ class CkksContext:
         info = b"fedkv-aggregate-mac-v1" + self.key_id
         return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(self.secret_bytes())
 
+    @property
+    def dither_key(self) -> bytes:
+        """32-byte key of the quantization dither (``crypto.dither``), from the secret envelope
+        like ``mac_key`` (another HKDF label): key holders share it, the server cannot derive it."""
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+        info = b"fedkv-dither-v1" + self.key_id
+        return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(self.secret_bytes())
+
     def public(self) -> CkksContext:
         """A public-only copy (same key_id)."""
         return load_context(self.public_bytes())
@@ -326,14 +349,18 @@ def make_secret_context(params: CkksParams | str = DEFAULT_PRESET) -> CkksContex
             params = PRESETS[params]
         except KeyError as exc:
             raise ParameterError(f"unknown preset {params!r}; known: {sorted(PRESETS)}") from exc
-    try:
-        ctx = ts.context(
-            ts.SCHEME_TYPE.CKKS,
-            poly_modulus_degree=params.poly_modulus_degree,
-            coeff_mod_bit_sizes=list(params.coeff_mod_bit_sizes),
-        )
-    except ValueError as exc:  # SEAL rejects parameters above the 128-bit security bound
-        raise ParameterError(f"SEAL rejected {params}: {exc}") from exc
+    ctx: ts.Context | SealKeys
+    if len(params.coeff_mod_bit_sizes) == 1:
+        ctx = make_seal_keys(params.poly_modulus_degree, params.coeff_mod_bit_sizes)
+    else:
+        try:
+            ctx = ts.context(
+                ts.SCHEME_TYPE.CKKS,
+                poly_modulus_degree=params.poly_modulus_degree,
+                coeff_mod_bit_sizes=list(params.coeff_mod_bit_sizes),
+            )
+        except ValueError as exc:  # SEAL rejects parameters above the 128-bit security bound
+            raise ParameterError(f"SEAL rejected {params}: {exc}") from exc
     key_id = _key_id(_ts_public_bytes(ctx))
     _record_secret("create", key_id)
     return CkksContext(ctx, params, key_id)
@@ -359,10 +386,16 @@ def load_context(data: bytes) -> CkksContext:
         params = CkksParams.from_json(data[head : head + plen])
     except (ValueError, TypeError, KeyError) as exc:
         raise NotAContextError(f"bad parameter record in context: {exc}") from exc
-    try:
-        ctx = ts.context_from(data[head + plen :])
-    except Exception as exc:  # pybind maps C++ parse errors to several Python types
-        raise NotAContextError(f"TenSEAL could not parse the context: {exc}") from exc
+    body = data[head + plen :]
+    if body[:4] == SEAL_KEYS_MAGIC:
+        if len(params.coeff_mod_bit_sizes) != 1:
+            raise NotAContextError("a raw-SEAL key record for a parameter set TenSEAL holds")
+        ctx = load_seal_keys(body)
+    else:
+        try:
+            ctx = ts.context_from(body)
+        except Exception as exc:  # pybind maps C++ parse errors to several Python types
+            raise NotAContextError(f"TenSEAL could not parse the context: {exc}") from exc
     if ctx.has_secret_key() and not flags & _FLAG_SECRET:
         _record_secret("load", key_id)  # a lying envelope: it was parsed all the same
     if bool(flags & _FLAG_SECRET) != bool(ctx.has_secret_key()):

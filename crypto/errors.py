@@ -25,6 +25,7 @@ __all__ = [
     "HeadroomError",
     "EmptyAggregateError",
     "DecryptionError",
+    "AggregateRejectedError",
     "SignatureError",
     "ReplayError",
     "UnknownNodeError",
@@ -100,6 +101,10 @@ class EmptyAggregateError(CryptoError):
 
 class DecryptionError(CryptoError):
     """Decryption produced values that cannot be a valid aggregate (corruption or wrong key)."""
+
+
+class AggregateRejectedError(DecryptionError):
+    """An aggregate failed its pre-decryption check (``crypto.binding``): nothing was decrypted."""
 
 
 # --- keys and signatures ------------------------------------------------------------------------

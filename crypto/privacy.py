@@ -15,6 +15,26 @@ With weighted aggregation, add the share *after* the weight pre-scale
 (`UpdateEncryptor.encrypt(..., noise=share)`): noise added to the raw update would be scaled
 down by weight/max_weight. Sensitivity of the weighted sum is C*max(weight/max_weight) <= C.
 
+Where the noise sits relative to quantization and saturation (he=true; issue 13). In a node:
+clip to C -> add the noise (local: N(0, (sigma*C)^2); distributed: the share) -> weight pre-scale
+(1 under DP) -> error-feedback carry (not under distributed) -> saturate to the public range
++-R (counted, never wrapped) -> quantize -> pack -> encrypt. So the Gaussian mechanism the
+accountant charges is the one that runs, up to what is stated here:
+
+- local: each client's ``y = clip(update) + N(0, (sigma*C)^2)`` is the mechanism's output;
+  saturation, stochastic rounding and the error-feedback carry (``y`` minus what was sent, fed
+  into the next round) are functions of earlier outputs and of independent randomness:
+  post-processing, and adaptive composition covers the carry.
+- distributed: only the *sum* ``sum(clip(update_i) + share_i)`` is the mechanism; a client's
+  rounding error must therefore not depend on its data. The packing is subtractive-dithered
+  (``crypto.dither``, ``PackingConfig.dither``): each coordinate's error is uniform on a step,
+  independent of the value, so the decrypted sum is the mechanism's output plus independent
+  noise — post-processing. Error feedback is off (a share's residual is not a function of the
+  released sum). Not covered: a coordinate that saturates (R is sized to 4 noise std plus the
+  signal tail, ``federation.codec.packing_for``; the encryptor counts saturations, which under
+  DP stay on the node) — the accounting holds for updates with no saturated coordinate. A discrete (Skellam) mechanism on the integer
+  encoding, which would make saturation part of the analysis, is not implemented.
+
 Accounting is Opacus' (RDP or PRV); nothing here re-derives a bound. Client level: one step per
 round with sample rate = clients per round / population and noise multiplier sigma. Sample
 level (DP-SGD inside a node): Opacus' `PrivacyEngine` keeps its own accountant; wrap its history

@@ -14,10 +14,14 @@ What is measured (same data, same machine, same run; timings are medians over re
   [60, 40, 40], scale 2^40, public-key encryption, ``ckks_vector`` chunks of 4,096 values,
   ``serialize()``. Clients pre-scale by their weight; the server (public context) deserializes
   and adds; a client deserializes, decrypts and divides by the weight sum.
-* ``fedkv`` — ``crypto`` with its default preset (N=4096, [60, 49]) and default packing
-  (8-bit stochastic quantization, 3 values per slot part, 6 per complex slot, seeded symmetric
-  ciphertexts at the last level); ``fedkv_none`` — same parameters, no quantization (one real per
-  slot part). Weights and counts travel encrypted.
+* ``fedkv`` — ``crypto`` with the fedkv-4096 preset (N=4096, [60, 49]) and the dense packing
+  (``PackingConfig.dense``): headroom for exactly ``clients`` contributions and 5 values per
+  40-bit slot part (10 clients: 4 headroom bits, 4-bit values), seeded symmetric ciphertexts at
+  the last level: 1.6 bytes/param. In a run, error feedback pays the coarser grid back over
+  rounds (``tests/crypto/test_error_feedback.py``); one round here shows its one-round error.
+* ``fedkv_8bit`` — the encoding before issue 13, beside it: 8-bit values, headroom for 32
+  contributions (3 values per slot part). ``fedkv_none`` — same parameters, no quantization (one
+  real per slot part). Weights and counts travel encrypted.
 * ``plaintext`` — float32 weighted update bytes, numpy sum, divide (Flower's plain FedAvg wire).
 * ``seconds`` — ``encrypt_per_client`` (median over clients; flatten->bytes), ``aggregate``
   (server: parse/validate + add all clients + serialize the result), ``decrypt`` (one client:
@@ -143,7 +147,8 @@ def bench_tenseal_default(X: np.ndarray, w: np.ndarray, expected: np.ndarray, re
 
 
 def bench_fedkv(
-    X: np.ndarray, w: np.ndarray, expected: np.ndarray, repeats: int, packing: PackingConfig, preset: str, seed: int
+    X: np.ndarray, w: np.ndarray, expected: np.ndarray, repeats: int, packing: PackingConfig, preset: str, seed: int,
+    name: str | None = None,
 ) -> dict[str, Any]:
     n, d = X.shape
     ctx = make_secret_context(preset)
@@ -162,7 +167,7 @@ def bench_fedkv(
     decryptor = AggregateDecryptor(ctx, packing)
     dec_t, mean = _median_time(lambda: decryptor.decrypt_mean(agg), repeats)
     err = float(np.abs(mean - expected).max())
-    name = "fedkv" if packing.mode == "packed" else "fedkv_none"
+    name = name or ("fedkv" if packing.mode == "packed" else "fedkv_none")
     out = _summary(name, enc_t, agg_t, dec_t, n, len(blobs[0]), len(agg), d, err)
     out["ciphertexts_per_client"] = encryptor.last_report.n_ciphertexts if encryptor.last_report else 0
     out["saturated"] = saturated
@@ -180,8 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--params", type=int, default=None, help="parameters per update (quick: 1M, else 4M)")
     p.add_argument("--clients", type=int, default=10)
     p.add_argument("--repeats", type=int, default=None, help="timing repeats (quick: 3, else 5)")
-    p.add_argument("--bits", type=int, default=8, help="fedkv quantization bits")
-    p.add_argument("--max-clients", type=int, default=32, help="fedkv packing headroom")
+    p.add_argument("--values-per-part", type=int, default=5,
+                   help="fedkv: values per 40-bit slot part (bits = 40 // this - headroom for --clients)")
+    p.add_argument("--bits", type=int, default=8, help="fedkv_8bit quantization bits (the pre-issue-13 encoding)")
+    p.add_argument("--max-clients", type=int, default=32, help="fedkv_8bit / fedkv_none packing headroom")
     p.add_argument("--preset", default="fedkv-4096", choices=sorted(PRESETS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-baseline", action="store_true", help="skip tenseal_default (it is the slow part)")
@@ -200,6 +207,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     X = np.clip(rng.normal(0.0, 0.3, (n, params)), -clip_range, clip_range)
     w = rng.integers(500, 1001, n).astype(np.float64)
     expected = (w[:, None] * X).sum(axis=0) / w.sum()
+    dense = PackingConfig.dense(PRESETS[args.preset].slot_bits, n, args.values_per_part, clip_range=clip_range,
+                                max_weight=max_weight)
     packed = PackingConfig(mode="packed", bits=args.bits, clip_range=clip_range, max_clients=args.max_clients,
                            max_weight=max_weight)
     none = PackingConfig(mode="none", clip_range=clip_range, max_clients=args.max_clients, max_weight=max_weight)
@@ -213,11 +222,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _log(results["tenseal_default"])
     results["fedkv_none"] = bench_fedkv(X, w, expected, repeats, none, args.preset, args.seed + 1)
     _log(results["fedkv_none"])
-    results["fedkv"] = bench_fedkv(X, w, expected, repeats, packed, args.preset, args.seed + 2)
+    results["fedkv_8bit"] = bench_fedkv(X, w, expected, repeats, packed, args.preset, args.seed + 2, "fedkv_8bit")
+    _log(results["fedkv_8bit"])
+    results["fedkv"] = bench_fedkv(X, w, expected, repeats, dense, args.preset, args.seed + 3)
     _log(results["fedkv"])
     wall = time.perf_counter() - t0
 
-    step = packed.step
+    step = dense.step
     w_norm = float(w.sum() / max_weight)
     fk = results["fedkv"]
     base = results.get("tenseal_default")
@@ -230,9 +241,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if base:
         bpp["tenseal_default"] = base["bytes_per_param"]
     bpp["fedkv_none"] = results["fedkv_none"]["bytes_per_param"]
+    bpp["fedkv_8bit"] = results["fedkv_8bit"]["bytes_per_param"]
     bpp["fedkv"] = fk["bytes_per_param"]
     targets = {
         "fedkv_bytes_per_param_le_fp32": bpp["fedkv"] <= 4.0,
+        "fedkv_bytes_per_param_le_2": bpp["fedkv"] <= 2.0,
         "fedkv_none_bytes_per_param_le_16.5": bpp["fedkv_none"] <= 16.5,
         "fedkv_error_le_one_step": fk["max_abs_error"] <= step,
         "fedkv_none_error_le_1e-6": results["fedkv_none"]["max_abs_error"] <= 1e-6,
@@ -251,17 +264,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "quantization_step": step,
         "fedkv_error_in_steps": fk["max_abs_error"] / step,
         "fedkv_error_bound_steps": n / w_norm,
-        "saturated": {"fedkv": fk["saturated"], "fedkv_none": results["fedkv_none"]["saturated"]},
+        "saturated": {k: results[k]["saturated"] for k in ("fedkv", "fedkv_8bit", "fedkv_none")},
+        "quantization_step_8bit": packed.step,
         "ciphertexts_per_client": {k: r["ciphertexts_per_client"] for k, r in results.items()
                                    if "ciphertexts_per_client" in r},
         "targets_met": targets,
         "config": {
             "preset": args.preset,
             "ckks": asdict(PRESETS[args.preset]),
-            "packing": {"bits": packed.bits, "clip_range": clip_range, "max_clients": packed.max_clients,
-                        "field_bits": packed.field_bits,
-                        "values_per_slot_part": packed.fields_per_part(PRESETS[args.preset].slot_bits),
-                        "max_weight": max_weight},
+            "packing": {name: {"bits": pk.bits, "clip_range": clip_range, "max_clients": pk.max_clients,
+                               "field_bits": pk.field_bits,
+                               "values_per_slot_part": pk.fields_per_part(PRESETS[args.preset].slot_bits),
+                               "max_weight": max_weight} for name, pk in (("fedkv", dense), ("fedkv_8bit", packed))},
             "weights": {"low": 500, "high": 1000, "sum": float(w.sum())},
             "repeats": repeats,
             "seed": args.seed,
@@ -273,7 +287,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "notes": {
             "tenseal_default": "N=8192, coeff [60,40,40], scale 2^40, public-key encryption, ckks_vector "
                                "chunks of 4096, serialize(); NVFlare's defaults",
-            "fedkv": "seeded symmetric ciphertexts at the last level, complex slots, 8-bit packed fields",
+            "fedkv": "seeded symmetric ciphertexts at the last level, complex slots, dense packed fields "
+                     "(headroom for exactly `clients`, values_per_part per slot part)",
+            "fedkv_8bit": "the pre-issue-13 encoding: 8-bit fields with headroom for 32 contributions",
             "end_to_end": "encrypt_per_client + aggregate + decrypt (clients encrypt in parallel)",
             "error_bound": "fedkv: < step * clients / sum(weight/max_weight) (stochastic rounding, pre-scaled "
                            "by weight); fedkv_none: CKKS noise only",

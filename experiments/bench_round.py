@@ -37,6 +37,7 @@ def summarise(results: dict) -> dict:
             phases[key] = _median(vals)
     last = rounds[-1]
     return {
+        **phase_accounting(rounds),
         "status": results["status"],
         "seconds_per_round": _median(per_round),
         "seconds_per_round_after_first": _median(per_round[1:]),
@@ -48,6 +49,29 @@ def summarise(results: dict) -> dict:
         "final_eval_loss": last["eval_loss"],
         "phase_seconds_median": phases,
         "clients_per_round": [r["num_clients"] for r in rounds],
+        "encoding": {k: results.get("encoding", {}).get(k) for k in ("preset", "bits", "clip_range", "max_clients")},
+    }
+
+
+def phase_accounting(rounds: list[dict]) -> dict:
+    """Medians over rounds of each server phase, each node phase (summed over nodes), the share
+    of the round's wall time the named server phases explain, and of the server's waits the
+    node handlers explain (the rest of a wait is ``transport``: Flower's queues and polling)."""
+    def medians(rows: list[dict]) -> dict:
+        keys = sorted({k for r in rows for k in r})
+        return {k: _median([r.get(k, 0.0) for r in rows]) for k in keys}
+
+    server = [r.get("server_seconds") or {} for r in rounds]
+    explained = [1.0 - s.get("other", 0.0) / r["seconds"]["round"] for s, r in zip(server, rounds)
+                 if r["seconds"].get("round")]
+    waits = [s.get("wait", 0.0) + s.get("eval_wait", 0.0) for s in server]
+    busy = [r["seconds"].get("nodes_busy", 0.0) for r in rounds]
+    return {
+        "server_phase_seconds_median": medians(server),
+        "node_phase_seconds_median": {
+            ph: medians([(r.get("node_seconds") or {}).get(ph, {}) for r in rounds]) for ph in ("train", "evaluate")},
+        "round_wall_explained_by_server_phases": _median(explained),
+        "waits_explained_by_node_handlers": _median([b / w for b, w in zip(busy, waits) if w > 0]),
     }
 
 
@@ -60,10 +84,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--repeats", type=int, default=None, help="runs per mode (default 2 quick, 4 full)")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--packing-bits", type=int, default=5,
+                   help="he run: bits per value (default 5: 5 values per 40-bit slot part with 3 headroom bits)")
+    p.add_argument("--max-clients", type=int, default=None,
+                   help="he run: packing headroom in contributions (default: --nodes, the real number of contributors)")
+    p.add_argument("--error-feedback", type=int, choices=(0, 1), default=1, help="he run: carry residuals (default 1)")
     args = p.parse_args(argv)
     repeats = args.repeats or (2 if args.quick else 4)
     common = {"task": args.task, "num-server-rounds": args.rounds, "seed": args.seed,
               "dp-mode": "local", "noise-multiplier": 0.0, "clip-norm": 1.0, "min-clients": 2}
+    encoding = {"packing-bits": args.packing_bits, "max-clients": args.max_clients or args.nodes,
+                "error-feedback": bool(args.error_feedback)}
     print(f"bench_round: {args.nodes} nodes x {args.rounds} rounds, task {args.task}, "
           f"{repeats} run(s) per mode; expect ~{35 * 2 * repeats} s", file=sys.stderr)
     out: dict[str, list[dict]] = {"plain": [], "he": []}
@@ -72,7 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
             flwr_sandbox(Path(tmp)) as box:
         for i in range(repeats):
             for mode in ("plain", "he"):
-                rc = {**common, "he": mode == "he", "results-dir": str(Path(tmp) / f"{mode}-{i}")}
+                rc = {**common, **(encoding if mode == "he" else {}), "he": mode == "he",
+                      "results-dir": str(Path(tmp) / f"{mode}-{i}")}
                 run = box.run(args.nodes, rc)
                 if run.results_path is None:
                     raise SystemExit(f"{mode} run wrote no results (exit {run.returncode}):\n"
@@ -101,6 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
             m: med(m, "upload_bytes_per_client_per_round") for m in out},
         "final_metric": {m: med(m, "final_metric") for m in out},
         "metric": out["he"][0]["metric"],
+        "he_encoding": {**encoding, **out["he"][0].get("encoding", {})},
     }
     sp, up, fm = (result["seconds_per_round"], result["upload_bytes_per_client_per_round"],
                   result["final_metric"])

@@ -18,9 +18,11 @@ HE modes (one point per model size and mode; the measuring functions are
 * ``plaintext`` — float32 bytes, numpy sum (Flower's plain FedAvg wire, without Flower).
 * ``tenseal_default`` — TenSEAL high-level API with NVFlare's defaults: N=8192, coeff
   [60, 40, 40], scale 2^40, public-key encryption, ``ckks_vector`` chunks of 4,096, ``serialize()``.
-* ``fedkv_none`` / ``fedkv`` — ``crypto`` with the ``fedkv-4096`` preset, seeded symmetric
-  ciphertexts at the last level; ``none`` carries one real per slot part, ``packed`` 8-bit
-  stochastic quantization with headroom for ``--max-clients`` contributions.
+* ``fedkv_none`` / ``fedkv_8bit`` / ``fedkv`` — ``crypto`` with the ``fedkv-4096`` preset, seeded
+  symmetric ciphertexts at the last level; ``none`` carries one real per slot part, ``fedkv_8bit``
+  (the encoding before issue 13) 8-bit stochastic quantization with headroom for
+  ``--max-clients`` contributions, ``fedkv`` the dense packing (``PackingConfig.dense``): headroom
+  for exactly ``--clients`` and ``--values-per-part`` values per slot part.
 * ``bytes_per_param`` — bytes ONE client uploads / params (``aggregate_bytes_per_param``: the
   aggregate the server sends back).
 * ``seconds_per_round`` = encrypt (median over the clients; clients encrypt in parallel) +
@@ -76,7 +78,7 @@ from experiments.output import (
 )
 
 SCRIPT = "he_cost"
-MODES = ("plaintext", "tenseal_default", "fedkv_none", "fedkv")
+MODES = ("plaintext", "tenseal_default", "fedkv_none", "fedkv_8bit", "fedkv")
 QUICK_SIZES = (10_000, 30_000, 100_000, 300_000, 1_000_000)
 FULL_SIZES = (10_000, 30_000, 100_000, 300_000, 1_000_000, 3_000_000, 10_000_000)
 QUICK_SECAGG_SIZES = (10_000, 100_000)
@@ -93,7 +95,8 @@ SECAGG_FIXED_S, SECAGG_ROUND_S, SECAGG_PER_PARAM_ROUND_S = 12.0, 1.0, 4e-6
 # Resident bytes per parameter and client a mode holds at its peak (blobs of every client), for the
 # memory guard; plus the data itself (X, its clipped copy, the weighted product: 3 x float64).
 # Seen: the full run (10 clients, 1e7 params) peaked at 9.4 GB RSS, in tenseal_default: ~70 + 24.
-PEAK_BYTES_PER_PARAM_CLIENT = {"plaintext": 4.0, "tenseal_default": 70.0, "fedkv_none": 8.1, "fedkv": 2.7}
+PEAK_BYTES_PER_PARAM_CLIENT = {"plaintext": 4.0, "tenseal_default": 70.0, "fedkv_none": 8.1, "fedkv_8bit": 2.7,
+                               "fedkv": 1.7}
 DATA_BYTES_PER_PARAM_CLIENT = 24.0
 
 POINT_COLUMNS = (
@@ -111,7 +114,8 @@ LABELS = {
     "plaintext": "plaintext fp32",
     "tenseal_default": "TenSEAL, NVFlare defaults",
     "fedkv_none": "fedkv, no packing",
-    "fedkv": "fedkv, packed 8-bit",
+    "fedkv_8bit": "fedkv, packed 8-bit (before issue 13)",
+    "fedkv": "fedkv, dense packing (headroom = clients)",
     "flower_fedavg": "Flower FedAvg",
     "flower_secaggplus": "Flower SecAgg+",
 }
@@ -154,8 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clients", type=int, default=10, help="clients summed per HE round (default 10)")
     p.add_argument("--repeats", type=int, default=None, help="timing repeats of aggregate/decrypt (default 3)")
     p.add_argument("--modes", type=parse_modes, default=list(MODES), help=f"subset of {','.join(MODES)}")
-    p.add_argument("--bits", type=int, default=8, help="fedkv quantization bits (default 8)")
-    p.add_argument("--max-clients", type=int, default=32, help="fedkv packing headroom (default 32)")
+    p.add_argument("--values-per-part", type=int, default=5,
+                   help="fedkv: values per slot part, headroom for exactly --clients (default 5: 1.6 B/param)")
+    p.add_argument("--bits", type=int, default=8, help="fedkv_8bit quantization bits (default 8)")
+    p.add_argument("--max-clients", type=int, default=32, help="fedkv_8bit / fedkv_none packing headroom (default 32)")
     p.add_argument("--preset", default="fedkv-4096", choices=sorted(PRESETS), help="fedkv CKKS preset")
     p.add_argument("--no-secagg", action="store_true", help="skip the Flower SecAgg+ baseline")
     p.add_argument("--secagg-sizes", type=parse_sizes, default=None,
@@ -179,7 +185,9 @@ def make_data(size: int, clients: int, seed: int) -> tuple[np.ndarray, np.ndarra
 
 def packings(args: argparse.Namespace) -> dict[str, PackingConfig]:
     return {
-        "fedkv": PackingConfig(mode="packed", bits=args.bits, clip_range=CLIP_RANGE, max_clients=args.max_clients,
+        "fedkv": PackingConfig.dense(PRESETS[args.preset].slot_bits, args.clients, args.values_per_part,
+                                     clip_range=CLIP_RANGE, max_weight=MAX_WEIGHT),
+        "fedkv_8bit": PackingConfig(mode="packed", bits=args.bits, clip_range=CLIP_RANGE, max_clients=args.max_clients,
                                max_weight=MAX_WEIGHT),
         "fedkv_none": PackingConfig(mode="none", clip_range=CLIP_RANGE, max_clients=args.max_clients,
                                     max_weight=MAX_WEIGHT),
@@ -192,7 +200,7 @@ def run_mode(mode: str, X: np.ndarray, w: np.ndarray, expected: np.ndarray, repe
         return bench_plaintext(X, w, expected, repeats)
     if mode == "tenseal_default":
         return bench_tenseal_default(X, w, expected, repeats)
-    return bench_fedkv(X, w, expected, repeats, packs[mode], preset, seed)
+    return bench_fedkv(X, w, expected, repeats, packs[mode], preset, seed, mode)
 
 
 def to_row(mode: str, size: int, clients: int, repeats: int, seed: int, r: dict[str, Any]) -> dict[str, Any]:
@@ -455,7 +463,9 @@ def write_summary(run_dir: Path, args: argparse.Namespace, rows: list[dict[str, 
         "",
         "- Modes: plaintext fp32 (numpy sum); TenSEAL high-level API with NVFlare's defaults (N=8192, "
         "[60,40,40], 2^40, public-key, 4,096-value ckks_vectors); fedkv `crypto` with preset "
-        f"`{args.preset}`, mode none and mode packed ({args.bits}-bit, headroom for {args.max_clients}).",
+        f"`{args.preset}`, mode none, mode packed as before issue 13 (fedkv_8bit: {args.bits}-bit, headroom for "
+        f"{args.max_clients}) and the dense packing (fedkv: {args.values_per_part} values per slot part, "
+        f"headroom for the {args.clients} clients summed).",
         "- bytes/param: one client's upload / params. Seconds per round: encrypt (median over clients; "
         "clients encrypt in parallel) + aggregate (server parses and adds all clients, serialises) + "
         "decrypt (one client), medians over repeats; `experiments.bench_he`'s functions.",
@@ -548,7 +558,8 @@ def run(args: argparse.Namespace) -> Path:
         "seed": args.seed,
         "preset": args.preset,
         "packing": {"bits": args.bits, "max_clients": args.max_clients, "clip_range": CLIP_RANGE,
-                    "max_weight": MAX_WEIGHT},
+                    "max_weight": MAX_WEIGHT, "dense_values_per_part": args.values_per_part,
+                    "dense_bits": packings(args)["fedkv"].bits, "dense_max_clients": args.clients},
         "secagg": {"sizes": secagg_sizes, "clients": args.secagg_clients, "rounds": args.secagg_rounds,
                    **secagg_info},
         "calibration_rates_s_per_param": rates,

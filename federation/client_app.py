@@ -20,7 +20,6 @@ Protocols, routed by message type:
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import numpy as np
@@ -39,10 +38,13 @@ from crypto import (
     last_modulus,
     noise_std,
 )
+from crypto.dither import dither, dither_total
 from federation import node_host, protocol, provisioning
 from federation.codec import ClientCodec, client_weight, make_client_codec, packing_for
 from federation.config import RunConfig
 from federation.logs import configure_logging
+from federation.node_store import NodeStore
+from federation.timing import PhaseTimer
 from node.cache_node import CacheNode, DpConfig
 from node.serving import ServeReport
 from node.workload import WorkloadConfig
@@ -110,14 +112,20 @@ def _signed(cfg: RunConfig, context: Context, rnd: int, payload: bytes, epoch: i
 @app.train("fedkv")
 @node_host.releasing
 def train(msg: Message, context: Context) -> Message:
-    """Catch up to the global model, train, clip/noise, encode, tag, sign, reply with bytes."""
+    """Catch up to the global model, train, clip/noise, encode, tag, sign, reply with bytes.
+
+    Every phase is timed (``*-s`` reply metrics, ``protocol.NODE_TRAIN_PHASES``) and
+    ``handler-s`` is the whole handler, so the server can show what the phases leave out."""
+    timer = PhaseTimer()
     cfg = _run_config(context)
     provisioning.node_keys(context)  # raises if this node was never enrolled
-    node, source = node_host.get_node(context)
+    with timer.phase("restore"):
+        node, source = node_host.get_node(context)
     try:
         server_round = int(msg.content[protocol.CONFIG]["server-round"])
-        decrypt_s, writeback_s = _catch_up(cfg, node, msg, context)
-        codec, epoch, ctx = _codec(cfg, context, node.layout.size)
+        _catch_up(cfg, node, msg, context, timer)
+        with timer.phase("key"):
+            codec, epoch, ctx = _codec(cfg, context, node.layout.size)
         dp = DpConfig(
             mode=cfg.dp_mode,
             clip_norm=cfg.clip_norm,
@@ -128,20 +136,26 @@ def train(msg: Message, context: Context) -> Message:
         )
         # Fresh OS entropy on purpose: DP noise must not be reproducible from the seed.
         out = node.train_round(cfg.local_epochs, cfg.lr, dp, np.random.default_rng())
-        delta, clipped = out.delta, bool(out.clipped)
-        if cfg.he and cfg.dp_mode == "none":
-            # Under DP the node clips (before its noise); under HE without DP we clip here:
-            # the CKKS encoding needs a bounded range (federation.codec.packing_for).
-            res = clip_update(delta, cfg.clip_norm)
-            delta, clipped = np.asarray(res.clipped, dtype=np.float32), clipped or res.was_clipped
-        weight, capped = client_weight(cfg, out.num_examples)
-        t0 = time.perf_counter()
-        payload = codec.encode(delta, weight)
-        encrypt_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        blob = _signed(cfg, context, server_round, payload, epoch, ctx, KIND_UPDATE, node.layout.size)
-        sign_s = time.perf_counter() - t0
-        node_host.save_node(context, node)
+        timer.add("train", out.train_s)
+        with timer.phase("encrypt"):
+            delta, clipped = out.delta, bool(out.clipped)
+            if cfg.he and cfg.dp_mode == "none":
+                # Under DP the node clips (before its noise); under HE without DP we clip here:
+                # the CKKS encoding needs a bounded range (federation.codec.packing_for).
+                res = clip_update(delta, cfg.clip_norm)
+                delta, clipped = np.asarray(res.clipped, dtype=np.float32), clipped or res.was_clipped
+            weight, capped = client_weight(cfg, out.num_examples)
+            feedback = _uses_error_feedback(cfg)
+            store = NodeStore.for_context(context)
+            carry = store.load_residual(int(delta.shape[0])) if feedback else None
+            u = _dither(cfg, context, ctx, server_round, epoch, KIND_UPDATE, int(delta.shape[0]))
+            payload = codec.encode(delta, weight, carry=carry, dither=u) if cfg.he else codec.encode(delta, weight)
+        with timer.phase("sign"):
+            blob = _signed(cfg, context, server_round, payload, epoch, ctx, KIND_UPDATE, node.layout.size)
+        with timer.phase("save"):
+            node_host.save_node(context, node)
+            if feedback:
+                store.save_residual(codec.residual)
     except Exception:
         node_host.discard(context)  # the cached object may be half-updated
         raise
@@ -150,11 +164,7 @@ def train(msg: Message, context: Context) -> Message:
         "upload-bytes": len(blob),
         "num-values": int(delta.shape[0]),
         "weight-capped": int(capped),
-        "train-s": out.train_s,
-        "encrypt-s": encrypt_s,
-        "sign-s": sign_s,
-        "decrypt-s": decrypt_s,
-        "writeback-s": writeback_s,
+        **_phase_metrics(timer, protocol.NODE_TRAIN_PHASES),
         "version": node.version,
         "node-source": source,
         "kv-on-disk": node_host.kv_on_disk(node, source),
@@ -174,6 +184,26 @@ def train(msg: Message, context: Context) -> Message:
     return Message(content, reply_to=msg)
 
 
+def _dither(cfg: RunConfig, context: Context, ctx: Any, rnd: int, epoch: int, kind: int, dim: int) -> np.ndarray | None:
+    """This contribution's quantization dither (``crypto.dither``) when the packing uses one."""
+    if ctx is None or not packing_for(cfg, dim).dither:
+        return None
+    return dither(ctx.dither_key, int(context.run_id), rnd, epoch, str(context.node_id), kind, dim)
+
+
+def _uses_error_feedback(cfg: RunConfig) -> bool:
+    """Error feedback runs with he=true, packed, and not under distributed DP (crypto.privacy)."""
+    return cfg.he and cfg.packing == "packed" and cfg.error_feedback and cfg.dp_mode != "distributed"
+
+
+def _phase_metrics(timer: PhaseTimer, phases: tuple[str, ...]) -> dict[str, float]:
+    """``<phase>-s`` for every phase (0 when it did not happen) plus ``handler-s`` (the whole
+    handler up to here; what the phases leave out is ``handler-s`` minus their sum)."""
+    out = {f"{p}-s": float(timer.seconds.get(p, 0.0)) for p in phases}
+    out["handler-s"] = timer.total
+    return out
+
+
 @app.query("fedkv_noise")
 @node_host.releasing
 def noise(msg: Message, context: Context) -> Message:
@@ -190,7 +220,8 @@ def noise(msg: Message, context: Context) -> Message:
     std = noise_std(cfg.noise_multiplier, cfg.clip_norm, "distributed", sampled) * math.sqrt(shares)
     rng = np.random.default_rng()
     dim = node.layout.size
-    payload = codec.encode(np.zeros(dim, dtype=np.float32), 0.0, noise=rng.normal(0.0, std, dim))
+    payload = codec.encode(np.zeros(dim, dtype=np.float32), 0.0, noise=rng.normal(0.0, std, dim),
+                           dither=_dither(cfg, context, ctx, rnd, epoch, KIND_NOISE, dim))
     blob = _signed(cfg, context, rnd, payload, epoch, ctx, KIND_NOISE, dim)
     return Message(RecordDict({protocol.UPDATE: ArrayRecord({"update": protocol.bytes_to_array(blob)})}), reply_to=msg)
 
@@ -200,16 +231,19 @@ def noise(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     """Catch up to the newest aggregate, evaluate on the local held-out share, then serve a
     chat turn through the cache (the K/V the next process finds on disk)."""
+    timer = PhaseTimer()
     cfg = _run_config(context)
-    node, source = node_host.get_node(context)
+    with timer.phase("restore"):
+        node, source = node_host.get_node(context)
     try:
-        decrypt_s, writeback_s = _catch_up(cfg, node, msg, context)
-        t0 = time.perf_counter()
-        loss, acc, n = node.evaluate()
-        eval_s = time.perf_counter() - t0
-        serving = node.serve_between_rounds(  # its blocks persist for the next process
-            WorkloadConfig(sessions=cfg.serve_sessions), seed=cfg.seed + 7919 * node.version)
-        node_host.save_node(context, node)
+        _catch_up(cfg, node, msg, context, timer)
+        with timer.phase("eval"):
+            loss, acc, n = node.evaluate()
+        with timer.phase("serve"):  # chat sessions through the cache (their blocks persist)
+            serving = node.serve_between_rounds(
+                WorkloadConfig(sessions=cfg.serve_sessions), seed=cfg.seed + 7919 * node.version)
+        with timer.phase("save"):
+            node_host.save_node(context, node)
     except Exception:
         node_host.discard(context)
         raise
@@ -217,9 +251,7 @@ def evaluate(msg: Message, context: Context) -> Message:
         "num-examples": n,
         "eval-loss": loss,
         "eval-metric": acc,
-        "decrypt-s": decrypt_s,
-        "writeback-s": writeback_s,
-        "eval-s": eval_s,
+        **_phase_metrics(timer, protocol.NODE_EVAL_PHASES),
         "version": node.version,
         "node-source": source,
         "kv-on-disk": node_host.kv_on_disk(node, source),
@@ -240,43 +272,41 @@ def serve_metrics(r: ServeReport | None) -> dict[str, int | float]:
         "serve-hit-warm": r.tier_hits["warm"], "serve-hit-cold": r.tier_hits["cold"],
         "serve-decode-tokens": r.decode_tokens, "serve-recomputed": r.recomputed_tokens,
         "serve-invalidated": r.invalidated_blocks, "serve-stale-served": r.stale_tokens_served,
-        "serve-scored": r.scored, "serve-s": r.seconds, "serve-nll": r.nll,
+        "serve-scored": r.scored, "serve-busy-s": r.seconds, "serve-nll": r.nll,
         "serve-nll-fresh": r.nll_fresh, "serve-trace-shaped": int(r.shape == "mooncake"),
     }
 
 
-def _catch_up(cfg: RunConfig, node: CacheNode, msg: Message, context: Context) -> tuple[float, float]:
-    """Apply every aggregate newer than the node's version; returns (decode s, write-back s)."""
+def _catch_up(cfg: RunConfig, node: CacheNode, msg: Message, context: Context, timer: PhaseTimer) -> None:
+    """Apply every aggregate newer than the node's version (timed as key / decrypt / writeback)."""
     target = int(msg.content[protocol.CONFIG]["target-version"])
-    decrypt_s = writeback_s = 0.0
     for version, blob, manifest in protocol.unpack_aggregates(msg.content.array_records.get(protocol.AGGREGATES)):
         if version <= node.version:
             continue  # already applied (e.g. the server did not see our last reply)
-        t0 = time.perf_counter()
-        mean, made_in = _open(cfg, context, node.layout.size, blob, manifest)
-        t1 = time.perf_counter()
-        node.apply_mean_update(mean, version)
+        mean, made_in = _open(cfg, context, node.layout.size, blob, manifest, timer)
+        with timer.phase("writeback"):
+            node.apply_mean_update(mean, version)
         context.state[APPLIED_KEY] = ConfigRecord({"round": made_in})
-        decrypt_s += t1 - t0
-        writeback_s += time.perf_counter() - t1
     if node.version != target:
         raise RuntimeError(
             f"node is at global v{node.version} but the server expects v{target}; "
             "aggregates are missing (server will resend the full history)"
         )
-    return decrypt_s, writeback_s
 
 
-def _open(cfg: RunConfig, context: Context, dim: int, blob: bytes, manifest: bytes) -> tuple[np.ndarray, int]:
+def _open(cfg: RunConfig, context: Context, dim: int, blob: bytes, manifest: bytes,
+          timer: PhaseTimer) -> tuple[np.ndarray, int]:
     """Check an aggregate against its manifest (he=true) and decode it; AggregateRejected otherwise.
     Returns (mean update, round the aggregate was made in).
 
     Every check that can fail before decryption is public (run, a round later than the last
     applied one, summand count, the MAC); after it, a failure can only come from a summand a
-    node signed, and it gets the same answer."""
+    node signed, and it gets the same answer. The MAC is checked on the very ciphertexts that
+    are then decrypted (loaded once)."""
     try:
         if not cfg.he:
-            return make_client_codec(False, dim).decode_mean(blob), 0
+            with timer.phase("decrypt"):
+                return make_client_codec(False, dim).decode_mean(blob), 0
         m = Manifest.from_bytes(manifest)
         updates = [e for e in m.entries if e.kind == KIND_UPDATE]
         distinct = len({(e.node_id, e.kind) for e in m.entries}) == len(m.entries)
@@ -285,13 +315,17 @@ def _open(cfg: RunConfig, context: Context, dim: int, blob: bytes, manifest: byt
         last = int(applied["round"]) if applied is not None else 0
         if m.run_id != int(context.run_id) or m.round <= last or not distinct or len(updates) < floor:
             raise AggregateRejected()
-        codec, _, ctx = _codec(cfg, context, dim, m.epoch)
-        if ciphertext_info(blob)["n_updates"] != len(m.entries):
-            raise AggregateRejected()
-        coeffs = ciphertext_coefficients(ctx, packing_for(cfg, dim), blob)
-        if not AggregateMac(ctx.mac_key, last_modulus(ctx)).check(coeffs, m):
-            raise AggregateRejected()
-        return codec.decode_mean(blob), m.round
+        with timer.phase("key"):
+            codec, _, ctx = _codec(cfg, context, dim, m.epoch)
+            mac = AggregateMac(ctx.mac_key, last_modulus(ctx))
+        with timer.phase("decrypt"):
+            if ciphertext_info(blob)["n_updates"] != len(m.entries):
+                raise AggregateRejected()
+            total = None
+            if packing_for(cfg, dim).dither:
+                total = dither_total(ctx.dither_key, m.run_id, m.round, m.epoch,
+                                     [(e.node_id, e.kind) for e in m.entries], dim)
+            return codec.decode_mean(blob, accept=lambda coeffs: mac.check(coeffs, m), dither_total=total), m.round
     except Exception:  # noqa: BLE001 - one answer for every reason, chained to nothing
         raise AggregateRejected() from None
 

@@ -20,7 +20,8 @@ which refuses a context holding a secret key. Every ``crypto.CryptoError`` becom
 The public encoding parameters (``packing_for``), identical on every node and the server
 because they are a function of the run config and the model size only:
 
-* mode = ``packing``, bits = ``packing-bits``, max_clients = ``max-clients``;
+* mode = ``packing``, bits = ``packing-bits``, max_clients = ``max-clients``; dither under
+  dp-mode distributed (``crypto.dither``: the rounding error does not depend on the data);
 * max_weight = 1 under DP (every client has weight 1: the sensitivity analysis assumes
   equal weights), ``max-weight`` with dp-mode=none (weight = min(num_examples, max-weight));
 * clip_range R = ``packing-range`` if > 0, else derived: updates are L2-clipped to C =
@@ -40,7 +41,9 @@ from __future__ import annotations
 
 import math
 import struct
+import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -56,6 +59,8 @@ _UPDATE, _AGGREGATE = b"U", b"A"
 _HEADER = struct.Struct("<4sc3xIdI4x")
 HEADER_BYTES = _HEADER.size  # 28
 MAX_BYTES_DEFAULT = 256 * 1024 * 1024
+AGGREGATOR_PHASES = ("parse", "deserialize", "add", "serialize")
+"""Server-side phases every aggregator times (``seconds``); = ``crypto.ckks.AGGREGATOR_PHASES``."""
 
 
 class CodecError(ValueError):
@@ -74,6 +79,8 @@ class Aggregator(Protocol):
     """crypto.CkksAggregator(public_context_bytes, packing) satisfies this too."""
 
     count: int
+    seconds: dict[str, float]
+    """Time spent per phase of ``AGGREGATOR_PHASES``, summed over calls."""
 
     def add(self, blob: bytes) -> None: ...
     def add_noise(self, std: float, shares: int = 1, rng: np.random.Generator | None = None) -> int: ...
@@ -117,14 +124,20 @@ class PlainAggregator:
         self._weight = 0.0
         self.count = 0
         self.noise_shares = 0
+        self.seconds = dict.fromkeys(AGGREGATOR_PHASES, 0.0)
+        """Same phases as ``crypto.CkksAggregator.seconds`` (deserialize = parse the floats)."""
 
     def add(self, blob: bytes) -> None:
+        t0 = time.perf_counter()
         _dim, weight, _count, payload = _parse(blob, _UPDATE, self.dim, self.max_bytes)
         if not (np.isfinite(weight) and weight > 0):
             raise CodecError(f"update weight must be finite and > 0, got {weight}")
+        t1 = time.perf_counter()
         self._sum += payload
         self._weight += weight
         self.count += 1
+        self.seconds["deserialize"] += t1 - t0
+        self.seconds["add"] += time.perf_counter() - t1
 
     def add_noise(self, std: float, shares: int = 1, rng: np.random.Generator | None = None) -> int:
         """Gaussian noise for ``shares`` missing clients, each share N(0, std²): the sum gets
@@ -142,8 +155,11 @@ class PlainAggregator:
     def result(self) -> bytes:
         if self.count == 0:
             raise CodecError("no updates were added")
+        t0 = time.perf_counter()
         payload = self._sum.astype("<f4").tobytes()
-        return _HEADER.pack(MAGIC, _AGGREGATE, self.dim, self._weight, self.count) + payload
+        out = _HEADER.pack(MAGIC, _AGGREGATE, self.dim, self._weight, self.count) + payload
+        self.seconds["serialize"] += time.perf_counter() - t0
+        return out
 
 
 def _parse(blob: bytes, kind: bytes, dim: int, max_bytes: int) -> tuple[int, float, int, np.ndarray]:
@@ -210,9 +226,21 @@ def packing_for(cfg: RunConfig, dim: int) -> PackingConfig:
             clip_range=float(clip_range),
             max_clients=cfg.max_clients,
             max_weight=client_max_weight(cfg),
+            dither=cfg.dp_mode == "distributed",  # rounding independent of the data (crypto.dither)
         )
     except ParameterError as err:
         raise ValueError(f"bad run config: packing parameters rejected by crypto: {err}") from None
+
+
+def ckks_preset_for(cfg: RunConfig, dim: int) -> str:
+    """The run's CKKS preset: ``ckks-preset``, or with "auto" the ring whose updates of ``dim``
+    values are smallest under the run's packing (``crypto.preset_for``). Server-side only: the
+    key-making node is told the resolved name."""
+    if cfg.ckks_preset != "auto":
+        return cfg.ckks_preset
+    from crypto import preset_for
+
+    return preset_for(dim, packing_for(cfg, dim))
 
 
 def client_max_weight(cfg: RunConfig) -> float:
@@ -241,6 +269,8 @@ class CkksClientCodec:
     context: CkksContext = field(repr=False)
     packing: PackingConfig
     saturated: int = 0
+    residual: np.ndarray | None = field(default=None, repr=False)
+    """What the last ``encode`` did not send (rounding + saturation, pre-scaled domain)."""
 
     def __post_init__(self) -> None:
         from crypto import AggregateDecryptor, UpdateEncryptor
@@ -254,11 +284,14 @@ class CkksClientCodec:
         except CryptoError as err:
             raise _codec_error(err) from err
 
-    def encode(self, vec: np.ndarray, weight: float, noise: np.ndarray | None = None) -> bytes:
+    def encode(self, vec: np.ndarray, weight: float, noise: np.ndarray | None = None,
+               carry: np.ndarray | None = None, dither: np.ndarray | None = None) -> bytes:
         """Encrypt ``vec`` with FedAvg weight ``weight`` (<= packing.max_weight).
 
         ``noise`` is added after the weight pre-scale (crypto's place for distributed-DP
-        shares under unequal weights); unused while DP runs use equal weights.
+        shares under unequal weights); unused while DP runs use equal weights. ``carry`` is the
+        error-feedback residual of this node's previous update (``residual`` after the call);
+        ``dither`` this contribution's ``crypto.dither.dither`` when the packing is dithered.
         """
         from crypto.errors import CryptoError
 
@@ -266,18 +299,23 @@ class CkksClientCodec:
         if vec.shape != (self.dim,):
             raise CodecError(f"update has shape {vec.shape}, expected ({self.dim},)")
         try:
-            blob = self._enc.encrypt(vec, weight, noise=noise)
+            blob = self._enc.encrypt(vec, weight, noise=noise, carry=carry, dither=dither)
         except CryptoError as err:
             raise _codec_error(err) from err
+        self.residual = self._enc.last_residual
         report = self._enc.last_report
         self.saturated = int(report.saturated) if report is not None else 0
         return blob
 
-    def decode_mean(self, blob: bytes) -> np.ndarray:
+    def decode_mean(self, blob: bytes, accept: Callable[[np.ndarray], bool] | None = None,
+                    dither_total: np.ndarray | None = None) -> np.ndarray:
+        """The weighted mean of an aggregate; `accept` checks its ciphertext coefficients first
+        (``crypto.AggregateMac.check``), on the ciphertexts decryption then uses; a dithered
+        packing needs the summands' ``dither_total``."""
         from crypto.errors import CryptoError
 
         try:
-            result = self._dec.decrypt(bytes(blob))
+            result = self._dec.decrypt(bytes(blob), accept=accept, dither_total=dither_total)
         except CryptoError as err:
             raise _codec_error(err) from err
         if result.mean.shape != (self.dim,):
@@ -294,10 +332,15 @@ class CkksAggregatorCodec:
         from crypto import CkksAggregator, load_context
         from crypto.errors import CryptoError
 
-        try:
-            ctx = load_context(public_context)
-        except CryptoError as err:
-            raise _codec_error(err) from err
+        ctx = _PUBLIC_CONTEXTS.get(bytes(public_context))
+        if ctx is None:
+            try:
+                ctx = load_context(public_context)
+            except CryptoError as err:
+                raise _codec_error(err) from err
+            if not ctx.is_private:
+                _PUBLIC_CONTEXTS.clear()  # one key epoch at a time
+                _PUBLIC_CONTEXTS[bytes(public_context)] = ctx
         if ctx.is_private:
             raise CodecError("refusing a CKKS context with a secret key on the server side")
         self.dim = dim
@@ -311,6 +354,10 @@ class CkksAggregatorCodec:
     @property
     def noise_shares(self) -> int:
         return self._agg.noise_shares
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        return self._agg.seconds
 
     @property
     def context(self) -> Any:
@@ -352,7 +399,21 @@ def make_client_codec(
         return PlainClientCodec(dim)
     if context is None or packing is None:
         raise CodecError("he=true needs the node's secret CKKS context and the run's packing")
-    return CkksClientCodec(dim, context, packing)
+    key = (dim, context.key_id, packing)
+    codec = _CLIENT_CODECS.get(key)
+    if codec is None or codec.context is not context:
+        codec = CkksClientCodec(dim, context, packing)
+        _CLIENT_CODECS[key] = codec
+        while len(_CLIENT_CODECS) > _CACHE_SIZE:
+            _CLIENT_CODECS.pop(next(iter(_CLIENT_CODECS)))
+    return codec
+
+
+_CACHE_SIZE = 16
+_CLIENT_CODECS: dict[tuple[int, bytes, PackingConfig], CkksClientCodec] = {}
+"""Per process: a codec (SEAL encoder, encryptors, evaluator) per (dim, key, packing), built once."""
+_PUBLIC_CONTEXTS: dict[bytes, Any] = {}
+"""Per process: public contexts by their bytes, parsed once (the server builds one aggregator per round)."""
 
 
 def make_aggregator(

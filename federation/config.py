@@ -31,8 +31,9 @@ DP_MODES = ("none", "local", "distributed", "flower-central")
 TASKS = ("digits", "lm")
 KV_DTYPES = ("fp32", "fp16", "int8", "int4")
 PACKINGS = ("packed", "none")
-CKKS_PRESETS = ("fedkv-4096", "fedkv-8192", "nvflare-default")
-"""Names of crypto.PRESETS (kept literal so the config does not import tenseal)."""
+CKKS_PRESETS = ("auto", "fedkv-2048", "fedkv-4096", "fedkv-8192", "nvflare-default")
+"""Names of crypto.PRESETS (kept literal so the config does not import tenseal); "auto" picks the
+ring whose updates are smallest for the model (``crypto.preset_for``: fedkv-2048 or fedkv-4096)."""
 MAX_SEED = 2**32 - 1
 """numpy and scikit-learn take seeds in [0, 2**32 - 1]."""
 DEFAULT_RESULTS_DIR = "results"
@@ -78,6 +79,11 @@ class RunConfig:
     Only used when he=true."""
     packing_bits: int = 8
     """Quantisation bits per value in packing=packed, in [1, 24]."""
+    error_feedback: bool = True
+    """he=true, packing=packed: each node adds to its next update what quantization and
+    saturation left out of its last one (``crypto.UpdateEncryptor`` ``carry``), so rounding
+    errors do not accumulate over rounds and saturation bias is paid back. Not applied with
+    dp-mode=distributed (see ``crypto.privacy``: the residual would carry an unnoised share)."""
     packing_range: float = 0.0
     """Public saturation range R of the CKKS encoding; 0 = derived from the run config
     (``federation.codec.packing_for``)."""
@@ -88,7 +94,7 @@ class RunConfig:
     """dp-mode=none: public bound on a client's FedAvg weight (its example count); a node
     with more examples counts as max-weight. Keep it close to the largest partition: the
     CKKS encoding pre-scales updates by weight/max-weight. Unused under DP (equal weights)."""
-    ckks_preset: str = "fedkv-4096"
+    ckks_preset: str = "auto"
     """CKKS parameter set (crypto.PRESETS) the dealer uses."""
     dp_mode: str = "distributed"
     """none | local | distributed | flower-central (Flower's client-side fixed clipping;

@@ -46,9 +46,15 @@ CONFIG = "config"
 UPDATE = "update"
 METRICS = "metrics"
 
+NODE_TRAIN_PHASES = ("restore", "key", "decrypt", "writeback", "train", "encrypt", "sign", "save")
+"""Timed phases of a train handler, sent as ``<phase>-s`` with ``handler-s`` (the whole handler):
+restore the node, load/unwrap the CKKS key and codec, decode aggregates it lacks, write them back,
+train, encode (clip + quantize + encrypt), tag + sign, save the node's state."""
+NODE_EVAL_PHASES = ("restore", "key", "decrypt", "writeback", "eval", "serve", "save")
+"""Timed phases of an evaluate handler (``serve``: the chat turn through the cache)."""
 TRAIN_METRICS = (
     "num-examples", "upload-bytes", "num-values", "weight-capped",
-    "train-s", "encrypt-s", "sign-s", "decrypt-s", "writeback-s", "version", "node-source", "pid",
+    *(f"{p}-s" for p in NODE_TRAIN_PHASES), "handler-s", "version", "node-source", "pid",
     "kv-on-disk",
 )
 """Always sent (``epsilon-sample`` too, with dp-sgd)."""
@@ -61,9 +67,10 @@ SERVE_COUNTS = ("serve-sessions", "serve-turns", "serve-prompt-tokens", "serve-p
 """What a node's serving pass counted (``node.serving.ServeReport``; all 0 when it served
 nothing): sums over nodes are exact, rates are derived on the server. ``serve-trace-shaped``
 is 1 when the Mooncake trace shaped the node's sessions."""
-SERVE_AMOUNTS = ("serve-s", "serve-nll", "serve-nll-fresh")
-"""Seconds serving, and summed log-loss of the served texts through the cache / cache-free."""
-EVAL_METRICS = ("num-examples", "eval-loss", "eval-metric", "decrypt-s", "writeback-s", "eval-s",
+SERVE_AMOUNTS = ("serve-busy-s", "serve-nll", "serve-nll-fresh")
+"""Seconds serving turns (``serve-s``, the phase, also holds the cache-free scoring), and
+summed log-loss of the served texts through the cache / cache-free."""
+EVAL_METRICS = ("num-examples", "eval-loss", "eval-metric", *(f"{p}-s" for p in NODE_EVAL_PHASES), "handler-s",
                 "version", "node-source", "pid", "kv-on-disk", *SERVE_COUNTS, *SERVE_AMOUNTS)
 """``kv-on-disk``: K/V blocks the node's cache found in its directory at warm start."""
 

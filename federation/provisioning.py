@@ -44,6 +44,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.common import log
 
 from crypto import (
+    DEFAULT_PRESET,
     NO_KEY_ID,
     NodeKeys,
     NodePublicKeys,
@@ -228,8 +229,13 @@ class KeyService:
     the ``UpdateVerifier``. It never holds, receives or parses a secret context.
     """
 
-    def __init__(self, cfg: RunConfig, run_id: int, server_kit: Any = None) -> None:
+    def __init__(self, cfg: RunConfig, run_id: int, server_kit: Any = None, preset: str | None = None) -> None:
         self.cfg = cfg
+        self.preset = preset if preset is not None else cfg.ckks_preset
+        """The CKKS preset a key-making node is asked for (``codec.ckks_preset_for``, resolved);
+        "auto" left unresolved (no model size given) asks for ``crypto.DEFAULT_PRESET``."""
+        if self.preset == "auto":
+            self.preset = DEFAULT_PRESET
         self.he = cfg.he
         self.timeout = cfg.round_timeout
         self.kit = server_kit
@@ -377,7 +383,7 @@ class KeyService:
                     rnd: int, out: AdmitReport) -> bool:
         everyone = sorted({dealer, *members})
         req = ConfigRecord({
-            "epoch": epochs[-1], "fresh": int(fresh), "preset": self.cfg.ckks_preset, "effective-round": rnd,
+            "epoch": epochs[-1], "fresh": int(fresh), "preset": self.preset, "effective-round": rnd,
             "members": [str(n) for n in everyone], "names": [self.members[n].name for n in everyone],
             "kx": [self.members[n].pub.kx_public for n in everyone],
             "sign": [self.members[n].pub.sign_public for n in everyone], "epochs": epochs,

@@ -169,6 +169,11 @@ class TrainMetrics:
     clipped: bool | None = None
     delta_norm: float | None = None
     saturated: int | None = None
+    restore_s: float = 0.0
+    key_s: float = 0.0
+    save_s: float = 0.0
+    handler_s: float = 0.0
+    """The whole handler; the phases above and ``train_s`` .. ``writeback_s`` lie inside it."""
 
 
 @dataclass(frozen=True)
@@ -193,6 +198,11 @@ class EvalMetrics:
     node_source: int
     pid: int
     kv_on_disk: int
+    restore_s: float = 0.0
+    key_s: float = 0.0
+    serve_s: float = 0.0
+    save_s: float = 0.0
+    handler_s: float = 0.0
     serve: dict[str, float] = field(default_factory=dict)
     """``protocol.SERVE_COUNTS`` and ``SERVE_AMOUNTS`` by name (checked: counts are ints in
     range, amounts finite and >= 0)."""
@@ -547,6 +557,7 @@ def _parse_train(msg: Message, dp: bool, dim: int) -> TrainReply:
         node_source=_int(w("node-source"), m["node-source"], min(NODE_SOURCES), max(NODE_SOURCES)),
         pid=_int(w("pid"), m["pid"], 1, PID_MAX),
         kv_on_disk=_int(w("kv-on-disk"), m["kv-on-disk"], 0, MAX_KV_BLOCKS),
+        **{f"{k}_s": _seconds(w(f"{k}-s"), m[f"{k}-s"]) for k in ("restore", "key", "save", "handler")},
         **extra,
     )
     return TrainReply(_update(recs[protocol.UPDATE]), metrics)
@@ -573,6 +584,7 @@ def parse_eval_reply(msg: Message) -> EvalMetrics:
         node_source=_int(f"{M}.node-source", m["node-source"], min(NODE_SOURCES), max(NODE_SOURCES)),
         pid=_int(f"{M}.pid", m["pid"], 1, PID_MAX),
         kv_on_disk=_int(f"{M}.kv-on-disk", m["kv-on-disk"], 0, MAX_KV_BLOCKS),
+        **{f"{k}_s": _seconds(f"{M}.{k}-s", m[f"{k}-s"]) for k in ("restore", "key", "serve", "save", "handler")},
         serve={**{k: _int(f"{M}.{k}", m[k], 0, MAX_KV_BLOCKS) for k in protocol.SERVE_COUNTS},
                **{k: _float(f"{M}.{k}", m[k], 0.0) for k in protocol.SERVE_AMOUNTS}},
     )

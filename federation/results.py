@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 
-SCHEMA = 3
-"""3 added ``key_origin``, ``key_rotations``, ``server_pid``, ``privacy_claim`` and the round
+SCHEMA = 4
+"""4 added ``server_seconds``, ``node_seconds`` and ``seconds`` round / nodes_busy / transport.
+3 added ``key_origin``, ``key_rotations``, ``server_pid``, ``privacy_claim`` and the round
 fields ``key_epoch``, ``key_rotated``, ``departed``; under DP ``train_loss``, ``clipped_fraction``
 and ``saturated_fraction`` are null (nodes do not send them)."""
 
@@ -61,6 +62,18 @@ class RoundRecord:
     clients; decrypt/writeback = catching up before training), eval_decrypt/eval_writeback
     (evaluate phase), aggregate / verify / provision (server), train_phase / evaluate_phase
     (server wall clock for the whole phase)."""
+    server_seconds: dict[str, float] = field(default_factory=dict)
+    """The server's round, phase by phase; they sum to ``seconds["round"]`` (``other``: what no
+    phase covers). admit (enroll/provision + sampling), send / wait / receive (build the train
+    messages, ``grid.send_and_receive``, parse replies), verify (signatures), parse /
+    deserialize / add (the aggregator: header checks, SEAL load, homomorphic add), reject
+    (dropping refused updates), noise, serialize (the aggregate + manifest), account, then
+    eval_send / eval_wait / eval_receive / eval_account."""
+    node_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
+    """{"train": {...}, "evaluate": {...}}: each node phase (``protocol.NODE_TRAIN_PHASES`` /
+    ``NODE_EVAL_PHASES``) summed over the replying nodes, ``handler`` (their whole handlers) and
+    ``other`` (handler time outside the phases). ``seconds["nodes_busy"]`` is both handlers'
+    sum, ``seconds["transport"]`` the server's waits minus it (Flower's queues and polling)."""
     clipped_fraction: float = math.nan
     saturated_fraction: float = math.nan
     """Share of encoded values saturated to the packing range (0 for plaintext)."""
@@ -126,7 +139,7 @@ def serving_summary(counts: dict[str, float]) -> dict[str, Any]:
         "prefix_hit_rate": ratio(c.get("serve-prefix-hit-tokens", 0), c.get("serve-prompt-tokens", 0)),
         "tier_hit_rates": {t: ratio(c.get(f"serve-hit-{t}", 0), c.get("serve-lookups", 0))
                            for t in ("hot", "warm", "cold")},
-        "tokens_per_s": ratio(c.get("serve-decode-tokens", 0), c.get("serve-s", 0.0)),
+        "tokens_per_s": ratio(c.get("serve-decode-tokens", 0), c.get("serve-busy-s", 0.0)),
         "decode_tokens": int(c.get("serve-decode-tokens", 0)),
         "recomputed_tokens": int(c.get("serve-recomputed", 0)),
         "invalidated_blocks": int(c.get("serve-invalidated", 0)),

@@ -17,6 +17,7 @@ from typing import Any
 from flwr.common import log
 
 from crypto import privacy_claim
+from federation.codec import ckks_preset_for
 from federation.config import RunConfig
 from federation.flower_central import run_flower_central
 from federation.provisioning import KeyService
@@ -29,14 +30,16 @@ def mode_of(cfg: RunConfig) -> str:
     return "flower-central" if cfg.dp_mode == "flower-central" else ("he" if cfg.he else "plain")
 
 
-def key_service(cfg: RunConfig, run_id: int) -> KeyService:
-    """The server's key relay; with ``server-kit`` it pins every node to the kit's roster."""
+def key_service(cfg: RunConfig, run_id: int, dim: int | None = None) -> KeyService:
+    """The server's key relay; with ``server-kit`` it pins every node to the kit's roster.
+    ``dim`` (the model size) resolves ``ckks-preset = "auto"`` for the keys nodes make."""
     kit = None
     if cfg.server_kit:
         from federation.kit import load_server_kit
 
         kit = load_server_kit(cfg.server_kit)
-    return KeyService(cfg, run_id, kit)
+    preset = ckks_preset_for(cfg, dim) if cfg.he and dim is not None else None
+    return KeyService(cfg, run_id, kit, preset=preset)
 
 
 def run_rounds(grid: Any, cfg: RunConfig, run_id: int, results: RunResults, *, wait_for_nodes_s: float,
@@ -49,12 +52,12 @@ def run_rounds(grid: Any, cfg: RunConfig, run_id: int, results: RunResults, *, w
             on_round(rec)
         _claim(cfg, results)
         return
-    keys = key_service(cfg, run_id)
-    results.provisioning = keys.stats
     dim = model_layout(cfg.task, cfg.seed).size
+    keys = key_service(cfg, run_id, dim)
+    results.provisioning = keys.stats
     strategy = OpaqueFedAvg(cfg, dim, keys, wait_for_nodes_s=wait_for_nodes_s)
     if strategy.packing is not None:
-        results.encoding = {**asdict(strategy.packing), "preset": cfg.ckks_preset, "dim": dim}
+        results.encoding = {**asdict(strategy.packing), "preset": keys.preset, "dim": dim}
         log(INFO, "fedkv: CKKS encoding %s", results.encoding)
 
     def record(rec: RoundRecord) -> None:

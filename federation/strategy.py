@@ -52,6 +52,7 @@ from federation import protocol, replies
 from federation.codec import Aggregator, make_aggregator, packing_for
 from federation.config import RunConfig
 from federation.results import METRIC_NAMES, RoundRecord, mean, serving_summary, weighted_mean
+from federation.timing import PhaseTimer
 
 from federation.provisioning import AdmitReport
 
@@ -59,6 +60,20 @@ if TYPE_CHECKING:
     from federation.provisioning import KeyService
 
 SOURCES = {0: "built", 1: "restored", 2: "reused"}
+
+
+TRAIN_PHASES = protocol.NODE_TRAIN_PHASES
+EVAL_PHASES = protocol.NODE_EVAL_PHASES
+
+
+def _node_phase_sums(metrics: list, phases: tuple[str, ...]) -> dict[str, float]:
+    """Each node phase summed over the replying nodes, their handlers' total, and ``other``
+    (handler time no phase covers)."""
+    out = {p: float(sum(getattr(x, f"{p}_s") for x in metrics)) for p in phases}
+    handler = float(sum(x.handler_s for x in metrics))
+    out["handler"] = handler
+    out["other"] = max(0.0, handler - sum(out[p] for p in phases))
+    return out
 
 
 class NotEnoughClients(RuntimeError):
@@ -107,29 +122,54 @@ class OpaqueFedAvg:
             on_round(self.round(grid, rnd))
 
     def round(self, grid: Grid, rnd: int) -> RoundRecord:
+        """One round, every server phase timed into ``rec.server_seconds`` (they sum to
+        ``rec.seconds["round"]``; ``other`` is what no phase covers) and the nodes' own phase
+        times summed into ``rec.node_seconds`` (see ``RoundRecord``)."""
+        timer = PhaseTimer()
         rec = RoundRecord(round=rnd, metric=METRIC_NAMES[self.cfg.task])
-        ready = self.admit(grid, rnd, rec)
-        rec.population = len(ready)
-        sampled = self.sample(ready)
-        rec.sampled = len(sampled)
+        with timer.phase("admit"):
+            ready = self.admit(grid, rnd, rec)
+            rec.population = len(ready)
+            sampled = self.sample(ready)
+            rec.sampled = len(sampled)
 
         t0 = time.perf_counter()
         self.verifier.start_round(rnd)
-        msgs = self.configure(protocol.TRAIN, rnd, sampled)
-        replies_ = grid.send_and_receive(msgs, timeout=self.cfg.round_timeout)
-        train = self.collect("train", sampled, replies_, protocol.destinations(msgs))
+        with timer.phase("send"):
+            msgs = self.configure(protocol.TRAIN, rnd, sampled)
+        with timer.phase("wait"):
+            replies_ = grid.send_and_receive(msgs, timeout=self.cfg.round_timeout)
+        with timer.phase("receive"):
+            train = self.collect("train", sampled, replies_, protocol.destinations(msgs))
         rec.seconds["train_phase"] = time.perf_counter() - t0
-        self.aggregate_train(grid, rnd, train, rec)
+        self.aggregate_train(grid, rnd, train, rec, timer)
 
         t0 = time.perf_counter()
-        msgs = self.configure(protocol.EVALUATE, rnd, ready)
-        replies_ = grid.send_and_receive(msgs, timeout=self.cfg.round_timeout)
-        evaluated = self.collect("evaluate", ready, replies_, protocol.destinations(msgs))
+        with timer.phase("eval_send"):
+            msgs = self.configure(protocol.EVALUATE, rnd, ready)
+        with timer.phase("eval_wait"):
+            replies_ = grid.send_and_receive(msgs, timeout=self.cfg.round_timeout)
+        with timer.phase("eval_receive"):
+            evaluated = self.collect("evaluate", ready, replies_, protocol.destinations(msgs))
         rec.seconds["evaluate_phase"] = time.perf_counter() - t0
-        self.discard_if_refused(evaluated, rec)
-        self.aggregate_evaluate(evaluated, rec)
-        self.note_departures(rec)
+        with timer.phase("eval_account"):
+            self.discard_if_refused(evaluated, rec)
+            self.aggregate_evaluate(evaluated, rec)
+            self.note_departures(rec)
+        self._close_books(rec, timer)
         return rec
+
+    @staticmethod
+    def _close_books(rec: RoundRecord, timer: PhaseTimer) -> None:
+        """Round wall time, server phases + their remainder, and the time the two waits spent
+        outside any node handler (Flower's queues and polling: ``transport``)."""
+        total = timer.total
+        rec.seconds["round"] = total
+        rec.server_seconds = {**timer.seconds, "other": timer.other(total)}
+        waited = timer.seconds.get("wait", 0.0) + timer.seconds.get("eval_wait", 0.0)
+        busy = sum(rec.node_seconds.get(k, {}).get("handler", 0.0) for k in ("train", "evaluate"))
+        rec.seconds["nodes_busy"] = busy
+        rec.seconds["transport"] = max(0.0, waited - busy)
 
     # -- node selection -----------------------------------------------------------------
     def admit(self, grid: Grid, rnd: int, rec: RoundRecord) -> list[int]:
@@ -267,8 +307,10 @@ class OpaqueFedAvg:
             self._drop(out, node, phase, f"update rejected: {replies.safe_reason(err)}")
             return False
 
-    def aggregate_train(self, grid: Grid, rnd: int, train: PhaseReplies, rec: RoundRecord) -> None:
+    def aggregate_train(self, grid: Grid, rnd: int, train: PhaseReplies, rec: RoundRecord,
+                        timer: PhaseTimer | None = None) -> None:
         """Verify each update's signature, add it, top up missing noise, append the aggregate."""
+        timer = timer or PhaseTimer()
         agg = self.make_aggregator()
         used: list[tuple[int, replies.TrainReply]] = []
         entries: list[ManifestEntry] = []
@@ -285,6 +327,11 @@ class OpaqueFedAvg:
             used.append((node, reply))
             rec.upload_bytes[str(node)] = len(reply.blob)
         rec.seconds["verify"], rec.seconds["aggregate"] = verify_s, add_s
+        timer.add("verify", verify_s)
+        agg_phases = dict(agg.seconds)  # parse / deserialize / add inside add_s; the rest is dropping
+        for name in ("parse", "deserialize", "add"):
+            timer.add(name, agg_phases[name])
+        timer.add("reject", max(0.0, add_s - sum(agg_phases[n] for n in ("parse", "deserialize", "add"))))
         rec.dropped.extend(train.dropped)
         rec.num_clients = len(used)
         if len(used) < self.cfg.min_clients:
@@ -292,13 +339,17 @@ class OpaqueFedAvg:
                 f"round {rnd}: {len(used)} usable update(s) < min-clients={self.cfg.min_clients}; "
                 f"left out: {[(d['node'], d['reason']) for d in train.dropped]}"
             )
-        shares = self.top_up_noise(grid, rnd, agg, [n for n, _ in used], rec, entries)
-        self.history.append((agg.result(), self._manifest(rnd, entries)))
+        with timer.phase("noise"):
+            shares = self.top_up_noise(grid, rnd, agg, [n for n, _ in used], rec, entries)
+        with timer.phase("serialize"):
+            self.history.append((agg.result(), self._manifest(rnd, entries)))
         rec.aggregate_bytes = len(self.history[-1][0])
-        for node, reply in used:
-            self.known_version[node] = reply.metrics.version
-        self._summarize_train([r.metrics for _, r in used], rec)
-        rec.epsilon_client = self._account(rec, len(used) + shares)
+        with timer.phase("account"):
+            for node, reply in used:
+                self.known_version[node] = reply.metrics.version
+            self._summarize_train([r.metrics for _, r in used], rec)
+            rec.node_seconds["train"] = _node_phase_sums([r.metrics for _, r in train.ok], TRAIN_PHASES)
+            rec.epsilon_client = self._account(rec, len(used) + shares)
 
     def _manifest(self, rnd: int, entries: list[ManifestEntry]) -> bytes:
         if not self.cfg.he:
@@ -431,6 +482,7 @@ class OpaqueFedAvg:
         rec.eval_metric = weighted_mean([x.eval_metric for x in m], n)
         rec.seconds["eval_decrypt"] = mean([x.decrypt_s for x in m])
         rec.seconds["eval_writeback"] = mean([x.writeback_s for x in m])
+        rec.node_seconds["evaluate"] = _node_phase_sums(m, EVAL_PHASES)
         totals: dict[str, float] = {}
         for x in m:
             for k, v in x.serve.items():

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-MODES = {"plaintext", "tenseal_default", "fedkv_none", "fedkv"}
+MODES = {"plaintext", "tenseal_default", "fedkv_none", "fedkv_8bit", "fedkv"}
 PHASES = {"encrypt_per_client", "aggregate", "decrypt", "end_to_end", "total_cpu"}
 
 
@@ -31,13 +31,14 @@ def result():
 
 def test_json_has_every_key(result):
     assert result["params"] == 20000 and result["clients"] == 10
-    assert set(result["bytes_per_param"]) == {"fp32", "tenseal_default", "fedkv_none", "fedkv"}
+    assert set(result["bytes_per_param"]) == {"fp32", "tenseal_default", "fedkv_none", "fedkv_8bit", "fedkv"}
     assert result["bytes_per_param"]["fp32"] == 4.0
     assert set(result["seconds"]) == MODES
     for mode in MODES:
         assert set(result["seconds"][mode]) == PHASES
     assert set(result["max_abs_error"]) == MODES
-    assert result["quantization_step"] == pytest.approx(2.0 / 255)
+    assert result["quantization_step"] == pytest.approx(2.0 / 15)  # 10 clients: 4 headroom + 4 value bits
+    assert result["quantization_step_8bit"] == pytest.approx(2.0 / 255)
     assert set(result["speedup_vs_tenseal_default"]) >= {"end_to_end", "total_cpu"}
     for section in ("seconds", "max_abs_error", "bytes_per_param"):
         for path, value in _numbers(result[section]):
@@ -47,12 +48,12 @@ def test_json_has_every_key(result):
 def test_size_and_error_targets(result):
     bpp = result["bytes_per_param"]
     # tiny vectors leave most of the last ciphertext empty, hence the looser size bounds here
-    assert bpp["fedkv"] <= 4.0
+    assert bpp["fedkv"] <= 4.0 and bpp["fedkv"] < bpp["fedkv_8bit"]
     assert bpp["fedkv_none"] <= 16.5
     assert bpp["tenseal_default"] > 10 * bpp["fedkv"]
     assert result["max_abs_error"]["fedkv"] <= result["fedkv_error_bound_steps"] * result["quantization_step"]
     assert result["max_abs_error"]["fedkv_none"] <= 1e-6
-    assert result["saturated"]["fedkv"] == 0
+    assert result["saturated"]["fedkv"] == 0 and result["saturated"]["fedkv_8bit"] == 0
 
 
 def _numbers(x, path=""):

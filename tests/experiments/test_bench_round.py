@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from experiments.bench_round import main, summarise
+from experiments.bench_round import main, phase_accounting, summarise
 
 
 def _results(times, ups, metric):
@@ -30,3 +30,14 @@ def test_bench_round_runs_both_modes_through_flwr():
     for key in ("seconds_per_round_he_vs_plain", "upload_he_vs_plain"):
         assert math.isfinite(out["ratios"][key]) and out["ratios"][key] > 0
     assert 0 <= out["final_metric"]["he"] <= 1
+
+
+def test_phase_accounting_reports_explained_shares():
+    rounds = [{"seconds": {"round": 2.0, "nodes_busy": 1.5},
+               "server_seconds": {"wait": 1.2, "eval_wait": 0.6, "verify": 0.1, "other": 0.1},
+               "node_seconds": {"train": {"train": 1.0, "handler": 1.1}, "evaluate": {"eval": 0.3, "handler": 0.4}}}]
+    acc = phase_accounting(rounds)
+    assert acc["round_wall_explained_by_server_phases"] == pytest.approx(0.95)
+    assert acc["waits_explained_by_node_handlers"] == pytest.approx(1.5 / 1.8)
+    assert acc["server_phase_seconds_median"]["wait"] == 1.2
+    assert acc["node_phase_seconds_median"]["train"]["handler"] == 1.1

@@ -83,16 +83,20 @@ def test_points_csv_columns_and_values(tiny):
     by = {(int(r["params"]), r["mode"]): float(r["bytes_per_param"]) for r in rows}
     for d in (10_000, 30_000):
         assert by[(d, "plaintext")] == pytest.approx(4.0, abs=0.01)
-        assert by[(d, "fedkv")] < by[(d, "plaintext")] < by[(d, "fedkv_none")] < by[(d, "tenseal_default")]
+        assert by[(d, "fedkv_8bit")] < by[(d, "plaintext")] < by[(d, "fedkv_none")] < by[(d, "tenseal_default")]
+        assert by[(d, "fedkv")] <= by[(d, "fedkv_8bit")]
+    assert by[(30_000, "fedkv")] < 0.75 * by[(30_000, "fedkv_8bit")]  # 5 values per slot part, not 3
     err = {(int(r["params"]), r["mode"]): float(r["max_abs_error"]) for r in rows}
     assert err[(30_000, "fedkv_none")] < 1e-6 and err[(30_000, "tenseal_default")] < 1e-6
-    assert err[(30_000, "fedkv")] < 0.05  # a few 8-bit quantization steps of [-1, 1]
+    assert err[(30_000, "fedkv_8bit")] < 0.05  # a few 8-bit quantization steps of [-1, 1]
+    dense = he_cost.PackingConfig.dense(40, 3, 5, clip_range=1.0, max_weight=1000.0)
+    assert err[(30_000, "fedkv")] < dense.step * 3  # the hard bound: step * clients / weight sum (>= 1.5)
 
 
 def test_summary_and_meta(tiny):
     _, run_dir = tiny
     text = (run_dir / "summary.md").read_text()
-    assert "| params | plaintext | tenseal_default | fedkv_none | fedkv |" in text
+    assert "| params | plaintext | tenseal_default | fedkv_none | fedkv_8bit | fedkv |" in text
     assert "| 30,000 |" in text and "nan" not in text.lower()
     assert "SecAgg+ baseline skipped (--no-secagg)" in text
     meta = json.loads((run_dir / "meta.json").read_text())

@@ -83,7 +83,7 @@ class Federation:
         self.cfg = RunConfig.from_run_config(self.run_config)
         self.dim = model_layout(self.cfg.task, self.cfg.seed).size
         self.grid = FakeGrid(num_nodes, self.run_config)
-        self.keys = key_service(self.cfg, self.grid.run_id)
+        self.keys = key_service(self.cfg, self.grid.run_id, self.dim)
         self.strategy = OpaqueFedAvg(self.cfg, self.dim, self.keys, wait_for_nodes_s=0.0)
 
     def round(self, rnd: int):

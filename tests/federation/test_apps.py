@@ -25,7 +25,7 @@ def test_server_main_writes_results_json(tmp_path, capsys) -> None:
     (path,) = tmp_path.glob("run-1-*.json")
     assert f"FEDKV_RESULTS {path}" in capsys.readouterr().out
     data = json.loads(path.read_text())
-    assert data["status"] == "completed" and data["schema"] == 3 and data["mode"] == "plain"
+    assert data["status"] == "completed" and data["schema"] == 4 and data["mode"] == "plain"
     assert data["provisioning"]["enrolled"] == 3 and data["provisioning"]["provisioned"] == 0
     assert data["config"]["results-dir"] == str(tmp_path)
     r = data["rounds"][1]

@@ -179,7 +179,7 @@ def test_ckks_presets_match_crypto() -> None:
 
     from federation.config import CKKS_PRESETS
 
-    assert set(CKKS_PRESETS) == set(PRESETS)
+    assert set(CKKS_PRESETS) == set(PRESETS) | {"auto"}  # "auto": crypto.preset_for picks one
 
 
 # -- node config (federation.node_host.spec_from_context) ------------------------------------------

@@ -26,6 +26,8 @@ from crypto import (
     make_secret_context,
     sign_update,
 )
+from crypto.binding import Manifest
+from crypto.dither import dither_total
 from crypto.context import seal_save
 from crypto.errors import SecretKeyPresentError
 from federation import client_app, node_host, protocol, provisioning
@@ -234,9 +236,10 @@ def test_he_round_aggregate_equals_plain_fedavg_of_the_same_updates(monkeypatch)
     sent: list[tuple[np.ndarray, float]] = []
     real_encode = CkksClientCodec.encode
 
-    def spy(self, vec, weight, noise=None):
+    def spy(self, vec, weight, noise=None, carry=None, dither=None):
+        assert carry is None or not np.any(carry)  # error feedback: nothing to carry in round 1
         sent.append((np.asarray(vec, dtype=np.float64).copy(), float(weight)))
-        return real_encode(self, vec, weight, noise)
+        return real_encode(self, vec, weight, noise, carry, dither)
 
     monkeypatch.setattr(CkksClientCodec, "encode", spy)
     fed = he_federation(3, **{"num-server-rounds": 1, "max-weight": 500.0})
@@ -313,7 +316,8 @@ def _unsigned(fed: Federation):
 def _foreign_ciphertext(fed: Federation):
     """Right shape and packing, validly signed by node 100, but under another dealer's key."""
     foreign = CkksClientCodec(fed.dim, make_secret_context(), fed.strategy.packing)
-    return payload_fault(fed.grid, lambda p, m, c: foreign.encode(np.zeros(fed.dim), 1.0))
+    u = np.zeros(fed.dim) if fed.strategy.packing.dither else None  # dp-mode distributed: dithered
+    return payload_fault(fed.grid, lambda p, m, c: foreign.encode(np.zeros(fed.dim), 1.0, dither=u))
 
 
 FAULTS = {
@@ -385,9 +389,9 @@ def test_distributed_top_up_noise_is_added_under_encryption(monkeypatch) -> None
     sent: list[np.ndarray] = []
     real_encode = CkksClientCodec.encode
 
-    def spy(self, vec, weight, noise=None):
+    def spy(self, vec, weight, noise=None, **kwargs):
         sent.append(np.asarray(vec, dtype=np.float64).copy())
-        return real_encode(self, vec, weight, noise)
+        return real_encode(self, vec, weight, noise, **kwargs)
 
     monkeypatch.setattr(CkksClientCodec, "encode", spy)
     fed = he_federation(3, **{"dp-mode": "distributed", "num-server-rounds": 1, "noise-multiplier": 1.0,
@@ -395,8 +399,14 @@ def test_distributed_top_up_noise_is_added_under_encryption(monkeypatch) -> None
     fed.grid.faults[(101, protocol.TRAIN)] = raise_fault
     (rec,) = fed.run_all()
     assert rec.sampled == 3 and rec.num_clients == 2 and rec.noise_shares_added == 1
-    dec = AggregateDecryptor(node_secret(fed, 100), fed.strategy.packing)
-    result = dec.decrypt(fed.strategy.history[0][0])
+    secret = node_secret(fed, 100)
+    dec = AggregateDecryptor(secret, fed.strategy.packing)
+    aggregate, manifest = fed.strategy.history[0]
+    m = Manifest.from_bytes(manifest)
+    assert fed.strategy.packing.dither  # distributed DP: rounding independent of the data
+    total = dither_total(secret.dither_key, m.run_id, m.round, m.epoch, [(e.node_id, e.kind) for e in m.entries],
+                         fed.dim)
+    result = dec.decrypt(aggregate, dither_total=total)
     # two updates + one noise share (made by a survivor, weight 0): three contributions
     assert result.n_updates == 3 and result.contributions == 3 and result.weight_sum == pytest.approx(2.0)
     trained = [v for v in sent if np.any(v)]

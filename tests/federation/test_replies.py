@@ -79,6 +79,7 @@ def train_metrics(dp: bool) -> dict:
     m = {
         "num-examples": 120, "upload-bytes": 4091, "num-values": DIM, "weight-capped": 0,
         "train-s": 0.5, "encrypt-s": 0.01, "sign-s": 0.001, "decrypt-s": 0, "writeback-s": 0.002,
+        "restore-s": 0.003, "key-s": 0.001, "save-s": 0.004, "handler-s": 0.6,
         "version": 2, "node-source": 2, "pid": 4242, "kv-on-disk": 12,
     }
     if dp:
@@ -96,7 +97,8 @@ def train_spec(dp: bool = False) -> dict:
 def eval_spec() -> dict:
     return {protocol.METRICS: ("metric", {
         "num-examples": 30, "eval-loss": 0.4, "eval-metric": 0.9, "decrypt-s": 0.1, "writeback-s": 0.0,
-        "eval-s": 0.2, "version": 3, "node-source": 0, "pid": 7, "kv-on-disk": 0,
+        "eval-s": 0.2, "restore-s": 0.01, "key-s": 0.0, "serve-s": 0.03, "save-s": 0.02, "handler-s": 0.4,
+        "version": 3, "node-source": 0, "pid": 7, "kv-on-disk": 0,
         **SERVE_SPEC,
     })}
 
@@ -178,12 +180,13 @@ def test_train_reply_accepts_infinite_sample_epsilon_and_numpy_floats() -> None:
 
 def test_eval_reply_parses() -> None:
     r = parse_eval_reply(build(eval_spec()))
-    assert r == replies.EvalMetrics(30, 0.4, 0.9, 0.1, 0.0, 0.2, 3, 0, 7, 0, SERVE_SPEC)
+    assert r == replies.EvalMetrics(30, 0.4, 0.9, 0.1, 0.0, 0.2, 3, 0, 7, 0, 0.01, 0.0, 0.03, 0.02, 0.4,
+                                    SERVE_SPEC)
 
 
 def test_eval_reply_refuses_bad_serving_counts() -> None:
     for key, bad in (("serve-turns", -1), ("serve-turns", 2.5), ("serve-nll", math.nan),
-                     ("serve-s", -0.1), ("serve-recomputed", 2**31)):
+                     ("serve-busy-s", -0.1), ("serve-recomputed", 2**31)):
         spec = eval_spec()
         spec[protocol.METRICS][1][key] = bad
         assert key in reason_of(lambda: parse_eval_reply(build(spec)))
@@ -440,7 +443,8 @@ EDGES: dict[str, list] = {
     "delta-norm": [-1e-300, 0, 0.0, 1e300, math.inf], "eval-metric": [-1e-300, 0, 0.0, 1e300, math.inf],
     "saturated": [-1, 0, DIM, DIM + 1],
     **{k: [-1e-9, 0, 0.0, 1e6, 1e6 + 1, 1.0000001e6, 10**400, math.inf]
-       for k in ("train-s", "encrypt-s", "sign-s", "decrypt-s", "writeback-s", "eval-s")},
+       for k in ("train-s", "encrypt-s", "sign-s", "decrypt-s", "writeback-s", "eval-s", "restore-s", "key-s",
+                 "serve-s", "save-s", "handler-s")},
 }
 """Per-field values at and just past the documented limits, so mutated replies are often valid."""
 METRIC_VALUES = st.one_of(
@@ -659,7 +663,8 @@ def o_noise(spec: dict) -> bytes:
     return o_update(spec)
 
 
-SECONDS = ("train-s", "encrypt-s", "sign-s", "decrypt-s", "writeback-s")
+SECONDS = ("train-s", "encrypt-s", "sign-s", "decrypt-s", "writeback-s", "restore-s", "key-s", "save-s", "handler-s")
+EVAL_SECONDS = ("restore-s", "key-s", "serve-s", "save-s", "handler-s")
 PRIVATE = ("train-loss", "clipped", "delta-norm", "saturated")
 
 
@@ -694,7 +699,7 @@ def o_eval(spec: dict) -> replies.EvalMetrics:
         o_int(m["num-examples"], 1, 10**9), o_float(m["eval-loss"]), o_float(m["eval-metric"], 0),
         o_float(m["decrypt-s"], 0, 1e6), o_float(m["writeback-s"], 0, 1e6), o_float(m["eval-s"], 0, 1e6),
         o_int(m["version"], 0, 2**31 - 1), o_int(m["node-source"], 0, 2), o_int(m["pid"], 1, 2**31 - 1),
-        o_int(m["kv-on-disk"], 0, 2**31 - 1),
+        o_int(m["kv-on-disk"], 0, 2**31 - 1), *(o_float(m[k], 0, 1e6) for k in EVAL_SECONDS),
         {**{k: o_int(m[k], 0, 2**31 - 1) for k in protocol.SERVE_COUNTS},
          **{k: o_float(m[k], 0) for k in protocol.SERVE_AMOUNTS}},
     )

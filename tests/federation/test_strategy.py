@@ -268,3 +268,18 @@ def test_lm_nodes_in_fresh_processes_warm_start_their_kv_from_disk() -> None:
     assert recs[0].kv_blocks_on_disk == 0  # nothing served yet when round 1 trained
     assert recs[1].kv_blocks_on_disk >= 2 * 3  # round 1's chat turn: 3 prompt blocks/node
     assert recs[1].node_sources["restored"] == 2
+
+
+def test_round_seconds_are_accounted_phase_by_phase() -> None:
+    """Server phases sum to the round's wall time; node phases lie inside their handlers."""
+    _, _, fed = make(num_nodes=3, **{"num-server-rounds": 1})
+    rec = fed.round(1)
+    assert sum(rec.server_seconds.values()) == pytest.approx(rec.seconds["round"], rel=1e-6)
+    assert rec.server_seconds["other"] <= 0.1 * rec.seconds["round"]
+    for phase, names in (("train", protocol.NODE_TRAIN_PHASES), ("evaluate", protocol.NODE_EVAL_PHASES)):
+        sums = rec.node_seconds[phase]
+        assert set(sums) == {*names, "handler", "other"}
+        assert sum(sums[n] for n in names) <= sums["handler"] + 1e-9
+        assert sums["handler"] > 0
+    assert rec.seconds["nodes_busy"] == pytest.approx(
+        rec.node_seconds["train"]["handler"] + rec.node_seconds["evaluate"]["handler"])

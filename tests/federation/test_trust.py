@@ -271,7 +271,8 @@ def test_a_key_holder_that_signs_an_untagged_ciphertext_costs_one_round_not_the_
     fed = Federation(3, **HE, **{"num-server-rounds": 3})
     def swap(payload: bytes, msg, ctx) -> bytes:
         node_ctx = provisioning.secret_context(ctx)[0]
-        return CkksClientCodec(fed.dim, node_ctx, fed.strategy.packing).encode(np.zeros(fed.dim), 1.0)
+        u = np.zeros(fed.dim) if fed.strategy.packing.dither else None  # dp-mode distributed: dithered
+        return CkksClientCodec(fed.dim, node_ctx, fed.strategy.packing).encode(np.zeros(fed.dim), 1.0, dither=u)
 
     fed.grid.faults[(102, protocol.TRAIN)] = payload_fault(fed.grid, swap)
     r1 = fed.round(1)
