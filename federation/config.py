@@ -30,6 +30,8 @@ DP_MODES = ("none", "local", "distributed", "flower-central")
 TASKS = ("digits", "lm")
 KV_DTYPES = ("fp32", "fp16", "int8", "int4")
 PACKINGS = ("packed", "none")
+CLIENT_SAMPLINGS = ("fixed", "poisson")
+"""federation.sampling's samplers (crypto.client_accounting accounts each)."""
 CKKS_PRESETS = ("fedkv-4096", "fedkv-8192", "nvflare-default")
 """Names of crypto.PRESETS (kept literal so the config does not import tenseal)."""
 MAX_SEED = 2**32 - 1
@@ -42,6 +44,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "ckks-preset": CKKS_PRESETS,
     "dp-mode": DP_MODES,
     "kv-dtype": KV_DTYPES,
+    "client-sampling": CLIENT_SAMPLINGS,
 }
 
 
@@ -103,6 +106,13 @@ class RunConfig:
     """delta of the reported epsilon, in (0, 1)."""
     fraction_train: float = 1.0
     """Share of connected nodes sampled for training each round (at least min-clients), in (0, 1]."""
+    client_sampling: str = "fixed"
+    """fixed (exactly k nodes without replacement; ε under replace-one adjacency) | poisson (each
+    node with probability fraction-train, mean over the fixed expected count; ε under
+    add-or-remove-one). ``federation.sampling``."""
+    sampler_seed: int = -1
+    """-1 = the sample is drawn from OS entropy (a normal run: amplification needs a sample
+    nobody can predict from the public seed); >= 0 seeds it (experiments)."""
     local_epochs: int = 2
     """Local passes per round (>= 1)."""
     lr: float = 0.0
@@ -273,6 +283,8 @@ def _range_problems(cfg: RunConfig, bad: set[str]) -> list[str]:
     check("results-dir", lambda: bool(cfg.results_dir.strip()) and "\0" not in cfg.results_dir,
           "results-dir must be a non-empty path")
     check("seed", lambda: 0 <= cfg.seed <= MAX_SEED, f"seed must be in [0, {MAX_SEED}]")
+    check("sampler-seed", lambda: -1 <= cfg.sampler_seed <= MAX_SEED,
+          f"sampler-seed must be -1 (OS entropy) or in [0, {MAX_SEED}]")
     check("alpha", lambda: cfg.alpha > 0, "alpha (Dirichlet concentration) must be > 0")
     check("round-timeout", lambda: cfg.round_timeout > 0, "round-timeout must be > 0 seconds")
     check("server-kit", lambda: cfg.server_kit == "" or ("\0" not in cfg.server_kit and os.path.isabs(cfg.server_kit)),
@@ -284,6 +296,8 @@ def _range_problems(cfg: RunConfig, bad: set[str]) -> list[str]:
           "server-kit provisions the CKKS key; it needs he=true")
     check("dp-mode he", lambda: not (cfg.dp_mode == "flower-central" and cfg.he),
           "dp-mode=flower-central uses Flower's plaintext arrays; set he=false")
+    check("client-sampling dp-mode", lambda: not (cfg.client_sampling == "poisson" and cfg.dp_mode == "flower-central"),
+          "client-sampling=poisson is fedkv's sampler; Flower's FedAvg (dp-mode=flower-central) samples a fixed k")
     check("dp-sgd task", lambda: not (cfg.dp_sgd and cfg.task == "lm"),
           "dp-sgd=true needs task=digits (Opacus DP-SGD is not implemented for the lm task)")
     check("dp-sgd dp-mode", lambda: not (cfg.dp_sgd and cfg.dp_mode == "flower-central"),

@@ -1,5 +1,11 @@
 """Baseline ``dp-mode=flower-central``: Flower's own FedAvg + client-side fixed clipping.
 
+Made like for like with fedkv's DP modes: uniform weights (every reply reports
+``unit-weight`` = 1 and FedAvg weighs by it, so σC/n noise on the mean is σC on the sum, the
+mechanism accounted), the same accountant as ``client-sampling=fixed`` (Flower samples k nodes
+without replacement: replace-one adjacency, ``crypto.client_accounting``), and a local shuffle
+that changes every round (the node seeds its loader with the server round).
+
 Plaintext weights travel as Flower ArrayRecords (default ``train``/``evaluate``
 message types, ``fixedclipping_mod`` on the client's train handler), and the server
 adds Gaussian noise σ·C/n to the mean. It is the yardstick for our DP modes, not a
@@ -17,16 +23,22 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, FedAvg
 
-from crypto import PrivacyAccountant, client_sample_rate
+import random
+
+from crypto.client_accounting import ClientAccountant
 from federation.config import RunConfig
 from federation.results import METRIC_NAMES, RoundRecord, RunResults, mean, weighted_mean
 from node.cache_node import build_model
 
 
+UNIT_WEIGHT = "unit-weight"
+"""Reply metric FedAvg weighs by: 1 for every client (uniform weights, as under fedkv's DP)."""
+
+
 def _train_metrics(records: list[RecordDict], weight_key: str) -> MetricRecord:
     """Means over clients (not example-weighted) except the loss, plus the count."""
     m = [next(iter(r.metric_records.values())) for r in records]
-    n = [float(x[weight_key]) for x in m]
+    n = [float(x["num-examples"]) for x in m]  # reported means by examples; the model mean is uniform
     return MetricRecord(
         {
             "num-clients": len(m),
@@ -40,7 +52,7 @@ def _train_metrics(records: list[RecordDict], weight_key: str) -> MetricRecord:
 
 def _eval_metrics(records: list[RecordDict], weight_key: str) -> MetricRecord:
     m = [next(iter(r.metric_records.values())) for r in records]
-    n = [float(x[weight_key]) for x in m]
+    n = [float(x["num-examples"]) for x in m]  # reported means by examples; the model mean is uniform
     return MetricRecord(
         {
             "num-clients": len(m),
@@ -62,18 +74,22 @@ def run_flower_central(grid: Grid, cfg: RunConfig, results: RunResults) -> None:
         min_available_nodes=cfg.min_clients,
         train_metrics_aggr_fn=_train_metrics,
         evaluate_metrics_aggr_fn=_eval_metrics,
+        weighted_by_key=UNIT_WEIGHT,
     )
     strategy = DifferentialPrivacyClientSideFixedClipping(
         fedavg, cfg.noise_multiplier, cfg.clip_norm, num_sampled
     )
+    if cfg.sampler_seed >= 0:  # experiments: Flower samples with the global ``random``
+        random.seed(cfg.sampler_seed)
     initial = ArrayRecord(build_model(cfg.task, cfg.seed).state_dict())
     result = strategy.start(
         grid=grid, initial_arrays=initial, num_rounds=cfg.num_server_rounds,
         timeout=cfg.round_timeout,
     )
     # Client-level ε of Flower's mechanism: noise σC on the sum of clipped updates, one
-    # subsampled Gaussian step per round with q = sampled / nodes (see OpaqueFedAvg._account).
-    accountant = PrivacyAccountant("rdp") if cfg.noise_multiplier > 0 else None
+    # release per round of k of N nodes without replacement (as OpaqueFedAvg, client-sampling=fixed).
+    sampled = min(num_sampled, num_nodes)
+    accountant = ClientAccountant("fixed", num_nodes, cfg.target_delta) if cfg.noise_multiplier > 0 else None
     for rnd in range(1, cfg.num_server_rounds + 1):
         tr = result.train_metrics_clientapp.get(rnd, MetricRecord())
         ev = result.evaluate_metrics_clientapp.get(rnd, MetricRecord())
@@ -92,6 +108,7 @@ def run_flower_central(grid: Grid, cfg: RunConfig, results: RunResults) -> None:
             rec.epsilon_client = math.inf
         else:
             if rec.num_clients > 0:  # Flower skips a round's aggregation when a reply failed
-                accountant.step(cfg.noise_multiplier, client_sample_rate(min(num_sampled, num_nodes), num_nodes))
-            rec.epsilon_client = accountant.epsilon(cfg.target_delta)
+                accountant.step(cfg.noise_multiplier, sampled)
+            rec.epsilon_client = accountant.epsilon()
+            rec.epsilon_client_no_amplification = accountant.epsilon_no_amplification()
         results.rounds.append(rec)
