@@ -15,10 +15,19 @@ With weighted aggregation, add the share *after* the weight pre-scale
 (`UpdateEncryptor.encrypt(..., noise=share)`): noise added to the raw update would be scaled
 down by weight/max_weight. Sensitivity of the weighted sum is C*max(weight/max_weight) <= C.
 
-Accounting is Opacus' (RDP or PRV); nothing here re-derives a bound. Client level: one step per
-round with sample rate = clients per round / population and noise multiplier sigma. Sample
-level (DP-SGD inside a node): Opacus' `PrivacyEngine` keeps its own accountant; wrap its history
-with `PrivacyAccountant.from_opacus`.
+Accounting is Opacus' (RDP or PRV) here; nothing re-derives a bound. Client level, the server
+accounts with `crypto.client_accounting.ClientAccountant` (Flower 1.42's RdpAccountant), which
+matches the client sampler: Poisson (add-or-remove-one) or fixed-size without replacement
+(replace-one, σ/2); `PrivacyAccountant` below is Opacus' Poisson bound, right only for Poisson
+sampling. Sample level (DP-SGD inside a node): Opacus' `PrivacyEngine` keeps its own
+accountant; wrap its history with `PrivacyAccountant.from_opacus`.
+
+Where the noise sits relative to the CKKS encoding (he=true): clip to C, add the Gaussian share,
+then the encoding saturates to ±R and quantizes (stochastic rounding) each share before the
+encrypted sum. The accounted mechanism (the sum carries N(0, σ²C²)) is therefore the one that
+runs only up to rounding and only when no value saturates (the encoder counts saturated values;
+R covers 4 noise standard deviations plus the signal). Integer-domain noise after quantization
+(Skellam / discrete Gaussian) would close that gap; see README "Privacy accounting and audits".
 
 RDP orders: Opacus' default orders (1.1 ... 63) do not reach the regimes fedkv runs. The main job
 (sigma = 0.02, every node every round) has its optimal order near 1.04, below the smallest
