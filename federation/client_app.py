@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.clientapp.mod import fixedclipping_mod
+from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
 
 from crypto import (
     KIND_NOISE,
@@ -295,7 +295,14 @@ def _open(cfg: RunConfig, context: Context, dim: int, blob: bytes, manifest: byt
 # --- Flower's array protocol: the flower-central DP baseline --------------------------
 
 
-@app.train(mods=[fixedclipping_mod])
+def clipping_mod(msg: Message, context: Context, call_next: Any) -> Message:
+    """Flower's fixed or adaptive clipping mod, as the run's ``adaptive-clipping`` says (one train
+    handler serves both: mods are bound per handler)."""
+    adaptive = RunConfig.from_run_config(context.run_config).adaptive_clipping
+    return (adaptiveclipping_mod if adaptive else fixedclipping_mod)(msg, context, call_next)
+
+
+@app.train(mods=[clipping_mod])
 @node_host.releasing
 def train_arrays(msg: Message, context: Context) -> Message:
     """Load the global weights, train, return weights (Flower's mod clips the update)."""

@@ -110,6 +110,15 @@ class RunConfig:
     """fixed (exactly k nodes without replacement; ε under replace-one adjacency) | poisson (each
     node with probability fraction-train, mean over the fixed expected count; ε under
     add-or-remove-one). ``federation.sampling``."""
+    adaptive_clipping: bool = False
+    """dp-mode=flower-central: Flower's DifferentialPrivacyClientSideAdaptiveClipping (Andrew et al.
+    2021) instead of fixed clipping; clip-norm is the initial norm. The noisy clipped count is
+    paid for inside the noise multiplier (Flower raises the update noise), so ε is the same."""
+    target_clipped_quantile: float = 0.5
+    """adaptive-clipping: the share of updates the clip norm aims to leave unclipped, in (0, 1)."""
+    clipped_count_stddev: float = 0.0
+    """adaptive-clipping: noise std σ_b of the clipped count; 0 = max(clients per round / 20, σ)
+    (Andrew et al.'s k/20, raised where it would not leave noise for the update: σ_b > σ/2)."""
     sampler_seed: int = -1
     """-1 = the sample is drawn from OS entropy (a normal run: amplification needs a sample
     nobody can predict from the public seed); >= 0 seeds it (experiments)."""
@@ -298,6 +307,12 @@ def _range_problems(cfg: RunConfig, bad: set[str]) -> list[str]:
           "dp-mode=flower-central uses Flower's plaintext arrays; set he=false")
     check("client-sampling dp-mode", lambda: not (cfg.client_sampling == "poisson" and cfg.dp_mode == "flower-central"),
           "client-sampling=poisson is fedkv's sampler; Flower's FedAvg (dp-mode=flower-central) samples a fixed k")
+    check("adaptive-clipping dp-mode", lambda: not cfg.adaptive_clipping or cfg.dp_mode == "flower-central",
+          "adaptive-clipping is offered for dp-mode=flower-central (Flower's adaptive wrapper); fedkv's HE modes clip at a fixed norm")
+    check("target-clipped-quantile", lambda: 0.0 < cfg.target_clipped_quantile < 1.0,
+          "target-clipped-quantile must be in (0, 1)")
+    check("clipped-count-stddev", lambda: cfg.clipped_count_stddev >= 0,
+          "clipped-count-stddev must be >= 0 (0 = max(clients per round / 20, noise-multiplier))")
     check("dp-sgd task", lambda: not (cfg.dp_sgd and cfg.task == "lm"),
           "dp-sgd=true needs task=digits (Opacus DP-SGD is not implemented for the lm task)")
     check("dp-sgd dp-mode", lambda: not (cfg.dp_sgd and cfg.dp_mode == "flower-central"),

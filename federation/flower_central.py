@@ -18,10 +18,15 @@ skips aggregation for that round (the global model stays as it was).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, FedAvg
+from flwr.serverapp.strategy import (
+    DifferentialPrivacyClientSideAdaptiveClipping,
+    DifferentialPrivacyClientSideFixedClipping,
+    FedAvg,
+)
 
 import random
 
@@ -62,6 +67,26 @@ def _eval_metrics(records: list[RecordDict], weight_key: str) -> MetricRecord:
     )
 
 
+def dp_wrapper(cfg: RunConfig, fedavg: FedAvg, num_sampled: int) -> Any:
+    """Flower's client-side fixed or adaptive clipping (``adaptive-clipping``) around FedAvg.
+
+    Adaptive (Andrew et al. 2021): Flower splits σ between the update sum and the clipped count
+    (σ_update = (σ⁻² − (2σ_b)⁻²)^(-1/2)), so the round is still a Gaussian release at σ and the
+    same accountant applies."""
+    if not cfg.adaptive_clipping:
+        return DifferentialPrivacyClientSideFixedClipping(fedavg, cfg.noise_multiplier, cfg.clip_norm, num_sampled)
+    return DifferentialPrivacyClientSideAdaptiveClipping(
+        fedavg, cfg.noise_multiplier, num_sampled, initial_clipping_norm=cfg.clip_norm,
+        target_clipped_quantile=cfg.target_clipped_quantile,
+        clipped_count_stddev=clipped_count_stddev(cfg, num_sampled))
+
+
+def clipped_count_stddev(cfg: RunConfig, num_sampled: int) -> float:
+    """σ_b: ``clipped-count-stddev``, or 0 = max(k/20, σ). Andrew et al.'s k/20 alone must exceed
+    σ/2 for the update noise to exist; at σ_b = σ the update noise is 1.155σ."""
+    return cfg.clipped_count_stddev or max(num_sampled / 20, cfg.noise_multiplier)
+
+
 def run_flower_central(grid: Grid, cfg: RunConfig, results: RunResults) -> None:
     """Run all rounds with Flower's strategy and copy its metrics into ``results``."""
     num_nodes = len(list(grid.get_node_ids()))
@@ -76,9 +101,7 @@ def run_flower_central(grid: Grid, cfg: RunConfig, results: RunResults) -> None:
         evaluate_metrics_aggr_fn=_eval_metrics,
         weighted_by_key=UNIT_WEIGHT,
     )
-    strategy = DifferentialPrivacyClientSideFixedClipping(
-        fedavg, cfg.noise_multiplier, cfg.clip_norm, num_sampled
-    )
+    strategy = dp_wrapper(cfg, fedavg, num_sampled)
     if cfg.sampler_seed >= 0:  # experiments: Flower samples with the global ``random``
         random.seed(cfg.sampler_seed)
     initial = ArrayRecord(build_model(cfg.task, cfg.seed).state_dict())

@@ -130,7 +130,9 @@ def test_fraction_and_flags() -> None:
     args = pa.build_parser().parse_args(["--rounds", "3"])
     rc = pa.run_config_for(args, "flower-central", 100, 10, 0.5, 0, 50.0)
     assert rc["he"] is False and rc["dp-mode"] == "flower-central" and rc["fraction-train"] == 0.1
-    assert rc["client-sampling"] == "fixed" and rc["sampler-seed"] == 0
+    assert rc["client-sampling"] == "fixed" and rc["sampler-seed"] == 0 and rc["adaptive-clipping"] is False
+    rc = pa.run_config_for(args, "flower-adaptive", 100, 10, 0.5, 0, 50.0)
+    assert rc["dp-mode"] == "flower-central" and rc["adaptive-clipping"] is True and rc["he"] is False
     args = pa.build_parser().parse_args(["--client-sampling", "poisson"])
     rc = pa.run_config_for(args, "distributed", 100, 10, 0.5, 3, 50.0)
     assert rc["client-sampling"] == "poisson" and rc["sampler-seed"] == 3
