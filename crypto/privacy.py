@@ -16,7 +16,7 @@ With weighted aggregation, add the share *after* the weight pre-scale
 down by weight/max_weight. Sensitivity of the weighted sum is C*max(weight/max_weight) <= C.
 
 Accounting is Opacus' (RDP or PRV) here; nothing re-derives a bound. Client level, the server
-accounts with `crypto.client_accounting.ClientAccountant` (Flower 1.42's RdpAccountant), which
+accounts with `federation.client_accounting.ClientAccountant` (Flower 1.42's RdpAccountant), which
 matches the client sampler: Poisson (add-or-remove-one) or fixed-size without replacement
 (replace-one, σ/2); `PrivacyAccountant` below is Opacus' Poisson bound, right only for Poisson
 sampling. Sample level (DP-SGD inside a node): Opacus' `PrivacyEngine` keeps its own

@@ -24,7 +24,7 @@ with the point's seed here (``sampler-seed``), so the modes see the same draws p
 Noise multiplier per point, from the target ε (δ = 1e-5 by default):
 
 * client level (distributed, flower-central, local): the smallest σ whose ε under the sampler's
-  accountant (``crypto.client_accounting``, Flower's RdpAccountant) after ``rounds`` releases is
+  accountant (``federation.client_accounting``, Flower's RdpAccountant) after ``rounds`` releases is
   <= the target — exactly what the server charges, so ε spent equals the target up to the
   search tolerance. For ``local`` the *same* σ is used: every update carries σC (the guarantee
   holds even against the server), the sum carries √k·σC — that is the utility cost measured.
@@ -171,7 +171,7 @@ def digits_train_sizes(population: int, seed: int, alpha: float) -> list[int]:
 
 @functools.lru_cache(maxsize=None)
 def _client_sigma(eps: float, sampling: str, population: int, cpr: int, rounds: int, delta: float) -> float:
-    from crypto.client_accounting import sigma_for_epsilon
+    from federation.client_accounting import sigma_for_epsilon
 
     return sigma_for_epsilon(eps, sampling, population, cpr, rounds, delta)
 

@@ -31,7 +31,7 @@ TASKS = ("digits", "lm")
 KV_DTYPES = ("fp32", "fp16", "int8", "int4")
 PACKINGS = ("packed", "none")
 CLIENT_SAMPLINGS = ("fixed", "poisson")
-"""federation.sampling's samplers (crypto.client_accounting accounts each)."""
+"""federation.sampling's samplers (federation.client_accounting accounts each)."""
 CKKS_PRESETS = ("fedkv-4096", "fedkv-8192", "nvflare-default")
 """Names of crypto.PRESETS (kept literal so the config does not import tenseal)."""
 MAX_SEED = 2**32 - 1

@@ -3,7 +3,7 @@
 Made like for like with fedkv's DP modes: uniform weights (every reply reports
 ``unit-weight`` = 1 and FedAvg weighs by it, so σC/n noise on the mean is σC on the sum, the
 mechanism accounted), the same accountant as ``client-sampling=fixed`` (Flower samples k nodes
-without replacement: replace-one adjacency, ``crypto.client_accounting``), and a local shuffle
+without replacement: replace-one adjacency, ``federation.client_accounting``), and a local shuffle
 that changes every round (the node seeds its loader with the server round).
 
 Plaintext weights travel as Flower ArrayRecords (default ``train``/``evaluate``
@@ -30,7 +30,7 @@ from flwr.serverapp.strategy import (
 
 import random
 
-from crypto.client_accounting import ClientAccountant
+from federation.client_accounting import ClientAccountant
 from federation.config import RunConfig
 from federation.results import METRIC_NAMES, RoundRecord, RunResults, mean, weighted_mean
 from node.cache_node import build_model

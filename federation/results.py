@@ -72,7 +72,7 @@ class RoundRecord:
     """Client-level ε so far (dp-mode local/distributed, flower-central)."""
     epsilon_client_no_amplification: float = math.nan
     """The same client-level ε without credit for sampling (holds against the server, which
-    knows the sample; ``crypto.client_accounting``)."""
+    knows the sample; ``federation.client_accounting``)."""
     sampling_skipped: bool = False
     """client-sampling=poisson: the draw fell outside [min-clients, max-clients] and the round
     trained nobody (still charged to the accountant: conservative)."""

@@ -2,7 +2,7 @@
 
 ``client-sampling=fixed``: exactly k = max(min-clients, ceil(fraction-train · N)) of the N
 admitted nodes (at most max-clients under HE), uniformly without replacement — accounted under
-replace-one adjacency (``crypto.client_accounting``). ``client-sampling=poisson``: each node
+replace-one adjacency (``federation.client_accounting``). ``client-sampling=poisson``: each node
 independently with probability q = fraction-train; the aggregate is divided by the fixed
 expected count q·N (``poisson_mean_scale``), as DP-FedAvg's accounting requires.
 

@@ -47,7 +47,7 @@ from flwr.serverapp import Grid
 
 from crypto import KIND_NOISE, KIND_UPDATE, Manifest, ManifestEntry, SignedUpdate
 from crypto import noise_std
-from crypto.client_accounting import ClientAccountant
+from federation.client_accounting import ClientAccountant
 from crypto.errors import SignatureError
 from federation import protocol, replies
 from federation.codec import Aggregator, make_aggregator, packing_for
@@ -100,7 +100,7 @@ class OpaqueFedAvg:
         self.noise_rng = np.random.default_rng()
         self.accountant: ClientAccountant | None = None
         """Created at the first DP round, for that round's population (Flower's accountant
-        fixes N); ``crypto.client_accounting`` for the sampler in use."""
+        fixes N); ``federation.client_accounting`` for the sampler in use."""
         self.client_epsilon = 0.0 if cfg.dp_mode in ("local", "distributed") else math.nan
         self.rotate_reason: str | None = None
 
@@ -404,7 +404,7 @@ class OpaqueFedAvg:
     def _account(self, rec: RoundRecord, shares: int) -> float:
         """Client-level ε so far (δ = target-delta) for dp-mode local/distributed.
 
-        One release per round, accounted for the sampler (``crypto.client_accounting``), with
+        One release per round, accounted for the sampler (``federation.client_accounting``), with
         the noise multiplier the aggregate really carries: σ for local (each update carries σC);
         for distributed with he=true σ·sqrt(shares present / sampled) (the server sees only the
         sum: the survivors' shares plus the top-up that arrived); σ/√n for distributed with

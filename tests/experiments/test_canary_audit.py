@@ -31,7 +31,7 @@ def test_non_private_run_audits_high(sampling: str) -> None:
 
 @pytest.mark.parametrize("sampling", ["fixed", "poisson"])
 def test_private_run_audits_below_the_accountant(sampling: str) -> None:
-    from crypto.client_accounting import ClientAccountant
+    from federation.client_accounting import ClientAccountant
 
     cfg = AuditConfig(dim=1000, population=10, fraction=0.5, sampling=sampling, rounds=4, sigma=1.0,
                       trials=400, seed=2)

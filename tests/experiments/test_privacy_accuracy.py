@@ -98,7 +98,7 @@ def test_mean_ci_and_audit_failures() -> None:
 def test_sigma_for_reaches_the_target() -> None:
     from crypto import PrivacyAccountant
 
-    from crypto.client_accounting import ClientAccountant
+    from federation.client_accounting import ClientAccountant
 
     for sampling in ("fixed", "poisson"):
         sigma = pa.sigma_for("distributed", 4.0, 1e-5, rounds=10, cpr=10, population=100,

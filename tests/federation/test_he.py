@@ -418,7 +418,7 @@ def test_client_level_epsilon_is_accounted_per_round() -> None:
     fed = he_federation(4, **{"dp-mode": "distributed", "num-server-rounds": 3, "fraction-train": 0.5,
                               "noise-multiplier": 1.2})
     recs = fed.run_all()
-    from crypto.client_accounting import ClientAccountant
+    from federation.client_accounting import ClientAccountant
 
     acct = ClientAccountant("fixed", 4, 1e-5)  # the default sampler: 2 of 4 without replacement
     for rec in recs:

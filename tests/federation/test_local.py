@@ -95,7 +95,7 @@ def test_lm_session_keeps_kv_across_turns_and_recomputes_after_writeback() -> No
 def test_flower_central_adaptive_clipping_adapts_and_is_accounted_like_fixed() -> None:
     """Flower's client-side adaptive clipping: the clip norm sent to the clients moves every round
     (Andrew et al. 2021), and ε is the fixed sampler's at σ (the count noise is inside σ)."""
-    from crypto.client_accounting import ClientAccountant
+    from federation.client_accounting import ClientAccountant
 
     cfg = {"task": "digits", "he": False, "dp-mode": "flower-central", "adaptive-clipping": True,
            "num-server-rounds": 3, "noise-multiplier": 0.8, "min-clients": 3, "fraction-train": 0.5,

@@ -90,7 +90,7 @@ def test_runs_account_for_their_sampler() -> None:
     """The server's ε is Flower's accountant for the configured sampler, with and without
     amplification; a seeded sampler repeats its draws (experiments), and flower-central uses
     the fixed sampler's accountant."""
-    from crypto.client_accounting import ClientAccountant
+    from federation.client_accounting import ClientAccountant
     from federation.local import run_local
 
     base = {"task": "digits", "he": False, "dp-mode": "distributed", "noise-multiplier": 2.0,
