@@ -1,5 +1,7 @@
 """Client-level ε that matches the client sampler, through Flower 1.42's ``RdpAccountant``.
 
+In ``federation`` (not ``crypto``): it is Flower's accountant, and crypto never imports flwr.
+
 Two samplers, each with the accountant that is proven for it (Flower's ``PrivacyConfig`` refuses
 the other pairings):
 

@@ -1,4 +1,4 @@
-"""crypto.client_accounting: each sampler's ε against Opacus or dp-accounting directly, the
+"""federation.client_accounting: each sampler's ε against Opacus or dp-accounting directly, the
 replace-one sensitivity (σ/2), and bad input."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 
 from crypto import PrivacyAccountant
-from crypto.client_accounting import ClientAccountant, sigma_for_epsilon
+from federation.client_accounting import ClientAccountant, sigma_for_epsilon
 from crypto.errors import ParameterError
 
 pytest.importorskip("dp_accounting")
