@@ -503,6 +503,10 @@ def summary_lines(runs: list[dict[str, Any]], points: list[dict[str, Any]], args
              f"({args.audit_trials} trials; capped at 50 = the canary is plainly visible). MIA = loss-threshold "
              "AUC, members only from sampled clients vs the global test split (0.5 = no leak).", "",
              markdown_table(shown), ""]
+    if args.client_sampling == "poisson" and any(m in FLOWER_MODES for m in args.modes):
+        lines += ["Not like for like: the Flower modes sample a fixed k (replace-one ε), fedkv's modes here "
+                  "Poisson (add-or-remove-one ε); the same ε number is a stronger guarantee under replace-one. "
+                  "Compare the modes with --client-sampling fixed.", ""]
     failures = audit_failures(points)
     lines += (["## audit check: FAILED (an empirical ε above the accountant's is a bug)", ""]
               + [f"- {f}" for f in failures] if failures else
