@@ -35,10 +35,12 @@ accountant charges is the one that runs, up to what is stated here:
   DP stay on the node) — the accounting holds for updates with no saturated coordinate. A discrete (Skellam) mechanism on the integer
   encoding, which would make saturation part of the analysis, is not implemented.
 
-Accounting is Opacus' (RDP or PRV); nothing here re-derives a bound. Client level: one step per
-round with sample rate = clients per round / population and noise multiplier sigma. Sample
-level (DP-SGD inside a node): Opacus' `PrivacyEngine` keeps its own accountant; wrap its history
-with `PrivacyAccountant.from_opacus`.
+Accounting is Opacus' (RDP or PRV) here; nothing re-derives a bound. Client level, the server
+accounts with `federation.client_accounting.ClientAccountant` (Flower 1.42's RdpAccountant), which
+matches the client sampler: Poisson (add-or-remove-one) or fixed-size without replacement
+(replace-one, σ/2); `PrivacyAccountant` below is Opacus' Poisson bound, right only for Poisson
+sampling. Sample level (DP-SGD inside a node): Opacus' `PrivacyEngine` keeps its own
+accountant; wrap its history with `PrivacyAccountant.from_opacus`.
 
 RDP orders: Opacus' default orders (1.1 ... 63) do not reach the regimes fedkv runs. The main job
 (sigma = 0.02, every node every round) has its optimal order near 1.04, below the smallest

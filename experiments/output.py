@@ -138,9 +138,11 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | N
 
 def plot_lines(path: str | os.PathLike[str], series: Mapping[str, tuple[Sequence[float], Sequence[float]]], *,
                xlabel: str, ylabel: str, title: str = "", logx: bool = True, logy: bool = True,
-               styles: Mapping[str, Mapping[str, Any]] | None = None) -> Path:
+               styles: Mapping[str, Mapping[str, Any]] | None = None,
+               bands: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None) -> Path:
     """One PNG with a line per series (label -> (xs, ys)); log axes by default. ``styles`` maps a
-    label to extra ``plt.plot`` keyword arguments (marker, linestyle, ...)."""
+    label to extra ``plt.plot`` keyword arguments (marker, linestyle, ...); ``bands`` maps a
+    label to (lows, highs) at its xs, drawn as error bars (e.g. a 95 % CI over seeds)."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -152,7 +154,12 @@ def plot_lines(path: str | os.PathLike[str], series: Mapping[str, tuple[Sequence
             if len(xs) != len(ys):
                 raise ValueError(f"series {label!r}: {len(xs)} x values but {len(ys)} y values")
             kw = {"marker": "o"} | dict((styles or {}).get(label, {}))
-            ax.plot(list(xs), list(ys), label=label, **kw)
+            line = ax.plot(list(xs), list(ys), label=label, **kw)[0]
+            if bands and label in bands:
+                lo, hi = bands[label]
+                ys_ = list(ys)
+                err = [[max(y - a, 0.0) for y, a in zip(ys_, lo)], [max(b - y, 0.0) for y, b in zip(ys_, hi)]]
+                ax.errorbar(list(xs), ys_, yerr=err, fmt="none", ecolor=line.get_color(), capsize=3, alpha=0.8)
         if logx:
             ax.set_xscale("log")
         if logy:

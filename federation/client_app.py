@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.clientapp.mod import fixedclipping_mod
+from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
 
 from crypto import (
     KIND_NOISE,
@@ -40,11 +40,12 @@ from crypto import (
 )
 from crypto.dither import dither, dither_total
 from federation import node_host, protocol, provisioning
-from federation.codec import ClientCodec, client_weight, make_client_codec, packing_for
+from federation.codec import ClientCodec, client_weight, make_client_codec, packing_for, plain_update_count
 from federation.config import RunConfig
 from federation.logs import configure_logging
 from federation.node_store import NodeStore
 from federation.timing import PhaseTimer
+from federation.sampling import poisson_mean_scale
 from node.cache_node import CacheNode, DpConfig
 from node.serving import ServeReport
 from node.workload import WorkloadConfig
@@ -284,6 +285,7 @@ def _catch_up(cfg: RunConfig, node: CacheNode, msg: Message, context: Context, t
         if version <= node.version:
             continue  # already applied (e.g. the server did not see our last reply)
         mean, made_in = _open(cfg, context, node.layout.size, blob, manifest, timer)
+        mean = mean * _fixed_denominator_scale(cfg, context, node.layout.size, blob, manifest)
         with timer.phase("writeback"):
             node.apply_mean_update(mean, version)
         context.state[APPLIED_KEY] = ConfigRecord({"round": made_in})
@@ -292,6 +294,20 @@ def _catch_up(cfg: RunConfig, node: CacheNode, msg: Message, context: Context, t
             f"node is at global v{node.version} but the server expects v{target}; "
             "aggregates are missing (server will resend the full history)"
         )
+
+
+def _fixed_denominator_scale(cfg: RunConfig, context: Context, dim: int, blob: bytes, manifest: bytes) -> float:
+    """client-sampling=poisson: the mean over the realised count becomes sum / (q·N), with N =
+    num-partitions (public), as DP-FedAvg's accounting assumes; 1 for the fixed sampler. Under
+    DP every update has weight 1, so the realised count is the number of update summands."""
+    if cfg.client_sampling != "poisson":
+        return 1.0
+    if cfg.he:
+        n_updates = sum(1 for e in Manifest.from_bytes(manifest).entries if e.kind == KIND_UPDATE)
+    else:
+        n_updates = plain_update_count(blob, dim)
+    population = int(context.node_config["num-partitions"])
+    return poisson_mean_scale(n_updates, cfg.fraction_train, population)
 
 
 def _open(cfg: RunConfig, context: Context, dim: int, blob: bytes, manifest: bytes,
@@ -333,7 +349,14 @@ def _open(cfg: RunConfig, context: Context, dim: int, blob: bytes, manifest: byt
 # --- Flower's array protocol: the flower-central DP baseline --------------------------
 
 
-@app.train(mods=[fixedclipping_mod])
+def clipping_mod(msg: Message, context: Context, call_next: Any) -> Message:
+    """Flower's fixed or adaptive clipping mod, as the run's ``adaptive-clipping`` says (one train
+    handler serves both: mods are bound per handler)."""
+    adaptive = RunConfig.from_run_config(context.run_config).adaptive_clipping
+    return (adaptiveclipping_mod if adaptive else fixedclipping_mod)(msg, context, call_next)
+
+
+@app.train(mods=[clipping_mod])
 @node_host.releasing
 def train_arrays(msg: Message, context: Context) -> Message:
     """Load the global weights, train, return weights (Flower's mod clips the update)."""
@@ -342,13 +365,15 @@ def train_arrays(msg: Message, context: Context) -> Message:
     arrays = msg.content.array_records["arrays"]
     node.set_weights(arrays.to_torch_state_dict())
     before = np.concatenate([a.ravel() for a in arrays.to_numpy_ndarrays()])
-    loss, n, train_s = node.train_in_place(cfg.local_epochs, cfg.lr)
+    server_round = int(msg.content.config_records["config"]["server-round"])
+    loss, n, train_s = node.train_in_place(cfg.local_epochs, cfg.lr, server_round)
     reply_arrays = ArrayRecord(node.get_weights())
     after = np.concatenate([a.ravel() for a in reply_arrays.to_numpy_ndarrays()])
     norm = float(np.linalg.norm(after - before))
     clip = float(msg.content.config_records["config"].get("clipping_norm", 0.0))
     metrics = {
         "num-examples": n,
+        "unit-weight": 1,  # flower_central.UNIT_WEIGHT: FedAvg with uniform weights
         "train-loss": loss,
         "train-s": train_s,
         "upload-bytes": sum(len(a.data) for a in reply_arrays.values()),
@@ -368,5 +393,6 @@ def evaluate_arrays(msg: Message, context: Context) -> Message:
     node, _ = node_host.get_node(context)
     node.set_weights(msg.content.array_records["arrays"].to_torch_state_dict())
     loss, acc, n = node.evaluate()
-    metrics = MetricRecord({"num-examples": n, "eval-loss": loss, "eval-metric": acc})
+    # unit-weight: Flower's FedAvg checks its weight key in evaluate replies too
+    metrics = MetricRecord({"num-examples": n, "unit-weight": 1, "eval-loss": loss, "eval-metric": acc})
     return Message(RecordDict({"metrics": metrics}), reply_to=msg)

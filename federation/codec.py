@@ -184,6 +184,11 @@ def _parse(blob: bytes, kind: bytes, dim: int, max_bytes: int) -> tuple[int, flo
     return got_dim, weight, count, payload
 
 
+def plain_update_count(blob: bytes, dim: int) -> int:
+    """Updates summed in a plaintext aggregate (its header count; noise shares not included)."""
+    return _parse(blob, _AGGREGATE, dim, MAX_BYTES_DEFAULT)[2]
+
+
 # --- CKKS (crypto/) --------------------------------------------------------------------
 
 

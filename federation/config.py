@@ -31,6 +31,8 @@ DP_MODES = ("none", "local", "distributed", "flower-central")
 TASKS = ("digits", "lm")
 KV_DTYPES = ("fp32", "fp16", "int8", "int4")
 PACKINGS = ("packed", "none")
+CLIENT_SAMPLINGS = ("fixed", "poisson")
+"""federation.sampling's samplers (federation.client_accounting accounts each)."""
 CKKS_PRESETS = ("auto", "fedkv-2048", "fedkv-4096", "fedkv-8192", "nvflare-default")
 """Names of crypto.PRESETS (kept literal so the config does not import tenseal); "auto" picks the
 ring whose updates are smallest for the model (``crypto.preset_for``: fedkv-2048 or fedkv-4096)."""
@@ -45,6 +47,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "ckks-preset": CKKS_PRESETS,
     "dp-mode": DP_MODES,
     "kv-dtype": KV_DTYPES,
+    "client-sampling": CLIENT_SAMPLINGS,
 }
 
 
@@ -111,6 +114,22 @@ class RunConfig:
     """delta of the reported epsilon, in (0, 1)."""
     fraction_train: float = 1.0
     """Share of connected nodes sampled for training each round (at least min-clients), in (0, 1]."""
+    client_sampling: str = "fixed"
+    """fixed (exactly k nodes without replacement; ε under replace-one adjacency) | poisson (each
+    node with probability fraction-train, mean over the fixed expected count; ε under
+    add-or-remove-one). ``federation.sampling``."""
+    adaptive_clipping: bool = False
+    """dp-mode=flower-central: Flower's DifferentialPrivacyClientSideAdaptiveClipping (Andrew et al.
+    2021) instead of fixed clipping; clip-norm is the initial norm. The noisy clipped count is
+    paid for inside the noise multiplier (Flower raises the update noise), so ε is the same."""
+    target_clipped_quantile: float = 0.5
+    """adaptive-clipping: the share of updates the clip norm aims to leave unclipped, in (0, 1)."""
+    clipped_count_stddev: float = 0.0
+    """adaptive-clipping: noise std σ_b of the clipped count; 0 = max(clients per round / 20, σ)
+    (Andrew et al.'s k/20, raised where it would not leave noise for the update: σ_b > σ/2)."""
+    sampler_seed: int = -1
+    """-1 = the sample is drawn from OS entropy (a normal run: amplification needs a sample
+    nobody can predict from the public seed); >= 0 seeds it (experiments)."""
     local_epochs: int = 2
     """Local passes per round (>= 1)."""
     lr: float = 0.0
@@ -315,6 +334,8 @@ def _range_problems(cfg: RunConfig, bad: set[str]) -> list[str]:
     check("results-dir", lambda: bool(cfg.results_dir.strip()) and "\0" not in cfg.results_dir,
           "results-dir must be a non-empty path")
     check("seed", lambda: 0 <= cfg.seed <= MAX_SEED, f"seed must be in [0, {MAX_SEED}]")
+    check("sampler-seed", lambda: -1 <= cfg.sampler_seed <= MAX_SEED,
+          f"sampler-seed must be -1 (OS entropy) or in [0, {MAX_SEED}]")
     check("alpha", lambda: cfg.alpha > 0, "alpha (Dirichlet concentration) must be > 0")
     check("round-timeout", lambda: cfg.round_timeout > 0, "round-timeout must be > 0 seconds")
     check("server-kit", lambda: cfg.server_kit == "" or ("\0" not in cfg.server_kit and os.path.isabs(cfg.server_kit)),
@@ -330,6 +351,14 @@ def _range_problems(cfg: RunConfig, bad: set[str]) -> list[str]:
           "server-kit provisions the CKKS key; it needs he=true")
     check("dp-mode he", lambda: not (cfg.dp_mode == "flower-central" and cfg.he),
           "dp-mode=flower-central uses Flower's plaintext arrays; set he=false")
+    check("client-sampling dp-mode", lambda: not (cfg.client_sampling == "poisson" and cfg.dp_mode == "flower-central"),
+          "client-sampling=poisson is fedkv's sampler; Flower's FedAvg (dp-mode=flower-central) samples a fixed k")
+    check("adaptive-clipping dp-mode", lambda: not cfg.adaptive_clipping or cfg.dp_mode == "flower-central",
+          "adaptive-clipping is offered for dp-mode=flower-central (Flower's adaptive wrapper); fedkv's HE modes clip at a fixed norm")
+    check("target-clipped-quantile", lambda: 0.0 < cfg.target_clipped_quantile < 1.0,
+          "target-clipped-quantile must be in (0, 1)")
+    check("clipped-count-stddev", lambda: cfg.clipped_count_stddev >= 0,
+          "clipped-count-stddev must be >= 0 (0 = max(clients per round / 20, noise-multiplier))")
     check("dp-sgd task", lambda: not (cfg.dp_sgd and cfg.task == "lm"),
           "dp-sgd=true needs task=digits (Opacus DP-SGD is not implemented for the lm task)")
     check("dp-sgd dp-mode", lambda: not (cfg.dp_sgd and cfg.dp_mode == "flower-central"),

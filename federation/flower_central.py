@@ -1,5 +1,11 @@
 """Baseline ``dp-mode=flower-central``: Flower's own FedAvg + client-side fixed clipping.
 
+Made like for like with fedkv's DP modes: uniform weights (every reply reports
+``unit-weight`` = 1 and FedAvg weighs by it, so σC/n noise on the mean is σC on the sum, the
+mechanism accounted), the same accountant as ``client-sampling=fixed`` (Flower samples k nodes
+without replacement: replace-one adjacency, ``federation.client_accounting``), and a local shuffle
+that changes every round (the node seeds its loader with the server round).
+
 Plaintext weights travel as Flower ArrayRecords (default ``train``/``evaluate``
 message types, ``fixedclipping_mod`` on the client's train handler), and the server
 adds Gaussian noise σ·C/n to the mean. It is the yardstick for our DP modes, not a
@@ -12,21 +18,32 @@ skips aggregation for that round (the global model stays as it was).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, FedAvg
+from flwr.serverapp.strategy import (
+    DifferentialPrivacyClientSideAdaptiveClipping,
+    DifferentialPrivacyClientSideFixedClipping,
+    FedAvg,
+)
 
-from crypto import PrivacyAccountant, client_sample_rate
+import random
+
+from federation.client_accounting import ClientAccountant
 from federation.config import RunConfig
 from federation.results import METRIC_NAMES, RoundRecord, RunResults, mean, weighted_mean
 from node.cache_node import build_model
 
 
+UNIT_WEIGHT = "unit-weight"
+"""Reply metric FedAvg weighs by: 1 for every client (uniform weights, as under fedkv's DP)."""
+
+
 def _train_metrics(records: list[RecordDict], weight_key: str) -> MetricRecord:
     """Means over clients (not example-weighted) except the loss, plus the count."""
     m = [next(iter(r.metric_records.values())) for r in records]
-    n = [float(x[weight_key]) for x in m]
+    n = [float(x["num-examples"]) for x in m]  # reported means by examples; the model mean is uniform
     return MetricRecord(
         {
             "num-clients": len(m),
@@ -40,7 +57,7 @@ def _train_metrics(records: list[RecordDict], weight_key: str) -> MetricRecord:
 
 def _eval_metrics(records: list[RecordDict], weight_key: str) -> MetricRecord:
     m = [next(iter(r.metric_records.values())) for r in records]
-    n = [float(x[weight_key]) for x in m]
+    n = [float(x["num-examples"]) for x in m]  # reported means by examples; the model mean is uniform
     return MetricRecord(
         {
             "num-clients": len(m),
@@ -48,6 +65,26 @@ def _eval_metrics(records: list[RecordDict], weight_key: str) -> MetricRecord:
             "eval-metric": weighted_mean([float(x["eval-metric"]) for x in m], n),
         }
     )
+
+
+def dp_wrapper(cfg: RunConfig, fedavg: FedAvg, num_sampled: int) -> Any:
+    """Flower's client-side fixed or adaptive clipping (``adaptive-clipping``) around FedAvg.
+
+    Adaptive (Andrew et al. 2021): Flower splits σ between the update sum and the clipped count
+    (σ_update = (σ⁻² − (2σ_b)⁻²)^(-1/2)), so the round is still a Gaussian release at σ and the
+    same accountant applies."""
+    if not cfg.adaptive_clipping:
+        return DifferentialPrivacyClientSideFixedClipping(fedavg, cfg.noise_multiplier, cfg.clip_norm, num_sampled)
+    return DifferentialPrivacyClientSideAdaptiveClipping(
+        fedavg, cfg.noise_multiplier, num_sampled, initial_clipping_norm=cfg.clip_norm,
+        target_clipped_quantile=cfg.target_clipped_quantile,
+        clipped_count_stddev=clipped_count_stddev(cfg, num_sampled))
+
+
+def clipped_count_stddev(cfg: RunConfig, num_sampled: int) -> float:
+    """σ_b: ``clipped-count-stddev``, or 0 = max(k/20, σ). Andrew et al.'s k/20 alone must exceed
+    σ/2 for the update noise to exist; at σ_b = σ the update noise is 1.155σ."""
+    return cfg.clipped_count_stddev or max(num_sampled / 20, cfg.noise_multiplier)
 
 
 def run_flower_central(grid: Grid, cfg: RunConfig, results: RunResults) -> None:
@@ -62,18 +99,20 @@ def run_flower_central(grid: Grid, cfg: RunConfig, results: RunResults) -> None:
         min_available_nodes=cfg.min_clients,
         train_metrics_aggr_fn=_train_metrics,
         evaluate_metrics_aggr_fn=_eval_metrics,
+        weighted_by_key=UNIT_WEIGHT,
     )
-    strategy = DifferentialPrivacyClientSideFixedClipping(
-        fedavg, cfg.noise_multiplier, cfg.clip_norm, num_sampled
-    )
+    strategy = dp_wrapper(cfg, fedavg, num_sampled)
+    if cfg.sampler_seed >= 0:  # experiments: Flower samples with the global ``random``
+        random.seed(cfg.sampler_seed)
     initial = ArrayRecord(build_model(cfg.task, cfg.seed).state_dict())
     result = strategy.start(
         grid=grid, initial_arrays=initial, num_rounds=cfg.num_server_rounds,
         timeout=cfg.round_timeout,
     )
     # Client-level ε of Flower's mechanism: noise σC on the sum of clipped updates, one
-    # subsampled Gaussian step per round with q = sampled / nodes (see OpaqueFedAvg._account).
-    accountant = PrivacyAccountant("rdp") if cfg.noise_multiplier > 0 else None
+    # release per round of k of N nodes without replacement (as OpaqueFedAvg, client-sampling=fixed).
+    sampled = min(num_sampled, num_nodes)
+    accountant = ClientAccountant("fixed", num_nodes, cfg.target_delta) if cfg.noise_multiplier > 0 else None
     for rnd in range(1, cfg.num_server_rounds + 1):
         tr = result.train_metrics_clientapp.get(rnd, MetricRecord())
         ev = result.evaluate_metrics_clientapp.get(rnd, MetricRecord())
@@ -92,6 +131,7 @@ def run_flower_central(grid: Grid, cfg: RunConfig, results: RunResults) -> None:
             rec.epsilon_client = math.inf
         else:
             if rec.num_clients > 0:  # Flower skips a round's aggregation when a reply failed
-                accountant.step(cfg.noise_multiplier, client_sample_rate(min(num_sampled, num_nodes), num_nodes))
-            rec.epsilon_client = accountant.epsilon(cfg.target_delta)
+                accountant.step(cfg.noise_multiplier, sampled)
+            rec.epsilon_client = accountant.epsilon()
+            rec.epsilon_client_no_amplification = accountant.epsilon_no_amplification()
         results.rounds.append(rec)

@@ -83,6 +83,12 @@ class RoundRecord:
     """Distributed-DP noise shares the server added for left-out clients."""
     epsilon_client: float = math.nan
     """Client-level ε so far (dp-mode local/distributed, flower-central)."""
+    epsilon_client_no_amplification: float = math.nan
+    """The same client-level ε without credit for sampling (holds against the server, which
+    knows the sample; ``federation.client_accounting``)."""
+    sampling_skipped: bool = False
+    """client-sampling=poisson: the draw fell outside [min-clients, max-clients] and the round
+    trained nobody (still charged to the accountant: conservative)."""
     epsilon_sample: float = math.nan
     """Largest sample-level DP-SGD ε so far over the nodes (dp-sgd=true)."""
     delta: float = math.nan

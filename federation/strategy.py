@@ -45,13 +45,15 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from crypto import KIND_NOISE, KIND_UPDATE, Manifest, ManifestEntry, PrivacyAccountant, SignedUpdate
-from crypto import client_sample_rate, noise_std
+from crypto import KIND_NOISE, KIND_UPDATE, Manifest, ManifestEntry, SignedUpdate
+from crypto import noise_std
+from federation.client_accounting import ClientAccountant
 from crypto.errors import SignatureError
 from federation import protocol, replies
 from federation.codec import Aggregator, make_aggregator, packing_for
 from federation.config import RunConfig
 from federation.results import METRIC_NAMES, RoundRecord, mean, serving_summary, weighted_mean
+from federation.sampling import ClientSampler, SampleOutsideBounds, expected_sample_size
 from federation.timing import PhaseTimer
 
 from federation.provisioning import AdmitReport
@@ -74,6 +76,12 @@ def _node_phase_sums(metrics: list, phases: tuple[str, ...]) -> dict[str, float]
     out["handler"] = handler
     out["other"] = max(0.0, handler - sum(out[p] for p in phases))
     return out
+
+
+def sampler_for(cfg: RunConfig) -> ClientSampler:
+    """The run's client sampler: OS entropy unless ``sampler-seed >= 0`` (experiments)."""
+    return ClientSampler(cfg.client_sampling, cfg.fraction_train, cfg.min_clients,
+                         cfg.max_clients if cfg.he else None, cfg.sampler_seed if cfg.sampler_seed >= 0 else None)
 
 
 class NotEnoughClients(RuntimeError):
@@ -102,10 +110,13 @@ class OpaqueFedAvg:
         """(aggregate, manifest) per global version: history[k-1] makes v k."""
         self.known_version: dict[int, int] = {}
         """Last global version each node confirmed; 0 (resend all) when unknown."""
-        self.rng = random.Random(cfg.seed)
+        self.sampler = sampler_for(cfg)
+        self.rng = random.SystemRandom()  # who makes missing noise shares: not derivable from the seed
         self.noise_rng = np.random.default_rng()
-        self.accountant = PrivacyAccountant("rdp") if cfg.dp_mode in ("local", "distributed") else None
-        self.client_epsilon = 0.0 if self.accountant is not None else math.nan
+        self.accountant: ClientAccountant | None = None
+        """Created at the first DP round, for that round's population (Flower's accountant
+        fixes N); ``federation.client_accounting`` for the sampler in use."""
+        self.client_epsilon = 0.0 if cfg.dp_mode in ("local", "distributed") else math.nan
         self.rotate_reason: str | None = None
 
     @property
@@ -130,8 +141,16 @@ class OpaqueFedAvg:
         with timer.phase("admit"):
             ready = self.admit(grid, rnd, rec)
             rec.population = len(ready)
-            sampled = self.sample(ready)
-            rec.sampled = len(sampled)
+            try:
+                sampled = self.sample(ready)
+            except SampleOutsideBounds as err:
+                log(WARNING, "round %d: %s; nobody trains this round", rnd, err)
+                rec.sampling_skipped = True
+                rec.epsilon_client = self._account(rec, 0)
+                sampled = None
+        if sampled is None:
+            return self.evaluate_round(grid, rnd, ready, rec, timer)
+        rec.sampled = len(sampled)
 
         t0 = time.perf_counter()
         self.verifier.start_round(rnd)
@@ -143,7 +162,11 @@ class OpaqueFedAvg:
             train = self.collect("train", sampled, replies_, protocol.destinations(msgs))
         rec.seconds["train_phase"] = time.perf_counter() - t0
         self.aggregate_train(grid, rnd, train, rec, timer)
+        return self.evaluate_round(grid, rnd, ready, rec, timer)
 
+    def evaluate_round(self, grid: Grid, rnd: int, ready: list[int], rec: RoundRecord,
+                       timer: PhaseTimer) -> RoundRecord:
+        """Every admitted node evaluates the latest global version."""
         t0 = time.perf_counter()
         with timer.phase("eval_send"):
             msgs = self.configure(protocol.EVALUATE, rnd, ready)
@@ -222,13 +245,16 @@ class OpaqueFedAvg:
             time.sleep(1.0)
 
     def sample(self, nodes: list[int]) -> list[int]:
-        """fraction-train of the nodes, at least min-clients; under HE at most max-clients
-        (the packing headroom: contributions per aggregate, noise shares included)."""
-        k = max(self.cfg.min_clients, math.ceil(self.cfg.fraction_train * len(nodes)))
-        if self.cfg.he and k > self.cfg.max_clients:
-            log(WARNING, "sampling %d of %d nodes: max-clients=%d", self.cfg.max_clients, len(nodes), self.cfg.max_clients)
-            k = self.cfg.max_clients
-        return sorted(self.rng.sample(nodes, min(k, len(nodes))))
+        """The round's training nodes (``federation.sampling``): fixed = fraction-train of the
+        nodes, at least min-clients, under HE at most max-clients (the packing headroom);
+        poisson = each node with probability fraction-train (``SampleOutsideBounds`` when the
+        draw is outside those bounds)."""
+        if self.cfg.he and self.sampler.method == "fixed":
+            wanted = max(self.cfg.min_clients, math.ceil(self.cfg.fraction_train * len(nodes)))
+            if wanted > self.cfg.max_clients:
+                log(WARNING, "sampling %d of %d nodes: max-clients=%d", self.cfg.max_clients, len(nodes),
+                    self.cfg.max_clients)
+        return self.sampler.sample(nodes)
 
     # -- messages -----------------------------------------------------------------------
     def configure(self, message_type: str, rnd: int, node_ids: list[int]) -> list[Message]:
@@ -430,27 +456,44 @@ class OpaqueFedAvg:
         self._count_sources(m, rec)
 
     def _account(self, rec: RoundRecord, shares: int) -> float:
-        """Client-level ε so far (RDP, δ = target-delta) for dp-mode local/distributed.
+        """Client-level ε so far (δ = target-delta) for dp-mode local/distributed.
 
-        One subsampled-Gaussian step per round with q = sampled / admitted nodes and the noise
-        multiplier the aggregate really carries: σ for local (each update carries σC); for
-        distributed with he=true σ·sqrt(shares present / sampled) (the server sees only the sum,
-        whose noise is the survivors' shares plus the top-up that arrived); σ/√n for distributed
-        with he=false (the server sees each update with its share σC/√n). Subsampling
-        amplification assumes the sample is secret, which the server that samples does not
-        respect: read ε as the guarantee against other parties.
+        One release per round, accounted for the sampler (``federation.client_accounting``), with
+        the noise multiplier the aggregate really carries: σ for local (each update carries σC);
+        for distributed with he=true σ·sqrt(shares present / sampled) (the server sees only the
+        sum: the survivors' shares plus the top-up that arrived); σ/√n for distributed with
+        he=false (the server sees each update with its share σC/√n). A skipped Poisson round is
+        charged at σ (it released nothing: over-counting is safe). Amplification assumes the
+        sample is secret, which the server that samples does not respect:
+        ``epsilon_client_no_amplification`` is the figure against the server.
         """
-        if self.accountant is None:
+        if self.cfg.dp_mode not in ("local", "distributed"):
             return math.nan
         sigma = self.cfg.noise_multiplier
-        if self.cfg.dp_mode == "distributed":
+        if self.cfg.dp_mode == "distributed" and rec.sampled:
             sigma = sigma * math.sqrt(min(shares, rec.sampled) / rec.sampled) if self.cfg.he else sigma / math.sqrt(rec.sampled)
-        if sigma <= 0 or not math.isfinite(self.client_epsilon):
-            self.client_epsilon = math.inf
+        if sigma <= 0 or math.isinf(self.client_epsilon):
+            self.client_epsilon = rec.epsilon_client_no_amplification = math.inf
             return math.inf
-        self.accountant.step(sigma, client_sample_rate(rec.sampled, rec.population))
-        self.client_epsilon = self.accountant.epsilon(self.cfg.target_delta)
+        if self.accountant is None:
+            self.accountant = ClientAccountant(self.sampler.method, rec.population, self.cfg.target_delta)
+        self.accountant.step(sigma, self._event_size(rec))
+        self.client_epsilon = self.accountant.epsilon()
+        rec.epsilon_client_no_amplification = self.accountant.epsilon_no_amplification()
         return self.client_epsilon
+
+    def _event_size(self, rec: RoundRecord) -> int:
+        """The accountant's sample size in its own population N0: q·N0 for poisson; for fixed
+        k, scaled to N0 and rounded up (conservative) when the admitted population changed."""
+        n0 = self.accountant.population if self.accountant is not None else rec.population
+        if self.sampler.method == "poisson":
+            return expected_sample_size(self.cfg.fraction_train, n0)
+        k = self.sampler.fixed_size(rec.population) if rec.sampling_skipped else rec.sampled
+        if rec.population != n0:
+            log(WARNING, "population %d differs from the accountant's %d: charging k=%d as a share of %d",
+                rec.population, n0, k, n0)
+            k = min(n0, math.ceil(k * n0 / rec.population))
+        return k
 
     def discard_if_refused(self, evaluated: PhaseReplies, rec: RoundRecord) -> None:
         """he=true: if no node accepted the round's aggregate and some refused it, drop it.

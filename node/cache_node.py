@@ -279,11 +279,13 @@ class CacheNode:
     def set_weights(self, state: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state)
 
-    def train_in_place(self, epochs: int, lr: float) -> tuple[float, int, float]:
-        """Train the current weights in place: (loss, n, seconds). Flower sends weights."""
+    def train_in_place(self, epochs: int, lr: float, server_round: int) -> tuple[float, int, float]:
+        """Train the current weights in place: (loss, n, seconds). Flower sends weights; the
+        node's version does not advance on this path, so the shuffle is seeded by the round."""
         t0 = time.perf_counter()
         lr = lr if lr > 0 else self.task.default_lr
-        loss, n = self.task.train(self.model, epochs, lr, self.spec.seed + self.version)
+        seed = self.spec.seed * 1_000_003 + self.spec.partition_id * 1009 + server_round
+        loss, n = self.task.train(self.model, epochs, lr, seed)
         return loss, n, time.perf_counter() - t0
 
     # -- evaluation and serving ---------------------------------------------------------

@@ -1,5 +1,7 @@
-"""experiments.privacy_accuracy on a tiny configuration: the output files, the CSV columns, finite
-values (ε = ∞ points excepted where ∞ is the truth), the noise calibration. Never asserts a timing."""
+"""experiments.privacy_accuracy on a tiny configuration: the output files, the CSV columns (seed
+count, mean, CI, accountant ε with and without amplification, audit ε), finite values (ε = ∞
+points excepted where ∞ is the truth), the noise calibration, the audit below the accountant.
+Never asserts a timing."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import pytest
 from experiments import privacy_accuracy as pa
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["--epsilons", "8,inf", "--populations", "6", "--rounds", "2", "--modes", "distributed,local"]
+TINY = ["--epsilons", "8,inf", "--populations", "8", "--clients-per-round", "4", "--rounds", "2",
+        "--modes", "distributed,local", "--seeds", "2", "--audit-trials", "60"]
 
 
 def _run(args, out: Path, timeout: int = 240):
@@ -30,59 +33,82 @@ def _run(args, out: Path, timeout: int = 240):
     return proc, run_dir
 
 
+def _csv(path: Path) -> tuple[list[dict[str, str]], list[str]]:
+    with path.open() as fh:
+        reader = csv.DictReader(fh)
+        return list(reader), list(reader.fieldnames or [])
+
+
 def test_tiny_sweep_writes_every_output(tmp_path: Path) -> None:
     proc, run_dir = _run(TINY, tmp_path)
     first = proc.stdout.strip().splitlines()[0]
-    assert first.startswith("expected duration of 4 points: ~") and "measured" in first, first
-    with (run_dir / "points.csv").open() as fh:
-        reader = csv.DictReader(fh)
-        rows = list(reader)
-        header = reader.fieldnames
-    for col in ("task", "mode", "population", "clients_per_round", "rounds", "target_epsilon",
-                "noise_multiplier", "epsilon_spent", "accuracy", "mia_auc", "seconds", "round_s"):
+    assert first.startswith("expected duration of 4 points x 2 seeds: ~") and "measured" in first, first
+    runs, _ = _csv(run_dir / "runs.csv")
+    assert len(runs) == 8 and {r["seed"] for r in runs} == {"0", "1"}
+    rows, header = _csv(run_dir / "points.csv")
+    for col in ("n_seeds", "accuracy_mean", "accuracy_ci_low", "accuracy_ci_high", "epsilon_accountant",
+                "epsilon_no_amplification", "audit_epsilon", "mia_auc_mean", "mia_auc_ci_low", "mia_auc_ci_high"):
         assert col in header, col
     assert len(rows) == 4
     assert {(r["mode"], r["target_epsilon"]) for r in rows} == {
         ("distributed", "8.0"), ("distributed", "inf"), ("local", "8.0"), ("local", "inf")}
     for r in rows:
-        assert r["task"] == "digits" and r["status"] == "completed"
-        assert int(r["population"]) == 6 and int(r["clients_per_round"]) == 6 and int(r["rounds"]) == 2
-        for col in ("accuracy", "mia_auc", "seconds", "noise_multiplier", "fed_metric"):
-            assert math.isfinite(float(r[col])), (col, r)
-        assert 0.0 <= float(r["accuracy"]) <= 1.0 and 0.0 <= float(r["mia_auc"]) <= 1.0
+        assert r["task"] == "digits" and r["completed"] == "2" and r["n_seeds"] == "2"
+        assert int(r["population"]) == 8 and int(r["clients_per_round"]) == 4 and int(r["rounds"]) == 2
+        lo, mean, hi = (float(r[f"accuracy_{k}"]) for k in ("ci_low", "mean", "ci_high"))
+        assert lo <= mean <= hi and 0.0 <= mean <= 1.0
+        assert 0.0 <= float(r["mia_auc_mean"]) <= 1.0
+        audit = float(r["audit_epsilon"])
         if r["target_epsilon"] == "inf":
-            assert float(r["noise_multiplier"]) == 0.0 and float(r["epsilon_spent"]) == math.inf
+            assert float(r["noise_multiplier"]) == 0.0 and float(r["epsilon_accountant"]) == math.inf
+            assert audit >= 10.0  # no noise: the canary is plainly visible
         else:
-            sigma, spent = float(r["noise_multiplier"]), float(r["epsilon_spent"])
+            sigma, spent = float(r["noise_multiplier"]), float(r["epsilon_accountant"])
             assert sigma > 0 and math.isfinite(spent)
-            # the chosen sigma reaches the target (Opacus' search tolerance) without overshooting much
+            # the chosen sigma reaches the target (the search tolerance) without overshooting
             assert 7.5 < spent <= 8.0 + 1e-6, spent
-    # without noise, local and distributed are the same computation (up to CKKS' approximation
-    # error, fresh randomness per encryption, which may flip a near-tie prediction)
-    inf = {r["mode"]: float(r["accuracy"]) for r in rows if r["target_epsilon"] == "inf"}
-    assert inf["distributed"] == pytest.approx(inf["local"], abs=0.02)
-    for name in ("summary.md", "accuracy_vs_epsilon_pop6.png", "mia_auc_vs_epsilon_pop6.png"):
+            assert spent <= float(r["epsilon_no_amplification"])  # 4 of 8 sampled: amplification helps
+            assert 0.0 <= audit < spent  # an audit above the accountant would be a bug
+    for name in ("summary.md", "accuracy_vs_client_epsilon_pop8.png", "mia_auc_vs_client_epsilon_pop8.png"):
         assert (run_dir / name).is_file() and (run_dir / name).stat().st_size > 0, name
     summary = (run_dir / "summary.md").read_text()
-    assert "| distributed |" in summary and "| local |" in summary
+    assert "| distributed |" in summary and "| local |" in summary and "only 2 seed(s)" in summary
+    assert "audit check: every audit ε is at or below" in summary
 
-    # --replot rebuilds summary and plots from points.csv alone (an interrupted run)
+    # --replot rebuilds points, summary and plots from runs.csv alone (an interrupted run)
     (run_dir / "summary.md").unlink()
-    (run_dir / "accuracy_vs_epsilon_pop6.png").unlink()
-    assert pa.main(["--replot", str(run_dir)]) == 0
+    (run_dir / "accuracy_vs_client_epsilon_pop8.png").unlink()
+    assert pa.main(["--replot", str(run_dir), "--audit-trials", "60"]) == 0
     assert (run_dir / "summary.md").read_text().count("| distributed |") == 2
-    assert (run_dir / "accuracy_vs_epsilon_pop6.png").stat().st_size > 0
-    assert pa.read_rows(run_dir / "points.csv")[0]["population"] == 6
+    assert (run_dir / "accuracy_vs_client_epsilon_pop8.png").stat().st_size > 0
+    assert pa.read_rows(run_dir / "runs.csv")[0]["population"] == 8
+
+
+def test_mean_ci_and_audit_failures() -> None:
+    m, lo, hi = pa.mean_ci([0.5, 0.7])
+    assert m == pytest.approx(0.6) and lo < 0.5 and hi > 0.7  # t(1): 12.7 x 0.1/sqrt(2) half-width
+    assert hi - m == pytest.approx(12.7062 * 0.1414 / math.sqrt(2), rel=1e-3)
+    assert math.isnan(pa.mean_ci([0.5])[1]) and math.isnan(pa.mean_ci([math.nan])[0])
+    bad = {"mode": "distributed", "population": 10, "target_epsilon": 4.0, "audit_epsilon": 5.0,
+           "epsilon_accountant": 4.0}
+    assert pa.audit_failures([bad]) and not pa.audit_failures([{**bad, "audit_epsilon": 3.0}])
+    assert pa.audit_sigma("local", 1.0, 4) == 2.0 and pa.audit_sigma("distributed", 1.0, 4) == 1.0
 
 
 def test_sigma_for_reaches_the_target() -> None:
     from crypto import PrivacyAccountant
 
-    sigma = pa.sigma_for("distributed", 4.0, 1e-5, rounds=10, cpr=10, population=100,
-                         train_sizes=None, local_epochs=2)
-    acc = PrivacyAccountant("rdp")
-    acc.step(sigma, 0.1, steps=10)
-    assert acc.epsilon(1e-5) == pytest.approx(4.0, rel=0.02)
+    from federation.client_accounting import ClientAccountant
+
+    for sampling in ("fixed", "poisson"):
+        sigma = pa.sigma_for("distributed", 4.0, 1e-5, rounds=10, cpr=10, population=100,
+                             train_sizes=None, local_epochs=2, client_sampling=sampling)
+        acc = ClientAccountant(sampling, 100, 1e-5)
+        acc.step(sigma, 10, 10)
+        assert acc.epsilon() == pytest.approx(4.0, rel=0.02)
+    # flower-central samples a fixed k whatever fedkv's sampler is
+    assert pa.sigma_for("flower-central", 4.0, 1e-5, 10, 10, 100, None, 2, client_sampling="poisson") == \
+        pa.sigma_for("distributed", 4.0, 1e-5, 10, 10, 100, None, 2, client_sampling="fixed")
     assert pa.sigma_for("local", math.inf, 1e-5, 10, 10, 100, None, 2) == 0.0
     # dp-sgd: the worst node (fewest batches -> largest sampling rate) sets sigma
     s_small = pa.sigma_for("dp-sgd", 4.0, 1e-5, 5, 5, 5, [20], local_epochs=2)
@@ -104,5 +130,12 @@ def test_fraction_and_flags() -> None:
     args = pa.build_parser().parse_args(["--rounds", "3"])
     rc = pa.run_config_for(args, "flower-central", 100, 10, 0.5, 0, 50.0)
     assert rc["he"] is False and rc["dp-mode"] == "flower-central" and rc["fraction-train"] == 0.1
+    assert rc["client-sampling"] == "fixed" and rc["sampler-seed"] == 0 and rc["adaptive-clipping"] is False
+    rc = pa.run_config_for(args, "flower-adaptive", 100, 10, 0.5, 0, 50.0)
+    assert rc["dp-mode"] == "flower-central" and rc["adaptive-clipping"] is True and rc["he"] is False
+    args = pa.build_parser().parse_args(["--client-sampling", "poisson"])
+    rc = pa.run_config_for(args, "distributed", 100, 10, 0.5, 3, 50.0)
+    assert rc["client-sampling"] == "poisson" and rc["sampler-seed"] == 3
+    assert rc["min-clients"] == 5 and rc["max-clients"] == 19  # 10 + 3 sd (sd = 3) of Binomial(100, 0.1)
     rc = pa.run_config_for(args, "dp-sgd", 100, 10, 0.5, 0, 50.0)
     assert rc["he"] is True and rc["dp-sgd"] is True and rc["dp-mode"] == "none" and rc["max-weight"] == 50.0

@@ -63,7 +63,7 @@ def test_fixedclipping_mod_clips_the_flower_train_reply() -> None:
     ctx = make_context(7, 0, 3, {"lr": 0.5, "local-epochs": 2})
     start = build_model("digits", 42).state_dict()
     msg = Message(
-        RecordDict({"arrays": ArrayRecord(start), "config": ConfigRecord({"clipping_norm": 0.01})}),
+        RecordDict({"arrays": ArrayRecord(start), "config": ConfigRecord({"clipping_norm": 0.01, "server-round": 1})}),
         dst_node_id=7, message_type="train",
     )
     reply = client_app.app(msg, ctx)

@@ -428,13 +428,14 @@ def test_client_level_epsilon_is_accounted_per_round() -> None:
     fed = he_federation(4, **{"dp-mode": "distributed", "num-server-rounds": 3, "fraction-train": 0.5,
                               "noise-multiplier": 1.2})
     recs = fed.run_all()
-    from crypto import PrivacyAccountant
+    from federation.client_accounting import ClientAccountant
 
-    acct = PrivacyAccountant("rdp")
+    acct = ClientAccountant("fixed", 4, 1e-5)  # the default sampler: 2 of 4 without replacement
     for rec in recs:
         assert rec.sampled == 2 and rec.population == 4
-        acct.step(1.2, 0.5)
-        assert rec.epsilon_client == pytest.approx(acct.epsilon(1e-5))
+        acct.step(1.2, 2)
+        assert rec.epsilon_client == pytest.approx(acct.epsilon())
+        assert rec.epsilon_client_no_amplification == pytest.approx(acct.epsilon_no_amplification())
     assert math.isnan(recs[0].epsilon_sample)
 
 

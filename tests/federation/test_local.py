@@ -90,3 +90,28 @@ def test_lm_session_keeps_kv_across_turns_and_recomputes_after_writeback() -> No
     fresh = node.generate(bytes(turn2) + b"    ", max_new_tokens=6, session="fresh")
     assert third == fresh
     assert len(first) == 6
+
+
+def test_flower_central_adaptive_clipping_adapts_and_is_accounted_like_fixed() -> None:
+    """Flower's client-side adaptive clipping: the clip norm sent to the clients moves every round
+    (Andrew et al. 2021), and ε is the fixed sampler's at σ (the count noise is inside σ)."""
+    from federation.client_accounting import ClientAccountant
+
+    cfg = {"task": "digits", "he": False, "dp-mode": "flower-central", "adaptive-clipping": True,
+           "num-server-rounds": 3, "noise-multiplier": 0.8, "min-clients": 3, "fraction-train": 0.5,
+           "clip-norm": 0.1, "seed": 42}
+    grid = InProcessGrid(6, cfg, run_id=4343)
+    norms: list[float] = []  # read at delivery: Flower reuses one ConfigRecord across rounds
+
+    def record(msg, ctx):  # noqa: ANN001, ANN202
+        norms.append(float(msg.content.config_records["config"]["clipping_norm"]))
+        return grid.deliver(msg)
+
+    for node in grid.node_ids:
+        grid.faults[(node, "train")] = record
+    results = run_local(cfg, 6, grid=grid)
+    assert results.status == "completed" and [r.num_clients for r in results.rounds] == [3, 3, 3]
+    assert len(norms) == 9 and norms[0] == pytest.approx(0.1) and len(set(norms)) == 3
+    acc = ClientAccountant("fixed", 6, 1e-5)
+    acc.step(0.8, 3, 3)
+    assert results.rounds[-1].epsilon_client == pytest.approx(acc.epsilon())
