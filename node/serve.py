@@ -12,7 +12,9 @@ computed with the new weights over K/V computed by them: a turn interrupted by a
 rolled back and decoded again. Parameters come from the file the trainer publishes
 (``node.param_channel``), sealed with the node's cache key.
 
-HTTP (JSON, loopback by default): ``POST /v1/sessions`` ``{"system": str}`` -> ``{"session"}``;
+HTTP (JSON) on loopback by default, without authentication: anyone who can reach the port
+can chat with the node's model (never read its parameters or key), so bind another ``--host``
+only behind something that authenticates. Endpoints: ``POST /v1/sessions`` ``{"system": str}`` -> ``{"session"}``;
 ``POST /v1/sessions/<id>`` ``{"text": str, "max_new_tokens": int}`` -> ``{"reply", "reply_hex",
 "version", "recomputed"}``; ``DELETE /v1/sessions/<id>``; ``GET /v1/stats``. Bad requests get
 400 with ``{"error"}``; the agent goes on. Its cache is live: ``python -m cache stats --dir
