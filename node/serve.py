@@ -149,7 +149,7 @@ class ServingAgent:
     def stats(self) -> dict:
         s = self.cache.stats()
         return {"version": self.version, "pid": os.getpid(), "sessions": len(self.sessions),
-                **{k: v for k, v in vars(self.counters).items()},
+                **vars(self.counters),
                 "prefix_hit_rate": s["prefix_hit_rate"], "coherence": self.directory.stats()}
 
     def close(self) -> None:
@@ -212,7 +212,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_DELETE(self) -> None:
         sid = self.path.removeprefix("/v1/sessions/")
-        self._guarded(lambda: (self.server.agent.sessions.close(sid), {"closed": sid})[1])
+
+        def close() -> dict:
+            self.server.agent.sessions.close(sid)
+            return {"closed": sid}
+        self._guarded(close)
 
 
 def _text(body: dict, name: str, default: str | None = None) -> bytes:

@@ -32,9 +32,10 @@ KEY = bytes(range(1, 33))
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _call(port: int, path: str, body: dict | None = None, method: str = "POST") -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method if body is not None or method != "POST" else "GET",
-                                 data=json.dumps(body).encode() if body is not None else None,
+def _call(port: int, path: str, body: dict | None = None, method: str | None = None) -> dict:
+    """One JSON request: POST with a body, GET without (or ``method``)."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as r:
         return json.loads(r.read())
@@ -118,7 +119,7 @@ def test_no_reply_is_computed_with_stale_kv_after_a_write_back(served):
     finally:
         stop.set()
         client.join(30)
-    stats = _call(port, "/v1/stats", method="GET")
+    stats = _call(port, "/v1/stats")
     assert node.agents_invalidated == 3  # every write-back had to invalidate the server
     assert stats["invalidations"] == 3 and stats["version"] == 3
     assert {v for *_, v in log} >= {0, 3} and len(log) > 8
@@ -141,6 +142,10 @@ def test_bad_requests_get_clear_errors_and_the_agent_goes_on(served):
         _call(port, f"/v1/sessions/{sid}", {"text": "x", "max_new_tokens": 10**6})
     assert info.value.code == 400
     assert _call(port, f"/v1/sessions/{sid}", {"text": "hi", "max_new_tokens": 2})["version"] == 0
+    assert _call(port, f"/v1/sessions/{sid}", method="DELETE") == {"closed": sid}
+    with pytest.raises(urllib.error.HTTPError) as info:
+        _call(port, f"/v1/sessions/{sid}", {"text": "x"})
+    assert info.value.code == 404  # closed
 
 
 def test_the_agents_cache_is_read_and_tuned_from_another_process(served, tmp_path):
