@@ -69,6 +69,7 @@ class ColdStore(Protocol):
     def meta(self, key: bytes) -> dict: ...
     def delete(self, key: bytes) -> None: ...
     def drop_where(self, pred: Callable[[dict], bool]) -> int: ...
+    def keys(self) -> list[bytes]: ...
     def keys_hottest_first(self) -> list[bytes]: ...
     def stats(self) -> dict: ...
     def compact(self) -> None: ...
@@ -180,12 +181,12 @@ class Tiers:
             e = self.warm.pop(key)
             self.warm_used -= len(e.payload)
             gone.append((key, e.version))
-        if self.cold is not None:
-            for key in self.cold.keys_hottest_first():
+        if self.cold is not None:  # one pass: staged records included, each meta read once
+            for key in self.cold.keys():
                 meta = self.cold.meta(key)
                 if meta.get("kind") == "kv" and stale(int(meta["version"])):
+                    self.cold.delete(key)
                     gone.append((key, int(meta["version"])))
-            self.cold.drop_where(lambda m: m.get("kind") == "kv" and stale(int(m["version"])))
         return gone
 
     def flush(self, entries: dict[bytes, TierEntry]) -> None:
