@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from cache import KVCache
@@ -29,6 +28,9 @@ TIERS = ("hot", "warm", "cold")
 
 @dataclass
 class ServeReport:
+    """Counts of one pass; rates over nodes are derived where the counts are summed
+    (``federation.results.serving_summary``)."""
+
     sessions: int = 0
     turns: int = 0
     prompt_tokens: int = 0
@@ -56,17 +58,6 @@ class ServeReport:
     turn_ms: list[float] = field(default_factory=list, repr=False)
     """Wall time of each turn (session creation included for a session's first)."""
 
-    def turn_ms_quantile(self, q: float) -> float:
-        return float(np.quantile(self.turn_ms, q)) if self.turn_ms else math.nan
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else math.nan
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.decode_tokens / self.seconds if self.seconds > 0 else math.nan
-
     @property
     def ppl(self) -> float:
         return math.exp(self.nll / self.scored) if self.scored else math.nan
@@ -75,21 +66,10 @@ class ServeReport:
     def ppl_fresh(self) -> float:
         return math.exp(self.nll_fresh / self.scored) if self.scored else math.nan
 
-    def tier_hit_rates(self) -> dict[str, float]:
-        return {t: (h / self.lookups if self.lookups else math.nan) for t, h in self.tier_hits.items()}
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        del d["turn_ms"]
-        d.update(turn_ms_p50=self.turn_ms_quantile(0.5), turn_ms_p99=self.turn_ms_quantile(0.99),
-                 prefix_hit_rate=self.prefix_hit_rate, tokens_per_s=self.tokens_per_s,
-                 ppl=self.ppl, ppl_fresh=self.ppl_fresh, tier_hit_rates=self.tier_hit_rates())
-        return d
-
 
 def _counters(cache: KVCache) -> dict:
     s = cache.stats()
-    return {"hit_tokens": s["prefix_hit_tokens"], "stale_tokens": s.get("stale_hit_tokens", 0),
+    return {"hit_tokens": s["prefix_hit_tokens"], "stale_tokens": s["stale_hit_tokens"],
             "lookups": s["prefix_hit_blocks"] + s["prefix_miss_blocks"],
             **{t: s["tier_hits"].get(t, 0) for t in TIERS}}
 
