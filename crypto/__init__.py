@@ -13,7 +13,10 @@ from crypto.ckks import (
     preset_for,
     update_bytes_estimate,
 )
-from crypto.at_rest import read_secret_file, seal, unseal, write_public_file, write_secret_file
+from crypto.at_rest import (
+    PASSPHRASE_ENV, passphrase_from_env, read_secret_file, seal, unseal, write_public_file,
+    write_secret_file,
+)
 from crypto.binding import KIND_NOISE, KIND_UPDATE, AggregateMac, Manifest, ManifestEntry
 from crypto.context import (
     DEFAULT_PRESET,
@@ -69,6 +72,8 @@ __all__ = [
     "update_bytes_estimate",
     "load_public_context",
     "read_secret_file",
+    "PASSPHRASE_ENV",
+    "passphrase_from_env",
     "seal",
     "secret_events",
     "unseal",

@@ -21,7 +21,17 @@ from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
 from crypto.errors import KeyUnwrapError
 
-__all__ = ["seal", "unseal", "write_secret_file", "read_secret_file", "write_public_file"]
+__all__ = ["PASSPHRASE_ENV", "passphrase_from_env", "seal", "unseal", "write_secret_file",
+           "read_secret_file", "write_public_file"]
+
+PASSPHRASE_ENV = "FEDKV_NODE_KEY_PASSPHRASE"
+"""The environment variable that holds a node's key-file passphrase (every process of the node
+reads the same one: its ClientApps and its serving agent)."""
+
+
+def passphrase_from_env() -> bytes | None:
+    value = os.environ.get(PASSPHRASE_ENV)
+    return value.encode() if value else None
 
 _PLAIN = b"FKR\x00"
 _SEALED = b"FKR\x01"

@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from crypto import PASSPHRASE_ENV
 from federation.flwr_sandbox import REPO, alive, descendants, free_port, make_app_dir
 from federation.kit import make_auth_key, make_tls, write_kits
 from federation.serve_probe import ServeProbe
@@ -352,8 +353,8 @@ def prepare(demo: Demo) -> None:
         demo.netns.setup(demo.nodes)
         hosts.append(demo.netns.link_ip)
     if demo.seal_kits:  # random, never printed: only the SuperNodes' environment holds it
-        demo.node_env["FEDKV_NODE_KEY_PASSPHRASE"] = secrets.token_urlsafe(24)
-    passphrase = demo.node_env.get("FEDKV_NODE_KEY_PASSPHRASE")
+        demo.node_env[PASSPHRASE_ENV] = secrets.token_urlsafe(24)
+    passphrase = demo.node_env.get(PASSPHRASE_ENV)
     demo.kits = write_kits(demo.work / "kits", demo.nodes, hosts=hosts,
                            passphrase=passphrase.encode() if passphrase else None)
     demo.port = free_port()

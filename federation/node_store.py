@@ -28,14 +28,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from crypto import CkksContext, NodeKeys, load_context, read_secret_file, seal, write_public_file, write_secret_file
+from crypto import (
+    CkksContext, NodeKeys, load_context, passphrase_from_env, read_secret_file, seal,
+    write_public_file, write_secret_file,
+)
 from crypto.errors import CryptoError
 
 if TYPE_CHECKING:
     from federation.kit import NodeKit
 
 NODE_DIR_ENV = "FEDKV_NODE_DIR"
-PASSPHRASE_ENV = "FEDKV_NODE_KEY_PASSPHRASE"
 
 _CONTEXTS: OrderedDict[tuple[str, int], CkksContext] = OrderedDict()
 """Per-process cache of loaded secret contexts (loading costs ~6 ms); gone with the process."""
@@ -44,11 +46,6 @@ _KITS: dict[str, Any] = {}
 
 class ProvisioningError(RuntimeError):
     """A node cannot take part: it refused provisioning or lacks its keys."""
-
-
-def _passphrase() -> bytes | None:
-    value = os.environ.get(PASSPHRASE_ENV)
-    return value.encode() if value else None
 
 
 def _kit(path: str) -> NodeKit:
@@ -86,15 +83,15 @@ class NodeStore:
     # -- identity ---------------------------------------------------------------------------
     def identity(self, *, create: bool = False) -> NodeKeys:
         if self.kit is not None:
-            return self.kit.identity(_passphrase()).renamed(self.node_id)
+            return self.kit.identity(passphrase_from_env()).renamed(self.node_id)
         path = self.root / "identity.key"
         if not path.exists():
             if not create:
                 raise ProvisioningError("node has no keys: it was not enrolled in this run")
             keys = NodeKeys.generate(self.node_id)
-            write_secret_file(path, keys.private_pem(), _passphrase())
+            write_secret_file(path, keys.private_pem(), passphrase_from_env())
             return keys
-        keys = NodeKeys.from_private_pem(read_secret_file(path, _passphrase()))
+        keys = NodeKeys.from_private_pem(read_secret_file(path, passphrase_from_env()))
         if keys.node_id != self.node_id:
             raise ProvisioningError("stored keys belong to another node")
         return keys
@@ -113,7 +110,7 @@ class NodeStore:
     def save_context(self, ctx: CkksContext, epoch: int) -> None:
         if not ctx.is_private:
             raise ProvisioningError("a node stores secret contexts only")
-        write_secret_file(self.root / f"ckks-{epoch}.ctx", ctx.secret_bytes(), _passphrase())
+        write_secret_file(self.root / f"ckks-{epoch}.ctx", ctx.secret_bytes(), passphrase_from_env())
         current = self.held()
         if current is None or epoch >= current[0]:
             write_public_file(self.root / "held.json", json.dumps({"epoch": epoch, "key-id": ctx.key_id.hex()}).encode())
@@ -127,9 +124,9 @@ class NodeStore:
         path = self.root / f"ckks-{epoch}.ctx"
         try:
             if path.exists():
-                data = read_secret_file(path, _passphrase())
+                data = read_secret_file(path, passphrase_from_env())
             elif self.kit is not None and epoch == 0:
-                data = self.kit.ckks_secret_bytes(_passphrase())
+                data = self.kit.ckks_secret_bytes(passphrase_from_env())
             else:
                 raise ProvisioningError("node holds no CKKS key of the requested epoch")
             ctx = load_context(data)
@@ -208,11 +205,11 @@ class NodeStore:
         and the node's serving agent (``python -m node.serve``) finds it there."""
         path = (Path(cache_dir).parent if cache_dir else self.root) / "kv-cache.key"
         if path.exists():
-            return read_secret_file(path, _passphrase())
+            return read_secret_file(path, passphrase_from_env())
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
         key = AESGCM.generate_key(bit_length=256)
-        write_secret_file(path, key, _passphrase())
+        write_secret_file(path, key, passphrase_from_env())
         return key
 
     # -- trust on first use (simulation only) ----------------------------------------------

@@ -38,7 +38,7 @@ from pathlib import Path
 from cache import KVCache
 from cache.coherence import Mode
 from cache.coherence_file import FileDirectory
-from crypto import read_secret_file
+from crypto import PASSPHRASE_ENV, passphrase_from_env, read_secret_file
 from node import param_channel
 from node.coherence import COHERENCE_DIR, PARAM_ENTRY
 from node.model import TinyTransformer
@@ -46,8 +46,6 @@ from node.sessions import Sessions, UnknownSessionError
 from node.tasks import LM_MODEL
 
 _log = logging.getLogger("fedkv.serve")
-PASSPHRASE_ENV = "FEDKV_NODE_KEY_PASSPHRASE"
-"""The node's key-file passphrase variable (the same one the node's ClientApp reads)."""
 LIVE_SUBDIR = "serve"
 """``python -m cache stats --dir <cache-dir>/serve`` reads (and ``set`` changes) this agent's cache."""
 MAX_BODY = 1 << 16
@@ -272,8 +270,7 @@ def _key(args: argparse.Namespace) -> bytes | None:
             raise SystemExit(f"key file {path} did not appear within {args.wait_s} s "
                              "(is the node running? --no-key for an unencrypted cache)")
         time.sleep(0.2)
-    passphrase = os.environ.get(PASSPHRASE_ENV)
-    return read_secret_file(path, passphrase.encode() if passphrase else None)
+    return read_secret_file(path, passphrase_from_env())
 
 
 def main(argv: list[str] | None = None) -> int:
