@@ -248,10 +248,10 @@ class KVCache:
         t.tokens = toks[: t.length]
         t.quant_checked = len(t.blocks) if self.qpool is not None else 0
         m.counters["prefix_hit_tokens"] += t.length
-        self._prefetch([b.hash for b in t.blocks])
+        self._prefetch(t.blocks)
         return t.length
 
-    def _prefetch(self, hashes: list[bytes]) -> None:
+    def _prefetch(self, touched: list[Block]) -> None:
         """After a lookup: the prefetcher sees the blocks it touched and moves what it
         predicts from warm/cold into hot (``cache/prefetch.py``). Built on first use and again
         when ``prefetch_mode``/``prefetch_degree`` change (a new one learns from scratch)."""
@@ -261,7 +261,7 @@ class KVCache:
         p = self.prefetcher
         if p is None or p.name != c.prefetch_mode or p.degree != c.prefetch_degree:
             p = self.prefetcher = make_prefetcher(c.prefetch_mode, c.prefetch_degree)
-        prefetch_after_lookup(self, p, hashes)
+        prefetch_after_lookup(self, p, [b.hash for b in touched])
 
     # == writing ===========================================================================
     def reserve(self, sid: int, tokens: Iterable[int]) -> None:
