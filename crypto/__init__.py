@@ -1,5 +1,6 @@
 """Privacy core: CKKS aggregation, key provisioning, clipping, noise, accounting."""
 
+from crypto.adaptive_clipping import AdaptiveClipping
 from crypto.ckks import (
     AggregateDecryptor,
     AggregateResult,
@@ -60,6 +61,7 @@ from crypto.privacy import (
 
 __all__ = [
     *errors.__all__,
+    "AdaptiveClipping",
     "AggregateMac",
     "KIND_NOISE",
     "KIND_UPDATE",

@@ -40,7 +40,10 @@ from crypto import (
 )
 from crypto.dither import dither, dither_total
 from federation import node_host, protocol, provisioning
-from federation.codec import ClientCodec, client_weight, make_client_codec, packing_for, plain_update_count
+from federation.codec import (
+    ClientCodec, adaptive_clipping_for, client_weight, make_client_codec, packing_for, plain_update_count, wire_dim,
+    wire_noise,
+)
 from federation.config import RunConfig
 from federation.logs import configure_logging
 from federation.node_store import NodeStore
@@ -124,14 +127,16 @@ def train(msg: Message, context: Context) -> Message:
         node, source = node_host.get_node(context)
     try:
         server_round = int(msg.content[protocol.CONFIG]["server-round"])
-        _catch_up(cfg, node, msg, context, timer)
+        clip_norm = _catch_up(cfg, node, msg, context, timer)
+        dim = wire_dim(cfg, node.layout.size)
         with timer.phase("key"):
-            codec, epoch, ctx = _codec(cfg, context, node.layout.size)
+            codec, epoch, ctx = _codec(cfg, context, dim)
+        num_sampled = int(msg.content[protocol.CONFIG]["num-sampled"])
         dp = DpConfig(
             mode=cfg.dp_mode,
-            clip_norm=cfg.clip_norm,
-            noise_multiplier=cfg.noise_multiplier,
-            num_sampled=int(msg.content[protocol.CONFIG]["num-sampled"]),
+            clip_norm=clip_norm,
+            noise_multiplier=wire_noise(cfg)[1],
+            num_sampled=num_sampled,
             dp_sgd=cfg.dp_sgd,
             target_delta=cfg.target_delta,
         )
@@ -140,6 +145,8 @@ def train(msg: Message, context: Context) -> Message:
         timer.add("train", out.train_s)
         with timer.phase("encrypt"):
             delta, clipped = out.delta, bool(out.clipped)
+            if adaptive_clipping_for(cfg) is not None:
+                delta = _with_clipped_count(cfg, delta, clip_norm, clipped, num_sampled)
             if cfg.he and cfg.dp_mode == "none":
                 # Under DP the node clips (before its noise); under HE without DP we clip here:
                 # the CKKS encoding needs a bounded range (federation.codec.packing_for).
@@ -152,7 +159,7 @@ def train(msg: Message, context: Context) -> Message:
             u = _dither(cfg, context, ctx, server_round, epoch, KIND_UPDATE, int(delta.shape[0]))
             payload = codec.encode(delta, weight, carry=carry, dither=u) if cfg.he else codec.encode(delta, weight)
         with timer.phase("sign"):
-            blob = _signed(cfg, context, server_round, payload, epoch, ctx, KIND_UPDATE, node.layout.size)
+            blob = _signed(cfg, context, server_round, payload, epoch, ctx, KIND_UPDATE, dim)
         with timer.phase("save"):
             node_host.save_node(context, node)
             if feedback:
@@ -192,6 +199,20 @@ def _dither(cfg: RunConfig, context: Context, ctx: Any, rnd: int, epoch: int, ki
     return dither(ctx.dither_key, int(context.run_id), rnd, epoch, str(context.node_id), kind, dim)
 
 
+def _with_clipped_count(cfg: RunConfig, delta: np.ndarray, clip_norm: float, clipped: bool,
+                        num_sampled: int) -> np.ndarray:
+    """Adaptive clipping under HE (``crypto.adaptive_clipping``): the clipped, noised update
+    divided by the round's norm, plus the clipped-count coordinate with its own noise share
+    (the same std as every other coordinate's: z_Δ/√n on the normalized sum)."""
+    adaptive = adaptive_clipping_for(cfg)
+    assert adaptive is not None
+    count = adaptive.count_coordinate(unclipped=not clipped)
+    sigma = adaptive.update_noise_multiplier
+    if sigma > 0:  # fresh OS entropy, like the update's noise
+        count += float(np.random.default_rng().normal(0.0, noise_std(sigma, 1.0, "distributed", num_sampled)))
+    return np.concatenate([np.asarray(delta, dtype=np.float64) / clip_norm, [count]]).astype(np.float32)
+
+
 def _uses_error_feedback(cfg: RunConfig) -> bool:
     """Error feedback runs with he=true, packed, and not under distributed DP (crypto.privacy)."""
     return cfg.he and cfg.packing == "packed" and cfg.error_feedback and cfg.dp_mode != "distributed"
@@ -217,10 +238,11 @@ def noise(msg: Message, context: Context) -> Message:
     if not (1 <= shares < sampled <= cfg.max_clients):
         raise RuntimeError("noise request out of range")
     node, _ = node_host.get_node(context)
-    codec, epoch, ctx = _codec(cfg, context, node.layout.size)
-    std = noise_std(cfg.noise_multiplier, cfg.clip_norm, "distributed", sampled) * math.sqrt(shares)
+    dim = wire_dim(cfg, node.layout.size)
+    codec, epoch, ctx = _codec(cfg, context, dim)
+    clip, sigma = wire_noise(cfg)  # (1, σ_Δ) under adaptive clipping: updates travel as Δ/C
+    std = noise_std(sigma, clip, "distributed", sampled) * math.sqrt(shares)
     rng = np.random.default_rng()
-    dim = node.layout.size
     payload = codec.encode(np.zeros(dim, dtype=np.float32), 0.0, noise=rng.normal(0.0, std, dim),
                            dither=_dither(cfg, context, ctx, rnd, epoch, KIND_NOISE, dim))
     blob = _signed(cfg, context, rnd, payload, epoch, ctx, KIND_NOISE, dim)
@@ -278,14 +300,18 @@ def serve_metrics(r: ServeReport | None) -> dict[str, int | float]:
     }
 
 
-def _catch_up(cfg: RunConfig, node: CacheNode, msg: Message, context: Context, timer: PhaseTimer) -> None:
-    """Apply every aggregate newer than the node's version (timed as key / decrypt / writeback)."""
+def _catch_up(cfg: RunConfig, node: CacheNode, msg: Message, context: Context, timer: PhaseTimer) -> float:
+    """Apply every aggregate newer than the node's version (timed as key / decrypt / writeback);
+    return the clip norm of the version reached (``clip-norm``, or the adaptive one)."""
     target = int(msg.content[protocol.CONFIG]["target-version"])
+    dim = wire_dim(cfg, node.layout.size)
+    norms = _clip_norms(cfg, context, node.version)
     for version, blob, manifest in protocol.unpack_aggregates(msg.content.array_records.get(protocol.AGGREGATES)):
         if version <= node.version:
             continue  # already applied (e.g. the server did not see our last reply)
-        mean, made_in = _open(cfg, context, node.layout.size, blob, manifest, timer)
-        mean = mean * _fixed_denominator_scale(cfg, context, node.layout.size, blob, manifest)
+        mean, made_in = _open(cfg, context, dim, blob, manifest, timer)
+        scale = _fixed_denominator_scale(cfg, context, dim, blob, manifest)
+        mean = _adapt(cfg, norms, mean, scale, manifest) if len(norms) else mean * scale
         with timer.phase("writeback"):
             node.apply_mean_update(mean, version)
         context.state[APPLIED_KEY] = ConfigRecord({"round": made_in})
@@ -294,6 +320,36 @@ def _catch_up(cfg: RunConfig, node: CacheNode, msg: Message, context: Context, t
             f"node is at global v{node.version} but the server expects v{target}; "
             "aggregates are missing (server will resend the full history)"
         )
+    if not norms:
+        return cfg.clip_norm
+    NodeStore.for_context(context).save_clip_norms(norms)
+    return norms[-1]
+
+
+def _clip_norms(cfg: RunConfig, context: Context, version: int) -> list[float]:
+    """Adaptive clipping: the node's norm history up to ``version`` (``[clip-norm]`` at v0); []
+    with a fixed norm. A history shorter than the node's version cannot be rebuilt (the norm is
+    a function of every aggregate since v0), so that raises."""
+    if adaptive_clipping_for(cfg) is None:
+        return []
+    norms = NodeStore.for_context(context).load_clip_norms() or [cfg.clip_norm]
+    if len(norms) <= version:
+        raise RuntimeError(f"the node's adaptive clip-norm history ends at v{len(norms) - 1} but the node is at "
+                           f"v{version}; it cannot rebuild the norm (rejoin the run from a fresh node directory)")
+    return norms[: version + 1]
+
+
+def _adapt(cfg: RunConfig, norms: list[float], mean: np.ndarray, scale: float, manifest: bytes) -> np.ndarray:
+    """Adaptive clipping: the model's mean update from an aggregate of [Δ/C, count] (``scale``
+    turns the realized-count mean into the run's denominator), and the next norm appended to
+    ``norms`` from the noisy unclipped share."""
+    adaptive = adaptive_clipping_for(cfg)
+    assert adaptive is not None
+    updates = sum(1 for e in Manifest.from_bytes(manifest).entries if e.kind == KIND_UPDATE)
+    clip = norms[-1]
+    fraction = adaptive.unclipped_fraction(float(mean[-1]) * updates, updates, updates / scale)
+    norms.append(adaptive.next_clip_norm(clip, fraction))
+    return (mean[:-1].astype(np.float64) * (scale * clip)).astype(np.float32)
 
 
 def _fixed_denominator_scale(cfg: RunConfig, context: Context, dim: int, blob: bytes, manifest: bytes) -> float:

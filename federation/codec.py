@@ -35,6 +35,11 @@ because they are a function of the run config and the model size only:
   rounds lost 0.4 accuracy points vs the plaintext codec, at 12·C/√dim none saturated and
   accuracy matched to 3 decimals (5 nodes, dp-mode local σ=0). Values outside ±R are
   saturated and counted (``saturated`` in the reply metrics), never wrapped.
+* adaptive clipping under dp-mode distributed (``adaptive_clipping_for``): a contribution is
+  ``wire_dim`` = dim + 1 values, the update divided by the nodes' current norm and the
+  clipped-count coordinate (``crypto.adaptive_clipping``), so the rule above runs with C = 1 and
+  σ_Δ (``wire_noise``), and R also covers the count coordinate's ±a/2 plus the noise tail. The
+  encoding never depends on the adapted norm, which the server never holds.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 if TYPE_CHECKING:  # crypto (tenseal) is imported lazily: he=false runs do not need it
-    from crypto import CkksContext, PackingConfig
+    from crypto import AdaptiveClipping, CkksContext, PackingConfig
 
     from federation.config import RunConfig
 
@@ -198,20 +203,46 @@ RANGE_SIGNAL_TAIL = 12.0
 """Multiples of the clipped signal's coordinate RMS (C/√dim) covered by the derived range."""
 
 
+def adaptive_clipping_for(cfg: RunConfig) -> AdaptiveClipping | None:
+    """fedkv's adaptive clipping under HE (``crypto.adaptive_clipping``), or None (fixed norm, or
+    Flower's own wrapper under flower-central). σ_b = 0 means max(max-clients/20, σ)."""
+    if not (cfg.adaptive_clipping and cfg.dp_mode == "distributed"):
+        return None
+    from crypto import AdaptiveClipping
+
+    count_std = cfg.clipped_count_stddev or max(cfg.max_clients / 20, cfg.noise_multiplier)
+    return AdaptiveClipping(cfg.noise_multiplier, count_std, cfg.target_clipped_quantile, cfg.clip_norm_lr)
+
+
+def wire_dim(cfg: RunConfig, model_dim: int) -> int:
+    """Values per contribution: the model's, plus the clipped-count coordinate under adaptive clipping."""
+    return model_dim + 1 if adaptive_clipping_for(cfg) is not None else model_dim
+
+
+def wire_noise(cfg: RunConfig) -> tuple[float, float]:
+    """(clip norm, noise multiplier) of what is encoded: (C, σ), or under adaptive clipping
+    (1, σ_Δ), since updates travel divided by the nodes' current norm."""
+    adaptive = adaptive_clipping_for(cfg)
+    if adaptive is None:
+        return cfg.clip_norm, cfg.noise_multiplier
+    return 1.0, adaptive.update_noise_multiplier
+
+
 def packing_for(cfg: RunConfig, dim: int) -> PackingConfig:
     """The public ``PackingConfig`` of a run (same on every node and the server).
 
-    A pure function of the run config and the model size; see the module docstring for
-    the rule. Raises ``ValueError`` when crypto rejects the resulting parameters.
+    A pure function of the run config and the number of values encoded (``wire_dim``); see
+    the module docstring for the rule. Raises ``ValueError`` when crypto rejects the
+    resulting parameters.
     """
     from crypto import PackingConfig
     from crypto.errors import ParameterError
 
-    c = cfg.clip_norm
+    c, sigma = wire_noise(cfg)
     if cfg.dp_mode == "local":
-        s = cfg.noise_multiplier * c
+        s = sigma * c
     elif cfg.dp_mode == "distributed":
-        s = cfg.noise_multiplier * c / math.sqrt(max(cfg.min_clients, 1))
+        s = sigma * c / math.sqrt(max(cfg.min_clients, 1))
     else:
         s = 0.0
     if cfg.packing_range > 0:
@@ -221,6 +252,9 @@ def packing_for(cfg: RunConfig, dim: int) -> PackingConfig:
         clip_range = min(
             math.hypot(RANGE_NOISE_TAIL * s, RANGE_SIGNAL_TAIL * signal_rms), c + RANGE_NOISE_TAIL * s
         )
+        adaptive = adaptive_clipping_for(cfg)
+        if adaptive is not None:  # the clipped-count coordinate is ±a/2 exactly: it must not saturate
+            clip_range = max(clip_range, adaptive.count_scale / 2 + RANGE_NOISE_TAIL * s)
         # 6 significant digits: the range goes into the packing fingerprint every ciphertext
         # carries, so a last-bit difference in libm between machines must not split the run
         clip_range = float(f"{clip_range:.6g}")

@@ -119,14 +119,21 @@ class RunConfig:
     node with probability fraction-train, mean over the fixed expected count; ε under
     add-or-remove-one). ``federation.sampling``."""
     adaptive_clipping: bool = False
-    """dp-mode=flower-central: Flower's DifferentialPrivacyClientSideAdaptiveClipping (Andrew et al.
-    2021) instead of fixed clipping; clip-norm is the initial norm. The noisy clipped count is
-    paid for inside the noise multiplier (Flower raises the update noise), so ε is the same."""
+    """Adaptive clipping (Andrew et al. 2021) instead of a fixed norm; clip-norm is the initial
+    norm. dp-mode=flower-central: Flower's DifferentialPrivacyClientSideAdaptiveClipping.
+    dp-mode=distributed (he=true): fedkv's, the noisy clipped count riding in the update's
+    ciphertext (``crypto.adaptive_clipping``); nodes keep the norm, the server never sees it.
+    Either way the count is paid for inside the noise multiplier (the update noise is raised),
+    so ε is the same."""
     target_clipped_quantile: float = 0.5
     """adaptive-clipping: the share of updates the clip norm aims to leave unclipped, in (0, 1)."""
     clipped_count_stddev: float = 0.0
-    """adaptive-clipping: noise std σ_b of the clipped count; 0 = max(clients per round / 20, σ)
-    (Andrew et al.'s k/20, raised where it would not leave noise for the update: σ_b > σ/2)."""
+    """adaptive-clipping: noise std σ_b of the clipped count; 0 = max(k/20, σ) (Andrew et al.'s
+    k/20, raised where it would not leave noise for the update: σ_b > σ/2), with k the clients
+    per round under flower-central and max-clients under distributed (a public bound every
+    node and the server share)."""
+    clip_norm_lr: float = 0.2
+    """adaptive-clipping: η of the geometric norm update C·exp(−η(b̃ − γ)) (Flower's default), >= 0."""
     sampler_seed: int = -1
     """-1 = the sample is drawn from OS entropy (a normal run: amplification needs a sample
     nobody can predict from the public seed); >= 0 seeds it (experiments)."""
@@ -353,8 +360,12 @@ def _range_problems(cfg: RunConfig, bad: set[str]) -> list[str]:
           "dp-mode=flower-central uses Flower's plaintext arrays; set he=false")
     check("client-sampling dp-mode", lambda: not (cfg.client_sampling == "poisson" and cfg.dp_mode == "flower-central"),
           "client-sampling=poisson is fedkv's sampler; Flower's FedAvg (dp-mode=flower-central) samples a fixed k")
-    check("adaptive-clipping dp-mode", lambda: not cfg.adaptive_clipping or cfg.dp_mode == "flower-central",
-          "adaptive-clipping is offered for dp-mode=flower-central (Flower's adaptive wrapper); fedkv's HE modes clip at a fixed norm")
+    check("adaptive-clipping dp-mode", lambda: not cfg.adaptive_clipping or cfg.dp_mode in ("flower-central", "distributed"),
+          "adaptive-clipping needs dp-mode=distributed (fedkv's, under HE) or flower-central (Flower's wrapper)")
+    check("adaptive-clipping he", lambda: not (cfg.adaptive_clipping and cfg.dp_mode == "distributed" and not cfg.he),
+          "adaptive-clipping with dp-mode=distributed sums the clipped count under CKKS; set he=true")
+    check("clip-norm-lr", lambda: math.isfinite(cfg.clip_norm_lr) and cfg.clip_norm_lr >= 0,
+          "clip-norm-lr must be finite and >= 0")
     check("target-clipped-quantile", lambda: 0.0 < cfg.target_clipped_quantile < 1.0,
           "target-clipped-quantile must be in (0, 1)")
     check("clipped-count-stddev", lambda: cfg.clipped_count_stddev >= 0,

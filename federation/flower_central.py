@@ -67,6 +67,21 @@ def _eval_metrics(records: list[RecordDict], weight_key: str) -> MetricRecord:
     )
 
 
+class SteadyClientSideAdaptiveClipping(DifferentialPrivacyClientSideAdaptiveClipping):
+    """Flower 1.42's client-side adaptive clipping with the norm update turned the right way.
+
+    Flower counts *clipped* updates (``adaptiveclipping_mod``'s norm bit is "was scaled down")
+    and documents ``target_clipped_quantile`` as the share that should be clipped, but then
+    applies Andrew et al.'s rule C·exp(−η(b̃ − γ)), which is written for the *unclipped*
+    share: with every update clipped the norm shrinks (0.1 -> 0.0905), so it runs away from the
+    target instead of to it (``tests/federation/test_flower_central.py``). The unclipped share
+    is 1 − the noisy clipped share (the same release), which is what this passes on; the
+    baseline then tracks the quantile γ of unclipped updates, as fedkv's own mode does."""
+
+    def _geometric_update(self, clipped_fraction: float) -> None:
+        super()._geometric_update(1.0 - clipped_fraction)
+
+
 def dp_wrapper(cfg: RunConfig, fedavg: FedAvg, num_sampled: int) -> Any:
     """Flower's client-side fixed or adaptive clipping (``adaptive-clipping``) around FedAvg.
 
@@ -75,9 +90,9 @@ def dp_wrapper(cfg: RunConfig, fedavg: FedAvg, num_sampled: int) -> Any:
     same accountant applies."""
     if not cfg.adaptive_clipping:
         return DifferentialPrivacyClientSideFixedClipping(fedavg, cfg.noise_multiplier, cfg.clip_norm, num_sampled)
-    return DifferentialPrivacyClientSideAdaptiveClipping(
+    return SteadyClientSideAdaptiveClipping(
         fedavg, cfg.noise_multiplier, num_sampled, initial_clipping_norm=cfg.clip_norm,
-        target_clipped_quantile=cfg.target_clipped_quantile,
+        target_clipped_quantile=cfg.target_clipped_quantile, clip_norm_lr=cfg.clip_norm_lr,
         clipped_count_stddev=clipped_count_stddev(cfg, num_sampled))
 
 

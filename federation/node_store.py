@@ -192,6 +192,30 @@ class NodeStore:
             return arr.astype(np.float64)
         return np.zeros(dim, dtype=np.float64)
 
+    # -- adaptive clipping ------------------------------------------------------------------
+    def save_clip_norms(self, norms: list[float]) -> None:
+        """The adaptive clip norm at every global version so far (``norms[v]`` clips the updates
+        made at version v). Derived from decrypted aggregates, so kept like them (0600, sealed)
+        and never sent to the server; the whole history, so a node restored to an older
+        version (a crash before its state was saved) still finds that version's norm."""
+        if not norms or not all(np.isfinite(norms)) or min(norms) <= 0:
+            raise ValueError("clip norms must be a non-empty list of finite values > 0")
+        write_secret_file(self.root / "clip-norms.json", json.dumps([float(c) for c in norms]).encode(),
+                          passphrase_from_env())
+
+    def load_clip_norms(self) -> list[float]:
+        """The saved history, or [] when none was saved yet."""
+        path = self.root / "clip-norms.json"
+        if not path.exists():
+            return []
+        try:
+            norms = json.loads(read_secret_file(path, passphrase_from_env()))
+        except (ValueError, CryptoError) as err:
+            raise ProvisioningError(f"the node's clip-norm history does not read back: {err}") from None
+        if not (isinstance(norms, list) and norms and all(isinstance(c, float) and 0 < c < float("inf") for c in norms)):
+            raise ProvisioningError("the node's clip-norm history is malformed")
+        return norms
+
     # -- the node's KV cache ----------------------------------------------------------------
     def cache_dir(self, override: str = "") -> Path:
         """Where the node's KV cache persists (node-config ``cache-dir``, else beside its

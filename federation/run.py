@@ -17,7 +17,7 @@ from typing import Any
 from flwr.common import log
 
 from crypto import privacy_claim
-from federation.codec import ckks_preset_for
+from federation.codec import ckks_preset_for, wire_dim
 from federation.config import RunConfig
 from federation.flower_central import run_flower_central
 from federation.provisioning import KeyService
@@ -52,7 +52,7 @@ def run_rounds(grid: Any, cfg: RunConfig, run_id: int, results: RunResults, *, w
             on_round(rec)
         _claim(cfg, results)
         return
-    dim = model_layout(cfg.task, cfg.seed).size
+    dim = wire_dim(cfg, model_layout(cfg.task, cfg.seed).size)  # + the clipped count under adaptive clipping
     keys = key_service(cfg, run_id, dim)
     results.provisioning = keys.stats
     strategy = OpaqueFedAvg(cfg, dim, keys, wait_for_nodes_s=wait_for_nodes_s)

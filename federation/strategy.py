@@ -50,7 +50,7 @@ from crypto import noise_std
 from federation.client_accounting import ClientAccountant
 from crypto.errors import SignatureError
 from federation import protocol, replies
-from federation.codec import Aggregator, make_aggregator, packing_for
+from federation.codec import Aggregator, make_aggregator, packing_for, wire_noise
 from federation.config import RunConfig
 from federation.results import METRIC_NAMES, RoundRecord, mean, serving_summary, weighted_mean
 from federation.sampling import ClientSampler, SampleOutsideBounds, expected_sample_size
@@ -393,7 +393,8 @@ class OpaqueFedAvg:
         missing = rec.sampled - len(survivors)
         if self.cfg.dp_mode != "distributed" or missing <= 0 or self.cfg.noise_multiplier <= 0:
             return 0
-        std = noise_std(self.cfg.noise_multiplier, self.cfg.clip_norm, "distributed", rec.sampled)
+        clip, sigma = wire_noise(self.cfg)  # (1, σ_Δ) under adaptive clipping: updates travel as Δ/C
+        std = noise_std(sigma, clip, "distributed", rec.sampled)
         t0 = time.perf_counter()
         if self.cfg.he:
             added = self._noise_from_survivors(grid, rnd, agg, survivors, missing, rec, entries)

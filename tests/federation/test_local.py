@@ -115,3 +115,32 @@ def test_flower_central_adaptive_clipping_adapts_and_is_accounted_like_fixed() -
     acc = ClientAccountant("fixed", 6, 1e-5)
     acc.step(0.8, 3, 3)
     assert results.rounds[-1].epsilon_client == pytest.approx(acc.epsilon())
+
+
+def test_flower_adaptive_baseline_grows_a_norm_that_clips_everything() -> None:
+    """Flower 1.42's wrapper alone shrinks the norm when every update is clipped (it feeds the
+    clipped share into a rule written for the unclipped one); the baseline fedkv runs turns it
+    the right way, so a norm far below every update grows by e^(η·γ) = e^0.1 a round (σ = 0)."""
+    from flwr.serverapp.strategy import DifferentialPrivacyClientSideAdaptiveClipping, FedAvg
+
+    from federation.flower_central import SteadyClientSideAdaptiveClipping
+
+    flower = DifferentialPrivacyClientSideAdaptiveClipping(FedAvg(), 0.0, 3, initial_clipping_norm=1e-3)
+    flower._geometric_update(1.0)  # every update clipped
+    assert flower.clipping_norm < 1e-3  # Flower's own direction: away from the target
+    cfg = {"task": "digits", "he": False, "dp-mode": "flower-central", "adaptive-clipping": True,
+           "num-server-rounds": 3, "noise-multiplier": 0.0, "min-clients": 3, "fraction-train": 0.5,
+           "clip-norm": 1e-3, "seed": 42, "clipped-count-stddev": 1e-9}  # an exact count
+    grid = InProcessGrid(6, cfg, run_id=4344)
+    norms: list[float] = []
+
+    def record(msg, ctx):  # noqa: ANN001, ANN202
+        norms.append(float(msg.content.config_records["config"]["clipping_norm"]))
+        return grid.deliver(msg)
+
+    for node in grid.node_ids:
+        grid.faults[(node, "train")] = record
+    assert run_local(cfg, 6, grid=grid).status == "completed"
+    per_round = sorted(set(norms))
+    assert per_round == pytest.approx([1e-3 * math.exp(0.1 * t) for t in range(3)], rel=1e-6)
+    assert issubclass(SteadyClientSideAdaptiveClipping, DifferentialPrivacyClientSideAdaptiveClipping)
