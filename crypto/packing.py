@@ -192,12 +192,15 @@ def stochastic_quantize(
     return q.astype(np.int64)
 
 
-def dithered_quantize(y: np.ndarray, clip_range: float, levels: int, u: np.ndarray) -> np.ndarray:
-    """``floor((y + R)/step + u)`` in [0, levels]: with u ~ U[0, 1) the error of ``q - u + 1/2``
-    is uniform and independent of y (``crypto.dither``)."""
+def dithered_quantize(
+    y: np.ndarray, clip_range: float, levels: int, u: np.ndarray, contributions: int = 1
+) -> np.ndarray:
+    """``floor((y + m·R)/step + u)`` in [0, m·levels] for y within ±m·R (m = `contributions`,
+    e.g. m noise shares sent as one summand): with u ~ U[0, 1) the error of ``q - u + 1/2`` is
+    uniform and independent of y (``crypto.dither``)."""
     step = 2.0 * clip_range / levels
-    q = np.floor((np.asarray(y, dtype=np.float64) + clip_range) / step + u)
-    np.clip(q, 0, levels, out=q)  # float edge cases only: y was saturated first
+    q = np.floor((np.asarray(y, dtype=np.float64) + contributions * clip_range) / step + u)
+    np.clip(q, 0, contributions * levels, out=q)  # float edge cases only: y was saturated first
     return q.astype(np.int64)
 
 
