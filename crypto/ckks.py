@@ -4,8 +4,8 @@ Round trip (every party holds the same public `PackingConfig`):
 
 1. client: ``UpdateEncryptor(secret_ctx, packing).encrypt(vec, weight)`` pre-scales the flat
    update by its normalized weight w = weight/max_weight, saturates to the packing range,
-   quantizes (stochastic rounding) and packs, puts w and a contribution count of 1 into two
-   reserved slot parts, and encrypts every ciphertext *symmetrically with a seed at the last
+   quantizes (stochastic rounding, or subtractive dither) and packs, puts w and a contribution
+   count (1; m for a node's m noise shares, ``contributions=m``) into two reserved slot parts, and encrypts every ciphertext *symmetrically with a seed at the last
    modulus level* — one 60-bit limb, one polynomial plus a 64-byte seed.
 2. server: ``CkksAggregator(public_ctx_bytes, packing)`` checks each update is a ciphertext of
    its context/config/layout and adds it; it never sees a weight, a count or a value.

@@ -15,8 +15,10 @@ travels encrypted in its own slot part, so the server needs no plaintext bookkee
 Relation to DP clipping (`crypto.privacy.clip_update`): after L2 clipping to ``clip_norm`` C, no
 single coordinate exceeds C, so ``clip_range = C`` never saturates without noise but is coarse for
 large models; coordinates are typically ~C/sqrt(d). With distributed noise of std ``sigma*C/sqrt(n)``
-per client, pick ``clip_range`` of about 4-5 noise std plus the signal tail
-(`suggest_clip_range`). Values beyond the range are *saturated and counted* — never wrapped.
+per client, a heuristic ``clip_range`` is about 4-5 noise std plus the signal tail
+(`suggest_clip_range`); under DP the range must make saturation improbable for *every* clipped
+update, which ``crypto.saturation.dp_clip_range`` sizes against a δ budget (``crypto.privacy``,
+the coupling bound). Values beyond the range are *saturated and counted* — never wrapped.
 """
 
 from __future__ import annotations
