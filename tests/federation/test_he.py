@@ -492,7 +492,6 @@ def test_client_level_epsilon_is_accounted_per_round() -> None:
         assert rec.epsilon_client_no_amplification == pytest.approx(acct.epsilon_no_amplification())
         assert 0 < rec.saturation_delta == fed.strategy.saturation_delta <= saturation_budget(1e-5)
         assert rec.delta_total == pytest.approx(1e-5 + (1 + math.exp(rec.epsilon_client)) * rec.saturation_delta)
-        assert rec.epsilon_client > 10 or rec.delta_total <= 1.01e-5  # the 1 % share at a claimable ε
     assert math.isnan(recs[0].epsilon_sample)
 
 
