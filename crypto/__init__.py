@@ -58,6 +58,13 @@ from crypto.privacy import (
     noise_std,
     privacy_claim,
 )
+from crypto.saturation import (
+    SATURATION_DELTA_SHARE,
+    delta_total,
+    dp_clip_range,
+    saturation_budget,
+    saturation_delta,
+)
 
 __all__ = [
     *errors.__all__,
@@ -117,6 +124,11 @@ __all__ = [
     "public_context_bytes",
     "sign_update",
     "suggest_clip_range",
+    "SATURATION_DELTA_SHARE",
+    "delta_total",
+    "dp_clip_range",
+    "saturation_budget",
+    "saturation_delta",
     "unwrap_bundle",
     "verify_public_context",
 ]

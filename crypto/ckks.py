@@ -4,8 +4,8 @@ Round trip (every party holds the same public `PackingConfig`):
 
 1. client: ``UpdateEncryptor(secret_ctx, packing).encrypt(vec, weight)`` pre-scales the flat
    update by its normalized weight w = weight/max_weight, saturates to the packing range,
-   quantizes (stochastic rounding) and packs, puts w and a contribution count of 1 into two
-   reserved slot parts, and encrypts every ciphertext *symmetrically with a seed at the last
+   quantizes (stochastic rounding, or subtractive dither) and packs, puts w and a contribution
+   count (1; m for a node's m noise shares, ``contributions=m``) into two reserved slot parts, and encrypts every ciphertext *symmetrically with a seed at the last
    modulus level* — one 60-bit limb, one polynomial plus a 64-byte seed.
 2. server: ``CkksAggregator(public_ctx_bytes, packing)`` checks each update is a ciphertext of
    its context/config/layout and adds it; it never sees a weight, a count or a value.
@@ -281,13 +281,14 @@ class _Packer:
 
     def quantize(self, y: np.ndarray, contributions: int, u: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(slot parts, the values they stand for): the second is what the sum will contain.
-        With a dither `u` (one contribution) the rounding is subtractive-dithered."""
+        With a dither `u` (one per summand, whatever its contributions) the rounding is
+        subtractive-dithered."""
         plan, pk = self.plan, self.plan.packing
         if not plan.packed:
             return y, y
         if u is not None:
-            q = dithered_quantize(y, pk.clip_range, pk.levels, u)
-            sent = dequantize(q - u + 0.5, pk.clip_range, pk.levels)
+            q = dithered_quantize(y, pk.clip_range, pk.levels, u, contributions)
+            sent = dequantize(q - u + 0.5, pk.clip_range, pk.levels, contributions)
         else:
             q = stochastic_quantize(y, pk.clip_range, pk.levels, self.rng, contributions)
             sent = dequantize(q, pk.clip_range, pk.levels, contributions)
@@ -369,6 +370,7 @@ class UpdateEncryptor:
         noise: np.ndarray | None = None,
         carry: np.ndarray | None = None,
         dither: np.ndarray | None = None,
+        contributions: int = 1,
     ) -> bytes:
         """Encrypt `update` (flat vector or dict of tensors) with client weight `weight`.
 
@@ -379,16 +381,22 @@ class UpdateEncryptor:
         packing range are saturated and counted in `last_report.saturated`; what rounding and
         saturation leave out is `last_residual`. `dither` (``crypto.dither``, values in [0, 1))
         is required exactly when the packing says ``dither=True``.
+
+        `contributions` m > 1 sends m noise shares as one summand (weight 0, `noise` their sum
+        of std s·√m): range ±m·R and offset m·R, as ``CkksAggregator.add_noise`` encodes, so it
+        saturates far less often than one contribution of range R would (``crypto.saturation``).
+        The envelope's count field carries m, so the server's headroom check counts m.
         """
         plan, pk = self._plan, self.packing
         vec, layout = _as_vector(update, layout)
         w = self._normalized_weight(weight)
+        m = self._checked_contributions(contributions, w)
         if plan.packed:  # fixed-point weight: the value pre-scaled here is exactly the one summed
             w_int = float(np.rint(w * 2.0**plan.wfrac))
             w = w_int / 2.0**plan.wfrac
-            header = (w_int, 1.0)
+            header = (w_int, float(m))
         else:
-            header = (w, 1.0)
+            header = (w, float(m))
         y = vec * w
         if noise is not None:
             noise = np.asarray(noise, dtype=np.float64)
@@ -400,10 +408,10 @@ class UpdateEncryptor:
         if carry is not None:
             y = y + _checked_carry(carry, vec.shape)
         wanted = y
-        y, saturated = saturate(y, pk.clip_range)
+        y, saturated = saturate(y, m * pk.clip_range)
         if saturated and pk.on_saturation == "raise":
-            raise SaturationError(f"{saturated} values outside [-{pk.clip_range}, {pk.clip_range}]")
-        data, sent = self._packer.quantize(y, contributions=1, u=self._checked_dither(dither, vec.shape))
+            raise SaturationError(f"{saturated} values outside ±{m * pk.clip_range}")
+        data, sent = self._packer.quantize(y, contributions=m, u=self._checked_dither(dither, vec.shape))
         parts = self._packer.assemble(header, data, vec.shape[0])
         blobs = self._ops.encrypt_parts(parts, plan.scale, symmetric=self.context.is_private)
         env = Envelope(
@@ -413,7 +421,7 @@ class UpdateEncryptor:
             pk.fingerprint(),
             layout.digest() if layout is not None else NO_LAYOUT,
             vec.shape[0],
-            1,
+            m,
             tuple(blobs),
         )
         out = pack_envelope(env)
@@ -421,6 +429,15 @@ class UpdateEncryptor:
         self.total_saturated += saturated
         self.last_residual = wanted - sent
         return out
+
+    def _checked_contributions(self, contributions: int, w: float) -> int:
+        if not (isinstance(contributions, (int, np.integer)) and not isinstance(contributions, bool)
+                and 1 <= contributions <= self.packing.max_clients):
+            raise ParameterError(f"contributions must be an int in [1, max_clients={self.packing.max_clients}], "
+                                 f"not {contributions!r}")
+        if contributions > 1 and w != 0:
+            raise ParameterError("contributions > 1 stands for noise shares: the weight must be 0")
+        return int(contributions)
 
     def _checked_dither(self, u: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray | None:
         if not (self.packing.dither and self._plan.packed):
@@ -475,7 +492,8 @@ class CkksAggregator:
         self._acc: list[Any] | None = None
         self._n_values: int | None = expected_values
         self._layout_fp: bytes | None = None
-        self.count = 0  # client updates added
+        self.count = 0  # updates added (summands: client updates and node noise replies)
+        self.update_contributions = 0  # contributions those updates carry (a noise reply: its shares)
         self.noise_shares = 0  # server noise shares added
         self.noise_saturated = 0
         self.seconds = dict.fromkeys(AGGREGATOR_PHASES, 0.0)
@@ -484,15 +502,18 @@ class CkksAggregator:
 
     @property
     def contributions(self) -> int:
-        return self.count + self.noise_shares
+        """Offsets in the packed fields: every update's declared contributions plus server shares."""
+        return self.update_contributions + self.noise_shares
 
     def add(self, data: bytes) -> None:
-        """Add one client's encrypted update to the sum."""
+        """Add one client's encrypted update (or a node's noise reply of m shares) to the sum."""
         t0 = time.perf_counter()
         env = self._parse(data, KIND_UPDATE)
-        if self.contributions + 1 > self.packing.max_clients:
+        if not 1 <= env.n_updates <= self.packing.max_clients:
+            raise NotACiphertextError(f"an update declaring {env.n_updates} contributions")
+        if self.contributions + env.n_updates > self.packing.max_clients:
             raise HeadroomError(
-                f"aggregate already holds {self.contributions} contributions; "
+                f"aggregate already holds {self.contributions} contributions; {env.n_updates} more with "
                 f"max_clients={self.packing.max_clients} would overflow the packed fields"
             )
         t1 = time.perf_counter()
@@ -505,6 +526,7 @@ class CkksAggregator:
         self._n_values = env.n_values
         self._layout_fp = env.layout_fp
         self.count += 1
+        self.update_contributions += env.n_updates
 
     def add_noise(self, std: float, shares: int = 1, rng: np.random.Generator | None = None) -> int:
         """Add encrypted Gaussian noise standing in for `shares` missing clients' noise shares.
@@ -560,7 +582,7 @@ class CkksAggregator:
         self._acc = None
         self._n_values = self.expected_values
         self._layout_fp = None
-        self.count = self.noise_shares = self.noise_saturated = 0
+        self.count = self.update_contributions = self.noise_shares = self.noise_saturated = 0
 
     # --- internals ---
     def _parse(self, data: bytes, kind: int) -> Envelope:

@@ -15,8 +15,10 @@ travels encrypted in its own slot part, so the server needs no plaintext bookkee
 Relation to DP clipping (`crypto.privacy.clip_update`): after L2 clipping to ``clip_norm`` C, no
 single coordinate exceeds C, so ``clip_range = C`` never saturates without noise but is coarse for
 large models; coordinates are typically ~C/sqrt(d). With distributed noise of std ``sigma*C/sqrt(n)``
-per client, pick ``clip_range`` of about 4-5 noise std plus the signal tail
-(`suggest_clip_range`). Values beyond the range are *saturated and counted* — never wrapped.
+per client, a heuristic ``clip_range`` is about 4-5 noise std plus the signal tail
+(`suggest_clip_range`); under DP the range must make saturation improbable for *every* clipped
+update, which ``crypto.saturation.dp_clip_range`` sizes against a δ budget (``crypto.privacy``,
+the coupling bound). Values beyond the range are *saturated and counted* — never wrapped.
 """
 
 from __future__ import annotations
@@ -192,12 +194,15 @@ def stochastic_quantize(
     return q.astype(np.int64)
 
 
-def dithered_quantize(y: np.ndarray, clip_range: float, levels: int, u: np.ndarray) -> np.ndarray:
-    """``floor((y + R)/step + u)`` in [0, levels]: with u ~ U[0, 1) the error of ``q - u + 1/2``
-    is uniform and independent of y (``crypto.dither``)."""
+def dithered_quantize(
+    y: np.ndarray, clip_range: float, levels: int, u: np.ndarray, contributions: int = 1
+) -> np.ndarray:
+    """``floor((y + m·R)/step + u)`` in [0, m·levels] for y within ±m·R (m = `contributions`,
+    e.g. m noise shares sent as one summand): with u ~ U[0, 1) the error of ``q - u + 1/2`` is
+    uniform and independent of y (``crypto.dither``)."""
     step = 2.0 * clip_range / levels
-    q = np.floor((np.asarray(y, dtype=np.float64) + clip_range) / step + u)
-    np.clip(q, 0, levels, out=q)  # float edge cases only: y was saturated first
+    q = np.floor((np.asarray(y, dtype=np.float64) + contributions * clip_range) / step + u)
+    np.clip(q, 0, contributions * levels, out=q)  # float edge cases only: y was saturated first
     return q.astype(np.int64)
 
 

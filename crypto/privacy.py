@@ -30,10 +30,39 @@ accountant charges is the one that runs, up to what is stated here:
   (``crypto.dither``, ``PackingConfig.dither``): each coordinate's error is uniform on a step,
   independent of the value, so the decrypted sum is the mechanism's output plus independent
   noise — post-processing. Error feedback is off (a share's residual is not a function of the
-  released sum). Not covered: a coordinate that saturates (R is sized to 4 noise std plus the
-  signal tail, ``federation.codec.packing_for``; the encryptor counts saturations, which under
-  DP stay on the node) — the accounting holds for updates with no saturated coordinate. A discrete (Skellam) mechanism on the integer
-  encoding, which would make saturation part of the analysis, is not implemented.
+  released sum). Saturation is covered by the coupling bound below, not by post-processing.
+
+Saturation: the coupling bound (dp-mode distributed under he=true). Let M be the accounted
+mechanism: over all rounds, the Gaussian sums plus the independent dither noise, (ε, δ)-DP by
+the accountant. Let M' be what runs: the same, with every contribution saturated to ±R per
+coordinate (±m·R for a node's reply of m noise shares) before the sum. Run both on one
+probability space (the same noise, dithers and sampling). Let E be the event "no coordinate of
+any contribution in any round saturates". On E, M' = M: by induction over rounds the models,
+hence the next updates, are the same, and nothing was clipped. P(E^c) <= δ_sat for every input
+D, where δ_sat is ``crypto.saturation.saturation_delta``: a clipped update has every
+coordinate |x_j| <= C whatever the history, its noise is fresh, so coordinate j saturates with
+probability Φ̄((R-C)/s) + Φ̄((R+C)/s) <= 2·Φ̄((R-C)/s) (s: the share's std; a pure-noise
+reply of m shares, std s·√m at range m·R: 2·Φ̄(√m·R/s), smaller); the union bound over the
+dim coordinates, <= max-clients contributions per round and the rounds. Then for every set S
+of outcomes:
+
+    P(M'(D) ∈ S) <= P(M(D) ∈ S) + δ_sat                 (they differ only on E^c)
+                 <= e^ε · P(M(D') ∈ S) + δ + δ_sat      (M is (ε, δ)-DP)
+                 <= e^ε · P(M'(D') ∈ S) + δ + (1 + e^ε) · δ_sat,
+
+using P(M(D') ∈ S) <= P(M'(D') ∈ S) + δ_sat the same way. So M' is (ε, δ + (1 + e^ε)·δ_sat)-DP:
+``crypto.saturation.delta_total``, reported per round as ``delta_total`` next to ε. The
+premise is made true where the range is chosen: with ``packing-range = 0`` the range is
+``crypto.dp_clip_range`` at the budget ``crypto.saturation_budget(δ)`` = 0.01·δ /
+(1 + e^MEANINGFUL_EPSILON) (``federation.codec.packing_for``), so δ_total <= 1.01·δ at every ε
+a run may claim. Caveats stated rather than hidden: the bound holds for the fixed C and σ of
+the config (a clip norm that changes per round must size R for its largest value); the dither
+is a keyed SHAKE-256 stream, so "independent uniform" holds against parties without the
+dither key (the server); the encryptor counts saturations, which under DP stay on the node.
+With dp-mode local the coupling is not needed: each node's ``clip + N(0, (σC)²)`` is its
+release and saturation is post-processing of it (its δ_sat is reported as 0). A discrete
+(Skellam) mechanism on the integer encoding, which would make saturation part of the
+mechanism itself, is not implemented.
 
 Accounting is Opacus' (RDP or PRV) here; nothing re-derives a bound. Client level, the server
 accounts with `federation.client_accounting.ClientAccountant` (Flower 1.42's RdpAccountant), which
@@ -167,8 +196,16 @@ def gaussian_noise(
 ) -> np.ndarray:
     """Gaussian noise with `noise_std(...)` per coordinate (float64).
 
-    `rng` defaults to fresh OS entropy. numpy's sampler is not a constant-time, floating-point
-    hardened DP sampler (see Mironov 2012); acceptable for research, noted for production.
+    `rng` defaults to fresh OS entropy, checked in numpy 2.4.6: ``np.random.default_rng()``
+    builds ``PCG64(SeedSequence())`` and a SeedSequence without entropy draws 128 bits from
+    ``numpy.random.bit_generator.randbits``, which *is* ``secrets.randbits`` (a
+    ``random.SystemRandom`` method: ``os.urandom``); ``tests/crypto/test_privacy.py`` checks
+    both. So the seed is cryptographically random and never derived from the run's public
+    ``seed``; PCG64 itself is a fast statistical generator, not a CSPRNG (its output after the
+    seed is predictable to whoever learns its state), and numpy's sampler is not a
+    constant-time, floating-point hardened DP sampler (see Mironov 2012): acceptable for
+    research, noted for production. Every DP-noise draw in crypto/, node/ and federation/
+    uses such a generator (a fresh ``default_rng()`` or one made once per process from it).
     """
     std = noise_std(sigma, clip_norm, placement, n_clients, missing)
     rng = rng if rng is not None else np.random.default_rng()

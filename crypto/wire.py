@@ -6,6 +6,8 @@
       n_values u64 | n_updates u32 | n_ciphertexts u32
     then n_ciphertexts x (length u32 | SEAL ciphertext bytes)
 
+n_updates is, in an update, the contributions it carries (1; m for a node's reply of m noise
+shares, so the server's headroom check counts them) and, in an aggregate, the updates summed.
 Everything the server may learn is in the header; weights, counts and values are encrypted.
 Parsing is strict (exact length, bounded counts) so truncated, padded or random bytes are
 refused before SEAL sees them.

@@ -242,9 +242,11 @@ def noise(msg: Message, context: Context) -> Message:
     codec, epoch, ctx = _codec(cfg, context, dim)
     clip, sigma = wire_noise(cfg)  # (1, σ_Δ) under adaptive clipping: updates travel as Δ/C
     std = noise_std(sigma, clip, "distributed", sampled) * math.sqrt(shares)
-    rng = np.random.default_rng()
+    rng = np.random.default_rng()  # fresh OS entropy (crypto.privacy.gaussian_noise)
+    # m shares as m contributions (range ±m·R, like CkksAggregator.add_noise): one of range R
+    # would saturate the sum of m shares far more often than crypto.saturation allows for
     payload = codec.encode(np.zeros(dim, dtype=np.float32), 0.0, noise=rng.normal(0.0, std, dim),
-                           dither=_dither(cfg, context, ctx, rnd, epoch, KIND_NOISE, dim))
+                           dither=_dither(cfg, context, ctx, rnd, epoch, KIND_NOISE, dim), contributions=shares)
     blob = _signed(cfg, context, rnd, payload, epoch, ctx, KIND_NOISE, dim)
     return Message(RecordDict({protocol.UPDATE: ArrayRecord({"update": protocol.bytes_to_array(blob)})}), reply_to=msg)
 

@@ -24,22 +24,46 @@ because they are a function of the run config and the model size only:
   dp-mode distributed (``crypto.dither``: the rounding error does not depend on the data);
 * max_weight = 1 under DP (every client has weight 1: the sensitivity analysis assumes
   equal weights), ``max-weight`` with dp-mode=none (weight = min(num_examples, max-weight));
-* clip_range R = ``packing-range`` if > 0, else derived: updates are L2-clipped to C =
-  ``clip-norm`` (always, with he=true), so a coordinate's RMS is about C/√dim, and the
-  per-client Gaussian noise has std s = σC (local), σC/√min-clients (distributed: the
-  largest share any round can use, since a round has >= min-clients clients), 0 (none).
-  R = sqrt((4·s)² + (12·C/√dim)²), capped at C + 4·s (no coordinate of a clipped update
-  exceeds C), rounded to 6 significant digits. This is ``crypto.suggest_clip_range`` (4 RMS of noise and signal together)
-  with a 3x wider allowance for the signal: trained updates are heavy-tailed (digits:
-  max |coordinate| ≈ 10x RMS); at 4·C/√dim 1 % of the values saturated and 10 digits
-  rounds lost 0.4 accuracy points vs the plaintext codec, at 12·C/√dim none saturated and
-  accuracy matched to 3 decimals (5 nodes, dp-mode local σ=0). Values outside ±R are
-  saturated and counted (``saturated`` in the reply metrics), never wrapped.
+* clip_range R = ``packing-range`` if > 0, else derived from C = ``clip-norm`` (updates are
+  L2-clipped to C, always with he=true, so no coordinate exceeds C) and s, the largest
+  per-contribution noise std a round can use (``contribution_std``: σC local, σC/√min-clients
+  distributed, since a round has >= min-clients clients; 0 without DP):
+
+  - under DP (local, distributed, σ > 0): R = ``crypto.dp_clip_range(C, s, dim, max-clients,
+    num-server-rounds, budget)``, the smallest range whose saturation bound δ_sat (the
+    probability that any coordinate of any contribution in any round saturates,
+    ``crypto.saturation``) is at most budget = ``crypto.saturation_budget(target-delta)`` =
+    0.01·δ / (1 + e^MEANINGFUL_EPSILON). That makes the premise of the coupling bound in
+    ``crypto.privacy`` true: what runs is (ε, δ + (1 + e^ε)·δ_sat)-DP, and δ_sat adds at most
+    1 % to δ at any ε a run may claim (``run_saturation_delta``, reported per round as
+    ``saturation_delta`` / ``delta_total``). An explicit packing-range under DP is kept; its
+    δ_sat is whatever it is, and reported.
+  - dp-mode none: the heuristic R = sqrt((4·s)² + (12·C/√dim)²) (= 12·C/√dim at s = 0),
+    capped at C + 4·s. This is ``crypto.suggest_clip_range`` with a 3x wider allowance for
+    the signal: trained updates are heavy-tailed (digits: max |coordinate| ≈ 10x RMS); at
+    4·C/√dim 1 % of the values saturated and 10 digits rounds lost 0.4 accuracy points vs the
+    plaintext codec, at 12·C/√dim none saturated and accuracy matched to 3 decimals (5 nodes,
+    dp-mode local σ=0).
+
+  Rounded *up* to 6 significant digits (the range is in the packing fingerprint; up, so the
+  bound still holds). Values outside ±R are saturated and counted (``saturated`` in the reply
+  metrics), never wrapped.
+
+  What the bound costs (computed by ``tests/federation/test_codec.py``): the digits experiment
+  (dim 4810, C = 1, σ = 1.33, 32 clients per round = min = max-clients, 25 rounds, δ = 1e-5,
+  8 bits, distributed) gets R = 3.05457 (the heuristic gave 0.956236 < C, which saturated the
+  worst-case update in 2 trials of 3) with δ_sat = 4.54e-12, step 0.02396; the dithered
+  rounding of the 32-contribution sum has per-coordinate std step·√(32/12) = 0.0391 = 2.9 % of
+  the DP noise std σC = 1.33 (0.09 % of its variance). The main job's defaults (lm, dim
+  141,056, σ = 0.02, min-clients 2, max-clients 32, 5 rounds, 5 nodes) get R = 1.12638 instead
+  of 0.0649682: step 0.00883, rounding std of the 5-node sum 0.0057 = 29 % of σC = 0.02, and
+  the per-node step is 3.3x a clipped coordinate's RMS (C/√dim = 0.0027), where the heuristic
+  range resolved it: the guarantee at that σ costs that much resolution.
 * adaptive clipping under dp-mode distributed (``adaptive_clipping_for``): a contribution is
   ``wire_dim`` = dim + 1 values, the update divided by the nodes' current norm and the
-  clipped-count coordinate (``crypto.adaptive_clipping``), so the rule above runs with C = 1 and
-  σ_Δ (``wire_noise``), and R also covers the count coordinate's ±a/2 plus the noise tail. The
-  encoding never depends on the adapted norm, which the server never holds.
+  clipped-count coordinate ±a/2 (``crypto.adaptive_clipping``), so the rules above run with C
+  replaced by the coordinate bound max(1, a/2) (``coordinate_bound``) and σ by σ_Δ
+  (``wire_noise``). The encoding never depends on the adapted norm, which the server never holds.
 """
 
 from __future__ import annotations
@@ -228,6 +252,55 @@ def wire_noise(cfg: RunConfig) -> tuple[float, float]:
     return 1.0, adaptive.update_noise_multiplier
 
 
+def coordinate_bound(cfg: RunConfig) -> float:
+    """The largest |value| a contribution holds before noise: C (no coordinate of an update
+    clipped to C exceeds it), or under adaptive clipping max(1, a/2) (Δ/C and the count)."""
+    adaptive = adaptive_clipping_for(cfg)
+    if adaptive is None:
+        return cfg.clip_norm
+    return max(1.0, adaptive.count_scale / 2)
+
+
+def contribution_std(cfg: RunConfig) -> float:
+    """The largest per-contribution noise std a round can use: σC (local), σC/√min-clients
+    (distributed: a round has >= min-clients clients, so its share is at most this), 0 (none);
+    with (C, σ) as encoded (``wire_noise``)."""
+    c, sigma = wire_noise(cfg)
+    if cfg.dp_mode == "local":
+        return sigma * c
+    if cfg.dp_mode == "distributed":
+        return sigma * c / math.sqrt(max(cfg.min_clients, 1))
+    return 0.0
+
+
+def _round_up_6(x: float) -> float:
+    """x rounded *up* to 6 significant digits: the range goes into the packing fingerprint every
+    ciphertext carries, so a last-bit libm difference between machines must not split the run;
+    up, so the saturation bound computed at the unrounded range still holds."""
+    r = float(f"{x:.6g}")
+    if r >= x:
+        return r
+    exp10 = math.floor(math.log10(x)) - 5
+    return float(f"{r + 10.0**exp10:.6g}")
+
+
+def _derived_range(cfg: RunConfig, dim: int, s: float) -> float:
+    """R for packing-range = 0: ``dp_clip_range`` under DP (δ_sat <= ``saturation_budget``),
+    the saturation heuristic without DP (module docstring)."""
+    from crypto import dp_clip_range, saturation_budget
+
+    c = coordinate_bound(cfg)
+    if cfg.dp_mode in ("local", "distributed") and s > 0:
+        return _round_up_6(dp_clip_range(c, s, max(dim, 1), cfg.max_clients, cfg.num_server_rounds,
+                                         saturation_budget(cfg.target_delta)))
+    signal_rms = c / math.sqrt(max(dim, 1))
+    heuristic = min(math.hypot(RANGE_NOISE_TAIL * s, RANGE_SIGNAL_TAIL * signal_rms), c + RANGE_NOISE_TAIL * s)
+    adaptive = adaptive_clipping_for(cfg)
+    if adaptive is not None:  # σ = 0: the clipped-count coordinate is ±a/2 exactly and must not saturate
+        heuristic = max(heuristic, adaptive.count_scale / 2)
+    return _round_up_6(heuristic)
+
+
 def packing_for(cfg: RunConfig, dim: int) -> PackingConfig:
     """The public ``PackingConfig`` of a run (same on every node and the server).
 
@@ -238,27 +311,8 @@ def packing_for(cfg: RunConfig, dim: int) -> PackingConfig:
     from crypto import PackingConfig
     from crypto.errors import ParameterError
 
-    c, sigma = wire_noise(cfg)
-    if cfg.dp_mode == "local":
-        s = sigma * c
-    elif cfg.dp_mode == "distributed":
-        s = sigma * c / math.sqrt(max(cfg.min_clients, 1))
-    else:
-        s = 0.0
-    if cfg.packing_range > 0:
-        clip_range = cfg.packing_range
-    else:
-        signal_rms = c / math.sqrt(max(dim, 1))
-        clip_range = min(
-            math.hypot(RANGE_NOISE_TAIL * s, RANGE_SIGNAL_TAIL * signal_rms), c + RANGE_NOISE_TAIL * s
-        )
-        adaptive = adaptive_clipping_for(cfg)
-        if adaptive is not None:  # the clipped-count coordinate is ±a/2 exactly: it must not saturate
-            clip_range = max(clip_range, adaptive.count_scale / 2 + RANGE_NOISE_TAIL * s)
-        # 6 significant digits: the range goes into the packing fingerprint every ciphertext
-        # carries, so a last-bit difference in libm between machines must not split the run
-        clip_range = float(f"{clip_range:.6g}")
     try:
+        clip_range = cfg.packing_range if cfg.packing_range > 0 else _derived_range(cfg, dim, contribution_std(cfg))
         return PackingConfig(
             mode=cfg.packing,
             bits=cfg.packing_bits,
@@ -269,6 +323,21 @@ def packing_for(cfg: RunConfig, dim: int) -> PackingConfig:
         )
     except ParameterError as err:
         raise ValueError(f"bad run config: packing parameters rejected by crypto: {err}") from None
+
+
+def run_saturation_delta(cfg: RunConfig, dim: int) -> float:
+    """δ_sat of the run (``crypto.saturation``): the probability bound that some contribution
+    saturates, at the run's packing range, rounds and max-clients. 0 where saturation is not
+    part of the analysis: he=false (nothing is saturated), dp-mode none / flower-central, and
+    dp-mode local (each node's noisy update is its release; saturating it is post-processing,
+    ``crypto.privacy``)."""
+    from crypto import saturation_delta
+
+    s = contribution_std(cfg)
+    if not cfg.he or cfg.dp_mode != "distributed" or s <= 0:
+        return 0.0
+    clip_range = packing_for(cfg, dim).clip_range
+    return saturation_delta(clip_range, coordinate_bound(cfg), s, max(dim, 1), cfg.max_clients, cfg.num_server_rounds)
 
 
 def ckks_preset_for(cfg: RunConfig, dim: int) -> str:
@@ -324,13 +393,15 @@ class CkksClientCodec:
             raise _codec_error(err) from err
 
     def encode(self, vec: np.ndarray, weight: float, noise: np.ndarray | None = None,
-               carry: np.ndarray | None = None, dither: np.ndarray | None = None) -> bytes:
+               carry: np.ndarray | None = None, dither: np.ndarray | None = None,
+               contributions: int = 1) -> bytes:
         """Encrypt ``vec`` with FedAvg weight ``weight`` (<= packing.max_weight).
 
         ``noise`` is added after the weight pre-scale (crypto's place for distributed-DP
         shares under unequal weights); unused while DP runs use equal weights. ``carry`` is the
         error-feedback residual of this node's previous update (``residual`` after the call);
-        ``dither`` this contribution's ``crypto.dither.dither`` when the packing is dithered.
+        ``dither`` this contribution's ``crypto.dither.dither`` when the packing is dithered;
+        ``contributions`` m > 1 sends m noise shares (weight 0) as one summand of range ±m·R.
         """
         from crypto.errors import CryptoError
 
@@ -338,7 +409,8 @@ class CkksClientCodec:
         if vec.shape != (self.dim,):
             raise CodecError(f"update has shape {vec.shape}, expected ({self.dim},)")
         try:
-            blob = self._enc.encrypt(vec, weight, noise=noise, carry=carry, dither=dither)
+            blob = self._enc.encrypt(vec, weight, noise=noise, carry=carry, dither=dither,
+                                     contributions=contributions)
         except CryptoError as err:
             raise _codec_error(err) from err
         self.residual = self._enc.last_residual

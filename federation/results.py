@@ -14,7 +14,9 @@ Client phase times are means over the clients that took part (their reply metric
 Privacy: ``epsilon_client`` is the client-level ε so far (server-side RDP accountant, see
 ``OpaqueFedAvg._account``), ``epsilon_sample`` the largest sample-level DP-SGD ε reported
 by a node (Opacus, per node), both for δ = ``delta``; null = not applicable (no DP of that
-kind) or unbounded (noise-multiplier 0).
+kind) or unbounded (noise-multiplier 0). ``delta_total`` = δ + (1 + e^ε)·``saturation_delta``
+is the δ of the mechanism that runs under HE (the packed encoding saturates with probability
+at most ``saturation_delta``; ``crypto.privacy``, the coupling bound).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 
-SCHEMA = 4
-"""4 added ``server_seconds``, ``node_seconds`` and ``seconds`` round / nodes_busy / transport.
+SCHEMA = 5
+"""5 added the round fields ``saturation_delta`` and ``delta_total`` (δ of what runs).
+4 added ``server_seconds``, ``node_seconds`` and ``seconds`` round / nodes_busy / transport.
 3 added ``key_origin``, ``key_rotations``, ``server_pid``, ``privacy_claim`` and the round
 fields ``key_epoch``, ``key_rotated``, ``departed``; under DP ``train_loss``, ``clipped_fraction``
 and ``saturated_fraction`` are null (nodes do not send them)."""
@@ -92,6 +95,13 @@ class RoundRecord:
     epsilon_sample: float = math.nan
     """Largest sample-level DP-SGD ε so far over the nodes (dp-sgd=true)."""
     delta: float = math.nan
+    saturation_delta: float = math.nan
+    """δ_sat of the run (``crypto.saturation``): a bound on the probability that the packed
+    encoding saturates any contribution (0: saturation is not part of the analysis, e.g.
+    dp-mode local, where it is post-processing, or he=false); null without DP."""
+    delta_total: float = math.nan
+    """δ of the mechanism that runs: ``delta + (1 + e^epsilon_client)·saturation_delta``
+    (``crypto.privacy``, the coupling bound), for the ε of this round."""
     node_sources: dict[str, int] = field(default_factory=dict)
     """How nodes were obtained this round: built / restored / reused (see node_host)."""
     pids: list[int] = field(default_factory=list)

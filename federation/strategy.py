@@ -46,11 +46,11 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from crypto import KIND_NOISE, KIND_UPDATE, Manifest, ManifestEntry, SignedUpdate
-from crypto import noise_std
+from crypto import ciphertext_info, delta_total, noise_std
 from federation.client_accounting import ClientAccountant
 from crypto.errors import SignatureError
 from federation import protocol, replies
-from federation.codec import Aggregator, make_aggregator, packing_for, wire_noise
+from federation.codec import Aggregator, make_aggregator, packing_for, run_saturation_delta, wire_noise
 from federation.config import RunConfig
 from federation.results import METRIC_NAMES, RoundRecord, mean, serving_summary, weighted_mean
 from federation.sampling import ClientSampler, SampleOutsideBounds, expected_sample_size
@@ -105,6 +105,8 @@ class OpaqueFedAvg:
         self.dim = dim
         self.keys = keys
         self.packing = packing_for(cfg, dim) if cfg.he else None
+        self.saturation_delta = run_saturation_delta(cfg, dim)
+        """δ_sat of the run (``crypto.saturation``): the reported δ is δ + (1 + e^ε)·δ_sat."""
         self.wait_for_nodes_s = wait_for_nodes_s
         self.history: list[tuple[bytes, bytes]] = []
         """(aggregate, manifest) per global version: history[k-1] makes v k."""
@@ -434,11 +436,26 @@ class OpaqueFedAvg:
                 self._drop(out, node, "noise", f"bad reply: {err}")
                 continue
             signed = self._verified(out, node, "noise", blob, KIND_NOISE)
+            if signed is not None and not self._carries_shares(out, node, signed, plan[node]):
+                continue
             if signed is not None and self._add(agg, out, node, "noise", signed):
                 entries.append(ManifestEntry(signed.node_id, KIND_NOISE, signed.tag))
                 added += plan[node]
         rec.dropped.extend(out.dropped)
         return added
+
+    def _carries_shares(self, out: PhaseReplies, node: int, signed: SignedUpdate, shares: int) -> bool:
+        """A noise reply must declare the shares asked for (its envelope's contribution count,
+        which the aggregator's headroom check and the decoder's offsets rely on)."""
+        try:
+            declared = int(ciphertext_info(signed.payload)["n_updates"])
+        except Exception as err:  # noqa: BLE001 - malformed: dropped like any rejected update
+            self._drop(out, node, "noise", f"update rejected: {replies.safe_reason(err)}")
+            return False
+        if declared != shares:
+            self._drop(out, node, "noise", f"noise reply carries {declared} share(s), {shares} were asked")
+            return False
+        return True
 
     def _summarize_train(self, m: list[replies.TrainMetrics], rec: RoundRecord) -> None:
         n = [float(x.num_examples) for x in m]
@@ -470,6 +487,13 @@ class OpaqueFedAvg:
         """
         if self.cfg.dp_mode not in ("local", "distributed"):
             return math.nan
+        eps = self._epsilon_after(rec, shares)
+        rec.saturation_delta = self.saturation_delta
+        rec.delta_total = delta_total(self.cfg.target_delta, eps, self.saturation_delta)
+        return eps
+
+    def _epsilon_after(self, rec: RoundRecord, shares: int) -> float:
+        """The accountant's client-level ε after this round's release (``_account``)."""
         sigma = self.cfg.noise_multiplier
         if self.cfg.dp_mode == "distributed" and rec.sampled:
             sigma = sigma * math.sqrt(min(shares, rec.sampled) / rec.sampled) if self.cfg.he else sigma / math.sqrt(rec.sampled)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import os
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -54,6 +55,12 @@ class NodeSpec:
     kv_stale_versions: int = 0
     """K/V of up to this many older model versions stay servable after a write-back
     (run-config ``kv-stale-policy``: ``invalidate`` = 0, ``keep-<k>`` = k)."""
+
+
+def os_entropy_torch_generator() -> torch.Generator:
+    """A torch generator seeded with 63 bits from ``secrets`` (os.urandom): DP-SGD's noise and
+    sampling must not be derivable from the run's public seed (``crypto.privacy.gaussian_noise``)."""
+    return torch.Generator().manual_seed(secrets.randbits(63))
 
 
 @dataclass(frozen=True)
@@ -255,12 +262,18 @@ class CacheNode:
         work = copy.deepcopy(self.model).train()
         opt = torch.optim.SGD(work.parameters(), lr=lr)
         engine = PrivacyEngine(accountant="rdp")
+        # Opacus draws its noise from torch's global generator and its Poisson batches from the
+        # loader's (seeded with the public seed + partition): both come from OS entropy here
+        fresh = os_entropy_torch_generator()
+        loader = torch.utils.data.DataLoader(self.task.train_loader.dataset, shuffle=True, generator=fresh,
+                                             batch_size=self.task.train_loader.batch_size)
         pmodel, popt, ploader = engine.make_private(
             module=work,
             optimizer=opt,
-            data_loader=self.task.train_loader,
+            data_loader=loader,
             noise_multiplier=dp.noise_multiplier,
             max_grad_norm=dp.clip_norm if dp.clip_norm > 0 else 1.0,
+            noise_generator=fresh,
         )
         loss = digits.run_epochs(pmodel, ploader, popt, epochs)
         self.model.load_state_dict(pmodel._module.state_dict())

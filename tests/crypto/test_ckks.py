@@ -200,3 +200,69 @@ def test_default_preset_noise_is_far_below_the_rounding_threshold(secret_ctx, pu
     blobs = parse_envelope(agg.result(), max_ciphertext_bytes=1 << 30).ciphertexts
     parts = dec._ops.decrypt_parts(dec._ops.load_checked(blobs, 2.0**secret_ctx.params.packed_scale_bits))
     assert np.abs(parts - np.rint(parts)).max() < 0.15
+
+
+# --- a node's noise reply of m shares: m contributions, range ±m·R -----------------------------
+
+
+def _noise_round(secret_ctx, public_bytes, cfg: PackingConfig, shares: int, share_std: float, rng):
+    """Two weight-1 updates and one pure-noise summand of `shares` shares, dithered; returns
+    (updates, noise, encryptor of the noise summand, aggregator, decrypted result)."""
+    from crypto.dither import dither, dither_total
+
+    dim = 2000
+    enc = UpdateEncryptor(secret_ctx, cfg, rng=rng)
+    agg = CkksAggregator(public_bytes, cfg)
+    updates = [rng.uniform(-0.1, 0.1, dim) for _ in range(2)]
+    for i, u in enumerate(updates):
+        agg.add(enc.encrypt(u, 1.0, dither=dither(secret_ctx.dither_key, 1, 1, 0, f"n{i}", 1, dim)))
+    noise = rng.normal(0.0, share_std * np.sqrt(shares), dim)
+    noise_enc = UpdateEncryptor(secret_ctx, cfg, rng=rng)
+    blob = noise_enc.encrypt(np.zeros(dim), 0.0, noise=noise, contributions=shares,
+                             dither=dither(secret_ctx.dither_key, 1, 1, 0, "n0", 2, dim))
+    assert ciphertext_info(blob)["n_updates"] == shares  # what the server's headroom check counts
+    agg.add(blob)
+    total = dither_total(secret_ctx.dither_key, 1, 1, 0, [("n0", 1), ("n1", 1), ("n0", 2)], dim)
+    return updates, noise, noise_enc, agg, AggregateDecryptor(secret_ctx, cfg).decrypt(agg.result(), dither_total=total)
+
+
+def test_noise_reply_of_m_shares_decodes_to_the_plaintext_sum_without_saturating(secret_ctx, public_bytes, rng) -> None:
+    cfg = PackingConfig(clip_range=0.3, max_clients=8, dither=True)
+    share_std = 0.15 / np.sqrt(3)  # the sum of 3 shares has std 0.15: 2 std of R, 6 std of 3R
+    updates, noise, noise_enc, agg, result = _noise_round(secret_ctx, public_bytes, cfg, 3, share_std, rng)
+    assert noise_enc.last_report.saturated == 0
+    assert agg.count == 3 and agg.contributions == 5 and result.contributions == 5 and result.n_updates == 3
+    want = (updates[0] + updates[1] + noise) / 2.0
+    assert result.weight_sum == pytest.approx(2.0)
+    # dithered: each of the 3 summands is off by at most step/2 (crypto.dither)
+    assert np.max(np.abs(result.mean - want)) <= 3 * cfg.step / 2 / 2 + 1e-9
+    # the same noise as ONE contribution of range R saturates about 4.6 % of its values
+    single = UpdateEncryptor(secret_ctx, PackingConfig(clip_range=0.3, max_clients=8))
+    single.encrypt(np.zeros(noise.shape[0]), 0.0, noise=noise)
+    assert single.last_report.saturated > 0.02 * noise.shape[0]
+
+
+def test_noise_reply_shares_count_against_the_headroom(secret_ctx, public_bytes, rng) -> None:
+    from crypto import HeadroomError
+
+    cfg = PackingConfig(clip_range=0.3, max_clients=4)
+    enc = UpdateEncryptor(secret_ctx, cfg, rng=rng)
+    agg = CkksAggregator(public_bytes, cfg)
+    agg.add(enc.encrypt(np.zeros(10), 1.0))
+    agg.add(enc.encrypt(np.zeros(10), 1.0))
+    three = enc.encrypt(np.zeros(10), 0.0, noise=np.full(10, 0.5), contributions=3)
+    with pytest.raises(HeadroomError, match="3 more"):
+        agg.add(three)
+    assert agg.count == 2 and agg.contributions == 2  # unchanged
+    agg.add(enc.encrypt(np.zeros(10), 0.0, noise=np.full(10, 0.5), contributions=2))
+    result = AggregateDecryptor(secret_ctx, cfg).decrypt(agg.result())
+    assert result.contributions == 4
+    np.testing.assert_allclose(result.mean, 0.25, atol=4 * cfg.step / 2)
+
+
+@pytest.mark.parametrize("weight,contributions", [(1.0, 2), (0.0, 0), (0.0, 33), (0.0, 1.5), (0.0, True)])
+def test_bad_contribution_counts_are_refused(secret_ctx, weight, contributions) -> None:
+    from crypto import ParameterError
+
+    with pytest.raises(ParameterError, match="contributions"):
+        UpdateEncryptor(secret_ctx, PackingConfig()).encrypt(np.zeros(4), weight, contributions=contributions)

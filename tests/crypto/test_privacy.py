@@ -296,3 +296,28 @@ def test_privacy_claim_rejects_bad_input() -> None:
                          ((1.0, "local"), {"level": "node"})]:
         with pytest.raises(ParameterError):
             privacy_claim(*args, **kwargs)
+
+
+# --- the sampler's seed: OS entropy through secrets, never the public seed ----------------------
+
+
+def test_numpy_default_rng_seeds_from_secrets(monkeypatch) -> None:
+    """numpy's SeedSequence() draws its 128 entropy bits from secrets.randbits (os.urandom);
+    gaussian_noise without an rng uses such a fresh generator (crypto.privacy docstring)."""
+    import secrets
+
+    import numpy.random.bit_generator as bit_generator
+
+    assert bit_generator.randbits is secrets.randbits
+    asked: list[int] = []
+
+    def fixed(bits: int) -> int:
+        asked.append(bits)
+        return 12345
+
+    monkeypatch.setattr(bit_generator, "randbits", fixed)
+    got = gaussian_noise(50, 1.0, 1.0)
+    assert asked == [128]  # one fresh SeedSequence per call
+    np.testing.assert_array_equal(got, np.random.default_rng(np.random.SeedSequence(12345)).normal(0, 1.0, 50))
+    monkeypatch.undo()
+    assert not np.array_equal(gaussian_noise(50, 1.0, 1.0), gaussian_noise(50, 1.0, 1.0))

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
+from crypto import saturation_budget
 from federation import client_app, protocol, server_app
+from federation.codec import run_saturation_delta
+from federation.config import RunConfig
 from federation.strategy import NotEnoughClients
 from node.cache_node import build_model
 from tests.federation.fakes import BASE_CONFIG, FakeGrid, make_context, raise_fault, set_server_identity
@@ -25,7 +29,7 @@ def test_server_main_writes_results_json(tmp_path, capsys) -> None:
     (path,) = tmp_path.glob("run-1-*.json")
     assert f"FEDKV_RESULTS {path}" in capsys.readouterr().out
     data = json.loads(path.read_text())
-    assert data["status"] == "completed" and data["schema"] == 4 and data["mode"] == "plain"
+    assert data["status"] == "completed" and data["schema"] == 5 and data["mode"] == "plain"
     assert data["provisioning"]["enrolled"] == 3 and data["provisioning"]["provisioned"] == 0
     assert data["config"]["results-dir"] == str(tmp_path)
     r = data["rounds"][1]
@@ -122,6 +126,14 @@ def test_server_main_he_run_writes_results_with_privacy_and_sizes(tmp_path) -> N
         assert {"train", "encrypt", "sign", "aggregate", "verify", "decrypt", "writeback"} <= set(r["seconds"])
     assert 0 < data["rounds"][0]["epsilon_client"] < data["rounds"][1]["epsilon_client"]
     assert data["rounds"][0]["epsilon_sample"] is None  # no dp-sgd
+    # δ of what runs: the derived range's saturation bound, charged by the coupling bound
+    cfg = RunConfig.from_run_config(rc)
+    dsat = run_saturation_delta(cfg, 4810)
+    assert 0 < dsat <= saturation_budget(1e-5)
+    for r in data["rounds"]:
+        assert r["saturation_delta"] == pytest.approx(dsat, rel=1e-12)
+        want = min(1.0, 1e-5 + (1 + math.exp(min(r["epsilon_client"], 700))) * dsat)  # ε here is large: 1
+        assert r["delta_total"] == pytest.approx(want, rel=1e-12)
     types = {m.metadata.message_type for m in grid.sent}
     assert types == {"query.fedkv_enroll", "query.fedkv_keygen", "query.fedkv_provision", protocol.TRAIN,
                      protocol.EVALUATE}

@@ -93,3 +93,53 @@ def test_he_needs_keys_and_packing() -> None:
         make_client_codec(True, DIM)
     with pytest.raises(CodecError, match="public CKKS context"):
         make_aggregator(True, DIM)
+
+
+# --- packing_for under DP: the derived range meets the saturation budget -----------------------
+
+
+def _he_cfg(**overrides):
+    from federation.config import RunConfig
+
+    base = {"task": "digits", "he": True, "dp-mode": "distributed", "noise-multiplier": 1.33, "clip-norm": 1.0,
+            "min-clients": 32, "max-clients": 32, "num-server-rounds": 25, "target-delta": 1e-5}
+    return RunConfig.from_run_config({**base, **overrides})
+
+
+@pytest.mark.parametrize("mode", ["distributed", "local"])
+def test_derived_range_under_dp_meets_the_saturation_budget(mode) -> None:
+    from crypto import saturation_budget, saturation_delta
+    from federation.codec import contribution_std, packing_for
+
+    cfg = _he_cfg(**{"dp-mode": mode})
+    s = contribution_std(cfg)
+    r = packing_for(cfg, 4810).clip_range
+    assert r >= cfg.clip_norm + 6 * s
+    assert saturation_delta(r, cfg.clip_norm, s, 4810, 32, 25) <= saturation_budget(1e-5)
+    assert float(f"{r:.6g}") == r  # 6 significant digits (rounded up: the bound still holds)
+
+
+def test_explicit_range_under_dp_is_kept_and_its_saturation_delta_reported() -> None:
+    from crypto import saturation_delta
+    from federation.codec import contribution_std, packing_for, run_saturation_delta
+
+    cfg = _he_cfg(**{"packing-range": 0.5})
+    assert packing_for(cfg, 4810).clip_range == 0.5
+    assert run_saturation_delta(cfg, 4810) == saturation_delta(0.5, 1.0, contribution_std(cfg), 4810, 32, 25) == 1.0
+    assert run_saturation_delta(_he_cfg(**{"dp-mode": "local"}), 4810) == 0.0  # post-processing there
+    assert run_saturation_delta(_he_cfg(he=False), 4810) == 0.0  # nothing is saturated
+
+
+def test_the_digits_figures_in_the_codec_docstring_are_the_computed_ones() -> None:
+    """federation.codec's docstring quotes the range and the rounding cost for the digits
+    experiment; recompute them so the text cannot drift from the code."""
+    import math
+
+    import federation.codec as codec
+
+    cfg = _he_cfg()
+    pk = codec.packing_for(cfg, 4810)
+    rounding_std = pk.step * math.sqrt(32 / 12)  # the dithered sum of 32 contributions
+    doc = " ".join(codec.__doc__.split())
+    assert f"R = {pk.clip_range:.6g}" in doc and f"δ_sat = {codec.run_saturation_delta(cfg, 4810):.3g}" in doc
+    assert f"step {pk.step:.4g}" in doc and f"{rounding_std:.3g} = {100 * rounding_std / 1.33:.2g} %" in doc

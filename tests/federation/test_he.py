@@ -22,8 +22,10 @@ from crypto import (
     SignedUpdate,
     UpdateEncryptor,
     ciphertext_info,
+    dp_clip_range,
     load_context,
     make_secret_context,
+    saturation_budget,
     sign_update,
 )
 from crypto.binding import Manifest
@@ -85,7 +87,10 @@ def test_derived_packing_is_public_and_identical_everywhere() -> None:
     assert a == b and a.fingerprint() == b.fingerprint()
     assert a.max_weight == 1.0  # equal weights under DP
     sigma_share = cfg.noise_multiplier * cfg.clip_norm / math.sqrt(2)
-    assert a.clip_range == pytest.approx(math.hypot(4 * sigma_share, 12 * cfg.clip_norm / math.sqrt(4810)), rel=1e-5)
+    # under DP: the smallest range whose saturation bound fits the budget (crypto.saturation)
+    want = dp_clip_range(cfg.clip_norm, sigma_share, 4810, cfg.max_clients, cfg.num_server_rounds,
+                         saturation_budget(cfg.target_delta))
+    assert want <= a.clip_range <= want * (1 + 1e-5)
     none = packing_for(RunConfig.from_run_config({**BASE_CONFIG, **HE, "max-weight": 300.0}), 4810)
     assert none.max_weight == 300.0 and none.clip_range == pytest.approx(12 / math.sqrt(4810), rel=1e-5)
     fixed = packing_for(RunConfig.from_run_config({**BASE_CONFIG, **HE, "packing-range": 0.5}), 4810)
@@ -417,6 +422,55 @@ def test_distributed_top_up_noise_is_added_under_encryption(monkeypatch) -> None
     assert rec.epsilon_client < math.inf
 
 
+def test_a_survivor_making_two_shares_sends_them_as_two_contributions(monkeypatch) -> None:
+    """3 of 5 sampled nodes drop: the 2 survivors make 2 + 1 shares, each reply encoded as that
+    many contributions (range ±m·R); the aggregate decodes to the updates plus 3 shares' noise."""
+    calls: list[tuple[int, int]] = []
+    sent: list[np.ndarray] = []
+    real_encode = CkksClientCodec.encode
+
+    def spy(self, vec, weight, noise=None, carry=None, dither=None, contributions=1):
+        sent.append(np.asarray(vec, dtype=np.float64).copy())
+        blob = real_encode(self, vec, weight, noise, carry, dither, contributions)
+        calls.append((contributions, self.saturated))
+        return blob
+
+    monkeypatch.setattr(CkksClientCodec, "encode", spy)
+    fed = he_federation(5, **{"dp-mode": "distributed", "num-server-rounds": 1, "noise-multiplier": 1.0,
+                              "clip-norm": 0.5})
+    for node in (102, 103, 104):
+        fed.grid.faults[(node, protocol.TRAIN)] = raise_fault
+    (rec,) = fed.run_all()
+    assert rec.num_clients == 2 and rec.noise_shares_added == 3
+    assert sorted(m for m, _ in calls) == [1, 1, 1, 2] and all(sat == 0 for _, sat in calls)
+    secret = node_secret(fed, 100)
+    aggregate, manifest = fed.strategy.history[0]
+    m = Manifest.from_bytes(manifest)
+    total = dither_total(secret.dither_key, m.run_id, m.round, m.epoch, [(e.node_id, e.kind) for e in m.entries],
+                         fed.dim)
+    result = AggregateDecryptor(secret, fed.strategy.packing).decrypt(aggregate, dither_total=total)
+    assert result.n_updates == 4 and result.contributions == 5 and result.weight_sum == pytest.approx(2.0)
+    trained = [v for v in sent if np.any(v)]
+    noise = result.mean * 2 - (trained[0] + trained[1])
+    assert np.std(noise) == pytest.approx(0.5 / math.sqrt(5) * math.sqrt(3), rel=0.1)  # 3 shares of σC/√5
+
+
+def test_a_noise_reply_carrying_other_than_the_shares_asked_is_left_out(monkeypatch) -> None:
+    real_encode = CkksClientCodec.encode
+
+    def one_contribution(self, vec, weight, noise=None, carry=None, dither=None, contributions=1):
+        return real_encode(self, vec, weight, noise, carry, dither)  # the old single-contribution encoding
+
+    monkeypatch.setattr(CkksClientCodec, "encode", one_contribution)
+    fed = he_federation(5, **{"dp-mode": "distributed", "num-server-rounds": 1, "noise-multiplier": 1.0})
+    for node in (102, 103, 104):
+        fed.grid.faults[(node, protocol.TRAIN)] = raise_fault
+    (rec,) = fed.run_all()
+    assert rec.num_clients == 2 and rec.noise_shares_added == 1  # the survivor asked for 1 share is kept
+    (reason,) = drops(rec, "noise").values()
+    assert "noise reply carries 1 share(s), 2 were asked" in reason
+
+
 def test_fewer_than_min_clients_after_faults_stops_clearly() -> None:
     fed = he_federation(3, **{"min-clients": 3})
     fed.grid.faults[(100, protocol.TRAIN)] = payload_fault(fed.grid, lambda p, m, c: os.urandom(100))
@@ -436,6 +490,8 @@ def test_client_level_epsilon_is_accounted_per_round() -> None:
         acct.step(1.2, 2)
         assert rec.epsilon_client == pytest.approx(acct.epsilon())
         assert rec.epsilon_client_no_amplification == pytest.approx(acct.epsilon_no_amplification())
+        assert 0 < rec.saturation_delta == fed.strategy.saturation_delta <= saturation_budget(1e-5)
+        assert rec.delta_total == pytest.approx(1e-5 + (1 + math.exp(rec.epsilon_client)) * rec.saturation_delta)
     assert math.isnan(recs[0].epsilon_sample)
 
 

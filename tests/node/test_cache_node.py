@@ -99,3 +99,16 @@ def test_restoring_a_node_moves_the_one_version_counter_and_stales_kv(lm_node):
     assert node.version == node.cache.version == scalars["version"]
     assert all(node.cache.tensor_version(f"param/{n}") == node.version for n in node.layout.names)
     assert node.cache.stats()["blocks_referenced"] == 0  # nothing computed under v0 is served
+
+
+def test_dp_sgd_noise_and_sampling_do_not_follow_the_public_seed():
+    """Two DP-SGD rounds from the same state, with torch's global generator and the loader's
+    generator reset to the same public values: different updates (fresh OS entropy inside)."""
+    node = CacheNode(NodeSpec(0, 3, task="digits"))
+    dp = DpConfig(mode="none", clip_norm=1.0, noise_multiplier=1.0, dp_sgd=True)
+    deltas = []
+    for _ in range(2):
+        torch.manual_seed(42)
+        node.task.train_loader.generator.manual_seed(42)
+        deltas.append(node.train_round(1, 0.3, dp, np.random.default_rng(0)).delta)
+    assert not np.allclose(deltas[0], deltas[1])
