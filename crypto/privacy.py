@@ -56,7 +56,9 @@ premise is made true where the range is chosen: with ``packing-range = 0`` the r
 ``crypto.dp_clip_range`` at the budget ``crypto.saturation_budget(δ)`` = 0.01·δ /
 (1 + e^MEANINGFUL_EPSILON) (``federation.codec.packing_for``), so δ_total <= 1.01·δ at every ε
 a run may claim. Caveats stated rather than hidden: the bound holds for the fixed C and σ of
-the config (a clip norm that changes per round must size R for its largest value); the dither
+the encoding; adaptive clipping (``crypto.adaptive_clipping``) keeps them fixed by encoding Δ/C
+(every coordinate <= 1) and the count coordinate ±a/2, so there C is max(1, a/2) and σ is
+σ_Δ (``federation.codec.coordinate_bound``, ``wire_noise``) whatever norm a round uses; the dither
 is a keyed SHAKE-256 stream, so "independent uniform" holds against parties without the
 dither key (the server); the encryptor counts saturations, which under DP stay on the node.
 With dp-mode local the coupling is not needed: each node's ``clip + N(0, (σC)²)`` is its
