@@ -84,13 +84,20 @@ def auc_with_ci(labels: np.ndarray, scores: np.ndarray, seed: int = 0, resamples
     if labels.min() == labels.max():
         raise LiraInputError("need both members and non-members")
     rng = np.random.default_rng(seed)
-    boot = []
-    for _ in range(resamples):
-        i = rng.integers(0, labels.size, labels.size)
-        if labels[i].min() != labels[i].max():
-            boot.append(roc_auc_score(labels[i], scores[i]))
-    lo, hi = np.percentile(boot, [2.5, 97.5])
+    i = rng.integers(0, labels.size, (resamples, labels.size))
+    lo, hi = np.nanpercentile(_rank_auc(labels[i].astype(bool), scores[i]), [2.5, 97.5])
     return float(roc_auc_score(labels, scores)), float(lo), float(hi)
+
+
+def _rank_auc(labels: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    """ROC AUC of each row (Mann–Whitney: mean rank of the members, ties averaged), NaN for a
+    row without both classes. All resamples in one rankdata call: roc_auc_score per resample
+    spent seconds per LiRA in input checks."""
+    pos = labels.sum(axis=1)
+    neg = labels.shape[1] - pos
+    ranks = stats.rankdata(scores, axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return ((ranks * labels).sum(axis=1) - pos * (pos + 1) / 2) / (pos * neg)
 
 
 def epsilon_lower_bound(labels: np.ndarray, scores: np.ndarray, delta: float, alpha: float = 0.05) -> float:

@@ -195,19 +195,26 @@ def _client_sigma(eps: float, sampling: str, population: int, cpr: int, rounds: 
     return sigma_for_epsilon(eps, sampling, population, cpr, rounds, delta)
 
 
+@functools.lru_cache(maxsize=None)
+def _sample_sigma(eps: float, delta: float, batches: int, steps: int) -> float:
+    """σ of one node's DP-SGD (q = 1/L, T steps); cached: Opacus' search takes seconds and the
+    seeds of a point share most batch counts."""
+    from crypto import noise_multiplier_for
+
+    return noise_multiplier_for(eps, delta, 1.0 / batches, steps)
+
+
 def sigma_for(mode: str, eps: float, delta: float, rounds: int, cpr: int, population: int,
               train_sizes: Sequence[int] | None, local_epochs: int, batch_size: int = 32,
               client_sampling: str = "fixed") -> float:
     """Noise multiplier that reaches ``eps`` (see the module docstring); 0 for ε = ∞."""
-    from crypto import noise_multiplier_for
-
     if math.isinf(eps):
         return 0.0
     if mode == "dp-sgd":
         if not train_sizes:
             raise ValueError("dp-sgd needs the nodes' training set sizes")
         batches = sorted({max(1, math.ceil(n / batch_size)) for n in train_sizes})
-        return max(noise_multiplier_for(eps, delta, 1.0 / b, b * local_epochs * rounds) for b in batches)
+        return max(_sample_sigma(eps, delta, b, b * local_epochs * rounds) for b in batches)
     return _client_sigma(eps, sampling_of(mode, client_sampling), population, cpr, rounds, delta)
 
 

@@ -111,3 +111,18 @@ def test_bad_input() -> None:
         epsilon_lower_bound(np.ones(4), np.zeros(4), 1e-5)
     with pytest.raises(LiraInputError, match="delta"):
         epsilon_lower_bound(*_perfect(4), delta=1.0)
+
+
+def test_bootstrap_auc_matches_sklearn() -> None:
+    from sklearn.metrics import roc_auc_score
+
+    from experiments.lira import _rank_auc
+
+    rng = np.random.default_rng(0)
+    labels = rng.random((6, 200)) < 0.5
+    scores = np.round(rng.normal(size=(6, 200)) + labels, 1)  # rounded: ties are averaged
+    want = [roc_auc_score(lab, sc) for lab, sc in zip(labels, scores)]
+    assert _rank_auc(labels, scores) == pytest.approx(want, abs=1e-12)
+    assert np.isnan(_rank_auc(np.ones((1, 5), dtype=bool), np.zeros((1, 5))))[0]
+    auc, lo, hi = auc_with_ci(labels[0].astype(int), scores[0])
+    assert auc == pytest.approx(want[0]) and lo < auc < hi and hi - lo < 0.3
