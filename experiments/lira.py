@@ -9,8 +9,9 @@ likelihood ratio. Every model serves once as the target with the others as its s
 whose shadows hold no IN or no OUT copy of the example are left out).
 Reported: ROC AUC with a bootstrap 95 % CI, TPR at 0.1 % FPR (the paper's headline, the
 low-FPR regime where a loss threshold says little) and the empirical ε lower bound the scores
-prove (``epsilon_lower_bound``: Clopper–Pearson, Jagielski et al. 2020, Nasr et al. 2021). The variance is pooled over examples
-("fixed variance" in the paper), which it recommends for few shadow models.
+prove (``epsilon_lower_bound``: Clopper–Pearson, Jagielski et al. 2020, Nasr et al. 2021). The
+variance is pooled over examples ("fixed variance" in the paper), which it recommends for few
+shadow models.
 
 The loss-threshold attack (``experiments.mia``) stays the cheap baseline; LiRA needs
 ``n_models`` trainings.

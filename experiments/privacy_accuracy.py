@@ -107,8 +107,8 @@ RUN_COLUMNS = [
     "task", "mode", "population", "clients_per_round", "rounds", "seed", "client_sampling", "target_epsilon",
     "noise_multiplier", "epsilon_spent", "epsilon_no_amplification", "epsilon_kind", "accuracy", "perplexity",
     "fed_metric", "mia_auc", "mia_members", "lira_auc", "lira_auc_ci_low", "lira_auc_ci_high",
-    "lira_tpr_at_0.1pct_fpr", "lira_epsilon_lb", "lira_models", "lira_pool", "lira_steps", "lira_sample_rate", "lira_s",
-    "lira_train_s", "status", "seconds", "round_s",
+    "lira_tpr_at_0.1pct_fpr", "lira_epsilon_lb", "lira_models", "lira_pool", "lira_steps", "lira_sample_rate",
+    "lira_s", "lira_train_s", "status", "seconds", "round_s",
 ]
 LIRA_COLUMNS = RUN_COLUMNS[RUN_COLUMNS.index("lira_auc"):RUN_COLUMNS.index("status")]
 METRICS = ("accuracy", "perplexity", "mia_auc", "lira_auc")
@@ -304,12 +304,12 @@ def sampled_train_data(grid, population: int, seed: int, alpha: float) -> tuple[
 def audited_mechanism(grid, sigma: float, clip_norm: float, lr: float, seed: int, delta: float):
     """The DP-SGD mechanism of the node the accountant charges most (largest ε, then most steps),
     with the sample rate and steps that node was charged in this run."""
-    from experiments.lira_dp_sgd import DpSgdMechanism
+    from experiments.lira_dp_sgd import DpSgdMechanism, MechanismError
 
     charged = {(round(1 / n.dp_sample_rate), n.dp_steps)
                for n in map(grid.node, grid.node_ids) if n.dp_steps > 0 and n.dp_sample_rate > 0}
     if not charged:
-        raise ValueError("no node ran DP-SGD in this run")
+        raise MechanismError("no node ran DP-SGD in this run: nothing to audit")
     mechs = [DpSgdMechanism(sigma, clip_norm, batches=b, steps=t, lr=lr, init_seed=seed) for b, t in charged]
     return max(mechs, key=lambda m: (m.epsilon(delta), m.steps))
 
@@ -335,14 +335,14 @@ def lira_of_run(grid, args: argparse.Namespace, population: int, sigma: float, s
     res = lira_attack(timed_train, x[pick], y[pick], n_models=args.lira_models, seed=seed, delta=args.delta)
     return {"lira_auc": res.auc, "lira_auc_ci_low": res.auc_ci_low, "lira_auc_ci_high": res.auc_ci_high,
             "lira_tpr_at_0.1pct_fpr": res.tpr_at_0_1pct_fpr, "lira_epsilon_lb": res.epsilon_lb,
-            "lira_models": args.lira_models, "lira_pool": len(pick), "lira_steps": mech.steps, "lira_sample_rate": mech.sample_rate,
-            "lira_s": time.perf_counter() - t0, "lira_train_s": train_s[0]}
+            "lira_models": args.lira_models, "lira_pool": len(pick), "lira_steps": mech.steps,
+            "lira_sample_rate": mech.sample_rate, "lira_s": time.perf_counter() - t0, "lira_train_s": train_s[0]}
 
 
 def no_lira() -> dict[str, Any]:
     """The LiRA columns of a run that has no sample-level audit (client-level modes, lm, failed)."""
-    return {**{k: math.nan for k in LIRA_COLUMNS}, "lira_models": 0, "lira_pool": 0, "lira_steps": 0, "lira_s": 0.0,
-            "lira_train_s": 0.0}
+    return {**{k: math.nan for k in LIRA_COLUMNS}, "lira_models": 0, "lira_pool": 0, "lira_steps": 0,
+            "lira_s": 0.0, "lira_train_s": 0.0}
 
 
 @torch.no_grad()
@@ -486,8 +486,8 @@ def summarise(runs: list[dict[str, Any]], args: argparse.Namespace, dim: int) ->
             row[f"{metric}_mean"], row[f"{metric}_ci_low"], row[f"{metric}_ci_high"] = mean_ci(
                 [r.get(metric, math.nan) for r in rs])  # runs.csv of older runs has no LiRA columns
         row["lira_tpr_at_0.1pct_fpr_mean"] = mean_ci([r.get("lira_tpr_at_0.1pct_fpr", math.nan) for r in rs])[0]
-        row["lira_epsilon_lb_max"] = max((r["lira_epsilon_lb"] for r in rs if math.isfinite(r.get("lira_epsilon_lb", math.nan))),
-                                         default=math.nan)
+        lbs = [r.get("lira_epsilon_lb", math.nan) for r in rs]
+        row["lira_epsilon_lb_max"] = max((v for v in lbs if math.isfinite(v)), default=math.nan)
         row["lira_models"] = int(max(r.get("lira_models", 0) for r in rs))
         row["epsilon_accountant"] = max(r["epsilon_spent"] for r in rs)
         row["epsilon_no_amplification"] = max(r["epsilon_no_amplification"] for r in rs)
@@ -611,10 +611,10 @@ def summary_lines(runs: list[dict[str, Any]], points: list[dict[str, Any]], args
              "figure against the server). audit ε: canary one-shot audit of the client-level mechanism "
              f"({args.audit_trials} trials; capped at 50 = the canary is plainly visible). LiRA (dp-sgd only): "
              f"{args.lira_models} DP-SGD models of the most-charged node's mechanism (its σ, q, steps) on halves of "
-             f"up to {args.lira_pool} examples of sampled clients (runs.csv: lira_pool, lira_steps), leave-one-out; AUC mean and CI over seeds, TPR at "
-             "0.1 % FPR mean, ε lb = the largest Clopper–Pearson lower bound over seeds, to set against the "
-             "sample-level ε accountant. MIA = loss-threshold AUC, members only from sampled clients vs the "
-             "global test split (0.5 = no leak).", "",
+             f"up to {args.lira_pool} examples of sampled clients (runs.csv: lira_pool, lira_steps), leave-one-out; "
+             "AUC mean and CI over seeds, TPR at 0.1 % FPR mean, ε lb = the largest Clopper–Pearson lower bound "
+             "over seeds, to set against the sample-level ε accountant. MIA = loss-threshold AUC, members only "
+             "from sampled clients vs the global test split (0.5 = no leak).", "",
              markdown_table(shown), ""]
     if args.client_sampling == "poisson" and any(m in FLOWER_MODES for m in args.modes):
         lines += ["Not like for like: the Flower modes sample a fixed k (replace-one ε), fedkv's modes here "
@@ -761,7 +761,8 @@ def read_rows(path) -> list[dict[str, Any]]:
     """runs.csv back into typed rows (the inverse of write_csv for RUN_COLUMNS)."""
     import csv
 
-    ints = {"population", "clients_per_round", "rounds", "seed", "mia_members", "lira_models", "lira_pool", "lira_steps"}
+    ints = {"population", "clients_per_round", "rounds", "seed", "mia_members", "lira_models", "lira_pool",
+            "lira_steps"}
     strs = {"task", "mode", "epsilon_kind", "status", "client_sampling"}
     rows = []
     with open(path, newline="") as fh:
