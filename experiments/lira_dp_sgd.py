@@ -79,8 +79,8 @@ def train_dp_sgd(mech: DpSgdMechanism, x: torch.Tensor, y: torch.Tensor, seed: i
 
     from node import digits
 
-    if len(y) == 0:
-        raise MechanismError("DP-SGD needs at least one training example")
+    if len(y) < mech.batches:  # Opacus scales the noise by the expected batch int(n·q): 0 divides
+        raise MechanismError(f"DP-SGD at q = 1/{mech.batches} needs at least {mech.batches} examples, got {len(y)}")
     gen = torch.Generator().manual_seed(seed)
     model = digits.make_model(mech.init_seed)
     loader = DPDataLoader(TensorDataset(x, y), sample_rate=mech.sample_rate, generator=gen)

@@ -124,9 +124,9 @@ FULL = {"populations": "10,50,100", "epsilons": "1,2,4,8,inf", "rounds": 25, "se
         "clients_per_round": 10, "lira_models": 32, "lira_pool": 256}
 QUICK = {"populations": "10", "epsilons": "1,8,inf", "rounds": 5, "seeds": 2, "audit_trials": 300,
          "clients_per_round": 5, "lira_models": 8, "lira_pool": 64}
-"""LiRA sizes: 32 models x 256 examples give ~8,000 attack samples (AUC CI about ±0.015, ~4,000
-non-members behind the 0.1 % FPR point); one shadow training of a 10-client point (200 steps) takes
-~0.4 s here. --quick: 8 x 64."""
+"""LiRA sizes: 32 models x 256 examples give ~8,000 attack samples (AUC CI about ±0.012, ~4,000
+non-members behind the 0.1 % FPR point). Measured here (2 shared cores): one shadow training of a
+10-client, 25-round point (150-250 steps) 0.2-0.4 s, one run's LiRA 8-14 s. --quick: 8 x 64."""
 MIA_SAMPLES = 360
 
 
@@ -317,13 +317,16 @@ def audited_mechanism(grid, sigma: float, clip_norm: float, lr: float, seed: int
 def lira_of_run(grid, args: argparse.Namespace, population: int, sigma: float, seed: int) -> dict[str, Any]:
     """The LiRA columns of one dp-sgd run (see the module docstring), timed."""
     from experiments.lira import lira_attack
-    from experiments.lira_dp_sgd import train_dp_sgd
+    from experiments.lira_dp_sgd import MechanismError, train_dp_sgd
 
     t0 = time.perf_counter()
     lr = args.lr if args.lr > 0 else grid.node(grid.node_ids[0]).task.default_lr
     mech = audited_mechanism(grid, sigma, args.clip_norm, lr, seed, args.delta)
     x, y = sampled_train_data(grid, population, seed, args.alpha)
     pick = torch.from_numpy(np.random.default_rng([seed, 7]).permutation(len(y))[: args.lira_pool])
+    if len(pick) < 4 * mech.batches:  # a random half below L examples cannot run at q = 1/L
+        raise MechanismError(f"LiRA pool of {len(pick)} examples is too small for q = 1/{mech.batches}: "
+                             f"use --lira-pool >= {4 * mech.batches}")
     train_s = [0.0]
 
     def timed_train(xs: torch.Tensor, ys: torch.Tensor, s: int) -> torch.nn.Module:

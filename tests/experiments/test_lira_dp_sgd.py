@@ -68,5 +68,7 @@ def test_bad_input() -> None:
                           ({"noise_multiplier": 1.0, "batches": 0}, "batch")):
         with pytest.raises(MechanismError, match=match):
             DpSgdMechanism(**kwargs)
-    with pytest.raises(MechanismError, match="at least one"):
+    with pytest.raises(MechanismError, match="at least 4 examples, got 0"):
         train_dp_sgd(DpSgdMechanism(1.0), torch.zeros(0, 64), torch.zeros(0, dtype=torch.long), seed=0)
+    with pytest.raises(MechanismError, match="at least 4 examples, got 3"):
+        train_dp_sgd(DpSgdMechanism(1.0, batches=4), torch.zeros(3, 64), torch.zeros(3, dtype=torch.long), seed=0)

@@ -142,7 +142,7 @@ def test_fraction_and_flags() -> None:
 
 
 DP_SGD = ["--epsilons", "8,inf", "--populations", "6", "--clients-per-round", "3", "--rounds", "2",
-          "--modes", "dp-sgd", "--seeds", "2", "--audit-trials", "20", "--lira-models", "4", "--lira-pool", "24",
+          "--modes", "dp-sgd", "--seeds", "2", "--audit-trials", "20", "--lira-models", "4", "--lira-pool", "40",
           "--no-estimate"]
 
 
@@ -153,7 +153,7 @@ def test_dp_sgd_sweep_has_lira_columns(tmp_path: Path) -> None:
                 "lira_models"):
         assert col in run_header, col
     for r in runs:
-        assert r["lira_models"] == "4" and 0 < int(r["lira_pool"]) <= 24 and int(r["lira_steps"]) > 0
+        assert r["lira_models"] == "4" and 0 < int(r["lira_pool"]) <= 40 and int(r["lira_steps"]) > 0
         lo, auc, hi = (float(r[k]) for k in ("lira_auc_ci_low", "lira_auc", "lira_auc_ci_high"))
         assert 0.0 <= lo <= auc <= hi <= 1.0 and 0.0 <= float(r["lira_tpr_at_0.1pct_fpr"]) <= 1.0
         assert float(r["lira_epsilon_lb"]) >= 0.0 and 0 < float(r["lira_sample_rate"]) <= 1.0
