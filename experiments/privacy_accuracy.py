@@ -15,6 +15,10 @@ Modes (same seeds, rounds, clients, clip norm, sampler for every point):
 * ``dp-sgd``         per-sample DP-SGD with Opacus on each client, CKKS sum (he=true, dp-mode none)
 * ``flower-adaptive`` Flower's DifferentialPrivacyClientSideAdaptiveClipping (Andrew et al. 2021),
                      otherwise as flower-central; ``--clip-norm`` is the initial norm. Not in --quick.
+* ``distributed-adaptive`` fedkv's distributed mode with adaptive clipping under HE (Andrew et al.
+                     2021: the noisy clipped count rides in the same ciphertext); σ from the same
+                     client-level accountant (the count's noise is paid inside σ, as in
+                     flower-adaptive). Not in --quick.
 
 Client sampling (``--client-sampling``, the run-config key ``client-sampling``): ``fixed`` (k of N
 without replacement, replace-one adjacency) or ``poisson`` (each client with q = k/N, fixed
@@ -44,10 +48,18 @@ Audits, next to the accountant's ε at every point:
   2024) of the point's mechanism — its sampler, clip norm, the noise the sum carries (σ; √k·σ
   for local) and rounds, at the model's dimension. An audit ε above the accountant's is
   reported as a failure in summary.md (a bug, not a figure).
-* sample level: the loss-threshold membership-inference AUC (``experiments.mia``) with members
-  drawn only from clients that were sampled at least once, non-members from the global test
-  split, balanced; mean and CI over seeds. LiRA (``experiments.lira``) is not run here: it
-  needs shadow federations per point.
+* sample level (dp-sgd, every run): LiRA (``experiments.lira``, Carlini et al. 2022) of the
+  point's per-node mechanism (``experiments.lira_dp_sgd``): ``--lira-models`` digits models
+  trained with Opacus DP-SGD at the point's σ, clip norm, q = 1/L and T steps of the node the
+  accountant charges most (L and T read from the run's nodes: the steps it was charged, not an
+  expectation), on random halves of a ``--lira-pool`` pool drawn only from the training shares of
+  clients sampled at least once in that seed's run; leave-one-out attack. Reported: AUC with its
+  bootstrap CI, TPR at 0.1 % FPR and the empirical ε lower bound (Clopper–Pearson,
+  ``experiments.lira.epsilon_lower_bound``) next to the accountant's sample-level ε; a lower
+  bound above the accountant's ε is listed as an audit failure. NaN for client-level modes.
+* both levels: the loss-threshold membership-inference AUC (``experiments.mia``) of the final
+  global model, members drawn only from clients that were sampled at least once, non-members
+  from the global test split, balanced; mean and CI over seeds.
 
 Accuracy is the final global model's accuracy on the digits global test split (never seen by
 any client); the federated (clients' held-out shares) metric of the last round is in the CSV as
@@ -86,28 +98,35 @@ from experiments.output import (
 )
 
 SCRIPT = "privacy_accuracy"
-MODES = ("distributed", "flower-central", "local", "dp-sgd", "flower-adaptive")
+MODES = ("distributed", "flower-central", "local", "dp-sgd", "flower-adaptive", "distributed-adaptive")
 QUICK_MODES = MODES[:4]
-"""--quick leaves flower-adaptive out (time); ``--modes`` adds it."""
-CLIENT_LEVEL = ("distributed", "flower-central", "local", "flower-adaptive")
+"""--quick leaves the adaptive modes out (time); ``--modes`` adds them."""
+CLIENT_LEVEL = ("distributed", "flower-central", "local", "flower-adaptive", "distributed-adaptive")
 FLOWER_MODES = ("flower-central", "flower-adaptive")
 RUN_COLUMNS = [
     "task", "mode", "population", "clients_per_round", "rounds", "seed", "client_sampling", "target_epsilon",
     "noise_multiplier", "epsilon_spent", "epsilon_no_amplification", "epsilon_kind", "accuracy", "perplexity",
-    "fed_metric", "mia_auc", "mia_members", "status", "seconds", "round_s",
+    "fed_metric", "mia_auc", "mia_members", "lira_auc", "lira_auc_ci_low", "lira_auc_ci_high",
+    "lira_tpr_at_0.1pct_fpr", "lira_epsilon_lb", "lira_models", "lira_pool", "lira_steps", "lira_sample_rate",
+    "lira_s", "lira_train_s", "status", "seconds", "round_s",
 ]
-METRICS = ("accuracy", "perplexity", "mia_auc")
+LIRA_COLUMNS = RUN_COLUMNS[RUN_COLUMNS.index("lira_auc"):RUN_COLUMNS.index("status")]
+METRICS = ("accuracy", "perplexity", "mia_auc", "lira_auc")
 COLUMNS = [
     "task", "mode", "population", "clients_per_round", "rounds", "client_sampling", "target_epsilon",
     "noise_multiplier", "n_seeds", "accuracy_mean", "accuracy_ci_low", "accuracy_ci_high", "perplexity_mean",
     "perplexity_ci_low", "perplexity_ci_high", "mia_auc_mean", "mia_auc_ci_low", "mia_auc_ci_high",
     "epsilon_accountant", "epsilon_no_amplification", "epsilon_kind", "audit_epsilon", "audit_kind",
-    "completed", "seconds",
+    "lira_auc_mean", "lira_auc_ci_low", "lira_auc_ci_high", "lira_tpr_at_0.1pct_fpr_mean", "lira_epsilon_lb_max",
+    "lira_models", "completed", "seconds",
 ]
 FULL = {"populations": "10,50,100", "epsilons": "1,2,4,8,inf", "rounds": 25, "seeds": 5, "audit_trials": 1000,
-        "clients_per_round": 10}
+        "clients_per_round": 10, "lira_models": 32, "lira_pool": 256}
 QUICK = {"populations": "10", "epsilons": "1,8,inf", "rounds": 5, "seeds": 2, "audit_trials": 300,
-         "clients_per_round": 5}
+         "clients_per_round": 5, "lira_models": 8, "lira_pool": 64}
+"""LiRA sizes: 32 models x 256 examples give ~8,000 attack samples (AUC CI about ±0.012, ~4,000
+non-members behind the 0.1 % FPR point). Measured here (2 shared cores): one shadow training of a
+10-client, 25-round point (150-250 steps) 0.2-0.4 s, one run's LiRA 8-14 s. --quick: 8 x 64."""
 MIA_SAMPLES = 360
 
 
@@ -176,19 +195,26 @@ def _client_sigma(eps: float, sampling: str, population: int, cpr: int, rounds: 
     return sigma_for_epsilon(eps, sampling, population, cpr, rounds, delta)
 
 
+@functools.lru_cache(maxsize=None)
+def _sample_sigma(eps: float, delta: float, batches: int, steps: int) -> float:
+    """σ of one node's DP-SGD (q = 1/L, T steps); cached: Opacus' search takes seconds and the
+    seeds of a point share most batch counts."""
+    from crypto import noise_multiplier_for
+
+    return noise_multiplier_for(eps, delta, 1.0 / batches, steps)
+
+
 def sigma_for(mode: str, eps: float, delta: float, rounds: int, cpr: int, population: int,
               train_sizes: Sequence[int] | None, local_epochs: int, batch_size: int = 32,
               client_sampling: str = "fixed") -> float:
     """Noise multiplier that reaches ``eps`` (see the module docstring); 0 for ε = ∞."""
-    from crypto import noise_multiplier_for
-
     if math.isinf(eps):
         return 0.0
     if mode == "dp-sgd":
         if not train_sizes:
             raise ValueError("dp-sgd needs the nodes' training set sizes")
         batches = sorted({max(1, math.ceil(n / batch_size)) for n in train_sizes})
-        return max(noise_multiplier_for(eps, delta, 1.0 / b, b * local_epochs * rounds) for b in batches)
+        return max(_sample_sigma(eps, delta, b, b * local_epochs * rounds) for b in batches)
     return _client_sigma(eps, sampling_of(mode, client_sampling), population, cpr, rounds, delta)
 
 
@@ -216,6 +242,8 @@ def run_config_for(args: argparse.Namespace, mode: str, population: int, cpr: in
         rc.update(poisson_bounds(cpr, population))
     if mode == "distributed":
         rc.update({"he": True, "dp-mode": "distributed"})
+    elif mode == "distributed-adaptive":
+        rc.update({"he": True, "dp-mode": "distributed", "adaptive-clipping": True})
     elif mode == "local":
         rc.update({"he": True, "dp-mode": "local"})
     elif mode in FLOWER_MODES:
@@ -255,17 +283,69 @@ def _digits_final(grid, population: int, seed: int, alpha: float,
     cfg = digits.DigitsConfig(num_partitions=population, alpha=alpha, seed=seed)
     test = digits.load_global_test(cfg).dataset.tensors
     _, acc = digits.evaluate(model, digits.load_global_test(cfg))
-    xs, ys = [], []
-    for i in trained_partitions(grid):  # a never-sampled client's data cannot leak
-        x, y = digits.load_partition(i, cfg)[0].dataset.tensors
-        xs.append(x)
-        ys.append(y)
-    mx, my = torch.cat(xs), torch.cat(ys)
+    mx, my = sampled_train_data(grid, population, seed, alpha)
     n = min(MIA_SAMPLES, len(my), len(test[1]))
     pick_m = torch.from_numpy(rng.permutation(len(my))[:n])
     pick_n = torch.from_numpy(rng.permutation(len(test[1]))[:n])
     auc = attack_auc(model, (mx[pick_m], my[pick_m]), (test[0][pick_n], test[1][pick_n]))
     return acc, auc, n
+
+
+def sampled_train_data(grid, population: int, seed: int, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training shares of the clients sampled at least once (a never-sampled client's data
+    cannot leak, so it is no member)."""
+    from node import digits
+
+    cfg = digits.DigitsConfig(num_partitions=population, alpha=alpha, seed=seed)
+    xs, ys = zip(*(digits.load_partition(i, cfg)[0].dataset.tensors for i in trained_partitions(grid)))
+    return torch.cat(xs), torch.cat(ys)
+
+
+def audited_mechanism(grid, sigma: float, clip_norm: float, lr: float, seed: int, delta: float):
+    """The DP-SGD mechanism of the node the accountant charges most (largest ε, then most steps),
+    with the sample rate and steps that node was charged in this run."""
+    from experiments.lira_dp_sgd import DpSgdMechanism, MechanismError
+
+    charged = {(round(1 / n.dp_sample_rate), n.dp_steps)
+               for n in map(grid.node, grid.node_ids) if n.dp_steps > 0 and n.dp_sample_rate > 0}
+    if not charged:
+        raise MechanismError("no node ran DP-SGD in this run: nothing to audit")
+    mechs = [DpSgdMechanism(sigma, clip_norm, batches=b, steps=t, lr=lr, init_seed=seed) for b, t in charged]
+    return max(mechs, key=lambda m: (m.epsilon(delta), m.steps))
+
+
+def lira_of_run(grid, args: argparse.Namespace, population: int, sigma: float, seed: int) -> dict[str, Any]:
+    """The LiRA columns of one dp-sgd run (see the module docstring), timed."""
+    from experiments.lira import lira_attack
+    from experiments.lira_dp_sgd import MechanismError, train_dp_sgd
+
+    t0 = time.perf_counter()
+    lr = args.lr if args.lr > 0 else grid.node(grid.node_ids[0]).task.default_lr
+    mech = audited_mechanism(grid, sigma, args.clip_norm, lr, seed, args.delta)
+    x, y = sampled_train_data(grid, population, seed, args.alpha)
+    pick = torch.from_numpy(np.random.default_rng([seed, 7]).permutation(len(y))[: args.lira_pool])
+    if len(pick) < 4 * mech.batches:  # a random half below L examples cannot run at q = 1/L
+        raise MechanismError(f"LiRA pool of {len(pick)} examples is too small for q = 1/{mech.batches}: "
+                             f"use --lira-pool >= {4 * mech.batches}")
+    train_s = [0.0]
+
+    def timed_train(xs: torch.Tensor, ys: torch.Tensor, s: int) -> torch.nn.Module:
+        t = time.perf_counter()
+        model = train_dp_sgd(mech, xs, ys, s)
+        train_s[0] += time.perf_counter() - t
+        return model
+
+    res = lira_attack(timed_train, x[pick], y[pick], n_models=args.lira_models, seed=seed, delta=args.delta)
+    return {"lira_auc": res.auc, "lira_auc_ci_low": res.auc_ci_low, "lira_auc_ci_high": res.auc_ci_high,
+            "lira_tpr_at_0.1pct_fpr": res.tpr_at_0_1pct_fpr, "lira_epsilon_lb": res.epsilon_lb,
+            "lira_models": args.lira_models, "lira_pool": len(pick), "lira_steps": mech.steps,
+            "lira_sample_rate": mech.sample_rate, "lira_s": time.perf_counter() - t0, "lira_train_s": train_s[0]}
+
+
+def no_lira() -> dict[str, Any]:
+    """The LiRA columns of a run that has no sample-level audit (client-level modes, lm, failed)."""
+    return {**{k: math.nan for k in LIRA_COLUMNS}, "lira_models": 0, "lira_pool": 0, "lira_steps": 0,
+            "lira_s": 0.0, "lira_train_s": 0.0}
 
 
 @torch.no_grad()
@@ -321,6 +401,7 @@ def run_point(args: argparse.Namespace, mode: str, population: int, eps: float,
     rng = np.random.default_rng(seed)
     acc = ppl = auc = math.nan
     members = 0
+    lira = no_lira()
     if results.status == "completed":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -328,6 +409,8 @@ def run_point(args: argparse.Namespace, mode: str, population: int, eps: float,
                 acc, auc, members = _digits_final(grid, population, seed, args.alpha, rng)
             else:
                 ppl, auc, members = _lm_final(grid, seed)
+            if mode == "dp-sgd" and args.lira_models > 0:
+                lira = lira_of_run(grid, args, population, sigma, seed)
     seconds = time.perf_counter() - t0
     phases = [r.seconds.get("train_phase", math.nan) + r.seconds.get("evaluate_phase", math.nan)
               for r in results.rounds]
@@ -339,7 +422,7 @@ def run_point(args: argparse.Namespace, mode: str, population: int, eps: float,
         "noise_multiplier": sigma, "epsilon_spent": spent, "epsilon_no_amplification": no_amp,
         "epsilon_kind": kind, "accuracy": acc, "perplexity": ppl,
         "fed_metric": float(last.eval_metric) if last else math.nan, "mia_auc": auc, "mia_members": members,
-        "status": results.status.split(":")[0], "seconds": seconds, "round_s": round_s,
+        **lira, "status": results.status.split(":")[0], "seconds": seconds, "round_s": round_s,
     }
 
 
@@ -404,7 +487,11 @@ def summarise(runs: list[dict[str, Any]], args: argparse.Namespace, dim: int) ->
         row["n_seeds"] = len(rs)
         for metric in METRICS:
             row[f"{metric}_mean"], row[f"{metric}_ci_low"], row[f"{metric}_ci_high"] = mean_ci(
-                [r[metric] for r in rs])
+                [r.get(metric, math.nan) for r in rs])  # runs.csv of older runs has no LiRA columns
+        row["lira_tpr_at_0.1pct_fpr_mean"] = mean_ci([r.get("lira_tpr_at_0.1pct_fpr", math.nan) for r in rs])[0]
+        lbs = [r.get("lira_epsilon_lb", math.nan) for r in rs]
+        row["lira_epsilon_lb_max"] = max((v for v in lbs if math.isfinite(v)), default=math.nan)
+        row["lira_models"] = int(max(r.get("lira_models", 0) for r in rs))
         row["epsilon_accountant"] = max(r["epsilon_spent"] for r in rs)
         row["epsilon_no_amplification"] = max(r["epsilon_no_amplification"] for r in rs)
         row["audit_epsilon"], row["audit_kind"] = audit_point(args, mode, pop, first["clients_per_round"],
@@ -416,11 +503,16 @@ def summarise(runs: list[dict[str, Any]], args: argparse.Namespace, dim: int) ->
 
 
 def audit_failures(points: list[dict[str, Any]]) -> list[str]:
-    """Points whose audit ε exceeds the accountant's: a bug, never a result."""
-    return [f"{p['mode']} pop {p['population']} ε={_fmt_eps(p['target_epsilon'])}: audit "
-            f"{p['audit_epsilon']:.3g} > accountant {p['epsilon_accountant']:.3g}"
-            for p in points if math.isfinite(p["audit_epsilon"]) and math.isfinite(p["epsilon_accountant"])
-            and p["audit_epsilon"] > p["epsilon_accountant"]]
+    """Points whose audit ε (canary, or LiRA's lower bound) exceeds the accountant's: a bug,
+    never a result."""
+    out = []
+    for p in points:
+        for key, name in (("audit_epsilon", "canary audit"), ("lira_epsilon_lb_max", "LiRA ε lower bound")):
+            v, acc = p.get(key, math.nan), p["epsilon_accountant"]
+            if math.isfinite(v) and math.isfinite(acc) and v > acc:
+                out.append(f"{p['mode']} pop {p['population']} ε={_fmt_eps(p['target_epsilon'])}: {name} "
+                           f"{v:.3g} > accountant {acc:.3g}")
+    return out
 
 
 def model_dim(task: str, seed: int) -> int:
@@ -435,22 +527,39 @@ def model_dim(task: str, seed: int) -> int:
 def calibrate(args: argparse.Namespace, populations: Sequence[int]) -> tuple[float, str]:
     """Seconds for the whole sweep from one measured 2-round run per (population, mode) at
     ε = 8: per-round cost = the rounds' measured phase times (train + evaluate), the rest of
-    the run (node setup, provisioning, final evaluation, MIA) counted once per run. Cost
-    is linear in rounds and seeds; it hardly depends on ε (noise is drawn either way). The
-    audits and σ searches are not included."""
+    the run (node setup, provisioning, final evaluation, MIA) counted once per run, and for
+    dp-sgd its LiRA (``lira_estimate``). Cost is linear in rounds and seeds; it hardly depends
+    on ε (noise is drawn either way). The canary audits and σ searches are not included."""
     total = 0.0
     sub = argparse.Namespace(**{**vars(args), "rounds": 2})
     for pop in populations:
         sizes = digits_train_sizes(pop, args.seed, args.alpha) if args.task == "digits" else None
         for i, mode in enumerate(args.modes):
             row = run_point(sub, mode, pop, 8.0, sizes, run_id=900_000 + pop * 10 + i)
-            per_round = row["round_s"] / 2 if math.isfinite(row["round_s"]) else row["seconds"] / 2
-            setup = max(row["seconds"] - 2 * per_round, 0.0)
-            total += len(args.epsilons) * args.seeds * (setup + per_round * args.rounds)
+            total += len(args.epsilons) * args.seeds * run_estimate(row, args.rounds, args.local_epochs)
     basis = (f"one measured 2-round run per (population, mode) on this machine now, per-round and "
              f"fixed costs extrapolated to {args.rounds} rounds x {len(args.epsilons)} epsilons x "
-             f"{args.seeds} seeds; audits not included")
+             f"{args.seeds} seeds; LiRA ({args.lira_models} models) included, its training scaled to a node "
+             "trained every round; canary audits not included")
     return total, basis
+
+
+def run_estimate(row: dict[str, Any], rounds: int, local_epochs: int) -> float:
+    """Seconds of one run at ``rounds`` from a measured 2-round ``row`` of run_point."""
+    per_round = row["round_s"] / 2 if math.isfinite(row["round_s"]) else row["seconds"] / 2
+    setup = max(row["seconds"] - 2 * per_round - row["lira_s"], 0.0)
+    return setup + per_round * rounds + lira_estimate(row, rounds, local_epochs)
+
+
+def lira_estimate(row: dict[str, Any], rounds: int, local_epochs: int) -> float:
+    """Seconds of a run's LiRA at ``rounds``: the measured training time per DP-SGD step times
+    models x L x epochs x rounds (an upper bound: the audited node trained every round), plus
+    the measured attack time (scoring, bootstrap), which does not grow with the steps."""
+    if not row["lira_models"] or not row["lira_steps"]:
+        return 0.0
+    per_step = row["lira_train_s"] / (row["lira_models"] * row["lira_steps"])
+    steps = round(1 / row["lira_sample_rate"]) * local_epochs * rounds
+    return per_step * row["lira_models"] * steps + max(row["lira_s"] - row["lira_train_s"], 0.0)
 
 
 # -- outputs ------------------------------------------------------------------------------
@@ -486,6 +595,9 @@ def summary_lines(runs: list[dict[str, Any]], points: list[dict[str, Any]], args
               "n_seeds": p["n_seeds"], f"{metric} mean [95% CI]": _fmt_ci(p, metric),
               "ε accountant": _fmt_eps(p["epsilon_accountant"]), "ε no ampl.": _fmt_eps(p["epsilon_no_amplification"]),
               "ε kind": p["epsilon_kind"], "audit ε": _fmt_eps(p["audit_epsilon"]),
+              "LiRA ε lb": _fmt_eps(p.get("lira_epsilon_lb_max", math.nan)),
+              "LiRA AUC [95% CI]": _fmt_ci(p, "lira_auc"),
+              "LiRA TPR@0.1%FPR": f"{p.get('lira_tpr_at_0.1pct_fpr_mean', math.nan):.3g}",
               "MIA AUC [95% CI]": _fmt_ci(p, "mia_auc")} for p in points]
     few = len(seeds) < 5
     quick = (f" — **{'quick mode: ' if args.quick else ''}only {len(seeds)} seed(s), fewer than the 5 a result "
@@ -500,8 +612,12 @@ def summary_lines(runs: list[dict[str, Any]], points: list[dict[str, Any]], args
              + "ε accountant: client-level (Flower RdpAccountant for the sampler) except dp-sgd: sample-level "
              "(largest node ε, Opacus). ε no ampl.: the same releases without amplification by sampling (the "
              "figure against the server). audit ε: canary one-shot audit of the client-level mechanism "
-             f"({args.audit_trials} trials; capped at 50 = the canary is plainly visible). MIA = loss-threshold "
-             "AUC, members only from sampled clients vs the global test split (0.5 = no leak).", "",
+             f"({args.audit_trials} trials; capped at 50 = the canary is plainly visible). LiRA (dp-sgd only): "
+             f"{args.lira_models} DP-SGD models of the most-charged node's mechanism (its σ, q, steps) on halves of "
+             f"up to {args.lira_pool} examples of sampled clients (runs.csv: lira_pool, lira_steps), leave-one-out; "
+             "AUC mean and CI over seeds, TPR at 0.1 % FPR mean, ε lb = the largest Clopper–Pearson lower bound "
+             "over seeds, to set against the sample-level ε accountant. MIA = loss-threshold AUC, members only "
+             "from sampled clients vs the global test split (0.5 = no leak).", "",
              markdown_table(shown), ""]
     if args.client_sampling == "poisson" and any(m in FLOWER_MODES for m in args.modes):
         lines += ["Not like for like: the Flower modes sample a fixed k (replace-one ε), fedkv's modes here "
@@ -536,7 +652,9 @@ def plot_points(run_dir, points: list[dict[str, Any]], args: argparse.Namespace)
                              ("sample", [m for m in args.modes if m == "dp-sgd"])):
             if not modes:
                 continue
-            for key, ylabel in ((metric, metric), ("mia_auc", "membership-inference AUC")):
+            keys = [(metric, metric), ("mia_auc", "membership-inference AUC")]
+            keys += [("lira_auc", "LiRA AUC (sample-level audit)")] if level == "sample" else []
+            for key, ylabel in keys:
                 series, styles, bands = {}, {}, {}
                 xs_all = []
                 for mode in modes:
@@ -552,10 +670,10 @@ def plot_points(run_dir, points: list[dict[str, Any]], args: argparse.Namespace)
                         styles[label] = {"linestyle": "--", "marker": "", "color": color}
                 if not series:  # only ε=∞ points: plot them at x=1 so the file still exists
                     series = {p["mode"]: ([1.0], [p[f"{key}_mean"]]) for p in sub if p["mode"] in modes}
-                if key == "mia_auc" and xs_all:
+                if key in ("mia_auc", "lira_auc") and xs_all:
                     series["chance (0.5)"] = ([min(xs_all), max(xs_all)], [0.5, 0.5])
                     styles["chance (0.5)"] = {"linestyle": ":", "marker": "", "color": "gray"}
-                fname = f"{'mia_auc' if key == 'mia_auc' else metric}_vs_{level}_epsilon_pop{pop}.png"
+                fname = f"{key}_vs_{level}_epsilon_pop{pop}.png"
                 plot_lines(run_dir / fname, series, xlabel=f"{level}-level ε spent (log; dashed = ε=∞)",
                            ylabel=ylabel, logx=True, logy=False, styles=styles, bands=bands,
                            title=f"{args.task}, {pop} clients, {sub[0]['clients_per_round']} per round, "
@@ -622,6 +740,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clients-per-round", type=int, default=None,
                    help=f"clients sampled per round (capped at the population; default {FULL['clients_per_round']}, "
                         f"quick {QUICK['clients_per_round']})")
+    p.add_argument("--lira-models", type=int, default=None,
+                   help=f"LiRA models per dp-sgd run, 0 = no LiRA (default {FULL['lira_models']}, quick "
+                        f"{QUICK['lira_models']})")
+    p.add_argument("--lira-pool", type=int, default=None,
+                   help=f"examples of sampled clients the LiRA models train on halves of (default "
+                        f"{FULL['lira_pool']}, quick {QUICK['lira_pool']})")
     p.add_argument("--delta", type=float, default=1e-5)
     p.add_argument("--clip-norm", type=float, default=1.0)
     p.add_argument("--local-epochs", type=int, default=2)
@@ -640,7 +764,8 @@ def read_rows(path) -> list[dict[str, Any]]:
     """runs.csv back into typed rows (the inverse of write_csv for RUN_COLUMNS)."""
     import csv
 
-    ints = {"population", "clients_per_round", "rounds", "seed", "mia_members"}
+    ints = {"population", "clients_per_round", "rounds", "seed", "mia_members", "lira_models", "lira_pool",
+            "lira_steps"}
     strs = {"task", "mode", "epsilon_kind", "status", "client_sampling"}
     rows = []
     with open(path, newline="") as fh:
@@ -664,6 +789,8 @@ def _replot(args: argparse.Namespace) -> int:
     args.seed = min(r["seed"] for r in runs)
     args.audit_trials = args.audit_trials or QUICK["audit_trials"]
     args.clients_per_round = args.clients_per_round or max(r["clients_per_round"] for r in runs)
+    args.lira_models = max((int(r.get("lira_models", 0)) for r in runs), default=0)
+    args.lira_pool = max((int(r.get("lira_pool", 0)) for r in runs), default=0)
     points = summarise(runs, args, model_dim(args.task, args.seed))
     write_outputs(run_dir, runs, points, args, {"replot": True, "wall_s": sum(r["seconds"] for r in runs)})
     print((run_dir / "summary.md").read_text())
@@ -680,6 +807,8 @@ def _resolve(args: argparse.Namespace) -> str | None:
     args.seeds = args.seeds or preset["seeds"]
     args.audit_trials = args.audit_trials or preset["audit_trials"]
     args.clients_per_round = args.clients_per_round or preset["clients_per_round"]
+    args.lira_models = preset["lira_models"] if args.lira_models is None else args.lira_models
+    args.lira_pool = args.lira_pool or preset["lira_pool"]
     args.modes = args.modes or list(QUICK_MODES if args.quick else MODES)
     if args.task == "lm" and "dp-sgd" in args.modes:
         args.modes = [m for m in args.modes if m != "dp-sgd"]
@@ -688,6 +817,8 @@ def _resolve(args: argparse.Namespace) -> str | None:
             return "no mode left to run"
     if args.rounds < 1 or args.clients_per_round < 2 or args.seeds < 1 or args.audit_trials < 20:
         return "--rounds and --seeds must be >= 1, --clients-per-round >= 2, --audit-trials >= 20"
+    if args.lira_models != 0 and args.lira_models < 4 or args.lira_pool < 8:
+        return "--lira-models must be 0 (no LiRA) or >= 4, --lira-pool >= 8"
     return None
 
 

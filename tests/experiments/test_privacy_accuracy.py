@@ -139,3 +139,84 @@ def test_fraction_and_flags() -> None:
     assert rc["min-clients"] == 5 and rc["max-clients"] == 19  # 10 + 3 sd (sd = 3) of Binomial(100, 0.1)
     rc = pa.run_config_for(args, "dp-sgd", 100, 10, 0.5, 0, 50.0)
     assert rc["he"] is True and rc["dp-sgd"] is True and rc["dp-mode"] == "none" and rc["max-weight"] == 50.0
+
+
+DP_SGD = ["--epsilons", "8,inf", "--populations", "6", "--clients-per-round", "3", "--rounds", "2",
+          "--modes", "dp-sgd", "--seeds", "2", "--audit-trials", "20", "--lira-models", "4", "--lira-pool", "40",
+          "--no-estimate"]
+
+
+def test_dp_sgd_sweep_has_lira_columns(tmp_path: Path) -> None:
+    _, run_dir = _run(DP_SGD, tmp_path)
+    runs, run_header = _csv(run_dir / "runs.csv")
+    for col in ("lira_auc", "lira_auc_ci_low", "lira_auc_ci_high", "lira_tpr_at_0.1pct_fpr", "lira_epsilon_lb",
+                "lira_models"):
+        assert col in run_header, col
+    for r in runs:
+        assert r["lira_models"] == "4" and 0 < int(r["lira_pool"]) <= 40 and int(r["lira_steps"]) > 0
+        lo, auc, hi = (float(r[k]) for k in ("lira_auc_ci_low", "lira_auc", "lira_auc_ci_high"))
+        assert 0.0 <= lo <= auc <= hi <= 1.0 and 0.0 <= float(r["lira_tpr_at_0.1pct_fpr"]) <= 1.0
+        assert float(r["lira_epsilon_lb"]) >= 0.0 and 0 < float(r["lira_sample_rate"]) <= 1.0
+    points, header = _csv(run_dir / "points.csv")
+    for col in ("lira_auc_mean", "lira_auc_ci_low", "lira_auc_ci_high", "lira_tpr_at_0.1pct_fpr_mean",
+                "lira_epsilon_lb_max", "lira_models"):
+        assert col in header, col
+    for p in points:
+        assert 0.0 <= float(p["lira_auc_mean"]) <= 1.0 and p["lira_models"] == "4"
+        if p["target_epsilon"] != "inf":  # a lower bound above the accountant would be a bug
+            assert float(p["lira_epsilon_lb_max"]) <= float(p["epsilon_accountant"])
+    summary = (run_dir / "summary.md").read_text()
+    assert "LiRA AUC [95% CI]" in summary and "audit check: every audit ε is at or below" in summary
+    assert (run_dir / "lira_auc_vs_sample_epsilon_pop6.png").stat().st_size > 0
+
+
+def test_client_level_runs_have_no_lira() -> None:
+    row = pa.no_lira()
+    assert set(pa.LIRA_COLUMNS) <= set(row) and math.isnan(row["lira_auc"]) and row["lira_models"] == 0
+    base = {"mode": "dp-sgd", "population": 10, "target_epsilon": 4.0, "audit_epsilon": math.nan,
+            "epsilon_accountant": 4.0}
+    assert pa.audit_failures([{**base, "lira_epsilon_lb_max": 4.5}])[0].count("LiRA") == 1
+    assert not pa.audit_failures([{**base, "lira_epsilon_lb_max": 1.0}])
+
+
+def test_estimate_includes_lira() -> None:
+    # 2-round calibration row: 2 s of rounds, 1.5 s LiRA of which 1 s training (4 models x 8 steps)
+    row = {"round_s": 2.0, "seconds": 5.0, "lira_s": 1.5, "lira_train_s": 1.0, "lira_models": 4,
+           "lira_steps": 8, "lira_sample_rate": 0.25}
+    # setup 5 - 2 - 1.5; rounds 10 x 1 s; LiRA 1/32 s per step x 4 models x (4 x 2 x 10) steps + 0.5 s attack
+    assert pa.lira_estimate(row, rounds=10, local_epochs=2) == pytest.approx(10.5)
+    assert pa.run_estimate(row, rounds=10, local_epochs=2) == pytest.approx(1.5 + 10.0 + 10.5)
+    assert pa.lira_estimate({**row, "lira_models": 0, "lira_steps": 0}, 10, 2) == 0.0
+
+
+def test_full_run_prints_its_duration_before_the_first_point(monkeypatch, capsys, tmp_path: Path) -> None:
+    seen: dict[str, object] = {}
+
+    def calibrate(args, populations):
+        seen.update(rounds=args.rounds, lira_models=args.lira_models, modes=list(args.modes))
+        return 7200.0, "stub basis"
+
+    def first_point(*args, **kwargs):
+        seen["printed"] = capsys.readouterr().out
+        raise KeyboardInterrupt  # stop before the first real run
+
+    monkeypatch.setattr(pa, "calibrate", calibrate)
+    monkeypatch.setattr(pa, "run_point", first_point)
+    monkeypatch.setattr(pa, "make_run_dir", lambda out, script: tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        pa.main([])
+    assert seen["rounds"] == 25 and seen["lira_models"] == 32 and seen["modes"] == list(pa.MODES)
+    assert "expected duration of 90 points x 5 seeds: ~2.0 h" in str(seen["printed"])
+
+
+def test_distributed_adaptive_is_distributed_plus_adaptive_clipping() -> None:
+    assert "distributed-adaptive" in pa.MODES and "distributed-adaptive" not in pa.QUICK_MODES
+    assert "distributed-adaptive" in pa.CLIENT_LEVEL
+    for sampling in ("fixed", "poisson"):
+        args = pa.build_parser().parse_args(["--client-sampling", sampling])
+        plain = pa.run_config_for(args, "distributed", 100, 10, 0.5, 0, 50.0)
+        adaptive = pa.run_config_for(args, "distributed-adaptive", 100, 10, 0.5, 0, 50.0)
+        assert adaptive == {**plain, "adaptive-clipping": True}
+        assert pa.sigma_for("distributed-adaptive", 4.0, 1e-5, 10, 10, 100, None, 2, client_sampling=sampling) == \
+            pa.sigma_for("distributed", 4.0, 1e-5, 10, 10, 100, None, 2, client_sampling=sampling)
+    assert pa.parse_modes("distributed-adaptive") == ["distributed-adaptive"]
