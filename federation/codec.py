@@ -298,7 +298,7 @@ def _derived_range(cfg: RunConfig, dim: int, s: float) -> float:
     adaptive = adaptive_clipping_for(cfg)
     if adaptive is not None:  # σ = 0: the clipped-count coordinate is ±a/2 exactly and must not saturate
         heuristic = max(heuristic, adaptive.count_scale / 2)
-    return _round_up_6(heuristic)
+    return float(f"{heuristic:.6g}")
 
 
 def packing_for(cfg: RunConfig, dim: int) -> PackingConfig:
