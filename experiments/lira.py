@@ -110,9 +110,12 @@ def epsilon_lower_bound(labels: np.ndarray, scores: np.ndarray, delta: float, al
     (never smaller than the binomial's own tail), so each threshold's figure is at most the true
     rates' bound with probability >= 1 − 2·alpha — the estimate errs towards 0, never above ε.
     The complement test (TNR <= e^ε · FNR + δ) is scanned as well (the same DP inequality).
-    Caveats, stated rather than corrected: the max over thresholds is not adjusted for multiple
-    comparisons, and the leave-one-out samples share models and examples, so the level is
-    nominal; a figure near the accountant's ε deserves a rerun, one well above it is a bug."""
+    The max over the K thresholds (both tests) is Bonferroni-adjusted: each bound is taken at
+    level ``alpha``/K, so all of them hold together with probability >= 1 − 2·alpha and the max
+    is a lower bound at that level, not a best-of-K pick. Caveat, stated rather than
+    corrected: the leave-one-out samples share models and examples, so they are not independent
+    trials and the level is nominal; a figure near the accountant's ε deserves a rerun, one well
+    above it is a bug."""
     labels, scores = np.asarray(labels).astype(bool), np.asarray(scores, dtype=np.float64)
     pos, neg = int(labels.sum()), int((~labels).sum())
     if pos == 0 or neg == 0:
@@ -123,7 +126,8 @@ def epsilon_lower_bound(labels: np.ndarray, scores: np.ndarray, delta: float, al
     s, lab = scores[order], labels[order]
     last = np.r_[s[1:] != s[:-1], True]  # a threshold between distinct scores only
     tp, fp = np.cumsum(lab)[last], np.cumsum(~lab)[last]
-    eps = max(_bound(tp, pos, fp, neg, delta, alpha), _bound(neg - fp, neg, pos - tp, pos, delta, alpha))
+    each = alpha / (2 * len(tp))  # Bonferroni over every threshold of both tests
+    eps = max(_bound(tp, pos, fp, neg, delta, each), _bound(neg - fp, neg, pos - tp, pos, delta, each))
     return max(eps, 0.0)
 
 
