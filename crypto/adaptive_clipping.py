@@ -18,6 +18,11 @@ mechanism at noise multiplier
 z = (z_Δ⁻² + (2σ_b)⁻²)^(−1/2): the accountant charges z, and z_Δ = (z⁻² − (2σ_b)⁻²)^(−1/2)
 is what the clients add (their Theorem 1; Flower makes the same split). C is then a function of
 released values only (public to every key holder), so nodes can keep it themselves.
+
+A hostile node can lie about its bit as it can about its update: its count value is saturated to
+the public range ±R like every other value, so one node moves b̃ by at most (R + a/2)/(a·m) and
+C by at most that times η in the exponent, per round; the other nodes' guarantee does not depend
+on it (C is a function of released values, and their noise is their own).
 """
 
 from __future__ import annotations

@@ -84,6 +84,25 @@ def test_tiny_sweep_writes_every_output(tmp_path: Path) -> None:
     assert pa.read_rows(run_dir / "runs.csv")[0]["population"] == 8
 
 
+def test_quick_mode_as_the_issue_names_it(tmp_path: Path) -> None:
+    """The acceptance command itself, ``--quick``: 2 seeds and it says so, every mode of the quick
+    set, the columns, and no audit above its accountant (LiRA at the dp-sgd points included)."""
+    proc, run_dir = _run(["--quick"], tmp_path, timeout=1500)
+    assert proc.stdout.splitlines()[0].startswith("expected duration of")
+    rows, header = _csv(run_dir / "points.csv")
+    for col in ("n_seeds", "accuracy_mean", "accuracy_ci_low", "accuracy_ci_high", "epsilon_accountant",
+                "epsilon_no_amplification", "audit_epsilon", "lira_auc_mean", "lira_epsilon_lb_max"):
+        assert col in header, col
+    assert {r["mode"] for r in rows} == set(pa.QUICK_MODES) and {r["n_seeds"] for r in rows} == {"2"}
+    summary = (run_dir / "summary.md").read_text()
+    assert "quick mode: only 2 seed(s)" in summary and "audit check: every audit ε is at or below" in summary
+    for r in rows:
+        if r["target_epsilon"] != "inf" and r["mode"] != "dp-sgd":  # dp-sgd's audit is LiRA
+            assert float(r["audit_epsilon"]) < float(r["epsilon_accountant"])
+        if r["mode"] == "dp-sgd":
+            assert float(r["lira_epsilon_lb_max"]) <= float(r["epsilon_accountant"])
+
+
 def test_mean_ci_and_audit_failures() -> None:
     m, lo, hi = pa.mean_ci([0.5, 0.7])
     assert m == pytest.approx(0.6) and lo < 0.5 and hi > 0.7  # t(1): 12.7 x 0.1/sqrt(2) half-width
