@@ -308,12 +308,13 @@ def _catch_up(cfg: RunConfig, node: CacheNode, msg: Message, context: Context, t
     target = int(msg.content[protocol.CONFIG]["target-version"])
     dim = wire_dim(cfg, node.layout.size)
     norms = _clip_norms(cfg, context, node.version)
+    known = len(norms)
     for version, blob, manifest in protocol.unpack_aggregates(msg.content.array_records.get(protocol.AGGREGATES)):
         if version <= node.version:
             continue  # already applied (e.g. the server did not see our last reply)
         mean, made_in = _open(cfg, context, dim, blob, manifest, timer)
         scale = _fixed_denominator_scale(cfg, context, dim, blob, manifest)
-        mean = _adapt(cfg, norms, mean, scale, manifest) if len(norms) else mean * scale
+        mean = _adapt(cfg, norms, mean, scale, manifest) if norms else mean * scale
         with timer.phase("writeback"):
             node.apply_mean_update(mean, version)
         context.state[APPLIED_KEY] = ConfigRecord({"round": made_in})
@@ -324,7 +325,8 @@ def _catch_up(cfg: RunConfig, node: CacheNode, msg: Message, context: Context, t
         )
     if not norms:
         return cfg.clip_norm
-    NodeStore.for_context(context).save_clip_norms(norms)
+    if len(norms) > known:  # a restored node's longer saved history is rebuilt identically
+        NodeStore.for_context(context).save_clip_norms(norms)
     return norms[-1]
 
 
