@@ -347,7 +347,8 @@ class OpaqueFedAvg:
             t0 = time.perf_counter()
             signed = self._verified(train, node, "train", reply.blob, KIND_UPDATE)
             t1 = time.perf_counter()
-            ok = signed is not None and self._add(agg, train, node, "train", signed)
+            ok = (signed is not None and self._declares(train, node, "train", signed, 1)
+                  and self._add(agg, train, node, "train", signed))
             verify_s, add_s = verify_s + t1 - t0, add_s + time.perf_counter() - t1
             if not ok:
                 continue
@@ -436,7 +437,7 @@ class OpaqueFedAvg:
                 self._drop(out, node, "noise", f"bad reply: {err}")
                 continue
             signed = self._verified(out, node, "noise", blob, KIND_NOISE)
-            if signed is not None and not self._carries_shares(out, node, signed, plan[node]):
+            if signed is not None and not self._declares(out, node, "noise", signed, plan[node]):
                 continue
             if signed is not None and self._add(agg, out, node, "noise", signed):
                 entries.append(ManifestEntry(signed.node_id, KIND_NOISE, signed.tag))
@@ -444,16 +445,19 @@ class OpaqueFedAvg:
         rec.dropped.extend(out.dropped)
         return added
 
-    def _carries_shares(self, out: PhaseReplies, node: int, signed: SignedUpdate, shares: int) -> bool:
-        """A noise reply must declare the shares asked for (its envelope's contribution count,
-        which the aggregator's headroom check and the decoder's offsets rely on)."""
+    def _declares(self, out: PhaseReplies, node: int, phase: str, signed: SignedUpdate, shares: int) -> bool:
+        """A summand must declare the contributions the server expects (its envelope's count,
+        which the aggregator's headroom check relies on): 1 for a client update, the shares asked
+        for in a noise reply. he=false has no envelope: nothing to check."""
+        if not self.cfg.he:
+            return True
         try:
             declared = int(ciphertext_info(signed.payload)["n_updates"])
         except Exception as err:  # noqa: BLE001 - malformed: dropped like any rejected update
-            self._drop(out, node, "noise", f"update rejected: {replies.safe_reason(err)}")
+            self._drop(out, node, phase, f"update rejected: {replies.safe_reason(err)}")
             return False
         if declared != shares:
-            self._drop(out, node, "noise", f"noise reply carries {declared} share(s), {shares} were asked")
+            self._drop(out, node, phase, f"{phase} reply carries {declared} share(s), {shares} were asked")
             return False
         return True
 

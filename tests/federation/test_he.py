@@ -471,6 +471,26 @@ def test_a_noise_reply_carrying_other_than_the_shares_asked_is_left_out(monkeypa
     assert "noise reply carries 1 share(s), 2 were asked" in reason
 
 
+def test_a_client_update_declaring_several_contributions_is_left_out(monkeypatch) -> None:
+    """A hostile node's update that claims to stand for 3 contributions (to eat the headroom, or
+    to shift the decoder's offsets) is refused; the honest nodes' round goes on."""
+    real_encode = CkksClientCodec.encode
+    hostile = []
+
+    def inflate(self, vec, weight, noise=None, carry=None, dither=None, contributions=1):
+        if not hostile:
+            hostile.append(True)
+            return real_encode(self, vec, 0.0, noise, carry, dither, contributions=3)
+        return real_encode(self, vec, weight, noise, carry, dither, contributions)
+
+    monkeypatch.setattr(CkksClientCodec, "encode", inflate)
+    fed = he_federation(3, **{"num-server-rounds": 1})
+    (rec,) = fed.run_all()
+    assert rec.num_clients == 2
+    (reason,) = drops(rec, "train").values()
+    assert "train reply carries 3 share(s), 1 were asked" in reason
+
+
 def test_fewer_than_min_clients_after_faults_stops_clearly() -> None:
     fed = he_federation(3, **{"min-clients": 3})
     fed.grid.faults[(100, protocol.TRAIN)] = payload_fault(fed.grid, lambda p, m, c: os.urandom(100))
