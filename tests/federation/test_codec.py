@@ -143,3 +143,30 @@ def test_the_digits_figures_in_the_codec_docstring_are_the_computed_ones() -> No
     doc = " ".join(codec.__doc__.split())
     assert f"R = {pk.clip_range:.6g}" in doc and f"δ_sat = {codec.run_saturation_delta(cfg, 4810):.3g}" in doc
     assert f"step {pk.step:.4g}" in doc and f"{rounding_std:.3g} = {100 * rounding_std / 1.33:.2g} %" in doc
+
+
+def test_the_main_job_figures_in_the_codec_docstring_are_the_computed_ones() -> None:
+    """The same for the main job's defaults (pyproject.toml's run config, lm, 5 nodes): the
+    DP range, the heuristic it replaced, and the rounding cost of the 5-node sum."""
+    import math
+    import tomllib
+    from pathlib import Path
+
+    import federation.codec as codec
+    from federation.config import RunConfig
+    from node.cache_node import model_layout
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    defaults = tomllib.loads(pyproject.read_text())["tool"]["flwr"]["app"]["config"]
+    cfg = RunConfig.from_run_config(defaults)
+    dim = model_layout(cfg.task, cfg.seed).size
+    pk = codec.packing_for(cfg, dim)
+    s, c = codec.contribution_std(cfg), cfg.clip_norm  # the heuristic range the DP range replaced
+    heuristic = min(math.hypot(codec.RANGE_NOISE_TAIL * s, codec.RANGE_SIGNAL_TAIL * c / math.sqrt(dim)),
+                    c + codec.RANGE_NOISE_TAIL * s)
+    rounding_std = pk.step * math.sqrt(5 / 12)
+    sigma_c = cfg.noise_multiplier * cfg.clip_norm
+    doc = " ".join(codec.__doc__.split())
+    assert f"dim {dim:,}" in doc and f"R = {pk.clip_range:.6g} instead of {heuristic:.6g}" in doc
+    assert f"step {pk.step:.3g}, rounding std of the 5-node sum {rounding_std:.2g} = " \
+           f"{100 * rounding_std / sigma_c:.0f} % of σC = {sigma_c:g}" in doc
