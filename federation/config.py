@@ -114,6 +114,13 @@ class RunConfig:
     """delta of the reported epsilon, in (0, 1)."""
     fraction_train: float = 1.0
     """Share of connected nodes sampled for training each round (at least min-clients), in (0, 1]."""
+    fraction_evaluate: float = 1.0
+    """Share of admitted nodes asked to evaluate (decrypt, write back, score, serve) each round,
+    in (0, 1]; at least min-clients, at most max-evaluate-clients. Nodes not asked catch up to
+    the latest version the next time they train or evaluate."""
+    max_evaluate_clients: int = 10
+    """Most nodes that evaluate per round (0 = no cap): evaluation then costs the same at 100
+    nodes as at 10, like training under max-clients. At least min-clients when not 0."""
     client_sampling: str = "fixed"
     """fixed (exactly k nodes without replacement; ε under replace-one adjacency) | poisson (each
     node with probability fraction-train, mean over the fixed expected count; ε under
@@ -336,6 +343,10 @@ def _range_problems(cfg: RunConfig, bad: set[str]) -> list[str]:
           "clip-norm must be > 0 when he=true (updates are clipped to bound the CKKS encoding range)")
     check("target-delta", lambda: 0.0 < cfg.target_delta < 1.0, "target-delta must be in (0, 1)")
     check("fraction-train", lambda: 0.0 < cfg.fraction_train <= 1.0, "fraction-train must be in (0, 1]")
+    check("fraction-evaluate", lambda: 0.0 < cfg.fraction_evaluate <= 1.0, "fraction-evaluate must be in (0, 1]")
+    check("max-evaluate-clients min-clients",
+          lambda: cfg.max_evaluate_clients == 0 or cfg.max_evaluate_clients >= max(cfg.min_clients, 1),
+          "max-evaluate-clients must be 0 (no cap) or >= min-clients")
     check("local-epochs", lambda: cfg.local_epochs >= 1, "local-epochs must be >= 1")
     check("lr", lambda: cfg.lr >= 0, "lr must be >= 0 (0 = the task's default)")
     check("results-dir", lambda: bool(cfg.results_dir.strip()) and "\0" not in cfg.results_dir,

@@ -33,6 +33,7 @@ import random
 from federation.client_accounting import ClientAccountant
 from federation.config import RunConfig
 from federation.results import METRIC_NAMES, RoundRecord, RunResults, mean, weighted_mean
+from federation.sampling import evaluation_size
 from node.cache_node import build_model
 
 
@@ -108,7 +109,9 @@ def run_flower_central(grid: Grid, cfg: RunConfig, results: RunResults) -> None:
     num_sampled = max(cfg.min_clients, int(num_nodes * cfg.fraction_train))
     fedavg = FedAvg(
         fraction_train=cfg.fraction_train,
-        fraction_evaluate=1.0,
+        # Flower samples int(N·fraction) evaluators: +0.5 makes that fedkv's evaluation_size
+        fraction_evaluate=min(1.0, (evaluation_size(num_nodes, cfg.fraction_evaluate, cfg.min_clients,
+                                                    cfg.max_evaluate_clients) + 0.5) / max(num_nodes, 1)),
         min_train_nodes=cfg.min_clients,
         min_evaluate_nodes=cfg.min_clients,
         min_available_nodes=cfg.min_clients,

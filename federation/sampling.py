@@ -18,7 +18,7 @@ import random
 import secrets
 from dataclasses import dataclass, field
 
-__all__ = ["ClientSampler", "SampleOutsideBounds", "expected_sample_size", "poisson_mean_scale"]
+__all__ = ["ClientSampler", "SampleOutsideBounds", "evaluation_size", "expected_sample_size", "poisson_mean_scale"]
 
 
 class SampleOutsideBounds(RuntimeError):
@@ -28,6 +28,15 @@ class SampleOutsideBounds(RuntimeError):
 def expected_sample_size(fraction: float, population: int) -> int:
     """q·N rounded, at least 1: the fixed denominator of a Poisson round (public)."""
     return max(1, round(fraction * population))
+
+
+def evaluation_size(population: int, fraction: float, min_clients: int, cap: int) -> int:
+    """Nodes that evaluate in a round: ceil(fraction · N), at least min-clients, at most ``cap``
+    (0 = none) and N. Evaluation releases no update, so its sample needs no accounting."""
+    k = max(min_clients, math.ceil(fraction * population))
+    if cap > 0:
+        k = min(k, cap)
+    return min(k, population)
 
 
 def poisson_mean_scale(n_updates: int, fraction: float, population: int) -> float:

@@ -53,7 +53,7 @@ from federation import protocol, replies
 from federation.codec import Aggregator, make_aggregator, packing_for, run_saturation_delta, wire_noise
 from federation.config import RunConfig
 from federation.results import METRIC_NAMES, RoundRecord, mean, serving_summary, weighted_mean
-from federation.sampling import ClientSampler, SampleOutsideBounds, expected_sample_size
+from federation.sampling import ClientSampler, SampleOutsideBounds, evaluation_size, expected_sample_size
 from federation.timing import PhaseTimer
 
 from federation.provisioning import AdmitReport
@@ -168,14 +168,15 @@ class OpaqueFedAvg:
 
     def evaluate_round(self, grid: Grid, rnd: int, ready: list[int], rec: RoundRecord,
                        timer: PhaseTimer) -> RoundRecord:
-        """Every admitted node evaluates the latest global version."""
+        """A sample of the admitted nodes (``evaluation_sample``) evaluates the latest version."""
         t0 = time.perf_counter()
         with timer.phase("eval_send"):
-            msgs = self.configure(protocol.EVALUATE, rnd, ready)
+            asked = self.evaluation_sample(ready)
+            msgs = self.configure(protocol.EVALUATE, rnd, asked)
         with timer.phase("eval_wait"):
             replies_ = grid.send_and_receive(msgs, timeout=self.cfg.round_timeout)
         with timer.phase("eval_receive"):
-            evaluated = self.collect("evaluate", ready, replies_, protocol.destinations(msgs))
+            evaluated = self.collect("evaluate", asked, replies_, protocol.destinations(msgs))
         rec.seconds["evaluate_phase"] = time.perf_counter() - t0
         with timer.phase("eval_account"):
             self.discard_if_refused(evaluated, rec)
@@ -257,6 +258,13 @@ class OpaqueFedAvg:
                 log(WARNING, "sampling %d of %d nodes: max-clients=%d", self.cfg.max_clients, len(nodes),
                     self.cfg.max_clients)
         return self.sampler.sample(nodes)
+
+    def evaluation_sample(self, nodes: list[int]) -> list[int]:
+        """Who evaluates: ``evaluation_size`` nodes (fraction-evaluate, capped by
+        max-evaluate-clients), drawn afresh each round so every node is scored over time."""
+        k = evaluation_size(len(nodes), self.cfg.fraction_evaluate, self.cfg.min_clients,
+                            self.cfg.max_evaluate_clients)
+        return sorted(self.rng.sample(nodes, k)) if k < len(nodes) else list(nodes)
 
     # -- messages -----------------------------------------------------------------------
     def configure(self, message_type: str, rnd: int, node_ids: list[int]) -> list[Message]:
