@@ -125,21 +125,81 @@ class RoundRecord:
     accepted version."""
 
     def summary(self, num_rounds: int) -> str:
+        """The round line a person reads: a field without a value is left out, never ``nan``;
+        ``per node`` figures are means over the nodes that replied, the rest are the round's."""
+        parts = [f"round {self.round}/{num_rounds}", _seconds(self.seconds.get("round")),
+                 self._nodes(), self._quality(), self._privacy(), self._traffic(),
+                 self._phases(), self._dropped()]
+        return " · ".join(p for p in parts if p) + serving_line(self.serving)
+
+    def _nodes(self) -> str:
+        of = f" of {self.population} nodes"
+        if self.sampling_skipped:
+            return f"no training (the sample fell outside [min, max]-clients){of}"
+        return f"trained {self.num_clients}/{self.sampled}{of}, {self.eval_clients} evaluated"
+
+    def _quality(self) -> str:
+        fields_ = [(self.metric, self.eval_metric), ("eval loss", self.eval_loss),
+                   ("train loss", self.train_loss)]
+        return " ".join(f"{name} {_num(v)}" for name, v in fields_ if _finite(v))
+
+    def _privacy(self) -> str:
+        out = []
+        if _finite(self.epsilon_client):
+            out.append(f"ε {_num(self.epsilon_client)}")
+            if _finite(self.epsilon_client_no_amplification) and \
+                    self.epsilon_client_no_amplification != self.epsilon_client:
+                out.append(f"(vs server {_num(self.epsilon_client_no_amplification)})")
+        if _finite(self.epsilon_sample):
+            out.append(f"sample ε {_num(self.epsilon_sample)}")
+        if _finite(self.delta_total):
+            # δ + (1 + e^ε)·δ_sat reaches 1 once ε is large: no (ε, δ) guarantee is left
+            out.append(f"δ {_num(self.delta_total)}" if self.delta_total < 1
+                       else "δ 1 (no guarantee at this ε)")
+        out += [f"{name} {v:.2f}" for name, v in (("clipped", self.clipped_fraction),
+                                                   ("saturated", self.saturated_fraction)) if _finite(v) and v > 0]
+        return " ".join(out)
+
+    def _traffic(self) -> str:
+        return f"up {self.upload_bytes_mean / 1024:.1f} KiB/node" if _finite(self.upload_bytes_mean) else ""
+
+    def _phases(self) -> str:
         s = self.seconds
-        return (
-            f"round {self.round}/{num_rounds}: {self.num_clients}/{self.sampled} clients"
-            f" | train_loss {self.train_loss:.4f} | eval_loss {self.eval_loss:.4f}"
-            f" {self.metric} {self.eval_metric:.4f} ({self.eval_clients} nodes)"
-            f" | up {self.upload_bytes_mean / 1024:.1f} KiB/client"
-            f" | s: train {s.get('train', math.nan):.3f} enc {s.get('encrypt', math.nan):.4f}"
-            f" agg {s.get('aggregate', math.nan):.4f}"
-            f" dec {s.get('decrypt', 0.0) + s.get('eval_decrypt', 0.0):.4f}"
-            f" wb {s.get('writeback', 0.0) + s.get('eval_writeback', 0.0):.4f}"
-            f" | clipped {self.clipped_fraction:.2f} sat {self.saturated_fraction:.4f}"
-            f" | eps client {self.epsilon_client:.3g} sample {self.epsilon_sample:.3g}"
-            f" | dropped {len(self.dropped)}"
-            + serving_line(self.serving)
-        )
+        node = [("train", s.get("train")), ("encrypt", s.get("encrypt")),
+                ("decrypt", _sum(s.get("decrypt"), s.get("eval_decrypt"))),
+                ("write-back", _sum(s.get("writeback"), s.get("eval_writeback")))]
+        shown = [f"{k} {_seconds(v)}" for k, v in node if _finite(v)]
+        line = f"per node (mean): {' '.join(shown)}" if shown else ""
+        if _finite(s.get("aggregate")):
+            line += f"{'; ' if line else ''}server aggregate {_seconds(s['aggregate'])}"
+        return line
+
+    def _dropped(self) -> str:
+        nodes = sorted({d["node"] for d in self.dropped})
+        if not nodes:
+            return ""
+        phases: dict[int, str] = {}
+        for d in self.dropped:  # a node dropped in train is also missing from noise: name the first
+            phases.setdefault(d["node"], d["phase"])
+        named = ", ".join(f"{n} ({phases[n]})" for n in nodes[:4]) + (" …" if len(nodes) > 4 else "")
+        return f"dropped {len(nodes)} node{'s' if len(nodes) > 1 else ''}: {named}"
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _sum(*values: Any) -> float:
+    vals = [v for v in values if _finite(v)]
+    return sum(vals) if vals else math.nan
+
+
+def _num(v: float) -> str:
+    return f"{v:.4g}" if abs(v) < 1000 else f"{v:,.0f}"
+
+
+def _seconds(v: Any) -> str:
+    return f"{v:.1f} s" if _finite(v) and v >= 1 else (f"{v * 1000:.0f} ms" if _finite(v) else "")
 
 
 def serving_summary(counts: dict[str, float]) -> dict[str, Any]:
@@ -170,10 +230,14 @@ def serving_line(s: dict[str, Any]) -> str:
     if not s or not s.get("turns"):
         return ""
     t = s["tier_hit_rates"]
-    return (f" | serve {s['sessions']} sess {s['turns']} turns: prefix {s['prefix_hit_rate']:.2f}"
-            f" hot/warm/cold {t['hot']:.2f}/{t['warm']:.2f}/{t['cold']:.2f}"
-            f" {s['tokens_per_s']:.0f} tok/s recomputed {s['recomputed_tokens']}"
-            f" invalidated {s['invalidated_blocks']} ppl {s['ppl']:.1f} (fresh {s['ppl_fresh']:.1f})")
+
+    def f(v: Any, fmt: str) -> str:
+        return format(v, fmt) if _finite(v) else "n/a"
+
+    return (f" · serve {s['sessions']} sess {s['turns']} turns: prefix {f(s['prefix_hit_rate'], '.2f')}"
+            f" hot/warm/cold {f(t['hot'], '.2f')}/{f(t['warm'], '.2f')}/{f(t['cold'], '.2f')}"
+            f" {f(s['tokens_per_s'], '.0f')} tok/s recomputed {s['recomputed_tokens']}"
+            f" invalidated {s['invalidated_blocks']} ppl {f(s['ppl'], '.1f')} (fresh {f(s['ppl_fresh'], '.1f')})")
 
 
 METRIC_NAMES = {"digits": "accuracy", "lm": "perplexity"}
