@@ -175,6 +175,11 @@ class RunConfig:
     perplexity cost against recomputing)."""
 
     @property
+    def mode(self) -> str:
+        """What aggregates: ``flower-central`` (Flower's DP wrapper), ``he`` (CKKS) or ``plain``."""
+        return "flower-central" if self.dp_mode == "flower-central" else ("he" if self.he else "plain")
+
+    @property
     def kv_stale_versions(self) -> int:
         """Older model versions whose K/V stay servable (0 for ``invalidate``)."""
         return stale_versions(self.kv_stale_policy)
@@ -228,6 +233,23 @@ def stale_versions(policy: str) -> int:
         raise ValueError(f"kv-stale-policy must be 'invalidate' or 'keep-<k>' with k >= 1, "
                          f"not {policy!r}")
     return int(m.group(1))
+
+
+def config_lines(cfg: RunConfig, width: int = 100) -> list[str]:
+    """The run config as a person reads it: the essentials, then only the keys that differ
+    from the defaults, wrapped at ``width`` (every key is in the results file)."""
+    dp = "no DP" if cfg.dp_mode == "none" else f"dp-mode {cfg.dp_mode} σ {cfg.noise_multiplier:g} C {cfg.clip_norm:g}"
+    head = f"task {cfg.task} · {cfg.num_server_rounds} rounds · mode {cfg.mode} · {dp}"
+    defaults = RunConfig()
+    changed = [f"{_key(f.name)}={getattr(cfg, f.name)!r}" for f in fields(cfg)
+               if getattr(cfg, f.name) != getattr(defaults, f.name)]
+    lines, line = [head], "changed from the defaults:" if changed else "every other key at its default"
+    for item in changed:
+        if len(line) + 1 + len(item) > width:
+            lines.append(line)
+            line = "  "
+        line += ("" if line == "  " else " ") + item
+    return lines + [line]
 
 
 def known_keys() -> list[str]:

@@ -161,7 +161,7 @@ def run_local(
     """
     from federation.config import RunConfig
     from federation.results import RunResults
-    from federation.run import mode_of, run_rounds
+    from federation.run import run_rounds
     from federation.strategy import NotEnoughClients
 
     cfg = RunConfig.from_run_config(run_config)
@@ -170,7 +170,7 @@ def run_local(
     elif len(grid.contexts) != num_nodes:
         raise ValueError(f"grid has {len(grid.contexts)} nodes, num_nodes={num_nodes}")
     set_server_identity(grid.run_id)
-    results = RunResults(config=cfg.as_dict(), mode=mode_of(cfg), run_id=grid.run_id)
+    results = RunResults(config=cfg.as_dict(), mode=cfg.mode, run_id=grid.run_id)
 
     def record(rec: Any) -> None:
         log(INFO, "fedkv %s", rec.summary(cfg.num_server_rounds))

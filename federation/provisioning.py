@@ -276,11 +276,19 @@ class KeyService:
         due = [n for n in node_ids if self.retry_at.get(n, 0) <= rnd]
         new = [n for n in due if n not in self.members]
         if new:
+            log(INFO, "provisioning: enrolling %d node(s) (first contact: each loads its data and "
+                      "makes its identity keys) ...", len(new))
             self._enroll(grid, new, out)
+            log(INFO, "provisioning: %d of %d enrolled in %.1f s", len([n for n in new if n in self.members]),
+                len(new), time.perf_counter() - t0)
         if self.he:
             lacking = [n for n in due if n in self.members and n not in self.holders]
             if lacking:
+                t1 = time.perf_counter()
+                log(INFO, "provisioning: giving %d node(s) the CKKS key ...", len(lacking))
                 self._key(grid, lacking, rnd, out)
+                log(INFO, "provisioning: %d of %d keyed in %.1f s", len([n for n in lacking if n in self.holders]),
+                    len(lacking), time.perf_counter() - t1)
         ready = self.holders if self.he else set(self.members)
         out.admitted = sorted(n for n in due if n in ready and (n in new or n in self._rekeyed))
         self._rekeyed = set()

@@ -264,6 +264,18 @@ class RunResults:
     privacy_claim: str = ""
     """What the run's privacy amounts to (crypto.privacy_claim of the final client-level ε)."""
 
+    def outcome_line(self, path: str | Path) -> str:
+        """The run's last line: how it ended, its final metric and ε, where the results are."""
+        rounds = len(self.rounds)
+        want = self.config.get("num-server-rounds", rounds)
+        head = "run completed" if self.status == "completed" else f"run FAILED ({self.status})"
+        parts = [f"fedkv: {head}", f"{rounds}/{want} rounds"]
+        if self.rounds and _finite(self.rounds[-1].eval_metric):
+            parts.append(f"{self.rounds[-1].metric} {_num(self.rounds[-1].eval_metric)}")
+        if self.privacy_claim:
+            parts.append(f"privacy: {self.privacy_claim}")
+        return " · ".join(parts + [f"results {path}"])
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["schema"] = SCHEMA

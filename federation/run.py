@@ -26,10 +26,6 @@ from federation.strategy import OpaqueFedAvg
 from node.cache_node import model_layout
 
 
-def mode_of(cfg: RunConfig) -> str:
-    return "flower-central" if cfg.dp_mode == "flower-central" else ("he" if cfg.he else "plain")
-
-
 def key_service(cfg: RunConfig, run_id: int, dim: int | None = None) -> KeyService:
     """The server's key relay; with ``server-kit`` it pins every node to the kit's roster.
     ``dim`` (the model size) resolves ``ckks-preset = "auto"`` for the keys nodes make."""

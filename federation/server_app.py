@@ -18,10 +18,10 @@ from flwr.app import Context
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
-from federation.config import ConfigError, RunConfig, results_dir_of
+from federation.config import ConfigError, RunConfig, config_lines, results_dir_of
 from federation.logs import configure_logging
 from federation.results import RunResults
-from federation.run import mode_of, run_rounds
+from federation.run import run_rounds
 from federation.strategy import NotEnoughClients
 
 configure_logging()  # each log line once (Opacus adds a root handler on import)
@@ -29,32 +29,34 @@ app = ServerApp()
 
 
 def _write(results: RunResults, results_dir: str) -> None:
+    """Write the results file, then the run's last line: its outcome and the file's path."""
     path = results.write(results_dir)
-    log(INFO, "fedkv: results written to %s", path)
     print(f"FEDKV_RESULTS {path}", flush=True)
+    log(INFO if results.status == "completed" else ERROR, "%s", results.outcome_line(path))
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    """Config errors and a run stopped for lack of nodes end with one clear line and a
+    ``status`` in the results file, no traceback (``flwr run`` exits 0 whatever the ServerApp
+    does: ``python -m federation.check -- flwr run ...`` turns the status into an exit code).
+    Anything else is a bug: it is recorded, then raised so Flower marks the run failed."""
     try:
         cfg = RunConfig.from_run_config(context.run_config)
     except ConfigError as err:
         results = RunResults(config=dict(context.run_config), mode="invalid", run_id=context.run_id,
                              status=f"failed: {err}")
-        log(ERROR, "fedkv: %s", err)
         _write(results, results_dir_of(context.run_config))
-        raise
-    results = RunResults(config=cfg.as_dict(), mode=mode_of(cfg), run_id=context.run_id)
-    log(INFO, "fedkv: mode=%s config=%s", results.mode, cfg.as_dict())
-    error: Exception | None = None
+        return
+    results = RunResults(config=cfg.as_dict(), mode=cfg.mode, run_id=context.run_id)
+    for line in config_lines(cfg):
+        log(INFO, "fedkv: %s", line)
     try:
         run_rounds(grid, cfg, int(context.run_id), results, wait_for_nodes_s=cfg.round_timeout,
                    on_round=lambda rec: log(INFO, "fedkv %s", rec.summary(cfg.num_server_rounds)))
         results.status = "completed"
     except NotEnoughClients as err:
         results.status = f"stopped: {err}"
-        log(ERROR, "fedkv: run stopped: %s", err)
-        error = err
     except Exception as err:
         results.status = f"failed: {type(err).__name__}: {err}"
         raise
@@ -62,5 +64,3 @@ def main(grid: Grid, context: Context) -> None:
         if results.status == "running":
             results.status = "failed"
         _write(results, cfg.results_dir)
-    if error is not None:
-        raise error
