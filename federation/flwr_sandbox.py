@@ -36,18 +36,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_app_dir(dest: Path) -> Path:
-    """A minimal copy of the project that ``flwr run`` can build into a FAB.
+def make_app_dir(dest: Path, source: Path = REPO) -> Path:
+    """A minimal copy of the project at ``source`` that ``flwr run`` can build into a FAB.
 
-    Uses the repo's pyproject (which holds the ``[tool.flwr.app]`` sections).
+    Uses that checkout's pyproject (which holds the ``[tool.flwr.app]`` sections); another
+    ``source`` lets a benchmark run an older checkout beside this one.
     """
     dest.mkdir(parents=True, exist_ok=True)
     for pkg in PACKAGES:
-        if (REPO / pkg).is_dir():
+        if (source / pkg).is_dir():
             shutil.copytree(
-                REPO / pkg, dest / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+                source / pkg, dest / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
             )
-    shutil.copy(REPO / "pyproject.toml", dest / "pyproject.toml")
+    shutil.copy(source / "pyproject.toml", dest / "pyproject.toml")
     return dest
 
 
@@ -200,11 +201,11 @@ def _toml(v: object) -> str:
 
 
 @contextmanager
-def flwr_sandbox(tmp: Path) -> Iterator[FlwrSandbox]:
-    """An isolated FLWR_HOME + ports + app copy; stops our SuperLink and Ray on exit."""
+def flwr_sandbox(tmp: Path, source: Path = REPO) -> Iterator[FlwrSandbox]:
+    """An isolated FLWR_HOME + ports + app copy (of ``source``); stops our SuperLink and Ray on exit."""
     flwr_home = tmp / "flwr-home"
     flwr_home.mkdir(parents=True)
-    box = FlwrSandbox(make_app_dir(tmp / "app"), flwr_home, flwr_env(flwr_home, free_port(), free_port()))
+    box = FlwrSandbox(make_app_dir(tmp / "app", source), flwr_home, flwr_env(flwr_home, free_port(), free_port()))
     try:
         yield box
     finally:
