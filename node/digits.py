@@ -15,15 +15,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from datasets import Dataset
-from flwr_datasets.partitioner import DirichletPartitioner
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+if TYPE_CHECKING:  # imported where used: an lm node never pays for datasets and scikit-learn (~2 s)
+    from datasets import Dataset
+    from flwr_datasets.partitioner import DirichletPartitioner
 
 NUM_FEATURES = 64
 NUM_CLASSES = 10
@@ -82,6 +83,10 @@ def make_model(seed: int, hidden: int = 64) -> DigitsMLP:
 @lru_cache(maxsize=4)
 def _global_split(seed: int, test_fraction: float) -> tuple[Dataset, Dataset]:
     """All digits as in-memory ``datasets.Dataset``s: (train, test), stratified."""
+    from datasets import Dataset
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
     bunch = load_digits()
     x = (bunch.data / 16.0).astype(np.float32)  # pixel values are 0..16
     y = bunch.target.astype(np.int64)
@@ -96,6 +101,8 @@ def _global_split(seed: int, test_fraction: float) -> tuple[Dataset, Dataset]:
 @lru_cache(maxsize=4)
 def _partitioner(cfg: DigitsConfig) -> DirichletPartitioner:
     """One partitioner per process and config (it caches its own index split)."""
+    from flwr_datasets.partitioner import DirichletPartitioner
+
     train = _global_split(cfg.seed, cfg.test_fraction)[0]
     part = DirichletPartitioner(
         num_partitions=cfg.num_partitions,
