@@ -16,10 +16,10 @@ node's ``CacheNode`` (its model holds the final global model once the last evalu
     model = grid.node(grid.node_ids[0]).model
 
 Same code paths as ``flwr run``; what differs: no process boundary (so node objects are
-always reused from ``federation.node_host``'s cache, which this grid sizes to hold every
-node), no timeouts (messages run one after another), and the server and nodes share one process
-(the cryptography is the same, the isolation is not: node secrets are in node-local files,
-``$FEDKV_NODE_DIR``, but this process can read them).
+always reused from ``federation.node_host``'s cache, which holds the whole population, its
+``num-partitions``), no timeouts (messages run one after another), and the server and nodes
+share one process (the cryptography is the same, the isolation is not: node secrets are in
+node-local files, ``$FEDKV_NODE_DIR``, but this process can read them).
 """
 
 from __future__ import annotations
@@ -90,8 +90,6 @@ class InProcessGrid:
             FIRST_NODE_ID + i: make_context(FIRST_NODE_ID + i, i, num_nodes, run_config, run_id, self.node_dir)
             for i in range(num_nodes)
         }
-        # all nodes live in this process: keep every node object (else the LRU rebuilds them)
-        node_host.MAX_CACHED_NODES = max(node_host.MAX_CACHED_NODES, num_nodes)
         self.faults: dict[tuple[int, str], Fault] = {}
         """(node_id, message_type) -> fault; checked before the handler runs."""
         self.sent: list[Message] = []

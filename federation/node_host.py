@@ -37,7 +37,11 @@ from node.cache_node import CacheNode, NodeSpec
 
 T = TypeVar("T")
 META_KEY = "fedkv.meta"
-MAX_CACHED_NODES = 64
+MIN_CACHED_NODES = 64
+MAX_CACHED_NODES = 512
+"""An actor keeps every node of the population (``num-partitions``) within these bounds: in
+simulation any node may land on any actor, and one it no longer holds is rebuilt and restored
+from disk for every message."""
 
 BUILT, RESTORED, REUSED = 0, 1, 2
 """``node-source`` codes reported in reply metrics."""
@@ -163,7 +167,7 @@ def get_node(context: Context) -> tuple[CacheNode, int]:
         else:
             node.load_scalars(scalars)
         source = RESTORED
-    _remember(key, node, generation)
+    _remember(key, node, generation, cache_capacity(context))
     return node, source
 
 
@@ -185,13 +189,22 @@ def save_node(context: Context, node: CacheNode) -> None:
     NodeStore.for_context(context).save_params(generation, np.asarray(params))
     node.persist()  # the cache directory is the source of truth; the file above a copy
     context.state[META_KEY] = ConfigRecord({**scalars, "generation": generation})
-    _remember(key, node, generation)
+    _remember(key, node, generation, cache_capacity(context))
 
 
-def _remember(key: tuple[int, int], node: CacheNode, generation: int) -> None:
+def cache_capacity(context: Context) -> int:
+    """Nodes one process keeps: the population, within [MIN_CACHED_NODES, MAX_CACHED_NODES]."""
+    try:
+        population = int(context.node_config.get("num-partitions", 0))
+    except (TypeError, ValueError):
+        population = 0
+    return min(MAX_CACHED_NODES, max(MIN_CACHED_NODES, population))
+
+
+def _remember(key: tuple[int, int], node: CacheNode, generation: int, capacity: int) -> None:
     _CACHE[key] = _Entry(node, generation)
     _CACHE.move_to_end(key)
-    while len(_CACHE) > MAX_CACHED_NODES:
+    while len(_CACHE) > capacity:
         _CACHE.popitem(last=False)
 
 
