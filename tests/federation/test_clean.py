@@ -1,5 +1,5 @@
-"""Disk hygiene: ``python -m federation.clean`` and the FEDKV_KEEP_RUNS retention hook of the
-node store. Real directories, staged mtimes."""
+"""Disk hygiene: ``python -m federation.clean``, the FEDKV_KEEP_RUNS retention hook of the node
+store, and ``python -m federation.stop --clean-nodes``. Real directories, staged mtimes."""
 
 from __future__ import annotations
 
@@ -273,3 +273,33 @@ def test_two_processes_pruning_at_once_do_not_fail(tmp_path) -> None:
     assert _names(root) == {"run-999"}
     removed = set(results[0][1]) | set(results[1][1])
     assert removed == {f"run-{i}" for i in range(1, 41)}  # each run reported by the process(es) that removed it
+
+
+# -- python -m federation.stop --clean-nodes --------------------------------------------
+def test_stop_clean_nodes_without_a_superlink_still_cleans(tmp_path) -> None:
+    flwr_home, root = tmp_path / "flwr-home", tmp_path / "nodes"
+    flwr_home.mkdir()
+    _stage(root, "run-1", HOUR)
+    _stage(root, "run-2", 5)  # the run that just stopped: removed too
+    (root / "notes").mkdir()
+    res = _cli("federation.stop", "--flwr-home", str(flwr_home), "--clean-nodes", "--node-dir", str(root))
+    assert res.returncode == 0, res.stderr
+    assert "no local SuperLink running" in res.stdout
+    assert "removed run-1 (2.0 kB)" in res.stdout and "removed run-2 (2.0 kB)" in res.stdout
+    assert _names(root) == {"notes"}
+
+    _stage(root, "run-3", HOUR)  # the default root: $FEDKV_NODE_DIR
+    res = _cli("federation.stop", "--flwr-home", str(flwr_home), "--clean-nodes", env={"FEDKV_NODE_DIR": str(root)})
+    assert res.returncode == 0 and "removed run-3" in res.stdout
+    assert _names(root) == {"notes"}
+
+
+def test_stop_without_clean_nodes_leaves_node_dirs_and_a_bad_root_is_exit_2(tmp_path) -> None:
+    flwr_home, root = tmp_path / "flwr-home", tmp_path / "nodes"
+    flwr_home.mkdir()
+    _stage(root, "run-1", HOUR)
+    res = _cli("federation.stop", "--flwr-home", str(flwr_home), env={"FEDKV_NODE_DIR": str(root)})
+    assert res.returncode == 0 and _names(root) == {"run-1"}
+    res = _cli("federation.stop", "--flwr-home", str(flwr_home), "--clean-nodes", "--node-dir", str(tmp_path / "no"))
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().endswith(f"{tmp_path / 'no'} is not a directory")
