@@ -10,7 +10,9 @@ in the server's process. Node secrets therefore live in files only the node's pr
 * simulation: node config ``node-dir``, else ``$FEDKV_NODE_DIR``, else ``~/.fedkv/nodes``, then
   ``/run-<run id>/node-<node id>/``, made on first contact (identity keys, then the CKKS contexts
   the node receives or makes). ``federation.local.InProcessGrid`` gives its nodes a private
-  temporary ``node-dir``, so in-process runs never meet each other's files.
+  temporary ``node-dir``, so in-process runs never meet each other's files. The node that makes
+  a new ``run-<run id>`` prunes the root to the newest ``$FEDKV_KEEP_RUNS`` runs (default 3,
+  0 = keep all; never its own run); ``python -m federation.clean`` lists and removes runs.
 
 Files are written by ``crypto.at_rest`` (atomic, mode 0600), sealed with
 ``$FEDKV_NODE_KEY_PASSPHRASE`` when it is set. ``context.state`` keeps nothing secret.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import tempfile
 from collections import OrderedDict
@@ -33,11 +36,13 @@ from crypto import (
     write_public_file, write_secret_file,
 )
 from crypto.errors import CryptoError
+from federation import clean
 
 if TYPE_CHECKING:
     from federation.kit import NodeKit
 
-NODE_DIR_ENV = "FEDKV_NODE_DIR"
+NODE_DIR_ENV = clean.NODE_DIR_ENV
+_log = logging.getLogger("fedkv.node_store")
 
 _CONTEXTS: OrderedDict[tuple[str, int], CkksContext] = OrderedDict()
 """Per-process cache of loaded secret contexts (loading costs ~6 ms); gone with the process."""
@@ -57,6 +62,25 @@ def _kit(path: str) -> NodeKit:
     return kit
 
 
+def _new_run(base: Path, run: str) -> None:
+    """Make ``base/run``; the one process that makes it (many nodes of a run race here) prunes
+    older runs under ``base`` (retention, ``federation.clean.prune``). Pruning never fails the
+    node: what it cannot remove stays, with a warning."""
+    base.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        (base / run).mkdir(mode=0o700)
+    except FileExistsError:
+        return
+    try:
+        report = clean.prune(base, clean.keep_from_env(), current=run)
+    except (OSError, clean.CleanError) as err:
+        _log.warning("node-dir retention skipped under %s: %s", base, err)
+        return
+    if report.removed:
+        _log.info("node-dir retention: removed %s (%d bytes) under %s",
+                  ", ".join(n for n, _ in report.removed), report.freed, base)
+
+
 class NodeStore:
     """Identity keys and CKKS contexts (by key epoch) of one node in one run."""
 
@@ -71,8 +95,10 @@ class NodeStore:
         kit_dir = str(context.node_config.get("kit-dir", "") or "")
         if kit_dir:
             return cls(Path(kit_dir) / "state" / run, node_id, _kit(kit_dir))
-        base = Path(str(context.node_config.get("node-dir", "") or "") or os.environ.get(NODE_DIR_ENV)
-                    or Path.home() / ".fedkv" / "nodes")
+        node_dir = str(context.node_config.get("node-dir", "") or "")
+        base = Path(node_dir) if node_dir else clean.default_node_root()
+        if not (base / run).is_dir():
+            _new_run(base, run)
         return cls(base / run / f"node-{node_id}", node_id, None)
 
     @property

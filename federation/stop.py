@@ -1,6 +1,6 @@
 """Stop the local SuperLink that ``flwr run`` left running, and only that one.
 
-    python -m federation.stop [--flwr-home PATH]
+    python -m federation.stop [--flwr-home PATH] [--clean-nodes [--node-dir PATH]]
 
 ``flwr run`` starts a detached ``flower-superlink`` (whose ``--log-file`` lies in
 ``$FLWR_HOME/local-superlink``) and Flower has no command to stop it. This finds the
@@ -12,6 +12,13 @@ colleague's, a test sandbox's) are left alone.
 
 Prints the pids it stopped. Exit status 0 when everything it found is gone (also when
 nothing was running), 1 if a process survived SIGKILL.
+
+``--clean-nodes`` then removes every run's node directories under the node root
+(``--node-dir``, else ``$FEDKV_NODE_DIR``, else ``~/.fedkv/nodes``): ``python -m
+federation.clean --all --force`` (forced: the runs' last writes are seconds old, and the
+SuperLink that made them has just stopped). Nothing is removed when a process survived.
+A root shared with a SuperLink of another FLWR_HOME still running would lose that run's
+files too: use ``federation.clean --keep``/``--run`` there.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import os
 import sys
 from pathlib import Path
 
+from federation import clean
 from federation.flwr_sandbox import descendants, stop_superlinks, superlink_pids
 
 
@@ -69,18 +77,45 @@ def main(argv: list[str] | None = None) -> int:
         "--flwr-home", type=Path, default=None,
         help="FLWR_HOME of the `flwr run` to clean up (default: $FLWR_HOME, else ~/.flwr)",
     )
+    parser.add_argument(
+        "--clean-nodes", action="store_true",
+        help="then remove every run's node directories (python -m federation.clean --all --force)",
+    )
+    parser.add_argument(
+        "--node-dir", type=Path, default=None,
+        help="root of the node directories for --clean-nodes (default: $FEDKV_NODE_DIR, else ~/.fedkv/nodes)",
+    )
     args = parser.parse_args(argv)
+    if args.node_dir is not None and not args.clean_nodes:
+        parser.error("--node-dir goes with --clean-nodes")
     home = args.flwr_home if args.flwr_home is not None else default_flwr_home()
     found, survivors = stop(home)
     if not found:
         print(f"no local SuperLink running for FLWR_HOME={home}")
-        return 0
     for link, family in found.items():
         kids = ", ".join(map(str, family)) if family else "none"
         print(f"stopped SuperLink pid {link} (FLWR_HOME={home}); descendants stopped: {kids}")
     if survivors:
         print(f"still alive after SIGKILL: {', '.join(map(str, survivors))}", file=sys.stderr)
+        if args.clean_nodes:
+            print("node directories not removed: a process of the run survived", file=sys.stderr)
         return 1
+    return clean_nodes(args.node_dir) if args.clean_nodes else 0
+
+
+def clean_nodes(node_dir: Path | None) -> int:
+    """``federation.clean --all --force`` on ``node_dir`` (default root when None)."""
+    root = Path(node_dir).expanduser() if node_dir is not None else clean.default_node_root()
+    if node_dir is None and not os.path.lexists(root):
+        print(f"no node directories: {root} does not exist")
+        return 0
+    try:
+        report = clean.clean(root, active_s=0.0)
+    except (clean.CleanError, OSError) as err:
+        print(f"python -m federation.stop: error: {err}", file=sys.stderr)
+        return 2
+    print(f"node directories under {root}:")
+    clean.print_report(report)
     return 0
 
 
