@@ -1,6 +1,6 @@
 """``python -m cache``: read and change a live node's cache from another process.
 
-    python -m cache stats --dir DIR              # the live engine's stats (JSON)
+    python -m cache stats --dir DIR              # the live engine's stats (strict JSON)
     python -m cache set evict_batch 24 --dir DIR # validated, applied by the engine: 16 → 24
     python -m cache tunables                     # the tunables and their allowed values
     python -m cache overhead [--quick]           # what the instrumentation costs (JSON)
@@ -13,13 +13,15 @@ The engine side and the file protocol are in ``cache/control.py``.
 ClientApp message runs) is not live shows the live engine of an agent that keeps its cache
 in a subdirectory instead, named in ``dir``: ``python -m node.serve --cache-dir DIR``
 publishes in ``DIR/serve``. ``set`` never changes another engine than ``DIR``'s; its error
-names the live one.
+names the live one. The JSON is strict: a figure that is not finite (an accuracy before
+any sample) is ``null``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 
@@ -51,9 +53,24 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _finite(obj: object) -> object:
+    """``obj`` with every non-finite float (NaN, ±inf) replaced by None: JSON has no NaN."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _print_json(obj: object, **kw) -> None:
+    print(json.dumps(_finite(obj), allow_nan=False, **kw))
+
+
 def _print_snapshot(directory: str, snap: Snapshot) -> None:
-    print(json.dumps({"dir": directory, "pid": snap.pid, "age_s": round(snap.age_s, 3),
-                      "live": snap.live, "stats": snap.stats}, indent=1))
+    _print_json({"dir": directory, "pid": snap.pid, "age_s": round(snap.age_s, 3),
+                 "live": snap.live, "stats": snap.stats}, indent=1)
 
 
 def _stats(directory: str) -> int:
@@ -101,7 +118,7 @@ def _tunables() -> int:
 
 def _overhead(quick: bool) -> int:
     from cache.overhead import OverheadConfig, measure_overhead  # torch: only for this command
-    print(json.dumps(measure_overhead(OverheadConfig.quick() if quick else OverheadConfig())))
+    _print_json(measure_overhead(OverheadConfig.quick() if quick else OverheadConfig()))
     return OK
 
 

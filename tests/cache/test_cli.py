@@ -203,3 +203,23 @@ def test_stats_on_a_cache_dir_shows_the_live_agent_below_it(tmp_path, run):
     assert r.returncode == 1 and "is not running" in r.stderr
     assert json.loads(r.stdout)["dir"] == str(tmp_path)  # the directory's own last snapshot
 
+
+def _no_constants(name: str):
+    raise AssertionError(f"not strict JSON: {name}")
+
+
+def test_stats_output_is_strict_json(tmp_path, run):
+    """A prefetcher that issued nothing has NaN accuracies: the snapshot file holds NaN (the
+    engine writes Python's JSON), the command prints null."""
+    kv = KVCache.open(tmp_path, small_config(prefetch_mode="sequential", warm_bytes=1 << 20))
+    try:
+        kv.match_prefix(kv.open_session(), list(range(8)))
+        kv.flush()  # publishes a snapshot
+        assert "NaN" in (tmp_path / LIVE_DIR / STATS_FILE).read_text()
+        r = run("stats", "--dir", str(tmp_path))
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout, parse_constant=_no_constants)
+        assert out["stats"]["prefetch"]["accuracy"] is None
+        assert out["stats"]["prefetch"]["issued"] == 0
+    finally:
+        kv.close()
