@@ -197,6 +197,29 @@ class Snapshot:
         return f"the engine (pid {self.pid}) has closed or released the directory"
 
 
+def live_engines_below(directory: str | os.PathLike) -> list[tuple[str, Snapshot]]:
+    """The live engines of agents that keep their cache in a subdirectory of ``directory``
+    (a serving agent publishes in ``<cache-dir>/serve``, beside the trainer's
+    ``<cache-dir>/live``), as (that subdirectory, its snapshot), by name; a snapshot that is
+    missing, unreadable or not live is left out."""
+    try:
+        subdirs = sorted(e.path for e in os.scandir(directory)
+                         if e.is_dir(follow_symlinks=False) and e.name != LIVE_DIR)
+    except OSError:
+        return []
+    found = []
+    for sub in subdirs:
+        if not os.path.exists(os.path.join(live_dir(sub), STATS_FILE)):
+            continue
+        try:
+            snap = read_snapshot(sub)
+        except LiveControlError:
+            continue
+        if snap.live:
+            found.append((sub, snap))
+    return found
+
+
 def read_snapshot(directory: str | os.PathLike) -> Snapshot:
     """The directory's latest snapshot; NoLiveEngineError when there is none,
     CorruptLiveFileError when it is garbage."""

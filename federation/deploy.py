@@ -6,7 +6,13 @@ free loopback port with a private FLWR_HOME and database, registers every node's
 shows that an unregistered key and a wrong root certificate are refused, starts N
 ``flower-supernode`` processes, runs the app with ``flwr run --stream`` and, with
 ``--kill-one``, SIGKILLs the highest partition's SuperNode (its whole process family) once it
-has received its round-2 train message. The run must finish with the survivors.
+has received its train message of round R-1 of R (``kill_round``: the round before the last,
+so the key rotation that follows is seen; round 1 with ``--rounds`` 1 or 2). The run must
+finish with the survivors.
+
+Kits, logs (``logs/``) and results (``results/``) go to ``--workdir DIR``, kept; without it to
+a temporary directory that is removed at the end unless ``--keep``. The last progress line
+says which (``workdir_note``).
 
 Every process is started in its own session and tracked by (pid, start time), with its
 descendants; all are stopped by pid on success, failure, SIGINT and SIGTERM. The last stdout
@@ -585,8 +591,30 @@ def _victim_got_train(demo: Demo, victim: int, nth: int) -> bool:
     return _tail(demo.logs / f"supernode-{victim}.log", 10_000_000).count("Receiving: train.fedkv") >= nth
 
 
+def kill_round(rounds: int) -> int:
+    """The round ``--kill-one`` kills a node in: the one before the last, so the key rotation
+    that follows the departure is seen in the last round (round 1 of 1 or 2, R-1 of R)."""
+    return max(1, rounds - 1)
+
+
+def kill_plan(nodes: int, rounds: int) -> str:
+    """What ``--kill-one`` will do, in words (said before the run starts)."""
+    return (f"--kill-one: SuperNode partition {nodes - 1} is SIGKILLed mid round "
+            f"{kill_round(rounds)} of {rounds}, once it received that round's train message")
+
+
+def workdir_note(work: Path, removed: bool) -> str:
+    """Where kits, logs and results are after the demo (or that they were removed, and how
+    to keep them)."""
+    if removed:
+        return (f"kits, logs and results were in {work}, a temporary directory now removed "
+                f"(--keep keeps it; --workdir DIR writes them to DIR and keeps them)")
+    return f"kits, logs and results are kept in {work} (kits/, logs/, results/)"
+
+
 def run_app(demo: Demo, timeout: float) -> RunOutcome:
-    """``flwr run <app> fedkv-demo --stream``; with kill_one, SIGKILL the victim mid round 2."""
+    """``flwr run <app> fedkv-demo --stream``; with kill_one, SIGKILL the victim mid round
+    ``kill_round(rounds)``."""
     app = _app_dir(demo.work / "app", demo.app_ref)
     cmd = [str(VENV_BIN / "flwr"), "run", str(app), CONNECTION, "--stream", "--run-config", run_config(demo, app)]
     say(f"flwr run ... --run-config \"{cmd[-1]}\"")
@@ -594,15 +622,16 @@ def run_app(demo: Demo, timeout: float) -> RunOutcome:
     lines: list[str] = []
     reader = threading.Thread(target=_pump, args=(proc, lines, demo.logs / "flwr-run.log"), daemon=True)
     reader.start()
-    # the round before the last, so a key rotation follows the departure (round 1 of 2, 2 of 3)
-    victim, kill_round = demo.nodes - 1, max(1, demo.rounds - 1)
+    victim, at_round = demo.nodes - 1, kill_round(demo.rounds)
+    if demo.kill_one:
+        say(kill_plan(demo.nodes, demo.rounds))
     killed, deadline = None, time.monotonic() + timeout
     while proc.poll() is None and time.monotonic() < deadline:
-        if demo.kill_one and killed is None and _round_done(lines, kill_round - 1) \
-                and _victim_got_train(demo, victim, kill_round):
+        if demo.kill_one and killed is None and _round_done(lines, at_round - 1) \
+                and _victim_got_train(demo, victim, at_round):
             pids = demo.procs.kill(f"supernode-{victim}")
             killed = demo.killed = victim
-            say(f"SIGKILLed SuperNode partition {victim} (pids {pids}) after it received its round-{kill_round} train message")
+            say(f"SIGKILLed SuperNode partition {victim} (pids {pids}) after it received its round-{at_round} train message")
         time.sleep(0.3)
     if proc.poll() is None:
         say(f"flwr run still running after {timeout:.0f}s; stopping it")
@@ -671,7 +700,9 @@ def demo_main(args: argparse.Namespace) -> int:
         say(f"demo failed: {type(exc).__name__}: {exc}")
     finally:
         leftovers = _cleanup(demo, previous)
-    out = _report(demo, error, leftovers, time.monotonic() - t0, remove_work=own_work and not args.keep)
+    remove_work = own_work and not args.keep
+    out = _report(demo, error, leftovers, time.monotonic() - t0, remove_work=remove_work)
+    say(workdir_note(work, removed=remove_work))
     print(json.dumps(out), flush=True)
     if isinstance(error, (KeyboardInterrupt, SystemExit)):
         return 130
@@ -736,9 +767,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     d = sub.add_parser("demo", help="provision, start SuperLink + SuperNodes with TLS and auth, run, clean up")
     d.add_argument("--nodes", type=int, default=5)
     d.add_argument("--rounds", type=int, default=3)
-    d.add_argument("--kill-one", action="store_true", help="SIGKILL the highest partition's SuperNode mid round 2")
+    d.add_argument("--kill-one", action="store_true",
+                   help="SIGKILL the highest partition's SuperNode mid round R-1 of R (the round before "
+                        "the last, so the key rotation after it is seen; round 1 with --rounds 1 or 2)")
     d.add_argument("--netns", action="store_true", help="each SuperNode in its own network namespace (root)")
-    d.add_argument("--workdir", default=None, help="keep kits, logs and results here (default: a temp dir, removed)")
+    d.add_argument("--workdir", default=None,
+                   help="keep kits, logs and results here (default: a temp dir, removed unless --keep)")
     d.add_argument("--seal-kits", action="store_true",
                    help="seal node secrets with a random passphrase given to the SuperNodes only "
                         "(FEDKV_NODE_KEY_PASSPHRASE in their environment)")

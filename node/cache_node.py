@@ -20,6 +20,7 @@ import copy
 import os
 import secrets
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -261,10 +262,14 @@ class CacheNode:
             raise ValueError(f"dp-sgd is available for the digits task, not {self.task.name!r}")
         work = copy.deepcopy(self.model).train()
         opt = torch.optim.SGD(work.parameters(), lr=lr)
-        engine = PrivacyEngine(accountant="rdp")
-        # Opacus draws its noise from torch's global generator and its Poisson batches from the
-        # loader's (seeded with the public seed + partition): both come from OS entropy here
+        # without a generator, Opacus would draw its noise from torch's global generator and its
+        # Poisson batches from the loader's (seeded with the public seed + partition): both
+        # come from `fresh` (make_private's noise_generator; DPDataLoader takes the loader's)
         fresh = os_entropy_torch_generator()
+        with warnings.catch_warnings():
+            # its "Secure RNG turned off" is about torch's global RNG: noise and batches use `fresh`
+            warnings.filterwarnings("ignore", message="Secure RNG turned off", category=UserWarning)
+            engine = PrivacyEngine(accountant="rdp")
         loader = torch.utils.data.DataLoader(self.task.train_loader.dataset, shuffle=True, generator=fresh,
                                              batch_size=self.task.train_loader.batch_size)
         pmodel, popt, ploader = engine.make_private(

@@ -18,7 +18,8 @@ only behind something that authenticates. Endpoints: ``POST /v1/sessions`` ``{"s
 ``POST /v1/sessions/<id>`` ``{"text": str, "max_new_tokens": int}`` -> ``{"reply", "reply_hex",
 "version", "recomputed"}``; ``DELETE /v1/sessions/<id>``; ``GET /v1/stats``. Bad requests get
 400 with ``{"error"}``; the agent goes on. Its cache is live: ``python -m cache stats --dir
-<cache-dir>/serve`` and ``python -m cache set KEY VALUE --dir <cache-dir>/serve``.
+<cache-dir>/serve`` (``--dir <cache-dir>`` shows it too while the trainer's engine is not
+live) and ``python -m cache set KEY VALUE --dir <cache-dir>/serve``.
 """
 
 from __future__ import annotations

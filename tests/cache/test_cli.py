@@ -172,3 +172,54 @@ def test_an_idle_engine_that_does_not_answer_times_out_with_exit_1(tmp_path, run
         kv.close()
     r = run("stats", "--dir", str(tmp_path))  # closed: the directory has no live engine
     assert r.returncode == 1 and "closed or released" in r.stderr
+
+
+def _dead_pid() -> int:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    return gone.pid
+
+
+def test_stats_on_a_cache_dir_shows_the_live_agent_below_it(tmp_path, run):
+    """A node's cache dir: the trainer's engine exited (its snapshot stays), a serving agent's
+    engine is live in ``DIR/serve`` (``node.serve``): stats shows the live one and exits 0;
+    set never redirects, its error names the live one."""
+    (tmp_path / LIVE_DIR).mkdir()
+    (tmp_path / LIVE_DIR / STATS_FILE).write_text(json.dumps(
+        {"pid": _dead_pid(), "written_at": time.time() - 5, "attached": True, "stats": {}}))
+    agent = KVCache(small_config())
+    agent.go_live(tmp_path / "serve")  # live: this process
+    r = run("stats", "--dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["live"] is True and out["pid"] == os.getpid()
+    assert out["dir"] == str(tmp_path / "serve") and "tunables" in out["stats"]
+    assert "no live engine of its own" in r.stderr and str(tmp_path / "serve") in r.stderr
+    r = run("set", "evict_batch", "8", "--dir", str(tmp_path), "--timeout", "0.2")
+    assert r.returncode == 1 and f"--dir {tmp_path / 'serve'}" in r.stderr, r.stderr
+    assert agent.config.evict_batch == 16
+    agent.release()  # the agent let go: nothing is live any more
+    r = run("stats", "--dir", str(tmp_path))
+    assert r.returncode == 1 and "is not running" in r.stderr
+    assert json.loads(r.stdout)["dir"] == str(tmp_path)  # the directory's own last snapshot
+
+
+def _no_constants(name: str):
+    raise AssertionError(f"not strict JSON: {name}")
+
+
+def test_stats_output_is_strict_json(tmp_path, run):
+    """A prefetcher that issued nothing has NaN accuracies: the snapshot file holds NaN (the
+    engine writes Python's JSON), the command prints null."""
+    kv = KVCache.open(tmp_path, small_config(prefetch_mode="sequential", warm_bytes=1 << 20))
+    try:
+        kv.match_prefix(kv.open_session(), list(range(8)))
+        kv.flush()  # publishes a snapshot
+        assert "NaN" in (tmp_path / LIVE_DIR / STATS_FILE).read_text()
+        r = run("stats", "--dir", str(tmp_path))
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout, parse_constant=_no_constants)
+        assert out["stats"]["prefetch"]["accuracy"] is None
+        assert out["stats"]["prefetch"]["issued"] == 0
+    finally:
+        kv.close()

@@ -100,3 +100,34 @@ def test_deploy_demo_with_a_serving_agent_picks_up_every_version(tmp_path) -> No
     assert out["leftover_processes"] == 0 and not _processes_mentioning(str(work)), context
     for r in out["serving_per_round"][1:]:  # every write-back invalidated the prompt's K/V
         assert r["recomputed_tokens"] > 0 and r["invalidated_blocks"] > 0 and math.isclose(r["ppl"], r["ppl_fresh"], rel_tol=1e-4), context
+
+
+# --- what the demo says it does (no processes started) ------------------------------------------
+
+def test_kill_one_kills_in_the_round_before_the_last_and_says_so() -> None:
+    from federation import deploy
+
+    assert [deploy.kill_round(r) for r in (1, 2, 3, 5)] == [1, 1, 2, 4]
+    assert "partition 2 is SIGKILLed mid round 1 of 2" in deploy.kill_plan(3, 2)
+    assert "mid round 2 of 3" in deploy.kill_plan(5, 3)
+    doc = " ".join(deploy.__doc__.split())
+    assert "round-2" not in doc and "round R-1 of R" in doc
+
+
+def test_the_kill_one_help_names_the_round_it_kills_in(capsys) -> None:
+    from federation.deploy import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["demo", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "mid round R-1 of R" in help_text and "round 1 with --rounds 1 or 2" in help_text
+    assert "removed unless --keep" in help_text
+
+
+def test_the_last_line_says_where_the_logs_are_or_how_to_keep_them(tmp_path) -> None:
+    from federation.deploy import workdir_note
+
+    kept = workdir_note(tmp_path, removed=False)
+    assert str(tmp_path) in kept and "logs/" in kept and "results/" in kept
+    gone = workdir_note(tmp_path, removed=True)
+    assert "removed" in gone and "--keep" in gone and "--workdir DIR" in gone

@@ -1,3 +1,5 @@
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -103,12 +105,48 @@ def test_restoring_a_node_moves_the_one_version_counter_and_stales_kv(lm_node):
 
 def test_dp_sgd_noise_and_sampling_do_not_follow_the_public_seed():
     """Two DP-SGD rounds from the same state, with torch's global generator and the loader's
-    generator reset to the same public values: different updates (fresh OS entropy inside)."""
+    generator reset to the same public values: different updates (fresh OS entropy inside),
+    and no "Secure RNG turned off" warning from Opacus (it is about torch's global RNG)."""
     node = CacheNode(NodeSpec(0, 3, task="digits"))
     dp = DpConfig(mode="none", clip_norm=1.0, noise_multiplier=1.0, dp_sgd=True)
     deltas = []
-    for _ in range(2):
-        torch.manual_seed(42)
-        node.task.train_loader.generator.manual_seed(42)
-        deltas.append(node.train_round(1, 0.3, dp, np.random.default_rng(0)).delta)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            torch.manual_seed(42)
+            node.task.train_loader.generator.manual_seed(42)
+            deltas.append(node.train_round(1, 0.3, dp, np.random.default_rng(0)).delta)
     assert not np.allclose(deltas[0], deltas[1])
+    assert not [w for w in caught if "Secure RNG" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_dp_sgd_noise_and_batches_come_from_the_secrets_seeded_generator(monkeypatch):
+    """What Opacus really uses: the optimizer's noise generator and the Poisson sampler's are
+    both the generator seeded from ``secrets.randbits`` (not torch's global one)."""
+    from opacus import PrivacyEngine
+
+    from node import cache_node
+
+    drawn: list[int] = []
+
+    def randbits(k: int) -> int:
+        drawn.append(k)
+        return 0x5EC12E75
+
+    made: list[tuple] = []
+    make_private = PrivacyEngine.make_private
+
+    def spy(self, **kw):
+        out = make_private(self, **kw)
+        made.append(out)
+        return out
+
+    monkeypatch.setattr(cache_node.secrets, "randbits", randbits)
+    monkeypatch.setattr(PrivacyEngine, "make_private", spy)
+    node = CacheNode(NodeSpec(0, 3, task="digits"))
+    node.train_round(1, 0.3, DpConfig(mode="none", clip_norm=1.0, noise_multiplier=1.0,
+                                      dp_sgd=True), np.random.default_rng(0))
+    (_, opt, loader), = made
+    assert drawn == [63]
+    assert opt.generator is not None and opt.generator.initial_seed() == 0x5EC12E75
+    assert loader.batch_sampler.generator is opt.generator  # Poisson batches: the same one

@@ -162,3 +162,23 @@ def test_the_agents_cache_is_read_and_tuned_from_another_process(served, tmp_pat
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["stats"]["tunables"]["evict_batch"] == 24
+
+
+def test_stats_on_the_cache_dir_reports_the_idle_agent_live_until_it_stops(served, tmp_path):
+    """``python -m cache stats --dir <cache-dir>`` (the directory node.serve was given), with
+    the trainer's engine let go and the agent idle: the agent's engine, live, exit 0 (its
+    snapshot is in <cache-dir>/serve); once the agent stopped, exit 1."""
+    node, _, proc = served
+    node.release()  # the trainer between messages: its snapshot says released
+    cache_dir = tmp_path / "kv-cache"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "cache", "stats", "--dir", str(cache_dir)]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    snap = json.loads(out.stdout)
+    assert snap["live"] is True and snap["pid"] == proc.pid, snap
+    assert snap["dir"] == str(cache_dir / "serve")
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(10)
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "no live engine" in out.stderr, out.stderr
