@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import threading
@@ -99,6 +100,13 @@ def measure(series: Series, nodes: int, rounds: int, task: str, timeout: float) 
         }
 
 
+def _median_point(points: list[dict]) -> dict:
+    """Medians of the numeric figures over repeats (the first run's other fields)."""
+    keys = ("wall_s", "s_per_round", "provision_s", "peak_rss_mb", "node_dirs_mb")
+    return {**points[0], **{k: statistics.median(p[k] for p in points) for k in keys},
+            "status": ",".join(sorted({p["status"] for p in points}))}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--nodes", default="5,20", help="comma-separated node counts (default 5,20)")
@@ -107,6 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--cpus-per-node", type=float, default=1.0, help="client-resources-num-cpus (default 1)")
     p.add_argument("--vs-checkout", type=Path, default=None, help="another checkout to run at the same points")
     p.add_argument("--vs-cpus-per-node", type=float, default=2.0, help="its client-resources-num-cpus (default 2, Flower's)")
+    p.add_argument("--repeats", type=int, default=1, help="sweeps (interleaved); medians reported")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
     args = p.parse_args(argv)
@@ -116,16 +125,18 @@ def main(argv: list[str] | None = None) -> dict:
         runs.append(Series("vs", args.vs_checkout.resolve(), args.vs_cpus_per_node, {}))
     print(f"bench_scale: task {args.task}, {args.rounds} rounds, nodes {points}, series "
           f"{[s.name for s in runs]}; expect ~{len(runs) * sum(30 + 2 * n for n in points) // 60} min", file=sys.stderr)
-    out: dict[str, list[dict]] = {s.name: [] for s in runs}
-    for nodes in points:
-        for series in runs:
-            point = measure(series, nodes, args.rounds, args.task, args.timeout)
-            out[series.name].append(point)
-            print(f"  {series.name} {nodes} nodes: wall {point['wall_s']:.0f} s, {point['s_per_round']:.1f} s/round, "
-                  f"provision {point['provision_s']:.1f} s, peak {point['peak_rss_mb']:.0f} MB, "
-                  f"node dirs {point['node_dirs_mb']:.0f} MB, {point['status']}", file=sys.stderr)
-    result: dict = {"task": args.task, "rounds": args.rounds, "nodes": points, "series": out,
-                    "cpus_per_node": {s.name: s.cpus_per_node for s in runs}}
+    raw: dict[str, dict[int, list[dict]]] = {s.name: {n: [] for n in points} for s in runs}
+    for _ in range(args.repeats):
+        for nodes in points:
+            for series in runs:
+                point = measure(series, nodes, args.rounds, args.task, args.timeout)
+                raw[series.name][nodes].append(point)
+                print(f"  {series.name} {nodes} nodes: wall {point['wall_s']:.0f} s, {point['s_per_round']:.1f} s/round, "
+                      f"provision {point['provision_s']:.1f} s, peak {point['peak_rss_mb']:.0f} MB, "
+                      f"node dirs {point['node_dirs_mb']:.0f} MB, {point['status']}", file=sys.stderr)
+    out = {name: [_median_point(by_n[n]) for n in points] for name, by_n in raw.items()}
+    result: dict = {"task": args.task, "rounds": args.rounds, "nodes": points, "repeats": args.repeats,
+                    "series": out, "runs": raw, "cpus_per_node": {s.name: s.cpus_per_node for s in runs}}
     if "vs" in out:
         result["wall_ratio_vs_over_this"] = [b["wall_s"] / a["wall_s"] for a, b in zip(out["this"], out["vs"])]
     if args.json:
