@@ -31,12 +31,13 @@ def expected_sample_size(fraction: float, population: int) -> int:
 
 
 def evaluation_size(population: int, fraction: float, min_clients: int, cap: int) -> int:
-    """Nodes that evaluate in a round: ceil(fraction · N), at least min-clients, at most ``cap``
-    (0 = none) and N. Evaluation releases no update, so its sample needs no accounting."""
-    k = max(min_clients, math.ceil(fraction * population))
+    """Nodes that evaluate in a round: ceil(fraction · N), at most ``cap`` (0 = none) but never
+    fewer than min-clients, and at most N. Evaluation releases no update, so its sample needs
+    no accounting."""
+    k = math.ceil(fraction * population)
     if cap > 0:
         k = min(k, cap)
-    return min(k, population)
+    return min(max(k, min_clients), population)
 
 
 def poisson_mean_scale(n_updates: int, fraction: float, population: int) -> float:

@@ -22,14 +22,16 @@ DIGITS = {"task": "digits", "he": True, "dp-mode": "none", "num-server-rounds": 
     (100, 0.01, 10, 2),   # at least min-clients
     (100, 1.0, 0, 100),   # 0 = no cap
     (3, 0.1, 10, 2),
+    (100, 1.0, 10, 32),   # min-clients above the cap wins (here min-clients 32)
 ])
 def test_evaluation_size(population: int, fraction: float, cap: int, expected: int) -> None:
-    assert evaluation_size(population, fraction, 2, cap) == expected
+    assert evaluation_size(population, fraction, 32 if expected == 32 else 2, cap) == expected
 
 
-def test_config_refuses_a_cap_below_min_clients_and_a_bad_fraction() -> None:
-    with pytest.raises(ConfigError, match="max-evaluate-clients must be 0"):
-        RunConfig.from_run_config({"max-evaluate-clients": 1})
+def test_config_refuses_a_negative_cap_and_a_bad_fraction() -> None:
+    with pytest.raises(ConfigError, match="max-evaluate-clients must be >= 0"):
+        RunConfig.from_run_config({"max-evaluate-clients": -1})
+    assert RunConfig.from_run_config({"min-clients": 32, "max-evaluate-clients": 10}).min_clients == 32
     with pytest.raises(ConfigError, match="fraction-evaluate must be in"):
         RunConfig.from_run_config({"fraction-evaluate": 0.0})
     assert RunConfig.from_run_config({"max-evaluate-clients": 0}).max_evaluate_clients == 0
