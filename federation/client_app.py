@@ -37,6 +37,7 @@ from crypto import (
     clip_update,
     last_modulus,
     noise_std,
+    payload_digest,
 )
 from crypto.dither import dither, dither_total
 from federation import node_host, protocol, provisioning
@@ -109,7 +110,8 @@ def _signed(cfg: RunConfig, context: Context, rnd: int, payload: bytes, epoch: i
     if ctx is None:
         return provisioning.sign(context, keys, rnd, payload, epoch, kind=kind)
     coeffs = ciphertext_coefficients(ctx, packing_for(cfg, dim), payload)
-    tag = AggregateMac(ctx.mac_key, last_modulus(ctx)).tag(coeffs, int(context.run_id), rnd, epoch, str(context.node_id), kind)
+    tag = AggregateMac(ctx.mac_key, last_modulus(ctx)).tag(coeffs, int(context.run_id), rnd, epoch, str(context.node_id),
+                                                           kind, payload_digest(payload))
     return provisioning.sign(context, keys, rnd, payload, epoch, key_id=ctx.key_id, kind=kind, tag=tag)
 
 
@@ -385,7 +387,7 @@ def _open(cfg: RunConfig, context: Context, dim: int, blob: bytes, manifest: byt
                 return make_client_codec(False, dim).decode_mean(blob), 0
         m = Manifest.from_bytes(manifest)
         updates = [e for e in m.entries if e.kind == KIND_UPDATE]
-        distinct = len({(e.node_id, e.kind) for e in m.entries}) == len(m.entries)
+        distinct = len({(e.node_id, e.kind) for e in m.entries}) == len({e.digest for e in m.entries}) == len(m.entries)
         floor = max(cfg.min_clients, provisioning.node_policy(context).min_clients)
         applied = context.state.config_records.get(APPLIED_KEY)
         last = int(applied["round"]) if applied is not None else 0

@@ -16,6 +16,7 @@ import pytest
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from crypto import CkksAggregator, NodeKeys, load_context
+from crypto.binding import MANIFEST_MAGIC
 from crypto.errors import ContextMismatchError
 from federation import protocol, provisioning
 from federation.codec import CkksClientCodec
@@ -99,7 +100,7 @@ def test_decode_failure_texts_carry_no_numbers() -> None:
     flipped = bytearray(honest)
     flipped[len(flipped) // 2] ^= 0x10
     cases = [bytes(flipped), honest[:-7], b"", b"\x00" * 64]
-    bad_manifests = [manifest[:-1], b"FKM\x01" + b"\xff" * 40, b""]
+    bad_manifests = [manifest[:-1], MANIFEST_MAGIC + b"\xff" * 40, b"", b"FKM\x01" + manifest[4:]]
     texts = [_ask(fed, 101, 1, c, manifest)[1] for c in cases]
     texts += [_ask(fed, 101, 1, honest, m)[1] for m in bad_manifests]
     assert all(t.endswith("aggregate rejected") for t in texts), texts
@@ -288,7 +289,6 @@ def _forgery_setup():
     return fed, honest, manifest, second, first, q
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20: fixed by the following commits")
 def test_the_affine_forgery_from_two_tags_of_one_node_is_refused() -> None:
     """Issue 20's forgery: two tags of node 100 in round 1 make t2 + k(t1 - t2) a valid tag of
     H + k(c1 - c2) when the pad does not depend on the ciphertext. With pads bound to each
@@ -310,7 +310,6 @@ def test_the_affine_forgery_from_two_tags_of_one_node_is_refused() -> None:
     assert _ask(fed, 101, 1, honest, manifest) == (True, "")  # control: the honest sum is applied
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20: fixed by the following commits")
 def test_a_server_bisecting_on_affine_forgeries_gets_one_answer_for_64_queries() -> None:
     """The oracle issue 20 observed (refused at k = 104, accepted at k = 103): bisect on k over
     affine forgeries; every one of 64 answers is the same refusal, so nothing is learned."""
