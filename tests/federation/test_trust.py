@@ -150,7 +150,6 @@ def _same_reply_or_refusal(first: Message, again: Message) -> None:
         assert dict(first.content[protocol.METRICS]) == dict(again.content[protocol.METRICS])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20: fixed by the following commits")
 def test_a_train_message_sent_twice_gets_its_first_reply_again_never_a_second_tag() -> None:
     from crypto import KIND_UPDATE
 
@@ -166,7 +165,6 @@ def test_a_train_message_sent_twice_gets_its_first_reply_again_never_a_second_ta
     assert len(_tags_of(fed, 100, 1, KIND_UPDATE, replies)) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20: fixed by the following commits")
 def test_a_noise_request_sent_twice_gets_its_first_reply_again_never_a_second_tag() -> None:
     from crypto import KIND_NOISE
 
@@ -186,6 +184,33 @@ def test_a_noise_request_sent_twice_gets_its_first_reply_again_never_a_second_ta
         _same_reply_or_refusal(first, again)
         replies.append(again)
     assert len(_tags_of(fed, node, 1, KIND_NOISE, replies)) == 1
+
+
+def test_a_node_that_failed_before_replying_answers_the_retry_once(monkeypatch) -> None:
+    """A node that crashed before its reply was kept sent no tag: the retry is answered (once),
+    and a further repeat gets that answer again."""
+    from crypto import KIND_UPDATE
+    from federation import node_host
+
+    real_save, failed = node_host.save_node, []
+
+    def crash_once(context, node):
+        if int(context.node_id) == 100 and not failed:
+            failed.append(True)
+            raise OSError("disk full")
+        return real_save(context, node)
+
+    monkeypatch.setattr(node_host, "save_node", crash_once)
+    fed = Federation(3, **HE, **{"num-server-rounds": 1})
+    (rec,) = fed.run_all()
+    assert failed and "disk full" in drops(rec, "train")[100]
+    replies = []
+    for _ in range(2):
+        (msg,) = fed.strategy.configure(protocol.TRAIN, 1, [100])
+        replies.append(fed.grid.deliver(msg))
+    assert not replies[0].has_error()
+    _same_reply_or_refusal(replies[0], replies[1])
+    assert len(_tags_of(fed, 100, 1, KIND_UPDATE, replies)) == 1
 
 
 def _two_tags_of_node_100(fed: Federation):
