@@ -36,29 +36,31 @@ indexes a pad nobody computed, so the server must guess that entry's tag outrigh
 
 Forgery bound. Model SHAKE-256 as a PRF and SHA-256 as collision resistant. Every tag the server
 sees is ``<r, c> + p`` with a pad used for no other ``c``, so its whole view is independent of
-``r`` (up to 2^-130 per tag). Take any aggregate ``A`` with a manifest, and let ``d = A - sum c_i``
-over the ciphertexts the manifest's entries were tagged for. If an entry's index was never
-tagged, its pad is uniform and unknown: the check holds with probability ``1/q0``. Otherwise it
-holds iff ``<r, d> = s`` for a value ``s`` the server knows; for ``d != 0`` some coordinate
-``d_j`` is invertible mod the prime q0, one residue of ``r_j`` satisfies it, and at most
-``ceil(2^56/q0)`` of the 2^56 values of ``r_j`` have that residue. Per tag word:
+``r`` (up to 2^-130 per tag). Take any aggregate ``A`` with a manifest, and let ``d = A - sum
+c_i`` over the ciphertexts the manifest's entries were tagged for. If an entry's index was never
+tagged, its pad is uniform and unknown: the check holds with probability ``1/q0`` (<= the bound
+below). Otherwise it holds iff ``<r, d> = s`` for a value ``s`` the server knows; for ``d != 0``
+some coordinate ``d_j`` is invertible mod the prime q0, one residue of ``r_j`` satisfies it, and
+at most ``ceil(2^56/q0)`` of the 2^56 values of ``r_j`` have that residue. Per tag word:
 
     eps_w <= ceil(2^56 / q0) / 2^56 + 2^-130    (2^-56 for a 60-bit q0, <= 2^-53 for the
                                                  54-bit q0 of fedkv-2048)
 
-and the ``WORDS`` = 2 words use independent ``r`` and pads: ``eps <= eps_w^2`` (2^-112,
-resp. 2^-106). A server asking Q times (adaptively, over any number of rounds, tags and
-nodes: until the first acceptance every answer is the same refusal, so its queries are fixed
-in advance) makes some node accept an ``A`` other than the sum of the manifest's tagged
-summands with probability at most ``Q * eps + Adv_PRF(SHAKE-256) + Adv_CR(SHA-256)``. Scalings,
-affine combinations and subsets of the round's updates are such ``A`` (a subset must be
-announced as such in the manifest, and then it is the honest sum of that subset; the node's
-``min-clients`` floor refuses small ones). Accept/reject therefore never depends on the secret
-key's noise, except with that probability.
+and the ``WORDS`` = 2 words use independent ``r`` and pads: ``eps <= eps_w^2`` (about 2^-112,
+resp. 2^-106). A server asking Q times (adaptively, over any number of rounds, tags and nodes:
+until the first forgery passes, every answer is one it could predict, a refusal or the acceptance
+of an honest sum, so its queries are fixed in advance) makes some node accept an ``A`` other than
+the sum of the manifest's tagged summands with probability at most ``Q * eps + Adv_PRF(SHAKE-256)
++ Adv_CR(SHA-256)``. Scalings and affine combinations of tagged updates, and a summand added or
+left out under an unchanged manifest, are such ``A``; a subset announced as such in the manifest
+is the honest sum of that subset, and the node's ``min-clients`` floor refuses small ones.
+Accept/reject therefore never depends on the secret key's noise, except with that probability.
 
 Independently, a node answers each round's train and noise request once
 (``federation.node_store.NodeStore.answer_once``): a repeated request gets the byte-identical
-reply, so an honest node never hands out two tags of one index in the first place.
+reply, so a node hands out at most one tag per round and kind. The bound does not rely on it:
+a node that lost its kept replies and tags a round again leaks ``t1 - t2``, masked by two
+independent pads.
 
 Cost: one pass over the coefficients per tag or check (2 x N values per ciphertext) plus a
 SHA-256 of the payload, which the signature computes anyway.

@@ -10,7 +10,9 @@ Protocols, routed by message type:
 * ``train.fedkv`` / ``evaluate.fedkv`` (the product path): the node first applies the
   aggregates it is missing (decrypt -> write back), then trains, clips, encrypts, signs
   and replies with the signed bytes, or evaluates on its held-out share. The server never
-  sends or receives plaintext weights on this path.
+  sends or receives plaintext weights on this path. Train and noise requests are answered
+  once per round (``NodeStore.answer_once``): a repeat gets the first reply's bytes, never a
+  second MAC tag (``crypto.binding``).
 * ``train`` / ``evaluate`` (Flower's array protocol): used by the ``flower-central``
   baseline (Flower's FedAvg wrapped in DifferentialPrivacyClientSideFixedClipping);
   ``fixedclipping_mod`` is attached to ``train`` only (on ``ClientApp(mods=...)`` it
@@ -403,7 +405,7 @@ def _open(cfg: RunConfig, context: Context, dim: int, blob: bytes, manifest: byt
     Returns (mean update, round the aggregate was made in).
 
     Every check that can fail before decryption is public (run, a round later than the last
-    applied one, summand count, the MAC); after it, a failure can only come from a summand a
+    applied one, distinct summands and digests, summand count, the MAC); after it, a failure can only come from a summand a
     node signed, and it gets the same answer. The MAC is checked on the very ciphertexts that
     are then decrypted (loaded once)."""
     try:

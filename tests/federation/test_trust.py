@@ -1,6 +1,8 @@
 """Issue 8's attacks, each written as the attacker would run it, and what stops it.
 
 * hostile server with a decryption oracle (crafted aggregates, accept/reject, error texts);
+* issue 20: the same round asked twice (one reply, one tag), and the affine forgery from two
+  tags of one node (pads bound to each ciphertext's digest), also as a bisection;
 * man in the middle substituting a node's identity keys at enrollment (kits pin them), and a
   hostile server forwarding substituted keys to the key-making node;
 * a run config that lowers a node's privacy (node policy);
