@@ -9,6 +9,11 @@ directory::
     manifest.json      the committed state: per key its segment, offset, length, checksum, meta
     LOCK               flock()ed while a store has the directory open (one writer at a time)
 
+**Permissions and the lock** (``cache/fsperm.py``). The directory is created 0700 and every
+file 0600 whatever the umask; opening a directory that group/other can reach raises
+``UnsafePermissionsError`` (``chmod 700`` it). Opening waits at most ``lock_timeout_s`` for a
+``LOCK`` another process holds, then raises ``StoreLockedError`` naming the file.
+
 **Durability model.** A record is *staged* when ``put`` appends it to the open segment and becomes
 *committed* when ``commit`` returns. ``commit`` first ``fsync``s every segment written since the
 last commit, then writes the whole manifest to ``manifest.json.tmp``, ``fsync``s it, ``rename``s it
@@ -50,17 +55,18 @@ freed by ``delete``/``drop_where`` followed by ``compact``; ``compact`` may exce
 transiently by the live bytes it rewrites (it is the way back under the cap) but not the real disk.
 
 **Errors.** ``StoreError`` (a ``CacheError``) is the base; ``CorruptBlockError``,
-``CorruptManifestError``, ``UnknownRecordError`` (also a ``KeyError``) and ``StoreFullError`` (also
-an ``OSError`` with ``errno.ENOSPC``, so generic disk-full handling catches it) derive from it.
+``CorruptManifestError``, ``StoreLockedError`` (also a ``TimeoutError``), ``UnknownRecordError``
+(also a ``KeyError``) and ``StoreFullError`` (also an ``OSError`` with ``errno.ENOSPC``, so
+generic disk-full handling catches it) derive from it.
 
 This module imports only the standard library, ``cryptography`` (when a key is given) and,
-optionally, ``xxhash``; its only import from ``cache`` is ``cache.errors``.
+optionally, ``xxhash``; its only imports from ``cache`` are ``cache.errors`` and
+``cache.fsperm``.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import json
 import math
@@ -73,6 +79,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from cache.errors import CacheError
+from cache.fsperm import LOCK_TIMEOUT_S, LockTimeoutError, lock_within, open_private, private_dir
 
 try:  # optional: ~10x faster than BLAKE2b; recorded per store so a reader knows which one
     import xxhash
@@ -85,6 +92,7 @@ __all__ = [
     "CorruptBlockError",
     "CorruptManifestError",
     "StoreFullError",
+    "StoreLockedError",
     "UnknownRecordError",
 ]
 
@@ -124,6 +132,10 @@ class CorruptBlockError(StoreError):
 
 class CorruptManifestError(StoreError):
     """``manifest.json`` is missing, truncated, not JSON, or fails its checksum."""
+
+
+class StoreLockedError(StoreError, LockTimeoutError):
+    """The directory's ``LOCK`` stayed held by another process for the whole bounded wait."""
 
 
 class StoreFullError(StoreError, OSError):
@@ -313,7 +325,7 @@ class SegmentStore:
 
     def __init__(self, directory: str | os.PathLike, *, key: bytes | None = None,
                  max_bytes: int | None = None, segment_bytes: int = 4 << 20,
-                 read_staged: bool = False) -> None:
+                 read_staged: bool = False, lock_timeout_s: float = LOCK_TIMEOUT_S) -> None:
         if key is not None:
             key = bytes(key)
             if len(key) != 32:
@@ -349,8 +361,8 @@ class SegmentStore:
         self._corrupt: set[bytes] = set()
         self._truncated_at_open = 0
         self._compact_dropped = 0
-        os.makedirs(self.directory, exist_ok=True)
-        self._lock_fd = _take_lock(self.directory)
+        private_dir(self.directory)  # 0700, or refused when group/other can reach it
+        self._lock_fd = _take_lock(self.directory, lock_timeout_s)
         try:
             self._load()
         except BaseException:
@@ -360,21 +372,25 @@ class SegmentStore:
     @classmethod
     def open(cls, directory: str | os.PathLike, *, key: bytes | None = None,
              max_bytes: int | None = None, segment_bytes: int = 4 << 20,
-             read_staged: bool = False) -> "SegmentStore":
+             read_staged: bool = False, lock_timeout_s: float = LOCK_TIMEOUT_S
+             ) -> "SegmentStore":
         """Open (or create) the store in ``directory``; same as the constructor."""
         return cls(directory, key=key, max_bytes=max_bytes, segment_bytes=segment_bytes,
-                   read_staged=read_staged)
+                   read_staged=read_staged, lock_timeout_s=lock_timeout_s)
 
     @staticmethod
-    def wipe(directory: str | os.PathLike) -> None:
+    def wipe(directory: str | os.PathLike, lock_timeout_s: float = LOCK_TIMEOUT_S) -> None:
         """Delete the store's files (segments, manifest) in ``directory``; other files stay.
 
-        For rebuilding after ``CorruptManifestError``. Refuses while a store has it open.
+        For rebuilding after ``CorruptManifestError``. Refuses while a store has it open
+        (after waiting up to ``lock_timeout_s``), and refuses a directory group/other can
+        reach as opening does.
         """
         directory = os.fspath(directory)
         if not os.path.isdir(directory):
             return
-        lock_fd = _take_lock(directory)
+        private_dir(directory)
+        lock_fd = _take_lock(directory, lock_timeout_s)
         try:
             for name in os.listdir(directory):
                 if _SEG_RE.match(name) or name in (_MANIFEST, _MANIFEST_TMP):
@@ -391,6 +407,11 @@ class SegmentStore:
     def _load(self) -> None:
         names = os.listdir(self.directory)
         seg_files = {int(m.group(1)) for n in names if (m := _SEG_RE.match(n))}
+        for n in names:  # files of an older version were 0644: owner-only from here on
+            if _SEG_RE.match(n) or n == _MANIFEST:
+                p = self._path(n)
+                if os.stat(p).st_mode & 0o077:
+                    os.chmod(p, 0o600)
         if _MANIFEST_TMP in names:  # a commit killed before its rename: never the truth
             os.unlink(self._path(_MANIFEST_TMP))
         if _MANIFEST not in names:
@@ -503,7 +524,7 @@ class SegmentStore:
         """
         tmp = self._path(_MANIFEST_TMP)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         except OSError as e:
             raise _os_error(e, "creating the manifest") from e
         try:
@@ -571,8 +592,7 @@ class SegmentStore:
         path = self._path(_seg_name(seg))
         try:
             # O_APPEND: after a rollback ftruncate the next write lands at the new end, no hole.
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC,
-                         0o644)
+            fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND)
         except OSError as e:
             raise _os_error(e, f"creating {_seg_name(seg)}") from e
         self._next_seg += 1
@@ -1004,18 +1024,17 @@ class SegmentStore:
         return f"SegmentStore({self.directory!r}, {state})"
 
 
-def _take_lock(directory: str) -> int:
-    """flock the directory's LOCK file: two stores appending to one directory would corrupt it.
+def _take_lock(directory: str, timeout_s: float) -> int:
+    """flock the directory's LOCK file (0600): two stores appending to one directory would
+    corrupt it. Waits at most ``timeout_s`` for another holder (a process of the node that
+    is still finishing), then ``StoreLockedError``.
 
     The kernel drops the lock when the holder dies (kill -9 included), so no stale lock files.
     """
-    fd = os.open(os.path.join(directory, _LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise StoreError(f"{directory} is in use by another SegmentStore (its LOCK is held)") from None
-    return fd
+        return lock_within(os.path.join(directory, _LOCK), timeout_s, "the cache store")
+    except LockTimeoutError as e:
+        raise StoreLockedError(f"{directory} is in use by another SegmentStore: {e}") from None
 
 
 def _unlink_quiet(path: str) -> None:

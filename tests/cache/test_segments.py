@@ -152,10 +152,13 @@ def test_meta_and_key_validation(tmp_path):
 
 def test_lock_refuses_a_second_store(tmp_path):
     s = SegmentStore(tmp_path)
+    t0 = time.monotonic()
+    with pytest.raises(StoreError, match="in use") as ei:
+        SegmentStore(tmp_path, lock_timeout_s=0.2)
+    assert 0.2 <= time.monotonic() - t0 < 3  # waited, within the bound
+    assert os.path.join(tmp_path, "LOCK") in str(ei.value) and "0.2 s" in str(ei.value)
     with pytest.raises(StoreError, match="in use"):
-        SegmentStore(tmp_path)
-    with pytest.raises(StoreError, match="in use"):
-        SegmentStore.wipe(tmp_path)
+        SegmentStore.wipe(tmp_path, lock_timeout_s=0)
     s.close()
     SegmentStore(tmp_path).close()
     with pytest.raises(StoreError, match="closed"):
