@@ -745,8 +745,8 @@ class KVCache:
              max_bytes: int | None = None) -> "KVCache":
         """A cache whose cold tier is ``directory`` (AES-256-GCM at rest with ``key``): warm
         start from what an earlier process flushed there (tensors, model version, K/V blocks,
-        the hottest into warm at once); a corrupt directory is rebuilt empty, with a warning.
-        ``directory`` is made 0700 (its files 0600); one that group/other can reach is
+        the hottest into warm at once); a corrupt or older-format directory is rebuilt empty,
+        with a warning. ``directory`` is made 0700 (its files 0600); one that group/other can reach is
         refused (``UnsafePermissionsError``), and a lock another process holds for longer
         than ``config.lock_timeout_s`` raises ``StoreLockedError``."""
         from cache.persist import open_cache
