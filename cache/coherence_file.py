@@ -5,6 +5,10 @@ share it (the ClientApp that trains and writes parameters back, a serving proces
     agent = d.join("server")          # same Agent API as cache.coherence.Agent
     p = agent.start_polling(0.005, on_invalidate=lambda keys: ...)   # keeps ACKs flowing
 
+The directory is made 0700 and its files 0600 (``cache.fsperm``); one that group/other can
+reach is refused (``UnsafePermissionsError``), and a transaction waits at most ``timeout_s`` for
+``coherence.lock`` (``DirectoryLockedError`` names it) instead of hanging on another holder.
+
 Every operation is one transaction: ``flock`` on ``coherence.lock``, read ``coherence.json``,
 reap dead agents, apply the ``CoherenceTable`` transition, write the file back (to a temporary
 file, then ``os.replace``, so a reader never sees half a file) only when it changed, unlock.
@@ -32,7 +36,6 @@ corrupt the file.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import threading
@@ -58,8 +61,9 @@ from cache.coherence import (
     State,
     check_settings,
 )
+from cache.fsperm import LockTimeoutError, lock_within, open_private, private_dir
 
-__all__ = ["CorruptDirectoryError", "FileAgent", "FileDirectory", "STATE_FILE", "LOCK_FILE",
+__all__ = ["CorruptDirectoryError", "DirectoryLockedError", "FileAgent", "FileDirectory", "STATE_FILE", "LOCK_FILE",
            "pid_alive", "process_start"]
 
 STATE_FILE = "coherence.json"
@@ -69,6 +73,11 @@ FORMAT = 1
 
 class CorruptDirectoryError(CoherenceError):
     """``coherence.json`` cannot be read as a directory; it was left untouched."""
+
+
+class DirectoryLockedError(CoherenceError, LockTimeoutError):
+    """``coherence.lock`` stayed held by another process for the whole bounded wait
+    (``timeout_s``): a transaction takes it for well under a millisecond."""
 
 
 # --------------------------------------------------------------------------- liveness
@@ -148,6 +157,14 @@ def load_table(text: str) -> tuple[CoherenceTable, str]:
 # --------------------------------------------------------------------------- the directory
 
 
+def _lock(path: Path, timeout_s: float) -> int:
+    """flock ``coherence.lock`` (0600), waiting at most ``timeout_s`` for another holder."""
+    try:
+        return lock_within(path / LOCK_FILE, timeout_s, "the coherence directory")
+    except LockTimeoutError as e:
+        raise DirectoryLockedError(str(e)) from None
+
+
 class FileDirectory:
     """A coherence directory in ``path/coherence.json`` shared by every process that opens it
     with the same mode and batch."""
@@ -161,7 +178,7 @@ class FileDirectory:
         self.timeout_s = float(timeout_s)
         self.poll_interval_s = float(poll_interval_s)
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        private_dir(self.path)  # 0700, or refused when group/other can reach it
         self.state_file = self.path / STATE_FILE
         self._lock = threading.Lock()  # flock is per open file; threads also need this
         with self.transaction() as (table, _):
@@ -174,9 +191,8 @@ class FileDirectory:
     def transaction(self) -> Iterator[tuple[CoherenceTable, str]]:
         """The table under the file lock, dead agents reaped; written back if it changed."""
         with self._lock:
-            fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = _lock(self.path, self.timeout_s)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
                 text = self._read()
                 table, epoch = self._parse(text) if text is not None else self._fresh()
                 self._reap(table)
@@ -208,13 +224,13 @@ class FileDirectory:
             return {aid: rec.name for aid, rec in table.agents.items()}
 
     @staticmethod
-    def reset(path: str | os.PathLike[str]) -> Path | None:
+    def reset(path: str | os.PathLike[str], timeout_s: float = 10.0) -> Path | None:
         """Move ``coherence.json`` aside (``coherence.json.corrupt-N``) so the next opener starts a
         new epoch; returns where it went (None if there was no file)."""
         path = Path(path)
-        fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        private_dir(path)
+        fd = _lock(path, timeout_s)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
             src = path / STATE_FILE
             if not src.exists():
                 return None
@@ -253,7 +269,9 @@ class FileDirectory:
 
     def _write(self, text: str) -> None:
         tmp = self.state_file.with_name(STATE_FILE + ".tmp")
-        tmp.write_text(text)
+        fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
         os.replace(tmp, self.state_file)
 
     @staticmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cache.errors import ConfigError
+from cache.fsperm import LOCK_TIMEOUT_S
 from cache.tunables import TUNABLES, validate_tunable
 
 KV_DTYPES = ("fp32", "fp16", "int8", "int4")
@@ -108,6 +109,9 @@ class CacheConfig:
     page_bytes: int = 64
     """Slot granule of the quantized pool (a multiple of 4 bytes). 4 KB pages made int8
     cost as much as fp16."""
+    lock_timeout_s: float = LOCK_TIMEOUT_S
+    """Longest wait for the cache directory's lock (``KVCache.open``/``attach``) while another
+    process holds it; then ``StoreLockedError`` names the lock file instead of a hang."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "head_dim", "block_size", "page_bytes"):
@@ -130,6 +134,9 @@ class CacheConfig:
         if self.tail_granule < 0 or (self.tail_granule and self.block_size % self.tail_granule):
             raise ConfigError(f"tail_granule must be 0 or divide block_size {self.block_size}, "
                               f"got {self.tail_granule}")
+        if not (isinstance(self.lock_timeout_s, (int, float)) and 0 <= self.lock_timeout_s < 1e9):
+            raise ConfigError(f"lock_timeout_s must be a number of seconds >= 0, got "
+                              f"{self.lock_timeout_s!r}")
         if self.warm_bytes < 0:
             raise ConfigError(f"warm_bytes must be >= 0, got {self.warm_bytes}")
         for name in TUNABLES:  # the runtime knobs: one validator (cache/tunables.py)

@@ -745,7 +745,10 @@ class KVCache:
              max_bytes: int | None = None) -> "KVCache":
         """A cache whose cold tier is ``directory`` (AES-256-GCM at rest with ``key``): warm
         start from what an earlier process flushed there (tensors, model version, K/V blocks,
-        the hottest into warm at once); a corrupt directory is rebuilt empty, with a warning."""
+        the hottest into warm at once); a corrupt or older-format directory is rebuilt empty,
+        with a warning. ``directory`` is made 0700 (its files 0600); one that group/other can reach is
+        refused (``UnsafePermissionsError``), and a lock another process holds for longer
+        than ``config.lock_timeout_s`` raises ``StoreLockedError``."""
         from cache.persist import open_cache
         kv = open_cache(cls, directory, config, key=key, policy=policy, clock=clock,
                         max_bytes=max_bytes)
@@ -793,7 +796,7 @@ class KVCache:
         """Use ``directory`` as the cold tier again (after ``close``), without reloading."""
         from cache.persist import open_store
         if self.store is None:
-            self.store = open_store(directory, key, max_bytes)
+            self.store = open_store(directory, key, max_bytes, self.config.lock_timeout_s)
             self.blocks.tiers.cold = self.store
             self._go_live(directory)
 

@@ -1,8 +1,9 @@
 """Persistence of a KVCache in a directory: what survives between Flower messages.
 
 Everything goes into one ``SegmentStore`` (``cache/segments.py``: atomic commits, a checksum
-per record and per manifest, AES-256-GCM with the node's key): K/V blocks (``kind: kv``, keyed
-by content hash), named tensors (``kind: tensor``: the node's ``param/`` and ``grad/``, one
+per record and per manifest, AES-256-GCM with the node's key; the record map sealed and record
+ids keyed, so nothing on disk names a block's content hash; directory 0700, files 0600): K/V
+blocks (``kind: kv``, keyed by content hash), named tensors (``kind: tensor``: the node's ``param/`` and ``grad/``, one
 safetensors blob each) and the engine's model version (``kind: engine``). Opening a directory
 restores tensors and version at once and blocks lazily (the hottest into warm first).
 """
@@ -15,6 +16,8 @@ from typing import TYPE_CHECKING, Callable
 
 from safetensors.torch import load as st_load, save as st_save
 
+from cache.fsperm import LOCK_TIMEOUT_S
+
 if TYPE_CHECKING:
     from cache.config import CacheConfig
     from cache.engine import KVCache
@@ -24,23 +27,27 @@ ENGINE_KEY = b"engine:state"
 TENSOR_PREFIX = b"tensor:"
 
 
-def open_store(directory: str | os.PathLike, key: bytes | None, max_bytes: int | None):
-    """The directory's store; a corrupt manifest means a clean rebuild (logged)."""
-    from cache.segments import CorruptManifestError, SegmentStore
+def open_store(directory: str | os.PathLike, key: bytes | None, max_bytes: int | None,
+               lock_timeout_s: float = LOCK_TIMEOUT_S):
+    """The directory's store; a corrupt manifest or an older on-disk format means a clean
+    rebuild (logged). A directory group/other can reach, a lock held past ``lock_timeout_s``
+    or a wrong key raise (``UnsafePermissionsError``, ``StoreLockedError``, ``WrongKeyError``)."""
+    from cache.segments import CorruptManifestError, OldFormatError, SegmentStore
 
     # read_staged: a block demoted to cold this process is a hit before the next commit
-    kw = dict(key=key, max_bytes=max_bytes, read_staged=True)
+    kw = dict(key=key, max_bytes=max_bytes, read_staged=True, lock_timeout_s=lock_timeout_s)
     try:
         return SegmentStore(directory, **kw)
     except CorruptManifestError as e:
-        _log.warning("cache directory %s is unreadable (%s); rebuilding it empty", directory, e)
-        SegmentStore.wipe(directory)
+        what = "has an older on-disk format" if isinstance(e, OldFormatError) else "is unreadable"
+        _log.warning("cache directory %s %s (%s); rebuilding it empty", directory, what, e)
+        SegmentStore.wipe(directory, lock_timeout_s)
         return SegmentStore(directory, **kw)
 
 
 def open_cache(cls, directory, config: "CacheConfig", *, key, policy, clock, max_bytes
                ) -> "KVCache":
-    store = open_store(directory, key, max_bytes)
+    store = open_store(directory, key, max_bytes, config.lock_timeout_s)
     kv = cls(config, policy, store=store, clock=clock)
     kv.found_on_disk = sum(1 for k in store.keys() if store.meta(k).get("kind") == "kv")
     _load_tensors(kv)

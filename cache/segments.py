@@ -7,7 +7,13 @@ directory::
     seg-000001.bin     append-only segment files of records
     seg-000002.bin
     manifest.json      the committed state: per key its segment, offset, length, checksum, meta
+                       (sealed with AES-256-GCM in an encrypted store)
     LOCK               flock()ed while a store has the directory open (one writer at a time)
+
+**Permissions and the lock** (``cache/fsperm.py``). The directory is created 0700 and every
+file 0600 whatever the umask; opening a directory that group/other can reach raises
+``UnsafePermissionsError`` (``chmod 700`` it). Opening waits at most ``lock_timeout_s`` for a
+``LOCK`` another process holds, then raises ``StoreLockedError`` naming the file.
 
 **Durability model.** A record is *staged* when ``put`` appends it to the open segment and becomes
 *committed* when ``commit`` returns. ``commit`` first ``fsync``s every segment written since the
@@ -39,9 +45,18 @@ its own SHA-256 over its canonical JSON; a truncated or edited manifest raises
 96-bit nonce per record, and the record key plus segment id as associated data, so a record cannot
 be replayed under another key or moved to another segment unnoticed. The checksum is computed
 over the ciphertext (it detects media corruption without the key; the GCM tag detects a wrong key
-or tampering). Random nonces are safe for far fewer than 2**32 records per key. The manifest
-(record keys, sizes, meta) is checksummed but neither encrypted nor authenticated: keep nothing
-secret in ``meta`` or in record keys.
+or tampering). Random nonces are safe for far fewer than 2**32 records per key.
+
+Nothing on disk names a record key either (on-disk format version 2; issue 20): a record key
+such as a K/V block's chained content hash is computable from a guessed prompt, so a readable
+one would confirm the guess. A record's header carries ``HMAC-SHA256(id key, record key)``
+instead, and the manifest's body (record keys, locations, sizes, meta) is sealed whole with
+AES-256-GCM; both keys are derived from ``key`` with HKDF-SHA256. The record map is sealed
+rather than keyed with HMAC because the store must list its keys on open (tensors, the warm
+restart), which a one-way id cannot give back. The manifest keeps in the clear only its
+format, version, a 16-byte key check (a wrong key raises ``WrongKeyError`` and wipes nothing;
+a sealed body that fails its tag is corrupt) and its SHA-256. An older-format manifest raises
+``OldFormatError`` (a ``CorruptManifestError``: a cache rebuilds the directory empty).
 
 **Disk budget.** ``max_bytes`` caps segment files plus manifest; a ``put`` or ``commit`` that would
 exceed it, or that hits a real ``ENOSPC``/``EDQUOT``, raises ``StoreFullError`` and leaves the
@@ -50,18 +65,21 @@ freed by ``delete``/``drop_where`` followed by ``compact``; ``compact`` may exce
 transiently by the live bytes it rewrites (it is the way back under the cap) but not the real disk.
 
 **Errors.** ``StoreError`` (a ``CacheError``) is the base; ``CorruptBlockError``,
-``CorruptManifestError``, ``UnknownRecordError`` (also a ``KeyError``) and ``StoreFullError`` (also
+``CorruptManifestError`` (``OldFormatError``), ``WrongKeyError``, ``StoreLockedError`` (also a
+``TimeoutError``), ``UnknownRecordError`` (also a ``KeyError``) and ``StoreFullError`` (also
 an ``OSError`` with ``errno.ENOSPC``, so generic disk-full handling catches it) derive from it.
 
 This module imports only the standard library, ``cryptography`` (when a key is given) and,
-optionally, ``xxhash``; its only import from ``cache`` is ``cache.errors``.
+optionally, ``xxhash``; its only imports from ``cache`` are ``cache.errors`` and
+``cache.fsperm``.
 """
 
 from __future__ import annotations
 
+import base64
 import errno
-import fcntl
 import hashlib
+import hmac
 import json
 import math
 import mmap
@@ -73,6 +91,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from cache.errors import CacheError
+from cache.fsperm import LOCK_TIMEOUT_S, LockTimeoutError, lock_within, open_private, private_dir
 
 try:  # optional: ~10x faster than BLAKE2b; recorded per store so a reader knows which one
     import xxhash
@@ -84,7 +103,10 @@ __all__ = [
     "StoreError",
     "CorruptBlockError",
     "CorruptManifestError",
+    "OldFormatError",
     "StoreFullError",
+    "StoreLockedError",
+    "WrongKeyError",
     "UnknownRecordError",
 ]
 
@@ -126,6 +148,21 @@ class CorruptManifestError(StoreError):
     """``manifest.json`` is missing, truncated, not JSON, or fails its checksum."""
 
 
+class OldFormatError(CorruptManifestError):
+    """``manifest.json`` is an older on-disk format than this code writes. A cache rebuilds such
+    a directory empty (``SegmentStore.wipe``) rather than misread it: version 1 kept record ids
+    (the unkeyed content hashes) and the record map readable without the key."""
+
+
+class WrongKeyError(StoreError):
+    """An encrypted store opened with another key than the one it was sealed with (nothing is
+    wiped: the right key opens it)."""
+
+
+class StoreLockedError(StoreError, LockTimeoutError):
+    """The directory's ``LOCK`` stayed held by another process for the whole bounded wait."""
+
+
 class StoreFullError(StoreError, OSError):
     """The disk budget (``max_bytes``) or the disk itself (ENOSPC/EDQUOT) has no room.
 
@@ -142,7 +179,7 @@ class StoreFullError(StoreError, OSError):
 # --------------------------------------------------------------------------- format
 
 _MAGIC = b"FKVR"
-_VERSION = 1
+_VERSION = 2  # 2: an encrypted store's record carries its keyed id, not its key
 # magic, version, flags, checksum algorithm, reserved, key length, stored payload length, nonce
 _HEADER = struct.Struct("<4sBBBBIQ12s")
 _TRAILER = struct.Struct("<Q")  # 64-bit checksum over header + key + stored payload
@@ -157,8 +194,11 @@ _MANIFEST = "manifest.json"
 _MANIFEST_TMP = "manifest.json.tmp"
 _LOCK = "LOCK"
 _FORMAT = "fedkv-segments"
-_MANIFEST_VERSION = 1
+_MANIFEST_VERSION = 2  # 2: encrypted stores seal the record map, keyed record ids
 _SUM_FIELD = "manifest_sha256"
+_MANIFEST_AAD = b"fedkv-manifest-v2\0"
+_KDF_INFO = b"fedkv-segments-v2 "
+_ID_LEN = 32  # HMAC-SHA256
 _SEG_RE = re.compile(r"^seg-(\d{6,})\.bin$")
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
@@ -253,6 +293,119 @@ def _os_error(exc: OSError, what: str) -> StoreError:
     return StoreError(f"I/O error while {what}: {exc}")
 
 
+class _Keys:
+    """What an encrypted store derives from its 32-byte key (HKDF-SHA256, one ``info`` each):
+    the record AEAD (the key itself, as in version 1), the key of the record ids (HMAC-SHA256
+    of a record key: what a segment's record header carries), the manifest's AEAD key, and a
+    public key check (so a wrong key is told apart from a tampered manifest and wipes
+    nothing)."""
+
+    __slots__ = ("records", "manifest", "_id_key", "check")
+
+    def __init__(self, key: bytes) -> None:
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+        def derive(purpose: bytes) -> bytes:
+            return HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
+                        info=_KDF_INFO + purpose).derive(key)
+
+        self.records = AESGCM(key)
+        self._id_key = derive(b"record id")
+        self.manifest = AESGCM(derive(b"manifest"))
+        self.check = derive(b"key check")[:16].hex()
+
+    def record_id(self, key: bytes) -> bytes:
+        return hmac.new(self._id_key, key, hashlib.sha256).digest()
+
+
+def _encode_manifest(body: dict, keys: _Keys | None) -> bytes:
+    """The manifest file: ``body`` in the clear (a plain store) or sealed with AES-256-GCM
+    (an encrypted one: record keys, sizes and meta are unreadable without the key), plus a
+    SHA-256 over the canonical JSON that detects damage without the key."""
+    outer = {"format": _FORMAT, "version": _MANIFEST_VERSION, "encrypted": keys is not None}
+    if keys is None:
+        outer.update(body)
+    else:
+        nonce = os.urandom(_NONCE_LEN)
+        sealed = keys.manifest.encrypt(nonce, _canonical(body),
+                                       _MANIFEST_AAD + bytes.fromhex(keys.check))
+        outer.update(key_check=keys.check, nonce=nonce.hex(),
+                     sealed=base64.b64encode(sealed).decode("ascii"))
+    outer[_SUM_FIELD] = hashlib.sha256(_canonical(outer)).hexdigest()
+    return _canonical(outer)
+
+
+def _decode_manifest(raw: bytes, keys: _Keys | None, path: str, directory: str) -> dict:
+    """The manifest's body (checksum, generation, next_segment, segments, records)."""
+    def bad(what: str, cls=CorruptManifestError) -> CorruptManifestError:
+        return cls(f"{what}; the committed state cannot be trusted: call "
+                   f"SegmentStore.wipe({directory!r}) to start over")
+
+    if not raw:
+        raise bad(f"{path} is empty (truncated)")
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"{path} is not valid JSON ({len(raw)} bytes; truncated or "
+                  f"overwritten?): {e}") from None
+    if not isinstance(obj, dict) or obj.get("format") != _FORMAT:
+        raise bad(f"{path} is not a {_FORMAT} manifest")
+    stored = obj.pop(_SUM_FIELD, None)
+    if not isinstance(stored, str):
+        raise bad(f"{path} has no {_SUM_FIELD} field")
+    if hashlib.sha256(_canonical(obj)).hexdigest() != stored:
+        raise bad(f"{path} fails its checksum: the content was modified or partially written")
+    version = obj.get("version")
+    if isinstance(version, int) and version < _MANIFEST_VERSION:
+        raise bad(f"{path} is on-disk format version {version} (record ids and the record map "
+                  f"readable without the key); this code writes version {_MANIFEST_VERSION}",
+                  OldFormatError)
+    if version != _MANIFEST_VERSION:
+        raise StoreError(f"{path} has manifest version {version!r}; this code reads version "
+                         f"{_MANIFEST_VERSION} (a newer fedkv wrote it?)")
+    encrypted = obj.get("encrypted")
+    if encrypted is True and keys is None:
+        raise StoreError(f"the store in {directory} is encrypted: open it with its key")
+    if encrypted is False and keys is not None:
+        raise StoreError(f"the store in {directory} was created without encryption; "
+                         f"open it without a key (or wipe it to start an encrypted one)")
+    if not encrypted:
+        return obj
+    if obj.get("key_check") != keys.check:
+        raise WrongKeyError(f"the store in {directory} is sealed with another key than the one "
+                            f"given (its key check differs); nothing was read or changed")
+    try:
+        nonce = bytes.fromhex(obj["nonce"])
+        sealed = base64.b64decode(obj["sealed"], validate=True)
+    except (KeyError, TypeError, ValueError) as e:
+        raise bad(f"{path} passes its checksum but is malformed: {e!r}") from None
+    from cryptography.exceptions import InvalidTag
+    try:
+        inner = keys.manifest.decrypt(nonce, sealed, _MANIFEST_AAD + bytes.fromhex(keys.check))
+    except (InvalidTag, ValueError):
+        raise bad(f"{path} fails authentication (sealed by this key, then altered)") from None
+    try:
+        body = json.loads(inner)
+    except ValueError as e:  # pragma: no cover - authenticated bytes are what we wrote
+        raise bad(f"{path} holds an unreadable record map: {e}") from None
+    if not isinstance(body, dict):  # pragma: no cover - as above
+        raise bad(f"{path} holds a record map that is not an object")
+    return body
+
+
+def read_manifest(directory: str | os.PathLike, key: bytes | None = None) -> dict:
+    """The committed record map of the store in ``directory`` (diagnostics and tests; takes no
+    lock): ``{"checksum", "generation", "next_segment", "segments", "records"}`` with records
+    by key hex. An encrypted store's needs its key."""
+    directory = os.fspath(directory)
+    path = os.path.join(directory, _MANIFEST)
+    with open(path, "rb") as f:
+        raw = f.read()
+    return _decode_manifest(raw, _Keys(bytes(key)) if key is not None else None, path, directory)
+
+
 @dataclass(slots=True)
 class _Entry:
     seg: int
@@ -313,7 +466,7 @@ class SegmentStore:
 
     def __init__(self, directory: str | os.PathLike, *, key: bytes | None = None,
                  max_bytes: int | None = None, segment_bytes: int = 4 << 20,
-                 read_staged: bool = False) -> None:
+                 read_staged: bool = False, lock_timeout_s: float = LOCK_TIMEOUT_S) -> None:
         if key is not None:
             key = bytes(key)
             if len(key) != 32:
@@ -326,11 +479,8 @@ class SegmentStore:
         self.max_bytes = max_bytes
         self.segment_bytes = segment_bytes
         self.read_staged = bool(read_staged)
-        self._aead = None
-        if key is not None:
-            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-            self._aead = AESGCM(key)
-        del key  # keep no plain copy around beyond the AESGCM object
+        self._keys = _Keys(key) if key is not None else None
+        del key  # keep no plain copy around beyond the derived keys
         self._lock = threading.RLock()
         self._closed = False
         self._committed: dict[bytes, _Entry] = {}
@@ -349,8 +499,8 @@ class SegmentStore:
         self._corrupt: set[bytes] = set()
         self._truncated_at_open = 0
         self._compact_dropped = 0
-        os.makedirs(self.directory, exist_ok=True)
-        self._lock_fd = _take_lock(self.directory)
+        private_dir(self.directory)  # 0700, or refused when group/other can reach it
+        self._lock_fd = _take_lock(self.directory, lock_timeout_s)
         try:
             self._load()
         except BaseException:
@@ -360,21 +510,25 @@ class SegmentStore:
     @classmethod
     def open(cls, directory: str | os.PathLike, *, key: bytes | None = None,
              max_bytes: int | None = None, segment_bytes: int = 4 << 20,
-             read_staged: bool = False) -> "SegmentStore":
+             read_staged: bool = False, lock_timeout_s: float = LOCK_TIMEOUT_S
+             ) -> "SegmentStore":
         """Open (or create) the store in ``directory``; same as the constructor."""
         return cls(directory, key=key, max_bytes=max_bytes, segment_bytes=segment_bytes,
-                   read_staged=read_staged)
+                   read_staged=read_staged, lock_timeout_s=lock_timeout_s)
 
     @staticmethod
-    def wipe(directory: str | os.PathLike) -> None:
+    def wipe(directory: str | os.PathLike, lock_timeout_s: float = LOCK_TIMEOUT_S) -> None:
         """Delete the store's files (segments, manifest) in ``directory``; other files stay.
 
-        For rebuilding after ``CorruptManifestError``. Refuses while a store has it open.
+        For rebuilding after ``CorruptManifestError`` (``OldFormatError`` included). Refuses
+        while a store has it open (after waiting up to ``lock_timeout_s``), and refuses a
+        directory group/other can reach as opening does.
         """
         directory = os.fspath(directory)
         if not os.path.isdir(directory):
             return
-        lock_fd = _take_lock(directory)
+        private_dir(directory)
+        lock_fd = _take_lock(directory, lock_timeout_s)
         try:
             for name in os.listdir(directory):
                 if _SEG_RE.match(name) or name in (_MANIFEST, _MANIFEST_TMP):
@@ -391,6 +545,11 @@ class SegmentStore:
     def _load(self) -> None:
         names = os.listdir(self.directory)
         seg_files = {int(m.group(1)) for n in names if (m := _SEG_RE.match(n))}
+        for n in names:  # files of an older version were 0644: owner-only from here on
+            if _SEG_RE.match(n) or n == _MANIFEST:
+                p = self._path(n)
+                if os.stat(p).st_mode & 0o077:
+                    os.chmod(p, 0o600)
         if _MANIFEST_TMP in names:  # a commit killed before its rename: never the truth
             os.unlink(self._path(_MANIFEST_TMP))
         if _MANIFEST not in names:
@@ -398,7 +557,7 @@ class SegmentStore:
                 raise self._bad_manifest(f"{self._path(_MANIFEST)} is missing but "
                                          f"{len(seg_files)} segment file(s) are present")
             self._hasher = _Hasher(_default_algo())
-            late = self._write_manifest(self._encode_manifest({}, {}, 0, self._next_seg))
+            late = self._write_manifest(self._manifest_bytes({}, {}, 0, self._next_seg))
             if late is not None:
                 raise _os_error(late, "fsyncing the directory of a new store")
             return
@@ -436,26 +595,8 @@ class SegmentStore:
 
     def _parse_manifest(self, raw: bytes) -> None:
         path = self._path(_MANIFEST)
-        if not raw:
-            raise self._bad_manifest(f"{path} is empty (truncated)")
+        obj = _decode_manifest(raw, self._keys, path, self.directory)
         try:
-            obj = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise self._bad_manifest(f"{path} is not valid JSON ({len(raw)} bytes; truncated or "
-                                     f"overwritten?): {e}") from None
-        if not isinstance(obj, dict) or obj.get("format") != _FORMAT:
-            raise self._bad_manifest(f"{path} is not a {_FORMAT} manifest")
-        stored = obj.pop(_SUM_FIELD, None)
-        if not isinstance(stored, str):
-            raise self._bad_manifest(f"{path} has no {_SUM_FIELD} field")
-        if hashlib.sha256(_canonical(obj)).hexdigest() != stored:
-            raise self._bad_manifest(
-                f"{path} fails its checksum: the content was modified or partially written")
-        if obj.get("version") != _MANIFEST_VERSION:
-            raise StoreError(f"{path} has manifest version {obj.get('version')!r}; this code "
-                             f"reads version {_MANIFEST_VERSION}")
-        try:
-            encrypted = obj["encrypted"]
             algo = obj["checksum"]
             generation = int(obj["generation"])
             next_seg = int(obj["next_segment"])
@@ -466,11 +607,6 @@ class SegmentStore:
                                                       int(r["sum"], 16), _check_meta(r["meta"]))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise self._bad_manifest(f"{path} passes its checksum but is malformed: {e!r}") from None
-        if encrypted and self._aead is None:
-            raise StoreError(f"the store in {self.directory} is encrypted: open it with its key")
-        if not encrypted and self._aead is not None:
-            raise StoreError(f"the store in {self.directory} was created without encryption; "
-                             f"open it without a key (or wipe it to start an encrypted one)")
         self._hasher = _Hasher(algo)
         self._generation = generation
         self._next_seg = next_seg
@@ -479,20 +615,15 @@ class SegmentStore:
 
     # ------------------------------------------------------------------ manifest
 
-    def _encode_manifest(self, records: dict[bytes, _Entry], segs: dict[int, int],
-                         generation: int, next_seg: int) -> bytes:
-        body = {
-            "format": _FORMAT,
-            "version": _MANIFEST_VERSION,
+    def _manifest_bytes(self, records: dict[bytes, _Entry], segs: dict[int, int],
+                        generation: int, next_seg: int) -> bytes:
+        return _encode_manifest({
             "checksum": self._hasher.name,
-            "encrypted": self._aead is not None,
             "generation": generation,
             "next_segment": next_seg,
             "segments": {str(s): n for s, n in segs.items()},
             "records": {k.hex(): e.to_json() for k, e in records.items()},
-        }
-        body[_SUM_FIELD] = hashlib.sha256(_canonical(body)).hexdigest()
-        return _canonical(body)
+        }, self._keys)
 
     def _write_manifest(self, data: bytes) -> OSError | None:
         """temp file + fsync + rename + fsync(dir): the manifest is replaced atomically and durably.
@@ -503,7 +634,7 @@ class SegmentStore:
         """
         tmp = self._path(_MANIFEST_TMP)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         except OSError as e:
             raise _os_error(e, "creating the manifest") from e
         try:
@@ -554,25 +685,34 @@ class SegmentStore:
     def _aad(self, seg: int, key: bytes) -> bytes:
         return _AAD_PREFIX + seg.to_bytes(8, "little") + key
 
+    def _record_id(self, key: bytes) -> bytes:
+        """What a record's header carries: its key (plain store) or HMAC(id key, key)."""
+        return key if self._keys is None else self._keys.record_id(key)
+
+    def _record_len(self, key: bytes, payload_len: int) -> int:
+        if self._keys is None:
+            return _HEADER.size + len(key) + payload_len + _TRAILER.size
+        return _HEADER.size + _ID_LEN + payload_len + _TAG_LEN + _TRAILER.size
+
     def _build_record(self, seg: int, key: bytes, payload: memoryview) -> tuple[bytes, int]:
-        if self._aead is not None:
+        rid = self._record_id(key)
+        if self._keys is not None:
             nonce = os.urandom(_NONCE_LEN)
-            body = self._aead.encrypt(nonce, payload, self._aad(seg, key))
+            body = self._keys.records.encrypt(nonce, payload, self._aad(seg, key))
             flags = _FLAG_ENCRYPTED
         else:
             nonce, body, flags = _ZERO_NONCE, payload, 0
-        header = _HEADER.pack(_MAGIC, _VERSION, flags, self._hasher.algo_id, 0, len(key),
+        header = _HEADER.pack(_MAGIC, _VERSION, flags, self._hasher.algo_id, 0, len(rid),
                               len(body), nonce)
-        csum = self._hasher.digest(header, key, body)
-        return b"".join((header, key, body, _TRAILER.pack(csum))), csum
+        csum = self._hasher.digest(header, rid, body)
+        return b"".join((header, rid, body, _TRAILER.pack(csum))), csum
 
     def _new_appender(self) -> _Appender:
         seg = self._next_seg
         path = self._path(_seg_name(seg))
         try:
             # O_APPEND: after a rollback ftruncate the next write lands at the new end, no hole.
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC,
-                         0o644)
+            fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND)
         except OSError as e:
             raise _os_error(e, f"creating {_seg_name(seg)}") from e
         self._next_seg += 1
@@ -627,7 +767,8 @@ class SegmentStore:
             # a traceback); dropping the reference unmaps it once the last view is gone.
             r.mm = mmap.mmap(r.fd, size, prot=mmap.PROT_READ)
             r.mapped = size
-        min_len = _HEADER.size + len(key) + _TRAILER.size
+        rid = self._record_id(key)
+        min_len = _HEADER.size + len(rid) + _TRAILER.size
         if e.length < min_len:
             raise bad("the manifest gives it an impossible length")
         with memoryview(r.mm) as mv:
@@ -636,7 +777,7 @@ class SegmentStore:
                 magic, version, flags, algo, _res, klen, blen, nonce = _HEADER.unpack_from(rec)
                 if magic != _MAGIC or version != _VERSION:
                     raise bad("bad record header (magic/version)")
-                if klen != len(key) or _HEADER.size + klen + blen + _TRAILER.size != e.length:
+                if klen != len(rid) or _HEADER.size + klen + blen + _TRAILER.size != e.length:
                     raise bad("bad record header (lengths)")
                 if algo != self._hasher.algo_id:
                     raise bad("bad record header (checksum algorithm)")
@@ -645,17 +786,17 @@ class SegmentStore:
                 actual = self._hasher.digest(rec[:body_end])
                 if actual != stored or stored != e.csum:
                     raise bad("checksum mismatch")
-                if rec[_HEADER.size:_HEADER.size + klen] != key:
+                if rec[_HEADER.size:_HEADER.size + klen] != rid:
                     raise bad("the record holds another key")
                 body = rec[_HEADER.size + klen:body_end]
                 encrypted = bool(flags & _FLAG_ENCRYPTED)
-                if encrypted != (self._aead is not None):
+                if encrypted != (self._keys is not None):
                     raise bad("encryption flag does not match the store")
-                if self._aead is None:
+                if self._keys is None:
                     return bytes(body)
                 from cryptography.exceptions import InvalidTag
                 try:
-                    return self._aead.decrypt(nonce, body, self._aad(e.seg, key))
+                    return self._keys.records.decrypt(nonce, body, self._aad(e.seg, key))
                 except InvalidTag:
                     raise bad("authentication failed (wrong key, or the record was tampered "
                               "with)") from None
@@ -686,9 +827,10 @@ class SegmentStore:
         meta = _check_meta(meta)
         with self._lock:
             self._check_open()
-            rec_len = (_HEADER.size + len(key) + body.nbytes + _TRAILER.size
-                       + (_TAG_LEN if self._aead is not None else 0))
+            rec_len = self._record_len(key, body.nbytes)
             est = 2 * len(key) + len(_canonical(meta)) + 96  # its manifest entry, roughly
+            if self._keys is not None:
+                est = est * 4 // 3 + 4  # sealed and base64-encoded
             if self.max_bytes is not None:
                 need = self._disk_bytes() + self._staged_manifest_est + est + rec_len
                 if need > self.max_bytes:
@@ -769,7 +911,7 @@ class SegmentStore:
             segs = dict(self._seg_committed)
             for seg in self._dirty:
                 segs[seg] = self._seg_sizes[seg]
-            data = self._encode_manifest(records, segs, self._generation + 1, self._next_seg)
+            data = self._manifest_bytes(records, segs, self._generation + 1, self._next_seg)
             if self.max_bytes is not None:
                 total = sum(self._seg_sizes.values()) + len(data)
                 if total > self.max_bytes:
@@ -840,8 +982,7 @@ class SegmentStore:
                     except CorruptBlockError:
                         dropped += 1
                         continue
-                    rec_len = (_HEADER.size + len(key) + len(payload) + _TRAILER.size
-                               + (_TAG_LEN if self._aead is not None else 0))
+                    rec_len = self._record_len(key, len(payload))
                     if app is None or (app.size > 0 and app.size + rec_len > self.segment_bytes):
                         app = self._new_appender()
                         new_apps.append(app)
@@ -852,7 +993,7 @@ class SegmentStore:
                     os.fsync(a.fd)
                 _fsync_dir(self.directory)
                 segs = {a.seg: a.size for a in new_apps}
-                late = self._write_manifest(self._encode_manifest(
+                late = self._write_manifest(self._manifest_bytes(
                     records, segs, self._generation + 1, self._next_seg))
             except BaseException as exc:
                 for a in new_apps:
@@ -969,7 +1110,7 @@ class SegmentStore:
                 "generation": self._generation,
                 "staged_puts": sum(e is not None for e in self._staged.values()),
                 "staged_deletes": sum(e is None for e in self._staged.values()),
-                "encrypted": self._aead is not None,
+                "encrypted": self._keys is not None,
                 "checksum": self._hasher.name,
                 "max_bytes": self.max_bytes,
             }
@@ -1004,18 +1145,17 @@ class SegmentStore:
         return f"SegmentStore({self.directory!r}, {state})"
 
 
-def _take_lock(directory: str) -> int:
-    """flock the directory's LOCK file: two stores appending to one directory would corrupt it.
+def _take_lock(directory: str, timeout_s: float) -> int:
+    """flock the directory's LOCK file (0600): two stores appending to one directory would
+    corrupt it. Waits at most ``timeout_s`` for another holder (a process of the node that
+    is still finishing), then ``StoreLockedError``.
 
     The kernel drops the lock when the holder dies (kill -9 included), so no stale lock files.
     """
-    fd = os.open(os.path.join(directory, _LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise StoreError(f"{directory} is in use by another SegmentStore (its LOCK is held)") from None
-    return fd
+        return lock_within(os.path.join(directory, _LOCK), timeout_s, "the cache store")
+    except LockTimeoutError as e:
+        raise StoreLockedError(f"{directory} is in use by another SegmentStore: {e}") from None
 
 
 def _unlink_quiet(path: str) -> None:

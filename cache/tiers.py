@@ -41,8 +41,9 @@ class TierEntry:
 
     def to_record(self) -> tuple[bytes, dict]:
         """(payload, meta) for the cold store. Token ids and the parent hash go inside the
-        payload (encrypted at rest); the store's manifest is checksummed, not encrypted, so
-        meta holds only what is not secret."""
+        payload (encrypted at rest); meta and the record key (the block's content hash) go
+        into the manifest, sealed in an encrypted store (on disk a record names only its
+        keyed id: ``cache/segments.py``), in the clear in a plain one."""
         head = struct.pack("<IB", len(self.tokens), len(self.parent))
         payload = head + array("i", self.tokens).tobytes() + self.parent + self.payload
         meta = {"kind": "kv", "version": self.version, "format": self.format,

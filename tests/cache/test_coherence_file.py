@@ -106,7 +106,7 @@ def test_a_corrupt_directory_file_is_a_clear_error_and_left_untouched(tmp_path, 
         a.poll()
     b = FileDirectory(tmp_path).join("b")  # a new epoch: works again
     assert b.acquire_read("param") == 0 and b.id == 1
-    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty").mkdir(mode=0o700)
     assert FileDirectory.reset(tmp_path / "empty") is None
 
 

@@ -76,6 +76,24 @@ def test_a_corrupt_directory_is_rebuilt_with_a_warning(tmp_path, caplog):
     kv2.close()
 
 
+def test_a_wrong_key_is_refused_and_wipes_nothing(tmp_path):
+    """The record map is sealed: another key cannot list it, and the cache must not take that
+    for corruption (rebuilding would destroy the node's parameters and K/V)."""
+    from cache.segments import WrongKeyError
+
+    kv = KVCache.open(tmp_path, config(), key=KEY)
+    cached_prompt(kv, list(range(8)))
+    kv.put_tensor("param/w", torch.ones(2))
+    kv.close()
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    with pytest.raises(WrongKeyError, match="another key"):
+        KVCache.open(tmp_path, config(), key=bytes(32))
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+    kv2 = KVCache.open(tmp_path, config(), key=KEY)
+    assert kv2.found_on_disk == 1 and torch.equal(kv2.get_tensor("param/w"), torch.ones(2))
+    kv2.release()
+
+
 def test_a_flipped_byte_in_a_block_is_dropped_and_recomputed(tmp_path):
     kv = KVCache.open(tmp_path, config(), key=KEY)
     cached_prompt(kv, list(range(8)))

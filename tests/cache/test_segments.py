@@ -22,10 +22,12 @@ from cache.errors import CacheError
 from cache.segments import (
     CorruptBlockError,
     CorruptManifestError,
+    OldFormatError,
     SegmentStore,
     StoreError,
     StoreFullError,
     UnknownRecordError,
+    WrongKeyError,
 )
 from tests.cache.segment_writer import payload_for
 
@@ -36,9 +38,9 @@ TRAILER = 8
 WRITER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "segment_writer.py")
 
 
-def manifest_records(directory) -> dict[bytes, dict]:
-    with open(os.path.join(directory, "manifest.json")) as f:
-        return {bytes.fromhex(k): v for k, v in json.load(f)["records"].items()}
+def manifest_records(directory, key=None) -> dict[bytes, dict]:
+    """The committed records by key (an encrypted store's record map is sealed: needs the key)."""
+    return {bytes.fromhex(k): v for k, v in segments.read_manifest(directory, key)["records"].items()}
 
 
 def seg_path(directory, seg: int) -> str:
@@ -96,22 +98,66 @@ def test_round_trip(tmp_path, key):
         assert {k: s.get(k) for k in s.keys()} == {k: bytes(p) for k, p in payloads.items()}
     raw = b"".join(open(os.path.join(tmp_path, n), "rb").read() for n in seg_files(tmp_path))
     assert (b"hello world" in raw) == (key is None)  # encrypted: no plaintext on disk
+    # nor any record key (segment headers carry HMAC ids), nor the map (the manifest is sealed)
+    everything = raw + open(os.path.join(tmp_path, "manifest.json"), "rb").read()
+    long_key = bytes(range(256))
+    assert (long_key in everything) == (key is None)
+    assert (long_key.hex().encode() in everything) == (key is None)
+    assert (b'"last_access"' in everything) == (key is None)
 
 
-def test_wrong_key_fails_the_gcm_tag_and_leaks_no_key(tmp_path):
+def test_an_encrypted_manifest_tampered_under_its_checksum_is_corrupt_not_a_wrong_key(tmp_path):
+    with SegmentStore(tmp_path, key=KEY) as s:
+        fill(s, 3)
+        s.commit()
+    path = os.path.join(tmp_path, "manifest.json")
+    m = json.load(open(path))
+    m.pop("manifest_sha256")
+    sealed = bytearray(segments.base64.b64decode(m["sealed"]))
+    sealed[5] ^= 1
+    m["sealed"] = segments.base64.b64encode(bytes(sealed)).decode()
+    m["manifest_sha256"] = segments.hashlib.sha256(segments._canonical(m)).hexdigest()
+    open(path, "wb").write(segments._canonical(m))
+    with pytest.raises(CorruptManifestError, match="fails authentication"):
+        SegmentStore(tmp_path, key=KEY)
+
+
+@pytest.mark.parametrize("version, error", [(1, OldFormatError), (3, StoreError)])
+def test_other_manifest_versions(tmp_path, version, error):
+    """An older format is corrupt for a cache (rebuilt, never misread); a newer one is refused
+    untouched (an older fedkv must not wipe what a newer one wrote)."""
+    with SegmentStore(tmp_path) as s:
+        fill(s, 2)
+        s.commit()
+    path = os.path.join(tmp_path, "manifest.json")
+    m = json.load(open(path))
+    m.pop("manifest_sha256")
+    m["version"] = version
+    m["manifest_sha256"] = segments.hashlib.sha256(segments._canonical(m)).hexdigest()
+    open(path, "wb").write(segments._canonical(m))
+    with pytest.raises(error, match=f"version {version}") as ei:
+        SegmentStore(tmp_path)
+    assert isinstance(ei.value, CorruptManifestError) == (version < 2)
+
+
+def test_wrong_key_is_refused_at_open_wipes_nothing_and_leaks_no_key(tmp_path):
+    """The record map is sealed: another key cannot even list it. A public key check tells a
+    wrong key (WrongKeyError, nothing touched) from a tampered manifest (corrupt: rebuilt)."""
     with SegmentStore(tmp_path, key=KEY) as s:
         s.put(b"a", b"secret payload", {})
         s.put(b"b", b"other", {})
         s.commit()
-    with SegmentStore(tmp_path, key=OTHER_KEY) as s:
-        with pytest.raises(CorruptBlockError) as ei:
-            s.get(b"a")
-        msg = str(ei.value)
-        assert "authentication failed" in msg and ei.value.key == b"a"
-        for k in (KEY, OTHER_KEY):
-            assert k.hex() not in msg and k.hex()[:8] not in msg and repr(k) not in msg
-        assert b"secret" not in msg.encode()
-        assert s.stats()["corrupt_records"] == 1
+    before = {n: open(os.path.join(tmp_path, n), "rb").read() for n in os.listdir(tmp_path)}
+    with pytest.raises(WrongKeyError) as ei:
+        SegmentStore(tmp_path, key=OTHER_KEY)
+    assert not isinstance(ei.value, CorruptManifestError)  # a cache does not rebuild it
+    msg = str(ei.value)
+    for k in (KEY, OTHER_KEY):
+        assert k.hex() not in msg and k.hex()[:8] not in msg and repr(k) not in msg
+    assert b"secret" not in msg.encode()
+    assert {n: open(os.path.join(tmp_path, n), "rb").read() for n in os.listdir(tmp_path)} == before
+    with SegmentStore(tmp_path, key=KEY) as s:
+        assert s.get(b"a") == b"secret payload"
     with pytest.raises(StoreError, match="encrypted"):
         SegmentStore(tmp_path)  # no key for an encrypted store
     with pytest.raises(ValueError):
@@ -152,10 +198,13 @@ def test_meta_and_key_validation(tmp_path):
 
 def test_lock_refuses_a_second_store(tmp_path):
     s = SegmentStore(tmp_path)
+    t0 = time.monotonic()
+    with pytest.raises(StoreError, match="in use") as ei:
+        SegmentStore(tmp_path, lock_timeout_s=0.2)
+    assert 0.2 <= time.monotonic() - t0 < 3  # waited, within the bound
+    assert os.path.join(tmp_path, "LOCK") in str(ei.value) and "0.2 s" in str(ei.value)
     with pytest.raises(StoreError, match="in use"):
-        SegmentStore(tmp_path)
-    with pytest.raises(StoreError, match="in use"):
-        SegmentStore.wipe(tmp_path)
+        SegmentStore.wipe(tmp_path, lock_timeout_s=0)
     s.close()
     SegmentStore(tmp_path).close()
     with pytest.raises(StoreError, match="closed"):
@@ -171,10 +220,11 @@ def test_flipped_byte_is_detected(tmp_path, key, where):
         data = fill(s, 3)
         s.commit()
     victim = b"k0001"
-    r = manifest_records(tmp_path)[victim]
+    r = manifest_records(tmp_path, key)[victim]
+    id_len = len(victim) if key is None else 32  # an encrypted record carries HMAC(id key, key)
     off = r["off"] + {
         "magic": 1, "key_len": 8, "nonce_or_len": 22, "key": HEADER + 2,
-        "payload": HEADER + len(victim) + 17, "checksum": r["len"] - 3}[where]
+        "payload": HEADER + id_len + 17, "checksum": r["len"] - 3}[where]
     flip(seg_path(tmp_path, r["seg"]), off)
     with SegmentStore(tmp_path, key=key) as s:
         with pytest.raises(CorruptBlockError) as ei:
@@ -193,26 +243,27 @@ def test_record_under_another_key_is_detected(tmp_path, key):
     with SegmentStore(tmp_path, key=key) as s:
         fill(s, 2)
         s.commit()
-    path = os.path.join(tmp_path, "manifest.json")
-    m = json.load(open(path))
-    m.pop("manifest_sha256")
     a, b = b"k0000".hex(), b"k0001".hex()
-    m["records"][a] = dict(m["records"][b], meta=m["records"][a]["meta"])
-    m["manifest_sha256"] = segments.hashlib.sha256(segments._canonical(m)).hexdigest()
-    open(path, "wb").write(segments._canonical(m))
+
+    def swap(m):
+        m["records"][a] = dict(m["records"][b], meta=m["records"][a]["meta"])
+
+    _rewrite_manifest(tmp_path, swap, key)
     with SegmentStore(tmp_path, key=key) as s:
         with pytest.raises(CorruptBlockError, match="another key"):
             s.get(b"k0000")
         assert s.get(b"k0001") == payload_for(b"k0001")[:300]
 
 
-def _rewrite_manifest(directory, edit) -> None:
-    path = os.path.join(directory, "manifest.json")
-    m = json.load(open(path))
-    m.pop("manifest_sha256")
+def _rewrite_manifest(directory, edit, key=None) -> None:
+    """Edit the committed record map and write it back valid (re-sealed with ``key``): what
+    someone holding the key could do; the record checks must still catch it."""
+    m = segments.read_manifest(directory, key)
     edit(m)
-    m["manifest_sha256"] = segments.hashlib.sha256(segments._canonical(m)).hexdigest()
-    open(path, "wb").write(segments._canonical(m))
+    for field in ("format", "version", "encrypted"):
+        m.pop(field, None)
+    data = segments._encode_manifest(m, segments._Keys(key) if key is not None else None)
+    open(os.path.join(directory, "manifest.json"), "wb").write(data)
 
 
 def test_encrypted_record_moved_to_another_segment_fails_its_tag(tmp_path):
@@ -227,7 +278,7 @@ def test_encrypted_record_moved_to_another_segment_fails_its_tag(tmp_path):
         m["segments"]["7"] = m["segments"]["1"]
         m["records"][b"a".hex()]["seg"] = 7
 
-    _rewrite_manifest(tmp_path, move)
+    _rewrite_manifest(tmp_path, move, KEY)
     with SegmentStore(tmp_path, key=KEY) as s:
         with pytest.raises(CorruptBlockError, match="authentication failed"):
             s.get(b"a")
@@ -237,7 +288,7 @@ def test_truncated_segment_is_detected_on_open_and_on_get(tmp_path, key):
     with SegmentStore(tmp_path, key=key) as s:
         data = fill(s, 4)
         s.commit()
-    recs = manifest_records(tmp_path)
+    recs = manifest_records(tmp_path, key)
     last = recs[b"k0003"]
     os.truncate(seg_path(tmp_path, last["seg"]), last["off"] + last["len"] // 2)
     with SegmentStore(tmp_path, key=key) as s:
