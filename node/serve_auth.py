@@ -2,13 +2,13 @@
 
 ``node.serve`` uses them; an OpenAI-compatible front end can use the same ones.
 
-* ``TokenFile`` / ``Tenants``: bearer tokens. A token file holds one ``tenant:token`` per line
-  (``#`` comments and blank lines skipped; a bare ``token`` is the tenant ``default``). It must
-  be the caller's own, mode 0600 (no group/other bits), in a directory others cannot write.
-  ``ensure_token_file`` makes one on first start: a bare ``secrets.token_urlsafe(32)``, created
-  0600 with ``O_EXCL`` (no symlink or race), its directory made 0700 when missing, so
-  ``curl -H "Authorization: Bearer $(cat serve-token)"`` works. Tokens are compared with
-  ``hmac.compare_digest`` against every token (no early exit).
+* ``Tenants`` and the token file: bearer tokens. A token file holds one ``tenant:token`` per
+  line (``#`` comments and blank lines skipped; a bare ``token`` is the tenant ``default``). It
+  must be the caller's own, mode 0600 (no group/other bits), in a directory others cannot
+  write. ``ensure_token_file`` makes one on first start: a bare ``secrets.token_urlsafe(32)``,
+  0600, linked into place whole (never over a file or a symlink), its directory made 0700 when
+  missing, so ``curl -H "Authorization: Bearer $(cat serve-token)"`` works. Tokens are
+  compared with ``hmac.compare_digest`` against every token (no early exit).
 * ``SessionRegistry``: session ids of 128 random bits (``secrets.token_hex(16)``), each bound to
   the tenant that made it; a per-tenant quota of open sessions and an idle expiry. Another
   tenant's id, a closed one and one never issued are the same ``NoSuchSession`` (no oracle).
@@ -24,6 +24,7 @@ import re
 import secrets
 import ssl
 import stat
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -80,19 +81,26 @@ def _check_dir(folder: Path) -> None:
 
 def ensure_token_file(path: str | os.PathLike) -> bool:
     """Write a fresh token to ``path`` (0600; its directory made 0700) unless it exists.
-    Returns True when it wrote one."""
+    Returns True when it wrote one. The file appears whole or not at all (written aside, then
+    hard-linked: a link never replaces an existing file or follows a planted symlink)."""
     path = Path(path)
     if not path.parent.exists():
         path.parent.mkdir(parents=True, mode=0o700)
     _check_dir(path.parent)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    except FileExistsError:
+    if os.path.lexists(path):
         return False
-    with os.fdopen(fd, "w") as fh:
-        fh.write(secrets.token_urlsafe(32) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # mode 0600
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_urlsafe(32) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:  # another agent made it meanwhile: use that one
+            return False
+    finally:
+        os.unlink(tmp)
     return True
 
 

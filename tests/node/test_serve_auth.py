@@ -118,3 +118,13 @@ def test_only_loopback_binds_without_tls():
         check_bind(host, "c.pem", "k.pem")
     with pytest.raises(ValueError, match="both"):
         check_bind("127.0.0.1", "c.pem", None)
+
+
+def test_a_planted_symlink_is_not_followed(tmp_path):
+    target = tmp_path / "elsewhere"
+    (tmp_path / "serve-token").symlink_to(target)
+    assert ensure_token_file(tmp_path / "serve-token") is False
+    assert not target.exists()
+    with pytest.raises(TokenFileError):
+        Tenants.from_file(tmp_path / "serve-token")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["serve-token"]  # no temporary left
