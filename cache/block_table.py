@@ -37,6 +37,8 @@ class BlockTable:
     plan_generation: int = -1
     write_at: slice | torch.Tensor | None = None  # arena token positions of the pending tokens
     sparsity: SparsityPolicy | None = None
+    root: bytes = b""
+    """Parent hash of block 0: ``cache.prefix.ROOT`` or the session's namespace root."""
 
     def held(self) -> list[Block]:
         """The blocks the session still holds (dropped ones left out)."""

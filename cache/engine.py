@@ -42,7 +42,7 @@ from cache.manager import BlockManager
 from cache.policy import POLICIES, EvictionPolicy, make_policy
 from cache.pool import BlockPool
 from cache.prefetch import Prefetcher, make_prefetcher, prefetch_after_lookup
-from cache.prefix import ROOT
+from cache.prefix import namespace_root
 from cache.quant import BlockFormat
 from cache.sparsity import SparsityPolicy
 from cache.tensor_store import TensorStore
@@ -127,14 +127,17 @@ class KVCache:
         return self.blocks.policy
 
     # == sessions ===========================================================================
-    def open_session(self, sparsity: SparsityPolicy | None = None) -> int:
+    def open_session(self, sparsity: SparsityPolicy | None = None, *,
+                     namespace: bytes | str = b"") -> int:
         """A new, empty session. With a ``sparsity`` policy (``cache.sparsity``) each decode
         step attends only to the positions the policy keeps, and a block whose positions it
-        dropped in every layer is freed (such sessions cannot be forked or batched)."""
+        dropped in every layer is freed (such sessions cannot be forked or batched). Prefix
+        blocks are shared only with sessions of the same ``namespace`` (``cache.prefix``;
+        default: the one shared namespace)."""
         sid = self._next_sid
         self._next_sid += 1
         self._sessions[sid] = BlockTable(sid, self.config.block_size, self.version,
-                                         sparsity=sparsity)
+                                         sparsity=sparsity, root=namespace_root(namespace))
         return sid
 
     def _table(self, sid: int, *, allow_stale: bool = False) -> BlockTable:
@@ -188,6 +191,7 @@ class KVCache:
             raise ReservationError(f"session {sid} drops K/V (sparsity) and cannot be forked")
         child = self.open_session()
         c = self._sessions[child]
+        c.root = t.root
         c.blocks, c.tokens, c.length = list(t.blocks), list(t.tokens), t.length
         c.quant_checked = t.quant_checked
         for b in c.blocks:
@@ -233,7 +237,7 @@ class KVCache:
             raise ReservationError(f"match_prefix needs an empty session; {sid} has tokens")
         B, m = self.config.block_size, self.blocks
         m.counters["prefix_lookups"] += 1
-        parent = ROOT
+        parent = t.root
         for i in range((len(toks) - 1) // B):
             b = m.lookup(parent, toks[i * B : (i + 1) * B],
                          self._end(t.blocks[-1]) if t.blocks else None)
@@ -469,7 +473,7 @@ class KVCache:
 
     def _register(self, t: BlockTable, bi: int) -> None:
         prev = t.blocks[bi - 1] if bi else None
-        parent = ROOT if bi == 0 else (prev.hash if prev is not None else None)
+        parent = t.root if bi == 0 else (prev.hash if prev is not None else None)
         if parent is None:  # an earlier block is unhashed (forked chain) or dropped
             return
         kept = self.blocks.register(t.blocks[bi], parent)

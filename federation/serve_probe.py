@@ -3,7 +3,9 @@
 It shares node 0's cache directory (node-config ``cache-dir``) and key, so each write-back by
 that node's ClientApp processes invalidates it (``node.coherence``). A client thread sends it
 one chat turn every ``interval_s`` and records the model version of every reply, so the demo's
-summary shows the agent picking up each new version while the federation trains.
+summary shows the agent picking up each new version while the federation trains. The agent
+writes its bearer token on first start (``serve-token`` beside the cache directory, 0600); the
+client reads it from there and authenticates every request.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Protocol
 
+from node.serve_auth import default_token_file, parse_tokens
+
 
 class ProcessStarter(Protocol):
     def start(self, name: str, cmd: list[str], log: Path, env: dict[str, str], cwd: Path | None = None,
@@ -28,6 +32,8 @@ class ServeProbe:
     def __init__(self, work: Path, cache_dir: Path, interval_s: float = 0.5) -> None:
         self.work, self.cache_dir, self.interval_s = work, cache_dir, interval_s
         self.ready = work / "serve-ready.json"
+        self.token_file = default_token_file(cache_dir)
+        self._token: str | None = None
         self.versions: list[int] = []
         self.errors: list[str] = []
         self.final: dict[str, Any] = {}
@@ -45,13 +51,15 @@ class ServeProbe:
     def _call(self, path: str, body: dict | None = None) -> dict:
         req = urllib.request.Request(f"http://127.0.0.1:{self._port}{path}",
                                      data=json.dumps(body).encode() if body is not None else None,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {self._token}"})
         with urllib.request.urlopen(req, timeout=30) as r:
             return json.loads(r.read())
 
     def _ask_loop(self) -> None:
         while not self._stop.is_set() and self._port is None:
-            if self.ready.exists():
+            if self.ready.exists():  # the agent wrote its token file before it was ready
+                self._token = parse_tokens(self.token_file.read_text())[0][1]
                 self._port = int(json.loads(self.ready.read_text())["port"])
             self._stop.wait(0.2)
         sid = None

@@ -15,7 +15,9 @@ full blocks. After a federated write-back (``cache.bump_version``) a session's K
 next turn recomputes the whole conversation under the new weights.
 
 Ids are ``chat-<n>`` from a counter, so a closed id is told apart from one never issued without
-remembering closed ids: ``Sessions`` holds open sessions only.
+remembering closed ids: ``Sessions`` holds open sessions only. A serving agent on a shared host
+names its sessions itself (random ids, ``node.serve_auth``) and opens each tenant's in the
+tenant's prefix namespace: sessions share system-prompt blocks only within one namespace.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ class ChatSession:
     """Kept so ``reset_context`` can restore exactly this prefix."""
     logits: torch.Tensor | None = None
     """Next-byte logits after the last token; valid while the cache session is not stale."""
+    lost: list[int] | None = None
+    """The conversation while it is not in the cache: its K/V were dropped to be recomputed
+    and the recompute failed (e.g. a full pool). The next turn recomputes from here."""
 
 
 @dataclass(frozen=True)
@@ -131,15 +136,17 @@ class Sessions(Mapping[str, int]):
         return m is not None and int(m.group(1)) < self._issued and session_id not in self._open
 
     # -- lifecycle ------------------------------------------------------------------------
-    def create(self, system_prompt: str | bytes = b"", session_id: str | None = None) -> str:
-        """Open a session and prefill its system prompt (sharing cached full blocks)."""
+    def create(self, system_prompt: str | bytes = b"", session_id: str | None = None, *,
+               namespace: bytes | str = b"") -> str:
+        """Open a session and prefill its system prompt (sharing cached full blocks with
+        sessions of the same prefix ``namespace`` only)."""
         system = as_bytes(system_prompt)
         self._check_fits(len(system))
         if session_id is None:
             session_id = self._new_id()
         elif session_id in self._open:
             raise ValueError(f"session {session_id!r} is already open")
-        chat = ChatSession(self.cache.open_session(), system)
+        chat = ChatSession(self.cache.open_session(namespace=namespace), system)
         try:
             self._prefill_system(chat)
         except BaseException:  # e.g. CacheFullError: leave no half-made session behind
@@ -174,11 +181,15 @@ class Sessions(Mapping[str, int]):
         from the prefix cache, only its partial last block is recomputed."""
         chat = self.session(session_id)
         self.cache.reset_session(chat.sid)
+        chat.lost = None
         self._prefill_system(chat)
 
     def history(self, session_id: str) -> bytes:
         """The whole conversation so far (system prompt, texts and replies) as bytes."""
-        return bytes(self.cache.tokens(self.session(session_id).sid))
+        return bytes(self._tokens(self.session(session_id)))
+
+    def _tokens(self, chat: ChatSession) -> list[int]:
+        return list(chat.lost) if chat.lost is not None else self.cache.tokens(chat.sid)
 
     # -- turns ----------------------------------------------------------------------------
     def send(self, session_id: str, text: str | bytes, max_new_tokens: int = 32) -> bytes:
@@ -195,17 +206,20 @@ class Sessions(Mapping[str, int]):
         new = list(as_bytes(text))
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        self._check_fits(len(self.cache.tokens(chat.sid)) + len(new) + max_new_tokens)
+        self._check_fits(len(self._tokens(chat)) + len(new) + max_new_tokens)
         self._before_token()
         recomputed = 0
-        if self.cache.is_stale(chat.sid):  # written back since: recompute under new weights
-            old = self.cache.reset_session(chat.sid)
-            recomputed, new, chat.logits = len(old), old + new, None
+        if chat.lost is not None or self.cache.is_stale(chat.sid):
+            # written back since (or a recompute failed): recompute under the new weights
+            old = self._tokens(chat)
+            self.cache.reset_session(chat.sid)
+            recomputed, new, chat.logits, chat.lost = len(old), old + new, None, old
         nll, scored = 0.0, 0
         if new:
             prev, logits = chat.logits, self._feed(chat.sid, new)
             nll, scored = _log_loss(prev, logits, new[recomputed:])
             chat.logits = logits[-1]
+        chat.lost = None
         if chat.logits is None:
             raise ValueError(f"session {session_id!r} is empty: send some text first")
         reply: list[int] = []
@@ -222,12 +236,17 @@ class Sessions(Mapping[str, int]):
     @torch.no_grad()
     def rollback(self, session_id: str, length: int) -> None:
         """Cut the conversation back to its first ``length`` tokens (a turn abandoned half
-        way) and recompute them under the current weights."""
+        way) and recompute them under the current weights (kept in ``lost`` until they are:
+        a full pool leaves the session whole, to be recomputed by its next turn)."""
         chat = self.session(session_id)
-        tokens = self.cache.reset_session(chat.sid)
+        tokens = self._tokens(chat)
+        self.cache.reset_session(chat.sid)
         if not 0 <= length <= len(tokens):
             raise ValueError(f"cannot roll session {session_id!r} back to {length} tokens")
-        chat.logits = self._feed(chat.sid, tokens[:length])[-1] if length else None
+        chat.lost, chat.logits = tokens[:length], None
+        if length:
+            chat.logits = self._feed(chat.sid, tokens[:length])[-1]
+        chat.lost = None
 
     def _feed(self, sid: int, tokens: list[int]) -> torch.Tensor:
         """Logits [n, vocab] after ``tokens`` appended to the session (rows for tokens taken

@@ -52,6 +52,26 @@ def test_prefix_hit_across_sessions_reuses_blocks(kv):
     assert kv.match_prefix(c, prompt[:5] + [0] + prompt[6:]) == 4
 
 
+def test_prefix_blocks_are_shared_only_within_a_namespace(kv):
+    """A tenant's session never attaches (nor deduplicates into) another namespace's blocks:
+    a serving agent's tenants get no prefix hit on each other's prompts."""
+    prompt = list(range(100, 113))  # 3 full blocks of 4 + 1
+    feed(kv, kv.open_session(namespace="alice"), prompt)
+    used = kv.stats()["blocks_used"]
+    for other in ("bob", b"", "alicE"):
+        assert kv.match_prefix(kv.open_session(namespace=other), prompt) == 0, other
+    assert kv.stats()["prefix_hit_blocks"] == 0
+    b = kv.open_session(namespace="bob")
+    feed(kv, b, prompt)  # the same tokens in bob's namespace: their own blocks, no dedup
+    assert kv.stats()["blocks_used"] == 2 * used and kv.stats()["blocks_shared"] == 0
+    assert kv.match_prefix(kv.open_session(namespace="alice"), prompt) == 12
+    child = kv.fork(b)
+    kv.close_session(b)
+    kv.reset_session(child)
+    assert kv.match_prefix(child, prompt) == 12  # a fork stays in its parent's namespace
+    assert kv.stats()["prefix_hit_blocks"] == 6
+
+
 def test_prefix_survives_closing_its_session(kv):
     prompt = list(range(9))
     a = kv.open_session()

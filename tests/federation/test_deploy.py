@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,56 @@ def test_the_last_line_says_where_the_logs_are_or_how_to_keep_them(tmp_path) -> 
     assert str(tmp_path) in kept and "logs/" in kept and "results/" in kept
     gone = workdir_note(tmp_path, removed=True)
     assert "removed" in gone and "--keep" in gone and "--workdir DIR" in gone
+
+
+def test_the_serve_probe_authenticates_with_the_token_the_agent_wrote(tmp_path) -> None:
+    """--serve's client reads the agent's ``serve-token`` (beside the cache directory) and
+    sends it on every request; here against a stand-in agent on loopback that insists on it."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from federation.serve_probe import ServeProbe
+    from node.serve_auth import ensure_token_file, parse_tokens
+
+    cache_dir = tmp_path / "serve-node-0" / "kv-cache"
+    probe = ServeProbe(tmp_path, cache_dir, interval_s=0.05)
+    assert ensure_token_file(probe.token_file) and probe.token_file == cache_dir.parent / "serve-token"
+    token = parse_tokens(probe.token_file.read_text())[0][1]
+    seen: list[str | None] = []
+
+    class Agent(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def _answer(self, body: dict) -> None:
+            seen.append(self.headers.get("Authorization"))
+            ok = seen[-1] == f"Bearer {token}"
+            data = json.dumps(body if ok else {"error": "unauthorized"}).encode()
+            self.send_response(200 if ok else 401)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self._answer({"session": "ab" * 16} if self.path == "/v1/sessions" else {"version": 2})
+
+        def do_GET(self) -> None:
+            self._answer({"versions_seen": [0, 1, 2], "invalidations": 2, "rolled_back_turns": 0})
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Agent)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        probe.ready.write_text(json.dumps({"port": server.server_address[1]}))
+        probe._thread.start()  # the client only: no agent process
+        deadline = time.monotonic() + 20
+        while len(probe.versions) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        probe.stop()
+    finally:
+        server.shutdown()
+        server.server_close()
+    report = probe.report()
+    assert report["errors"] == [] and report["replies"] >= 3, report
+    assert report["versions_loaded"] == [0, 1, 2] and report["invalidations"] == 2
+    assert seen and set(seen) == {f"Bearer {token}"}

@@ -179,3 +179,38 @@ def test_a_digits_node_has_no_sessions():
         node.create_session(SYSTEM)
     with pytest.raises(UnknownSessionError):
         node.close("chat-0")
+
+
+def test_sessions_share_system_prompt_blocks_only_within_a_namespace(node):
+    a = node.sessions.create(SYSTEM, namespace="alice")
+    hits = node.cache.stats()["prefix_hit_blocks"]
+    node.sessions.create(SYSTEM, namespace="bob")
+    node.sessions.create(SYSTEM)  # the shared namespace is another one again
+    assert node.cache.stats()["prefix_hit_blocks"] == hits
+    b = node.sessions.create(SYSTEM, namespace="alice")
+    assert node.cache.stats()["prefix_hit_blocks"] - hits == len(SYSTEM) // BLOCK
+    assert node.sessions.send(a, b"x = 1\n", 6) == node.sessions.send(b, b"x = 1\n", 6)
+
+
+def test_a_recompute_that_finds_the_pool_full_keeps_the_conversation(node):
+    """After a write-back a session's K/V are gone; when the pool cannot hold them again the
+    turn fails, the conversation stays whole, and the next turn recomputes it."""
+    from cache import KVCache
+    from cache.errors import CacheFullError
+    from node.sessions import Sessions
+    from node.tasks import LM_MODEL
+    sessions = Sessions(node.model, KVCache(LM_MODEL.cache_config(pool_bytes=8 * 16 * 1024)))
+    sid = sessions.create(SYSTEM)
+    sessions.send(sid, b"ab", 4)  # 44 tokens: 3 blocks of 8
+    history = sessions.history(sid)
+    sessions.cache.set_version(1)  # a write-back: the session's blocks are dropped
+    other = sessions.create(b"z" * 100)  # 7 blocks
+    with pytest.raises(CacheFullError):
+        sessions.send(sid, b"x", 4)
+    assert sessions.history(sid) == history
+    with pytest.raises(CacheFullError):
+        sessions.rollback(sid, len(history) - 2)
+    assert sessions.history(sid) == history[:-2]
+    sessions.close(other)
+    assert sessions.send(sid, b"x", 4) == _uncached_greedy(node, history[:-2] + b"x", 4)
+    assert sessions.history(sid) == history[:-2] + b"x" + _uncached_greedy(node, history[:-2] + b"x", 4)
