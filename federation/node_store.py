@@ -16,6 +16,12 @@ in the server's process. Node secrets therefore live in files only the node's pr
 
 Files are written by ``crypto.at_rest`` (atomic, mode 0600), sealed with
 ``$FEDKV_NODE_KEY_PASSPHRASE`` when it is set. ``context.state`` keeps nothing secret.
+
+Damaged files fail loudly, naming the file: a secret file carries a key check value
+(``crypto.at_rest``: "<path>: key check failed: the file changed since it was written"), a CKKS
+context must have the key id that ``held.json`` (or the kit's roster) names, ``kv-cache.key``
+must hold 32 bytes, and a ``held.json`` that is not the record this module
+wrote is a ``NodeFileError`` ("<path>: ..."), never a bare ``KeyError`` or ``JSONDecodeError``.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from crypto import (
     CkksContext, NodeKeys, load_context, passphrase_from_env, read_secret_file, seal,
     write_public_file, write_secret_file,
 )
-from crypto.errors import CryptoError
+from crypto.errors import CryptoError, KeyUnwrapError
 from federation import clean
 
 if TYPE_CHECKING:
@@ -51,6 +57,38 @@ _KITS: dict[str, Any] = {}
 
 class ProvisioningError(RuntimeError):
     """A node cannot take part: it refused provisioning or lacks its keys."""
+
+
+class NodeFileError(ProvisioningError):
+    """A node-local file (a secret, ``held.json``, ``pins.json``) is damaged: the message names it."""
+
+
+CACHE_KEY_BYTES = 32
+"""``kv-cache.key``: an AES-256-GCM key."""
+KEY_ID_BYTES = 16
+
+
+def _read_json(path: Path) -> Any:
+    """A JSON record this module wrote; ``NodeFileError`` naming the file for anything else."""
+    try:
+        return json.loads(path.read_bytes())
+    except OSError as err:
+        raise NodeFileError(f"{path}: cannot be read ({err.strerror})") from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        raise NodeFileError(f"{path}: not valid JSON (truncated or damaged): {err}") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _hex_bytes(value: Any, size: int) -> bytes:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a hex string, got {type(value).__name__}")
+    raw = bytes.fromhex(value)
+    if len(raw) != size:
+        raise ValueError(f"expected {size} bytes in hex, got {len(raw)}")
+    return raw
 
 
 def _kit(path: str) -> NodeKit:
@@ -117,7 +155,14 @@ class NodeStore:
             keys = NodeKeys.generate(self.node_id)
             write_secret_file(path, keys.private_pem(), passphrase_from_env())
             return keys
-        keys = NodeKeys.from_private_pem(read_secret_file(path, passphrase_from_env()))
+        try:
+            data = read_secret_file(path, passphrase_from_env())
+        except KeyUnwrapError as err:  # names the file
+            raise NodeFileError(f"cannot load the node's identity keys: {err}") from None
+        try:
+            keys = NodeKeys.from_private_pem(data)
+        except KeyUnwrapError as err:
+            raise NodeFileError(f"{path}: {err}") from None
         if keys.node_id != self.node_id:
             raise ProvisioningError("stored keys belong to another node")
         return keys
@@ -127,8 +172,15 @@ class NodeStore:
         """(newest key epoch, key id) this node holds, or None."""
         path = self.root / "held.json"
         if path.exists():
-            rec = json.loads(path.read_text())
-            return int(rec["epoch"]), bytes.fromhex(rec["key-id"])
+            rec = _read_json(path)
+            try:
+                epoch, key_id = rec["epoch"], _hex_bytes(rec["key-id"], KEY_ID_BYTES)
+                if not _is_int(epoch) or epoch < 0:
+                    raise ValueError(f"epoch {str(epoch)[:20]!r} is not an int >= 0")
+            except (KeyError, TypeError, ValueError) as err:
+                raise NodeFileError(f"{path}: malformed ({type(err).__name__}: {err}); expected "
+                                    '{"epoch": int >= 0, "key-id": 16 bytes in hex}') from None
+            return epoch, key_id
         if self.kit is not None:
             return 0, self.kit.roster.key_id
         return None
@@ -147,21 +199,43 @@ class NodeStore:
         cached = _CONTEXTS.get((str(self.root), epoch))
         if cached is not None:
             return cached
+        from federation.kit import KitError
+
         path = self.root / f"ckks-{epoch}.ctx"
         try:
             if path.exists():
                 data = read_secret_file(path, passphrase_from_env())
             elif self.kit is not None and epoch == 0:
+                path = self.kit.path / "ckks-secret.ctx"
                 data = self.kit.ckks_secret_bytes(passphrase_from_env())
             else:
                 raise ProvisioningError("node holds no CKKS key of the requested epoch")
+        except (KeyUnwrapError, KitError) as err:  # these name the file
+            raise NodeFileError(f"cannot load the node's CKKS key: {err}") from err
+        try:
             ctx = load_context(data)
         except CryptoError as err:
-            raise ProvisioningError(f"cannot load the node's CKKS key: {type(err).__name__}") from err
+            raise NodeFileError(f"cannot load the node's CKKS key from {path}: {type(err).__name__}") from err
+        self._check_key_id(path, epoch, ctx.key_id)
         _CONTEXTS[(str(self.root), epoch)] = ctx
         while len(_CONTEXTS) > 64:
             _CONTEXTS.popitem(last=False)
         return ctx
+
+    def _check_key_id(self, path: Path, epoch: int, key_id: bytes) -> None:
+        """The context of the newest epoch must have the key id its record names (``held.json``,
+        or the signed roster for a kit's epoch 0): an intact file of another key is no better
+        than a damaged one."""
+        if self.kit is not None and path == self.kit.path / "ckks-secret.ctx":
+            expected, record = self.kit.roster.key_id, self.kit.path / "roster.json"
+        else:
+            held = self.held()
+            if held is None or held[0] != epoch:
+                return
+            expected, record = held[1], self.root / "held.json"
+        if key_id != expected:
+            raise NodeFileError(f"{path}: holds the key id {key_id.hex()}, but {record} names "
+                                f"{expected.hex()} for key epoch {epoch}; refusing it")
 
     def epochs(self) -> list[int]:
         """Every key epoch this node holds, oldest first."""
@@ -255,7 +329,14 @@ class NodeStore:
         and the node's serving agent (``python -m node.serve``) finds it there."""
         path = (Path(cache_dir).parent if cache_dir else self.root) / "kv-cache.key"
         if path.exists():
-            return read_secret_file(path, passphrase_from_env())
+            try:
+                key = read_secret_file(path, passphrase_from_env())
+            except KeyUnwrapError as err:  # names the file
+                raise NodeFileError(f"cannot load the node's cache key: {err}") from None
+            if len(key) != CACHE_KEY_BYTES:
+                raise NodeFileError(f"{path}: the cache key is {len(key)} bytes; AES-256-GCM needs "
+                                    f"{CACHE_KEY_BYTES} (a truncated or foreign file)")
+            return key
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
         key = AESGCM.generate_key(bit_length=256)

@@ -27,3 +27,68 @@ def test_a_torn_or_foreign_residual_file_is_not_carried(tmp_path) -> None:
     assert not np.any(store.load_residual(10))
     path.write_bytes(b"not a residual")
     assert not np.any(store.load_residual(10))
+
+
+# --- issue 20: local secrets and records fail loudly, naming the file ----------------------------
+
+import json  # noqa: E402
+import re  # noqa: E402
+
+import pytest  # noqa: E402
+
+from crypto import write_secret_file  # noqa: E402
+from federation.node_store import ProvisioningError  # noqa: E402
+
+
+def test_a_cache_key_of_the_wrong_length_is_refused_naming_the_file(tmp_path) -> None:
+    store = NodeStore(tmp_path, "n1")
+    write_secret_file(tmp_path / "kv-cache.key", b"k" * 31)
+    with pytest.raises(ProvisioningError, match=rf"{re.escape(str(tmp_path / 'kv-cache.key'))}: .*31 bytes.*32"):
+        store.cache_key()
+
+
+def test_a_flipped_bit_in_the_cache_key_is_named(tmp_path) -> None:
+    store = NodeStore(tmp_path, "n1")
+    key = store.cache_key()
+    assert store.cache_key() == key and len(key) == 32
+    path = tmp_path / "kv-cache.key"
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0x04
+    path.write_bytes(bytes(raw))
+    with pytest.raises(Exception, match=rf"{re.escape(str(path))}: key check failed: the file changed"):
+        store.cache_key()
+
+
+def test_a_flipped_bit_in_a_stored_ckks_context_is_named(tmp_path) -> None:
+    from crypto import Dealer
+    from federation import node_store
+
+    store = NodeStore(tmp_path, "n1")
+    ctx = Dealer("fedkv-4096").context
+    store.save_context(ctx, 0)
+    node_store._CONTEXTS.clear()  # a fresh process
+    path = tmp_path / "ckks-0.ctx"
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ProvisioningError, match=rf"{re.escape(str(path))}: key check failed"):
+        store.context(0)
+
+
+DAMAGED_RECORDS = {
+    "truncated": b'{"epoch": 1, "key-id": "0011',
+    "not JSON": b"\x00\xffnot json",
+    "empty": b"",
+    "a list": b"[1, 2, 3]",
+    "wrong types": b'{"epoch": "one", "key-id": 7}',
+    "missing fields": b"{}",
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGED_RECORDS))
+def test_a_damaged_held_json_is_a_specific_error_naming_it(tmp_path, damage) -> None:
+    store = NodeStore(tmp_path, "n1")
+    path = tmp_path / "held.json"
+    path.write_bytes(DAMAGED_RECORDS[damage])
+    with pytest.raises(ProvisioningError, match=re.escape(str(path))):
+        store.held()
