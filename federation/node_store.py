@@ -20,7 +20,7 @@ Files are written by ``crypto.at_rest`` (atomic, mode 0600), sealed with
 Damaged files fail loudly, naming the file: a secret file carries a key check value
 (``crypto.at_rest``: "<path>: key check failed: the file changed since it was written"), a CKKS
 context must have the key id that ``held.json`` (or the kit's roster) names, ``kv-cache.key``
-must hold 32 bytes, and a ``held.json`` that is not the record this module
+must hold 32 bytes, and a ``held.json`` or ``pins.json`` that is not the record this module
 wrote is a ``NodeFileError`` ("<path>: ..."), never a bare ``KeyError`` or ``JSONDecodeError``.
 """
 
@@ -32,6 +32,8 @@ import logging
 import os
 import tempfile
 from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,9 +65,28 @@ class NodeFileError(ProvisioningError):
     """A node-local file (a secret, ``held.json``, ``pins.json``) is damaged: the message names it."""
 
 
+class PeerKeyError(ProvisioningError):
+    """A peer's identity keys are not the pinned ones: nothing is wrapped for them."""
+
+
+class MemberSetError(ProvisioningError):
+    """A keygen/provision request lists a member set the node's pinned one does not allow."""
+
+
 CACHE_KEY_BYTES = 32
 """``kv-cache.key``: an AES-256-GCM key."""
 KEY_ID_BYTES = 16
+PINS_VERSION = 2
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A member of the key group as a keygen/provision request lists it (simulation)."""
+
+    node_id: str
+    partition: int
+    sign_public: bytes
+    kx_public: bytes
 
 
 def _read_json(path: Path) -> Any:
@@ -343,18 +364,85 @@ class NodeStore:
         write_secret_file(path, key, passphrase_from_env())
         return key
 
-    # -- trust on first use (simulation only) ----------------------------------------------
-    def pinned(self, node_id: str, sign_public: bytes, kx_public: bytes | None = None) -> bool:
-        """Pin a peer's keys on first use; False if they differ from what was pinned before."""
+    # -- trust on first use, bounded (simulation only) -------------------------------------
+    def pin_members(self, peers: Sequence[Peer], num_partitions: int) -> None:
+        """Check ``peers`` against the member set this node pinned (``pins.json``) and pin the new
+        ones; raises (pinning nothing) when the request is not allowed.
+
+        The first keygen/provision request a node takes pins its members: node id, partition id,
+        identity keys, and the node's own ``num-partitions``. Every later one may list pinned
+        members (with their pinned partition and keys; a subset, as after a node left) and new
+        members only in a partition no pinned member holds: so at most ``num-partitions``
+        members, ever, and once every partition is pinned (every node took part in the first
+        key) no member can be added. ``PeerKeyError``: a pinned member with other keys;
+        ``MemberSetError``: anything else."""
         path = self.root / "pins.json"
-        pins = json.loads(path.read_text()) if path.exists() else {}
-        known = pins.get(node_id)
-        kx = kx_public.hex() if kx_public is not None else None
-        if known is not None:
-            if known["sign"] != sign_public.hex() or (kx and known.get("kx") and known["kx"] != kx):
-                return False
-            if not kx or known.get("kx"):
-                return True
-        pins[node_id] = {"sign": sign_public.hex(), "kx": kx or (known or {}).get("kx")}
-        write_public_file(path, json.dumps(pins).encode())
-        return True
+        pinned_n, pins = self._pins(path)
+        if pinned_n is not None and pinned_n != num_partitions:
+            raise MemberSetError(f"num-partitions is {num_partitions} now, {pinned_n} when this node pinned "
+                                 f"its members ({path}); refusing")
+        if len(peers) > num_partitions:
+            raise MemberSetError(f"the request lists {len(peers)} members, more than num-partitions="
+                                 f"{num_partitions}; refusing")
+        by_partition: dict[int, str] = {}
+        for p in peers:
+            if not 0 <= p.partition < num_partitions:
+                raise MemberSetError(f"member {p.node_id!r} claims partition {p.partition}, outside "
+                                     f"[0, num-partitions={num_partitions}); refusing")
+            if p.partition in by_partition:
+                raise MemberSetError(f"members {by_partition[p.partition]!r} and {p.node_id!r} both claim "
+                                     f"partition {p.partition}; refusing")
+            by_partition[p.partition] = p.node_id
+        if len({p.node_id for p in peers}) != len(peers):
+            raise MemberSetError("the request lists a member twice; refusing")
+        owners = {m["partition"]: nid for nid, m in pins.items()}
+        added = {}
+        for p in peers:
+            known = pins.get(p.node_id)
+            if known is not None:
+                if (known["sign"], known["kx"]) != (p.sign_public.hex(), p.kx_public.hex()):
+                    raise PeerKeyError(f"member {p.node_id!r} offers other keys than on first use; refusing")
+                if known["partition"] != p.partition:
+                    raise MemberSetError(f"member {p.node_id!r} was pinned in partition {known['partition']}, "
+                                         f"the request puts it in {p.partition}; refusing")
+            elif p.partition in owners:
+                raise MemberSetError(f"member {p.node_id!r} is not in the member set this node pinned at first "
+                                     f"use, and its partition {p.partition} is pinned to member "
+                                     f"{owners[p.partition]!r}; refusing")
+            else:
+                added[p.node_id] = {"partition": p.partition, "sign": p.sign_public.hex(), "kx": p.kx_public.hex()}
+        if added or pinned_n is None:
+            record = {"version": PINS_VERSION, "num-partitions": num_partitions, "members": {**pins, **added}}
+            write_public_file(path, json.dumps(record, sort_keys=True).encode())
+
+    def pinned_members(self) -> dict[str, Peer]:
+        """The member set pinned so far (empty before the first key)."""
+        _, pins = self._pins(self.root / "pins.json")
+        return {nid: Peer(nid, m["partition"], bytes.fromhex(m["sign"]), bytes.fromhex(m["kx"]))
+                for nid, m in pins.items()}
+
+    @staticmethod
+    def _pins(path: Path) -> tuple[int | None, dict[str, dict[str, Any]]]:
+        """(num-partitions, {node id: {partition, sign, kx}}) of ``pins.json``; (None, {}) if none."""
+        if not path.exists():
+            return None, {}
+        rec = _read_json(path)
+        try:
+            if not isinstance(rec, dict) or rec.get("version") != PINS_VERSION:
+                raise ValueError(f"not a version-{PINS_VERSION} pin record")
+            n, members = rec["num-partitions"], rec["members"]
+            if not _is_int(n) or n < 1:
+                raise ValueError(f"num-partitions {str(n)[:20]!r} is not an int >= 1")
+            if not isinstance(members, dict) or len(members) > n:
+                raise ValueError("members is not an object of at most num-partitions entries")
+            for nid, m in members.items():
+                if not isinstance(m, dict) or not _is_int(m.get("partition")) or not 0 <= m["partition"] < n:
+                    raise ValueError(f"member {nid[:20]!r}: partition is not an int in [0, {n})")
+                _hex_bytes(m.get("sign"), 32)
+                _hex_bytes(m.get("kx"), 32)
+            if len({m["partition"] for m in members.values()}) != len(members):
+                raise ValueError("two members pinned in one partition")
+        except (KeyError, TypeError, ValueError) as err:
+            raise NodeFileError(f"{path}: malformed ({type(err).__name__}: {err}); refusing to trust "
+                                "any member") from None
+        return n, members

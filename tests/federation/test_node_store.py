@@ -92,3 +92,27 @@ def test_a_damaged_held_json_is_a_specific_error_naming_it(tmp_path, damage) -> 
     path.write_bytes(DAMAGED_RECORDS[damage])
     with pytest.raises(ProvisioningError, match=re.escape(str(path))):
         store.held()
+
+
+PINS = {
+    "truncated": b'{"version": 2, "num-partitions": 3, "members": {"100": {"partit',
+    "not JSON": b"\x00\xffnot json",
+    "empty": b"",
+    "a list": b"[]",
+    "wrong types": json.dumps({"100": "sign-key"}).encode(),
+    "a member of wrong types": json.dumps({"version": 2, "num-partitions": 3,
+                                           "members": {"100": {"partition": "0", "sign": 5, "kx": None}}}).encode(),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(PINS))
+def test_a_damaged_pins_json_is_a_specific_error_naming_it(tmp_path, damage) -> None:
+    from crypto import NodeKeys
+    from federation.node_store import Peer
+
+    store = NodeStore(tmp_path, "n1")
+    path = tmp_path / "pins.json"
+    path.write_bytes(PINS[damage])
+    peer = NodeKeys.generate("100").public
+    with pytest.raises(ProvisioningError, match=re.escape(str(path))):
+        store.pin_members([Peer("100", 0, peer.sign_public, peer.kx_public)], 3)
