@@ -415,12 +415,6 @@ class NodeStore:
             record = {"version": PINS_VERSION, "num-partitions": num_partitions, "members": {**pins, **added}}
             write_public_file(path, json.dumps(record, sort_keys=True).encode())
 
-    def pinned_members(self) -> dict[str, Peer]:
-        """The member set pinned so far (empty before the first key)."""
-        _, pins = self._pins(self.root / "pins.json")
-        return {nid: Peer(nid, m["partition"], bytes.fromhex(m["sign"]), bytes.fromhex(m["kx"]))
-                for nid, m in pins.items()}
-
     @staticmethod
     def _pins(path: Path) -> tuple[int | None, dict[str, dict[str, Any]]]:
         """(num-partitions, {node id: {partition, sign, kx}}) of ``pins.json``; (None, {}) if none."""

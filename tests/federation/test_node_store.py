@@ -1,10 +1,16 @@
-"""The node's error-feedback residual: saved privately, read back, zeros when absent or foreign."""
+"""The node's error-feedback residual (saved privately, read back, zeros when absent or foreign), and
+local files that fail loudly, naming the file (issue 20)."""
 
 from __future__ import annotations
 
-import numpy as np
+import json
+import re
 
-from federation.node_store import NodeStore
+import numpy as np
+import pytest
+
+from crypto import write_secret_file
+from federation.node_store import NodeStore, ProvisioningError
 
 
 def test_residual_round_trips_privately(tmp_path) -> None:
@@ -30,14 +36,6 @@ def test_a_torn_or_foreign_residual_file_is_not_carried(tmp_path) -> None:
 
 
 # --- issue 20: local secrets and records fail loudly, naming the file ----------------------------
-
-import json  # noqa: E402
-import re  # noqa: E402
-
-import pytest  # noqa: E402
-
-from crypto import write_secret_file  # noqa: E402
-from federation.node_store import ProvisioningError  # noqa: E402
 
 
 def test_a_cache_key_of_the_wrong_length_is_refused_naming_the_file(tmp_path) -> None:
