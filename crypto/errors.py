@@ -30,6 +30,7 @@ __all__ = [
     "ReplayError",
     "UnknownNodeError",
     "KeyUnwrapError",
+    "KeyCheckError",
 ]
 
 
@@ -127,3 +128,8 @@ class UnknownNodeError(CryptoError, KeyError):
 
 class KeyUnwrapError(CryptoError):
     """A wrapped key bundle cannot be opened by this node (wrong recipient or tampered)."""
+
+
+class KeyCheckError(KeyUnwrapError):
+    """A secret file's key check value does not match its bytes: it changed since it was written
+    (a flipped bit, a truncated copy, an edit). The message names the file."""

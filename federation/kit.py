@@ -15,7 +15,9 @@ private key are discarded after provisioning: no kit holds them, so adding a nod
 provisioning a new federation.
 
 Secrets: ``identity.key`` and ``ckks-secret.ctx`` go through ``crypto.at_rest.write_secret_file``
-(mode 0600, sealed with the passphrase when one is given). ``server.key`` (TLS) and
+(mode 0600, sealed with the passphrase when one is given; without one each carries the key check
+value the provisioner computed when it made the kit, so a changed byte is a ``KitError`` naming
+the file: "<path>: key check failed: the file changed since it was written"). ``server.key`` (TLS) and
 ``supernode-auth.key`` must stay in the plain formats Flower reads (PEM / OpenSSH), so they are
 written raw with mode 0600. The server kit holds the CKKS *public* context only.
 """
@@ -214,8 +216,8 @@ def _read_secret(path: Path, passphrase: bytes | None) -> bytes:
     _check_files(path.parent, (path.name,), (path.name,))
     try:
         return read_secret_file(path, passphrase)
-    except CryptoError as exc:
-        raise KitError(f"{path}: {exc}") from exc
+    except CryptoError as exc:  # names the file already: "<path>: key check failed: ..."
+        raise KitError(str(exc)) from exc
 
 
 def _check_files(folder: Path, names: Sequence[str], secrets: Sequence[str]) -> None:

@@ -20,6 +20,12 @@ Files are written by ``crypto.at_rest`` (atomic, mode 0600), sealed with
 The directory also keeps the node's signed replies to the tagged requests (train, noise share),
 one per round and kind (``answer_once``): a request repeated for a round gets the byte-identical
 reply, never a second MAC tag (``crypto.binding``, issue 20).
+
+Damaged files fail loudly, naming the file: a secret file carries a key check value
+(``crypto.at_rest``: "<path>: key check failed: the file changed since it was written"), a CKKS
+context must have the key id that ``held.json`` (or the kit's roster) names, ``kv-cache.key``
+must hold 32 bytes, and a ``held.json`` or ``pins.json`` that is not the record this module
+wrote is a ``NodeFileError`` ("<path>: ..."), never a bare ``KeyError`` or ``JSONDecodeError``.
 """
 
 from __future__ import annotations
@@ -32,10 +38,10 @@ import os
 import re
 import tempfile
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,7 +50,7 @@ from crypto import (
     CkksContext, NodeKeys, load_context, passphrase_from_env, read_secret_file, seal,
     write_public_file, write_secret_file,
 )
-from crypto.errors import CryptoError
+from crypto.errors import CryptoError, KeyUnwrapError
 from federation import clean
 
 if TYPE_CHECKING:
@@ -92,6 +98,57 @@ class AnswerSlot:
         for rnd, _, path in self.store._answers():
             if rnd <= self.round - ANSWER_ROUNDS_KEPT:
                 path.unlink(missing_ok=True)
+
+
+class NodeFileError(ProvisioningError):
+    """A node-local file (a secret, ``held.json``, ``pins.json``) is damaged: the message names it."""
+
+
+class PeerKeyError(ProvisioningError):
+    """A peer's identity keys are not the pinned ones: nothing is wrapped for them."""
+
+
+class MemberSetError(ProvisioningError):
+    """A keygen/provision request lists a member set the node's pinned one does not allow."""
+
+
+CACHE_KEY_BYTES = 32
+"""``kv-cache.key``: an AES-256-GCM key."""
+KEY_ID_BYTES = 16
+PINS_VERSION = 2
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A member of the key group as a keygen/provision request lists it (simulation)."""
+
+    node_id: str
+    partition: int
+    sign_public: bytes
+    kx_public: bytes
+
+
+def _read_json(path: Path) -> Any:
+    """A JSON record this module wrote; ``NodeFileError`` naming the file for anything else."""
+    try:
+        return json.loads(path.read_bytes())
+    except OSError as err:
+        raise NodeFileError(f"{path}: cannot be read ({err.strerror})") from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        raise NodeFileError(f"{path}: not valid JSON (truncated or damaged): {err}") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _hex_bytes(value: Any, size: int) -> bytes:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a hex string, got {type(value).__name__}")
+    raw = bytes.fromhex(value)
+    if len(raw) != size:
+        raise ValueError(f"expected {size} bytes in hex, got {len(raw)}")
+    return raw
 
 
 def _kit(path: str) -> NodeKit:
@@ -158,7 +215,14 @@ class NodeStore:
             keys = NodeKeys.generate(self.node_id)
             write_secret_file(path, keys.private_pem(), passphrase_from_env())
             return keys
-        keys = NodeKeys.from_private_pem(read_secret_file(path, passphrase_from_env()))
+        try:
+            data = read_secret_file(path, passphrase_from_env())
+        except KeyUnwrapError as err:  # names the file
+            raise NodeFileError(f"cannot load the node's identity keys: {err}") from None
+        try:
+            keys = NodeKeys.from_private_pem(data)
+        except KeyUnwrapError as err:
+            raise NodeFileError(f"{path}: {err}") from None
         if keys.node_id != self.node_id:
             raise ProvisioningError("stored keys belong to another node")
         return keys
@@ -168,8 +232,15 @@ class NodeStore:
         """(newest key epoch, key id) this node holds, or None."""
         path = self.root / "held.json"
         if path.exists():
-            rec = json.loads(path.read_text())
-            return int(rec["epoch"]), bytes.fromhex(rec["key-id"])
+            rec = _read_json(path)
+            try:
+                epoch, key_id = rec["epoch"], _hex_bytes(rec["key-id"], KEY_ID_BYTES)
+                if not _is_int(epoch) or epoch < 0:
+                    raise ValueError(f"epoch {str(epoch)[:20]!r} is not an int >= 0")
+            except (KeyError, TypeError, ValueError) as err:
+                raise NodeFileError(f"{path}: malformed ({type(err).__name__}: {err}); expected "
+                                    '{"epoch": int >= 0, "key-id": 16 bytes in hex}') from None
+            return epoch, key_id
         if self.kit is not None:
             return 0, self.kit.roster.key_id
         return None
@@ -188,21 +259,43 @@ class NodeStore:
         cached = _CONTEXTS.get((str(self.root), epoch))
         if cached is not None:
             return cached
+        from federation.kit import KitError
+
         path = self.root / f"ckks-{epoch}.ctx"
         try:
             if path.exists():
                 data = read_secret_file(path, passphrase_from_env())
             elif self.kit is not None and epoch == 0:
+                path = self.kit.path / "ckks-secret.ctx"
                 data = self.kit.ckks_secret_bytes(passphrase_from_env())
             else:
                 raise ProvisioningError("node holds no CKKS key of the requested epoch")
+        except (KeyUnwrapError, KitError) as err:  # these name the file
+            raise NodeFileError(f"cannot load the node's CKKS key: {err}") from err
+        try:
             ctx = load_context(data)
         except CryptoError as err:
-            raise ProvisioningError(f"cannot load the node's CKKS key: {type(err).__name__}") from err
+            raise NodeFileError(f"cannot load the node's CKKS key from {path}: {type(err).__name__}") from err
+        self._check_key_id(path, epoch, ctx.key_id)
         _CONTEXTS[(str(self.root), epoch)] = ctx
         while len(_CONTEXTS) > 64:
             _CONTEXTS.popitem(last=False)
         return ctx
+
+    def _check_key_id(self, path: Path, epoch: int, key_id: bytes) -> None:
+        """The context of the newest epoch must have the key id its record names (``held.json``,
+        or the signed roster for a kit's epoch 0): an intact file of another key is no better
+        than a damaged one."""
+        if self.kit is not None and path == self.kit.path / "ckks-secret.ctx":
+            expected, record = self.kit.roster.key_id, self.kit.path / "roster.json"
+        else:
+            held = self.held()
+            if held is None or held[0] != epoch:
+                return
+            expected, record = held[1], self.root / "held.json"
+        if key_id != expected:
+            raise NodeFileError(f"{path}: holds the key id {key_id.hex()}, but {record} names "
+                                f"{expected.hex()} for key epoch {epoch}; refusing it")
 
     def epochs(self) -> list[int]:
         """Every key epoch this node holds, oldest first."""
@@ -346,25 +439,93 @@ class NodeStore:
         and the node's serving agent (``python -m node.serve``) finds it there."""
         path = (Path(cache_dir).parent if cache_dir else self.root) / "kv-cache.key"
         if path.exists():
-            return read_secret_file(path, passphrase_from_env())
+            try:
+                key = read_secret_file(path, passphrase_from_env())
+            except KeyUnwrapError as err:  # names the file
+                raise NodeFileError(f"cannot load the node's cache key: {err}") from None
+            if len(key) != CACHE_KEY_BYTES:
+                raise NodeFileError(f"{path}: the cache key is {len(key)} bytes; AES-256-GCM needs "
+                                    f"{CACHE_KEY_BYTES} (a truncated or foreign file)")
+            return key
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
         key = AESGCM.generate_key(bit_length=256)
         write_secret_file(path, key, passphrase_from_env())
         return key
 
-    # -- trust on first use (simulation only) ----------------------------------------------
-    def pinned(self, node_id: str, sign_public: bytes, kx_public: bytes | None = None) -> bool:
-        """Pin a peer's keys on first use; False if they differ from what was pinned before."""
+    # -- trust on first use, bounded (simulation only) -------------------------------------
+    def pin_members(self, peers: Sequence[Peer], num_partitions: int) -> None:
+        """Check ``peers`` against the member set this node pinned (``pins.json``) and pin the new
+        ones; raises (pinning nothing) when the request is not allowed.
+
+        The first keygen/provision request a node takes pins its members: node id, partition id,
+        identity keys, and the node's own ``num-partitions``. Every later one may list pinned
+        members (with their pinned partition and keys; a subset, as after a node left) and new
+        members only in a partition no pinned member holds: so at most ``num-partitions``
+        members, ever, and once every partition is pinned (every node took part in the first
+        key) no member can be added. ``PeerKeyError``: a pinned member with other keys;
+        ``MemberSetError``: anything else."""
         path = self.root / "pins.json"
-        pins = json.loads(path.read_text()) if path.exists() else {}
-        known = pins.get(node_id)
-        kx = kx_public.hex() if kx_public is not None else None
-        if known is not None:
-            if known["sign"] != sign_public.hex() or (kx and known.get("kx") and known["kx"] != kx):
-                return False
-            if not kx or known.get("kx"):
-                return True
-        pins[node_id] = {"sign": sign_public.hex(), "kx": kx or (known or {}).get("kx")}
-        write_public_file(path, json.dumps(pins).encode())
-        return True
+        pinned_n, pins = self._pins(path)
+        if pinned_n is not None and pinned_n != num_partitions:
+            raise MemberSetError(f"num-partitions is {num_partitions} now, {pinned_n} when this node pinned "
+                                 f"its members ({path}); refusing")
+        if len(peers) > num_partitions:
+            raise MemberSetError(f"the request lists {len(peers)} members, more than num-partitions="
+                                 f"{num_partitions}; refusing")
+        by_partition: dict[int, str] = {}
+        for p in peers:
+            if not 0 <= p.partition < num_partitions:
+                raise MemberSetError(f"member {p.node_id!r} claims partition {p.partition}, outside "
+                                     f"[0, num-partitions={num_partitions}); refusing")
+            if p.partition in by_partition:
+                raise MemberSetError(f"members {by_partition[p.partition]!r} and {p.node_id!r} both claim "
+                                     f"partition {p.partition}; refusing")
+            by_partition[p.partition] = p.node_id
+        if len({p.node_id for p in peers}) != len(peers):
+            raise MemberSetError("the request lists a member twice; refusing")
+        owners = {m["partition"]: nid for nid, m in pins.items()}
+        added = {}
+        for p in peers:
+            known = pins.get(p.node_id)
+            if known is not None:
+                if (known["sign"], known["kx"]) != (p.sign_public.hex(), p.kx_public.hex()):
+                    raise PeerKeyError(f"member {p.node_id!r} offers other keys than on first use; refusing")
+                if known["partition"] != p.partition:
+                    raise MemberSetError(f"member {p.node_id!r} was pinned in partition {known['partition']}, "
+                                         f"the request puts it in {p.partition}; refusing")
+            elif p.partition in owners:
+                raise MemberSetError(f"member {p.node_id!r} is not in the member set this node pinned at first "
+                                     f"use, and its partition {p.partition} is pinned to member "
+                                     f"{owners[p.partition]!r}; refusing")
+            else:
+                added[p.node_id] = {"partition": p.partition, "sign": p.sign_public.hex(), "kx": p.kx_public.hex()}
+        if added or pinned_n is None:
+            record = {"version": PINS_VERSION, "num-partitions": num_partitions, "members": {**pins, **added}}
+            write_public_file(path, json.dumps(record, sort_keys=True).encode())
+
+    @staticmethod
+    def _pins(path: Path) -> tuple[int | None, dict[str, dict[str, Any]]]:
+        """(num-partitions, {node id: {partition, sign, kx}}) of ``pins.json``; (None, {}) if none."""
+        if not path.exists():
+            return None, {}
+        rec = _read_json(path)
+        try:
+            if not isinstance(rec, dict) or rec.get("version") != PINS_VERSION:
+                raise ValueError(f"not a version-{PINS_VERSION} pin record")
+            n, members = rec["num-partitions"], rec["members"]
+            if not _is_int(n) or n < 1:
+                raise ValueError(f"num-partitions {str(n)[:20]!r} is not an int >= 1")
+            if not isinstance(members, dict) or len(members) > n:
+                raise ValueError("members is not an object of at most num-partitions entries")
+            for nid, m in members.items():
+                if not isinstance(m, dict) or not _is_int(m.get("partition")) or not 0 <= m["partition"] < n:
+                    raise ValueError(f"member {nid[:20]!r}: partition is not an int in [0, {n})")
+                _hex_bytes(m.get("sign"), 32)
+                _hex_bytes(m.get("kx"), 32)
+            if len({m["partition"] for m in members.values()}) != len(members):
+                raise ValueError("two members pinned in one partition")
+        except (KeyError, TypeError, ValueError) as err:
+            raise NodeFileError(f"{path}: malformed ({type(err).__name__}: {err}); refusing to trust "
+                                "any member") from None
+        return n, members

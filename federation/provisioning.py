@@ -10,8 +10,13 @@ Who makes the key (``key_origin`` in the results JSON)
 * **simulation** (no kits): the admitted node with the lowest Flower node id makes the context
   (``query.fedkv_keygen``) and wraps it for each peer (X25519 + HKDF + AES-GCM, signed with its
   Ed25519 key); the server relays the bundles (``query.fedkv_provision``) and keeps only the
-  node-signed public context. Peer keys are trusted on first use (logged as such): a server
-  that substitutes keys at first contact is not detected in simulation.
+  node-signed public context. Peer keys are trusted on first use (logged as such), bounded:
+  the first keygen or provision request a node takes pins its member set (node ids, partition
+  ids, identity keys; ``NodeStore.pin_members``) under the node's own ``num-partitions``; later
+  requests may list pinned members (a subset: rotation after a departure; a node that left
+  coming back) and new members only in a partition no pinned member holds, so nothing can be
+  added once every partition is pinned. A server that substitutes keys at a node's first key is
+  not detected in simulation; kits close that.
 
 Either way the ServerApp process never creates, receives or parses a secret context (the
 ``crypto.context`` guard records where that happens; a test checks a real ``flwr run``).
@@ -23,12 +28,14 @@ that joins later receives every epoch's key from a holder, so it can replay the 
 Messages (``query`` category)
 -----------------------------
 ``query.fedkv_enroll``   server -> node: ``enroll`` {} ; node -> server: ``node-keys``
-    {node-id, name, kx-public, sign-public, epoch, key-id} (epoch -1 = holds no CKKS key).
+    {node-id, name, kx-public, sign-public, epoch, key-id, partition-id, num-partitions}
+    (epoch -1 = holds no CKKS key).
 ``query.fedkv_keygen``   server -> key-making node: ``keygen`` {epoch, fresh, preset,
-    effective-round, members, names, kx, sign, epochs}; reply ``keygen`` {epoch, key-id, members}
+    effective-round, members, names, partitions, kx, sign, epochs}; reply ``keygen`` {epoch, key-id, members}
     + ArrayRecord ``bundles`` {"<member>": its bundles, one per epoch asked (``protocol.pack_blobs``)}
     + ArrayRecord ``public-context`` {ctx}. Members include the key-making node itself.
-``query.fedkv_provision`` server -> node: ``provision`` {dealer-node, dealer-name, dealer-sign}
+``query.fedkv_provision`` server -> node: ``provision`` {dealer-node, dealer-name, dealer-sign,
+    members, names, partitions, kx, sign} (the members the key was wrapped for, as in keygen)
     + ArrayRecord ``bundles`` {"e<epoch>": bundle} + ``public-context``; reply ``provisioned``
     {key-id, epoch}.
 """
@@ -58,11 +65,11 @@ from crypto import (
 from crypto.errors import CryptoError
 from federation import protocol, replies
 from federation.config import RunConfig
-from federation.node_store import NodeStore, ProvisioningError
+from federation.node_store import MemberSetError, NodeStore, Peer, PeerKeyError, ProvisioningError
 from federation.policy import NodePolicy
 
-__all__ = ["ENROLL", "KEYGEN", "PROVISION", "KeyService", "AdmitReport", "ProvisioningError",
-           "node_keys", "node_policy", "secret_context", "sign"]
+__all__ = ["ENROLL", "KEYGEN", "PROVISION", "KeyService", "AdmitReport", "MemberSetError", "PeerKeyError",
+           "ProvisioningError", "node_keys", "node_policy", "secret_context", "sign"]
 
 ENROLL = "query.fedkv_enroll"
 KEYGEN = "query.fedkv_keygen"
@@ -71,10 +78,6 @@ PROVISION = "query.fedkv_provision"
 ENROLL_REC, NODE_KEYS_REC = "enroll", "node-keys"
 KEYGEN_REC, PROVISION_REC, PROVISIONED_REC = "keygen", "provision", "provisioned"
 BUNDLES_REC, PUBLIC_CONTEXT_REC = "bundles", "public-context"
-
-
-class PeerKeyError(ProvisioningError):
-    """A peer's identity keys are not the pinned ones: nothing is wrapped for them."""
 
 
 # --- node side ----------------------------------------------------------------------------
@@ -107,38 +110,79 @@ def sign(context: Context, keys: NodeKeys, server_round: int, payload: bytes, ep
                        key_id=key_id, kind=kind, tag=tag)
 
 
+def _own_partition(context: Context, store: NodeStore) -> tuple[int, int]:
+    """(partition-id, num-partitions) of this node: its kit's, else its node config's."""
+    if store.kit is not None:
+        return store.kit.partition_id, store.kit.num_partitions
+    from federation.node_host import spec_from_context
+
+    try:
+        spec = spec_from_context(context)
+    except ValueError as err:
+        raise ProvisioningError(f"node config: {err}") from None
+    return spec.partition_id, spec.num_partitions
+
+
 def handle_enroll(msg: Message, context: Context) -> Message:
     """``query.fedkv_enroll``: check the run against the node's policy, return its public keys."""
     node_policy(context).check(RunConfig.from_run_config(context.run_config))
     store = NodeStore.for_context(context)
+    partition, num_partitions = _own_partition(context, store)
     pub = store.identity(create=True).public
     held = store.held()
     reply = ConfigRecord({
         "node-id": pub.node_id, "name": store.name, "kx-public": pub.kx_public, "sign-public": pub.sign_public,
         "epoch": held[0] if held else -1, "key-id": held[1] if held else b"",
+        "partition-id": partition, "num-partitions": num_partitions,
     })
     return Message(RecordDict({NODE_KEYS_REC: reply}), reply_to=msg)
 
 
-def _members(req: ConfigRecord, store: NodeStore) -> list[tuple[NodePublicKeys, str]]:
-    """The peers to wrap for, checked against the kit roster (or trusted on first use)."""
-    ids, names = list(req["members"]), list(req["names"])
-    kx, sg = list(req["kx"]), list(req["sign"])
-    if not (len(ids) == len(names) == len(kx) == len(sg)) or len(set(ids)) != len(ids):
+def _member_list(req: ConfigRecord) -> list[tuple[NodePublicKeys, str, int]]:
+    """(keys, name, partition id) of each member a keygen/provision request lists."""
+    try:
+        ids, names = list(req["members"]), list(req["names"])
+        kx, sg = list(req["kx"]), list(req["sign"])
+        parts = list(req["partitions"]) if "partitions" in req else [-1] * len(ids)
+        ok = len(ids) == len(names) == len(kx) == len(sg) == len(parts) and len(set(ids)) == len(ids)
+        ok = ok and all(isinstance(p, int) and not isinstance(p, bool) for p in parts)
+        members = [(NodePublicKeys(str(n), bytes(k), bytes(s)), str(name), int(p))
+                   for n, name, k, s, p in zip(ids, names, kx, sg, parts)]
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
         raise ProvisioningError("malformed member list")
-    out = []
-    for nid, name, k, s in zip(ids, names, kx, sg):
-        pub = NodePublicKeys(str(nid), bytes(k), bytes(s))
-        if store.kit is not None:
-            entry = store.kit.roster.by_name(str(name))
+    return members
+
+
+def _pin(context: Context, store: NodeStore, members: list[tuple[NodePublicKeys, str, int]]) -> None:
+    """Simulation: the member set must fit the one this node pinned at first use (and is pinned
+    now if this is its first key). This node must be listed as itself: its id, keys, partition."""
+    partition, num_partitions = _own_partition(context, store)
+    if any(p < 0 for _, _, p in members):
+        raise MemberSetError("the request lists no partition ids for its members; refusing")
+    me = store.identity().public
+    own = next(((pub, p) for pub, _, p in members if pub.node_id == me.node_id), None)
+    if own is None or (own[0].kx_public, own[0].sign_public, own[1]) != (me.kx_public, me.sign_public, partition):
+        raise MemberSetError(f"the request does not list this node ({me.node_id}) with its own keys and "
+                             f"partition {partition}; refusing")
+    store.pin_members([Peer(pub.node_id, p, pub.sign_public, pub.kx_public) for pub, _, p in members],
+                      num_partitions)
+
+
+def _members(req: ConfigRecord, store: NodeStore, context: Context) -> list[tuple[NodePublicKeys, str]]:
+    """The peers to wrap for, checked against the kit roster (or the member set pinned at first use)."""
+    members = _member_list(req)
+    if store.kit is not None:
+        for pub, name, _ in members:
+            entry = store.kit.roster.by_name(name)
             if entry is None or entry.kx_public != pub.kx_public or entry.sign_public != pub.sign_public:
                 raise PeerKeyError(f"member {name!r} does not hold the keys pinned in this node's kit; refusing to wrap")
-        elif not store.pinned(pub.node_id, pub.sign_public, pub.kx_public):
-            raise PeerKeyError(f"member {pub.node_id!r} offers other keys than on first use; refusing to wrap")
-        out.append((pub, str(name)))
-    if store.kit is None:
-        log(WARNING, "keygen: peer keys are trusted on first use (simulation, no kits)")
-    return out
+    else:
+        _pin(context, store, members)
+        log(WARNING, "keygen: peer keys are trusted on first use (simulation, no kits), bounded by the "
+                     "member set pinned at this node's first key")
+    return [(pub, name) for pub, name, _ in members]
 
 
 def handle_keygen(msg: Message, context: Context) -> Message:
@@ -147,7 +191,7 @@ def handle_keygen(msg: Message, context: Context) -> Message:
     req = msg.content.config_records[KEYGEN_REC]
     store = NodeStore.for_context(context)
     keys = store.identity()
-    epoch, members = int(req["epoch"]), _members(req, store)
+    epoch, members = int(req["epoch"]), _members(req, store, context)
     if int(req["fresh"]):
         dealer = keys.dealer(str(req["preset"]), epoch=epoch, effective_round=int(req["effective-round"]))
         store.save_context(dealer.context, epoch)
@@ -171,13 +215,20 @@ def handle_keygen(msg: Message, context: Context) -> Message:
     return Message(content, reply_to=msg)
 
 
-def _check_dealer(store: NodeStore, dealer_node: str, dealer_name: str, dealer_sign: bytes) -> None:
+def _check_dealer(context: Context, store: NodeStore, req: ConfigRecord, dealer_sign: bytes) -> None:
+    dealer_node, dealer_name = str(req["dealer-node"]), str(req["dealer-name"])
     if store.kit is not None:
         entry = store.kit.roster.by_name(dealer_name)
         if entry is None or entry.sign_public != dealer_sign:
             raise PeerKeyError("the key bundle's signer is not a member pinned in this node's kit; refusing")
-    elif not store.pinned(dealer_node, dealer_sign):
-        raise PeerKeyError("the key bundle's signer differs from the key first seen for that node; refusing")
+        return
+    if "members" not in req:
+        raise MemberSetError("the provision request lists no member set; refusing")
+    members = _member_list(req)
+    dealer = next((pub for pub, _, _ in members if pub.node_id == dealer_node), None)
+    if dealer is None or dealer.sign_public != dealer_sign:
+        raise MemberSetError(f"the key maker {dealer_node[:20]!r} is not a listed member with its signing key; refusing")
+    _pin(context, store, members)
 
 
 def handle_provision(msg: Message, context: Context) -> Message:
@@ -185,7 +236,7 @@ def handle_provision(msg: Message, context: Context) -> Message:
     req = msg.content.config_records[PROVISION_REC]
     store = NodeStore.for_context(context)
     dealer_sign = bytes(req["dealer-sign"])
-    _check_dealer(store, str(req["dealer-node"]), str(req["dealer-name"]), dealer_sign)
+    _check_dealer(context, store, req, dealer_sign)
     keys = store.identity()
     pub_signed = protocol.array_to_bytes(msg.content.array_records[PUBLIC_CONTEXT_REC]["ctx"])
     pub_bytes, pub_epoch, _ = verify_public_context(pub_signed, dealer_sign)
@@ -220,6 +271,7 @@ class AdmitReport:
 class _Member:
     pub: NodePublicKeys
     name: str
+    partition: int
 
 
 class KeyService:
@@ -241,6 +293,8 @@ class KeyService:
         self.kit = server_kit
         self.verifier = UpdateVerifier(run_id=run_id)
         self.members: dict[int, _Member] = {}
+        self.num_partitions: int | None = None
+        """Of the first node enrolled; a node that reports another one is refused."""
         self.holders: set[int] = set()
         self.retry_at: dict[int, int] = {}
         """Round from which a node whose enrollment or keying failed is tried again (back-off)."""
@@ -337,11 +391,13 @@ class KeyService:
             try:
                 rec = replies.parse_enroll_reply(reply, str(node))
                 self._check_roster(rec)
+                self._check_partition(rec)
             except (replies.BadReply, ProvisioningError) as err:
                 self._refuse(out, node, "enroll", f"bad enroll reply: {err}")
                 continue
             pub = NodePublicKeys(rec.node_id, rec.kx_public, rec.sign_public)
-            self.members[node] = _Member(pub, rec.name)
+            self.members[node] = _Member(pub, rec.name, rec.partition_id)
+            self.num_partitions = rec.num_partitions
             self.verifier.add_node(pub)
             self.stats["enrolled"] += 1
             if self.he and rec.epoch == self.epoch and rec.key_id == self.key_id and self.epoch >= 0:
@@ -357,6 +413,18 @@ class KeyService:
             raise PeerKeyError(f"keys of {rec.name[:40]!r} differ from the ones pinned in the roster")
         if any(m.name == rec.name for m in self.members.values()):
             raise PeerKeyError(f"{rec.name[:40]!r} is already enrolled under another node id")
+        if (rec.partition_id, rec.num_partitions) != (entry.partition_id, self.kit.roster.num_partitions):
+            raise PeerKeyError(f"{rec.name[:40]!r} reports partition {rec.partition_id}/{rec.num_partitions}, "
+                               f"the roster {entry.partition_id}/{self.kit.roster.num_partitions}")
+
+    def _check_partition(self, rec: Any) -> None:
+        """One member per partition, one num-partitions for all (nodes pin both at their first key)."""
+        if self.num_partitions is not None and rec.num_partitions != self.num_partitions:
+            raise ProvisioningError(f"num-partitions={rec.num_partitions} differs from the enrolled nodes' "
+                                    f"{self.num_partitions}")
+        owner = next((n for n, m in self.members.items() if m.partition == rec.partition_id), None)
+        if owner is not None:
+            raise ProvisioningError(f"partition-id={rec.partition_id} is enrolled already (node {owner})")
 
     # -- keys ---------------------------------------------------------------------------
     def _key(self, grid: Any, lacking: list[int], rnd: int, out: AdmitReport) -> None:
@@ -392,9 +460,7 @@ class KeyService:
         everyone = sorted({dealer, *members})
         req = ConfigRecord({
             "epoch": epochs[-1], "fresh": int(fresh), "preset": self.preset, "effective-round": rnd,
-            "members": [str(n) for n in everyone], "names": [self.members[n].name for n in everyone],
-            "kx": [self.members[n].pub.kx_public for n in everyone],
-            "sign": [self.members[n].pub.sign_public for n in everyone], "epochs": epochs,
+            **self._member_fields(everyone), "epochs": epochs,
         })
         msg = Message(RecordDict({KEYGEN_REC: req}), dst_node_id=dealer, message_type=KEYGEN)
         reply = self._exchange(grid, "keygen", [msg], out).get(dealer)
@@ -415,8 +481,15 @@ class KeyService:
         if fresh:  # only now, with every part of the reply checked
             self._set_key(pub, epoch, {"party": "node", "node": dealer, "epoch": epoch})
             self.holders = {dealer}
-        self._provision(grid, dealer, bundles, made.signed_public_context, out)
+        self._provision(grid, dealer, bundles, made.signed_public_context, everyone, out)
         return True
+
+    def _member_fields(self, nodes: list[int]) -> dict[str, list]:
+        """The member list of a keygen / provision request (nodes pin it at their first key)."""
+        return {"members": [str(n) for n in nodes], "names": [self.members[n].name for n in nodes],
+                "partitions": [self.members[n].partition for n in nodes],
+                "kx": [self.members[n].pub.kx_public for n in nodes],
+                "sign": [self.members[n].pub.sign_public for n in nodes]}
 
     @staticmethod
     def _split(pack: bytes, epochs: list[int]) -> dict[str, bytes]:
@@ -427,13 +500,14 @@ class KeyService:
         return out
 
     def _provision(self, grid: Any, dealer: int, bundles: dict[int, dict[str, bytes]], signed_public: bytes,
-                   out: AdmitReport) -> None:
+                   everyone: list[int], out: AdmitReport) -> None:
         d = self.members[dealer]
+        listed = self._member_fields(everyone)
         msgs = []
         for n, by_epoch in bundles.items():
             content = RecordDict({
                 PROVISION_REC: ConfigRecord({"dealer-node": str(dealer), "dealer-name": d.name,
-                                             "dealer-sign": d.pub.sign_public}),
+                                             "dealer-sign": d.pub.sign_public, **listed}),
                 BUNDLES_REC: ArrayRecord({k: protocol.bytes_to_array(v) for k, v in by_epoch.items()}),
                 PUBLIC_CONTEXT_REC: ArrayRecord({"ctx": protocol.bytes_to_array(signed_public)}),
             })

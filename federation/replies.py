@@ -19,7 +19,8 @@ checked against the data before anything is allocated):
 1. Enroll (``parse_enroll_reply``): ConfigRecord ``node-keys`` {``node-id`` str (= the
    expected node id), ``name`` str (0..64 of ``[A-Za-z0-9._-]``; "" = no kit), ``kx-public``
    32 bytes, ``sign-public`` 32 bytes, ``epoch`` int in [-1, 2**31-1] (-1 = holds no CKKS key),
-   ``key-id`` bytes, 16 iff epoch >= 0 else empty}.
+   ``key-id`` bytes, 16 iff epoch >= 0 else empty, ``partition-id`` int in [0, num-partitions),
+   ``num-partitions`` int in [1, 2**31-1] (the node's node config)}.
 2. Keygen (``parse_keygen_reply``): ConfigRecord ``keygen`` {``epoch`` int [0, 2**31-1]
    (= expected), ``key-id`` 16 bytes, ``members`` list[str] (non-empty, distinct, <= 1024,
    = expected as a set)} + ArrayRecord ``bundles`` {member id: 1..8 MiB, one per member} +
@@ -85,6 +86,7 @@ MAX_SECONDS = 1e6
 VERSION_MAX = 2**31 - 1
 PID_MAX = 2**31 - 1
 MAX_KV_BLOCKS = 2**31 - 1
+PARTITIONS_MAX = 2**31 - 1
 MAX_NUM_VALUES = 2**40
 NODE_SOURCES = (0, 1, 2)
 _NPY_HEADER_MAX = 1024
@@ -124,9 +126,13 @@ class EnrollReply:
     """CKKS key epoch the node holds; -1 = none."""
     key_id: bytes
     """16 bytes when epoch >= 0, else b""."""
+    partition_id: int
+    num_partitions: int
+    """The node's partition in its node config (0 <= partition_id < num_partitions)."""
 
     def __repr__(self) -> str:  # keys are public, but keep logs short
-        return f"EnrollReply(node_id={self.node_id!r}, name={self.name!r}, epoch={self.epoch})"
+        return (f"EnrollReply(node_id={self.node_id!r}, name={self.name!r}, epoch={self.epoch}, "
+                f"partition={self.partition_id}/{self.num_partitions})")
 
 
 @dataclass(frozen=True)
@@ -395,7 +401,7 @@ def _guard(fn: Callable[..., R]) -> Callable[..., R]:
 
 
 # -- 1. enroll -------------------------------------------------------------------------------------
-ENROLL_FIELDS = ("node-id", "name", "kx-public", "sign-public", "epoch", "key-id")
+ENROLL_FIELDS = ("node-id", "name", "kx-public", "sign-public", "epoch", "key-id", "partition-id", "num-partitions")
 
 
 def parse_enroll_reply(msg: Message, expected_node_id: str) -> EnrollReply:
@@ -420,7 +426,9 @@ def _parse_enroll(msg: Message, expected_node_id: str) -> EnrollReply:
     sign = _bytes(f + "sign-public", rec["sign-public"], PUBLIC_KEY_BYTES)
     epoch = _int(f + "epoch", rec["epoch"], -1, EPOCH_MAX)
     key_id = _bytes(f + "key-id", rec["key-id"], KEY_ID_BYTES if epoch >= 0 else 0)
-    return EnrollReply(node_id, name, kx, sign, epoch, key_id)
+    num_partitions = _int(f + "num-partitions", rec["num-partitions"], 1, PARTITIONS_MAX)
+    partition = _int(f + "partition-id", rec["partition-id"], 0, num_partitions - 1)
+    return EnrollReply(node_id, name, kx, sign, epoch, key_id, partition, num_partitions)
 
 
 # -- 2. keygen -------------------------------------------------------------------------------------

@@ -8,6 +8,11 @@ version, into one file beside the store, sealed with the node's cache key (AES-2
 another version). Written atomically (temporary file, fsync, rename), mode 0600: a reader sees
 the old parameters or the new ones, never a mix. Who may read when is the coherence
 protocol's business (``cache.coherence``: the ``param`` entry).
+
+No rollback: a reader that serves version v passes ``at_least=v`` and an older file (a sealed
+file of an earlier version put back: it is intact and opens with the key) is refused with
+``ParamRollbackError``; the reader keeps what it serves. A key that is not 32 bytes is a
+``PublishedParamsError`` before any file is touched.
 """
 
 from __future__ import annotations
@@ -30,6 +35,19 @@ class PublishedParamsError(ValueError):
     """The published parameters are missing, cut short, forged or sealed with another key."""
 
 
+class ParamRollbackError(PublishedParamsError):
+    """The published file holds an older model version than the one the reader serves."""
+
+
+KEY_BYTES = 32
+
+
+def _check_key(key: bytes | None) -> None:
+    if key and len(key) != KEY_BYTES:
+        raise PublishedParamsError(f"the cache key is {len(key)} bytes; AES-256-GCM needs {KEY_BYTES} "
+                                   "(kv-cache.key truncated or foreign?)")
+
+
 def path_in(cache_dir: str | os.PathLike) -> Path:
     return Path(cache_dir) / FILE_NAME
 
@@ -38,6 +56,7 @@ def publish(cache_dir: str | os.PathLike, key: bytes | None, state: dict[str, to
             version: int) -> Path:
     """Seal ``state`` at model ``version`` into the cache directory (replacing the last one).
     Without a key (tests, an unencrypted cache) the payload is stored unsealed but checked."""
+    _check_key(key)
     blob = st_save({n: t.detach().contiguous() for n, t in state.items()})
     nonce = os.urandom(12)
     head = _HEAD.pack(_MAGIC, int(version), nonce)
@@ -57,8 +76,11 @@ def publish(cache_dir: str | os.PathLike, key: bytes | None, state: dict[str, to
     return path
 
 
-def load(cache_dir: str | os.PathLike, key: bytes | None) -> tuple[dict[str, torch.Tensor], int]:
-    """(parameters, model version) last published in ``cache_dir``."""
+def load(cache_dir: str | os.PathLike, key: bytes | None, *,
+         at_least: int | None = None) -> tuple[dict[str, torch.Tensor], int]:
+    """(parameters, model version) last published in ``cache_dir``; ``ParamRollbackError`` when
+    that version is below ``at_least`` (the version the reader serves)."""
+    _check_key(key)
     path = path_in(cache_dir)
     try:
         raw = path.read_bytes()
@@ -77,6 +99,9 @@ def load(cache_dir: str | os.PathLike, key: bytes | None) -> tuple[dict[str, tor
             raise PublishedParamsError(
                 f"{path} does not open with this node's cache key (another key, or altered)"
             ) from None
+    if at_least is not None and version < at_least:  # authentic (it opened), but older
+        raise ParamRollbackError(f"{path} holds model version {version}, older than version {at_least} "
+                                 "already served; refusing it (rollback)")
     try:
         return dict(st_load(body)), int(version)
     except Exception as e:  # safetensors raises its own error types for garbage

@@ -160,7 +160,11 @@ class ServingAgent:
                     f"no parameters were published in {self.cache_dir} within {self._wait_s} s")
             time.sleep(0.1)  # the node has not written its parameters yet
         self.agent.acquire_read(PARAM_ENTRY)
-        state, version = param_channel.load(self.cache_dir, self.key)
+        try:
+            state, version = param_channel.load(self.cache_dir, self.key, at_least=self.version)
+        except param_channel.ParamRollbackError as err:
+            _log.error("%s", err)  # keeps serving the version it has
+            return
         self.model.load_state_dict(state)
         self.cache.set_version(version)  # K/V of other versions are never served again
         self.counters.reloads += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 import json
 import stat
 from pathlib import Path
@@ -209,3 +210,44 @@ def test_provision_cli(tmp_path, capsys, monkeypatch) -> None:
     assert "fingerprint" in text and "s3cret" not in text
     assert load_node_kit(out / "node-1").identity(b"s3cret").node_id == "node-1"
     assert provision.main(["--nodes", "1", "--out", str(out)]) == 2  # not empty
+
+
+# --- issue 20: local secrets fail loudly, naming the file ----------------------------------------
+
+
+@pytest.mark.parametrize("name", ["ckks-secret.ctx", "identity.key"])
+def test_a_flipped_bit_in_a_kit_secret_is_named_not_loaded(fresh, name) -> None:
+    """A bit flipped in ckks-secret.ctx used to load with the same key id and another MAC key:
+    every aggregate was rejected and nothing named the file."""
+    path = fresh["node-0"] / name
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
+    node = load_node_kit(fresh["node-0"])
+    expected = f"{re.escape(str(path))}: key check failed: the file changed since it was written"
+    with pytest.raises(KitError, match=expected):
+        node.ckks_secret_bytes(None) if name == "ckks-secret.ctx" else node.identity(None)
+
+
+def test_a_node_store_on_a_kit_names_the_damaged_ckks_secret(fresh) -> None:
+    from federation.node_store import NodeStore, ProvisioningError
+
+    path = fresh["node-1"] / "ckks-secret.ctx"
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 0x80
+    path.write_bytes(bytes(raw))
+    store = NodeStore(fresh["node-1"] / "state" / "run-1", "101", load_node_kit(fresh["node-1"]))
+    with pytest.raises((KitError, ProvisioningError), match=rf"{re.escape(str(path))}: key check failed"):
+        store.context(0)
+
+
+def test_a_ckks_secret_from_another_provisioning_is_named(fresh, tmp_path) -> None:
+    """An intact secret context of another federation (a kit file copied from the wrong folder)."""
+    from federation.node_store import NodeStore, ProvisioningError
+
+    other = write_kits(tmp_path / "other", 1)
+    path = fresh["node-0"] / "ckks-secret.ctx"
+    path.write_bytes((other["node-0"] / "ckks-secret.ctx").read_bytes())
+    store = NodeStore(fresh["node-0"] / "state" / "run-1", "100", load_node_kit(fresh["node-0"]))
+    with pytest.raises((KitError, ProvisioningError), match=rf"{re.escape(str(path))}.*key id"):
+        store.context(0)

@@ -1,10 +1,16 @@
-"""The node's error-feedback residual: saved privately, read back, zeros when absent or foreign."""
+"""The node's error-feedback residual (saved privately, read back, zeros when absent or foreign), and
+local files that fail loudly, naming the file (issue 20)."""
 
 from __future__ import annotations
 
-import numpy as np
+import json
+import re
 
-from federation.node_store import NodeStore
+import numpy as np
+import pytest
+
+from crypto import write_secret_file
+from federation.node_store import NodeStore, ProvisioningError
 
 
 def test_residual_round_trips_privately(tmp_path) -> None:
@@ -74,3 +80,82 @@ def test_a_kept_reply_that_does_not_read_back_is_a_refusal_not_a_second_answer(t
     path.unlink()
     with store.answer_once(5, 0) as slot:  # gone (e.g. removed by hand): the round is answered again
         assert slot.stored is None
+# --- issue 20: local secrets and records fail loudly, naming the file ----------------------------
+
+
+def test_a_cache_key_of_the_wrong_length_is_refused_naming_the_file(tmp_path) -> None:
+    store = NodeStore(tmp_path, "n1")
+    write_secret_file(tmp_path / "kv-cache.key", b"k" * 31)
+    with pytest.raises(ProvisioningError, match=rf"{re.escape(str(tmp_path / 'kv-cache.key'))}: .*31 bytes.*32"):
+        store.cache_key()
+
+
+def test_a_flipped_bit_in_the_cache_key_is_named(tmp_path) -> None:
+    store = NodeStore(tmp_path, "n1")
+    key = store.cache_key()
+    assert store.cache_key() == key and len(key) == 32
+    path = tmp_path / "kv-cache.key"
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0x04
+    path.write_bytes(bytes(raw))
+    with pytest.raises(Exception, match=rf"{re.escape(str(path))}: key check failed: the file changed"):
+        store.cache_key()
+
+
+def test_a_flipped_bit_in_a_stored_ckks_context_is_named(tmp_path) -> None:
+    from crypto import Dealer
+    from federation import node_store
+
+    store = NodeStore(tmp_path, "n1")
+    ctx = Dealer("fedkv-4096").context
+    store.save_context(ctx, 0)
+    node_store._CONTEXTS.clear()  # a fresh process
+    path = tmp_path / "ckks-0.ctx"
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ProvisioningError, match=rf"{re.escape(str(path))}: key check failed"):
+        store.context(0)
+
+
+DAMAGED_RECORDS = {
+    "truncated": b'{"epoch": 1, "key-id": "0011',
+    "not JSON": b"\x00\xffnot json",
+    "empty": b"",
+    "a list": b"[1, 2, 3]",
+    "wrong types": b'{"epoch": "one", "key-id": 7}',
+    "missing fields": b"{}",
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGED_RECORDS))
+def test_a_damaged_held_json_is_a_specific_error_naming_it(tmp_path, damage) -> None:
+    store = NodeStore(tmp_path, "n1")
+    path = tmp_path / "held.json"
+    path.write_bytes(DAMAGED_RECORDS[damage])
+    with pytest.raises(ProvisioningError, match=re.escape(str(path))):
+        store.held()
+
+
+PINS = {
+    "truncated": b'{"version": 2, "num-partitions": 3, "members": {"100": {"partit',
+    "not JSON": b"\x00\xffnot json",
+    "empty": b"",
+    "a list": b"[]",
+    "wrong types": json.dumps({"100": "sign-key"}).encode(),
+    "a member of wrong types": json.dumps({"version": 2, "num-partitions": 3,
+                                           "members": {"100": {"partition": "0", "sign": 5, "kx": None}}}).encode(),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(PINS))
+def test_a_damaged_pins_json_is_a_specific_error_naming_it(tmp_path, damage) -> None:
+    from crypto import NodeKeys
+    from federation.node_store import Peer
+
+    store = NodeStore(tmp_path, "n1")
+    path = tmp_path / "pins.json"
+    path.write_bytes(PINS[damage])
+    peer = NodeKeys.generate("100").public
+    with pytest.raises(ProvisioningError, match=re.escape(str(path))):
+        store.pin_members([Peer("100", 0, peer.sign_public, peer.kx_public)], 3)

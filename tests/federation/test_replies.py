@@ -55,7 +55,7 @@ def npy(payload: bytes, descr: str = "|u1", shape: tuple = None) -> Array:
 def enroll_spec() -> dict:
     return {NODE_KEYS: ("config", {
         "node-id": str(NODE), "name": "kit-a.1_B", "kx-public": b"k" * 32, "sign-public": b"s" * 32,
-        "epoch": 0, "key-id": KEY_ID,
+        "epoch": 0, "key-id": KEY_ID, "partition-id": 1, "num-partitions": 3,
     })}
 
 
@@ -132,7 +132,7 @@ def reason_of(parse: Callable[[], Any]) -> str:
 # -- happy paths ------------------------------------------------------------------------------------
 def test_enroll_reply_parses() -> None:
     r = parse_enroll_reply(build(enroll_spec()), str(NODE))
-    assert r == replies.EnrollReply(str(NODE), "kit-a.1_B", b"k" * 32, b"s" * 32, 0, KEY_ID)
+    assert r == replies.EnrollReply(str(NODE), "kit-a.1_B", b"k" * 32, b"s" * 32, 0, KEY_ID, 1, 3)
     spec = enroll_spec()
     spec[NODE_KEYS][1].update({"epoch": -1, "key-id": b"", "name": ""})
     r = parse_enroll_reply(build(spec), str(NODE))
@@ -427,6 +427,8 @@ EDGES: dict[str, list] = {
     "sign-public": [b"\1" * 31, b"\1" * 32, b"\1" * 33],
     "epoch": [-2, -1, 0, 1, 3, 4, 2**31 - 1, 2**31, True, False, 3.0],
     "key-id": [b"", b"\1" * 15, b"\1" * 16, b"\1" * 17],
+    "partition-id": [-1, 0, 1, 2, 3, 2**31 - 1, True, 1.0],
+    "num-partitions": [-1, 0, 1, 2, 3, 2**31 - 1, 2**31, False, 3.0],
     "members": [list(MEMBERS), MEMBERS[::-1], MEMBERS[:2], MEMBERS + ["104"], MEMBERS + ["101"], [],
                 ["101", "102", "104"], [b"101", b"102", b"103"]],
     "num-examples": [-1, 0, 1, 10**9, 10**9 + 1, 1.0],
@@ -623,13 +625,15 @@ def oracle(parse_kind: Callable[[], Any]) -> Any:
 def o_enroll(spec: dict) -> replies.EnrollReply:
     o_layout(spec, {NODE_KEYS: "config"})
     f = spec[NODE_KEYS][1]
-    o_keys(f, ("node-id", "name", "kx-public", "sign-public", "epoch", "key-id"))
+    o_keys(f, ("node-id", "name", "kx-public", "sign-public", "epoch", "key-id", "partition-id", "num-partitions"))
     need(type(f["node-id"]) is str and f["node-id"] == str(NODE))
     name = f["name"]
     need(type(name) is str and len(name) <= 64 and all(c in "._-" or (c.isascii() and c.isalnum()) for c in name))
     epoch = o_int(f["epoch"], -1, 2**31 - 1)
+    key_id = o_bytes(f["key-id"], 16 if epoch >= 0 else 0)
+    n = o_int(f["num-partitions"], 1, 2**31 - 1)
     return replies.EnrollReply(f["node-id"], name, o_bytes(f["kx-public"], 32), o_bytes(f["sign-public"], 32),
-                               epoch, o_bytes(f["key-id"], 16 if epoch >= 0 else 0))
+                               epoch, key_id, o_int(f["partition-id"], 0, n - 1), n)
 
 
 def o_keygen(spec: dict) -> replies.KeygenReply:

@@ -15,7 +15,7 @@ import re
 
 import numpy as np
 import pytest
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
 from crypto import CkksAggregator, NodeKeys, load_context
 from crypto.binding import MANIFEST_MAGIC
@@ -542,8 +542,120 @@ def test_in_simulation_a_peer_key_change_after_first_use_is_refused() -> None:
     sign = [fed.keys.members[n].pub.sign_public for n in members]
     kx[-1], sign[-1] = attacker.public.kx_public, attacker.public.sign_public
     req = ConfigRecord({"epoch": 1, "fresh": 1, "preset": "fedkv-4096", "effective-round": 2,
-                        "members": [str(n) for n in members], "names": [""] * 3, "kx": kx, "sign": sign,
-                        "epochs": [1]})
+                        "members": [str(n) for n in members], "names": [""] * 3, "partitions": [0, 1, 2],
+                        "kx": kx, "sign": sign, "epochs": [1]})
     msg = Message(RecordDict({provisioning.KEYGEN_REC: req}), dst_node_id=100, message_type=provisioning.KEYGEN)
     reply = fed.grid.deliver(msg)
     assert reply.has_error() and "other keys than on first use" in reply.error.reason
+
+
+# --- issue 20: simulation's trust on first use is bounded by the member set pinned at first use ---
+
+
+def _keygen(fed: Federation, members: list[tuple[int, NodeKeys | None, int]], *, fresh: bool,
+            epochs: list[int]) -> RecordDict:
+    """A keygen request for ``members`` as (node id, keys or None = the enrolled ones, partition)."""
+    pubs = [keys.public if keys is not None else fed.keys.members[n].pub for n, keys, _ in members]
+    return RecordDict({provisioning.KEYGEN_REC: ConfigRecord({
+        "epoch": epochs[-1], "fresh": int(fresh), "preset": fed.keys.preset, "effective-round": 3,
+        "members": [str(n) for n, _, _ in members], "names": [""] * len(members),
+        "partitions": [p for _, _, p in members],
+        "kx": [p.kx_public for p in pubs], "sign": [p.sign_public for p in pubs], "epochs": epochs})})
+
+
+def test_in_simulation_a_member_invented_after_the_first_key_is_refused() -> None:
+    """Issue 20: in round 3 the server asks a node to re-wrap the current key for the members
+    plus an invented member holding the server's own keys. It used to be trusted on first use
+    (any round), so the node wrapped the CKKS key for the server. Now every node pinned the
+    member set (node ids, partition ids, num-partitions) when it first took a key: a member
+    outside it is refused, whether it claims a pinned partition, one beyond num-partitions or
+    replaces a pinned member."""
+    fed = Federation(3, **HE, **{"num-server-rounds": 2})
+    fed.run_all()
+    attacker = NodeKeys.generate("999")
+    epochs = list(range(fed.keys.epoch + 1))
+    honest = [(100, None, 0), (101, None, 1), (102, None, 2)]
+    cases = {
+        "an extra member in a free-looking partition": honest + [(999, attacker, 3)],
+        "an extra member in a pinned partition": honest + [(999, attacker, 1)],
+        "a member substituted for node 102": honest[:2] + [(999, attacker, 2)],
+    }
+    for target in (100, 101):  # the node that made the key, and one that only ever received it
+        cases["the invented member alone"] = [(target, None, target - 100), (999, attacker, 2)]
+        for what, members in cases.items():
+            msg = Message(_keygen(fed, members, fresh=False, epochs=epochs), dst_node_id=target,
+                          message_type=provisioning.KEYGEN)
+            reply = fed.grid.deliver(msg)
+            assert reply.has_error(), f"node {target} wrapped the key for {what}"
+            assert reply.error.reason.startswith("MemberSetError: "), reply.error.reason
+            assert "999" in reply.error.reason or "num-partitions=3" in reply.error.reason, reply.error.reason
+    # a damaged pins.json is named, not a bare JSONDecodeError (and nothing is wrapped)
+    pins = provisioning.NodeStore.for_context(fed.grid.contexts[101]).root / "pins.json"
+    pins.write_bytes(pins.read_bytes()[:20])
+    msg = Message(_keygen(fed, honest, fresh=False, epochs=epochs), dst_node_id=101, message_type=provisioning.KEYGEN)
+    reply = fed.grid.deliver(msg)
+    assert reply.has_error() and f"{pins}: " in reply.error.reason, reply.error.reason
+
+
+def test_in_simulation_a_key_from_an_invented_key_maker_is_refused() -> None:
+    """The other direction: the server makes a CKKS key itself (an invented node 999) and
+    provisions it to node 101, which would then encrypt its updates under the server's key.
+    It used to pin 999 on first use; now 999 is not in the member set 101 pinned."""
+    fed = Federation(3, **HE, **{"num-server-rounds": 2})
+    fed.run_all()
+    attacker = NodeKeys.generate("999")
+    epoch = fed.keys.epoch + 1
+    dealer = attacker.dealer(fed.keys.preset, epoch=epoch, effective_round=3)
+    dealer.enroll(fed.keys.members[101].pub)
+    bundle = dealer.wrap_for("101").to_bytes()
+    own = fed.keys.members[101].pub
+    for members in ([(999, attacker.public, 2), (101, own, 1)], [(999, attacker.public, 3), (101, own, 1)]):
+        content = RecordDict({
+            provisioning.PROVISION_REC: ConfigRecord({
+                "dealer-node": "999", "dealer-name": "", "dealer-sign": attacker.public.sign_public,
+                "members": [str(n) for n, _, _ in members], "names": [""] * len(members),
+                "partitions": [p for _, _, p in members], "kx": [k.kx_public for _, k, _ in members],
+                "sign": [k.sign_public for _, k, _ in members]}),
+            provisioning.BUNDLES_REC: ArrayRecord({f"e{epoch}": protocol.bytes_to_array(bundle)}),
+            provisioning.PUBLIC_CONTEXT_REC: ArrayRecord({"ctx": protocol.bytes_to_array(dealer.signed_public_context())}),
+        })
+        reply = fed.grid.deliver(Message(content, dst_node_id=101, message_type=provisioning.PROVISION))
+        assert reply.has_error(), "node 101 took the server's key"
+        assert reply.error.reason.startswith("MemberSetError: ") and "999" in reply.error.reason, reply.error.reason
+    assert provisioning.NodeStore.for_context(fed.grid.contexts[101]).epochs() == [0]
+
+
+def test_in_simulation_the_first_key_lists_at_most_num_partitions_distinct_partitions() -> None:
+    """At the very first key the server may still choose whom to list (stated in the README),
+    but not more members than num-partitions, nor two in one partition; a refused request pins
+    nothing, and the honest first key that follows is made as usual."""
+    fed = Federation(3, **HE, **{"num-server-rounds": 1})
+    for n in (100, 101, 102):
+        provisioning.node_keys(fed.grid.contexts[n], create=True)
+    keys = {n: provisioning.node_keys(fed.grid.contexts[n]) for n in (100, 101, 102)}
+    attacker = NodeKeys.generate("999")
+    honest = [(n, keys[n], n - 100) for n in (100, 101, 102)]
+    for members in (honest + [(999, attacker, 3)], honest[:2] + [(999, attacker, 1)]):
+        msg = Message(_keygen(fed, members, fresh=True, epochs=[0]), dst_node_id=100,
+                      message_type=provisioning.KEYGEN)
+        reply = fed.grid.deliver(msg)
+        assert reply.has_error(), "node 100 made a key for more members than partitions"
+        assert reply.error.reason.startswith("MemberSetError: ") and "partition" in reply.error.reason, reply.error.reason
+    (rec,) = fed.run_all()
+    assert rec.num_clients == 3 and fed.keys.key_origin["node"] == 100
+
+
+def test_in_simulation_a_node_that_left_rejoins_with_its_pinned_identity() -> None:
+    """Rotation after a departure shrinks the member set (allowed); the node that left comes
+    back under its pinned node id, partition and keys and is keyed again."""
+    fed = Federation(3, **HE, **{"num-server-rounds": 4})
+    fed.round(1)
+    kinds = (protocol.TRAIN, protocol.EVALUATE, provisioning.PROVISION, provisioning.KEYGEN, protocol.NOISE)
+    for kind in kinds:
+        fed.grid.faults[(102, kind)] = timeout_fault
+    r2, r3 = fed.round(2), fed.round(3)
+    assert r2.departed == [102] and r3.key_rotated
+    for kind in kinds:
+        del fed.grid.faults[(102, kind)]
+    r4 = fed.round(4)
+    assert 102 in r4.admitted and r4.num_clients == 3 and 102 in fed.keys.holders
