@@ -18,7 +18,7 @@ from crypto.at_rest import (
     PASSPHRASE_ENV, passphrase_from_env, read_secret_file, seal, unseal, write_public_file,
     write_secret_file,
 )
-from crypto.binding import KIND_NOISE, KIND_UPDATE, AggregateMac, Manifest, ManifestEntry
+from crypto.binding import KIND_NOISE, KIND_UPDATE, AggregateMac, Manifest, ManifestEntry, payload_digest
 from crypto.context import (
     DEFAULT_PRESET,
     PRESETS,
@@ -74,6 +74,7 @@ __all__ = [
     "KIND_UPDATE",
     "Manifest",
     "ManifestEntry",
+    "payload_digest",
     "NO_KEY_ID",
     "ciphertext_coefficients",
     "last_modulus",

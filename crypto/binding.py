@@ -7,20 +7,63 @@ server adds ciphertexts; the sum is signed by nobody), and TenSEAL has no verifi
 
 How: a linear MAC over the ciphertext coefficients mod q0, keyed with ``CkksContext.mac_key``
 (derived from the secret key, so every node has it and the server does not). For round ``rho``
-each node tags each ciphertext vector it contributes:
+each node tags each ciphertext vector ``c`` it contributes:
 
-    t_i = <r_rho, c_i> + p_(rho, i)   (mod q0)
+    t = <r_rho, c> + p(run, rho, epoch, node, kind, H(c))   (mod q0)
 
-with ``r_rho`` (one per tag word) and the pad ``p_(rho, i)`` drawn from SHAKE-256 of the key and
-(run, round, epoch[, node, kind]). Addition of ciphertexts is addition of their coefficients mod
-q0, so for the honest sum ``A = sum c_i``: ``<r_rho, A> = sum (t_i - p_(rho, i))``. The pads are
-uniform and unknown to the server, so the tags it sees are independent of ``r_rho``; any other
-ciphertext ``A' != A`` satisfies the check with probability <= 2^-56 per word (``WORDS`` = 2 words:
-<= 2^-112), scalings and subsets of the round's updates included (a subset must be announced as
-such in the manifest, and then it is the honest sum of that subset). The check runs before
-decryption, so accept/reject never depends on the secret key's noise.
+``r_rho`` (one per tag word, entries uniform in [0, 2^56)) and the pad ``p`` (uniform mod q0,
+192 PRF bits reduced: bias < 2^-130) are SHAKE-256 of the key and a label: (run, round, epoch)
+for ``r``, and for ``p`` also the node, the kind (update or noise share) and ``H(c)`` =
+SHA-256 of the contribution's payload bytes, the digest its Ed25519 signature covers
+(``SignedUpdate.digest``). The server copies (node, kind, H, tag) of every summand into the
+aggregate's ``Manifest`` (wire format ``FKM\\x02``). Addition of ciphertexts is addition of their
+coefficients mod q0, so the node checks an aggregate ``A`` against its manifest by
 
-Cost: one pass over the coefficients per tag or check (2 x N values per ciphertext).
+    <r_rho, A> == sum over entries (t_i - p(run, rho, epoch, node_i, kind_i, H_i))   (mod q0)
+
+before it decrypts anything, and answers every failure with one text.
+
+Why the pad must depend on the ciphertext (issue 20): with a pad of (run, round, epoch, node,
+kind) alone, two tags t1, t2 of one node in one round (asked twice for the same round) share a
+pad, and ``t2 + k(t1 - t2)`` is a valid tag of ``H + k(c1 - c2)`` for every k: the MAC passed up
+to k = 2^48 and accept/reject read off decryption noise again. With ``H(c)`` in the pad's label,
+a pad index (run, round, epoch, node, kind, H) is only ever used for one ``c`` (the payload bytes
+determine the coefficients), so tagging the same ``c`` again gives the same tag, and tags of two
+different ciphertexts carry independent pads: ``t1 - t2 = <r, c1 - c2> + p1 - p2`` says nothing
+about ``r``. The node does not check the summands' signatures itself (it holds no roster of its
+peers' signing keys in simulation), and need not: a digest no node tagged under (node, kind)
+indexes a pad nobody computed, so the server must guess that entry's tag outright.
+
+Forgery bound. Model SHAKE-256 as a PRF and SHA-256 as collision resistant. Every tag the server
+sees is ``<r, c> + p`` with a pad used for no other ``c``, so its whole view is independent of
+``r`` (up to 2^-130 per tag). Take any aggregate ``A`` with a manifest, and let ``d = A - sum
+c_i`` over the ciphertexts the manifest's entries were tagged for. If an entry's index was never
+tagged, its pad is uniform and unknown: the check holds with probability ``1/q0`` (<= the bound
+below). Otherwise it holds iff ``<r, d> = s`` for a value ``s`` the server knows; for ``d != 0``
+some coordinate ``d_j`` is invertible mod the prime q0, one residue of ``r_j`` satisfies it, and
+at most ``ceil(2^56/q0)`` of the 2^56 values of ``r_j`` have that residue. Per tag word:
+
+    eps_w <= ceil(2^56 / q0) / 2^56 + 2^-130    (2^-56 for a 60-bit q0, <= 2^-53 for the
+                                                 54-bit q0 of fedkv-2048)
+
+and the ``WORDS`` = 2 words use independent ``r`` and pads: ``eps <= eps_w^2`` (about 2^-112,
+resp. 2^-106). A server asking Q times (adaptively, over any number of rounds, tags and nodes:
+until the first forgery passes, every answer is one it could predict, a refusal or the acceptance
+of an honest sum, so its queries are fixed in advance) makes some node accept an ``A`` other than
+the sum of the manifest's tagged summands with probability at most ``Q * eps + Adv_PRF(SHAKE-256)
++ Adv_CR(SHA-256)``. Scalings and affine combinations of tagged updates, and a summand added or
+left out under an unchanged manifest, are such ``A``; a subset announced as such in the manifest
+is the honest sum of that subset, and the node's ``min-clients`` floor refuses small ones.
+Accept/reject therefore never depends on the secret key's noise, except with that probability.
+
+Independently, a node answers each round's train and noise request once
+(``federation.node_store.NodeStore.answer_once``): a repeated request gets the byte-identical
+reply, so a node hands out at most one tag per round and kind. The bound does not rely on it:
+a node that lost its kept replies and tags a round again leaks ``t1 - t2``, masked by two
+independent pads.
+
+Cost: one pass over the coefficients per tag or check (2 x N values per ciphertext) plus a
+SHA-256 of the payload, which the signature computes anyway.
 """
 
 from __future__ import annotations
@@ -35,12 +78,25 @@ import numpy as np
 
 from crypto.errors import NotACiphertextError
 
-__all__ = ["WORDS", "KIND_UPDATE", "KIND_NOISE", "AggregateMac", "ManifestEntry", "Manifest"]
+__all__ = ["WORDS", "DIGEST_BYTES", "KIND_UPDATE", "KIND_NOISE", "AggregateMac", "ManifestEntry", "Manifest",
+           "MANIFEST_MAGIC", "payload_digest"]
 
 WORDS = 2
 KIND_UPDATE, KIND_NOISE = 0, 1
+KINDS = (KIND_UPDATE, KIND_NOISE)
+DIGEST_BYTES = 32
 _R_BITS = 56
-_DOMAIN = b"fedkv-aggregate-mac-v1"
+_DOMAIN = b"fedkv-aggregate-mac-v2"
+MANIFEST_MAGIC = b"FKM\x02"
+"""Manifest wire format 2: each entry carries its summand's payload digest (format 1 did not)."""
+_MAX_ENTRIES = 4096
+_MAX_NODE_ID = 1024
+
+
+def payload_digest(payload: bytes) -> bytes:
+    """H(c): SHA-256 of a contribution's payload bytes (= ``SignedUpdate.digest``, what the
+    signature covers), the part of a pad's label that binds the pad to one ciphertext."""
+    return hashlib.sha256(payload).digest()
 
 
 def coefficients(ciphertexts: Sequence[Any]) -> np.ndarray:
@@ -145,16 +201,22 @@ def _inner(c: np.ndarray, r: np.ndarray, q: int) -> int:
 
 @dataclass(frozen=True)
 class ManifestEntry:
-    """One summand of an aggregate: who made it, what it is, and its tag."""
+    """One summand of an aggregate: who made it, what it is, its payload digest and its tag."""
 
     node_id: str
     kind: int
+    digest: bytes
     tag: bytes
 
 
 @dataclass(frozen=True)
 class Manifest:
-    """What the server says an aggregate sums: round, key epoch and one entry per summand."""
+    """What the server says an aggregate sums: round, key epoch and one entry per summand.
+
+    Wire format (big-endian): magic ``FKM\\x02`` | run u64 | round u64 | epoch u32 | n u32, then n
+    x (node id length u16 | kind u8 | node id UTF-8 | digest 32 bytes | tag length u16 | tag).
+    Parsing is strict: n <= 4096, node ids of 1..1024 bytes, kind update or noise, tags of
+    ``WORDS`` words, exact length; anything else is ``NotACiphertextError``."""
 
     run_id: int
     round: int
@@ -162,31 +224,36 @@ class Manifest:
     entries: tuple[ManifestEntry, ...]
 
     def to_bytes(self) -> bytes:
-        out = [b"FKM\x01", struct.pack(">QQII", self.run_id, self.round, self.epoch, len(self.entries))]
+        out = [MANIFEST_MAGIC, struct.pack(">QQII", self.run_id, self.round, self.epoch, len(self.entries))]
         for e in self.entries:
             nid = e.node_id.encode()
-            out.append(struct.pack(">HB", len(nid), e.kind) + nid + struct.pack(">H", len(e.tag)) + e.tag)
+            out.append(struct.pack(">HB", len(nid), e.kind) + nid + e.digest + struct.pack(">H", len(e.tag)) + e.tag)
         return b"".join(out)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Manifest:
         try:
-            if data[:4] != b"FKM\x01":
+            data = bytes(data)
+            if data[:4] != MANIFEST_MAGIC:
                 raise ValueError("bad magic")
             run_id, rnd, epoch, n = struct.unpack_from(">QQII", data, 4)
-            if n > 4096:
+            if n > _MAX_ENTRIES:
                 raise ValueError("too many entries")
             pos, entries = 28, []
             for _ in range(n):
                 ln, kind = struct.unpack_from(">HB", data, pos)
-                nid = data[pos + 3 : pos + 3 + ln].decode()
-                pos += 3 + ln
+                pos += 3
+                if not 1 <= ln <= _MAX_NODE_ID or kind not in KINDS or pos + ln + DIGEST_BYTES + 2 > len(data):
+                    raise ValueError("bad entry")
+                nid = data[pos : pos + ln].decode()
+                digest = data[pos + ln : pos + ln + DIGEST_BYTES]
+                pos += ln + DIGEST_BYTES
                 (tl,) = struct.unpack_from(">H", data, pos)
-                tag = bytes(data[pos + 2 : pos + 2 + tl])
-                if len(tag) != tl:
-                    raise ValueError("truncated")
-                pos += 2 + tl
-                entries.append(ManifestEntry(nid, kind, tag))
+                pos += 2
+                if tl != 8 * WORDS or pos + tl > len(data):
+                    raise ValueError("bad tag")
+                entries.append(ManifestEntry(nid, kind, digest, data[pos : pos + tl]))
+                pos += tl
             if pos != len(data):
                 raise ValueError("trailing bytes")
         except (ValueError, struct.error, UnicodeDecodeError) as exc:
@@ -211,27 +278,32 @@ class AggregateMac:
         raw = np.frombuffer(self._stream(label, 8 * n), dtype=">u8").astype(np.uint64)
         return raw >> np.uint64(64 - _R_BITS)
 
-    def _pad(self, run_id: int, rnd: int, epoch: int, node_id: str, kind: int, word: int) -> int:
-        label = b"p" + struct.pack(">QQIIB", run_id, rnd, epoch, word, kind) + node_id.encode()
+    def _pad(self, run_id: int, rnd: int, epoch: int, node_id: str, kind: int, digest: bytes, word: int) -> int:
+        """The pad of one summand: a function of its ciphertext's digest, so it masks one ``c`` only."""
+        if len(digest) != DIGEST_BYTES:
+            raise ValueError("a pad is bound to a 32-byte payload digest")
+        label = b"p" + struct.pack(">QQIIB", run_id, rnd, epoch, word, kind) + digest + node_id.encode()
         return int.from_bytes(self._stream(label, 24), "big") % self.q  # 192 bits: bias < 2^-130
 
     def _inners(self, coeffs: np.ndarray, run_id: int, rnd: int, epoch: int) -> list[int]:
         return [_inner(coeffs, self._r(run_id, rnd, epoch, w, coeffs.shape[0]), self.q) for w in range(WORDS)]
 
-    def tag(self, coeffs: np.ndarray, run_id: int, rnd: int, epoch: int, node_id: str, kind: int) -> bytes:
-        """The tag of one contribution (its ciphertexts' ``coefficients``)."""
+    def tag(self, coeffs: np.ndarray, run_id: int, rnd: int, epoch: int, node_id: str, kind: int,
+            digest: bytes) -> bytes:
+        """The tag of one contribution: its ciphertexts' ``coefficients``, and ``digest`` =
+        ``payload_digest`` of the payload they were read from (the server lists it in the manifest)."""
         inner = self._inners(coeffs, run_id, rnd, epoch)
-        words = [(v + self._pad(run_id, rnd, epoch, node_id, kind, w)) % self.q for w, v in enumerate(inner)]
+        words = [(v + self._pad(run_id, rnd, epoch, node_id, kind, digest, w)) % self.q for w, v in enumerate(inner)]
         return b"".join(struct.pack(">Q", v) for v in words)
 
     def check(self, coeffs: np.ndarray, manifest: Manifest) -> bool:
         """True iff ``coeffs`` (of an aggregate) is the sum of the manifest's tagged contributions."""
         want = [0] * WORDS
         for e in manifest.entries:
-            if len(e.tag) != 8 * WORDS:
+            if len(e.tag) != 8 * WORDS or len(e.digest) != DIGEST_BYTES:
                 return False
             for w in range(WORDS):
                 (t,) = struct.unpack_from(">Q", e.tag, 8 * w)
-                pad = self._pad(manifest.run_id, manifest.round, manifest.epoch, e.node_id, e.kind, w)
+                pad = self._pad(manifest.run_id, manifest.round, manifest.epoch, e.node_id, e.kind, e.digest, w)
                 want[w] = (want[w] + t - pad) % self.q
         return self._inners(coeffs, manifest.run_id, manifest.round, manifest.epoch) == want

@@ -10,7 +10,9 @@ Protocols, routed by message type:
 * ``train.fedkv`` / ``evaluate.fedkv`` (the product path): the node first applies the
   aggregates it is missing (decrypt -> write back), then trains, clips, encrypts, signs
   and replies with the signed bytes, or evaluates on its held-out share. The server never
-  sends or receives plaintext weights on this path.
+  sends or receives plaintext weights on this path. Train and noise requests are answered
+  once per round (``NodeStore.answer_once``): a repeat gets the first reply's bytes, never a
+  second MAC tag (``crypto.binding``).
 * ``train`` / ``evaluate`` (Flower's array protocol): used by the ``flower-central``
   baseline (Flower's FedAvg wrapped in DifferentialPrivacyClientSideFixedClipping);
   ``fixedclipping_mod`` is attached to ``train`` only (on ``ClientApp(mods=...)`` it
@@ -19,6 +21,7 @@ Protocols, routed by message type:
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -37,6 +40,7 @@ from crypto import (
     clip_update,
     last_modulus,
     noise_std,
+    payload_digest,
 )
 from crypto.dither import dither, dither_total
 from federation import node_host, protocol, provisioning
@@ -109,7 +113,8 @@ def _signed(cfg: RunConfig, context: Context, rnd: int, payload: bytes, epoch: i
     if ctx is None:
         return provisioning.sign(context, keys, rnd, payload, epoch, kind=kind)
     coeffs = ciphertext_coefficients(ctx, packing_for(cfg, dim), payload)
-    tag = AggregateMac(ctx.mac_key, last_modulus(ctx)).tag(coeffs, int(context.run_id), rnd, epoch, str(context.node_id), kind)
+    tag = AggregateMac(ctx.mac_key, last_modulus(ctx)).tag(coeffs, int(context.run_id), rnd, epoch, str(context.node_id),
+                                                           kind, payload_digest(payload))
     return provisioning.sign(context, keys, rnd, payload, epoch, key_id=ctx.key_id, kind=kind, tag=tag)
 
 
@@ -118,15 +123,36 @@ def _signed(cfg: RunConfig, context: Context, rnd: int, payload: bytes, epoch: i
 def train(msg: Message, context: Context) -> Message:
     """Catch up to the global model, train, clip/noise, encode, tag, sign, reply with bytes.
 
+    Once per round (``NodeStore.answer_once``): a repeated request for a round gets the reply
+    kept from the first, byte for byte (no retraining, no second MAC tag: ``crypto.binding``).
+
     Every phase is timed (``*-s`` reply metrics, ``protocol.NODE_TRAIN_PHASES``) and
     ``handler-s`` is the whole handler, so the server can show what the phases leave out."""
     timer = PhaseTimer()
     cfg = _run_config(context)
     provisioning.node_keys(context)  # raises if this node was never enrolled
+    server_round = int(msg.content[protocol.CONFIG]["server-round"])
+    with NodeStore.for_context(context).answer_once(server_round, KIND_UPDATE) as slot:
+        if slot.stored is None:
+            blob, metrics = _train(cfg, msg, context, server_round, timer)
+            slot.keep(protocol.pack_blobs([blob, json.dumps(metrics).encode()]))
+        assert slot.stored is not None
+        blob, metrics_json = protocol.unpack_blobs(slot.stored, limit=2)
+    content = RecordDict(
+        {
+            protocol.UPDATE: ArrayRecord({"update": protocol.bytes_to_array(blob)}),
+            protocol.METRICS: MetricRecord(json.loads(metrics_json)),
+        }
+    )
+    return Message(content, reply_to=msg)
+
+
+def _train(cfg: RunConfig, msg: Message, context: Context, server_round: int,
+           timer: PhaseTimer) -> tuple[bytes, dict[str, Any]]:
+    """The train handler's work: (signed update bytes, reply metrics)."""
     with timer.phase("restore"):
         node, source = node_host.get_node(context)
     try:
-        server_round = int(msg.content[protocol.CONFIG]["server-round"])
         clip_norm = _catch_up(cfg, node, msg, context, timer)
         dim = wire_dim(cfg, node.layout.size)
         with timer.phase("key"):
@@ -183,13 +209,7 @@ def train(msg: Message, context: Context) -> Message:
     if cfg.dp_mode not in ("local", "distributed"):  # under DP these are private, outside the accounting
         metrics.update({"train-loss": out.loss, "clipped": int(clipped), "delta-norm": out.delta_norm,
                         "saturated": int(codec.saturated)})
-    content = RecordDict(
-        {
-            protocol.UPDATE: ArrayRecord({"update": protocol.bytes_to_array(blob)}),
-            protocol.METRICS: MetricRecord(metrics),
-        }
-    )
-    return Message(content, reply_to=msg)
+    return blob, metrics
 
 
 def _dither(cfg: RunConfig, context: Context, ctx: Any, rnd: int, epoch: int, kind: int, dim: int) -> np.ndarray | None:
@@ -229,7 +249,8 @@ def _phase_metrics(timer: PhaseTimer, phases: tuple[str, ...]) -> dict[str, floa
 @app.query("fedkv_noise")
 @node_host.releasing
 def noise(msg: Message, context: Context) -> Message:
-    """Distributed DP under HE: noise shares for sampled nodes that left the round (tagged, signed)."""
+    """Distributed DP under HE: noise shares for sampled nodes that left the round (tagged, signed;
+    once per round, a repeated request gets the same bytes: ``NodeStore.answer_once``)."""
     cfg = _run_config(context)
     if not cfg.he or cfg.dp_mode != "distributed":
         raise RuntimeError("noise shares are made only with he=true and dp-mode=distributed")
@@ -237,6 +258,15 @@ def noise(msg: Message, context: Context) -> Message:
     rnd, shares, sampled = int(req["server-round"]), int(req["shares"]), int(req["num-sampled"])
     if not (1 <= shares < sampled <= cfg.max_clients):
         raise RuntimeError("noise request out of range")
+    with NodeStore.for_context(context).answer_once(rnd, KIND_NOISE) as slot:  # once per round, as train
+        if slot.stored is None:
+            slot.keep(_noise_shares(cfg, context, rnd, shares, sampled))
+        blob = slot.stored
+    return Message(RecordDict({protocol.UPDATE: ArrayRecord({"update": protocol.bytes_to_array(blob)})}), reply_to=msg)
+
+
+def _noise_shares(cfg: RunConfig, context: Context, rnd: int, shares: int, sampled: int) -> bytes:
+    """``shares`` noise shares as one signed, tagged contribution of kind noise."""
     node, _ = node_host.get_node(context)
     dim = wire_dim(cfg, node.layout.size)
     codec, epoch, ctx = _codec(cfg, context, dim)
@@ -247,8 +277,7 @@ def noise(msg: Message, context: Context) -> Message:
     # would saturate the sum of m shares far more often than crypto.saturation allows for
     payload = codec.encode(np.zeros(dim, dtype=np.float32), 0.0, noise=rng.normal(0.0, std, dim),
                            dither=_dither(cfg, context, ctx, rnd, epoch, KIND_NOISE, dim), contributions=shares)
-    blob = _signed(cfg, context, rnd, payload, epoch, ctx, KIND_NOISE, dim)
-    return Message(RecordDict({protocol.UPDATE: ArrayRecord({"update": protocol.bytes_to_array(blob)})}), reply_to=msg)
+    return _signed(cfg, context, rnd, payload, epoch, ctx, KIND_NOISE, dim)
 
 
 @app.evaluate("fedkv")
@@ -376,7 +405,7 @@ def _open(cfg: RunConfig, context: Context, dim: int, blob: bytes, manifest: byt
     Returns (mean update, round the aggregate was made in).
 
     Every check that can fail before decryption is public (run, a round later than the last
-    applied one, summand count, the MAC); after it, a failure can only come from a summand a
+    applied one, distinct summands and digests, summand count, the MAC); after it, a failure can only come from a summand a
     node signed, and it gets the same answer. The MAC is checked on the very ciphertexts that
     are then decrypted (loaded once)."""
     try:
@@ -385,7 +414,7 @@ def _open(cfg: RunConfig, context: Context, dim: int, blob: bytes, manifest: byt
                 return make_client_codec(False, dim).decode_mean(blob), 0
         m = Manifest.from_bytes(manifest)
         updates = [e for e in m.entries if e.kind == KIND_UPDATE]
-        distinct = len({(e.node_id, e.kind) for e in m.entries}) == len(m.entries)
+        distinct = len({(e.node_id, e.kind) for e in m.entries}) == len({e.digest for e in m.entries}) == len(m.entries)
         floor = max(cfg.min_clients, provisioning.node_policy(context).min_clients)
         applied = context.state.config_records.get(APPLIED_KEY)
         last = int(applied["round"]) if applied is not None else 0

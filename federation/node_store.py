@@ -16,17 +16,26 @@ in the server's process. Node secrets therefore live in files only the node's pr
 
 Files are written by ``crypto.at_rest`` (atomic, mode 0600), sealed with
 ``$FEDKV_NODE_KEY_PASSPHRASE`` when it is set. ``context.state`` keeps nothing secret.
+
+The directory also keeps the node's signed replies to the tagged requests (train, noise share),
+one per round and kind (``answer_once``): a request repeated for a round gets the byte-identical
+reply, never a second MAC tag (``crypto.binding``, issue 20).
 """
 
 from __future__ import annotations
 
+import fcntl
 import io
 import json
 import logging
 import os
+import re
 import tempfile
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -51,6 +60,38 @@ _KITS: dict[str, Any] = {}
 
 class ProvisioningError(RuntimeError):
     """A node cannot take part: it refused provisioning or lacks its keys."""
+
+
+class RepeatedRequest(RuntimeError):
+    """A tagged request for a round this node no longer answers (it answered a later one)."""
+
+
+ANSWER_ROUNDS_KEPT = 2
+"""Rounds whose replies a node keeps (the newest answered and the one before); a request for an
+older round that has no kept reply is refused, so dropping a reply never re-opens its round."""
+_ANSWER = re.compile(r"answer-(\d{1,19})-(\d{1,3})\.bin")
+
+
+@dataclass
+class AnswerSlot:
+    """One (round, kind) of ``NodeStore.answer_once``: the reply kept from an earlier request, or
+    None until the handler ``keep``s the one it makes."""
+
+    store: NodeStore
+    round: int
+    kind: int
+    stored: bytes | None
+
+    def keep(self, reply: bytes) -> None:
+        """Keep ``reply`` (atomically, fsync'ed, mode 0600) before it leaves the node; drop the
+        kept replies of rounds older than ``ANSWER_ROUNDS_KEPT``."""
+        if self.stored is not None:
+            raise RepeatedRequest("this request was answered already")
+        write_secret_file(self.store._answer_path(self.round, self.kind), bytes(reply))
+        self.stored = bytes(reply)
+        for rnd, _, path in self.store._answers():
+            if rnd <= self.round - ANSWER_ROUNDS_KEPT:
+                path.unlink(missing_ok=True)
 
 
 def _kit(path: str) -> NodeKit:
@@ -241,6 +282,56 @@ class NodeStore:
         if not (isinstance(norms, list) and norms and all(isinstance(c, float) and 0 < c < float("inf") for c in norms)):
             raise ProvisioningError("the node's clip-norm history is malformed")
         return norms
+
+    # -- one answer per round and kind (issue 20) -------------------------------------------
+    @contextmanager
+    def answer_once(self, rnd: int, kind: int) -> Iterator[AnswerSlot]:
+        """Answer the tagged request of (this run, ``rnd``, ``kind``) at most once.
+
+        Yields an ``AnswerSlot``: ``stored`` is the reply kept from an earlier request (send it
+        again, byte for byte), or None: make the reply and ``keep`` it before it is sent. A
+        request for a round older than the newest this node answered (any kind), with no kept
+        reply, raises ``RepeatedRequest``: an honest server asks each round once and in order.
+        The key epoch is not part of the key: a round is answered once whatever the epoch.
+
+        Holds an exclusive lock on the node's ``answers.lock`` meanwhile, so two processes given
+        the same request at once cannot both answer it. A node that crashed before ``keep`` sent
+        nothing, so the retry is answered (once) then; one that crashed after it sends the kept
+        reply.
+        """
+        if rnd < 0 or kind < 0:
+            raise ValueError("round and kind are non-negative")
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(self.root / "answers.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            path = self._answer_path(rnd, kind)
+            if path.exists():
+                try:
+                    stored: bytes | None = read_secret_file(path)
+                except (OSError, CryptoError) as err:  # refuse rather than answer twice
+                    raise RepeatedRequest(f"round {rnd}: the kept reply does not read back ({err})") from None
+            else:
+                newest = max((r for r, _, _ in self._answers()), default=-1)
+                if rnd < newest:
+                    raise RepeatedRequest(f"request for round {rnd} refused: this node answered round {newest}, "
+                                          "and answers each round once and in order")
+                stored = None
+            yield AnswerSlot(self, rnd, kind, stored)
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _answer_path(self, rnd: int, kind: int) -> Path:
+        return self.root / f"answer-{rnd}-{kind}.bin"
+
+    def _answers(self) -> list[tuple[int, int, Path]]:
+        """(round, kind, path) of every kept reply."""
+        out = []
+        for path in self.root.glob("answer-*.bin"):
+            m = _ANSWER.fullmatch(path.name)
+            if m:
+                out.append((int(m.group(1)), int(m.group(2)), path))
+        return out
 
     # -- the node's KV cache ----------------------------------------------------------------
     def cache_dir(self, override: str = "") -> Path:

@@ -360,7 +360,7 @@ class OpaqueFedAvg:
             verify_s, add_s = verify_s + t1 - t0, add_s + time.perf_counter() - t1
             if not ok:
                 continue
-            entries.append(ManifestEntry(signed.node_id, KIND_UPDATE, signed.tag))
+            entries.append(ManifestEntry(signed.node_id, KIND_UPDATE, signed.digest, signed.tag))
             used.append((node, reply))
             rec.upload_bytes[str(node)] = len(reply.blob)
         rec.seconds["verify"], rec.seconds["aggregate"] = verify_s, add_s
@@ -448,7 +448,7 @@ class OpaqueFedAvg:
             if signed is not None and not self._declares(out, node, "noise", signed, plan[node]):
                 continue
             if signed is not None and self._add(agg, out, node, "noise", signed):
-                entries.append(ManifestEntry(signed.node_id, KIND_NOISE, signed.tag))
+                entries.append(ManifestEntry(signed.node_id, KIND_NOISE, signed.digest, signed.tag))
                 added += plan[node]
         rec.dropped.extend(out.dropped)
         return added

@@ -28,7 +28,7 @@ from crypto import (
     saturation_budget,
     sign_update,
 )
-from crypto.binding import Manifest
+from crypto.binding import MANIFEST_MAGIC, Manifest
 from crypto.dither import dither_total
 from crypto.context import seal_save
 from crypto.errors import SecretKeyPresentError
@@ -208,7 +208,7 @@ def test_server_only_ever_handles_ciphertexts_and_a_public_context() -> None:
                 info = ciphertext_info(SignedUpdate.from_bytes(blob).payload)
                 assert info["kind"] == "update" and info["n_values"] == fed.dim
                 kinds["update"] += 1
-            elif blob[:4] == b"FKM\x01":
+            elif blob[:4] == MANIFEST_MAGIC:
                 kinds["manifest"] += 1
             else:
                 assert ciphertext_info(blob)["kind"] == "aggregate"

@@ -1,6 +1,8 @@
 """Issue 8's attacks, each written as the attacker would run it, and what stops it.
 
 * hostile server with a decryption oracle (crafted aggregates, accept/reject, error texts);
+* issue 20: the same round asked twice (one reply, one tag), and the affine forgery from two
+  tags of one node (pads bound to each ciphertext's digest), also as a bisection;
 * man in the middle substituting a node's identity keys at enrollment (kits pin them), and a
   hostile server forwarding substituted keys to the key-making node;
 * a run config that lowers a node's privacy (node policy);
@@ -16,6 +18,7 @@ import pytest
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from crypto import CkksAggregator, NodeKeys, load_context
+from crypto.binding import MANIFEST_MAGIC
 from crypto.errors import ContextMismatchError
 from federation import protocol, provisioning
 from federation.codec import CkksClientCodec
@@ -99,11 +102,257 @@ def test_decode_failure_texts_carry_no_numbers() -> None:
     flipped = bytearray(honest)
     flipped[len(flipped) // 2] ^= 0x10
     cases = [bytes(flipped), honest[:-7], b"", b"\x00" * 64]
-    bad_manifests = [manifest[:-1], b"FKM\x01" + b"\xff" * 40, b""]
+    bad_manifests = [manifest[:-1], MANIFEST_MAGIC + b"\xff" * 40, b"", b"FKM\x01" + manifest[4:]]
     texts = [_ask(fed, 101, 1, c, manifest)[1] for c in cases]
     texts += [_ask(fed, 101, 1, honest, m)[1] for m in bad_manifests]
     assert all(t.endswith("aggregate rejected") for t in texts), texts
     assert len(set(texts)) == 1 and not re.search(r"\d", texts[0].split(":", 1)[-1])
+
+
+# --- issue 20: a tag cannot be re-used ----------------------------------------------------------
+# A tag is t = <r, c> + pad. Before issue 20 the pad depended on (run, round, epoch, node, kind)
+# only, and a node asked twice in one round tagged twice under one pad: with tags t1 of c1 and t2
+# of c2, t2 + k(t1 - t2) tagged H + k(c1 - c2) for every k, and the node's accept/reject became a
+# decryption oracle again.
+
+
+def _signed_reply(fed: Federation, node: int, message_type: str):
+    """The signed update in node ``node``'s first reply of ``message_type`` the server received."""
+    from crypto import SignedUpdate
+
+    for m in fed.grid.received:
+        if m.metadata.message_type == message_type and not m.has_error():
+            su = SignedUpdate.from_bytes(protocol.array_to_bytes(m.content[protocol.UPDATE]["update"]))
+            if su.node_id == str(node):
+                return m, su
+    raise AssertionError(f"no {message_type} reply of node {node}")
+
+
+def _tags_of(fed: Federation, node: int, rnd: int, kind: int, replies: list[Message]) -> set[bytes]:
+    from crypto import SignedUpdate
+
+    out = set()
+    for m in replies:
+        if m.has_error() or protocol.UPDATE not in m.content.array_records:
+            continue
+        su = SignedUpdate.from_bytes(protocol.array_to_bytes(m.content[protocol.UPDATE]["update"]))
+        if su.node_id == str(node) and su.round == rnd and su.kind == kind:
+            out.add(su.tag)
+    return out
+
+
+def _same_reply_or_refusal(first: Message, again: Message) -> None:
+    if again.has_error():
+        assert "answered" in again.error.reason, again.error.reason
+        return
+    a = protocol.array_to_bytes(first.content[protocol.UPDATE]["update"])
+    b = protocol.array_to_bytes(again.content[protocol.UPDATE]["update"])
+    assert a == b, "a repeated request must get the byte-identical signed reply"
+    if protocol.METRICS in first.content.metric_records:
+        assert dict(first.content[protocol.METRICS]) == dict(again.content[protocol.METRICS])
+
+
+def test_a_train_message_sent_twice_gets_its_first_reply_again_never_a_second_tag() -> None:
+    from crypto import KIND_UPDATE
+
+    fed = Federation(3, **HE, **{"num-server-rounds": 1})
+    fed.run_all()
+    first, _ = _signed_reply(fed, 100, protocol.TRAIN)
+    replies = [first]
+    for _ in range(2):  # the server asks node 100 again for round 1's update
+        (msg,) = fed.strategy.configure(protocol.TRAIN, 1, [100])
+        again = fed.grid.deliver(msg)
+        _same_reply_or_refusal(first, again)
+        replies.append(again)
+    assert len(_tags_of(fed, 100, 1, KIND_UPDATE, replies)) == 1
+
+
+def test_a_noise_request_sent_twice_gets_its_first_reply_again_never_a_second_tag() -> None:
+    from crypto import KIND_NOISE
+
+    fed = Federation(3, **HE, **{"num-server-rounds": 1})
+    fed.grid.faults[(102, protocol.TRAIN)] = timeout_fault  # a survivor makes node 102's noise share
+    (rec,) = fed.run_all()
+    assert rec.noise_shares_added == 1
+    first = next(m for m in fed.grid.received if m.metadata.message_type == protocol.NOISE)
+    from crypto import SignedUpdate
+
+    node = int(SignedUpdate.from_bytes(protocol.array_to_bytes(first.content[protocol.UPDATE]["update"])).node_id)
+    replies = [first]
+    for shares in (1, 1, 2):  # the same request, then one asking for more shares of the same round
+        msg = Message(RecordDict({protocol.CONFIG: ConfigRecord(
+            {"server-round": 1, "shares": shares, "num-sampled": 3})}), dst_node_id=node, message_type=protocol.NOISE)
+        again = fed.grid.deliver(msg)
+        _same_reply_or_refusal(first, again)
+        replies.append(again)
+    assert len(_tags_of(fed, node, 1, KIND_NOISE, replies)) == 1
+
+
+def test_a_node_that_failed_before_replying_answers_the_retry_once(monkeypatch) -> None:
+    """A node that crashed before its reply was kept sent no tag: the retry is answered (once),
+    and a further repeat gets that answer again."""
+    from crypto import KIND_UPDATE
+    from federation import node_host
+
+    real_save, failed = node_host.save_node, []
+
+    def crash_once(context, node):
+        if int(context.node_id) == 100 and not failed:
+            failed.append(True)
+            raise OSError("disk full")
+        return real_save(context, node)
+
+    monkeypatch.setattr(node_host, "save_node", crash_once)
+    fed = Federation(3, **HE, **{"num-server-rounds": 1})
+    (rec,) = fed.run_all()
+    assert failed and "disk full" in drops(rec, "train")[100]
+    replies = []
+    for _ in range(2):
+        (msg,) = fed.strategy.configure(protocol.TRAIN, 1, [100])
+        replies.append(fed.grid.deliver(msg))
+    assert not replies[0].has_error()
+    _same_reply_or_refusal(replies[0], replies[1])
+    assert len(_tags_of(fed, 100, 1, KIND_UPDATE, replies)) == 1
+
+
+def _two_tags_of_node_100(fed: Federation):
+    """Node 100's round-1 update (c2, t2) and a second update (c1, t1) it tagged in round 1, as a
+    second train request made it do before issue 20 (made here through the node's own tagging
+    code, so the MAC is tested on its own, whatever the replay guard does)."""
+    from crypto import KIND_UPDATE, SignedUpdate
+    from federation import client_app
+    from federation.config import RunConfig
+
+    _, honest_su = _signed_reply(fed, 100, protocol.TRAIN)
+    ctx = fed.grid.contexts[100]
+    cfg = RunConfig.from_run_config(ctx.run_config)
+    node_ctx, epoch = provisioning.secret_context(ctx)
+    u = np.zeros(fed.dim) if fed.strategy.packing.dither else None
+    vec = np.random.default_rng().uniform(-0.01, 0.01, fed.dim)
+    payload = CkksClientCodec(fed.dim, node_ctx, fed.strategy.packing).encode(vec, 1.0, dither=u)
+    second = SignedUpdate.from_bytes(client_app._signed(cfg, ctx, 1, payload, epoch, node_ctx, KIND_UPDATE, fed.dim))
+    assert second.tag != honest_su.tag
+    return second, honest_su
+
+
+def _affine(fed: Federation, aggregate: bytes, c1: bytes, c2: bytes, k: int) -> bytes:
+    """H + k(c1 - c2): what a server computes from public ciphertexts (double and add)."""
+    import dataclasses
+
+    import tenseal.sealapi as sealapi
+
+    from crypto.ckks import _parse_for, _Plan, _SealOps
+    from crypto.context import seal_save
+    from crypto.wire import pack_envelope
+
+    public = load_context(fed.keys.public_context)
+    packing = fed.strategy.packing
+    plan = _Plan(public.params, packing)
+    ops = _SealOps(public)
+
+    def load(blob: bytes):
+        env = _parse_for(public, packing, plan, blob)
+        return env, ops.load_checked(env.ciphertexts, plan.scale)
+
+    env, h = load(aggregate)
+    (_, x), (_, y) = load(c1), load(c2)
+    out = []
+    for acc, xi, yi in zip(h, x, y):
+        base = sealapi.Ciphertext()
+        ops.evaluator.sub(xi, yi, base)
+        n = k
+        while n:
+            if n & 1:
+                ops.evaluator.add_inplace(acc, base)
+            n >>= 1
+            if n:
+                twice = sealapi.Ciphertext()
+                ops.evaluator.add(base, base, twice)
+                base = twice
+        out.append(seal_save(acc))
+    return pack_envelope(dataclasses.replace(env, ciphertexts=tuple(out)))
+
+
+def _affine_tag(t1: bytes, t2: bytes, k: int, q: int) -> bytes:
+    """t2 + k(t1 - t2) mod q, word by word."""
+    words = []
+    for w in range(len(t1) // 8):
+        a, b = (int.from_bytes(t[8 * w : 8 * w + 8], "big") for t in (t1, t2))
+        words.append(((b + k * (a - b)) % q).to_bytes(8, "big"))
+    return b"".join(words)
+
+
+def _with_entry(manifest: bytes, node: str, tag: bytes, digest: bytes | None = None) -> bytes:
+    """The manifest with node's update entry carrying ``tag`` (and ``digest`` when given)."""
+    import dataclasses
+
+    from crypto import KIND_UPDATE, Manifest
+
+    m = Manifest.from_bytes(manifest)
+    change = {"tag": tag, **({"digest": digest} if digest is not None else {})}
+    entries = tuple(dataclasses.replace(e, **change) if (e.node_id, e.kind) == (node, KIND_UPDATE) else e
+                    for e in m.entries)
+    return dataclasses.replace(m, entries=entries).to_bytes()
+
+
+def _entries_carry_digests() -> bool:
+    import dataclasses
+
+    from crypto import ManifestEntry
+
+    return "digest" in {f.name for f in dataclasses.fields(ManifestEntry)}
+
+
+def _forgery_setup():
+    from crypto import last_modulus
+
+    fed = Federation(3, **HE, **{"num-server-rounds": 1})
+    for node in (100, 101, 102):  # the nodes stay at v0: each query below is a fresh v1 for them
+        fed.grid.faults[(node, protocol.EVALUATE)] = timeout_fault
+    fed.run_all()
+    honest, manifest = fed.strategy.history[-1]
+    second, first = _two_tags_of_node_100(fed)
+    q = last_modulus(load_context(fed.keys.public_context))
+    return fed, honest, manifest, second, first, q
+
+
+def test_the_affine_forgery_from_two_tags_of_one_node_is_refused() -> None:
+    """Issue 20's forgery: two tags of node 100 in round 1 make t2 + k(t1 - t2) a valid tag of
+    H + k(c1 - c2) when the pad does not depend on the ciphertext. With pads bound to each
+    summand's digest it is refused, under either of the two digests, for every k."""
+    import random
+
+    fed, honest, manifest, second, first, q = _forgery_setup()
+    ks = [2, 3, 2**8, 2**48, random.SystemRandom().randrange(4, q)]
+    answers = {}
+    for i, k in enumerate(ks):
+        aggregate = _affine(fed, honest, second.payload, first.payload, k)
+        tag = _affine_tag(second.tag, first.tag, k, q)
+        variants = [None] + ([first.digest, second.digest] if _entries_carry_digests() else [])
+        for digest in variants:
+            forged = _with_entry(manifest, "100", tag, digest)
+            answers[(k, digest)] = _ask(fed, 100 + i % 3, 1, aggregate, forged)
+    assert all(a == (False, answers[(ks[0], None)][1]) for a in answers.values()), answers
+    assert answers[(ks[0], None)][1].endswith(protocol.AGGREGATE_REJECTED)
+    assert _ask(fed, 101, 1, honest, manifest) == (True, "")  # control: the honest sum is applied
+
+
+def test_a_server_bisecting_on_affine_forgeries_gets_one_answer_for_64_queries() -> None:
+    """The oracle issue 20 observed (refused at k = 104, accepted at k = 103): bisect on k over
+    affine forgeries; every one of 64 answers is the same refusal, so nothing is learned."""
+    fed, honest, manifest, second, first, q = _forgery_setup()
+    lo, hi = 1, 2**48
+    answers = []
+    for n in range(64):
+        k = (lo + hi) // 2
+        aggregate = _affine(fed, honest, second.payload, first.payload, k)
+        forged = _with_entry(manifest, "100", _affine_tag(second.tag, first.tag, k, q))
+        accepted, text = _ask(fed, 100 + n % 3, 1, aggregate, forged)
+        answers.append((accepted, text))
+        lo, hi = (k, hi) if accepted else (lo, k)  # accepted below the noise threshold, refused above
+    assert set(answers) == {(False, answers[0][1])}, "the answers must not vary with the query"
+    assert answers[0][1].endswith(protocol.AGGREGATE_REJECTED)
+    assert not re.search(r"\d", answers[0][1].split(":", 1)[-1])
 
 
 # --- man in the middle at enrollment; kits pin identity keys -------------------------------------
