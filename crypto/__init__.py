@@ -1,6 +1,7 @@
 """Privacy core: CKKS aggregation, key provisioning, clipping, noise, accounting."""
 
 from crypto.adaptive_clipping import AdaptiveClipping
+from crypto.aggregate_bound import MeanBound
 from crypto.ckks import (
     AggregateDecryptor,
     AggregateResult,
@@ -69,6 +70,7 @@ from crypto.saturation import (
 __all__ = [
     *errors.__all__,
     "AdaptiveClipping",
+    "MeanBound",
     "AggregateMac",
     "KIND_NOISE",
     "KIND_UPDATE",

@@ -621,7 +621,6 @@ def _count_zero(w_int: float, count: float) -> tuple[float, float]:
     return w_int, 0.0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20.5: fixed by the following commits")
 @pytest.mark.parametrize("attack", ["every coordinate at +R", "contribution count 0"])
 def test_a_key_holders_update_that_moves_the_mean_to_30_C_is_refused_by_every_node(attack) -> None:
     """Issue 20.5's attack: node 102 encrypts, tags and signs, with its own keys, an update of norm
@@ -646,7 +645,6 @@ def test_a_key_holders_update_that_moves_the_mean_to_30_C_is_refused_by_every_no
     assert not re.search(r"\d", answers[100][1].split(":", 1)[-1])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20.5: fixed by the following commits")
 def test_a_round_with_a_crafted_update_is_discarded_and_the_model_stays_at_the_last_accepted_version() -> None:
     from federation import node_host
 
@@ -708,7 +706,6 @@ def test_a_node_whose_every_update_is_refused_stops_the_run_after_k_rounds_with_
     assert all(node_host.peek_node(grid.contexts[n]).version == 0 for n in grid.node_ids)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20.5: fixed by the following commits")
 def test_one_refused_round_then_honest_rounds_completes() -> None:
     _, results = _run_with_crafted({1}, 3)
     assert results.status == "completed"
