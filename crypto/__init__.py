@@ -12,6 +12,7 @@ from crypto.ckks import (
     ciphertext_coefficients,
     ciphertext_info,
     last_modulus,
+    update_header_problem,
     preset_for,
     update_bytes_estimate,
 )
@@ -19,7 +20,7 @@ from crypto.at_rest import (
     PASSPHRASE_ENV, passphrase_from_env, read_secret_file, seal, unseal, write_public_file,
     write_secret_file,
 )
-from crypto.binding import KIND_NOISE, KIND_UPDATE, AggregateMac, Manifest, ManifestEntry, payload_digest
+from crypto.binding import KIND_NOISE, KIND_UPDATE, AggregateMac, Manifest, ManifestEntry, payload_digest, tag_problem
 from crypto.context import (
     DEFAULT_PRESET,
     PRESETS,
@@ -77,6 +78,8 @@ __all__ = [
     "Manifest",
     "ManifestEntry",
     "payload_digest",
+    "tag_problem",
+    "update_header_problem",
     "NO_KEY_ID",
     "ciphertext_coefficients",
     "last_modulus",

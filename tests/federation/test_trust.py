@@ -661,7 +661,6 @@ def test_a_round_with_a_crafted_update_is_discarded_and_the_model_stays_at_the_l
         np.testing.assert_array_equal(node_host.stored_params(fed.grid.contexts[n]), params)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20.5: fixed by the following commits")
 @pytest.mark.parametrize("field", ["layout", "tag"])
 def test_a_signed_update_whose_header_disagrees_with_the_round_is_refused_by_the_server(field) -> None:
     """A crafted header, validly tagged and signed. layout: node 100 (added first) declares a layout
