@@ -31,6 +31,8 @@ its reason and listed in the round record's ``dropped``):
 * bytes the aggregator rejects (``CodecError``: not a ciphertext, wrong length, NaN...) or a
   malformed reply -> left out
 * fewer than ``min-clients`` usable updates (or admitted nodes) -> ``NotEnoughClients``
+* an aggregate every node refuses -> the round is discarded (``discard_if_refused``); after
+  ``max-rejected-rounds`` such rounds in a row -> ``AggregatesRefused``
 """
 
 from __future__ import annotations
@@ -87,8 +89,17 @@ def sampler_for(cfg: RunConfig) -> ClientSampler:
                          cfg.max_clients if cfg.he else None, cfg.sampler_seed if cfg.sampler_seed >= 0 else None)
 
 
-class NotEnoughClients(RuntimeError):
+class RunStopped(RuntimeError):
+    """The run cannot go on: it stops, and the ServerApp records ``status`` "stopped: <reason>"."""
+
+
+class NotEnoughClients(RunStopped):
     """Fewer usable clients than ``min-clients``: the run stops."""
+
+
+class AggregatesRefused(RunStopped):
+    """``max-rejected-rounds`` rounds in a row whose aggregate every node refused: the run stops
+    instead of going on without progress (a key-holding node keeps sending a bad summand)."""
 
 
 @dataclass
@@ -123,6 +134,8 @@ class OpaqueFedAvg:
         fixes N); ``federation.client_accounting`` for the sampler in use."""
         self.client_epsilon = 0.0 if cfg.dp_mode in ("local", "distributed") else math.nan
         self.rotate_reason: str | None = None
+        self.refused_rounds: list[int] = []
+        """The rounds since the last accepted aggregate whose aggregate every node refused."""
 
     @property
     def verifier(self):  # noqa: ANN201 - crypto.UpdateVerifier
@@ -133,9 +146,32 @@ class OpaqueFedAvg:
 
     # -- the loop ---------------------------------------------------------------------
     def run(self, grid: Grid, on_round: Callable[[RoundRecord], None]) -> None:
-        """All rounds; ``on_round`` gets each finished round. Raises NotEnoughClients."""
+        """All rounds; ``on_round`` gets each finished round. Raises ``RunStopped``:
+        ``NotEnoughClients``, or ``AggregatesRefused`` after ``max-rejected-rounds`` discarded
+        rounds in a row (``count_refusals``)."""
         for rnd in range(1, self.cfg.num_server_rounds + 1):
-            on_round(self.round(grid, rnd))
+            rec = self.round(grid, rnd)
+            on_round(rec)
+            self.count_refusals(rec)
+
+    def count_refusals(self, rec: RoundRecord) -> None:
+        """A round whose aggregate every node refused (``discard_if_refused``) is discarded and the
+        run goes on; ``max-rejected-rounds`` of them in a row stop it (``AggregatesRefused``). A
+        round whose aggregate stands resets the count; a skipped Poisson round has no aggregate
+        and leaves it as it is."""
+        if rec.aggregate_discarded:
+            self.refused_rounds.append(rec.round)
+        elif not rec.sampling_skipped:
+            self.refused_rounds = []
+        k = self.cfg.max_rejected_rounds
+        if len(self.refused_rounds) >= k:
+            raise AggregatesRefused(
+                f"{k} round{'s' if k > 1 else ''} in a row had their aggregate refused by every node (rounds "
+                f"{', '.join(map(str, self.refused_rounds))}; a node refuses an aggregate whose MAC, header or "
+                f"bound on the mean fails, so a summand came from a node that holds the key and misbehaves, "
+                f"and the server cannot tell which; the model stays at v{len(self.history)}; "
+                f"max-rejected-rounds={k})"
+            )
 
     def round(self, grid: Grid, rnd: int) -> RoundRecord:
         """One round, every server phase timed into ``rec.server_seconds`` (they sum to

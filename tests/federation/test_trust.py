@@ -692,7 +692,6 @@ def _run_with_crafted(rounds_attacked, num_rounds: int, **overrides):
     return grid, run_local(run_config, 3, grid=grid)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20.5: fixed by the following commits")
 def test_a_node_whose_every_update_is_refused_stops_the_run_after_k_rounds_with_a_clear_status() -> None:
     """The run does not spin: after max-rejected-rounds (default 3) rounds in a row whose aggregate
     every node refused, it stops with a status that says so; the model never moved."""
@@ -710,3 +709,9 @@ def test_one_refused_round_then_honest_rounds_completes() -> None:
     assert results.status == "completed"
     assert [r.aggregate_discarded for r in results.rounds] == [True, False, False]
     assert [r.eval_clients for r in results.rounds] == [0, 3, 3]
+
+
+def test_max_rejected_rounds_sets_how_many_refused_rounds_in_a_row_stop_the_run() -> None:
+    _, results = _run_with_crafted(None, 4, **{"max-rejected-rounds": 1})
+    assert results.status.startswith("stopped: 1 round in a row had their aggregate refused by every node (rounds 1;")
+    assert len(results.rounds) == 1
