@@ -31,7 +31,10 @@ nodes share one secret key (TenSEAL has no threshold decryption), so a node can 
 node's update if it intercepts it — signatures and transport encryption are the guard there.
 CKKS decryptions carry key-dependent noise (Li-Micciancio, IND-CPA-D): in mode "packed" the
 result is rounded to exact integers, so nothing of that noise is revealed; in mode "none" the
-decrypted mean must not be shown to the server in raw form.
+decrypted mean must not be shown to the server in raw form. A key holder can encrypt values no
+honest encoder would (any field, weight or count): nothing here proves a range, so nodes check the
+decrypted mean against a public bound (``crypto.aggregate_bound``) and the server checks every
+public header field of a summand before it adds it (``update_header_problem``).
 """
 
 from __future__ import annotations
