@@ -72,6 +72,11 @@ weight 1 and every noise reply weight 0, so W = n. With dp-mode none each weight
 end caps how far a crafted weight can widen B (it grows as 1/W). The count k is n without noise
 replies, and between J and max-clients with them.
 
+The check is on the mean as decoded (the wire domain). What a node then writes back is that mean
+times public factors only: n/(q·N) under Poisson sampling (the fixed denominator; n <= max-clients)
+and the current norm C_t under adaptive clipping, so one accepted round moves the model by at most
+B times them, as much as an honest round may.
+
 What the bound does not stop: a node that holds the key can still put the mean anywhere within
 B (its own update may have norm up to about n·B instead of C), and a refused aggregate does not
 show which summand was bad (the round is discarded). Range proofs would; TenSEAL has none.

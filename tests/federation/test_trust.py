@@ -6,7 +6,10 @@
 * man in the middle substituting a node's identity keys at enrollment (kits pin them), and a
   hostile server forwarding substituted keys to the key-making node;
 * a run config that lowers a node's privacy (node policy);
-* a node that leaves: the key rotates and its old keys cannot read later aggregates.
+* a node that leaves: the key rotates and its old keys cannot read later aggregates;
+* issue 20.5, a malicious key-holding node: an update beyond its clipping ball (the mean of three
+  at norm 30) is refused by every node and the round discarded; a crafted header is refused by
+  the server; a run whose aggregates every node keeps refusing stops with a clear status.
 """
 
 from __future__ import annotations
