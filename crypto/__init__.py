@@ -1,6 +1,7 @@
 """Privacy core: CKKS aggregation, key provisioning, clipping, noise, accounting."""
 
 from crypto.adaptive_clipping import AdaptiveClipping
+from crypto.aggregate_bound import MeanBound
 from crypto.ckks import (
     AggregateDecryptor,
     AggregateResult,
@@ -11,6 +12,7 @@ from crypto.ckks import (
     ciphertext_coefficients,
     ciphertext_info,
     last_modulus,
+    update_header_problem,
     preset_for,
     update_bytes_estimate,
 )
@@ -18,7 +20,7 @@ from crypto.at_rest import (
     PASSPHRASE_ENV, passphrase_from_env, read_secret_file, seal, unseal, write_public_file,
     write_secret_file,
 )
-from crypto.binding import KIND_NOISE, KIND_UPDATE, AggregateMac, Manifest, ManifestEntry, payload_digest
+from crypto.binding import KIND_NOISE, KIND_UPDATE, AggregateMac, Manifest, ManifestEntry, payload_digest, tag_problem
 from crypto.context import (
     DEFAULT_PRESET,
     PRESETS,
@@ -69,12 +71,15 @@ from crypto.saturation import (
 __all__ = [
     *errors.__all__,
     "AdaptiveClipping",
+    "MeanBound",
     "AggregateMac",
     "KIND_NOISE",
     "KIND_UPDATE",
     "Manifest",
     "ManifestEntry",
     "payload_digest",
+    "tag_problem",
+    "update_header_problem",
     "NO_KEY_ID",
     "ciphertext_coefficients",
     "last_modulus",

@@ -19,10 +19,13 @@ z = (z_Δ⁻² + (2σ_b)⁻²)^(−1/2): the accountant charges z, and z_Δ = (z
 is what the clients add (their Theorem 1; Flower makes the same split). C is then a function of
 released values only (public to every key holder), so nodes can keep it themselves.
 
-A hostile node can lie about its bit as it can about its update: its count value is saturated to
-the public range ±R like every other value, so one node moves b̃ by at most (R + a/2)/(a·m) and
-C by at most that times η in the exponent, per round; the other nodes' guarantee does not depend
-on it (C is a function of released values, and their noise is their own).
+A hostile node can lie about its bit as it can about its update. Through the honest encoder its
+count value is saturated to the public range ±R like every other value, so it moves b̃ by at most
+(R + a/2)/(a·m); a key holder that skips the encoder can encrypt more, but the nodes refuse a
+mean beyond the public bound B on the whole vector (``crypto.aggregate_bound``, issue 20), so the
+mean's count coordinate stays within ±B and b̃ within (n/2 ± n·B/a)/m for n summed updates. C
+moves by at most that times η in the exponent, per round; the other nodes' guarantee does not
+depend on it (C is a function of released values, and their noise is their own).
 """
 
 from __future__ import annotations

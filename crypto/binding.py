@@ -79,7 +79,7 @@ import numpy as np
 from crypto.errors import NotACiphertextError
 
 __all__ = ["WORDS", "DIGEST_BYTES", "KIND_UPDATE", "KIND_NOISE", "AggregateMac", "ManifestEntry", "Manifest",
-           "MANIFEST_MAGIC", "payload_digest"]
+           "MANIFEST_MAGIC", "payload_digest", "tag_problem"]
 
 WORDS = 2
 KIND_UPDATE, KIND_NOISE = 0, 1
@@ -97,6 +97,19 @@ def payload_digest(payload: bytes) -> bytes:
     """H(c): SHA-256 of a contribution's payload bytes (= ``SignedUpdate.digest``, what the
     signature covers), the part of a pad's label that binds the pad to one ciphertext."""
     return hashlib.sha256(payload).digest()
+
+
+def tag_problem(tag: bytes, q: int) -> str | None:
+    """What makes ``tag`` no tag of this MAC (``WORDS`` big-endian words, each reduced mod q0), or
+    None. The server checks it before a summand enters a manifest: a manifest holding a tag of
+    another length does not parse on any node, so one signed update with a three-word tag made
+    every node refuse every aggregate (issue 20)."""
+    if len(tag) != 8 * WORDS:
+        return f"has {len(tag)} bytes, a tag has {8 * WORDS} ({WORDS} words)"
+    for w in range(WORDS):
+        if int.from_bytes(tag[8 * w : 8 * w + 8], "big") >= q:
+            return f"word {w} is not reduced mod q0"
+    return None
 
 
 def coefficients(ciphertexts: Sequence[Any]) -> np.ndarray:

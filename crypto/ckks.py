@@ -31,7 +31,10 @@ nodes share one secret key (TenSEAL has no threshold decryption), so a node can 
 node's update if it intercepts it — signatures and transport encryption are the guard there.
 CKKS decryptions carry key-dependent noise (Li-Micciancio, IND-CPA-D): in mode "packed" the
 result is rounded to exact integers, so nothing of that noise is revealed; in mode "none" the
-decrypted mean must not be shown to the server in raw form.
+decrypted mean must not be shown to the server in raw form. A key holder can encrypt values no
+honest encoder would (any field, weight or count): nothing here proves a range, so nodes check the
+decrypted mean against a public bound (``crypto.aggregate_bound``) and the server checks every
+public header field of a summand before it adds it (``update_header_problem``).
 """
 
 from __future__ import annotations
@@ -112,6 +115,7 @@ __all__ = [
     "CkksAggregator",
     "AggregateDecryptor",
     "ciphertext_info",
+    "update_header_problem",
     "preset_for",
     "update_bytes_estimate",
 ]
@@ -740,6 +744,38 @@ def ciphertext_info(data: bytes) -> dict[str, Any]:
         "n_ciphertexts": len(env.ciphertexts),
         "nbytes": len(data),
     }
+
+
+def update_header_problem(data: bytes, context: CkksContext, packing: PackingConfig, n_values: int,
+                          contributions: int) -> tuple[str, str] | None:
+    """(field, what is wrong) for the first field of an update's public envelope (``crypto.wire``)
+    that disagrees with the round's public encoding, or None when every field agrees.
+
+    The server's check before it adds a summand (issue 20): every field is pinned to what the
+    round declares, none to what an earlier summand said. ``CkksAggregator.add`` compares the
+    layout digest with the first summand's only, so a first summand declaring a layout made every
+    later honest update "another tensor layout" and dropped them all. ``context`` may be public;
+    ``contributions`` is what the summand must stand for (1 for an update, m for m noise shares).
+    Raises ``NotACiphertextError`` when the bytes do not parse at all."""
+    plan = _Plan(context.params, packing)
+    env = parse_envelope(data, max_ciphertext_bytes=plan.max_ciphertext_bytes)
+    want_ct = plan.n_ciphertexts(n_values)
+    checks = (
+        ("kind", env.kind == KIND_UPDATE, "is an aggregate, not an update"),
+        ("mode", env.mode == MODE_CODES[packing.mode], f"has packing mode code {env.mode}, the round's is "
+                                                       f"{MODE_CODES[packing.mode]} ({packing.mode})"),
+        ("key_id", env.key_id == context.key_id, f"was encrypted under key {env.key_id.hex()[:16]}…, the round's "
+                                                 f"key is {context.key_id.hex()[:16]}…"),
+        ("packing_fp", env.packing_fp == packing.fingerprint(), f"has packing fingerprint {env.packing_fp.hex()}, "
+                                                                f"the round's is {packing.fingerprint().hex()}"),
+        ("layout_fp", env.layout_fp == NO_LAYOUT, f"declares tensor layout {env.layout_fp.hex()}, the round's "
+                                                  "updates are flat vectors (no layout)"),
+        ("n_values", env.n_values == n_values, f"holds {env.n_values} values, the round's updates {n_values}"),
+        ("n_updates", env.n_updates == contributions, f"carries {env.n_updates} share(s), {contributions} were asked"),
+        ("n_ciphertexts", len(env.ciphertexts) == want_ct, f"has {len(env.ciphertexts)} ciphertexts, "
+                                                           f"{n_values} values take {want_ct}"),
+    )
+    return next(((name, what) for name, ok, what in checks if not ok), None)
 
 
 def ciphertext_coefficients(ctx: CkksContext, packing: PackingConfig, data: bytes) -> np.ndarray:

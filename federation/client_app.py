@@ -8,7 +8,8 @@ Protocols, routed by message type:
   makes the CKKS key (or the kits hold it) and the server only relays wrapped bundles.
 * ``query.fedkv_noise``: distributed-DP noise shares for nodes that left a round (he=true).
 * ``train.fedkv`` / ``evaluate.fedkv`` (the product path): the node first applies the
-  aggregates it is missing (decrypt -> write back), then trains, clips, encrypts, signs
+  aggregates it is missing (MAC -> decrypt -> the public bound on the mean -> write back; any
+  failure is the one ``AggregateRejected``), then trains, clips, encrypts, signs
   and replies with the signed bytes, or evaluates on its held-out share. The server never
   sends or receives plaintext weights on this path. Train and noise requests are answered
   once per round (``NodeStore.answer_once``): a repeat gets the first reply's bytes, never a
@@ -45,8 +46,8 @@ from crypto import (
 from crypto.dither import dither, dither_total
 from federation import node_host, protocol, provisioning
 from federation.codec import (
-    ClientCodec, adaptive_clipping_for, client_weight, make_client_codec, packing_for, plain_update_count, wire_dim,
-    wire_noise,
+    ClientCodec, adaptive_clipping_for, client_weight, make_client_codec, mean_bound_for, packing_for,
+    plain_update_count, uses_error_feedback, wire_dim, wire_noise,
 )
 from federation.config import RunConfig
 from federation.logs import configure_logging
@@ -179,7 +180,7 @@ def _train(cfg: RunConfig, msg: Message, context: Context, server_round: int,
                 res = clip_update(delta, cfg.clip_norm)
                 delta, clipped = np.asarray(res.clipped, dtype=np.float32), clipped or res.was_clipped
             weight, capped = client_weight(cfg, out.num_examples)
-            feedback = _uses_error_feedback(cfg)
+            feedback = uses_error_feedback(cfg)
             store = NodeStore.for_context(context)
             carry = store.load_residual(int(delta.shape[0])) if feedback else None
             u = _dither(cfg, context, ctx, server_round, epoch, KIND_UPDATE, int(delta.shape[0]))
@@ -231,11 +232,6 @@ def _with_clipped_count(cfg: RunConfig, delta: np.ndarray, clip_norm: float, cli
     if sigma > 0:  # fresh OS entropy, like the update's noise
         count += float(np.random.default_rng().normal(0.0, noise_std(sigma, 1.0, "distributed", num_sampled)))
     return np.concatenate([np.asarray(delta, dtype=np.float64) / clip_norm, [count]]).astype(np.float32)
-
-
-def _uses_error_feedback(cfg: RunConfig) -> bool:
-    """Error feedback runs with he=true, packed, and not under distributed DP (crypto.privacy)."""
-    return cfg.he and cfg.packing == "packed" and cfg.error_feedback and cfg.dp_mode != "distributed"
 
 
 def _phase_metrics(timer: PhaseTimer, phases: tuple[str, ...]) -> dict[str, float]:
@@ -405,9 +401,14 @@ def _open(cfg: RunConfig, context: Context, dim: int, blob: bytes, manifest: byt
     Returns (mean update, round the aggregate was made in).
 
     Every check that can fail before decryption is public (run, a round later than the last
-    applied one, distinct summands and digests, summand count, the MAC); after it, a failure can only come from a summand a
-    node signed, and it gets the same answer. The MAC is checked on the very ciphertexts that
-    are then decrypted (loaded once)."""
+    applied one, distinct summands and digests, summand count, the MAC); after it, a failure can
+    only come from a summand a node tagged, and it gets the same answer. The MAC is checked on the
+    very ciphertexts that are then decrypted (loaded once). After decryption the mean must respect
+    the public bound (``crypto.aggregate_bound``, ``codec.mean_bound_for``): its header the
+    manifest's counts, its norm at most C plus the noise and rounding an honest round has with
+    probability 1 - 1e-9. A key holder that encrypted, tagged and signed an update beyond its
+    clipping ball (issue 20) is refused there, with the same answer: in mode packed the check
+    reads exact integer sums, nothing of the decryption noise."""
     try:
         if not cfg.he:
             with timer.phase("decrypt"):
@@ -430,7 +431,12 @@ def _open(cfg: RunConfig, context: Context, dim: int, blob: bytes, manifest: byt
             if packing_for(cfg, dim).dither:
                 total = dither_total(ctx.dither_key, m.run_id, m.round, m.epoch,
                                      [(e.node_id, e.kind) for e in m.entries], dim)
-            return codec.decode_mean(blob, accept=lambda coeffs: mac.check(coeffs, m), dither_total=total), m.round
+            result = codec.decode(blob, accept=lambda coeffs: mac.check(coeffs, m), dither_total=total)
+            bound = mean_bound_for(cfg, dim, ctx.params.real_scale_bits)
+            if not bound.admits(result.mean, len(updates), len(m.entries),
+                                result.weight_sum / codec.packing.max_weight, result.contributions):
+                raise AggregateRejected()  # beyond the public bound: a key holder's crafted summand
+            return result.mean.astype(np.float32), m.round
     except Exception:  # noqa: BLE001 - one answer for every reason, chained to nothing
         raise AggregateRejected() from None
 

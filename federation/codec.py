@@ -79,6 +79,7 @@ import numpy as np
 
 if TYPE_CHECKING:  # crypto (tenseal) is imported lazily: he=false runs do not need it
     from crypto import AdaptiveClipping, CkksContext, PackingConfig
+    from crypto.aggregate_bound import MeanBound
 
     from federation.config import RunConfig
 
@@ -340,6 +341,48 @@ def run_saturation_delta(cfg: RunConfig, dim: int) -> float:
     return saturation_delta(clip_range, coordinate_bound(cfg), s, max(dim, 1), cfg.max_clients, cfg.num_server_rounds)
 
 
+def uses_error_feedback(cfg: RunConfig) -> bool:
+    """Error feedback runs with he=true, packed, and not under distributed DP (crypto.privacy)."""
+    return cfg.he and cfg.packing == "packed" and cfg.error_feedback and cfg.dp_mode != "distributed"
+
+
+def wire_clip_norm(cfg: RunConfig) -> float:
+    """The L2 bound of one encoded update's signal: C, or under adaptive clipping the norm of
+    [Δ/C_t, a·(b - ½)], at most √(1 + a²/4)."""
+    adaptive = adaptive_clipping_for(cfg)
+    if adaptive is None:
+        return cfg.clip_norm
+    return math.hypot(1.0, adaptive.count_scale / 2)
+
+
+def mean_bound_for(cfg: RunConfig, dim: int, real_scale_bits: int = 40) -> MeanBound:
+    """The public bound a decrypted mean must respect (``crypto.aggregate_bound``), for he=true:
+    C = ``wire_clip_norm``; noise (σC)² per update (local) or per sum (distributed) with (C, σ) of
+    ``wire_noise``; rounding step²/12 per summand with a dither, step²/4 with stochastic
+    rounding, plus step²/4 per update for the error-feedback carry; in mode none CKKS' error
+    2^-(real_scale_bits - 20) (``real_scale_bits`` of the node's CKKS parameters) instead."""
+    from crypto.aggregate_bound import MeanBound
+
+    packing = packing_for(cfg, dim)
+    c, sigma = wire_noise(cfg)
+    noise_var = (sigma * c) ** 2
+    packed = packing.mode == "packed"
+    step2 = packing.step**2 if packed else 0.0
+    return MeanBound(
+        dim=dim,
+        clip_norm=wire_clip_norm(cfg),
+        update_noise_var=noise_var if cfg.dp_mode == "local" else 0.0,
+        shared_noise_var=noise_var if cfg.dp_mode == "distributed" else 0.0,
+        rounding_proxy=step2 / 12 if packing.dither else step2 / 4,
+        carry_proxy=step2 / 4 if uses_error_feedback(cfg) else 0.0,
+        ckks_error=0.0 if packed else 2.0 ** -(real_scale_bits - 20),
+        unit_weights=cfg.dp_mode != "none",
+        max_weight=client_max_weight(cfg),
+        noise_replies=cfg.dp_mode == "distributed",
+        max_clients=cfg.max_clients,
+    )
+
+
 def ckks_preset_for(cfg: RunConfig, dim: int) -> str:
     """The run's CKKS preset: ``ckks-preset``, or with "auto" the ring whose updates of ``dim``
     values are smallest under the run's packing (``crypto.preset_for``). Server-side only: the
@@ -423,6 +466,12 @@ class CkksClientCodec:
         """The weighted mean of an aggregate; `accept` checks its ciphertext coefficients first
         (``crypto.AggregateMac.check``), on the ciphertexts decryption then uses; a dithered
         packing needs the summands' ``dither_total``."""
+        return self.decode(blob, accept, dither_total).mean.astype(np.float32)
+
+    def decode(self, blob: bytes, accept: Callable[[np.ndarray], bool] | None = None,
+               dither_total: np.ndarray | None = None) -> Any:
+        """``decode_mean`` with the decrypted header: a ``crypto.AggregateResult`` (mean float64,
+        weight sum in weight units, contribution count), for ``crypto.MeanBound.admits``."""
         from crypto.errors import CryptoError
 
         try:
@@ -433,7 +482,7 @@ class CkksClientCodec:
             raise CodecError(f"aggregate holds {result.mean.shape[0]} values, expected {self.dim}")
         if not np.all(np.isfinite(result.mean)):
             raise CodecError("decrypted aggregate contains NaN/Inf")
-        return result.mean.astype(np.float32)
+        return result
 
 
 class CkksAggregatorCodec:

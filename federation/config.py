@@ -166,6 +166,12 @@ class RunConfig:
     "" = simulation: the nodes make the CKKS key."""
     rotate_every: int = 0
     """Rotate the CKKS key every K rounds (>= 0); 0 = only when a node leaves."""
+    max_rejected_rounds: int = 3
+    """he=true: after this many rounds in a row whose aggregate every node refused (a key-holding
+    node's summand broke the public bound on the mean, or its tag or encrypted header; the server
+    cannot tell whose), the run stops with ``status`` "stopped: K rounds in a row had their
+    aggregate refused by every node (...)" instead of going on without progress (>= 1). A refused
+    round is discarded and the run goes on; an accepted one resets the count."""
     serve_sessions: int = 4
     """Chat sessions each node serves through its cache in every evaluate phase (lm task;
     0 = none), behind one shared system prompt (``node.workload``)."""
@@ -380,6 +386,7 @@ def _range_problems(cfg: RunConfig, bad: set[str]) -> list[str]:
     check("server-kit", lambda: cfg.server_kit == "" or ("\0" not in cfg.server_kit and os.path.isabs(cfg.server_kit)),
           f"server-kit must be an absolute path (or \"\" for simulation), not {cfg.server_kit!r}")
     check("rotate-every", lambda: cfg.rotate_every >= 0, "rotate-every must be >= 0 (0 = only when a node leaves)")
+    check("max-rejected-rounds", lambda: cfg.max_rejected_rounds >= 1, "max-rejected-rounds must be >= 1")
     check("serve-sessions", lambda: 0 <= cfg.serve_sessions <= MAX_SERVE_SESSIONS,
           f"serve-sessions must be in [0, {MAX_SERVE_SESSIONS}]")
     check("kv-stale-policy", lambda: _is_stale_policy(cfg.kv_stale_policy),

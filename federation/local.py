@@ -154,13 +154,14 @@ def run_local(
     ``run_config`` uses the pyproject keys (dash-separated); missing keys take the
     ``RunConfig`` defaults. ``grid`` (optional) must have ``num_nodes`` nodes and the same
     run config; pass it to inspect the nodes afterwards. ``results_dir`` writes the run's
-    JSON like the ServerApp does (default: nothing written). ``NotEnoughClients`` is
-    recorded in ``results.status`` ("stopped: ...") and not raised; other errors raise.
+    JSON like the ServerApp does (default: nothing written). ``RunStopped`` (``NotEnoughClients``,
+    ``AggregatesRefused``) is recorded in ``results.status`` ("stopped: ...") and not raised;
+    other errors raise.
     """
     from federation.config import RunConfig
     from federation.results import RunResults
     from federation.run import run_rounds
-    from federation.strategy import NotEnoughClients
+    from federation.strategy import RunStopped
 
     cfg = RunConfig.from_run_config(run_config)
     if grid is None:
@@ -178,7 +179,7 @@ def run_local(
     try:
         run_rounds(grid, cfg, grid.run_id, results, wait_for_nodes_s=0.0, on_round=record)
         results.status = "completed"
-    except NotEnoughClients as err:
+    except RunStopped as err:  # NotEnoughClients, AggregatesRefused
         results.status = f"stopped: {err}"
         log(ERROR, "fedkv: run stopped: %s", err)
     except Exception as err:

@@ -40,7 +40,7 @@ def key_service(cfg: RunConfig, run_id: int, dim: int | None = None) -> KeyServi
 
 def run_rounds(grid: Any, cfg: RunConfig, run_id: int, results: RunResults, *, wait_for_nodes_s: float,
                on_round: Callable[[RoundRecord], None]) -> None:
-    """All rounds of one run; NotEnoughClients propagates (the caller records it)."""
+    """All rounds of one run; ``RunStopped`` propagates (the caller records it as "stopped: ...")."""
     results.server_pid = os.getpid()
     if cfg.dp_mode == "flower-central":
         run_flower_central(grid, cfg, results)

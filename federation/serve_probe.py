@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections import Counter

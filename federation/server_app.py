@@ -22,7 +22,7 @@ from federation.config import ConfigError, RunConfig, config_lines, results_dir_
 from federation.logs import configure_logging
 from federation.results import RunResults
 from federation.run import run_rounds
-from federation.strategy import NotEnoughClients
+from federation.strategy import RunStopped
 
 configure_logging()  # each log line once (Opacus adds a root handler on import)
 app = ServerApp()
@@ -37,9 +37,10 @@ def _write(results: RunResults, results_dir: str) -> None:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Config errors and a run stopped for lack of nodes end with one clear line and a
-    ``status`` in the results file, no traceback (``flwr run`` exits 0 whatever the ServerApp
-    does: ``python -m federation.check -- flwr run ...`` turns the status into an exit code).
+    """Config errors and a stopped run (too few nodes, or ``max-rejected-rounds`` aggregates in a
+    row refused by every node: ``RunStopped``) end with one clear line and a ``status`` in the
+    results file, no traceback (``flwr run`` exits 0 whatever the ServerApp does: ``python -m
+    federation.check -- flwr run ...`` turns the status into an exit code).
     Anything else is a bug: it is recorded, then raised so Flower marks the run failed."""
     try:
         cfg = RunConfig.from_run_config(context.run_config)
@@ -55,7 +56,7 @@ def main(grid: Grid, context: Context) -> None:
         run_rounds(grid, cfg, int(context.run_id), results, wait_for_nodes_s=cfg.round_timeout,
                    on_round=lambda rec: log(INFO, "fedkv %s", rec.summary(cfg.num_server_rounds)))
         results.status = "completed"
-    except NotEnoughClients as err:
+    except RunStopped as err:  # NotEnoughClients, AggregatesRefused
         results.status = f"stopped: {err}"
     except Exception as err:
         results.status = f"failed: {type(err).__name__}: {err}"

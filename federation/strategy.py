@@ -25,9 +25,14 @@ its reason and listed in the round record's ``dropped``):
 * no reply within ``round-timeout`` -> left out
 * unsigned / forged / replayed (older round) / reordered (future round) / second update,
   an unknown node, or an update signed for another node than the sender -> left out
-* bytes the aggregator rejects (``CodecError``: not a ciphertext, another context/key,
-  another packing, wrong length, NaN...) or a malformed reply -> left out
+* a header that disagrees with the round's public encoding (a malformed MAC tag; an envelope
+  field: kind, mode, key id, packing, a tensor layout, values, ciphertexts, contributions) ->
+  left out before aggregation, the reason naming the field (``_header_ok``)
+* bytes the aggregator rejects (``CodecError``: not a ciphertext, wrong length, NaN...) or a
+  malformed reply -> left out
 * fewer than ``min-clients`` usable updates (or admitted nodes) -> ``NotEnoughClients``
+* an aggregate every node refuses -> the round is discarded (``discard_if_refused``); after
+  ``max-rejected-rounds`` such rounds in a row -> ``AggregatesRefused``
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from crypto import KIND_NOISE, KIND_UPDATE, Manifest, ManifestEntry, SignedUpdate
-from crypto import ciphertext_info, delta_total, noise_std
+from crypto import delta_total, last_modulus, noise_std, tag_problem, update_header_problem
 from federation.client_accounting import ClientAccountant
 from crypto.errors import SignatureError
 from federation import protocol, replies
@@ -84,8 +89,17 @@ def sampler_for(cfg: RunConfig) -> ClientSampler:
                          cfg.max_clients if cfg.he else None, cfg.sampler_seed if cfg.sampler_seed >= 0 else None)
 
 
-class NotEnoughClients(RuntimeError):
+class RunStopped(RuntimeError):
+    """The run cannot go on: it stops, and the ServerApp records ``status`` "stopped: <reason>"."""
+
+
+class NotEnoughClients(RunStopped):
     """Fewer usable clients than ``min-clients``: the run stops."""
+
+
+class AggregatesRefused(RunStopped):
+    """``max-rejected-rounds`` rounds in a row whose aggregate every node refused: the run stops
+    instead of going on without progress (a key-holding node keeps sending a bad summand)."""
 
 
 @dataclass
@@ -120,6 +134,8 @@ class OpaqueFedAvg:
         fixes N); ``federation.client_accounting`` for the sampler in use."""
         self.client_epsilon = 0.0 if cfg.dp_mode in ("local", "distributed") else math.nan
         self.rotate_reason: str | None = None
+        self.refused_rounds: list[int] = []
+        """The rounds since the last accepted aggregate whose aggregate every node refused."""
 
     @property
     def verifier(self):  # noqa: ANN201 - crypto.UpdateVerifier
@@ -130,9 +146,32 @@ class OpaqueFedAvg:
 
     # -- the loop ---------------------------------------------------------------------
     def run(self, grid: Grid, on_round: Callable[[RoundRecord], None]) -> None:
-        """All rounds; ``on_round`` gets each finished round. Raises NotEnoughClients."""
+        """All rounds; ``on_round`` gets each finished round. Raises ``RunStopped``:
+        ``NotEnoughClients``, or ``AggregatesRefused`` after ``max-rejected-rounds`` discarded
+        rounds in a row (``count_refusals``)."""
         for rnd in range(1, self.cfg.num_server_rounds + 1):
-            on_round(self.round(grid, rnd))
+            rec = self.round(grid, rnd)
+            on_round(rec)
+            self.count_refusals(rec)
+
+    def count_refusals(self, rec: RoundRecord) -> None:
+        """A round whose aggregate every node refused (``discard_if_refused``) is discarded and the
+        run goes on; ``max-rejected-rounds`` of them in a row stop it (``AggregatesRefused``). A
+        round whose aggregate stands resets the count; a skipped Poisson round has no aggregate
+        and leaves it as it is."""
+        if rec.aggregate_discarded:
+            self.refused_rounds.append(rec.round)
+        elif not rec.sampling_skipped:
+            self.refused_rounds = []
+        k = self.cfg.max_rejected_rounds
+        if len(self.refused_rounds) >= k:
+            raise AggregatesRefused(
+                f"{k} round{'s' if k > 1 else ''} in a row had their aggregate refused by every node (rounds "
+                f"{', '.join(map(str, self.refused_rounds))}; a node refuses an aggregate whose MAC, header or "
+                f"bound on the mean fails, so a summand came from a node that holds the key and misbehaves, "
+                f"and the server cannot tell which; the model stays at v{len(self.history)}; "
+                f"max-rejected-rounds={k})"
+            )
 
     def round(self, grid: Grid, rnd: int) -> RoundRecord:
         """One round, every server phase timed into ``rec.server_seconds`` (they sum to
@@ -355,7 +394,7 @@ class OpaqueFedAvg:
             t0 = time.perf_counter()
             signed = self._verified(train, node, "train", reply.blob, KIND_UPDATE)
             t1 = time.perf_counter()
-            ok = (signed is not None and self._declares(train, node, "train", signed, 1)
+            ok = (signed is not None and self._header_ok(agg, train, node, "train", signed, 1)
                   and self._add(agg, train, node, "train", signed))
             verify_s, add_s = verify_s + t1 - t0, add_s + time.perf_counter() - t1
             if not ok:
@@ -445,7 +484,7 @@ class OpaqueFedAvg:
                 self._drop(out, node, "noise", f"bad reply: {err}")
                 continue
             signed = self._verified(out, node, "noise", blob, KIND_NOISE)
-            if signed is not None and not self._declares(out, node, "noise", signed, plan[node]):
+            if signed is not None and not self._header_ok(agg, out, node, "noise", signed, plan[node]):
                 continue
             if signed is not None and self._add(agg, out, node, "noise", signed):
                 entries.append(ManifestEntry(signed.node_id, KIND_NOISE, signed.digest, signed.tag))
@@ -453,20 +492,31 @@ class OpaqueFedAvg:
         rec.dropped.extend(out.dropped)
         return added
 
-    def _declares(self, out: PhaseReplies, node: int, phase: str, signed: SignedUpdate, shares: int) -> bool:
-        """A summand must declare the contributions the server expects (its envelope's count,
-        which the aggregator's headroom check relies on): 1 for a client update, the shares asked
-        for in a noise reply. he=false has no envelope: nothing to check."""
+    def _header_ok(self, agg: Aggregator, out: PhaseReplies, node: int, phase: str, signed: SignedUpdate,
+                   shares: int) -> bool:
+        """Before a summand is added, every public field of its header must be what the round
+        declares (issue 20: a validly signed update with a crafted header is refused here, not by
+        every node after aggregation): its MAC tag's format (``crypto.binding.tag_problem``: a
+        manifest with a malformed tag parses on no node), and each field of its envelope
+        (``crypto.update_header_problem``: kind, packing mode and fingerprint, key id, no tensor
+        layout, values, ciphertexts, and the contributions it stands for: 1 for a client update,
+        the shares asked for in a noise reply, which the aggregator's headroom check relies on).
+        The reason names the field. he=false has no envelope and no tag: nothing to check."""
         if not self.cfg.he:
             return True
-        try:
-            declared = int(ciphertext_info(signed.payload)["n_updates"])
-        except Exception:  # noqa: BLE001 - malformed: the aggregator's own check refuses it next
-            return True
-        if declared != shares:
-            self._drop(out, node, phase, f"{phase} reply carries {declared} share(s), {shares} were asked")
-            return False
-        return True
+        context = agg.context  # the public CKKS context of the round's key
+        problem = tag_problem(signed.tag, last_modulus(context))
+        field = "tag"
+        if problem is None:
+            try:
+                found = update_header_problem(signed.payload, context, self.packing, self.dim, shares)
+            except Exception:  # noqa: BLE001 - malformed: the aggregator's own check refuses it next
+                return True
+            if found is None:
+                return True
+            field, problem = found
+        self._drop(out, node, phase, f"{phase} reply {problem} (header field {field})")
+        return False
 
     def _summarize_train(self, m: list[replies.TrainMetrics], rec: RoundRecord) -> None:
         n = [float(x.num_examples) for x in m]

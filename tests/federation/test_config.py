@@ -100,6 +100,7 @@ def test_every_float_rejects_nan_and_inf(key, value) -> None:
         ({"server-kit": "kits/server"}, "server-kit must be an absolute path"),
         ({"rotate-every": -1}, "rotate-every must be >= 0"),
         ({"rotate-every": 1.5}, "rotate-every=1.5 is not an integer"),
+        ({"max-rejected-rounds": 0}, "max-rejected-rounds must be >= 1"),
         ({"dp-sgd": True, "task": "lm"}, "dp-sgd=true needs task=digits"),
         ({"dp-sgd": True, "task": "digits", "dp-mode": "flower-central", "he": False},
          "dp-sgd=true does not run with dp-mode=flower-central"),

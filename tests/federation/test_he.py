@@ -328,7 +328,7 @@ def _foreign_ciphertext(fed: Federation):
 FAULTS = {
     "random bytes": (lambda fed: payload_fault(fed.grid, lambda p, m, c: os.urandom(len(p))),
                      "update rejected: CodecError: NotACiphertextError"),
-    "ciphertext of another context": (_foreign_ciphertext, "update rejected: CodecError: ContextMismatchError"),
+    "ciphertext of another context": (_foreign_ciphertext, "(header field key_id)"),
     "unsigned": (_unsigned, "signature check failed: SignatureError: not a signed fedkv update"),
     "forged signature": (lambda fed: _resign(fed, 0, "100", NodeKeys.generate("100")),
                          "signature check failed: SignatureError: signature of the update from '100' does not verify"),

@@ -6,7 +6,10 @@
 * man in the middle substituting a node's identity keys at enrollment (kits pin them), and a
   hostile server forwarding substituted keys to the key-making node;
 * a run config that lowers a node's privacy (node policy);
-* a node that leaves: the key rotates and its old keys cannot read later aggregates.
+* a node that leaves: the key rotates and its old keys cannot read later aggregates;
+* issue 20.5, a malicious key-holding node: an update beyond its clipping ball (the mean of three
+  at norm 30) is refused by every node and the round discarded; a crafted header is refused by
+  the server; a run whose aggregates every node keeps refusing stops with a clear status.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from crypto.errors import ContextMismatchError
 from federation import protocol, provisioning
 from federation.codec import CkksClientCodec
 from federation.kit import write_kits
-from tests.federation.fakes import Federation, raise_fault, timeout_fault
+from tests.federation.fakes import Federation, timeout_fault
 
 HE = {"he": True, "dp-mode": "distributed", "noise-multiplier": 0.05}
 
@@ -659,3 +662,171 @@ def test_in_simulation_a_node_that_left_rejoins_with_its_pinned_identity() -> No
         del fed.grid.faults[(102, kind)]
     r4 = fed.round(4)
     assert 102 in r4.admitted and r4.num_clients == 3 and 102 in fed.keys.holders
+
+
+# --- issue 20.5: a malicious key-holding node ----------------------------------------------------
+# It holds the CKKS key and its own identity keys: whatever it encrypts, it can tag (crypto.binding)
+# and sign validly, so the server and the MAC accept it. What bounds the damage: the nodes refuse a
+# mean beyond the public bound (crypto.aggregate_bound), the server refuses a header that disagrees
+# with the round's public encoding, and a run whose aggregates every node keeps refusing stops.
+
+
+def crafted_update_fault(grid, make_delta, rounds=None, header=None, envelope=None, tag=None):
+    """The node runs its real train handler, then replaces its update with one it made itself, with
+    its own key, dither, MAC tag and signature (valid in every way the server and the MAC can see):
+    ``make_delta(packing, dim)`` encoded by the node's codec; ``header(w_int, count)`` rewrites the
+    encrypted header (weight and contribution count slots); ``envelope(env)`` the public envelope;
+    ``tag(tag)`` the tag it signs. Only in ``rounds`` (None: every round)."""
+    from crypto import KIND_UPDATE
+    from crypto.wire import pack_envelope, parse_envelope
+    from federation import client_app
+    from federation.codec import packing_for, wire_dim
+    from federation.config import RunConfig
+    from node.cache_node import model_layout
+
+    def fault(msg: Message, _ctx):
+        reply = grid.deliver(msg)
+        rnd = int(msg.content[protocol.CONFIG]["server-round"])
+        if reply.has_error() or (rounds is not None and rnd not in rounds):
+            return reply
+        ctx = grid.contexts[msg.metadata.dst_node_id]
+        cfg = RunConfig.from_run_config(ctx.run_config)
+        dim = wire_dim(cfg, model_layout(cfg.task, cfg.seed).size)
+        packing = packing_for(cfg, dim)
+        key, epoch = provisioning.secret_context(ctx)
+        codec = CkksClientCodec(dim, key, packing)
+        if header is not None:
+            assemble = codec._enc._packer.assemble
+            codec._enc._packer.assemble = lambda h, data, n: assemble(header(*h), data, n)
+        u = client_app._dither(cfg, ctx, key, rnd, epoch, KIND_UPDATE, dim)
+        payload = codec.encode(np.asarray(make_delta(packing, dim), dtype=np.float64), 1.0, dither=u)
+        if envelope is not None:
+            payload = pack_envelope(envelope(parse_envelope(payload, max_ciphertext_bytes=1 << 30)))
+        blob = client_app._signed(cfg, ctx, rnd, payload, epoch, key, KIND_UPDATE, dim)
+        if tag is not None:
+            from crypto import SignedUpdate
+
+            su = SignedUpdate.from_bytes(blob)
+            blob = provisioning.sign(ctx, provisioning.node_keys(ctx), rnd, payload, epoch, key_id=su.key_id,
+                                     kind=KIND_UPDATE, tag=tag(su.tag))
+        reply.content.array_records[protocol.UPDATE]["update"] = protocol.bytes_to_array(blob)
+        return reply
+
+    return fault
+
+
+def at_range(packing, dim):
+    """Every coordinate at +R: inside the encoder's range, a vector of norm R·√d (90 on digits)."""
+    return np.full(dim, packing.clip_range)
+
+
+def _mean_of(fed: Federation, node: int, aggregate: bytes) -> np.ndarray:
+    """What node ``node``'s key decrypts ``aggregate`` to (the attack's effect, for the test only)."""
+    from crypto import AggregateDecryptor, Manifest
+    from crypto.dither import dither_total
+
+    key, _ = provisioning.secret_context(fed.grid.contexts[node])
+    m = Manifest.from_bytes(fed.strategy.history[-1][1])
+    total = dither_total(key.dither_key, m.run_id, m.round, m.epoch, [(e.node_id, e.kind) for e in m.entries],
+                         fed.dim)
+    return AggregateDecryptor(key, fed.strategy.packing).decrypt(aggregate, dither_total=total).mean
+
+
+def _count_zero(w_int: float, count: float) -> tuple[float, float]:
+    return w_int, 0.0
+
+
+@pytest.mark.parametrize("attack", ["every coordinate at +R", "contribution count 0"])
+def test_a_key_holders_update_that_moves_the_mean_to_30_C_is_refused_by_every_node(attack) -> None:
+    """Issue 20.5's attack: node 102 encrypts, tags and signs, with its own keys, an update of norm
+    R·√d = 90 (every coordinate at +R, which the encoder's range allows), or a zero update whose
+    encrypted contribution count is 0 (the decoder then adds R to every coordinate). The mean of the
+    three moves to norm ~30 against clip-norm 1; every node refuses it, with the one digit-free answer."""
+    fed = Federation(3, **HE, **{"num-server-rounds": 1})
+    if attack == "every coordinate at +R":
+        fault = crafted_update_fault(fed.grid, at_range)
+    else:
+        fault = crafted_update_fault(fed.grid, lambda p, d: np.zeros(d), header=_count_zero)
+    fed.grid.faults[(102, protocol.TRAIN)] = fault
+    for node in (100, 101, 102):  # nobody evaluates in the round: each query below is a fresh v1
+        fed.grid.faults[(node, protocol.EVALUATE)] = timeout_fault
+    (rec,) = fed.run_all()
+    assert rec.num_clients == 3 and not drops(rec, "train")  # the server took it: it cannot tell
+    aggregate, manifest = fed.strategy.history[-1]
+    assert np.linalg.norm(_mean_of(fed, 100, aggregate)) > 25 * fed.cfg.clip_norm  # the attack works
+    answers = {node: _ask(fed, node, 1, aggregate, manifest) for node in (100, 101, 102)}
+    assert set(answers.values()) == {(False, answers[100][1])}, answers
+    assert answers[100][1].endswith(protocol.AGGREGATE_REJECTED)
+    assert not re.search(r"\d", answers[100][1].split(":", 1)[-1])
+
+
+def test_a_round_with_a_crafted_update_is_discarded_and_the_model_stays_at_the_last_accepted_version() -> None:
+    from federation import node_host
+
+    fed = Federation(3, **HE, **{"num-server-rounds": 2})
+    r1 = fed.round(1)
+    before = {n: node_host.stored_params(fed.grid.contexts[n]) for n in (100, 101, 102)}
+    fed.grid.faults[(102, protocol.TRAIN)] = crafted_update_fault(fed.grid, at_range)
+    r2 = fed.round(2)
+    assert not r1.aggregate_discarded and r2.aggregate_discarded and r2.eval_clients == 0
+    assert len(fed.strategy.history) == 1 and r2.departed == []
+    assert set(drops(r2, "evaluate")) == {100, 101, 102}
+    assert all(reason.endswith(protocol.AGGREGATE_REJECTED) for reason in drops(r2, "evaluate").values())
+    for n, params in before.items():  # every node is still at v1, its weights untouched
+        np.testing.assert_array_equal(node_host.stored_params(fed.grid.contexts[n]), params)
+
+
+@pytest.mark.parametrize("field", ["layout", "tag"])
+def test_a_signed_update_whose_header_disagrees_with_the_round_is_refused_by_the_server(field) -> None:
+    """A crafted header, validly tagged and signed. layout: node 100 (added first) declares a layout
+    digest, and every later update "was made for another tensor layout": the honest nodes were
+    dropped and the run stopped. tag: node 102 signs a tag of three words; the manifest carrying it
+    does not parse on any node, so every node refused every aggregate. Now the server refuses the
+    summand itself (the reason names the field), adds the others, and the nodes accept the sum."""
+    import dataclasses
+
+    if field == "layout":
+        node, kwargs = 100, {"envelope": lambda env: dataclasses.replace(env, layout_fp=b"\x01" * 8)}
+    else:
+        node, kwargs = 102, {"tag": lambda t: t + b"\x00" * 8}
+    fed = Federation(3, **HE, **{"num-server-rounds": 1})
+    fed.grid.faults[(node, protocol.TRAIN)] = crafted_update_fault(fed.grid, lambda p, d: np.zeros(d), **kwargs)
+    (rec,) = fed.run_all()
+    assert list(drops(rec, "train")) == [node] and field in drops(rec, "train")[node]
+    assert rec.num_clients == 2 and not rec.aggregate_discarded and rec.eval_clients == 3
+    assert len(fed.strategy.history) == 1
+
+
+def _run_with_crafted(rounds_attacked, num_rounds: int, **overrides):
+    from federation.local import InProcessGrid, run_local
+    from tests.federation.fakes import BASE_CONFIG
+
+    run_config = {**BASE_CONFIG, **HE, "num-server-rounds": num_rounds, **overrides}
+    grid = InProcessGrid(3, run_config)
+    grid.faults[(102, protocol.TRAIN)] = crafted_update_fault(grid, at_range, rounds=rounds_attacked)
+    return grid, run_local(run_config, 3, grid=grid)
+
+
+def test_a_node_whose_every_update_is_refused_stops_the_run_after_k_rounds_with_a_clear_status() -> None:
+    """The run does not spin: after max-rejected-rounds (default 3) rounds in a row whose aggregate
+    every node refused, it stops with a status that says so; the model never moved."""
+    from federation import node_host
+
+    grid, results = _run_with_crafted(None, 6)
+    assert results.status.startswith("stopped: 3 rounds in a row had their aggregate refused by every node"), \
+        results.status
+    assert [r.aggregate_discarded for r in results.rounds] == [True] * 3
+    assert all(node_host.peek_node(grid.contexts[n]).version == 0 for n in grid.node_ids)
+
+
+def test_one_refused_round_then_honest_rounds_completes() -> None:
+    _, results = _run_with_crafted({1}, 3)
+    assert results.status == "completed"
+    assert [r.aggregate_discarded for r in results.rounds] == [True, False, False]
+    assert [r.eval_clients for r in results.rounds] == [0, 3, 3]
+
+
+def test_max_rejected_rounds_sets_how_many_refused_rounds_in_a_row_stop_the_run() -> None:
+    _, results = _run_with_crafted(None, 4, **{"max-rejected-rounds": 1})
+    assert results.status.startswith("stopped: 1 round in a row had their aggregate refused by every node (rounds 1;")
+    assert len(results.rounds) == 1
