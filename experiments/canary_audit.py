@@ -1,26 +1,51 @@
-"""Client-level privacy audit with canary clients (Andrew et al. 2024, "One-shot Empirical Privacy
-Estimation for Federated Learning").
+"""Client-level privacy audit with canary clients (after Andrew et al. 2024, "One-shot Empirical
+Privacy Estimation for Federated Learning"), probing the worst-case pair of the accounted
+adjacency.
 
-A canary client always sends the same random direction c (norm = clip norm C). After the run, the
-auditor measures cos(Δ, c) between the final model change Δ and each inserted canary, and the
-same cosine for canaries that were never inserted (the null). Fitting a Gaussian to each set
-gives two distributions an adversary would have to tell apart; the ε of that pair at δ is the
-empirical estimate. It is an estimate, not a bound: the accountant's ε must stay above it, and
-an estimate above the accountant's ε is a bug in the mechanism or the accounting.
+The pair: the accountant (``federation.client_accounting``) charges ``fixed`` sampling under
+replace-one adjacency and ``poisson`` under add-or-remove. Replace-one's worst case is a canary
+client whose clipped update x (norm C) is replaced by −x: the two worlds' sums differ by 2C, the
+sensitivity the accountant charges. Add-or-remove's is x against the canary absent (C apart). So
+every trial runs the mechanism twice, independently: world A with the canary sending +x, world B
+with it sending −x (``fixed``) or nothing (``poisson``); everything else is equal. (The previous
+audit probed x against 0 under replace-one as well, half the accounted distance: it could not
+catch an accountant that under-reported ε by 1.5×.)
 
-Both Gaussians get the null's std (the shift is measured in null standard deviations, i.e. a
-μ-GDP fit). Why not each its own std: under sampling the inserted cosines are a Binomial
-mixture (0, 1, ... rounds with the canary), not a Gaussian; a wider fitted Gaussian has a
-privacy loss that grows quadratically in the tails, and at δ = 1e-5 that extrapolation alone
-put the estimate above the accountant's ε (8.9 vs 7.4: Poisson, q = 0.5, 4 rounds, σ = 1,
-d = 1000, 400 trials) — an artefact of the fit, not of the mechanism.
+The mechanism as it runs: the client sampler (``federation.sampling.ClientSampler``, same class
+and method; the audit draws its own samples from its own seed, it does not replay a run's draws),
+L2 clipping (``crypto.clip_update``) of the canary, one distributed noise share
+(``crypto.gaussian_noise``, placement distributed, σC/√m each) per sampled client, m the
+round's sample size, so the sum carries σC, and the fixed denominator. The other clients send
+zero updates: the canary competes with the noise alone, the adversary's easiest case.
 
-What is audited: fedkv's client-level mechanism as it runs — the sampler
-(``federation.sampling.ClientSampler``, the same draws), L2 clipping (``crypto.clip_update``),
-each sampled client's distributed noise share (``crypto.gaussian_noise``, placement
-distributed) and the fixed denominator — on vectors of the model's dimension. The other
-clients send zero updates: the canary competes with the noise alone, the adversary's easiest
-case. Many independent trials run at once (one canary per trial, a row of a matrix).
+The score: the projection of the released sums (summed over rounds: the final model change) on
+x/‖x‖, the test the adversary who knows the canary would run. The noise is isotropic, so its
+projection on a unit vector is exactly N(0, share std²) and the other d − 1 coordinates are
+independent of the score: the audit draws the projection itself (``dim`` no longer changes the
+result; it sizes the canary that is clipped). Scores are in units of C on the sum, rounded to a
+fixed grid of 1/20 of the score's noise std (the threshold grid below).
+
+Two figures:
+
+* ``epsilon``: a point estimate, the ε of two equal-variance Gaussians fitted to the two worlds'
+  scores (both get world B's std: a μ-GDP fit). An estimate, not a bound. Why not each its own
+  std: under sampling the scores are Binomial mixtures (0, 1, ... rounds with the canary), not
+  Gaussians; a wider fitted Gaussian has a privacy loss that grows quadratically in the tails,
+  and at δ = 1e-5 that extrapolation alone put the estimate above the accountant's ε.
+* ``epsilon_lower``: a one-sided lower bound at ``confidence`` (default 95 %):
+  ``experiments.lira.epsilon_lower_bound`` (Clopper–Pearson bounds on TPR and FPR, Bonferroni
+  over the thresholds, both test directions), world A as members. Its level is 1 − 2α, so the
+  audit passes α = (1 − confidence)/2. Trials are independent runs, so here the level is not
+  nominal as in LiRA's leave-one-out. A lower bound above the accountant's ε is a bug in the
+  mechanism or the accounting at that confidence (``experiments.privacy_accuracy`` lists it as
+  an audit failure).
+
+What it can catch (``tests/experiments/test_canary_audit.py`` recomputes these): fixed sampling,
+N = k = 10 (q = 1), one round, σ = 2, δ = 1e-3, 200,000 trials. Exact ε of the pair
+(μ-GDP, μ = 2/σ = 1): 3.14; the accountant's (RDP): 3.54; an accountant under-reporting by 1.5×
+would say 2.36; the 95 % lower bound is 2.60–2.72 (seeds 0–2), above 2.36 and below 3.54 (point estimate 3.13–3.16).
+The x vs absent pair at the same settings bounds 1.09–1.19: it would not have caught it. About 5 s
+per audit here (the sampler's draws, one Python call per trial and round).
 """
 
 from __future__ import annotations
@@ -33,14 +58,21 @@ from scipy import stats
 
 from crypto import clip_update, gaussian_noise
 
-__all__ = ["AuditConfig", "AuditInputError", "AuditResult", "gaussian_pair_epsilon", "run_canary_audit", "EPSILON_CAP"]
+__all__ = ["AuditConfig", "AuditInputError", "AuditResult", "gaussian_pair_epsilon", "run_canary_audit",
+           "audit_scores", "EPSILON_CAP", "PAIRS"]
 
 EPSILON_CAP = 50.0
 """Estimates are capped here (the two fitted Gaussians are then practically disjoint)."""
 
+PAIRS = ("auto", "negated", "absent")
+"""World B's canary: auto = the accounted adjacency's worst case (fixed: negated, poisson: absent)."""
+
+GRID = 20
+"""Score grid: GRID steps per noise std of the score (a fixed threshold set for the bound)."""
+
 
 class AuditInputError(ValueError):
-    """An audit configuration or cosine sample that cannot give an estimate."""
+    """An audit configuration or score sample that cannot give an estimate."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +80,7 @@ class AuditConfig:
     """One audited point; defaults are a small CI-sized audit."""
 
     dim: int = 1000
-    """Model dimension (the digits MLP has 4,810 parameters)."""
+    """Dimension of the canary (the digits MLP has 4,810 parameters); the score does not depend on it."""
     population: int = 20
     """N: the canary takes the place of one of the N clients."""
     fraction: float = 0.5
@@ -59,59 +91,98 @@ class AuditConfig:
     """Noise multiplier of the sum (0 = non-private)."""
     clip_norm: float = 1.0
     trials: int = 400
-    """Independent runs, one inserted and one held-out canary each."""
+    """Independent trials, each one run of world A and one of world B."""
     delta: float = 1e-5
     seed: int = 0
+    confidence: float = 0.95
+    """Level of the one-sided lower bound ``epsilon_lower``."""
+    pair: str = "auto"
+    """See ``PAIRS``; ``absent`` under ``fixed`` is the old, weaker probe (for comparison only)."""
 
 
 @dataclass(frozen=True)
 class AuditResult:
     epsilon: float
+    """Point estimate (equal-variance Gaussian fit)."""
     inserted_mean: float
+    """World A's mean score (units of C on the sum)."""
     null_mean: float
+    """World B's mean score."""
     null_std: float
+    """World B's score std."""
     trials: int
+    epsilon_lower: float = 0.0
+    """One-sided Clopper–Pearson lower bound at ``confidence`` (0 = the scores prove nothing)."""
+    confidence: float = 0.95
+    pair: str = "negated"
+
+    def fails(self, accountant_epsilon: float) -> bool:
+        """True when the lower bound proves more ε than the accountant reports (a bug)."""
+        return self.epsilon_lower > accountant_epsilon
 
 
-def _rounds_sampled(cfg: AuditConfig, rng: np.random.Generator) -> tuple[np.ndarray, int, float]:
-    """(per trial and round: canary sampled?, clients per round, denominator) for the sampler."""
-    if cfg.sampling == "fixed":
-        k = max(1, math.ceil(cfg.fraction * cfg.population))
-        p, denom = k / cfg.population, float(k)
-    elif cfg.sampling == "poisson":
-        p = cfg.fraction
-        k = max(1, round(cfg.fraction * cfg.population))
-        denom = float(k)
-    else:
+def _pair(cfg: AuditConfig) -> str:
+    if cfg.pair not in PAIRS:
+        raise AuditInputError(f"pair must be one of {PAIRS}, not {cfg.pair!r}")
+    if cfg.pair != "auto":
+        return cfg.pair
+    return "negated" if cfg.sampling == "fixed" else "absent"
+
+
+def _sampler(cfg: AuditConfig, rng: np.random.Generator):
+    """fedkv's sampler, seeded from the audit's seed; bounds off (min 0, no max): the accountant
+    assumes no skipped or redrawn rounds."""
+    from federation.sampling import ClientSampler
+
+    if cfg.sampling not in ("fixed", "poisson"):
         raise AuditInputError(f"sampling must be fixed or poisson, not {cfg.sampling!r}")
-    # fixed-size without replacement: a given client is in the sample with probability k/N
-    # each round, independently across rounds; that marginal is all one canary's trial needs.
-    return rng.random((cfg.trials, cfg.rounds)) < p, k, denom
+    return ClientSampler(cfg.sampling, cfg.fraction, min_clients=0, max_clients=None,
+                         seed=int(rng.integers(2**63)))
 
 
-def _unit_rows(n: int, dim: int, rng: np.random.Generator) -> np.ndarray:
-    v = rng.standard_normal((n, dim))
-    return v / np.linalg.norm(v, axis=1, keepdims=True)
+def _denominator(cfg: AuditConfig, sampler) -> float:
+    """The fixed denominator: k (fixed), the expected count q·N rounded, >= 1 (poisson)."""
+    if cfg.sampling == "fixed":
+        return float(sampler.fixed_size(cfg.population))
+    return float(max(1, round(cfg.fraction * cfg.population)))
 
 
-def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    na, nb = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
-    dots = np.einsum("ij,ij->i", a, b)
-    return np.where(na * nb > 0, dots / np.maximum(na * nb, 1e-300), 0.0)
-
-
-def final_deltas(cfg: AuditConfig, canaries: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """Δ of every trial: the sum over rounds of (clipped canary if sampled + noise shares) / denominator."""
-    sampled, k, denom = _rounds_sampled(cfg, rng)
-    clipped = np.stack([clip_update(row, cfg.clip_norm).clipped for row in canaries])  # one update per trial
-    delta = np.zeros_like(clipped)
-    for t in range(cfg.rounds):
-        total = clipped * sampled[:, t:t + 1]
+def _world(cfg: AuditConfig, sign: float, norm: float, sampler, rng: np.random.Generator) -> np.ndarray:
+    """Per trial: the projection on x/‖x‖ of Σ_rounds (canary·sign if sampled + noise shares),
+    in units of C (the fixed denominator divided out: a public constant changes no test)."""
+    nodes = list(range(cfg.population))  # the canary is node 0
+    score = np.zeros(cfg.trials)
+    for _ in range(cfg.rounds):
+        drawn = [sampler.sample(nodes) for _ in range(cfg.trials)]
+        m = np.fromiter((len(s) for s in drawn), dtype=np.int64, count=cfg.trials)
+        has = np.fromiter((bool(s) and s[0] == 0 for s in drawn), dtype=bool, count=cfg.trials)
+        score += sign * norm * has
         if cfg.sigma > 0:
-            for _ in range(k):  # each sampled client's share sigma*C/sqrt(k): the sum carries sigma*C
-                total += gaussian_noise(total.shape, cfg.sigma, cfg.clip_norm, "distributed", k, rng)
-        delta += total / denom
-    return delta
+            for size in np.unique(m):
+                idx = np.flatnonzero(m == size)
+                for _ in range(max(int(size), 1)):  # an empty round: the server's noise alone
+                    score[idx] += gaussian_noise(idx.size, cfg.sigma, cfg.clip_norm, "distributed",
+                                                 max(int(size), 1), rng)
+    return score / cfg.clip_norm
+
+
+def audit_scores(cfg: AuditConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(world A scores, world B scores), ``cfg.trials`` each."""
+    if cfg.trials < 20 or cfg.dim < 2 or cfg.rounds < 1 or not 0 < cfg.fraction <= 1:
+        raise AuditInputError("need trials >= 20, dim >= 2, rounds >= 1, fraction in (0, 1]")
+    if cfg.sigma < 0:
+        raise AuditInputError("sigma must be >= 0")
+    if not 0 < cfg.confidence < 1:
+        raise AuditInputError(f"confidence must be in (0, 1), not {cfg.confidence}")
+    pair = _pair(cfg)
+    rng = np.random.default_rng(cfg.seed)
+    sampler = _sampler(cfg, rng)
+    v = rng.standard_normal(cfg.dim)
+    canary = clip_update(v / np.linalg.norm(v) * cfg.clip_norm, cfg.clip_norm).clipped
+    norm = float(np.linalg.norm(canary))  # its projection on its own direction
+    a = _world(cfg, +1.0, norm, sampler, rng)
+    b = _world(cfg, -1.0 if pair == "negated" else 0.0, norm, sampler, rng)
+    return a, b
 
 
 def gaussian_pair_epsilon(mu0: float, s0: float, mu1: float, s1: float, delta: float) -> float:
@@ -144,16 +215,19 @@ def gaussian_pair_epsilon(mu0: float, s0: float, mu1: float, s1: float, delta: f
 
 
 def run_canary_audit(cfg: AuditConfig) -> AuditResult:
-    """Empirical client-level ε of ``cfg``'s mechanism (see the module docstring)."""
-    if cfg.trials < 20 or cfg.dim < 2 or cfg.rounds < 1 or not 0 < cfg.fraction <= 1:
-        raise AuditInputError("need trials >= 20, dim >= 2, rounds >= 1, fraction in (0, 1]")
-    if cfg.sigma < 0:
-        raise AuditInputError("sigma must be >= 0")
-    rng = np.random.default_rng(cfg.seed)
-    inserted = _unit_rows(cfg.trials, cfg.dim, rng) * cfg.clip_norm
-    held_out = _unit_rows(cfg.trials, cfg.dim, rng)
-    deltas = final_deltas(cfg, inserted, rng)
-    cos_in, cos_null = _cosines(deltas, inserted), _cosines(deltas, held_out)
-    s_null = float(cos_null.std(ddof=1))
-    eps = gaussian_pair_epsilon(float(cos_null.mean()), s_null, float(cos_in.mean()), s_null, cfg.delta)
-    return AuditResult(eps, float(cos_in.mean()), float(cos_null.mean()), s_null, cfg.trials)
+    """Point estimate and lower bound of ``cfg``'s client-level ε (see the module docstring)."""
+    from experiments.lira import epsilon_lower_bound
+
+    a, b = audit_scores(cfg)
+    mean_a, mean_b, s_b = float(a.mean()), float(b.mean()), float(b.std(ddof=1))
+    if s_b > 0:
+        eps = gaussian_pair_epsilon(mean_b, s_b, mean_a, s_b, cfg.delta)
+    else:  # no noise and no sampling variance: the worlds are point masses
+        eps = EPSILON_CAP if mean_a != mean_b else 0.0
+    # a fixed grid (GRID steps per noise std of the score) bounds the number of thresholds
+    step = (cfg.sigma * math.sqrt(cfg.rounds) if cfg.sigma > 0 else 1.0) / GRID
+    scores = np.round(np.r_[a, b] / step)
+    labels = np.r_[np.ones(a.size, bool), np.zeros(b.size, bool)]
+    lower = epsilon_lower_bound(labels, scores, cfg.delta, alpha=(1 - cfg.confidence) / 2)
+    return AuditResult(eps, mean_a, mean_b, s_b, cfg.trials, float(min(lower, EPSILON_CAP)), cfg.confidence,
+                       _pair(cfg))

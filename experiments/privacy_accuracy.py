@@ -46,8 +46,10 @@ Audits, next to the accountant's ε at every point:
 
 * client level: the canary-client one-shot audit (``experiments.canary_audit``, Andrew et al.
   2024) of the point's mechanism — its sampler, clip norm, the noise the sum carries (σ; √k·σ
-  for local) and rounds, at the model's dimension. An audit ε above the accountant's is
-  reported as a failure in summary.md (a bug, not a figure).
+  for local) and rounds — on the accounted adjacency's worst-case pair (fixed: canary x vs −x,
+  poisson: x vs absent): ``audit_epsilon`` (point estimate), ``canary_eps_lower`` (one-sided
+  Clopper–Pearson lower bound at ``canary_confidence``, 95 %). Either above the accountant's ε
+  is reported as a failure in summary.md (a bug, not a figure).
 * sample level (dp-sgd, every run): LiRA (``experiments.lira``, Carlini et al. 2022) of the
   point's per-node mechanism (``experiments.lira_dp_sgd``): ``--lira-models`` digits models
   trained with Opacus DP-SGD at the point's σ, clip norm, q = 1/L and T steps of the node the
@@ -117,7 +119,8 @@ COLUMNS = [
     "noise_multiplier", "n_seeds", "accuracy_mean", "accuracy_ci_low", "accuracy_ci_high", "perplexity_mean",
     "perplexity_ci_low", "perplexity_ci_high", "mia_auc_mean", "mia_auc_ci_low", "mia_auc_ci_high",
     "epsilon_accountant", "epsilon_no_amplification", "epsilon_kind", "audit_epsilon", "audit_kind",
-    "lira_auc_mean", "lira_auc_ci_low", "lira_auc_ci_high", "lira_tpr_at_0.1pct_fpr_mean", "lira_epsilon_lb_max",
+    "canary_eps_lower", "canary_confidence", "lira_auc_mean", "lira_auc_ci_low", "lira_auc_ci_high",
+    "lira_tpr_at_0.1pct_fpr_mean", "lira_epsilon_lb_max",
     "lira_models", "completed", "seconds",
 ]
 FULL = {"populations": "10,50,100", "epsilons": "1,2,4,8,inf", "rounds": 25, "seeds": 5, "audit_trials": 1000,
@@ -461,17 +464,19 @@ def audit_sigma(mode: str, sigma: float, cpr: int) -> float:
 
 
 def audit_point(args: argparse.Namespace, mode: str, population: int, cpr: int, sigma: float,
-                dim: int) -> tuple[float, str]:
-    """(audit ε, kind): the canary audit for client-level modes; dp-sgd has no client-level audit."""
+                dim: int) -> tuple[float, str, float, float]:
+    """(audit ε point estimate, kind, its one-sided lower bound, the bound's confidence): the
+    canary audit for client-level modes; dp-sgd has no client-level audit (NaN)."""
     from experiments.canary_audit import AuditConfig, run_canary_audit
 
     if mode not in CLIENT_LEVEL:
-        return math.nan, "none (sample-level: see mia_auc)"
+        return math.nan, "none (sample-level: see mia_auc)", math.nan, math.nan
     cfg = AuditConfig(dim=dim, population=population, fraction=cpr / population,
                       sampling=sampling_of(mode, args.client_sampling), rounds=args.rounds,
                       sigma=audit_sigma(mode, sigma, cpr), clip_norm=args.clip_norm, trials=args.audit_trials,
                       delta=args.delta, seed=args.seed)
-    return run_canary_audit(cfg).epsilon, "canary one-shot"
+    res = run_canary_audit(cfg)
+    return res.epsilon, f"canary one-shot ({res.pair})", res.epsilon_lower, res.confidence
 
 
 def summarise(runs: list[dict[str, Any]], args: argparse.Namespace, dim: int) -> list[dict[str, Any]]:
@@ -494,7 +499,8 @@ def summarise(runs: list[dict[str, Any]], args: argparse.Namespace, dim: int) ->
         row["lira_models"] = int(max(r.get("lira_models", 0) for r in rs))
         row["epsilon_accountant"] = max(r["epsilon_spent"] for r in rs)
         row["epsilon_no_amplification"] = max(r["epsilon_no_amplification"] for r in rs)
-        row["audit_epsilon"], row["audit_kind"] = audit_point(args, mode, pop, first["clients_per_round"],
+        (row["audit_epsilon"], row["audit_kind"], row["canary_eps_lower"],
+         row["canary_confidence"]) = audit_point(args, mode, pop, first["clients_per_round"],
                                                               first["noise_multiplier"], dim)
         row["completed"] = sum(r["status"] == "completed" for r in rs)
         row["seconds"] = float(np.mean([r["seconds"] for r in rs]))
@@ -503,11 +509,12 @@ def summarise(runs: list[dict[str, Any]], args: argparse.Namespace, dim: int) ->
 
 
 def audit_failures(points: list[dict[str, Any]]) -> list[str]:
-    """Points whose audit ε (canary, or LiRA's lower bound) exceeds the accountant's: a bug,
-    never a result."""
+    """Points whose audit ε (canary point estimate or lower bound, or LiRA's lower bound) exceeds
+    the accountant's: a bug, never a result."""
     out = []
     for p in points:
-        for key, name in (("audit_epsilon", "canary audit"), ("lira_epsilon_lb_max", "LiRA ε lower bound")):
+        for key, name in (("audit_epsilon", "canary audit"), ("canary_eps_lower", "canary audit ε lower bound"),
+                          ("lira_epsilon_lb_max", "LiRA ε lower bound")):
             v, acc = p.get(key, math.nan), p["epsilon_accountant"]
             if math.isfinite(v) and math.isfinite(acc) and v > acc:
                 out.append(f"{p['mode']} pop {p['population']} ε={_fmt_eps(p['target_epsilon'])}: {name} "
@@ -595,6 +602,7 @@ def summary_lines(runs: list[dict[str, Any]], points: list[dict[str, Any]], args
               "n_seeds": p["n_seeds"], f"{metric} mean [95% CI]": _fmt_ci(p, metric),
               "ε accountant": _fmt_eps(p["epsilon_accountant"]), "ε no ampl.": _fmt_eps(p["epsilon_no_amplification"]),
               "ε kind": p["epsilon_kind"], "audit ε": _fmt_eps(p["audit_epsilon"]),
+              "audit ε lb": _fmt_eps(p.get("canary_eps_lower", math.nan)),
               "LiRA ε lb": _fmt_eps(p.get("lira_epsilon_lb_max", math.nan)),
               "LiRA AUC [95% CI]": _fmt_ci(p, "lira_auc"),
               "LiRA TPR@0.1%FPR": f"{p.get('lira_tpr_at_0.1pct_fpr_mean', math.nan):.3g}",
@@ -611,8 +619,10 @@ def summary_lines(runs: list[dict[str, Any]], points: list[dict[str, Any]], args
                 if args.task == "digits" else "perplexity = final global model on the held-out modules. ")
              + "ε accountant: client-level (Flower RdpAccountant for the sampler) except dp-sgd: sample-level "
              "(largest node ε, Opacus). ε no ampl.: the same releases without amplification by sampling (the "
-             "figure against the server). audit ε: canary one-shot audit of the client-level mechanism "
-             f"({args.audit_trials} trials; capped at 50 = the canary is plainly visible). LiRA (dp-sgd only): "
+             "figure against the server). audit ε: canary one-shot audit of the client-level mechanism, the "
+             "accounted adjacency's worst-case pair (fixed: canary x vs −x, poisson: x vs absent), point "
+             f"estimate ({args.audit_trials} trials per world; capped at 50 = the canary is plainly visible); audit "
+             "ε lb: its one-sided Clopper–Pearson lower bound at 95 % (canary_confidence). LiRA (dp-sgd only): "
              f"{args.lira_models} DP-SGD models of the most-charged node's mechanism (its σ, q, steps) on halves of "
              f"up to {args.lira_pool} examples of sampled clients (runs.csv: lira_pool, lira_steps), leave-one-out; "
              "AUC mean and CI over seeds, TPR at 0.1 % FPR mean, ε lb = the largest Clopper–Pearson lower bound "
