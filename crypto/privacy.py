@@ -66,23 +66,14 @@ release and saturation is post-processing of it (its δ_sat is reported as 0). A
 (Skellam) mechanism on the integer encoding, which would make saturation part of the
 mechanism itself, is not implemented.
 
-Accounting is Opacus' (RDP or PRV) here; nothing re-derives a bound. Client level, the server
-accounts with `federation.client_accounting.ClientAccountant` (Flower 1.42's RdpAccountant), which
-matches the client sampler: Poisson (add-or-remove-one) or fixed-size without replacement
-(replace-one, σ/2); `PrivacyAccountant` below is Opacus' Poisson bound, right only for Poisson
-sampling. Sample level (DP-SGD inside a node): Opacus' `PrivacyEngine` keeps its own
-accountant; wrap its history with `PrivacyAccountant.from_opacus`.
-
-RDP orders: Opacus' default orders (1.1 ... 63) do not reach the regimes fedkv runs. The main job
-(sigma = 0.02, every node every round) has its optimal order near 1.04, below the smallest
-default (Opacus then warns "Optimal order is the smallest alpha" and returns a looser ε), and
-strong-privacy settings (large sigma, small q) want orders above 63. `rdp_orders(history)` adds
-fractional orders down to 1 + 1e-5 and large orders: up to 1024 for subsampled steps (Opacus'
-integer-order series overflows to NaN above ~1029), up to 2**20 when every step has q = 1 (the
-closed form alpha / (2 sigma^2)). Every order gives a valid bound, so more orders only tighten ε.
-The PRV accountant uses the same orders for the RDP bound that sizes its discretisation domain.
-Left as Opacus warns it: a subsampled (q < 1) history whose optimum lies above order 1024, i.e. a
-tiny ε (about 0.03 at sigma = 20, q = 0.1, one step): the bound is then a little loose, not wrong.
+Accounting. Client level (every ε a run prints, plots or quotes): the server's
+`federation.client_accounting.ClientAccountant` (Flower 1.42's RdpAccountant), matched to the
+client sampler: Poisson at the sampler's own q (add-or-remove-one) or fixed-size without
+replacement (replace-one, σ/2). Nothing in crypto accounts client level (crypto never imports
+flwr). Sample level (DP-SGD inside a node): `dp_sgd_epsilon` / `dp_sgd_noise_multiplier`, plain
+Opacus RDP as its `PrivacyEngine` keeps it; the node and the experiments all call these. (The
+former `PrivacyAccountant`, an Opacus Poisson accountant with extra orders that no run used, is
+retired: issue 21.)
 
 `privacy_claim(epsilon, dp_mode)` turns an ε into the label a results file may print: no ε above
 `MEANINGFUL_EPSILON` is presented as a guarantee.
@@ -91,7 +82,7 @@ tiny ε (about 0.03 at sigma = 20, q = 0.1, one step): the bound is then a littl
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -106,17 +97,14 @@ __all__ = [
     "clip_update",
     "noise_std",
     "gaussian_noise",
-    "client_sample_rate",
-    "PrivacyAccountant",
-    "noise_multiplier_for",
-    "rdp_orders",
+    "dp_sgd_epsilon",
+    "dp_sgd_noise_multiplier",
     "privacy_claim",
     "MEANINGFUL_EPSILON",
     "NO_MEANINGFUL_EPSILON",
 ]
 
 Placement = Literal["local", "distributed", "server"]
-Mechanism = Literal["rdp", "prv"]
 
 
 class ClipResult(NamedTuple):
@@ -214,168 +202,37 @@ def gaussian_noise(
     return rng.normal(0.0, std, size=shape)
 
 
-def client_sample_rate(clients_per_round: int, population: int) -> float:
-    """Client-level sampling rate q = clients per round / population."""
-    if not 0 < clients_per_round <= population:
-        raise ParameterError("need 0 < clients_per_round <= population")
-    return clients_per_round / population
+# -- sample-level accounting (DP-SGD inside a node) -------------------------------------------------
+def dp_sgd_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
+    """ε of ``steps`` DP-SGD steps at (σ, q): Opacus' ``RDPAccountant`` with its default orders, the
+    accountant ``PrivacyEngine(accountant="rdp")`` keeps. The one sample-level accountant: the
+    node reports it (``node.cache_node``) and the experiments audit and size σ with it."""
+    from opacus.accountants import RDPAccountant
+
+    if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
+        raise ParameterError(f"noise_multiplier must be finite and >= 0, not {noise_multiplier}")
+    if not 0 < sample_rate <= 1:
+        raise ParameterError("sample_rate must be in (0, 1]")
+    if not 0 < delta < 1:
+        raise ParameterError("delta must be in (0, 1)")
+    if steps < 1:
+        return 0.0
+    if noise_multiplier == 0:
+        return math.inf
+    acct = RDPAccountant()
+    acct.history = [(float(noise_multiplier), float(sample_rate), int(steps))]
+    return float(acct.get_epsilon(delta))
 
 
-# -- RDP orders --------------------------------------------------------------------------------
-_OPACUS_DEFAULT_ORDERS = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))
-"""opacus.accountants.RDPAccountant.DEFAULT_ALPHAS (1.1 ... 10.9, 12 ... 63)."""
-SMALL_ORDERS = tuple(float(f"{1 + x:.10g}") for x in np.geomspace(1e-5, 0.1, 17)[:-1])
-"""1 + 1e-5 ... 1 + 0.056, four per decade: the optimum for small sigma (the main job's 0.02)."""
-LARGE_ORDERS = tuple(int(round(64 * 2 ** (k / 2))) for k in range(1, 9))
-"""91 ... 1024 (sqrt(2) apart): large sigma / small q. Opacus' integer-order series for q < 1
-overflows (NaN and a RuntimeWarning) above ~1029, so subsampled steps stop at 1024."""
-FULL_BATCH_ORDERS = tuple(int(round(2 ** (k / 2))) for k in range(21, 41))
-"""1448 ... 2**20: only when every step has q = 1 (closed form, no overflow)."""
-
-
-def rdp_orders(history: Sequence[tuple[float, float, int]] = ()) -> tuple[float, ...]:
-    """The RDP orders fedkv accounts with for a history of (sigma, q, steps), sorted."""
-    orders = SMALL_ORDERS + _OPACUS_DEFAULT_ORDERS + LARGE_ORDERS
-    if history and all(float(q) == 1.0 for _, q, _ in history):
-        orders += FULL_BATCH_ORDERS
-    return tuple(sorted(orders))
-
-
-def _opacus_classes() -> tuple[type, type]:
-    """(RDP, PRV) accountant classes using `rdp_orders`; registered with Opacus as
-    "fedkv-rdp" / "fedkv-prv" so `get_noise_multiplier` can search with them."""
-    global _CLASSES
-    if _CLASSES is not None:
-        return _CLASSES
-    from opacus.accountants import PRVAccountant, RDPAccountant, register_accountant
-    from opacus.accountants.analysis.prv.domain import Domain
-
-    class FedkvRDPAccountant(RDPAccountant):
-        """Opacus' RDP accountant; default orders `rdp_orders(history)` instead of 1.1 ... 63."""
-
-        def get_privacy_spent(self, *, delta: float, alphas: Any = None) -> tuple[float, float]:
-            if alphas is None:
-                alphas = list(rdp_orders(self.history))
-            return super().get_privacy_spent(delta=delta, alphas=alphas)
-
-    class FedkvPRVAccountant(PRVAccountant):
-        """Opacus' PRV accountant; its domain-size RDP bound uses `rdp_orders`.
-
-        `_get_domain` is Opacus 1.6.0's (``PRVAccountant._get_domain`` +
-        ``analysis.prv.domain.compute_safe_domain_size``, remark 5.6 of Gopi et al.) with
-        ``FedkvRDPAccountant``: a tighter valid RDP bound is still a safe truncation bound.
-        """
-
-        def _get_domain(self, prvs, num_self_compositions, eps_error, delta_error):  # type: ignore[no-untyped-def]
-            total = sum(num_self_compositions)
-            rdp = FedkvRDPAccountant()
-            rdp.history = [(p.noise_multiplier, p.sample_rate, k) for p, k in zip(prvs, num_self_compositions)]
-            L = rdp.get_epsilon(delta_error / 4)
-            for p in prvs:
-                one = FedkvRDPAccountant()
-                one.history = [(p.noise_multiplier, p.sample_rate, 1)]
-                L = max(L, one.get_epsilon(delta=delta_error / (8 * total)))
-            L = max(L, eps_error) + 3
-            mesh_size = eps_error / np.sqrt(total * np.log(12 / delta_error) / 2)
-            return Domain.create_aligned(-L, L, mesh_size)
-
-    for name, cls in (("fedkv-rdp", FedkvRDPAccountant), ("fedkv-prv", FedkvPRVAccountant)):
-        register_accountant(name, cls, force=True)
-    _CLASSES = (FedkvRDPAccountant, FedkvPRVAccountant)
-    return _CLASSES
-
-
-_CLASSES: tuple[type, type] | None = None
-
-
-def _opacus_accountant(mechanism: Mechanism) -> Any:
-    if mechanism not in ("rdp", "prv"):
-        raise ParameterError(f"accountant must be 'rdp' or 'prv', not {mechanism!r}")
-    rdp, prv = _opacus_classes()  # lazy: opacus imports torch
-    return rdp() if mechanism == "rdp" else prv()
-
-
-class PrivacyAccountant:
-    """Opacus' RDP/PRV accountant with bulk steps and ε for a given δ.
-
-    Opacus stores history as (noise_multiplier, sample_rate, num_steps); `step(..., steps=k)`
-    extends that history directly instead of calling Opacus' `step` k times (same math).
-    """
-
-    def __init__(self, mechanism: Mechanism = "rdp") -> None:
-        self.mechanism = mechanism
-        self._acc = _opacus_accountant(mechanism)
-
-    @property
-    def history(self) -> list[tuple[float, float, int]]:
-        return list(self._acc.history)
-
-    @property
-    def steps(self) -> int:
-        return sum(int(h[2]) for h in self._acc.history)
-
-    def step(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
-        """Record `steps` applications of the subsampled Gaussian mechanism."""
-        if not (noise_multiplier > 0 and math.isfinite(noise_multiplier)):
-            raise ParameterError("noise_multiplier must be > 0 (sigma = 0 has no finite epsilon)")
-        if not 0 < sample_rate <= 1:
-            raise ParameterError("sample_rate must be in (0, 1]")
-        if steps < 1:
-            raise ParameterError("steps must be >= 1")
-        hist = self._acc.history
-        if hist and hist[-1][0] == noise_multiplier and hist[-1][1] == sample_rate:
-            nm, sr, k = hist.pop()
-            hist.append((nm, sr, k + steps))
-        else:
-            hist.append((float(noise_multiplier), float(sample_rate), int(steps)))
-
-    def epsilon(self, delta: float) -> float:
-        """ε spent so far for this δ (0 before any step)."""
-        if not 0 < delta < 1:
-            raise ParameterError("delta must be in (0, 1)")
-        if not self._acc.history:
-            return 0.0
-        return float(self._acc.get_epsilon(delta=delta))
-
-    @classmethod
-    def from_opacus(cls, accountant: Any, mechanism: Mechanism | None = None) -> PrivacyAccountant:
-        """Wrap the history of an Opacus accountant (e.g. `PrivacyEngine.accountant`).
-
-        `mechanism` re-accounts the same history with another method (e.g. PRV for a tighter ε).
-        """
-        mech = mechanism or getattr(accountant, "mechanism", lambda: "rdp")()
-        out = cls(mech)
-        out._acc.history = [tuple(h) for h in accountant.history]
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"mechanism": self.mechanism, "history": [list(h) for h in self._acc.history]}
-
-    @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> PrivacyAccountant:
-        out = cls(state["mechanism"])
-        out._acc.history = [(float(a), float(b), int(c)) for a, b, c in state["history"]]
-        return out
-
-
-def noise_multiplier_for(
-    target_eps: float, delta: float, sample_rate: float, steps: int, accountant: Mechanism = "rdp"
-) -> float:
-    """Smallest noise multiplier reaching `target_eps` after `steps` (Opacus' search, fedkv's orders)."""
+def dp_sgd_noise_multiplier(target_eps: float, delta: float, sample_rate: float, steps: int) -> float:
+    """Smallest σ whose ``dp_sgd_epsilon`` after ``steps`` is at most ``target_eps`` (Opacus' search,
+    same accountant)."""
     from opacus.accountants.utils import get_noise_multiplier
 
-    if accountant not in ("rdp", "prv"):
-        raise ParameterError(f"accountant must be 'rdp' or 'prv', not {accountant!r}")
-    _opacus_classes()
-    return float(
-        get_noise_multiplier(
-            target_epsilon=target_eps,
-            target_delta=delta,
-            sample_rate=sample_rate,
-            steps=steps,
-            accountant=f"fedkv-{accountant}",
-        )
-    )
+    if not (target_eps > 0 and math.isfinite(target_eps)):
+        raise ParameterError(f"target ε must be finite and > 0, not {target_eps}")
+    return float(get_noise_multiplier(target_epsilon=target_eps, target_delta=delta, sample_rate=sample_rate,
+                                      steps=steps, accountant="rdp"))
 
 
 # -- what a run may claim -------------------------------------------------------------------------

@@ -60,14 +60,10 @@ class DpSgdMechanism:
         return 1.0 / self.batches
 
     def epsilon(self, delta: float) -> float:
-        """The accountant's ε of this mechanism (Opacus RDP, as the node reports it)."""
-        from opacus.accountants import RDPAccountant
+        """The accountant's ε of this mechanism: ``crypto.dp_sgd_epsilon``, the call the node reports with."""
+        from crypto import dp_sgd_epsilon
 
-        if self.noise_multiplier == 0:
-            return math.inf
-        acct = RDPAccountant()
-        acct.history = [(self.noise_multiplier, self.sample_rate, self.steps)]
-        return float(acct.get_epsilon(delta))
+        return dp_sgd_epsilon(self.noise_multiplier, self.sample_rate, self.steps, delta)
 
 
 def train_dp_sgd(mech: DpSgdMechanism, x: torch.Tensor, y: torch.Tensor, seed: int) -> nn.Module:

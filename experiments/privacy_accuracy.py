@@ -202,9 +202,9 @@ def _client_sigma(eps: float, sampling: str, population: int, cpr: int, rounds: 
 def _sample_sigma(eps: float, delta: float, batches: int, steps: int) -> float:
     """σ of one node's DP-SGD (q = 1/L, T steps); cached: Opacus' search takes seconds and the
     seeds of a point share most batch counts."""
-    from crypto import noise_multiplier_for
+    from crypto import dp_sgd_noise_multiplier  # the accountant the node reports with
 
-    return noise_multiplier_for(eps, delta, 1.0 / batches, steps)
+    return dp_sgd_noise_multiplier(eps, delta, 1.0 / batches, steps)
 
 
 def sigma_for(mode: str, eps: float, delta: float, rounds: int, cpr: int, population: int,

@@ -8,7 +8,10 @@ the other pairings):
 * ``poisson``: every node joins a round independently with probability q; the aggregate is
   divided by the *fixed* expected count q·N, not the realised one (DP-FedAvg, McMahan et al.
   2018), so adding or removing one client moves the noisy sum by at most C. Accounted as the
-  Poisson-subsampled Gaussian, add-or-remove-one adjacency, noise multiplier σ.
+  Poisson-subsampled Gaussian, add-or-remove-one adjacency, noise multiplier σ, at the
+  sampler's own q (``step(..., sample_rate=q)``), never at a rounded q·N / N: Flower takes q as
+  ``sample_size / population_size``, so the Poisson accountant's population is 2**1074, of
+  which every double q in (0, 1] is an exact integer share (``_poisson_event``).
 * ``fixed``: exactly k of the N nodes, uniformly without replacement (N public). Accounted with
   Wang, Balle & Kasiviswanathan (2019, Thm 27) under replace-one adjacency. Replacing one
   client's clipped update by another's moves the sum by up to 2C, and dp-accounting's noise
@@ -53,6 +56,21 @@ def _flower() -> Any:
     return fs
 
 
+_POISSON_DENOMINATOR = 2**1074
+"""Population of the Poisson accountant: every double q in (0, 1] is k / 2**1074 for an integer k,
+and Python's int / int is correctly rounded, so Flower's ``sample_size / population_size`` is q."""
+
+
+def _poisson_event(noise_multiplier: float, q: float) -> Any:
+    """Flower's event for a Poisson round at exactly rate q (see ``_POISSON_DENOMINATOR``)."""
+    from flwr.serverapp import GaussianPrivacyEvent
+
+    num, den = q.as_integer_ratio()
+    event = GaussianPrivacyEvent(noise_multiplier, num * (_POISSON_DENOMINATOR // den), _POISSON_DENOMINATOR)
+    assert event.sample_size / event.population_size == q
+    return event
+
+
 def _sensitivity_factor(sampling: str) -> float:
     """Sensitivity of the clipped sum in units of C under the sampler's adjacency."""
     return 2.0 if sampling == "fixed" else 1.0
@@ -63,8 +81,9 @@ class ClientAccountant:
     """ε of the client-level mechanism, with and without amplification by sampling.
 
     ``population`` is N (public); ``step(sigma, sample_size)`` composes one round whose noisy
-    sum carries std σ·C. For ``poisson`` ``sample_size`` is the *expected* count q·N (rounded,
-    >= 1: Flower takes q = sample_size / N), for ``fixed`` the exact k.
+    sum carries std σ·C. For ``fixed`` ``sample_size`` is the exact k. For ``poisson`` pass the
+    sampler's probability as ``sample_rate=q`` (what the run does); an integer ``sample_size``
+    k means q = k / N exactly.
     """
 
     sampling: str
@@ -85,24 +104,43 @@ class ClientAccountant:
         rel, method = ((fs.NeighboringRelation.REPLACE_ONE, fs.SamplingMethod.WITHOUT_REPLACEMENT)
                        if self.sampling == "fixed"
                        else (fs.NeighboringRelation.ADD_OR_REMOVE_ONE, fs.SamplingMethod.POISSON))
-        self._amplified = fs.RdpAccountant(fs.PrivacyConfig(self.delta, self.population, rel, method))
+        amplified_population = _POISSON_DENOMINATOR if self.sampling == "poisson" else self.population
+        self._amplified = fs.RdpAccountant(fs.PrivacyConfig(self.delta, amplified_population, rel, method))
         self._plain = fs.RdpAccountant(fs.PrivacyConfig(
             self.delta, self.population, fs.NeighboringRelation.ADD_OR_REMOVE_ONE,
             fs.SamplingMethod.NO_AMPLIFICATION))
 
-    def step(self, sigma: float, sample_size: int, rounds: int = 1) -> None:
-        """Compose ``rounds`` releases of a noisy sum with std σ·C over ``sample_size`` clients."""
+    def step(self, sigma: float, sample_size: int | None = None, rounds: int = 1, *,
+             sample_rate: float | None = None) -> None:
+        """Compose ``rounds`` releases of a noisy sum with std σ·C: over exactly ``sample_size``
+        clients (``fixed``), or each client drawn with probability ``sample_rate`` (``poisson``;
+        or ``sample_size`` = q·N when that is a whole number)."""
         if not (sigma > 0 and math.isfinite(sigma)):
             raise ParameterError(f"sigma must be finite and > 0 (σ = 0 has no finite ε), not {sigma}")
-        if not (isinstance(sample_size, int) and 1 <= sample_size <= self.population):
-            raise ParameterError(f"sample_size must be an integer in [1, {self.population}], not {sample_size!r}")
         if rounds < 1:
             raise ParameterError("rounds must be >= 1")
+        if (sample_size is None) == (sample_rate is None):
+            raise ParameterError("give exactly one of sample_size and sample_rate")
+        if sample_rate is not None:
+            if self.sampling != "poisson":
+                raise ParameterError(f"sample_rate is the Poisson sampler's q; {self.sampling!r} takes sample_size k")
+            if not (isinstance(sample_rate, float | int) and 0 < sample_rate <= 1):
+                raise ParameterError(f"sample_rate must be in (0, 1], not {sample_rate!r}")
+            q = float(sample_rate)
+        else:
+            if not (isinstance(sample_size, int) and 1 <= sample_size <= self.population):
+                raise ParameterError(
+                    f"sample_size must be an integer in [1, {self.population}], not {sample_size!r}")
+            q = sample_size / self.population
         from flwr.serverapp import GaussianPrivacyEvent
 
-        event = GaussianPrivacyEvent(sigma / _sensitivity_factor(self.sampling), sample_size, self.population)
-        self._amplified.compose(event, rounds)
-        self._plain.compose(event, rounds)
+        noise = sigma / _sensitivity_factor(self.sampling)
+        if self.sampling == "poisson":
+            self._amplified.compose(_poisson_event(noise, q), rounds)
+        else:
+            self._amplified.compose(GaussianPrivacyEvent(noise, sample_size, self.population), rounds)
+        # no amplification: the sample metadata is only carried, the plain Gaussian is composed
+        self._plain.compose(GaussianPrivacyEvent(noise, self.population, self.population), rounds)
         self.steps += rounds
 
     def epsilon(self) -> float:

@@ -25,9 +25,13 @@ class SampleOutsideBounds(RuntimeError):
     """A Poisson draw with fewer than min-clients (or, under HE, more than max-clients) nodes."""
 
 
-def expected_sample_size(fraction: float, population: int) -> int:
-    """q·N rounded, at least 1: the fixed denominator of a Poisson round (public)."""
-    return max(1, round(fraction * population))
+def expected_sample_size(fraction: float, population: int) -> float:
+    """q·N, the fixed denominator of a Poisson round (public). Not rounded: a fixed denominator
+    need not be a whole number, and the accountant charges the sampler's own q
+    (``ClientAccountant.step(..., sample_rate=q)``), so nothing here may stand in for q."""
+    if not (0 < fraction <= 1 and population >= 1):
+        raise ValueError(f"need 0 < q <= 1 and N >= 1, not q={fraction}, N={population}")
+    return fraction * population
 
 
 def evaluation_size(population: int, fraction: float, min_clients: int, cap: int) -> int:

@@ -58,7 +58,7 @@ from federation import protocol, replies
 from federation.codec import Aggregator, make_aggregator, packing_for, run_saturation_delta, wire_noise
 from federation.config import RunConfig
 from federation.results import METRIC_NAMES, RoundRecord, mean, serving_summary, weighted_mean
-from federation.sampling import ClientSampler, SampleOutsideBounds, evaluation_size, expected_sample_size
+from federation.sampling import ClientSampler, SampleOutsideBounds, evaluation_size
 from federation.timing import PhaseTimer
 
 from federation.provisioning import AdmitReport
@@ -541,8 +541,10 @@ class OpaqueFedAvg:
         the noise multiplier the aggregate really carries: σ for local (each update carries σC);
         for distributed with he=true σ·sqrt(shares present / sampled) (the server sees only the
         sum: the survivors' shares plus the top-up that arrived); σ/√n for distributed with
-        he=false (the server sees each update with its share σC/√n). A skipped Poisson round is
-        charged at σ (it released nothing: over-counting is safe). Amplification assumes the
+        he=false (the server sees each update with its share σC/√n). Poisson is charged at the
+        sampler's own q (fraction-train), not at a rounded q·N / N. A skipped Poisson round (a
+        draw outside [min-clients, max-clients]: nobody trains) is charged as a full release at
+        σ and q: it released nothing, so over-counting is safe (conservative). Amplification assumes the
         sample is secret, which the server that samples does not respect:
         ``epsilon_client_no_amplification`` is the figure against the server.
         """
@@ -563,17 +565,19 @@ class OpaqueFedAvg:
             return math.inf
         if self.accountant is None:
             self.accountant = ClientAccountant(self.sampler.method, rec.population, self.cfg.target_delta)
-        self.accountant.step(sigma, self._event_size(rec))
+        if self.sampler.method == "poisson":  # the probability the sampler draws each node with
+            self.accountant.step(sigma, sample_rate=self.sampler.fraction)
+        else:
+            self.accountant.step(sigma, self._event_size(rec))
         self.client_epsilon = self.accountant.epsilon()
         rec.epsilon_client_no_amplification = self.accountant.epsilon_no_amplification()
         return self.client_epsilon
 
     def _event_size(self, rec: RoundRecord) -> int:
-        """The accountant's sample size in its own population N0: q·N0 for poisson; for fixed
-        k, scaled to N0 and rounded up (conservative) when the admitted population changed."""
+        """The fixed sampler's k in the accountant's own population N0, scaled to N0 and rounded
+        up (conservative) when the admitted population changed. (Poisson is charged at the
+        sampler's q whatever N is.)"""
         n0 = self.accountant.population if self.accountant is not None else rec.population
-        if self.sampler.method == "poisson":
-            return expected_sample_size(self.cfg.fraction_train, n0)
         k = self.sampler.fixed_size(rec.population) if rec.sampling_skipped else rec.sampled
         if rec.population != n0:
             log(WARNING, "population %d differs from the accountant's %d: charging k=%d as a share of %d",

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from cache import CacheConfig, KVCache
-from crypto import Layout, clip_update, flatten, gaussian_noise
+from crypto import Layout, clip_update, dp_sgd_epsilon, flatten, gaussian_noise
 from node import digits
 from node.model import TinyTransformer
 from node import param_channel
@@ -256,7 +256,6 @@ class CacheNode:
     def _train_dp_sgd(self, epochs: int, lr: float, dp: DpConfig) -> tuple[float, int, float]:
         """Per-sample DP-SGD with Opacus on a copy; epsilon from all steps so far (RDP)."""
         from opacus import PrivacyEngine
-        from opacus.accountants import RDPAccountant
 
         if self.task.train_loader is None:
             raise ValueError(f"dp-sgd is available for the digits task, not {self.task.name!r}")
@@ -285,9 +284,7 @@ class CacheNode:
         self.dp_steps += len(ploader) * epochs  # the accountant counts expected steps
         self.dp_sample_rate = 1.0 / len(ploader)
         self.dp_sigma = dp.noise_multiplier
-        acct = RDPAccountant()
-        acct.history = [(self.dp_sigma, self.dp_sample_rate, self.dp_steps)]
-        eps = acct.get_epsilon(dp.target_delta)
+        eps = dp_sgd_epsilon(self.dp_sigma, self.dp_sample_rate, self.dp_steps, dp.target_delta)
         return loss, self.task.num_examples, eps
 
     # -- Flower's array protocol (the flower-central baseline) --------------------------

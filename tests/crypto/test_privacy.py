@@ -1,9 +1,9 @@
-"""Clipping, noise placement variances (also through the encrypted path), Opacus accounting."""
+"""Clipping, noise placement variances (also through the encrypted path), the sample-level (DP-SGD)
+accountant, and the client-level ε the main job's run reports."""
 
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 import pytest
@@ -15,16 +15,15 @@ from crypto import (
     NonFiniteUpdateError,
     PackingConfig,
     ParameterError,
-    PrivacyAccountant,
     UpdateEncryptor,
-    client_sample_rate,
     clip_update,
+    dp_sgd_epsilon,
+    dp_sgd_noise_multiplier,
     gaussian_noise,
     global_l2_norm,
-    noise_multiplier_for,
     noise_std,
 )
-from crypto.privacy import MEANINGFUL_EPSILON, NO_MEANINGFUL_EPSILON, privacy_claim, rdp_orders
+from crypto.privacy import MEANINGFUL_EPSILON, NO_MEANINGFUL_EPSILON, privacy_claim
 
 
 def test_clip_whole_update_across_tensors() -> None:
@@ -93,38 +92,15 @@ def test_distributed_noise_plus_server_top_up_through_encryption(secret_ctx, pub
     assert saturated < d * 1e-3  # 5 std range: saturation is rare (and counted)
 
 
-def test_abadi_example_with_both_opacus_accountants() -> None:
+# -- sample level: the one DP-SGD accountant (node, lira_dp_sgd, privacy_accuracy) -----------------
+def test_abadi_example() -> None:
     # Abadi et al. 2016: q = 0.01, sigma = 4, delta = 1e-5, 10,000 steps: eps ~ 1.26 (moments acc.)
-    eps = {}
-    for mech in ("rdp", "prv"):
-        acc = PrivacyAccountant(mech)
-        acc.step(noise_multiplier=4.0, sample_rate=0.01, steps=10_000)
-        eps[mech] = acc.epsilon(1e-5)
-        assert 0.9 <= eps[mech] <= 1.26, (mech, eps[mech])
-    assert eps["prv"] < eps["rdp"]  # PRV is the tighter of the two
-    assert eps["rdp"] == pytest.approx(1.04, abs=0.02)
-
-
-def test_client_level_accounting_grows_per_round_and_matches_opacus_step() -> None:
-    from opacus.accountants import RDPAccountant
-
-    q = client_sample_rate(10, 100)
-    ours, theirs = PrivacyAccountant("rdp"), RDPAccountant()
-    eps = []
-    for _ in range(5):
-        ours.step(1.2, q)
-        theirs.step(noise_multiplier=1.2, sample_rate=q)
-        eps.append(ours.epsilon(1e-5))
-    assert all(a < b for a, b in zip(eps, eps[1:]))
-    assert eps[-1] == pytest.approx(theirs.get_epsilon(1e-5))
-    assert ours.steps == 5 and PrivacyAccountant("rdp").epsilon(1e-5) == 0.0
-    restored = PrivacyAccountant.from_state_dict(ours.state_dict())
-    assert restored.epsilon(1e-5) == pytest.approx(eps[-1])
-    assert PrivacyAccountant.from_opacus(theirs, "prv").epsilon(1e-5) < eps[-1]
+    eps = dp_sgd_epsilon(4.0, 0.01, 10_000, 1e-5)
+    assert 0.9 <= eps <= 1.26
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # Opacus' secure-RNG and hook notices
-def test_sample_level_history_from_opacus_privacy_engine() -> None:
+def test_dp_sgd_epsilon_is_what_the_privacy_engine_reports() -> None:
     from opacus import PrivacyEngine
 
     model = torch.nn.Linear(4, 2)
@@ -139,137 +115,86 @@ def test_sample_level_history_from_opacus_privacy_engine() -> None:
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-    wrapped = PrivacyAccountant.from_opacus(engine.accountant)
-    assert wrapped.epsilon(1e-5) == pytest.approx(engine.get_epsilon(1e-5))
-    assert wrapped.steps == sum(h[2] for h in engine.accountant.history) > 0
+    steps = sum(h[2] for h in engine.accountant.history)
+    assert steps > 0 and dp_sgd_epsilon(1.1, 1 / len(loader), steps, 1e-5) == pytest.approx(engine.get_epsilon(1e-5))
 
 
-def test_noise_multiplier_for_reaches_target() -> None:
-    sigma = noise_multiplier_for(1.0, 1e-5, 0.01, 10_000)
-    acc = PrivacyAccountant("rdp")
-    acc.step(sigma, 0.01, 10_000)
-    assert 0.95 <= acc.epsilon(1e-5) <= 1.0
-    assert sigma == pytest.approx(4.14, abs=0.05)
+def test_dp_sgd_noise_multiplier_reaches_target() -> None:
+    sigma = dp_sgd_noise_multiplier(1.0, 1e-5, 0.01, 10_000)
+    assert 0.95 <= dp_sgd_epsilon(sigma, 0.01, 10_000, 1e-5) <= 1.0
+    assert sigma == pytest.approx(4.2, abs=0.15)
 
 
-def test_accountant_rejects_bad_input() -> None:
-    acc = PrivacyAccountant("rdp")
-    for args in [(0.0, 0.1), (1.0, 0.0), (1.0, 1.5)]:
+def test_dp_sgd_rejects_bad_input() -> None:
+    for args in [(-1.0, 0.1, 1, 1e-5), (1.0, 0.0, 1, 1e-5), (1.0, 1.5, 1, 1e-5), (1.0, 0.1, 1, 0.0)]:
         with pytest.raises(ParameterError):
-            acc.step(*args)
+            dp_sgd_epsilon(*args)
+    assert dp_sgd_epsilon(0.0, 0.1, 3, 1e-5) == math.inf and dp_sgd_epsilon(1.0, 0.1, 0, 1e-5) == 0.0
     with pytest.raises(ParameterError):
-        acc.epsilon(0.0)
-    with pytest.raises(ParameterError):
-        PrivacyAccountant("moments")  # type: ignore[arg-type]
+        dp_sgd_noise_multiplier(math.inf, 1e-5, 0.1, 10)
 
 
-# -- RDP orders: no "Optimal order is the smallest/largest alpha", consistent ε ---------------------
-MAIN_JOB = (0.02, 1.0, 5)
-"""The default job: sigma 0.02, all 5 nodes every round (q = 1), 5 rounds, delta 1e-5."""
-SWEEP_SIGMAS = (0.5, 2.0, 5.0)
-SWEEP_STEPS = (25, 50, 100)
-SWEEP_Q = 0.1
+def test_the_retired_client_level_accountant_is_gone() -> None:
+    """Issue 21: every client-level ε is federation.client_accounting's; crypto has none."""
+    import crypto
+    import crypto.privacy
+
+    for name in ("PrivacyAccountant", "noise_multiplier_for", "rdp_orders", "client_sample_rate"):
+        assert not hasattr(crypto, name) and not hasattr(crypto.privacy, name), name
 
 
-def _alpha_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
-    return [str(w.message) for w in caught if "Optimal order" in str(w.message)]
+# -- client level: what the main job's run reports -------------------------------------------------
+MAIN_JOB_EPSILON = 27_612
+"""ε after 5 rounds of the main job (README "Run configuration": noise-multiplier), as the run
+reports it: recomputed by ``test_main_job_epsilon_is_what_the_run_reports``."""
 
 
-def test_opacus_default_orders_miss_the_main_job() -> None:
-    """The problem being fixed: Opacus' own orders stop at 1.1, the main job's optimum is ~1.04."""
-    from opacus.accountants import RDPAccountant
+def _main_job_run_epsilons() -> list[float]:
+    """ε per round as the run's strategy accounts it: the default RunConfig (5 nodes, the fixed
+    sampler taking all 5, dp-mode distributed under he=true with every share present, σ 0.02,
+    δ 1e-5, 5 rounds)."""
+    from federation.config import RunConfig
+    from federation.results import RoundRecord
+    from federation.strategy import OpaqueFedAvg, sampler_for
 
-    acc = RDPAccountant()
-    acc.history = [MAIN_JOB]
-    with pytest.warns(UserWarning, match="Optimal order is the smallest alpha"):
-        acc.get_epsilon(1e-5)
+    cfg = RunConfig(task="digits")
+    assert (cfg.noise_multiplier, cfg.target_delta, cfg.num_server_rounds, cfg.client_sampling, cfg.he,
+            cfg.dp_mode) == (0.02, 1e-5, 5, "fixed", True, "distributed")
+    s = OpaqueFedAvg.__new__(OpaqueFedAvg)
+    s.cfg, s.sampler, s.accountant, s.client_epsilon, s.saturation_delta = cfg, sampler_for(cfg), None, 0.0, 0.0
+    assert s.sampler.fixed_size(5) == 5
+    return [s._account(RoundRecord(round=r, population=5, sampled=5), 5) for r in range(1, 6)]
 
 
-def test_main_job_accounting_emits_no_alpha_warning_and_a_tighter_epsilon() -> None:
-    from opacus.accountants import RDPAccountant
+def test_main_job_epsilon_is_what_the_run_reports() -> None:
+    """Replace-one adjacency: the sum moves by 2C, so the Gaussian has noise multiplier σ/2 = 0.01,
+    composed 5 times (q = 1: no amplification). Reference: dp-accounting's RDP (the bound the
+    run's accountant uses) and the exact Gaussian-DP curve (tight: 25,953; dp-accounting's PLD
+    cannot discretise a privacy loss this large in memory)."""
+    pytest.importorskip("dp_accounting")
+    from dp_accounting import dp_event
+    from dp_accounting.privacy_accountant import NeighboringRelation
+    from dp_accounting.rdp import RdpAccountant
+    from scipy.special import log_ndtr
 
-    sigma, q, rounds = MAIN_JOB
-    acc = PrivacyAccountant("rdp")
-    eps = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(rounds):  # as the server accountant does: one step per round
-            acc.step(sigma, q)
-            eps.append(acc.epsilon(1e-5))
-    assert _alpha_warnings(caught) == []
+    def gdp_delta(e: float, mu: float) -> float:  # Dong, Roth & Su: exact δ(ε) of μ-GDP
+        return math.exp(log_ndtr(-e / mu + mu / 2)) - math.exp(e + log_ndtr(-e / mu - mu / 2))
+
+    mu = math.sqrt(5) / 0.01
+    lo, hi = 0.0, 1e6
+    for _ in range(200):
+        lo, hi = ((lo + hi) / 2, hi) if gdp_delta((lo + hi) / 2, mu) > 1e-5 else (lo, (lo + hi) / 2)
+    exact = hi
+
+    eps = _main_job_run_epsilons()
     assert all(a < b for a, b in zip(eps, eps[1:]))
-    opacus_default = RDPAccountant()
-    opacus_default.history = [MAIN_JOB]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        loose = opacus_default.get_epsilon(1e-5)
-    assert eps[-1] < loose  # a valid bound at a better order: strictly tighter
-    assert eps[-1] == pytest.approx(6800, rel=0.01)  # huge: sigma 0.02 buys no meaningful client-level ε
-
-
-def test_sweep_accounting_emits_no_alpha_warning_and_is_consistent() -> None:
-    from opacus.accountants import RDPAccountant
-
-    eps: dict[tuple[float, int], float] = {}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for sigma in SWEEP_SIGMAS:
-            for steps in SWEEP_STEPS:
-                acc = PrivacyAccountant("rdp")
-                acc.step(sigma, SWEEP_Q, steps)
-                eps[sigma, steps] = acc.epsilon(1e-5)
-    assert _alpha_warnings(caught) == []
-    for sigma in SWEEP_SIGMAS:  # monotone in steps
-        series = [eps[sigma, k] for k in SWEEP_STEPS]
-        assert all(0 < a < b for a, b in zip(series, series[1:])), (sigma, series)
-    for steps in SWEEP_STEPS:  # decreasing in sigma
-        series = [eps[s, steps] for s in SWEEP_SIGMAS]
-        assert all(a > b for a, b in zip(series, series[1:])), (steps, series)
-    for (sigma, steps), value in eps.items():  # optimum inside Opacus' range: the same ε as Opacus
-        theirs = RDPAccountant()
-        theirs.history = [(sigma, SWEEP_Q, steps)]
-        assert value == pytest.approx(theirs.get_epsilon(1e-5), rel=1e-9)
-
-
-def test_prv_uses_the_same_orders_without_warning() -> None:
-    from opacus.accountants import PRVAccountant
-
-    abadi = PrivacyAccountant("prv")
-    abadi.step(4.0, 0.01, 10_000)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        eps = abadi.epsilon(1e-5)
-        sweep = []
-        for sigma in (0.5, 5.0):
-            acc = PrivacyAccountant("prv")
-            acc.step(sigma, SWEEP_Q, 25)
-            sweep.append(acc.epsilon(1e-5))
-    assert _alpha_warnings(caught) == []
-    theirs = PRVAccountant()
-    theirs.history = [(4.0, 0.01, 10_000)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Opacus' own domain bound stops at order 63 here
-        assert eps == pytest.approx(theirs.get_epsilon(1e-5), rel=1e-6)
-    assert sweep[0] > sweep[1] > 0
-
-
-def test_noise_multiplier_for_the_sweep_emits_no_alpha_warning() -> None:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        sigmas = [noise_multiplier_for(e, 1e-5, SWEEP_Q, 25) for e in (1.0, 2.0)]
-    assert _alpha_warnings(caught) == []
-    assert sigmas[0] > sigmas[1] > 0
-
-
-def test_rdp_orders() -> None:
-    from opacus.accountants import RDPAccountant
-
-    sub = rdp_orders([(1.0, 0.1, 3)])
-    full = rdp_orders([(1.0, 1.0, 3), (2.0, 1.0, 1)])
-    assert list(sub) == sorted(sub) and set(RDPAccountant.DEFAULT_ALPHAS) <= set(sub)
-    assert min(sub) < 1.0001 and max(sub) == 1024  # Opacus' series overflows above ~1029 for q < 1
-    assert max(full) >= 2**20 and set(sub) < set(full)
-    assert rdp_orders() == sub
+    event = dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(0.01), 5)
+    rdp = RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)
+    rdp.compose(event)
+    assert eps[-1] == pytest.approx(rdp.get_epsilon(1e-5), rel=1e-9)
+    assert exact == pytest.approx(25_953, abs=1) and exact < eps[-1]
+    assert round(eps[-1]) == MAIN_JOB_EPSILON  # the figure README quotes
+    assert privacy_claim(eps[-1], "distributed") == NO_MEANINGFUL_EPSILON
 
 
 # -- privacy_claim ------------------------------------------------------------------------------------
@@ -282,13 +207,6 @@ def test_privacy_claim_labels() -> None:
     for eps in (10.01, 6800.0, math.inf, math.nan):
         assert privacy_claim(eps, "distributed") == "clipping and noise, no meaningful ε at this population"
     assert NO_MEANINGFUL_EPSILON == "clipping and noise, no meaningful ε at this population"
-
-
-def test_privacy_claim_of_the_main_job_is_honest() -> None:
-    sigma, q, rounds = MAIN_JOB
-    acc = PrivacyAccountant("rdp")
-    acc.step(sigma, q, rounds)
-    assert privacy_claim(acc.epsilon(1e-5), "distributed") == NO_MEANINGFUL_EPSILON
 
 
 def test_privacy_claim_rejects_bad_input() -> None:

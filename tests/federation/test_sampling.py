@@ -54,8 +54,10 @@ def test_poisson_draw_outside_bounds_is_refused_not_redrawn() -> None:
 
 
 def test_fixed_denominator() -> None:
-    assert expected_sample_size(0.25, 40) == 10 and expected_sample_size(0.001, 40) == 1
+    assert expected_sample_size(0.25, 40) == 10 and expected_sample_size(0.001, 40) == pytest.approx(0.04)
     assert poisson_mean_scale(12, 0.25, 40) == pytest.approx(1.2)  # mean over 12 -> sum / 10
+    # q·N = 2.5 is the denominator as it is, not rounded to 2 (the accountant charges q = 0.25)
+    assert poisson_mean_scale(3, 0.25, 10) == pytest.approx(1.2)
 
 
 def test_bad_input() -> None:
