@@ -375,10 +375,15 @@ def test_idle_sessions_expire_and_free_their_blocks(start_agent, tmp_path):
     assert agent.call("/v1/stats")["expired"] == 2
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     live = tmp_path / "kv-cache" / "serve"
-    out = subprocess.run([sys.executable, "-m", "cache", "stats", "--dir", str(live)], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    engine = json.loads(out.stdout)["stats"]
+    deadline = time.monotonic() + 30  # the agent republishes its snapshot about once a second
+    while True:
+        out = subprocess.run([sys.executable, "-m", "cache", "stats", "--dir", str(live)], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        engine = json.loads(out.stdout)["stats"]
+        if engine["sessions_open"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert engine["sessions_open"] == 0 and engine["blocks_referenced"] == 0, engine
 
 
