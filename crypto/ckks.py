@@ -793,7 +793,8 @@ def last_modulus(ctx: CkksContext) -> int:
 
 
 AUTO_PRESETS = ("fedkv-2048", "fedkv-4096")
-"""The rings `preset_for` chooses among (all 128-bit secure by the HE standard's tables)."""
+"""The rings `preset_for` chooses among (all classical 128-bit secure by the HE standard's
+tables; not its post-quantum column)."""
 
 
 def update_bytes_estimate(params: CkksParams, packing: PackingConfig, n_values: int) -> int:

@@ -50,7 +50,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class CkksParams:
-    """CKKS parameters for addition-only aggregation (128-bit security, SEAL's HE-standard bound).
+    """CKKS parameters for addition-only aggregation (classical 128-bit security: SEAL's
+    HE-standard bound, not the standard's post-quantum column).
 
     poly_modulus_degree: N; N/2 complex slots = N slot parts (real + imaginary) per ciphertext.
     coeff_mod_bit_sizes: prime sizes; the FIRST prime is the one left at the last level, where
