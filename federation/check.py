@@ -18,7 +18,6 @@ exits 0 whatever happened to the run.
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import os
 import re
@@ -30,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from federation.config import ConfigError, RunConfig, config_lines
+from federation.config import ConfigError, RunConfig, config_lines, unknown_key
 
 OK, RUN_FAILED, BAD_CONFIG = 0, 1, 2
 RESULTS_LINE = re.compile(r"FEDKV_RESULTS (\S+)")
@@ -82,12 +81,10 @@ def check(run_config: Sequence[str] = (), federation_config: Sequence[str] = (),
     except ConfigError as err:
         return Checked(None, err.problems)
     out = Checked(None)
-    unknown = [k for k in overrides if k not in defaults]
-    out.problems += [_unknown(k, list(defaults), "[tool.flwr.app.config] in pyproject.toml") for k in unknown]
-    try:
+    try:  # RunConfig names unknown keys too: the pyproject's keys are its fields
         out.config = RunConfig.from_run_config({**defaults, **overrides})
     except ConfigError as err:
-        out.problems += [p for p in err.problems if not any(repr(k) in p for k in unknown)]
+        out.problems += err.problems
     _check_federation(federation, out)
     return out
 
@@ -95,7 +92,7 @@ def check(run_config: Sequence[str] = (), federation_config: Sequence[str] = (),
 def _check_federation(federation: dict[str, Any], out: Checked) -> None:
     for key, value in federation.items():
         if key not in FEDERATION_KEYS:
-            out.problems.append(_unknown(key, list(FEDERATION_KEYS), "Flower's simulation config"))
+            out.problems.append(unknown_key(key, FEDERATION_KEYS, "Flower's simulation config"))
         elif not isinstance(value, FEDERATION_KEYS[key]) and not (FEDERATION_KEYS[key] is float and isinstance(value, int)):
             out.problems.append(f"{key} must be {FEDERATION_KEYS[key].__name__}, not {value!r}")
     nodes, cpus = federation.get("num-supernodes"), federation.get("client-resources-num-cpus")
@@ -110,12 +107,6 @@ def _check_federation(federation: dict[str, Any], out: Checked) -> None:
     if have // per_node < 2 <= have:
         out.notes.append(f"{per_node:g} CPUs per node on {have} CPUs: nodes run one at a time; "
                          f"client-resources-num-cpus={have // 2 if have >= 4 else 1} runs them in parallel")
-
-
-def _unknown(key: str, known: list[str], where: str) -> str:
-    close = difflib.get_close_matches(key.replace("_", "-"), known, n=3, cutoff=0.5)
-    hint = f"did you mean {' or '.join(close)}?" if close else f"the keys are in {where}"
-    return f"unknown key {key!r} ({hint})"
 
 
 # -- the wrapped flwr run ----------------------------------------------------------------------

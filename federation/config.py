@@ -23,7 +23,7 @@ import math
 import numbers
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -212,7 +212,7 @@ class RunConfig:
         Raises ``ConfigError`` naming every unknown key and every bad value.
         """
         known = {_key(f.name): f.name for f in fields(RunConfig)}
-        problems = [_unknown(k, known) for k in run_config if k not in known]
+        problems = [unknown_key(k, known) for k in run_config if k not in known]
         kwargs = {known[k]: v for k, v in run_config.items() if k in known}
         try:
             cfg = RunConfig(**kwargs)
@@ -283,9 +283,10 @@ def _key(name: str) -> str:
     return name.replace("_", "-")
 
 
-def _unknown(key: Any, known: Mapping[str, str]) -> str:
+def unknown_key(key: Any, known: Iterable[str], where: str = "[tool.flwr.app.config] in pyproject.toml") -> str:
+    """The problem text for an unknown key: the closest known keys, else where the keys are."""
     close = difflib.get_close_matches(str(key).replace("_", "-"), list(known), n=3, cutoff=0.6)
-    hint = f"did you mean {' or '.join(close)}?" if close else "see [tool.flwr.app.config] in pyproject.toml"
+    hint = f"did you mean {' or '.join(close)}?" if close else f"see {where}"
     return f"unknown key {key!r} ({hint})"
 
 
