@@ -170,3 +170,15 @@ def test_the_main_job_figures_in_the_codec_docstring_are_the_computed_ones() -> 
     assert f"dim {dim:,}" in doc and f"R = {pk.clip_range:.6g} instead of {heuristic:.6g}" in doc
     assert f"step {pk.step:.3g}, rounding std of the 5-node sum {rounding_std:.2g} = " \
            f"{100 * rounding_std / sigma_c:.0f} % of σC = {sigma_c:g}" in doc
+
+
+def test_the_readmes_mean_bounds_are_what_the_code_derives() -> None:
+    """README (threat model): B = 2.27 for 3 digits nodes at σ = 0.05, 2.59 for the main job."""
+    from federation.codec import mean_bound_for, wire_dim
+    from federation.config import RunConfig
+    from node.cache_node import model_layout
+
+    for task, extra, n, want in (("digits", {"noise-multiplier": 0.05}, 3, 2.27), ("lm", {}, 5, 2.59)):
+        cfg = RunConfig.from_run_config({"task": task, **extra})
+        bound = mean_bound_for(cfg, wire_dim(cfg, model_layout(task, cfg.seed).size))
+        assert round(bound.radius(n, n, float(n)), 2) == want, task
