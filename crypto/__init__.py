@@ -14,6 +14,8 @@ from crypto.ckks import (
     last_modulus,
     update_header_problem,
     preset_for,
+    AUTO_PRESETS,
+    PQ_AUTO_PRESETS,
     update_bytes_estimate,
 )
 from crypto.at_rest import (
@@ -83,6 +85,8 @@ __all__ = [
     "ciphertext_coefficients",
     "last_modulus",
     "preset_for",
+    "AUTO_PRESETS",
+    "PQ_AUTO_PRESETS",
     "update_bytes_estimate",
     "load_public_context",
     "read_secret_file",

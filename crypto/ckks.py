@@ -117,6 +117,8 @@ __all__ = [
     "ciphertext_info",
     "update_header_problem",
     "preset_for",
+    "AUTO_PRESETS",
+    "PQ_AUTO_PRESETS",
     "update_bytes_estimate",
 ]
 
@@ -795,6 +797,8 @@ def last_modulus(ctx: CkksContext) -> int:
 AUTO_PRESETS = ("fedkv-2048", "fedkv-4096")
 """The rings `preset_for` chooses among (all classical 128-bit secure by the HE standard's
 tables; not its post-quantum column)."""
+PQ_AUTO_PRESETS = ("fedkv-2048-pq", "fedkv-4096-pq")
+"""The same choice within the HE standard's post-quantum 128-bit column (he-security)."""
 
 
 def update_bytes_estimate(params: CkksParams, packing: PackingConfig, n_values: int) -> int:

@@ -133,12 +133,22 @@ PRESETS: dict[str, CkksParams] = {
     # Same bytes per parameter, twice the values per ciphertext (fewer, larger messages) and
     # sqrt(2) more decryption noise (still < 0.1 at 2^18). 120 of the 218 bits allowed.
     "fedkv-8192": CkksParams(name="fedkv-8192", poly_modulus_degree=8192, coeff_mod_bit_sizes=(60, 60)),
+    # The HE standard's post-quantum 128-bit column (log q <= 51 at N=2048, 101 at 4096):
+    # 3 bits fewer per slot part at 2048 (32 + 17 = 49 = 51 - 2); at 4096 only the special
+    # prime shrinks (60 + 41), so q0 and the packing are the classical ring's.
+    "fedkv-2048-pq": CkksParams(
+        name="fedkv-2048-pq", poly_modulus_degree=2048, coeff_mod_bit_sizes=(51,), packed_scale_bits=17,
+        real_scale_bits=31, slot_bits=32,
+    ),
+    "fedkv-4096-pq": CkksParams(name="fedkv-4096-pq", poly_modulus_degree=4096, coeff_mod_bit_sizes=(60, 41)),
     # NVFlare / TenSEAL tutorial parameters. fedkv still encrypts at the last level (one limb).
     "nvflare-default": CkksParams(
         name="nvflare-default", poly_modulus_degree=8192, coeff_mod_bit_sizes=(60, 40, 40)
     ),
 }
 DEFAULT_PRESET = "fedkv-4096"
+PQ_LOG_Q_BOUND: dict[int, int] = {2048: 51, 4096: 101, 8192: 202}
+"""The HE standard's post-quantum 128-bit bound on log q per N (SEAL enforces the classical one)."""
 
 
 # --- where secret contexts exist ------------------------------------------------------------------

@@ -1,6 +1,5 @@
 """Privacy vs accuracy: an ε sweep over fedkv's DP modes and Flower's DP baseline, repeated over
-paired seeds, with the accountant's ε (with and without amplification by sampling) and two
-empirical audits next to every point.
+paired seeds, with the accountant's ε per observer and two empirical audits next to every point.
 
     python -m experiments.privacy_accuracy            # full digits sweep, 5 seeds (duration printed first)
     python -m experiments.privacy_accuracy --quick    # CI-sized: 2 seeds (and says so)
@@ -67,8 +66,12 @@ Accuracy is the final global model's accuracy on the digits global test split (n
 any client); the federated (clients' held-out shares) metric of the last round is in the CSV as
 ``fed_metric``. For lm, perplexity on the held-out modules.
 
-Files: ``runs.csv`` (one row per seed), ``points.csv`` (one row per point: means, CIs, ε and
-audit ε), ``summary.md``, plots (client-level and sample-level ε apart), JSON last.
+ε per observer (``federation.privacy_ledger``): ``epsilon_spent``/``epsilon_accountant`` against
+third parties (amplified), ``epsilon_server``, ``epsilon_node`` (a curious key holder) and
+``epsilon_colluding`` (run-config colluding-nodes of them), all at δ = target-delta.
+
+Files: ``runs.csv`` (one row per seed), ``points.csv`` (one row per point: means, CIs, ε per
+observer and audit ε with its lower bound), ``summary.md``, plots (client-level and sample-level ε apart), JSON last.
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ from experiments.output import (
     write_csv,
     write_json,
 )
+from federation.privacy_ledger import OBSERVERS
 
 SCRIPT = "privacy_accuracy"
 MODES = ("distributed", "flower-central", "local", "dp-sgd", "flower-adaptive", "distributed-adaptive")
@@ -107,7 +111,8 @@ CLIENT_LEVEL = ("distributed", "flower-central", "local", "flower-adaptive", "di
 FLOWER_MODES = ("flower-central", "flower-adaptive")
 RUN_COLUMNS = [
     "task", "mode", "population", "clients_per_round", "rounds", "seed", "client_sampling", "target_epsilon",
-    "noise_multiplier", "epsilon_spent", "epsilon_no_amplification", "epsilon_kind", "accuracy", "perplexity",
+    "noise_multiplier", "epsilon_spent", *(f"epsilon_{o}" for o in OBSERVERS[1:]), "epsilon_kind", "accuracy",
+    "perplexity",
     "fed_metric", "mia_auc", "mia_members", "lira_auc", "lira_auc_ci_low", "lira_auc_ci_high",
     "lira_tpr_at_0.1pct_fpr", "lira_epsilon_lb", "lira_models", "lira_pool", "lira_steps", "lira_sample_rate",
     "lira_s", "lira_train_s", "status", "seconds", "round_s",
@@ -118,7 +123,7 @@ COLUMNS = [
     "task", "mode", "population", "clients_per_round", "rounds", "client_sampling", "target_epsilon",
     "noise_multiplier", "n_seeds", "accuracy_mean", "accuracy_ci_low", "accuracy_ci_high", "perplexity_mean",
     "perplexity_ci_low", "perplexity_ci_high", "mia_auc_mean", "mia_auc_ci_low", "mia_auc_ci_high",
-    "epsilon_accountant", "epsilon_no_amplification", "epsilon_kind", "audit_epsilon", "audit_kind",
+    "epsilon_accountant", *(f"epsilon_{o}" for o in OBSERVERS[1:]), "epsilon_kind", "audit_epsilon", "audit_kind",
     "canary_eps_lower", "canary_confidence", "lira_auc_mean", "lira_auc_ci_low", "lira_auc_ci_high",
     "lira_tpr_at_0.1pct_fpr_mean", "lira_epsilon_lb_max",
     "lira_models", "completed", "seconds",
@@ -418,29 +423,31 @@ def run_point(args: argparse.Namespace, mode: str, population: int, eps: float,
     phases = [r.seconds.get("train_phase", math.nan) + r.seconds.get("evaluate_phase", math.nan)
               for r in results.rounds]
     round_s = float(sum(phases)) if phases else math.nan
-    spent, no_amp, kind = _spent(mode, eps, last)
+    spent, observers, kind = _spent(mode, eps, last)
     return {
         "task": args.task, "mode": mode, "population": population, "clients_per_round": cpr,
         "rounds": args.rounds, "seed": seed, "client_sampling": rc["client-sampling"], "target_epsilon": eps,
-        "noise_multiplier": sigma, "epsilon_spent": spent, "epsilon_no_amplification": no_amp,
+        "noise_multiplier": sigma, "epsilon_spent": spent, **observers,
         "epsilon_kind": kind, "accuracy": acc, "perplexity": ppl,
         "fed_metric": float(last.eval_metric) if last else math.nan, "mia_auc": auc, "mia_members": members,
         **lira, "status": results.status.split(":")[0], "seconds": seconds, "round_s": round_s,
     }
 
 
-def _spent(mode: str, eps: float, last: Any) -> tuple[float, float, str]:
-    """(ε spent, ε without amplification, kind) from the last round record."""
-    if last is None:
-        return math.nan, math.nan, "sample" if mode == "dp-sgd" else "client"
-    if mode == "dp-sgd":
-        spent, no_amp, kind = last.epsilon_sample, math.nan, "sample"
-    else:
-        spent, no_amp, kind = last.epsilon_client, last.epsilon_client_no_amplification, "client"
-    if math.isinf(eps):  # no noise: unbounded
-        spent = math.inf if spent is None or math.isnan(spent) else spent
-        no_amp = math.inf if kind == "client" else no_amp
-    return float(spent), float(no_amp), kind
+def _spent(mode: str, eps: float, last: Any) -> tuple[float, dict[str, float], str]:
+    """(ε spent against third parties, {"epsilon_<observer>": ε} for the server, a node and
+    colluding nodes, kind) from the last round record (``federation.privacy_ledger``). DP-SGD's
+    sample-level ε is a node's own guarantee: the other observers' columns are null there."""
+    keys = [f"epsilon_{o}" for o in OBSERVERS[1:]]
+    if last is None or mode == "dp-sgd":
+        spent = math.nan if last is None else float(last.epsilon_sample)
+        return spent, dict.fromkeys(keys, math.nan), "sample" if mode == "dp-sgd" else "client"
+    spent = float(last.epsilon_client)
+    others = {k: float(getattr(last, k)) for k in keys}
+    if math.isinf(eps):  # no noise: unbounded against everyone
+        spent = math.inf if math.isnan(spent) else spent
+        others = {k: math.inf if math.isnan(v) else v for k, v in others.items()}
+    return spent, others, "client"
 
 
 # -- points: statistics over seeds and the audit --------------------------------------------
@@ -498,7 +505,8 @@ def summarise(runs: list[dict[str, Any]], args: argparse.Namespace, dim: int) ->
         row["lira_epsilon_lb_max"] = max((v for v in lbs if math.isfinite(v)), default=math.nan)
         row["lira_models"] = int(max(r.get("lira_models", 0) for r in rs))
         row["epsilon_accountant"] = max(r["epsilon_spent"] for r in rs)
-        row["epsilon_no_amplification"] = max(r["epsilon_no_amplification"] for r in rs)
+        for o in OBSERVERS[1:]:
+            row[f"epsilon_{o}"] = max(r[f"epsilon_{o}"] for r in rs)
         (row["audit_epsilon"], row["audit_kind"], row["canary_eps_lower"],
          row["canary_confidence"]) = audit_point(args, mode, pop, first["clients_per_round"],
                                                               first["noise_multiplier"], dim)
@@ -600,7 +608,8 @@ def summary_lines(runs: list[dict[str, Any]], points: list[dict[str, Any]], args
     shown = [{"mode": p["mode"], "population": p["population"], "clients_per_round": p["clients_per_round"],
               "target_epsilon": _fmt_eps(p["target_epsilon"]), "noise_multiplier": p["noise_multiplier"],
               "n_seeds": p["n_seeds"], f"{metric} mean [95% CI]": _fmt_ci(p, metric),
-              "ε accountant": _fmt_eps(p["epsilon_accountant"]), "ε no ampl.": _fmt_eps(p["epsilon_no_amplification"]),
+              "ε 3rd party": _fmt_eps(p["epsilon_accountant"]), "ε server": _fmt_eps(p["epsilon_server"]),
+              "ε a node": _fmt_eps(p["epsilon_node"]), "ε t nodes": _fmt_eps(p["epsilon_colluding"]),
               "ε kind": p["epsilon_kind"], "audit ε": _fmt_eps(p["audit_epsilon"]),
               "audit ε lb": _fmt_eps(p.get("canary_eps_lower", math.nan)),
               "LiRA ε lb": _fmt_eps(p.get("lira_epsilon_lb_max", math.nan)),

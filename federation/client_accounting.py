@@ -32,7 +32,8 @@ from typing import Any, Literal
 
 from crypto.errors import ParameterError
 
-__all__ = ["ClientSampling", "CLIENT_SAMPLINGS", "ClientAccountant", "AccountantUnavailableError", "sigma_for_epsilon"]
+__all__ = ["ClientSampling", "CLIENT_SAMPLINGS", "ClientAccountant", "GaussianAccountant",
+           "AccountantUnavailableError", "sigma_for_epsilon"]
 
 ClientSampling = Literal["fixed", "poisson"]
 CLIENT_SAMPLINGS: tuple[str, ...] = ("fixed", "poisson")
@@ -77,6 +78,37 @@ def _sensitivity_factor(sampling: str) -> float:
 
 
 @dataclass
+class GaussianAccountant:
+    """ε of releases whose sample the adversary knows (no amplification), for the sampler's
+    adjacency (``_sensitivity_factor``); ``step(sigma)`` composes one noisy sum of std σ·C."""
+
+    population: int
+    delta: float
+    sampling: str = "fixed"
+    _rdp: Any = field(init=False, repr=False)
+    steps: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        fs = _flower()
+        self._rdp = fs.RdpAccountant(fs.PrivacyConfig(
+            self.delta, self.population, fs.NeighboringRelation.ADD_OR_REMOVE_ONE,
+            fs.SamplingMethod.NO_AMPLIFICATION))
+
+    def step(self, sigma: float, rounds: int = 1) -> None:
+        if not (sigma > 0 and math.isfinite(sigma)):
+            raise ParameterError(f"sigma must be finite and > 0 (σ = 0 has no finite ε), not {sigma}")
+        from flwr.serverapp import GaussianPrivacyEvent
+
+        noise = sigma / _sensitivity_factor(self.sampling)
+        self._rdp.compose(GaussianPrivacyEvent(noise, self.population, self.population), rounds)
+        self.steps += rounds
+
+    def epsilon(self) -> float:
+        """ε at ``delta`` (0 before any step)."""
+        return float(self._rdp.get_epsilon(self.delta)) if self.steps else 0.0
+
+
+@dataclass
 class ClientAccountant:
     """ε of the client-level mechanism, with and without amplification by sampling.
 
@@ -90,7 +122,7 @@ class ClientAccountant:
     population: int
     delta: float
     _amplified: Any = field(init=False, repr=False)
-    _plain: Any = field(init=False, repr=False)
+    _plain: GaussianAccountant = field(init=False, repr=False)
     steps: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -106,9 +138,7 @@ class ClientAccountant:
                        else (fs.NeighboringRelation.ADD_OR_REMOVE_ONE, fs.SamplingMethod.POISSON))
         amplified_population = _POISSON_DENOMINATOR if self.sampling == "poisson" else self.population
         self._amplified = fs.RdpAccountant(fs.PrivacyConfig(self.delta, amplified_population, rel, method))
-        self._plain = fs.RdpAccountant(fs.PrivacyConfig(
-            self.delta, self.population, fs.NeighboringRelation.ADD_OR_REMOVE_ONE,
-            fs.SamplingMethod.NO_AMPLIFICATION))
+        self._plain = GaussianAccountant(self.population, self.delta, self.sampling)
 
     def step(self, sigma: float, sample_size: int | None = None, rounds: int = 1, *,
              sample_rate: float | None = None) -> None:
@@ -139,8 +169,7 @@ class ClientAccountant:
             self._amplified.compose(_poisson_event(noise, q), rounds)
         else:
             self._amplified.compose(GaussianPrivacyEvent(noise, sample_size, self.population), rounds)
-        # no amplification: the sample metadata is only carried, the plain Gaussian is composed
-        self._plain.compose(GaussianPrivacyEvent(noise, self.population, self.population), rounds)
+        self._plain.step(sigma, rounds)  # no amplification: the plain Gaussian
         self.steps += rounds
 
     def epsilon(self) -> float:
@@ -153,7 +182,7 @@ class ClientAccountant:
 
     def epsilon_no_amplification(self) -> float:
         """ε at ``delta`` when the sample is known to the adversary (the server)."""
-        return float(self._plain.get_epsilon(self.delta)) if self.steps else 0.0
+        return self._plain.epsilon()
 
 
 def sigma_for_epsilon(target_eps: float, sampling: str, population: int, sample_size: int, rounds: int,

@@ -389,9 +389,10 @@ def ckks_preset_for(cfg: RunConfig, dim: int) -> str:
     key-making node is told the resolved name."""
     if cfg.ckks_preset != "auto":
         return cfg.ckks_preset
-    from crypto import preset_for
+    from crypto import AUTO_PRESETS, PQ_AUTO_PRESETS, preset_for
 
-    return preset_for(dim, packing_for(cfg, dim))
+    names = PQ_AUTO_PRESETS if cfg.he_security == "post-quantum" else AUTO_PRESETS
+    return preset_for(dim, packing_for(cfg, dim), names)
 
 
 def client_max_weight(cfg: RunConfig) -> float:

@@ -33,9 +33,14 @@ KV_DTYPES = ("fp32", "fp16", "int8", "int4")
 PACKINGS = ("packed", "none")
 CLIENT_SAMPLINGS = ("fixed", "poisson")
 """federation.sampling's samplers (federation.client_accounting accounts each)."""
-CKKS_PRESETS = ("auto", "fedkv-2048", "fedkv-4096", "fedkv-8192", "nvflare-default")
+CKKS_PRESETS = ("auto", "fedkv-2048", "fedkv-4096", "fedkv-8192", "nvflare-default", "fedkv-2048-pq",
+                "fedkv-4096-pq")
 """Names of crypto.PRESETS (kept literal so the config does not import tenseal); "auto" picks the
-ring whose updates are smallest for the model (``crypto.preset_for``: fedkv-2048 or fedkv-4096)."""
+ring whose updates are smallest for the model (``crypto.preset_for``: fedkv-2048 or fedkv-4096,
+or their ``-pq`` forms under he-security post-quantum)."""
+HE_SECURITIES = ("classical", "post-quantum")
+"""The HE standard's columns at 128 bits: classical (SEAL's own bound) or post-quantum."""
+PQ_PRESETS = ("fedkv-2048-pq", "fedkv-4096-pq")
 MAX_SEED = 2**32 - 1
 """numpy and scikit-learn take seeds in [0, 2**32 - 1]."""
 DEFAULT_RESULTS_DIR = "results"
@@ -45,6 +50,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "task": TASKS,
     "packing": PACKINGS,
     "ckks-preset": CKKS_PRESETS,
+    "he-security": HE_SECURITIES,
     "dp-mode": DP_MODES,
     "kv-dtype": KV_DTYPES,
     "client-sampling": CLIENT_SAMPLINGS,
@@ -99,6 +105,9 @@ class RunConfig:
     CKKS encoding pre-scales updates by weight/max-weight. Unused under DP (equal weights)."""
     ckks_preset: str = "auto"
     """CKKS parameter set (crypto.PRESETS) the dealer uses."""
+    he_security: str = "classical"
+    """classical | post-quantum: the HE standard's 128-bit column the ring must meet (post-quantum:
+    log q <= 51 at N = 2048, 101 at 4096; the ``-pq`` presets)."""
     dp_mode: str = "distributed"
     """none | local | distributed | flower-central (Flower's client-side fixed clipping;
     needs he=false)."""
@@ -112,6 +121,8 @@ class RunConfig:
     CKKS encoding needs a bounded range): > 0 then."""
     target_delta: float = 1e-5
     """delta of the reported epsilon, in (0, 1)."""
+    colluding_nodes: int = 2
+    """t of the ε reported against t colluding key-holding nodes (``epsilon_colluding``), >= 1."""
     fraction_train: float = 1.0
     """Share of connected nodes sampled for training each round (at least min-clients), in (0, 1]."""
     fraction_evaluate: float = 1.0
@@ -371,6 +382,9 @@ def _range_problems(cfg: RunConfig, bad: set[str]) -> list[str]:
     check("clip-norm he", lambda: not cfg.he or cfg.clip_norm != 0,
           "clip-norm must be > 0 when he=true (updates are clipped to bound the CKKS encoding range)")
     check("target-delta", lambda: 0.0 < cfg.target_delta < 1.0, "target-delta must be in (0, 1)")
+    check("colluding-nodes", lambda: cfg.colluding_nodes >= 1, "colluding-nodes must be >= 1")
+    check("he-security ckks-preset", lambda: cfg.he_security == "classical" or cfg.ckks_preset in ("auto",) + PQ_PRESETS,
+          f"he-security post-quantum needs ckks-preset auto or one of {PQ_PRESETS}, not {cfg.ckks_preset!r}")
     check("fraction-train", lambda: 0.0 < cfg.fraction_train <= 1.0, "fraction-train must be in (0, 1]")
     check("fraction-evaluate", lambda: 0.0 < cfg.fraction_evaluate <= 1.0, "fraction-evaluate must be in (0, 1]")
     check("max-evaluate-clients", lambda: cfg.max_evaluate_clients >= 0,

@@ -145,11 +145,15 @@ def run_flower_central(grid: Grid, cfg: RunConfig, results: RunResults) -> None:
         rec.eval_clients = int(ev.get("num-clients", 0))
         rec.population = num_nodes
         rec.delta = cfg.target_delta
+        rec.epsilon_server = math.inf  # it sees every update in clear and adds the noise itself
+        rec.colluding_nodes = cfg.colluding_nodes
         if accountant is None:
-            rec.epsilon_client = math.inf
+            rec.epsilon_client = rec.epsilon_node = rec.epsilon_colluding = math.inf
         else:
             if rec.num_clients > 0:  # Flower skips a round's aggregation when a reply failed
                 accountant.step(cfg.noise_multiplier, sampled)
             rec.epsilon_client = accountant.epsilon()
-            rec.epsilon_client_no_amplification = accountant.epsilon_no_amplification()
+            # nodes see the released model; the noise is the server's, unknown to any of them,
+            # and the sample may be known to them: no amplification
+            rec.epsilon_node = rec.epsilon_colluding = accountant.epsilon_no_amplification()
         results.rounds.append(rec)

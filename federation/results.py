@@ -11,8 +11,10 @@ and added ``provisioning``)::
 Client phase times are means over the clients that took part (their reply metrics);
 ``aggregate``, ``verify`` and ``provision`` are measured on the server.
 
-Privacy: ``epsilon_client`` is the client-level ε so far (server-side RDP accountant, see
-``OpaqueFedAvg._account``), ``epsilon_sample`` the largest sample-level DP-SGD ε reported
+Privacy: ``epsilon_client`` is the client-level ε so far against third parties (server-side RDP
+accountant, see ``OpaqueFedAvg._account``); ``epsilon_server``, ``epsilon_node`` and
+``epsilon_colluding`` the same against the other observers (``federation.privacy_ledger``);
+``epsilon_sample`` the largest sample-level DP-SGD ε reported
 by a node (Opacus, per node), both for δ = ``delta``; null = not applicable (no DP of that
 kind) or unbounded (noise-multiplier 0). ``delta_total`` = δ + (1 + e^ε)·``saturation_delta``
 is the δ of the mechanism that runs under HE (the packed encoding saturates with probability
@@ -29,8 +31,11 @@ from pathlib import Path
 from typing import Any
 
 
-SCHEMA = 5
-"""5 added the round fields ``saturation_delta`` and ``delta_total`` (δ of what runs).
+SCHEMA = 6
+"""6 replaced ``epsilon_client_no_amplification`` by ε per observer (``epsilon_server``,
+``epsilon_node``, ``epsilon_colluding`` with ``colluding_nodes``) and added the key holders'
+rounding fields and ``delta_total_key_holders``.
+5 added the round fields ``saturation_delta`` and ``delta_total`` (δ of what runs).
 4 added ``server_seconds``, ``node_seconds`` and ``seconds`` round / nodes_busy / transport.
 3 added ``key_origin``, ``key_rotations``, ``server_pid``, ``privacy_claim`` and the round
 fields ``key_epoch``, ``key_rotated``, ``departed``; under DP ``train_loss``, ``clipped_fraction``
@@ -85,10 +90,23 @@ class RoundRecord:
     noise_shares_added: int = 0
     """Distributed-DP noise shares the server added for left-out clients."""
     epsilon_client: float = math.nan
-    """Client-level ε so far (dp-mode local/distributed, flower-central)."""
-    epsilon_client_no_amplification: float = math.nan
-    """The same client-level ε without credit for sampling (holds against the server, which
-    knows the sample; ``federation.client_accounting``)."""
+    """Client-level ε so far against third parties, who see released models only (amplified by
+    the sampler; dp-mode local/distributed, flower-central). The other observers' figures
+    follow (``federation.privacy_ledger``); all for δ = ``delta``."""
+    epsilon_server: float = math.nan
+    """Against the server: it knows the sample (no amplification); with he=false it also sees
+    each update (dp-mode distributed: σ/√k); ∞ for flower-central (it sees updates in clear)."""
+    epsilon_node: float = math.nan
+    """Against one curious node (a key holder: knows the sample, the dither, its own shares)."""
+    epsilon_colluding: float = math.nan
+    """Against ``colluding_nodes`` key holders pooling their noise shares."""
+    colluding_nodes: int = 0
+    """t of ``epsilon_colluding`` (run-config ``colluding-nodes``)."""
+    rounding_share_steps: float = math.nan
+    """A noise share's std in lattice steps (dithered packing): the key holders' rounding
+    argument needs it ≳ 1 (``federation.privacy_ledger``)."""
+    rounding_delta: float = math.nan
+    """The key holders' δ for rounding they can see through (they hold the dither key)."""
     sampling_skipped: bool = False
     """client-sampling=poisson: the draw fell outside [min-clients, max-clients] and the round
     trained nobody (still charged to the accountant: conservative)."""
@@ -102,6 +120,8 @@ class RoundRecord:
     delta_total: float = math.nan
     """δ of the mechanism that runs: ``delta + (1 + e^epsilon_client)·saturation_delta``
     (``crypto.privacy``, the coupling bound), for the ε of this round."""
+    delta_total_key_holders: float = math.nan
+    """The same for ``epsilon_node``/``epsilon_colluding``: δ + (1 + e^ε_node)·(δ_sat + δ_round)."""
     node_sources: dict[str, int] = field(default_factory=dict)
     """How nodes were obtained this round: built / restored / reused (see node_host)."""
     pids: list[int] = field(default_factory=list)
@@ -147,9 +167,13 @@ class RoundRecord:
         out = []
         if _finite(self.epsilon_client):
             out.append(f"ε {_num(self.epsilon_client)}")
-            if _finite(self.epsilon_client_no_amplification) and \
-                    self.epsilon_client_no_amplification != self.epsilon_client:
-                out.append(f"(vs server {_num(self.epsilon_client_no_amplification)})")
+            others = [("server", self.epsilon_server), ("a node", self.epsilon_node),
+                      (f"{self.colluding_nodes} nodes", self.epsilon_colluding)]
+            # each observer named once: the server only where it differs from third parties
+            shown = [f"{who} {_num(e) if _finite(e) else '∞'}" for who, e in others
+                     if not math.isnan(e) and not (who == "server" and e == self.epsilon_client)]
+            if shown:
+                out.append(f"(vs {', '.join(shown)})")
         if _finite(self.epsilon_sample):
             out.append(f"sample ε {_num(self.epsilon_sample)}")
         if _finite(self.delta_total):

@@ -52,7 +52,7 @@ from flwr.serverapp import Grid
 
 from crypto import KIND_NOISE, KIND_UPDATE, Manifest, ManifestEntry, SignedUpdate
 from crypto import delta_total, last_modulus, noise_std, tag_problem, update_header_problem
-from federation.client_accounting import ClientAccountant
+from federation.privacy_ledger import OBSERVERS, PrivacyLedger, RoundRelease, rounding_delta
 from crypto.errors import SignatureError
 from federation import protocol, replies
 from federation.codec import Aggregator, make_aggregator, packing_for, run_saturation_delta, wire_noise
@@ -129,10 +129,12 @@ class OpaqueFedAvg:
         self.sampler = sampler_for(cfg)
         self.rng = random.SystemRandom()  # who makes missing noise shares: not derivable from the seed
         self.noise_rng = np.random.default_rng()
-        self.accountant: ClientAccountant | None = None
-        """Created at the first DP round, for that round's population (Flower's accountant
-        fixes N); ``federation.client_accounting`` for the sampler in use."""
+        self.ledger: PrivacyLedger | None = None
+        """ε per observer; created at the first DP round, for that round's population (Flower's
+        accountant fixes N); ``federation.privacy_ledger``."""
         self.client_epsilon = 0.0 if cfg.dp_mode in ("local", "distributed") else math.nan
+        self._topup_by_node: dict[int, int] = {}
+        """This round's noise shares each survivor made for left-out clients (he=true)."""
         self.rotate_reason: str | None = None
         self.refused_rounds: list[int] = []
         """The rounds since the last accepted aggregate whose aggregate every node refused."""
@@ -187,7 +189,8 @@ class OpaqueFedAvg:
             except SampleOutsideBounds as err:
                 log(WARNING, "round %d: %s; nobody trains this round", rnd, err)
                 rec.sampling_skipped = True
-                rec.epsilon_client = self._account(rec, 0)
+                skipped = RoundRelease(self.sampler.fixed_size(len(ready)), skipped=True)
+                rec.epsilon_client = self._account(rec, skipped)
                 sampled = None
         if sampled is None:
             return self.evaluate_round(grid, rnd, ready, rec, timer)
@@ -415,6 +418,7 @@ class OpaqueFedAvg:
                 f"round {rnd}: {len(used)} usable update(s) < min-clients={self.cfg.min_clients}; "
                 f"left out: {[(d['node'], d['reason']) for d in train.dropped]}"
             )
+        self._topup_by_node = {}
         with timer.phase("noise"):
             shares = self.top_up_noise(grid, rnd, agg, [n for n, _ in used], rec, entries)
         with timer.phase("serialize"):
@@ -425,7 +429,7 @@ class OpaqueFedAvg:
                 self.known_version[node] = reply.metrics.version
             self._summarize_train([r.metrics for _, r in used], rec)
             rec.node_seconds["train"] = _node_phase_sums([r.metrics for _, r in train.ok], TRAIN_PHASES)
-            rec.epsilon_client = self._account(rec, len(used) + shares)
+            rec.epsilon_client = self._account(rec, self._release(rec, [n for n, _ in used], shares))
 
     def _manifest(self, rnd: int, entries: list[ManifestEntry]) -> bytes:
         if not self.cfg.he:
@@ -489,6 +493,7 @@ class OpaqueFedAvg:
             if signed is not None and self._add(agg, out, node, "noise", signed):
                 entries.append(ManifestEntry(signed.node_id, KIND_NOISE, signed.digest, signed.tag))
                 added += plan[node]
+                self._topup_by_node[node] = plan[node]
         rec.dropped.extend(out.dropped)
         return added
 
@@ -534,50 +539,66 @@ class OpaqueFedAvg:
             rec.seconds[key] = mean([float(getattr(x, f"{key}_s")) for x in m])
         self._count_sources(m, rec)
 
-    def _account(self, rec: RoundRecord, shares: int) -> float:
-        """Client-level ε so far (δ = target-delta) for dp-mode local/distributed.
+    def _release(self, rec: RoundRecord, survivors: list[int], added: int) -> RoundRelease:
+        """What this round released, for the ledger: each survivor's own share plus the top-up
+        shares it made (he=true), or the server's top-up (he=false)."""
+        by_node = {n: 1 + self._topup_by_node.get(n, 0) for n in survivors}
+        server = 0 if self.cfg.he else added
+        return RoundRelease(rec.sampled, by_node, server)
 
-        One release per round, accounted for the sampler (``federation.client_accounting``), with
-        the noise multiplier the aggregate really carries: σ for local (each update carries σC);
-        for distributed with he=true σ·sqrt(shares present / sampled) (the server sees only the
-        sum: the survivors' shares plus the top-up that arrived); σ/√n for distributed with
-        he=false (the server sees each update with its share σC/√n). Poisson is charged at the
-        sampler's own q (fraction-train), not at a rounded q·N / N. A skipped Poisson round (a
-        draw outside [min-clients, max-clients]: nobody trains) is charged as a full release at
-        σ and q: it released nothing, so over-counting is safe (conservative). Amplification assumes the
-        sample is secret, which the server that samples does not respect:
-        ``epsilon_client_no_amplification`` is the figure against the server.
+    def _account(self, rec: RoundRecord, release: RoundRelease) -> float:
+        """Client-level ε so far per observer (δ = target-delta) for dp-mode local/distributed;
+        returns the third parties' (``epsilon_client``).
+
+        One release per round, for the sampler (``federation.client_accounting``) and observer
+        (``federation.privacy_ledger``: third parties amplified; the server, a curious node and
+        ``colluding-nodes`` colluding nodes without amplification, each at the noise it does not
+        know). Poisson is charged at the sampler's own q (fraction-train), not at a rounded
+        q·N / N. A skipped Poisson round (a draw outside [min-clients, max-clients]: nobody
+        trains) is charged as a full release at σ: it released nothing, so over-counting is safe.
         """
         if self.cfg.dp_mode not in ("local", "distributed"):
             return math.nan
-        eps = self._epsilon_after(rec, shares)
+        rec.colluding_nodes = self.cfg.colluding_nodes
+        eps = self._epsilons_after(rec, release)
+        rec.epsilon_server, rec.epsilon_node, rec.epsilon_colluding = eps["server"], eps["node"], eps["colluding"]
         rec.saturation_delta = self.saturation_delta
-        rec.delta_total = delta_total(self.cfg.target_delta, eps, self.saturation_delta)
-        return eps
-
-    def _epsilon_after(self, rec: RoundRecord, shares: int) -> float:
-        """The accountant's client-level ε after this round's release (``_account``)."""
-        sigma = self.cfg.noise_multiplier
-        if self.cfg.dp_mode == "distributed" and rec.sampled:
-            sigma = sigma * math.sqrt(min(shares, rec.sampled) / rec.sampled) if self.cfg.he else sigma / math.sqrt(rec.sampled)
-        if sigma <= 0 or math.isinf(self.client_epsilon):
-            self.client_epsilon = rec.epsilon_client_no_amplification = math.inf
-            return math.inf
-        if self.accountant is None:
-            self.accountant = ClientAccountant(self.sampler.method, rec.population, self.cfg.target_delta)
-        if self.sampler.method == "poisson":  # the probability the sampler draws each node with
-            self.accountant.step(sigma, sample_rate=self.sampler.fraction)
-        else:
-            self.accountant.step(sigma, self._event_size(rec))
-        self.client_epsilon = self.accountant.epsilon()
-        rec.epsilon_client_no_amplification = self.accountant.epsilon_no_amplification()
+        rec.delta_total = delta_total(self.cfg.target_delta, eps["third_party"], self.saturation_delta)
+        rec.rounding_share_steps, rec.rounding_delta = self._rounding(release)
+        rec.delta_total_key_holders = delta_total(
+            self.cfg.target_delta, eps["node"], min(1.0, self.saturation_delta + rec.rounding_delta))
+        self.client_epsilon = eps["third_party"]
         return self.client_epsilon
+
+    def _epsilons_after(self, rec: RoundRecord, release: RoundRelease) -> dict[str, float]:
+        """The ledger's ε per observer after this round's release (``_account``)."""
+        sigma = self.cfg.noise_multiplier
+        if sigma <= 0 or math.isinf(self.client_epsilon):
+            return dict.fromkeys(OBSERVERS, math.inf)
+        if self.ledger is None:
+            self.ledger = PrivacyLedger(self.sampler.method, rec.population, self.cfg.target_delta,
+                                        self.cfg.dp_mode, self.cfg.he, self.cfg.colluding_nodes)
+        if self.sampler.method == "poisson":  # the probability the sampler draws each node with
+            self.ledger.record(release, sigma, sample_rate=self.sampler.fraction)
+        else:
+            self.ledger.record(release, sigma, sample_size=self._event_size(rec))
+        return self.ledger.epsilons()
+
+    def _rounding(self, release: RoundRelease) -> tuple[float, float]:
+        """(noise share std in lattice steps, the key holders' rounding δ) of a dithered packed
+        round (``federation.privacy_ledger``); (nan, 0) where nothing is rounded that way."""
+        if self.packing is None or not self.packing.dither or not release.sampled or release.skipped:
+            return math.nan, 0.0
+        clip, sigma = wire_noise(self.cfg)
+        steps = noise_std(sigma, clip, "distributed", release.sampled) / self.packing.step
+        summands = len(release.shares_by_node) + len(self._topup_by_node)
+        return steps, rounding_delta(steps, self.dim * summands)
 
     def _event_size(self, rec: RoundRecord) -> int:
         """The fixed sampler's k in the accountant's own population N0, scaled to N0 and rounded
         up (conservative) when the admitted population changed. (Poisson is charged at the
         sampler's q whatever N is.)"""
-        n0 = self.accountant.population if self.accountant is not None else rec.population
+        n0 = self.ledger.population if self.ledger is not None else rec.population
         k = self.sampler.fixed_size(rec.population) if rec.sampling_skipped else rec.sampled
         if rec.population != n0:
             log(WARNING, "population %d differs from the accountant's %d: charging k=%d as a share of %d",

@@ -154,6 +154,7 @@ def _main_job_run_epsilons() -> list[float]:
     sampler taking all 5, dp-mode distributed under he=true with every share present, σ 0.02,
     δ 1e-5, 5 rounds)."""
     from federation.config import RunConfig
+    from federation.privacy_ledger import RoundRelease
     from federation.results import RoundRecord
     from federation.strategy import OpaqueFedAvg, sampler_for
 
@@ -161,9 +162,11 @@ def _main_job_run_epsilons() -> list[float]:
     assert (cfg.noise_multiplier, cfg.target_delta, cfg.num_server_rounds, cfg.client_sampling, cfg.he,
             cfg.dp_mode) == (0.02, 1e-5, 5, "fixed", True, "distributed")
     s = OpaqueFedAvg.__new__(OpaqueFedAvg)
-    s.cfg, s.sampler, s.accountant, s.client_epsilon, s.saturation_delta = cfg, sampler_for(cfg), None, 0.0, 0.0
+    s.cfg, s.sampler, s.ledger, s.client_epsilon, s.saturation_delta = cfg, sampler_for(cfg), None, 0.0, 0.0
+    s.packing, s.dim, s._topup_by_node = None, 10, {}
     assert s.sampler.fixed_size(5) == 5
-    return [s._account(RoundRecord(round=r, population=5, sampled=5), 5) for r in range(1, 6)]
+    every_share = RoundRelease(5, {n: 1 for n in range(5)})
+    return [s._account(RoundRecord(round=r, population=5, sampled=5), every_share) for r in range(1, 6)]
 
 
 def test_main_job_epsilon_is_what_the_run_reports() -> None:

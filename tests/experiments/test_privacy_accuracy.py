@@ -47,7 +47,7 @@ def test_tiny_sweep_writes_every_output(tmp_path: Path) -> None:
     assert len(runs) == 8 and {r["seed"] for r in runs} == {"0", "1"}
     rows, header = _csv(run_dir / "points.csv")
     for col in ("n_seeds", "accuracy_mean", "accuracy_ci_low", "accuracy_ci_high", "epsilon_accountant",
-                "epsilon_no_amplification", "audit_epsilon", "mia_auc_mean", "mia_auc_ci_low", "mia_auc_ci_high"):
+                "epsilon_server", "audit_epsilon", "mia_auc_mean", "mia_auc_ci_low", "mia_auc_ci_high"):
         assert col in header, col
     assert len(rows) == 4
     assert {(r["mode"], r["target_epsilon"]) for r in rows} == {
@@ -67,7 +67,7 @@ def test_tiny_sweep_writes_every_output(tmp_path: Path) -> None:
             assert sigma > 0 and math.isfinite(spent)
             # the chosen sigma reaches the target (the search tolerance) without overshooting
             assert 7.5 < spent <= 8.0 + 1e-6, spent
-            assert spent <= float(r["epsilon_no_amplification"])  # 4 of 8 sampled: amplification helps
+            assert spent <= float(r["epsilon_server"])  # 4 of 8 sampled: amplification helps
             assert 0.0 <= audit < spent  # an audit above the accountant would be a bug
     for name in ("summary.md", "accuracy_vs_client_epsilon_pop8.png", "mia_auc_vs_client_epsilon_pop8.png"):
         assert (run_dir / name).is_file() and (run_dir / name).stat().st_size > 0, name
@@ -91,7 +91,7 @@ def test_quick_mode_as_the_issue_names_it(tmp_path: Path) -> None:
     assert proc.stdout.splitlines()[0].startswith("expected duration of")
     rows, header = _csv(run_dir / "points.csv")
     for col in ("n_seeds", "accuracy_mean", "accuracy_ci_low", "accuracy_ci_high", "epsilon_accountant",
-                "epsilon_no_amplification", "audit_epsilon", "lira_auc_mean", "lira_epsilon_lb_max"):
+                "epsilon_server", "audit_epsilon", "lira_auc_mean", "lira_epsilon_lb_max"):
         assert col in header, col
     assert {r["mode"] for r in rows} == set(pa.QUICK_MODES) and {r["n_seeds"] for r in rows} == {"2"}
     summary = (run_dir / "summary.md").read_text()

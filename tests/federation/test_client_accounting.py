@@ -94,8 +94,15 @@ def _strategy(cfg):  # noqa: ANN001, ANN202 - the parts of OpaqueFedAvg its acco
     from federation.strategy import OpaqueFedAvg, sampler_for
 
     s = OpaqueFedAvg.__new__(OpaqueFedAvg)
-    s.cfg, s.sampler, s.accountant, s.client_epsilon, s.saturation_delta = cfg, sampler_for(cfg), None, 0.0, 0.0
+    s.cfg, s.sampler, s.ledger, s.client_epsilon, s.saturation_delta = cfg, sampler_for(cfg), None, 0.0, 0.0
+    s.packing, s.dim, s._topup_by_node = None, 10, {}
     return s
+
+
+def _release(sampled: int, skipped: bool = False):  # noqa: ANN202
+    from federation.privacy_ledger import RoundRelease
+
+    return RoundRelease(sampled, {n: 1 for n in range(sampled)}, skipped=skipped)
 
 
 def test_poisson_is_charged_at_the_samplers_q_not_a_rounded_count() -> None:
@@ -111,7 +118,7 @@ def test_poisson_is_charged_at_the_samplers_q_not_a_rounded_count() -> None:
     assert strategy.sampler.fraction == 0.25
     for rounds, sampled in zip((1, 2, 3), (2, 4, 3)):  # whatever the draw: Poisson is charged at q
         rec = RoundRecord(round=rounds, population=10, sampled=sampled)
-        eps = strategy._account(rec, sampled)
+        eps = strategy._account(rec, _release(sampled))
         rdp, pld = _dp_accounting_poisson(0.25, 1.0, rounds)
         low, _ = _dp_accounting_poisson(0.2, 1.0, rounds)
         assert eps == pytest.approx(rdp, rel=1e-6), rounds
@@ -128,11 +135,11 @@ def test_skipped_poisson_round_stays_charged() -> None:
     cfg = RunConfig(task="digits", he=False, dp_mode="distributed", noise_multiplier=1.0, fraction_train=0.25,
                     client_sampling="poisson", min_clients=1, target_delta=1e-5)
     strategy = _strategy(cfg)
-    first = strategy._account(RoundRecord(round=1, population=10, sampled=0, sampling_skipped=True), 0)
+    first = strategy._account(RoundRecord(round=1, population=10, sampled=0, sampling_skipped=True), _release(3, True))
     assert first == pytest.approx(_dp_accounting_poisson(0.25, 1.0, 1)[0], rel=1e-6)
-    second = strategy._account(RoundRecord(round=2, population=10, sampled=0, sampling_skipped=True), 0)
+    second = strategy._account(RoundRecord(round=2, population=10, sampled=0, sampling_skipped=True), _release(3, True))
     assert second == pytest.approx(_dp_accounting_poisson(0.25, 1.0, 2)[0], rel=1e-6) and second > first
-    assert strategy.accountant.steps == 2
+    assert strategy.ledger._third_party.steps == 2
 
 
 def test_poisson_sample_rate_is_exact() -> None:

@@ -504,12 +504,21 @@ def test_client_level_epsilon_is_accounted_per_round() -> None:
     recs = fed.run_all()
     from federation.client_accounting import ClientAccountant
 
+    from federation.client_accounting import GaussianAccountant
+
     acct = ClientAccountant("fixed", 4, 1e-5)  # the default sampler: 2 of 4 without replacement
+    node = GaussianAccountant(4, 1e-5, "fixed")
     for rec in recs:
         assert rec.sampled == 2 and rec.population == 4
         acct.step(1.2, 2)
         assert rec.epsilon_client == pytest.approx(acct.epsilon())
-        assert rec.epsilon_client_no_amplification == pytest.approx(acct.epsilon_no_amplification())
+        assert rec.epsilon_server == pytest.approx(acct.epsilon_no_amplification())
+        # a curious node knows its own share: the other one's, σ·sqrt(1/2), is left; two
+        # colluding nodes are both of the round's sampled nodes and know all of its noise
+        node.step(1.2 * math.sqrt(1 / 2))
+        assert rec.epsilon_node == pytest.approx(node.epsilon()) and rec.epsilon_node > rec.epsilon_server
+        assert rec.epsilon_colluding == math.inf and rec.colluding_nodes == 2
+        assert rec.rounding_share_steps > 0 and 0 <= rec.rounding_delta <= 1
         assert 0 < rec.saturation_delta == fed.strategy.saturation_delta <= saturation_budget(1e-5)
         assert rec.delta_total == pytest.approx(1e-5 + (1 + math.exp(rec.epsilon_client)) * rec.saturation_delta)
     assert math.isnan(recs[0].epsilon_sample)

@@ -43,7 +43,7 @@ def _round(r: int, *, dp: bool = True) -> RoundRecord:
                  "tokens_per_s": 900.0 + r, "ppl": 20.0 - r},
         clipped_fraction=math.nan, saturated_fraction=math.nan,
         epsilon_client=[1.5, 40.0, 6800.0][r - 1] if dp else math.nan,
-        epsilon_client_no_amplification=[3.0, 90.0, 9000.0][r - 1] if dp else math.nan,
+        epsilon_server=[3.0, 90.0, 9000.0][r - 1] if dp else math.nan,
         delta=1e-5 if dp else math.nan, saturation_delta=1e-9 if dp else math.nan,
         delta_total=1e-5 + 2e-9 if dp else math.nan, key_epoch=0,
     )
@@ -94,7 +94,7 @@ def test_csv_has_one_flat_row_per_round_with_the_json_values(run_file: Path) -> 
     data = json.loads(run_file.read_text())
     rows = _csv(run_file.with_suffix("") / "rounds.csv")
     assert len(rows) == 3
-    for col in ("round", "eval_metric", "metric", "epsilon_client", "epsilon_client_no_amplification",
+    for col in ("round", "eval_metric", "metric", "epsilon_client", "epsilon_server",
                 "upload_bytes_mean", "aggregate_bytes", "seconds.train", "seconds.round",
                 "server_seconds.wait", "serving.tokens_per_s", "serving.tier_hit_rates.hot",
                 "node_seconds.train.handler", "upload_bytes.3", "dropped"):
@@ -131,18 +131,18 @@ def test_a_new_epsilon_observer_gets_a_column_and_a_curve(run_file: Path, tmp_pa
     assert [r["epsilon_server_view"] for r in rows] == ["", "12.5", "30.0"]
     table = plot.rounds_table(json.loads(run_file.read_text()))
     curves = plot.epsilon_series(table)
-    assert set(curves) == {"epsilon_client", "epsilon_client_no_amplification", "epsilon_server_view"}
+    assert set(curves) == {"epsilon_client", "epsilon_server", "epsilon_server_view"}
     assert curves["epsilon_server_view"][1:] == [12.5, 30.0] and math.isnan(curves["epsilon_server_view"][0])
     fig = plot.epsilon_figure(table)
     legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-    assert legend == ["epsilon_client", "epsilon_client_no_amplification", "epsilon_server_view"]
+    assert legend == ["epsilon_client", "epsilon_server", "epsilon_server_view"]
     assert fig.axes[0].get_yscale() == "log"  # 1.5 .. 9000 spans more than two decades
 
 
 def test_epsilon_axis_is_linear_within_two_decades(run_file: Path) -> None:
     table = plot.rounds_table(json.loads(run_file.read_text()))
     for row, eps in zip(table, (2.0, 5.0, 8.0)):
-        row["epsilon_client"], row["epsilon_client_no_amplification"] = eps, eps * 2
+        row["epsilon_client"], row["epsilon_server"] = eps, eps * 2
     assert plot.epsilon_figure(table).axes[0].get_yscale() == "linear"
 
 

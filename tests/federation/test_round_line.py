@@ -17,7 +17,7 @@ def _dp_round(**kw) -> RoundRecord:
                 metric="perplexity", eval_metric=50.93, eval_loss=3.93, upload_bytes_mean=12_600.0,
                 seconds={"round": 12.43, "train": 1.2, "encrypt": 0.05, "decrypt": 0.01,
                          "eval_decrypt": 0.02, "aggregate": 0.02},
-                epsilon_client=3.2, epsilon_client_no_amplification=5.1, delta_total=1.01e-5)
+                epsilon_client=3.2, epsilon_server=5.1, delta_total=1.01e-5)
     return RoundRecord(**{**base, **kw})
 
 
@@ -32,8 +32,15 @@ def test_a_dp_round_line_has_no_nan_and_names_the_population() -> None:
     assert "hot/warm/cold 0.90/n/a/0.00" in line and "(fresh n/a)" in line
 
 
+def test_every_observer_is_on_the_round_line() -> None:
+    line = _dp_round(epsilon_node=7.25, epsilon_colluding=math.inf, colluding_nodes=3).summary(5)
+    assert "ε 3.2 (vs server 5.1, a node 7.25, 3 nodes ∞) δ 1.01e-05" in line
+    same = _dp_round(epsilon_server=3.2, epsilon_node=4.0, epsilon_colluding=5.0, colluding_nodes=2).summary(5)
+    assert "ε 3.2 (vs a node 4, 2 nodes 5)" in same
+
+
 def test_delta_total_of_one_is_explained() -> None:
-    line = _dp_round(epsilon_client=27_612.3, epsilon_client_no_amplification=27_612.3,
+    line = _dp_round(epsilon_client=27_612.3, epsilon_server=27_612.3,
                      delta_total=1.0).summary(5)
     assert "ε 27,612 δ 1 (no guarantee at this ε)" in line
 
@@ -47,7 +54,7 @@ def test_a_node_dropped_in_two_phases_counts_once() -> None:
 
 def test_without_dp_the_training_fields_show() -> None:
     line = _dp_round(train_loss=2.5, clipped_fraction=0.25, epsilon_client=math.nan,
-                     epsilon_client_no_amplification=math.nan, delta_total=math.nan).summary(5)
+                     epsilon_server=math.nan, delta_total=math.nan).summary(5)
     assert "train loss 2.5" in line and "clipped 0.25" in line and "ε" not in line
 
 

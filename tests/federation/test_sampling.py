@@ -89,10 +89,11 @@ def test_poisson_aggregate_is_divided_by_the_expected_count() -> None:
 
 
 def test_runs_account_for_their_sampler() -> None:
-    """The server's ε is Flower's accountant for the configured sampler, with and without
-    amplification; a seeded sampler repeats its draws (experiments), and flower-central uses
-    the fixed sampler's accountant."""
-    from federation.client_accounting import ClientAccountant
+    """ε is Flower's accountant for the configured sampler: amplified for third parties (they see
+    the released sum, σ), not for the server (he=false distributed: it sees each update with
+    its share, σ/√k); a seeded sampler repeats its draws (experiments), and flower-central uses
+    the fixed sampler's accountant (the server, which sees updates in clear: ∞)."""
+    from federation.client_accounting import ClientAccountant, GaussianAccountant
     from federation.local import run_local
 
     base = {"task": "digits", "he": False, "dp-mode": "distributed", "noise-multiplier": 2.0,
@@ -101,12 +102,16 @@ def test_runs_account_for_their_sampler() -> None:
         runs = [run_local({**base, "client-sampling": sampling}, 6) for _ in range(2)]
         assert [r.sampled for r in runs[0].rounds] == [r.sampled for r in runs[1].rounds]
         last = runs[0].rounds[-1]
-        assert 0 < last.epsilon_client <= last.epsilon_client_no_amplification < np.inf
-        ref = ClientAccountant(sampling, 6, 1e-5)
-        for r in runs[0].rounds:  # he=false distributed: the server sees each share, σ/√n each
-            ref.step(2.0 / np.sqrt(r.sampled), 3 if sampling == "poisson" else r.sampled)
+        assert 0 < last.epsilon_client <= last.epsilon_server < np.inf
+        ref, server = ClientAccountant(sampling, 6, 1e-5), GaussianAccountant(6, 1e-5, sampling)
+        for r in runs[0].rounds:
+            ref.step(2.0, 3 if sampling == "poisson" else r.sampled)
+            server.step(2.0 / np.sqrt(r.sampled))
         assert last.epsilon_client == pytest.approx(ref.epsilon())
+        assert last.epsilon_server == pytest.approx(server.epsilon())
     central = run_local({**base, "dp-mode": "flower-central", "client-sampling": "fixed"}, 6)
     ref = ClientAccountant("fixed", 6, 1e-5)
     ref.step(2.0, 3, 3)
     assert central.rounds[-1].epsilon_client == pytest.approx(ref.epsilon())
+    assert central.rounds[-1].epsilon_server == np.inf
+    assert central.rounds[-1].epsilon_node == pytest.approx(ref.epsilon_no_amplification())
