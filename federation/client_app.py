@@ -231,7 +231,7 @@ def _with_clipped_count(cfg: RunConfig, delta: np.ndarray, clip_norm: float, cli
     sigma = adaptive.update_noise_multiplier
     if sigma > 0:  # fresh OS entropy, like the update's noise
         count += float(np.random.default_rng().normal(0.0, noise_std(sigma, 1.0, "distributed", num_sampled)))
-    return np.concatenate([np.asarray(delta, dtype=np.float64) / clip_norm, [count]]).astype(np.float32)
+    return np.concatenate([np.asarray(delta, dtype=np.float64) / clip_norm, [count]])  # float64: see TrainOutcome
 
 
 def _phase_metrics(timer: PhaseTimer, phases: tuple[str, ...]) -> dict[str, float]:

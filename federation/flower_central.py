@@ -18,6 +18,7 @@ skips aggregation for that round (the global model stays as it was).
 from __future__ import annotations
 
 import math
+import random
 from typing import Any
 
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
@@ -27,8 +28,6 @@ from flwr.serverapp.strategy import (
     DifferentialPrivacyClientSideFixedClipping,
     FedAvg,
 )
-
-import random
 
 from federation.client_accounting import ClientAccountant
 from federation.config import RunConfig
@@ -103,6 +102,28 @@ def clipped_count_stddev(cfg: RunConfig, num_sampled: int) -> float:
     return cfg.clipped_count_stddev or max(num_sampled / 20, cfg.noise_multiplier)
 
 
+class SecretOrderGrid:
+    """``grid`` whose ``get_node_ids`` lists the nodes in an order drawn from the OS's CSPRNG.
+
+    Why: Flower 1.42 samples with the global Mersenne Twister (``random.sample`` in
+    ``strategy_utils.sample_nodes``), whose state its outputs reveal; amplification by sampling
+    needs a sample nobody can predict. ``random.sample`` over a list in a secret uniform order
+    is a secret uniform sample whatever the Twister's state. ``seed`` >= 0 (experiments) makes
+    the order reproducible instead. Everything else is the wrapped grid's."""
+
+    def __init__(self, grid: Grid, seed: int = -1) -> None:
+        self._grid = grid
+        self._rng: random.Random = random.SystemRandom() if seed < 0 else random.Random(seed)
+
+    def get_node_ids(self) -> list[int]:
+        nodes = list(self._grid.get_node_ids())
+        self._rng.shuffle(nodes)
+        return nodes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._grid, name)
+
+
 def run_flower_central(grid: Grid, cfg: RunConfig, results: RunResults) -> None:
     """Run all rounds with Flower's strategy and copy its metrics into ``results``."""
     num_nodes = len(list(grid.get_node_ids()))
@@ -124,7 +145,7 @@ def run_flower_central(grid: Grid, cfg: RunConfig, results: RunResults) -> None:
         random.seed(cfg.sampler_seed)
     initial = ArrayRecord(build_model(cfg.task, cfg.seed).state_dict())
     result = strategy.start(
-        grid=grid, initial_arrays=initial, num_rounds=cfg.num_server_rounds,
+        grid=SecretOrderGrid(grid, cfg.sampler_seed), initial_arrays=initial, num_rounds=cfg.num_server_rounds,
         timeout=cfg.round_timeout,
     )
     # Client-level ε of Flower's mechanism: noise σC on the sum of clipped updates, one

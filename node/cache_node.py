@@ -84,7 +84,8 @@ class DpConfig:
 
 @dataclass
 class TrainOutcome:
-    """What one local round produced (delta already clipped and noised per ``DpConfig``)."""
+    """What one local round produced (delta already clipped and noised per ``DpConfig``;
+    float32, or float64 once noised: the noisy value reaches the encoder unrounded)."""
 
     delta: np.ndarray
     loss: float
@@ -246,12 +247,15 @@ class CacheNode:
         if dp.mode in ("local", "distributed") and dp.clip_norm > 0:
             res = clip_update(delta, dp.clip_norm)
             delta, clipped = res.clipped, res.was_clipped
+        delta = np.asarray(delta, dtype=np.float32)
         if dp.mode in ("local", "distributed") and dp.noise_multiplier > 0:
+            # float64 from here on: casting the noisy value to float32 before the encoder's
+            # dither would round it by an amount that depends on the data (``crypto.dither``)
             placement = "local" if dp.mode == "local" else "distributed"
-            delta = delta + gaussian_noise(
+            delta = delta.astype(np.float64) + gaussian_noise(
                 delta.shape, dp.noise_multiplier, dp.clip_norm, placement, dp.num_sampled, rng
             )
-        return TrainOutcome(delta.astype(np.float32), loss, n, clipped, norm, train_s, eps)
+        return TrainOutcome(delta, loss, n, clipped, norm, train_s, eps)
 
     def _train_dp_sgd(self, epochs: int, lr: float, dp: DpConfig) -> tuple[float, int, float]:
         """Per-sample DP-SGD with Opacus on a copy; epsilon from all steps so far (RDP)."""

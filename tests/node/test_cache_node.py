@@ -86,6 +86,21 @@ def test_distributed_noise_share_has_the_right_scale():
     assert np.std(noise) == pytest.approx(2.0 * 1.0 / np.sqrt(4), rel=0.05)
 
 
+def test_the_noisy_update_reaches_the_encoder_unrounded():
+    """Issue 21: the noisy update was cast to float32 before the dither, a data-dependent rounding
+    the dither argument does not cover. The noise must arrive exactly as drawn."""
+    from crypto import gaussian_noise
+
+    node = CacheNode(NodeSpec(0, 3, task="digits"))
+    dp = DpConfig(mode="distributed", clip_norm=1.0, noise_multiplier=2.0, num_sampled=4)
+    out = node.train_round(1, 0.3, dp, np.random.default_rng(7))
+    plain = node.cache.get_tensor(UPDATE_KEY).numpy()
+    clipped = (plain * min(1.0, 1.0 / np.linalg.norm(plain))).astype(np.float32)
+    drawn = gaussian_noise(plain.shape, 2.0, 1.0, "distributed", 4, np.random.default_rng(7))
+    assert out.delta.dtype == np.float64
+    assert np.abs(out.delta - (clipped.astype(np.float64) + drawn)).max() < 1e-7
+
+
 def test_layout_matches_the_model():
     assert model_layout("digits").size == 4810
     assert model_layout("lm").size == CacheNode(NodeSpec(0, 2, task="lm")).layout.size
