@@ -4,6 +4,7 @@ accountant, and the client-level ε the main job's run reports."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -169,6 +170,20 @@ def _main_job_run_epsilons() -> list[float]:
     return [s._account(RoundRecord(round=r, population=5, sampled=5), every_share) for r in range(1, 6)]
 
 
+def _main_job_key_holder_epsilons() -> tuple[float, float]:
+    """ε against one node and two colluding nodes: each knows its own share, σ·sqrt((5-t)/5)
+    is left, replace-one (σ/2), 5 rounds, no amplification."""
+    from dp_accounting import dp_event
+    from dp_accounting.rdp import RdpAccountant
+
+    out = []
+    for t in (1, 2):
+        acc = RdpAccountant()
+        acc.compose(dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(0.01 * math.sqrt((5 - t) / 5)), 5))
+        out.append(acc.get_epsilon(1e-5))
+    return out[0], out[1]
+
+
 def test_main_job_epsilon_is_what_the_run_reports() -> None:
     """Replace-one adjacency: the sum moves by 2C, so the Gaussian has noise multiplier σ/2 = 0.01,
     composed 5 times (q = 1: no amplification). Reference: dp-accounting's RDP (the bound the
@@ -197,6 +212,9 @@ def test_main_job_epsilon_is_what_the_run_reports() -> None:
     assert eps[-1] == pytest.approx(rdp.get_epsilon(1e-5), rel=1e-9)
     assert exact == pytest.approx(25_953, abs=1) and exact < eps[-1]
     assert round(eps[-1]) == MAIN_JOB_EPSILON  # the figure README quotes
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    node, colluding = _main_job_key_holder_epsilons()
+    assert f"{round(node):,} against one node, {round(colluding):,} against two colluding nodes" in readme
     assert privacy_claim(eps[-1], "distributed") == NO_MEANINGFUL_EPSILON
 
 

@@ -47,7 +47,8 @@ def test_tiny_sweep_writes_every_output(tmp_path: Path) -> None:
     assert len(runs) == 8 and {r["seed"] for r in runs} == {"0", "1"}
     rows, header = _csv(run_dir / "points.csv")
     for col in ("n_seeds", "accuracy_mean", "accuracy_ci_low", "accuracy_ci_high", "epsilon_accountant",
-                "epsilon_server", "audit_epsilon", "mia_auc_mean", "mia_auc_ci_low", "mia_auc_ci_high"):
+                "epsilon_server", "epsilon_node", "epsilon_colluding", "audit_epsilon", "canary_eps_lower",
+                "mia_auc_mean", "mia_auc_ci_low", "mia_auc_ci_high"):
         assert col in header, col
     assert len(rows) == 4
     assert {(r["mode"], r["target_epsilon"]) for r in rows} == {
@@ -68,6 +69,13 @@ def test_tiny_sweep_writes_every_output(tmp_path: Path) -> None:
             # the chosen sigma reaches the target (the search tolerance) without overshooting
             assert 7.5 < spent <= 8.0 + 1e-6, spent
             assert spent <= float(r["epsilon_server"])  # 4 of 8 sampled: amplification helps
+            # key holders know their own shares: less noise left (distributed); local: σ each
+            server, node, t_nodes = (float(r[f"epsilon_{o}"]) for o in ("server", "node", "colluding"))
+            if r["mode"] == "distributed":
+                assert server < node < t_nodes
+            else:
+                assert server == node == t_nodes
+            assert float(r["canary_eps_lower"]) <= audit
             assert 0.0 <= audit < spent  # an audit above the accountant would be a bug
     for name in ("summary.md", "accuracy_vs_client_epsilon_pop8.png", "mia_auc_vs_client_epsilon_pop8.png"):
         assert (run_dir / name).is_file() and (run_dir / name).stat().st_size > 0, name
