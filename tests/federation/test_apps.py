@@ -13,6 +13,7 @@ from crypto import saturation_budget
 from federation import client_app, protocol, server_app
 from federation.codec import run_saturation_delta
 from federation.config import RunConfig
+from federation.results import SCHEMA
 from federation.strategy import NotEnoughClients
 from node.cache_node import build_model
 from tests.federation.fakes import BASE_CONFIG, FakeGrid, make_context, raise_fault, set_server_identity
@@ -29,7 +30,7 @@ def test_server_main_writes_results_json(tmp_path, capsys) -> None:
     (path,) = tmp_path.glob("run-1-*.json")
     assert f"FEDKV_RESULTS {path}" in capsys.readouterr().out
     data = json.loads(path.read_text())
-    assert data["status"] == "completed" and data["schema"] == 5 and data["mode"] == "plain"
+    assert data["status"] == "completed" and data["schema"] == SCHEMA and data["mode"] == "plain"
     assert data["provisioning"]["enrolled"] == 3 and data["provisioning"]["provisioned"] == 0
     assert data["config"]["results-dir"] == str(tmp_path)
     r = data["rounds"][1]

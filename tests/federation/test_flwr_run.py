@@ -13,6 +13,7 @@ import json
 import pytest
 
 from federation.flwr_sandbox import alive, flwr_sandbox
+from federation.results import SCHEMA
 
 
 @pytest.mark.timeout(900)  # ~35 s: the one end-to-end run CI always does
@@ -37,7 +38,7 @@ def test_flwr_run_digits_he(tmp_path) -> None:
     assert run.results_path.is_absolute() and run.results_path.parent == results_dir
     data = json.loads(run.results_path.read_text())
     assert data["status"] == "completed", data["status"]
-    assert data["mode"] == "he" and data["schema"] == 5
+    assert data["mode"] == "he" and data["schema"] == SCHEMA
     assert data["config"]["num-server-rounds"] == 2 and data["config"]["he"] is True
     prov = data["provisioning"]
     assert prov["enrolled"] == 3 and prov["provisioned"] == 2 and prov["refused"] == 0  # + 1 key maker
