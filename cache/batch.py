@@ -64,7 +64,9 @@ class TailBuffer:
     """The batch's tails, kept from one step to the next: ``[layers, 2, heads, B, cap, dim]``.
 
     A step that continues the previous one (same sessions, same shared prefix, every session
-    one token longer, no block moved, nothing quantized) appends its new tokens here -- one
+    one token longer, no block moved, nothing quantized, no session released -- a session
+    reset and refilled to the same length holds other K/V behind the same first tail block,
+    so ``BlockTable.releases`` is part of the key) appends its new tokens here -- one
     indexed store per layer -- instead of gathering every tail again; anything else rebuilds
     it. A bounded copy of the tails only (the prefix is read in place), like a read buffer."""
 

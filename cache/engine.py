@@ -199,6 +199,7 @@ class KVCache:
         return child
 
     def _release(self, t: BlockTable) -> None:
+        t.releases += 1  # its tokens may come back with other K/V: no tail buffer continues
         for b in reversed(t.held()):  # tails first: LRU reclaims tails before shared roots
             self.blocks.unref(b)
         t.blocks, t.pending, t.written, t.runs, t.planned = [], 0, set(), None, 0
@@ -626,7 +627,8 @@ class KVCache:
         lengths = [t.length + 1 - shared * B for t in tables]
         write = torch.tensor([t.blocks[t.length // B].start + t.length % B for t in tables])
         key = (tuple(sids), shared, self.blocks.generation, self.blocks.counters["quantized_blocks"],
-               tuple(t.blocks[shared].id if len(t.blocks) > shared else -1 for t in tables))
+               tuple(t.blocks[shared].id if len(t.blocks) > shared else -1 for t in tables),
+               tuple(t.releases for t in tables))
         buf = self._tails if self.config.batch_tail_buffer else None
         if buf is not None and buf.continues(key, lengths):
             step = BatchStep(list(sids), write, prefix, torch.empty(0), buf.valid, tails=buf,

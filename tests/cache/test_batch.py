@@ -78,3 +78,29 @@ def test_without_the_tail_buffer_every_step_gathers():
                                                        torch.ones(H, 2, D))
     assert valid.sum(1).tolist() == [9, 5]
     assert torch.equal(tk[:, 0, 6:9], torch.ones(H, 3, D))
+
+
+def test_a_reset_and_refilled_session_is_gathered_again_not_served_from_the_old_tails():
+    """Issue 22 0a: reset_session + refill to the same length (its first block a prefix hit,
+    so the same block as before) must not continue the tail buffer built before the reset."""
+    kv = KVCache(small_config())
+    c = kv.config
+    H, D = c.num_heads, c.head_dim
+    a, b = kv.open_session(), kv.open_session()
+    feed(kv, a, list(range(100, 106)))
+    feed(kv, b, list(range(6)), seed=1)
+    for i in range(2):
+        step = kv.begin_batch([a, b], [i, i])
+        for layer in range(c.num_layers):
+            kv.append_and_read_batch(step, layer, torch.randn(H, 2, D), torch.randn(H, 2, D))
+    kv.reset_session(b)
+    assert kv.match_prefix(b, list(range(6)) + [0]) == 4
+    feed(kv, b, [60, 61, 62, 63], seed=2)  # 8 tokens again, 4 of them new K/V
+    step = kv.begin_batch([a, b], [9, 9])
+    for layer in range(c.num_layers):
+        _, tk, tv, valid = kv.append_and_read_batch(step, layer, torch.randn(H, 2, D),
+                                                    torch.randn(H, 2, D))
+        assert valid.sum(1).tolist() == [9, 9]
+        for row, sid in enumerate((a, b)):  # the 8 tokens before the step, as written
+            k, v = kv.read(sid, layer)
+            assert torch.equal(tk[:, row, :8], k[:, :8]) and torch.equal(tv[:, row, :8], v[:, :8])

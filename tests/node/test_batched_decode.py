@@ -77,3 +77,19 @@ def test_batch_errors_name_the_problem(model):
         kv.begin_batch([s, s], [1, 2])
     with pytest.raises(ShapeMismatchError, match="one token per distinct session"):
         kv.begin_batch([s], [1, 2])
+
+
+def test_batched_decode_after_reset_and_refill_to_the_same_length_attends_the_new_tokens(model):
+    """Issue 22 0a: a session reset and refilled (same first block, other tokens after it) to
+    the length it had must not continue the previous step's tail buffer."""
+    kv = cache_for(model)
+    a, b = kv.open_session(), kv.open_session()
+    seqs = [list(range(100, 110)), list(range(10))]
+    model.prefill(seqs[0], kv, a)
+    model.prefill(seqs[1], kv, b)
+    decode_batched_and_compare(model, kv, [a, b], seqs, steps=2)  # the buffer now holds b
+    kv.reset_session(b)
+    seqs[1] = seqs[1][:4] + [200 + i for i in range(len(seqs[1]) - 4)]  # block 0 cached
+    model.prefill(seqs[1], kv, b)
+    assert kv.stats()["prefix_hit_blocks"] >= 1  # the same first tail block as before
+    assert decode_batched_and_compare(model, kv, [a, b], seqs, steps=3) <= 1e-4
