@@ -595,7 +595,12 @@ class KVCache:
     # == batched decode =====================================================================
     def begin_batch(self, sids: list[int], tokens: list[int]) -> BatchStep:
         """Reserve one new token per session and plan the step's single write and gather per
-        layer; a prefix of blocks all sessions share is attended once for all of them."""
+        layer; a prefix of blocks all sessions share is attended once for all of them.
+
+        All-or-nothing: a refused batch (``CacheFullError`` on a later member, a sparse or
+        unknown member, ...) leaves no member with a reservation and takes back the blocks
+        it allocated (cached blocks evicted to make room stay evicted; a partly filled last
+        block copied for a member stays its copy, same tokens)."""
         start = perf_counter_ns()
         try:
             return self._begin_batch(sids, tokens)
@@ -610,11 +615,35 @@ class KVCache:
             raise ShapeMismatchError(
                 f"begin_batch needs one token per distinct session, got {len(sids)} sessions "
                 f"and {len(tokens)} tokens")
-        for sid, tok in zip(sids, tokens):
-            self.reserve(sid, [tok])
-        tables = [self._table(s) for s in sids]
+        tables = [self._table(s) for s in sids]  # unknown, closed, stale: before reserving
         if any(t.sparsity is not None for t in tables):
             raise ReservationError("sessions with a sparsity policy cannot be batched")
+        for t in tables:
+            if t.pending:
+                raise ReservationError(
+                    f"session {t.sid}: {t.pending} reserved tokens are not written yet")
+        done: list[tuple[BlockTable, int]] = []
+        try:
+            for t, tok in zip(tables, tokens):
+                held = len(t.blocks)
+                self.reserve(t.sid, [tok])
+                done.append((t, held))
+            return self._plan_batch(sids, tables)
+        except BaseException:
+            for t, held in reversed(done):
+                self._unreserve(t, held)
+            raise
+
+    def _unreserve(self, t: BlockTable, held: int) -> None:
+        """Undo ``reserve`` for a session that held ``held`` blocks before it: the new blocks
+        are released, the reserved tokens forgotten."""
+        for b in reversed(t.blocks[held:]):
+            self.blocks.unref(b)
+        del t.blocks[held:]
+        t.tokens = t.tokens[: t.length]
+        t.pending, t.written, t.write_at, t.runs = 0, set(), None, None
+
+    def _plan_batch(self, sids: list[int], tables: list[BlockTable]) -> BatchStep:
         B = self.config.block_size
         shared = shared_prefix_blocks(tables)
         runs = self._plan(tables[0])

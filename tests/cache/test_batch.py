@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from cache import KVCache, ReservationError
+from cache import CacheFullError, KVCache, ReservationError
+from cache.sparsity import SlidingWindow
 from tests.cache.conftest import feed, small_config
 
 
@@ -104,3 +105,46 @@ def test_a_reset_and_refilled_session_is_gathered_again_not_served_from_the_old_
         for row, sid in enumerate((a, b)):  # the 8 tokens before the step, as written
             k, v = kv.read(sid, layer)
             assert torch.equal(tk[:, row, :8], k[:, :8]) and torch.equal(tv[:, row, :8], v[:, :8])
+
+
+def _full_arena():
+    """A 4-block full-precision arena: a holds 1 full block, b 2; one block free."""
+    kv = KVCache(small_config(pool_bytes=4 << 10, managed_block_bytes=4 << 10))
+    assert kv.arena.num_blocks == 4
+    a, b = kv.open_session(), kv.open_session()
+    feed(kv, a, [1, 2, 3, 4])
+    feed(kv, b, [5, 6, 7, 8, 9, 10, 11, 12])
+    return kv, a, b
+
+
+def test_a_refused_batch_reserves_nothing():
+    """Issue 22 0b: begin_batch is all-or-nothing. a's new block fits, b's does not: the
+    refusal must leave a without a reservation (it used to stay wedged until reset) and the
+    block it took free again."""
+    kv, a, b = _full_arena()
+    free, used = kv.arena.free_pages, kv.stats()["blocks_used"]
+    for _ in range(4):  # the third failure in a row compacts and retries: still refused
+        with pytest.raises(CacheFullError):
+            kv.begin_batch([a, b], [20, 21])
+        assert kv.arena.free_pages == free and kv.stats()["blocks_used"] == used
+        assert kv.tokens(a) == [1, 2, 3, 4] and kv.length(b) == 8
+    feed(kv, a, [20])  # every member decodes normally
+    assert kv.tokens(a) == [1, 2, 3, 4, 20]
+    kv.reset_session(a)
+    feed(kv, b, [21])
+    assert kv.length(b) == 9
+
+
+def test_a_batch_refused_for_a_sparse_member_reserves_nothing():
+    kv = KVCache(small_config())
+    a = kv.open_session()
+    s = kv.open_session(SlidingWindow(4))
+    feed(kv, a, [1, 2, 3, 4])
+    feed(kv, s, [1, 2, 3])
+    used = kv.stats()["blocks_used"]
+    with pytest.raises(ReservationError, match="sparsity"):
+        kv.begin_batch([a, s], [5, 6])
+    assert kv.stats()["blocks_used"] == used
+    feed(kv, a, [5])
+    feed(kv, s, [6])
+    assert kv.length(a) == 5 and kv.length(s) == 4
