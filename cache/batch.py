@@ -20,8 +20,9 @@ class BatchStep:
     """[B] arena token positions of the new tokens."""
     prefix: list[tuple[int, int]]
     """(arena start, tokens) per run of the shared prefix."""
-    tail_pos: torch.Tensor
-    """[B, T] arena positions of each session's own tokens (new one included), padded."""
+    tail_pos: torch.Tensor | None
+    """[B, T] arena positions of each session's own tokens (new one included), padded; None
+    when the members' read buffers do not all fit: the tails are decoded per layer."""
     tail_valid: torch.Tensor
     """[B, T] bool: which tail positions hold a token."""
     written: int = 0

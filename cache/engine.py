@@ -496,12 +496,13 @@ class KVCache:
         self.blocks.clock += 1
         t.last_access = self.blocks.clock
 
-    def _plan(self, t: BlockTable) -> list[list[int]]:
+    def _plan(self, t: BlockTable, keep: set[int] | None = None) -> list[list[int]]:
         """The session's runs of consecutive blocks ([start, blocks]); grown by appended
         blocks, rebuilt (and
-        quantized-only blocks decoded, once) only after a block changed place."""
+        quantized-only blocks decoded, once) only after a block changed place. Making room
+        never drops the read buffer of a block in ``keep`` (default: the session's own)."""
         if t.runs is None or t.plan_generation != self.blocks.generation:
-            keep, after = t.block_ids(), None
+            keep, after = t.block_ids() if keep is None else keep, None
             for b in t.held():
                 self.blocks.ensure_fp(b, after, keep)
                 after = self._end(b)
@@ -517,9 +518,9 @@ class KVCache:
         t.planned, t.plan_generation = len(t.blocks), self.blocks.generation
         return t.runs
 
-    def _try_plan(self, t: BlockTable) -> bool:
+    def _try_plan(self, t: BlockTable, keep: set[int] | None = None) -> bool:
         try:
-            self._plan(t)
+            self._plan(t, keep)
             return True
         except CacheFullError:  # no room for a read buffer: reads decode per step instead
             t.runs = None
@@ -644,11 +645,18 @@ class KVCache:
         t.pending, t.written, t.write_at, t.runs = 0, set(), None, None
 
     def _plan_batch(self, sids: list[int], tables: list[BlockTable]) -> BatchStep:
+        """The step's write positions, shared prefix runs and tails. Every member's blocks are
+        made resident with all members' blocks kept (reserving one member may have dropped
+        another's read buffer; re-planning must not drop a member's again). When they do not
+        all fit in the full-precision arena, the tails are decoded per layer instead
+        (``transient``: no shared prefix, ``stats()['transient_reads']``), as ``read_runs``
+        does for one session."""
         B = self.config.block_size
-        shared = shared_prefix_blocks(tables)
-        runs = self._plan(tables[0])
+        keep = set().union(*(t.block_ids() for t in tables))
+        resident = all([self._try_plan(t, keep) for t in tables])
+        shared = shared_prefix_blocks(tables) if resident else 0
         prefix, left = [], shared
-        for start, nb in runs:
+        for start, nb in (self._plan(tables[0], keep) if shared else []):
             if left <= 0:
                 break
             prefix.append((start, min(nb, left) * B))
@@ -663,8 +671,12 @@ class KVCache:
             step = BatchStep(list(sids), write, prefix, torch.empty(0), buf.valid, tails=buf,
                              fresh=False)
         else:
-            pos, valid = tail_positions(
-                [[b.start for b in t.blocks[shared:]] for t in tables], lengths, B)
+            if resident:
+                pos, valid = tail_positions(
+                    [[b.start for b in t.blocks[shared:]] for t in tables], lengths, B)
+            else:
+                pos = None
+                valid = torch.arange(max(lengths)) < torch.tensor(lengths).view(-1, 1)
             c = self.config
             buf = TailBuffer.empty(key, c.num_layers, c.num_heads, len(sids),
                                    max(lengths) + TAIL_ROOM, c.head_dim, self.arena.kv.dtype)
@@ -716,7 +728,14 @@ class KVCache:
         token appended to the buffer the previous step left."""
         buf, c = step.tails, self.config
         T = max(buf.lengths)
-        if step.fresh:
+        if step.fresh and step.tail_pos is None:  # read buffers do not all fit: decode
+            for row, sid in enumerate(step.sids):
+                t = self._table(sid)
+                (tk, tv), = self._transient_run(t, layer, t.length + 1)
+                buf.kv[layer, 0, :, row, : tk.shape[1]] = tk
+                buf.kv[layer, 1, :, row, : tv.shape[1]] = tv
+            buf.valid[:, : step.tail_valid.shape[1]] = step.tail_valid
+        elif step.fresh:
             H, Bn, Tp = c.num_heads, *step.tail_pos.shape
             got = self.arena.kv[layer].index_select(2, step.tail_pos.flatten())
             buf.kv[layer, :, :, :, :Tp] = got.view(2, H, Bn, Tp, c.head_dim)

@@ -148,3 +148,41 @@ def test_a_batch_refused_for_a_sparse_member_reserves_nothing():
     feed(kv, a, [5])
     feed(kv, s, [6])
     assert kv.length(a) == 5 and kv.length(s) == 4
+
+
+def _batch_outputs(kv: KVCache, sids: list[int], steps: int) -> list[torch.Tensor]:
+    """Attention outputs of ``steps`` batched decode steps (seeded q, k, v), every layer."""
+    from cache.attention import attend_shared
+    c = kv.config
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for i in range(steps):
+        step = kv.begin_batch(sids, [i] * len(sids))
+        for layer in range(c.num_layers):
+            q, k, v = (torch.randn(c.num_heads, len(sids), c.head_dim, generator=g)
+                       for _ in range(3))
+            out.append(attend_shared(q, *kv.append_and_read_batch(step, layer, k, v)))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+@pytest.mark.parametrize("fp_blocks", [6, 7])
+def test_quantized_batch_whose_read_buffers_do_not_all_fit_decodes_as_with_room(dtype, fp_blocks):
+    """Issue 22 0c: two sessions of 3 quantized blocks each need 8 full-precision blocks for
+    their read buffers and new blocks; with 6 or 7, reserving one member dropped the other's
+    buffers and the batch died in tail_positions with a raw torch RuntimeError. It must decode
+    what a cache with room decodes."""
+    outs = []
+    for blocks in (fp_blocks, 32):
+        kv = KVCache(small_config(kv_dtype=dtype, fp_window=0, pool_bytes=64 << 10,
+                                  read_buffer_fraction=blocks * 1024 / (64 << 10)))
+        assert kv.arena.num_blocks == blocks
+        a, b = kv.open_session(), kv.open_session()
+        feed(kv, a, list(range(12)))
+        feed(kv, b, list(range(100, 112)), seed=1)
+        fork = kv.fork(a)  # a shared prefix too
+        outs.append(_batch_outputs(kv, [a, b, fork], steps=3))
+        assert [kv.length(s) for s in (a, b, fork)] == [15, 15, 15]
+        assert (kv.stats()["transient_reads"] > 0) == (blocks == fp_blocks)  # decoded per layer
+    for tight, roomy in zip(*outs):
+        assert torch.allclose(tight, roomy, atol=1e-6)
