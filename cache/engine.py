@@ -485,6 +485,24 @@ class KVCache:
             self.prefetcher.observe(kept.hash)  # a new block: learn the chain into it
 
     def _quantize_old(self, t: BlockTable) -> None:
+        """Quantize the blocks this step pushed out of the full-precision window (at the
+        commit, i.e. inside the last layer's write).
+
+        What a query attends in a quantized cache (decided in issue 22): a block is attended
+        in the form the cache holds when the layer reads it. So (1) in the step that pushes a
+        block out of the window, the last layer attends its quantized values while earlier
+        layers attended full precision (single-session path; a batch step's tails are read
+        before the commit), and every later step attends them quantized in every layer; and
+        (2) a prefix-cache hit attaches blocks as cached -- quantized when another session
+        pushed them out of its window -- while a cold prefill of the same prompt attends its
+        own prefix at full precision in the layers before the last. A prompt's logits, and
+        rarely a greedy token, therefore depend on whether another session quantized its
+        prefix (int4 ``generate_batch`` vs one-at-a-time ``generate``). This is inherent to
+        keeping only the compact form of cached blocks (that is the memory a quantized cache
+        saves); making every layer attend one representation would mean quantizing before
+        the prefill's attention, a change of results we do not make here. The bound is
+        pinned by tests/node/test_batched_decode.py: a hit moves the logits by at most 3x
+        what quantization moves a cold prefill's logits from full precision."""
         limit = (t.length - self.config.fp_window) // self.config.block_size
         for b in t.blocks[t.quant_checked : max(limit, t.quant_checked)]:
             if b is not None and not (b.quantized or b.kept_full_precision) and b.start is not None:

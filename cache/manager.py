@@ -90,9 +90,10 @@ class BlockManager:
     def _note_collateral(self, evicted: int) -> None:
         """``eviction_collateral``: the most cached blocks evicted to make room for ONE
         allocation (one block's arena slot, or one quantized slot), the max over allocations
-        since the counters were last zeroed. A cached block is full, so evicting one always
-        makes room for any single allocation: 1 is what an allocation in a full pool costs,
-        and more means prefix-cache entries thrown away that the allocation did not need --
+        since the counters were last zeroed. The engine caches full blocks only, so evicting
+        one makes room for any single allocation: 1 is what an allocation in a full pool
+        costs (so this engine meets "<= 1" by construction today; the counter is what shows
+        it when that changes), and more means prefix-cache entries thrown away that the allocation did not need --
         victims whose freed space was not where the allocation fits (victims smaller than
         the allocation, scattered pages). That is why the target is "<= 1" and why it is a
         max per allocation, not a total (``evictions`` counts the total) nor a count per
