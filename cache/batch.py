@@ -20,8 +20,9 @@ class BatchStep:
     """[B] arena token positions of the new tokens."""
     prefix: list[tuple[int, int]]
     """(arena start, tokens) per run of the shared prefix."""
-    tail_pos: torch.Tensor
-    """[B, T] arena positions of each session's own tokens (new one included), padded."""
+    tail_pos: torch.Tensor | None
+    """[B, T] arena positions of each session's own tokens (new one included), padded; None
+    when the members' read buffers do not all fit: the tails are decoded per layer."""
     tail_valid: torch.Tensor
     """[B, T] bool: which tail positions hold a token."""
     written: int = 0
@@ -64,7 +65,9 @@ class TailBuffer:
     """The batch's tails, kept from one step to the next: ``[layers, 2, heads, B, cap, dim]``.
 
     A step that continues the previous one (same sessions, same shared prefix, every session
-    one token longer, no block moved, nothing quantized) appends its new tokens here -- one
+    one token longer, no block moved, nothing quantized, no session released -- a session
+    reset and refilled to the same length holds other K/V behind the same first tail block,
+    so ``BlockTable.releases`` is part of the key) appends its new tokens here -- one
     indexed store per layer -- instead of gathering every tail again; anything else rebuilds
     it. A bounded copy of the tails only (the prefix is read in place), like a read buffer."""
 

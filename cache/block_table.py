@@ -39,6 +39,10 @@ class BlockTable:
     sparsity: SparsityPolicy | None = None
     root: bytes = b""
     """Parent hash of block 0: ``cache.prefix.ROOT`` or the session's namespace root."""
+    releases: int = 0
+    """Times the session's blocks were released (reset, version move): part of a batch tail
+    buffer's key, so a session refilled to the same length is gathered again, never served
+    the K/V it held before (``cache.batch.TailBuffer``)."""
 
     def held(self) -> list[Block]:
         """The blocks the session still holds (dropped ones left out)."""

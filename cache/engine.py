@@ -199,6 +199,7 @@ class KVCache:
         return child
 
     def _release(self, t: BlockTable) -> None:
+        t.releases += 1  # its tokens may come back with other K/V: no tail buffer continues
         for b in reversed(t.held()):  # tails first: LRU reclaims tails before shared roots
             self.blocks.unref(b)
         t.blocks, t.pending, t.written, t.runs, t.planned = [], 0, set(), None, 0
@@ -484,6 +485,24 @@ class KVCache:
             self.prefetcher.observe(kept.hash)  # a new block: learn the chain into it
 
     def _quantize_old(self, t: BlockTable) -> None:
+        """Quantize the blocks this step pushed out of the full-precision window (at the
+        commit, i.e. inside the last layer's write).
+
+        What a query attends in a quantized cache (decided in issue 22): a block is attended
+        in the form the cache holds when the layer reads it. So (1) in the step that pushes a
+        block out of the window, the last layer attends its quantized values while earlier
+        layers attended full precision (single-session path; a batch step's tails are read
+        before the commit), and every later step attends them quantized in every layer; and
+        (2) a prefix-cache hit attaches blocks as cached -- quantized when another session
+        pushed them out of its window -- while a cold prefill of the same prompt attends its
+        own prefix at full precision in the layers before the last. A prompt's logits, and
+        rarely a greedy token, therefore depend on whether another session quantized its
+        prefix (int4 ``generate_batch`` vs one-at-a-time ``generate``). This is inherent to
+        keeping only the compact form of cached blocks (that is the memory a quantized cache
+        saves); making every layer attend one representation would mean quantizing before
+        the prefill's attention, a change of results we do not make here. The bound is
+        pinned by tests/node/test_batched_decode.py: a hit moves the logits by at most 3x
+        what quantization moves a cold prefill's logits from full precision."""
         limit = (t.length - self.config.fp_window) // self.config.block_size
         for b in t.blocks[t.quant_checked : max(limit, t.quant_checked)]:
             if b is not None and not (b.quantized or b.kept_full_precision) and b.start is not None:
@@ -495,12 +514,13 @@ class KVCache:
         self.blocks.clock += 1
         t.last_access = self.blocks.clock
 
-    def _plan(self, t: BlockTable) -> list[list[int]]:
+    def _plan(self, t: BlockTable, keep: set[int] | None = None) -> list[list[int]]:
         """The session's runs of consecutive blocks ([start, blocks]); grown by appended
         blocks, rebuilt (and
-        quantized-only blocks decoded, once) only after a block changed place."""
+        quantized-only blocks decoded, once) only after a block changed place. Making room
+        never drops the read buffer of a block in ``keep`` (default: the session's own)."""
         if t.runs is None or t.plan_generation != self.blocks.generation:
-            keep, after = t.block_ids(), None
+            keep, after = t.block_ids() if keep is None else keep, None
             for b in t.held():
                 self.blocks.ensure_fp(b, after, keep)
                 after = self._end(b)
@@ -516,9 +536,9 @@ class KVCache:
         t.planned, t.plan_generation = len(t.blocks), self.blocks.generation
         return t.runs
 
-    def _try_plan(self, t: BlockTable) -> bool:
+    def _try_plan(self, t: BlockTable, keep: set[int] | None = None) -> bool:
         try:
-            self._plan(t)
+            self._plan(t, keep)
             return True
         except CacheFullError:  # no room for a read buffer: reads decode per step instead
             t.runs = None
@@ -594,7 +614,12 @@ class KVCache:
     # == batched decode =====================================================================
     def begin_batch(self, sids: list[int], tokens: list[int]) -> BatchStep:
         """Reserve one new token per session and plan the step's single write and gather per
-        layer; a prefix of blocks all sessions share is attended once for all of them."""
+        layer; a prefix of blocks all sessions share is attended once for all of them.
+
+        All-or-nothing: a refused batch (``CacheFullError`` on a later member, a sparse or
+        unknown member, ...) leaves no member with a reservation and takes back the blocks
+        it allocated (cached blocks evicted to make room stay evicted; a partly filled last
+        block copied for a member stays its copy, same tokens)."""
         start = perf_counter_ns()
         try:
             return self._begin_batch(sids, tokens)
@@ -609,16 +634,47 @@ class KVCache:
             raise ShapeMismatchError(
                 f"begin_batch needs one token per distinct session, got {len(sids)} sessions "
                 f"and {len(tokens)} tokens")
-        for sid, tok in zip(sids, tokens):
-            self.reserve(sid, [tok])
-        tables = [self._table(s) for s in sids]
+        tables = [self._table(s) for s in sids]  # unknown, closed, stale: before reserving
         if any(t.sparsity is not None for t in tables):
             raise ReservationError("sessions with a sparsity policy cannot be batched")
+        for t in tables:
+            if t.pending:
+                raise ReservationError(
+                    f"session {t.sid}: {t.pending} reserved tokens are not written yet")
+        done: list[tuple[BlockTable, int]] = []
+        try:
+            for t, tok in zip(tables, tokens):
+                held = len(t.blocks)
+                self.reserve(t.sid, [tok])
+                done.append((t, held))
+            return self._plan_batch(sids, tables)
+        except BaseException:
+            for t, held in reversed(done):
+                self._unreserve(t, held)
+            raise
+
+    def _unreserve(self, t: BlockTable, held: int) -> None:
+        """Undo ``reserve`` for a session that held ``held`` blocks before it: the new blocks
+        are released, the reserved tokens forgotten."""
+        for b in reversed(t.blocks[held:]):
+            self.blocks.unref(b)
+        del t.blocks[held:]
+        t.tokens = t.tokens[: t.length]
+        t.pending, t.written, t.write_at, t.runs = 0, set(), None, None
+
+    def _plan_batch(self, sids: list[int], tables: list[BlockTable]) -> BatchStep:
+        """The step's write positions, shared prefix runs and tails. Every member's blocks are
+        made resident with all members' blocks kept (reserving one member may have dropped
+        another's read buffer; re-planning must not drop a member's again). When they do not
+        all fit in the full-precision arena, the tails are decoded per layer instead
+        (``transient``: no shared prefix, ``stats()['transient_reads']``), as ``read_runs``
+        does for one session."""
         B = self.config.block_size
-        shared = shared_prefix_blocks(tables)
-        runs = self._plan(tables[0])
+        keep = set().union(*(t.block_ids() for t in tables))
+        resident = all([self._try_plan(t, keep) for t in tables])
+        shared = shared_prefix_blocks(tables) if resident else 0
         prefix, left = [], shared
-        for start, nb in runs:
+        for start, nb in (self._plan(tables[0], keep) if shared else []):
             if left <= 0:
                 break
             prefix.append((start, min(nb, left) * B))
@@ -626,14 +682,19 @@ class KVCache:
         lengths = [t.length + 1 - shared * B for t in tables]
         write = torch.tensor([t.blocks[t.length // B].start + t.length % B for t in tables])
         key = (tuple(sids), shared, self.blocks.generation, self.blocks.counters["quantized_blocks"],
-               tuple(t.blocks[shared].id if len(t.blocks) > shared else -1 for t in tables))
+               tuple(t.blocks[shared].id if len(t.blocks) > shared else -1 for t in tables),
+               tuple(t.releases for t in tables))
         buf = self._tails if self.config.batch_tail_buffer else None
         if buf is not None and buf.continues(key, lengths):
             step = BatchStep(list(sids), write, prefix, torch.empty(0), buf.valid, tails=buf,
                              fresh=False)
         else:
-            pos, valid = tail_positions(
-                [[b.start for b in t.blocks[shared:]] for t in tables], lengths, B)
+            if resident:
+                pos, valid = tail_positions(
+                    [[b.start for b in t.blocks[shared:]] for t in tables], lengths, B)
+            else:
+                pos = None
+                valid = torch.arange(max(lengths)) < torch.tensor(lengths).view(-1, 1)
             c = self.config
             buf = TailBuffer.empty(key, c.num_layers, c.num_heads, len(sids),
                                    max(lengths) + TAIL_ROOM, c.head_dim, self.arena.kv.dtype)
@@ -685,7 +746,14 @@ class KVCache:
         token appended to the buffer the previous step left."""
         buf, c = step.tails, self.config
         T = max(buf.lengths)
-        if step.fresh:
+        if step.fresh and step.tail_pos is None:  # read buffers do not all fit: decode
+            for row, sid in enumerate(step.sids):
+                t = self._table(sid)
+                (tk, tv), = self._transient_run(t, layer, t.length + 1)
+                buf.kv[layer, 0, :, row, : tk.shape[1]] = tk
+                buf.kv[layer, 1, :, row, : tv.shape[1]] = tv
+            buf.valid[:, : step.tail_valid.shape[1]] = step.tail_valid
+        elif step.fresh:
             H, Bn, Tp = c.num_heads, *step.tail_pos.shape
             got = self.arena.kv[layer].index_select(2, step.tail_pos.flatten())
             buf.kv[layer, :, :, :, :Tp] = got.view(2, H, Bn, Tp, c.head_dim)

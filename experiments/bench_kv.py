@@ -34,7 +34,8 @@ What each section measures (also stated inside the JSON under ``notes``):
   interleaved, K/V fed through ``reserve``/``write`` with random tensors (memory accounting
   does not depend on the values).
 * ``eviction_collateral`` — a pool full of cached (closed-session) prefix blocks with one free
-  full-size slot; a 3-token ``reserve``; ``stats()["eviction_collateral"]``.
+  full-size slot; a 3-token ``reserve``; ``stats()["eviction_collateral"]`` (the most cached
+  blocks one allocation evicted, ``cache.manager.BlockManager._note_collateral``).
 """
 
 from __future__ import annotations
@@ -983,7 +984,9 @@ def _feed_random(kv: KVCache, sid: int, tokens: list[int], g: torch.Generator) -
 def eviction_section(cfg: ModelConfig, pool_bytes: int = 2 << 20, reserve: int = 3) -> dict:
     """Fill a pool with one-block sessions, closing each (its block stays a cached prefix
     entry), until one free full-size slot is left; then a ``reserve``-token allocation.
-    Collateral = cached blocks evicted for it (``stats()['eviction_collateral']``)."""
+    Collateral = the most cached blocks one allocation evicted (``stats()
+    ['eviction_collateral']``, counted per allocation, not clamped: > 1 means prefix-cache
+    entries evicted that the allocation did not need)."""
     kv = KVCache(cfg.cache_config(pool_bytes=pool_bytes))
     B = kv.config.block_size
     g = torch.Generator().manual_seed(0)

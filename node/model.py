@@ -174,7 +174,10 @@ class TinyTransformer(nn.Module):
                        max_new_tokens: int) -> list[list[int]]:
         """Greedy continuations of several prompts, decoded together: each prompt is
         prefilled in its own session (reusing cached prefixes), then every step is one
-        forward over all sessions. The sessions are closed afterwards."""
+        forward over all sessions. The sessions are closed afterwards. In an int8/int4 cache
+        a prompt whose prefix another prompt quantized attends it quantized, so the result
+        can differ from ``generate`` of each prompt alone, within the bound documented at
+        ``KVCache._quantize_old``."""
         sids = [cache.open_session() for _ in prompts]
         try:
             logits = torch.stack([self.prefill(list(p), cache, s) for p, s in zip(prompts, sids)])

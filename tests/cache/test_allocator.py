@@ -62,3 +62,32 @@ def test_quantizing_in_a_full_quantized_pool_evicts_one_block():
     assert st["quantized_blocks"] == len(prompts) + 1 and st["quant_skipped_full"] == 0
     assert st["evictions"] == 1 and st["eviction_collateral"] == 1
     assert cached_hits(kv, prompts) == len(prompts) - 1
+
+
+def test_eviction_collateral_counts_the_blocks_one_allocation_evicted():
+    """Issue 22 0d: the counter was set to max(x, 1) after any eviction, so "collateral <= 1"
+    could not fail. Cached slots of one page (2 tokens) each, scattered over an 8-page arena
+    (placement takes the middle of the largest gap); a 4-token block needs two adjacent free
+    pages, so its allocation evicts victims until two of them neighbour: at least 2."""
+    import torch
+
+    from cache.manager import BlockManager
+    from cache.policy import make_policy
+    from cache.prefix import ROOT
+    from cache.token_arena import TokenArena
+
+    arena = TokenArena(4, 1, 1, 4, 2, torch.float32, page=2)
+    m = BlockManager(arena, make_policy("lru", arena.num_blocks))
+    for i in range(arena.num_pages):
+        b = m.new(2)
+        b.tokens = [2 * i, 2 * i + 1]
+        m.register(b, ROOT)
+        m.unref(b)  # a cached, unreferenced prefix entry
+    assert arena.free_pages == 0 and m.counters["evictions"] == 0
+    m.new(1)  # one page: one victim is enough
+    assert m.counters["evictions"] == 1 and m.counters["eviction_collateral"] == 1
+    m.new(4)  # two adjacent pages
+    evicted = m.counters["evictions"] - 1
+    assert evicted >= 2 and m.counters["eviction_collateral"] == evicted
+    m.new(2)  # one page: the max over allocations stays
+    assert m.counters["eviction_collateral"] == evicted

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from cache import KVCache, ReservationError
+from cache import CacheFullError, KVCache, ReservationError
+from cache.sparsity import SlidingWindow
 from tests.cache.conftest import feed, small_config
 
 
@@ -78,3 +79,110 @@ def test_without_the_tail_buffer_every_step_gathers():
                                                        torch.ones(H, 2, D))
     assert valid.sum(1).tolist() == [9, 5]
     assert torch.equal(tk[:, 0, 6:9], torch.ones(H, 3, D))
+
+
+def test_a_reset_and_refilled_session_is_gathered_again_not_served_from_the_old_tails():
+    """Issue 22 0a: reset_session + refill to the same length (its first block a prefix hit,
+    so the same block as before) must not continue the tail buffer built before the reset."""
+    kv = KVCache(small_config())
+    c = kv.config
+    H, D = c.num_heads, c.head_dim
+    a, b = kv.open_session(), kv.open_session()
+    feed(kv, a, list(range(100, 106)))
+    feed(kv, b, list(range(6)), seed=1)
+    for i in range(2):
+        step = kv.begin_batch([a, b], [i, i])
+        for layer in range(c.num_layers):
+            kv.append_and_read_batch(step, layer, torch.randn(H, 2, D), torch.randn(H, 2, D))
+    kv.reset_session(b)
+    assert kv.match_prefix(b, list(range(6)) + [0]) == 4
+    feed(kv, b, [60, 61, 62, 63], seed=2)  # 8 tokens again, 4 of them new K/V
+    step = kv.begin_batch([a, b], [9, 9])
+    for layer in range(c.num_layers):
+        _, tk, tv, valid = kv.append_and_read_batch(step, layer, torch.randn(H, 2, D),
+                                                    torch.randn(H, 2, D))
+        assert valid.sum(1).tolist() == [9, 9]
+        for row, sid in enumerate((a, b)):  # the 8 tokens before the step, as written
+            k, v = kv.read(sid, layer)
+            assert torch.equal(tk[:, row, :8], k[:, :8]) and torch.equal(tv[:, row, :8], v[:, :8])
+
+
+def _full_arena():
+    """A 4-block full-precision arena: a holds 1 full block, b 2; one block free."""
+    kv = KVCache(small_config(pool_bytes=4 << 10, managed_block_bytes=4 << 10))
+    assert kv.arena.num_blocks == 4
+    a, b = kv.open_session(), kv.open_session()
+    feed(kv, a, [1, 2, 3, 4])
+    feed(kv, b, [5, 6, 7, 8, 9, 10, 11, 12])
+    return kv, a, b
+
+
+def test_a_refused_batch_reserves_nothing():
+    """Issue 22 0b: begin_batch is all-or-nothing. a's new block fits, b's does not: the
+    refusal must leave a without a reservation (it used to stay wedged until reset) and the
+    block it took free again."""
+    kv, a, b = _full_arena()
+    free, used = kv.arena.free_pages, kv.stats()["blocks_used"]
+    for _ in range(4):  # the third failure in a row compacts and retries: still refused
+        with pytest.raises(CacheFullError):
+            kv.begin_batch([a, b], [20, 21])
+        assert kv.arena.free_pages == free and kv.stats()["blocks_used"] == used
+        assert kv.tokens(a) == [1, 2, 3, 4] and kv.length(b) == 8
+    feed(kv, a, [20])  # every member decodes normally
+    assert kv.tokens(a) == [1, 2, 3, 4, 20]
+    kv.reset_session(a)
+    feed(kv, b, [21])
+    assert kv.length(b) == 9
+
+
+def test_a_batch_refused_for_a_sparse_member_reserves_nothing():
+    kv = KVCache(small_config())
+    a = kv.open_session()
+    s = kv.open_session(SlidingWindow(4))
+    feed(kv, a, [1, 2, 3, 4])
+    feed(kv, s, [1, 2, 3])
+    used = kv.stats()["blocks_used"]
+    with pytest.raises(ReservationError, match="sparsity"):
+        kv.begin_batch([a, s], [5, 6])
+    assert kv.stats()["blocks_used"] == used
+    feed(kv, a, [5])
+    feed(kv, s, [6])
+    assert kv.length(a) == 5 and kv.length(s) == 4
+
+
+def _batch_outputs(kv: KVCache, sids: list[int], steps: int) -> list[torch.Tensor]:
+    """Attention outputs of ``steps`` batched decode steps (seeded q, k, v), every layer."""
+    from cache.attention import attend_shared
+    c = kv.config
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for i in range(steps):
+        step = kv.begin_batch(sids, [i] * len(sids))
+        for layer in range(c.num_layers):
+            q, k, v = (torch.randn(c.num_heads, len(sids), c.head_dim, generator=g)
+                       for _ in range(3))
+            out.append(attend_shared(q, *kv.append_and_read_batch(step, layer, k, v)))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+@pytest.mark.parametrize("fp_blocks", [6, 7])
+def test_quantized_batch_whose_read_buffers_do_not_all_fit_decodes_as_with_room(dtype, fp_blocks):
+    """Issue 22 0c: two sessions of 3 quantized blocks each need 8 full-precision blocks for
+    their read buffers and new blocks; with 6 or 7, reserving one member dropped the other's
+    buffers and the batch died in tail_positions with a raw torch RuntimeError. It must decode
+    what a cache with room decodes."""
+    outs = []
+    for blocks in (fp_blocks, 32):
+        kv = KVCache(small_config(kv_dtype=dtype, fp_window=0, pool_bytes=64 << 10,
+                                  read_buffer_fraction=blocks * 1024 / (64 << 10)))
+        assert kv.arena.num_blocks == blocks
+        a, b = kv.open_session(), kv.open_session()
+        feed(kv, a, list(range(12)))
+        feed(kv, b, list(range(100, 112)), seed=1)
+        fork = kv.fork(a)  # a shared prefix too
+        outs.append(_batch_outputs(kv, [a, b, fork], steps=3))
+        assert [kv.length(s) for s in (a, b, fork)] == [15, 15, 15]
+        assert (kv.stats()["transient_reads"] > 0) == (blocks == fp_blocks)  # decoded per layer
+    for tight, roomy in zip(*outs):
+        assert torch.allclose(tight, roomy, atol=1e-6)
