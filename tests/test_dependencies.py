@@ -81,8 +81,9 @@ def test_the_product_imports_only_declared_dependencies() -> None:
     assert _undeclared(PRODUCT, extras=()) == []
 
 
-def test_experiments_import_only_declared_dependencies_or_the_bench_extra() -> None:
-    assert _undeclared(("experiments",), extras=("bench",)) == []
+def test_experiments_import_only_declared_dependencies_or_the_bench_and_test_extras() -> None:
+    """The test extra too: ``experiments.house`` measures the product with ``coverage``."""
+    assert _undeclared(("experiments",), extras=("bench", "test")) == []
 
 
 def test_the_check_sees_an_undeclared_import(tmp_path, monkeypatch) -> None:
