@@ -67,7 +67,8 @@ RUN_ID = 2222
 ROUND_FIELDS = (
     "round", "population", "admitted", "sampled", "num_clients", "dropped", "train_loss", "eval_loss",
     "eval_metric", "metric", "eval_clients", "clipped_fraction", "saturated_fraction", "weight_capped",
-    "noise_shares_added", "epsilon_client", "epsilon_client_no_amplification", "sampling_skipped",
+    "noise_shares_added", "epsilon_client", "epsilon_server", "epsilon_node", "epsilon_colluding",
+    "colluding_nodes", "rounding_share_steps", "rounding_delta", "delta_total_key_holders", "sampling_skipped",
     "epsilon_sample", "delta", "saturation_delta", "delta_total", "node_sources", "kv_blocks_on_disk",
     "serving", "key_epoch", "key_rotated", "departed", "aggregate_discarded",
 )
