@@ -32,8 +32,8 @@ from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
 
 from crypto import (
-    KIND_NOISE,
-    KIND_UPDATE,
+    CONTRIBUTION_NOISE,
+    CONTRIBUTION_UPDATE,
     AggregateMac,
     Manifest,
     ciphertext_coefficients,
@@ -133,7 +133,7 @@ def train(msg: Message, context: Context) -> Message:
     cfg = _run_config(context)
     provisioning.node_keys(context)  # raises if this node was never enrolled
     server_round = int(msg.content[protocol.CONFIG]["server-round"])
-    with NodeStore.for_context(context).answer_once(server_round, KIND_UPDATE) as slot:
+    with NodeStore.for_context(context).answer_once(server_round, CONTRIBUTION_UPDATE) as slot:
         if slot.stored is None:
             blob, metrics = _train(cfg, msg, context, server_round, timer)
             slot.keep(protocol.pack_blobs([blob, json.dumps(metrics).encode()]))
@@ -183,10 +183,10 @@ def _train(cfg: RunConfig, msg: Message, context: Context, server_round: int,
             feedback = uses_error_feedback(cfg)
             store = NodeStore.for_context(context)
             carry = store.load_residual(int(delta.shape[0])) if feedback else None
-            u = _dither(cfg, context, ctx, server_round, epoch, KIND_UPDATE, int(delta.shape[0]))
+            u = _dither(cfg, context, ctx, server_round, epoch, CONTRIBUTION_UPDATE, int(delta.shape[0]))
             payload = codec.encode(delta, weight, carry=carry, dither=u) if cfg.he else codec.encode(delta, weight)
         with timer.phase("sign"):
-            blob = _signed(cfg, context, server_round, payload, epoch, ctx, KIND_UPDATE, dim)
+            blob = _signed(cfg, context, server_round, payload, epoch, ctx, CONTRIBUTION_UPDATE, dim)
         with timer.phase("save"):
             node_host.save_node(context, node)
             if feedback:
@@ -254,7 +254,7 @@ def noise(msg: Message, context: Context) -> Message:
     rnd, shares, sampled = int(req["server-round"]), int(req["shares"]), int(req["num-sampled"])
     if not (1 <= shares < sampled <= cfg.max_clients):
         raise RuntimeError("noise request out of range")
-    with NodeStore.for_context(context).answer_once(rnd, KIND_NOISE) as slot:  # once per round, as train
+    with NodeStore.for_context(context).answer_once(rnd, CONTRIBUTION_NOISE) as slot:  # once per round, as train
         if slot.stored is None:
             slot.keep(_noise_shares(cfg, context, rnd, shares, sampled))
         blob = slot.stored
@@ -272,8 +272,8 @@ def _noise_shares(cfg: RunConfig, context: Context, rnd: int, shares: int, sampl
     # m shares as m contributions (range ±m·R, like CkksAggregator.add_noise): one of range R
     # would saturate the sum of m shares far more often than crypto.saturation allows for
     payload = codec.encode(np.zeros(dim, dtype=np.float32), 0.0, noise=rng.normal(0.0, std, dim),
-                           dither=_dither(cfg, context, ctx, rnd, epoch, KIND_NOISE, dim), contributions=shares)
-    return _signed(cfg, context, rnd, payload, epoch, ctx, KIND_NOISE, dim)
+                           dither=_dither(cfg, context, ctx, rnd, epoch, CONTRIBUTION_NOISE, dim), contributions=shares)
+    return _signed(cfg, context, rnd, payload, epoch, ctx, CONTRIBUTION_NOISE, dim)
 
 
 @app.evaluate("fedkv")
@@ -374,7 +374,7 @@ def _adapt(cfg: RunConfig, norms: list[float], mean: np.ndarray, scale: float, m
     ``norms`` from the noisy unclipped share."""
     adaptive = adaptive_clipping_for(cfg)
     assert adaptive is not None
-    updates = sum(1 for e in Manifest.from_bytes(manifest).entries if e.kind == KIND_UPDATE)
+    updates = sum(1 for e in Manifest.from_bytes(manifest).entries if e.kind == CONTRIBUTION_UPDATE)
     clip = norms[-1]
     fraction = adaptive.unclipped_fraction(float(mean[-1]) * updates, updates, updates / scale)
     norms.append(adaptive.next_clip_norm(clip, fraction))
@@ -388,7 +388,7 @@ def _fixed_denominator_scale(cfg: RunConfig, context: Context, dim: int, blob: b
     if cfg.client_sampling != "poisson":
         return 1.0
     if cfg.he:
-        n_updates = sum(1 for e in Manifest.from_bytes(manifest).entries if e.kind == KIND_UPDATE)
+        n_updates = sum(1 for e in Manifest.from_bytes(manifest).entries if e.kind == CONTRIBUTION_UPDATE)
     else:
         n_updates = plain_update_count(blob, dim)
     population = int(context.node_config["num-partitions"])
@@ -414,7 +414,7 @@ def _open(cfg: RunConfig, context: Context, dim: int, blob: bytes, manifest: byt
             with timer.phase("decrypt"):
                 return make_client_codec(False, dim).decode_mean(blob), 0
         m = Manifest.from_bytes(manifest)
-        updates = [e for e in m.entries if e.kind == KIND_UPDATE]
+        updates = [e for e in m.entries if e.kind == CONTRIBUTION_UPDATE]
         distinct = len({(e.node_id, e.kind) for e in m.entries}) == len({e.digest for e in m.entries}) == len(m.entries)
         floor = max(cfg.min_clients, provisioning.node_policy(context).min_clients)
         applied = context.state.config_records.get(APPLIED_KEY)

@@ -51,6 +51,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.common import log
 
 from crypto import (
+    CONTRIBUTION_UPDATE,
     DEFAULT_PRESET,
     NO_KEY_ID,
     NodeKeys,
@@ -104,7 +105,7 @@ def secret_context(context: Context, epoch: int | None = None) -> tuple[Any, int
 
 
 def sign(context: Context, keys: NodeKeys, server_round: int, payload: bytes, epoch: int = 0, *,
-         key_id: bytes = NO_KEY_ID, kind: int = 0, tag: bytes = b"") -> bytes:
+         key_id: bytes = NO_KEY_ID, kind: int = CONTRIBUTION_UPDATE, tag: bytes = b"") -> bytes:
     """The wire form of a contribution: signed over (run, node, round, epoch, key id, kind, tag, digest)."""
     return sign_update(keys, str(context.node_id), server_round, payload, epoch, run_id=int(context.run_id),
                        key_id=key_id, kind=kind, tag=tag)

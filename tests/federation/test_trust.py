@@ -156,7 +156,7 @@ def _same_reply_or_refusal(first: Message, again: Message) -> None:
 
 
 def test_a_train_message_sent_twice_gets_its_first_reply_again_never_a_second_tag() -> None:
-    from crypto import KIND_UPDATE
+    from crypto import CONTRIBUTION_UPDATE
 
     fed = Federation(3, **HE, **{"num-server-rounds": 1})
     fed.run_all()
@@ -167,11 +167,11 @@ def test_a_train_message_sent_twice_gets_its_first_reply_again_never_a_second_ta
         again = fed.grid.deliver(msg)
         _same_reply_or_refusal(first, again)
         replies.append(again)
-    assert len(_tags_of(fed, 100, 1, KIND_UPDATE, replies)) == 1
+    assert len(_tags_of(fed, 100, 1, CONTRIBUTION_UPDATE, replies)) == 1
 
 
 def test_a_noise_request_sent_twice_gets_its_first_reply_again_never_a_second_tag() -> None:
-    from crypto import KIND_NOISE
+    from crypto import CONTRIBUTION_NOISE
 
     fed = Federation(3, **HE, **{"num-server-rounds": 1})
     fed.grid.faults[(102, protocol.TRAIN)] = timeout_fault  # a survivor makes node 102's noise share
@@ -188,13 +188,13 @@ def test_a_noise_request_sent_twice_gets_its_first_reply_again_never_a_second_ta
         again = fed.grid.deliver(msg)
         _same_reply_or_refusal(first, again)
         replies.append(again)
-    assert len(_tags_of(fed, node, 1, KIND_NOISE, replies)) == 1
+    assert len(_tags_of(fed, node, 1, CONTRIBUTION_NOISE, replies)) == 1
 
 
 def test_a_node_that_failed_before_replying_answers_the_retry_once(monkeypatch) -> None:
     """A node that crashed before its reply was kept sent no tag: the retry is answered (once),
     and a further repeat gets that answer again."""
-    from crypto import KIND_UPDATE
+    from crypto import CONTRIBUTION_UPDATE
     from federation import node_host
 
     real_save, failed = node_host.save_node, []
@@ -215,14 +215,14 @@ def test_a_node_that_failed_before_replying_answers_the_retry_once(monkeypatch) 
         replies.append(fed.grid.deliver(msg))
     assert not replies[0].has_error()
     _same_reply_or_refusal(replies[0], replies[1])
-    assert len(_tags_of(fed, 100, 1, KIND_UPDATE, replies)) == 1
+    assert len(_tags_of(fed, 100, 1, CONTRIBUTION_UPDATE, replies)) == 1
 
 
 def _two_tags_of_node_100(fed: Federation):
     """Node 100's round-1 update (c2, t2) and a second update (c1, t1) it tagged in round 1, as a
     second train request made it do before issue 20 (made here through the node's own tagging
     code, so the MAC is tested on its own, whatever the replay guard does)."""
-    from crypto import KIND_UPDATE, SignedUpdate
+    from crypto import CONTRIBUTION_UPDATE, SignedUpdate
     from federation import client_app
     from federation.config import RunConfig
 
@@ -233,7 +233,7 @@ def _two_tags_of_node_100(fed: Federation):
     u = np.zeros(fed.dim) if fed.strategy.packing.dither else None
     vec = np.random.default_rng().uniform(-0.01, 0.01, fed.dim)
     payload = CkksClientCodec(fed.dim, node_ctx, fed.strategy.packing).encode(vec, 1.0, dither=u)
-    second = SignedUpdate.from_bytes(client_app._signed(cfg, ctx, 1, payload, epoch, node_ctx, KIND_UPDATE, fed.dim))
+    second = SignedUpdate.from_bytes(client_app._signed(cfg, ctx, 1, payload, epoch, node_ctx, CONTRIBUTION_UPDATE, fed.dim))
     assert second.tag != honest_su.tag
     return second, honest_su
 
@@ -289,11 +289,11 @@ def _with_entry(manifest: bytes, node: str, tag: bytes, digest: bytes | None = N
     """The manifest with node's update entry carrying ``tag`` (and ``digest`` when given)."""
     import dataclasses
 
-    from crypto import KIND_UPDATE, Manifest
+    from crypto import CONTRIBUTION_UPDATE, Manifest
 
     m = Manifest.from_bytes(manifest)
     change = {"tag": tag, **({"digest": digest} if digest is not None else {})}
-    entries = tuple(dataclasses.replace(e, **change) if (e.node_id, e.kind) == (node, KIND_UPDATE) else e
+    entries = tuple(dataclasses.replace(e, **change) if (e.node_id, e.kind) == (node, CONTRIBUTION_UPDATE) else e
                     for e in m.entries)
     return dataclasses.replace(m, entries=entries).to_bytes()
 
@@ -677,7 +677,7 @@ def crafted_update_fault(grid, make_delta, rounds=None, header=None, envelope=No
     ``make_delta(packing, dim)`` encoded by the node's codec; ``header(w_int, count)`` rewrites the
     encrypted header (weight and contribution count slots); ``envelope(env)`` the public envelope;
     ``tag(tag)`` the tag it signs. Only in ``rounds`` (None: every round)."""
-    from crypto import KIND_UPDATE
+    from crypto import CONTRIBUTION_UPDATE
     from crypto.wire import pack_envelope, parse_envelope
     from federation import client_app
     from federation.codec import packing_for, wire_dim
@@ -698,17 +698,17 @@ def crafted_update_fault(grid, make_delta, rounds=None, header=None, envelope=No
         if header is not None:
             assemble = codec._enc._packer.assemble
             codec._enc._packer.assemble = lambda h, data, n: assemble(header(*h), data, n)
-        u = client_app._dither(cfg, ctx, key, rnd, epoch, KIND_UPDATE, dim)
+        u = client_app._dither(cfg, ctx, key, rnd, epoch, CONTRIBUTION_UPDATE, dim)
         payload = codec.encode(np.asarray(make_delta(packing, dim), dtype=np.float64), 1.0, dither=u)
         if envelope is not None:
             payload = pack_envelope(envelope(parse_envelope(payload, max_ciphertext_bytes=1 << 30)))
-        blob = client_app._signed(cfg, ctx, rnd, payload, epoch, key, KIND_UPDATE, dim)
+        blob = client_app._signed(cfg, ctx, rnd, payload, epoch, key, CONTRIBUTION_UPDATE, dim)
         if tag is not None:
             from crypto import SignedUpdate
 
             su = SignedUpdate.from_bytes(blob)
             blob = provisioning.sign(ctx, provisioning.node_keys(ctx), rnd, payload, epoch, key_id=su.key_id,
-                                     kind=KIND_UPDATE, tag=tag(su.tag))
+                                     kind=CONTRIBUTION_UPDATE, tag=tag(su.tag))
         reply.content.array_records[protocol.UPDATE]["update"] = protocol.bytes_to_array(blob)
         return reply
 
