@@ -3,7 +3,7 @@
 Protocols, routed by message type:
 
 * ``query.fedkv_enroll`` / ``query.fedkv_keygen`` / ``query.fedkv_provision``: key provisioning
-  (``federation/provisioning.py``): the node's identity keys and CKKS keys live in its kit or
+  (``federation/key_service.py``): the node's identity keys and CKKS keys live in its kit or
   node-local directory (``federation/node_store.py``), never in ``context.state``; one node
   makes the CKKS key (or the kits hold it) and the server only relays wrapped bundles.
 * ``query.fedkv_noise``: distributed-DP noise shares for nodes that left a round (he=true).
@@ -44,7 +44,7 @@ from crypto import (
     payload_digest,
 )
 from crypto.dither import dither, dither_total
-from federation import node_host, protocol, provisioning
+from federation import node_host, protocol, key_service
 from federation.codec import (
     ClientCodec, adaptive_clipping_for, client_weight, make_client_codec, mean_bound_for, packing_for,
     plain_update_count, uses_error_feedback, wire_dim, wire_noise,
@@ -55,7 +55,7 @@ from federation.node_store import NodeStore
 from federation.timing import PhaseTimer
 from federation.sampling import poisson_mean_scale
 from node.cache_node import CacheNode, DpConfig
-from node.serving import ServeReport
+from node.workload_pass import ServeReport
 from node.workload import WorkloadConfig
 
 configure_logging()  # each log line once (Opacus adds a root handler on import)
@@ -77,25 +77,25 @@ class AggregateRejected(RuntimeError):
 @app.query("fedkv_enroll")
 def enroll(msg: Message, context: Context) -> Message:
     """Check the run against this node's policy; return its public identity keys."""
-    return provisioning.handle_enroll(msg, context)
+    return key_service.handle_enroll(msg, context)
 
 
 @app.query("fedkv_keygen")
 def keygen(msg: Message, context: Context) -> Message:
     """Make (or re-wrap) the CKKS key for the listed peers: this node is the key's origin."""
-    return provisioning.handle_keygen(msg, context)
+    return key_service.handle_keygen(msg, context)
 
 
 @app.query("fedkv_provision")
 def provision(msg: Message, context: Context) -> Message:
     """Verify a peer-wrapped CKKS key, keep it in the node's own files; acknowledge its key id."""
-    return provisioning.handle_provision(msg, context)
+    return key_service.handle_provision(msg, context)
 
 
 def _run_config(context: Context) -> RunConfig:
     """The run config, once it passed this node's policy (a run cannot lower the node's floors)."""
     cfg = RunConfig.from_run_config(context.run_config)
-    provisioning.node_policy(context).check(cfg)
+    key_service.node_policy(context).check(cfg)
     return cfg
 
 
@@ -103,20 +103,20 @@ def _codec(cfg: RunConfig, context: Context, dim: int, epoch: int | None = None)
     """(client codec, key epoch, secret context or None): CKKS with the node's key, or plaintext."""
     if not cfg.he:
         return make_client_codec(False, dim), 0, None
-    ctx, epoch = provisioning.secret_context(context, epoch)
+    ctx, epoch = key_service.secret_context(context, epoch)
     return make_client_codec(True, dim, packing_for(cfg, dim), ctx), epoch, ctx
 
 
 def _signed(cfg: RunConfig, context: Context, rnd: int, payload: bytes, epoch: int, ctx: Any, kind: int,
             dim: int) -> bytes:
     """Tag (he=true, ``crypto.binding``) and sign one contribution."""
-    keys = provisioning.node_keys(context)
+    keys = key_service.node_keys(context)
     if ctx is None:
-        return provisioning.sign(context, keys, rnd, payload, epoch, kind=kind)
+        return key_service.sign(context, keys, rnd, payload, epoch, kind=kind)
     coeffs = ciphertext_coefficients(ctx, packing_for(cfg, dim), payload)
     tag = AggregateMac(ctx.mac_key, last_modulus(ctx)).tag(coeffs, int(context.run_id), rnd, epoch, str(context.node_id),
                                                            kind, payload_digest(payload))
-    return provisioning.sign(context, keys, rnd, payload, epoch, key_id=ctx.key_id, kind=kind, tag=tag)
+    return key_service.sign(context, keys, rnd, payload, epoch, key_id=ctx.key_id, kind=kind, tag=tag)
 
 
 @app.train("fedkv")
@@ -131,7 +131,7 @@ def train(msg: Message, context: Context) -> Message:
     ``handler-s`` is the whole handler, so the server can show what the phases leave out."""
     timer = PhaseTimer()
     cfg = _run_config(context)
-    provisioning.node_keys(context)  # raises if this node was never enrolled
+    key_service.node_keys(context)  # raises if this node was never enrolled
     server_round = int(msg.content[protocol.CONFIG]["server-round"])
     with NodeStore.for_context(context).answer_once(server_round, CONTRIBUTION_UPDATE) as slot:
         if slot.stored is None:
@@ -416,7 +416,7 @@ def _open(cfg: RunConfig, context: Context, dim: int, blob: bytes, manifest: byt
         m = Manifest.from_bytes(manifest)
         updates = [e for e in m.entries if e.kind == CONTRIBUTION_UPDATE]
         distinct = len({(e.node_id, e.kind) for e in m.entries}) == len({e.digest for e in m.entries}) == len(m.entries)
-        floor = max(cfg.min_clients, provisioning.node_policy(context).min_clients)
+        floor = max(cfg.min_clients, key_service.node_policy(context).min_clients)
         applied = context.state.config_records.get(APPLIED_KEY)
         last = int(applied["round"]) if applied is not None else 0
         if m.run_id != int(context.run_id) or m.round <= last or not distinct or len(updates) < floor:

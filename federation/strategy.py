@@ -61,10 +61,10 @@ from federation.results import METRIC_NAMES, RoundRecord, mean, serving_summary,
 from federation.sampling import ClientSampler, SampleOutsideBounds, evaluation_size
 from federation.timing import PhaseTimer
 
-from federation.provisioning import AdmitReport
+from federation.key_service import AdmitReport
 
 if TYPE_CHECKING:
-    from federation.provisioning import KeyService
+    from federation.key_service import KeyService
 
 SOURCES = {0: "built", 1: "restored", 2: "reused"}
 

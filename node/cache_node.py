@@ -32,7 +32,7 @@ from node import digits
 from node.model import TinyTransformer
 from node import param_channel
 from node.coherence import exclusive_params
-from node.serving import ServeReport, serve_workload
+from node.workload_pass import ServeReport, serve_workload
 from node.sessions import Sessions
 from node.workload import WorkloadConfig, find_trace, plan_turns
 from node.tasks import LM_MODEL, Task, build_model, make_task

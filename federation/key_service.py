@@ -1,4 +1,6 @@
-"""Key provisioning for a fedkv run: the CKKS secret key is made by a node or a provisioner, never the server.
+"""The in-run key service: enrollment, key provisioning and rotation (server ``KeyService``, node
+handlers). The CKKS secret key is made by a node or a provisioner, never the server. (The offline
+provisioner that writes startup kits is ``federation.provision``.)
 
 Who makes the key (``key_origin`` in the results JSON)
 ------------------------------------------------------
@@ -67,7 +69,7 @@ from crypto.errors import CryptoError
 from federation import protocol, replies
 from federation.config import RunConfig
 from federation.node_store import MemberSetError, NodeStore, Peer, PeerKeyError, ProvisioningError
-from federation.policy import NodePolicy
+from federation.node_policy import NodePolicy
 
 __all__ = ["ENROLL", "KEYGEN", "PROVISION", "KeyService", "AdmitReport", "MemberSetError", "PeerKeyError",
            "ProvisioningError", "node_keys", "node_policy", "secret_context", "sign"]
