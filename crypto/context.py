@@ -171,8 +171,14 @@ def secret_events() -> list[tuple[int, str, str]]:
 
 # --- SEAL object <-> bytes ------------------------------------------------------------------------
 # tenseal.sealapi only (de)serializes SEAL objects through file paths, and only its
-# `encrypt_symmetric` keeps the PRNG seed that halves a fresh ciphertext. So we go through a
-# private (0700) temporary directory, on tmpfs when available. Ciphertexts only, never keys.
+# `encrypt_symmetric` keeps the PRNG seed that halves a fresh ciphertext. So we go through scratch
+# files in a private (0700) temporary directory per process, on tmpfs (/dev/shm) when available,
+# each removed as soon as it is read. Not only ciphertexts: the raw-SEAL contexts of fedkv-2048
+# (`crypto.seal_keys`) pass their parameters, public key and, for a secret context, the SECRET
+# KEY through here (`SealKeys.serialize` via `seal_save`, `load_seal_keys` via its own 0600
+# files). `seal_save`'s file is created by SEAL with the process umask (0644 under umask 022):
+# only the 0700 directory keeps other users out, for as long as the file exists. The directory
+# is removed at normal exit (atexit); a killed process leaves it, empty unless killed mid-write.
 
 _io_lock = threading.Lock()
 _io_dir: dict[int, str] = {}
