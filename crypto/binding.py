@@ -140,7 +140,7 @@ def _raw_coefficients(ct: Any) -> np.ndarray:
     array, raw; zstd keeps incompressible (uniform mod q) data in raw blocks, which are read
     here without a zstd library. Any other layout (a compressed block) takes the slow path, and
     two sampled coefficients are compared with ``DynArray.at`` so a misread cannot pass."""
-    from crypto.context import seal_save
+    from crypto.seal_io import seal_save
 
     arr = ct.dyn_array()
     n = int(arr.size())

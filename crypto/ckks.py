@@ -57,8 +57,6 @@ from crypto.context import (
     load_context,
     make_secret_context,
     public_context_bytes,
-    seal_load_ciphertext,
-    seal_save,
 )
 from crypto.errors import (
     AggregateRejectedError,
@@ -86,6 +84,7 @@ from crypto.packing import (
     stochastic_quantize,
     unpack_fields,
 )
+from crypto.seal_io import seal_load_ciphertext, seal_save
 from crypto.wire import (
     ENVELOPE_AGGREGATE,
     ENVELOPE_UPDATE,

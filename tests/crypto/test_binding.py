@@ -9,7 +9,7 @@ import pytest
 from crypto import CkksAggregator, PackingConfig, UpdateEncryptor, make_secret_context
 from crypto import binding
 from crypto.ckks import _parse_for, _Plan, _SealOps
-from crypto.context import seal_save
+from crypto.seal_io import seal_save
 
 
 def _loaded(ctx, packing: PackingConfig, blob: bytes) -> list:

@@ -30,7 +30,7 @@ from crypto import (
 )
 from crypto.binding import MANIFEST_MAGIC, Manifest
 from crypto.dither import dither_total
-from crypto.context import seal_save
+from crypto.seal_io import seal_save
 from crypto.errors import SecretKeyPresentError
 from federation import client_app, node_host, protocol, key_service
 from federation.codec import CkksAggregatorCodec, CkksClientCodec, CodecError, make_aggregator, packing_for

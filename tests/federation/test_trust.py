@@ -245,7 +245,7 @@ def _affine(fed: Federation, aggregate: bytes, c1: bytes, c2: bytes, k: int) -> 
     import tenseal.sealapi as sealapi
 
     from crypto.ckks import _parse_for, _Plan, _SealOps
-    from crypto.context import seal_save
+    from crypto.seal_io import seal_save
     from crypto.wire import pack_envelope
 
     public = load_context(fed.keys.public_context)
