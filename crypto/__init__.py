@@ -22,7 +22,9 @@ from crypto.at_rest import (
     PASSPHRASE_ENV, passphrase_from_env, read_secret_file, seal, unseal, write_public_file,
     write_secret_file,
 )
-from crypto.binding import KIND_NOISE, KIND_UPDATE, AggregateMac, Manifest, ManifestEntry, payload_digest, tag_problem
+from crypto.binding import (
+    CONTRIBUTION_NOISE, CONTRIBUTION_UPDATE, AggregateMac, Manifest, ManifestEntry, payload_digest, tag_problem,
+)
 from crypto.context import (
     DEFAULT_PRESET,
     PRESETS,
@@ -74,8 +76,8 @@ __all__ = [
     "AdaptiveClipping",
     "MeanBound",
     "AggregateMac",
-    "KIND_NOISE",
-    "KIND_UPDATE",
+    "CONTRIBUTION_NOISE",
+    "CONTRIBUTION_UPDATE",
     "Manifest",
     "ManifestEntry",
     "payload_digest",

@@ -78,12 +78,15 @@ import numpy as np
 
 from crypto.errors import NotACiphertextError
 
-__all__ = ["WORDS", "DIGEST_BYTES", "KIND_UPDATE", "KIND_NOISE", "AggregateMac", "ManifestEntry", "Manifest",
+__all__ = ["WORDS", "DIGEST_BYTES", "CONTRIBUTION_UPDATE", "CONTRIBUTION_NOISE", "AggregateMac", "ManifestEntry", "Manifest",
            "MANIFEST_MAGIC", "payload_digest", "tag_problem"]
 
 WORDS = 2
-KIND_UPDATE, KIND_NOISE = 0, 1
-KINDS = (KIND_UPDATE, KIND_NOISE)
+# A contribution's kind (a node's update, or its reply of noise shares): in the MAC pad's label,
+# the manifest entry, the signed update, the dither label and ``NodeStore.answer_once``. Not the
+# envelope kind byte of ``crypto.wire`` (update or aggregate ciphertext).
+CONTRIBUTION_UPDATE, CONTRIBUTION_NOISE = 0, 1
+CONTRIBUTION_KINDS = (CONTRIBUTION_UPDATE, CONTRIBUTION_NOISE)
 DIGEST_BYTES = 32
 _R_BITS = 56
 _DOMAIN = b"fedkv-aggregate-mac-v2"
@@ -137,7 +140,7 @@ def _raw_coefficients(ct: Any) -> np.ndarray:
     array, raw; zstd keeps incompressible (uniform mod q) data in raw blocks, which are read
     here without a zstd library. Any other layout (a compressed block) takes the slow path, and
     two sampled coefficients are compared with ``DynArray.at`` so a misread cannot pass."""
-    from crypto.context import seal_save
+    from crypto.seal_io import seal_save
 
     arr = ct.dyn_array()
     n = int(arr.size())
@@ -256,7 +259,7 @@ class Manifest:
             for _ in range(n):
                 ln, kind = struct.unpack_from(">HB", data, pos)
                 pos += 3
-                if not 1 <= ln <= _MAX_NODE_ID or kind not in KINDS or pos + ln + DIGEST_BYTES + 2 > len(data):
+                if not 1 <= ln <= _MAX_NODE_ID or kind not in CONTRIBUTION_KINDS or pos + ln + DIGEST_BYTES + 2 > len(data):
                     raise ValueError("bad entry")
                 nid = data[pos : pos + ln].decode()
                 digest = data[pos + ln : pos + ln + DIGEST_BYTES]

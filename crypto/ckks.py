@@ -57,8 +57,6 @@ from crypto.context import (
     load_context,
     make_secret_context,
     public_context_bytes,
-    seal_load_ciphertext,
-    seal_save,
 )
 from crypto.errors import (
     AggregateRejectedError,
@@ -86,9 +84,10 @@ from crypto.packing import (
     stochastic_quantize,
     unpack_fields,
 )
+from crypto.seal_io import seal_load_ciphertext, seal_save
 from crypto.wire import (
-    KIND_AGGREGATE,
-    KIND_UPDATE,
+    ENVELOPE_AGGREGATE,
+    ENVELOPE_UPDATE,
     MODE_CODES,
     NO_LAYOUT,
     Envelope,
@@ -421,7 +420,7 @@ class UpdateEncryptor:
         parts = self._packer.assemble(header, data, vec.shape[0])
         blobs = self._ops.encrypt_parts(parts, plan.scale, symmetric=self.context.is_private)
         env = Envelope(
-            KIND_UPDATE,
+            ENVELOPE_UPDATE,
             MODE_CODES[pk.mode],
             self.context.key_id,
             pk.fingerprint(),
@@ -514,7 +513,7 @@ class CkksAggregator:
     def add(self, data: bytes) -> None:
         """Add one client's encrypted update (or a node's noise reply of m shares) to the sum."""
         t0 = time.perf_counter()
-        env = self._parse(data, KIND_UPDATE)
+        env = self._parse(data, ENVELOPE_UPDATE)
         if not 1 <= env.n_updates <= self.packing.max_clients:
             raise NotACiphertextError(f"an update declaring {env.n_updates} contributions")
         if self.contributions + env.n_updates > self.packing.max_clients:
@@ -571,7 +570,7 @@ class CkksAggregator:
             raise EmptyAggregateError("no update has been added")
         t0 = time.perf_counter()
         env = Envelope(
-            KIND_AGGREGATE,
+            ENVELOPE_AGGREGATE,
             MODE_CODES[self.packing.mode],
             self.context.key_id,
             self.packing.fingerprint(),
@@ -738,7 +737,7 @@ def ciphertext_info(data: bytes) -> dict[str, Any]:
     """Public header fields of an update/aggregate (what the server can see), for logs/tests."""
     env = parse_envelope(data, max_ciphertext_bytes=1 << 30)
     return {
-        "kind": "update" if env.kind == KIND_UPDATE else "aggregate",
+        "kind": "update" if env.kind == ENVELOPE_UPDATE else "aggregate",
         "mode": next(k for k, v in MODE_CODES.items() if v == env.mode),
         "key_id": env.key_id.hex(),
         "n_values": env.n_values,
@@ -763,7 +762,7 @@ def update_header_problem(data: bytes, context: CkksContext, packing: PackingCon
     env = parse_envelope(data, max_ciphertext_bytes=plan.max_ciphertext_bytes)
     want_ct = plan.n_ciphertexts(n_values)
     checks = (
-        ("kind", env.kind == KIND_UPDATE, "is an aggregate, not an update"),
+        ("kind", env.kind == ENVELOPE_UPDATE, "is an aggregate, not an update"),
         ("mode", env.mode == MODE_CODES[packing.mode], f"has packing mode code {env.mode}, the round's is "
                                                        f"{MODE_CODES[packing.mode]} ({packing.mode})"),
         ("key_id", env.key_id == context.key_id, f"was encrypted under key {env.key_id.hex()[:16]}…, the round's "

@@ -13,22 +13,16 @@ how a ciphertext is matched to "its" context and how rotated keys are told apart
 
 from __future__ import annotations
 
-import atexit
 import hashlib
-import itertools
 import json
 import os
-import shutil
 import struct
-import tempfile
-import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import tenseal as ts
-import tenseal.sealapi as sealapi
 
-from crypto.errors import NoSecretKeyError, NotAContextError, NotACiphertextError, ParameterError
+from crypto.errors import NoSecretKeyError, NotAContextError, ParameterError
 from crypto.seal_keys import SEAL_KEYS_MAGIC, SealKeys, load_seal_keys, make_seal_keys
 
 __all__ = [
@@ -41,8 +35,6 @@ __all__ = [
     "public_context_bytes",
     "load_context",
     "load_public_context",
-    "seal_save",
-    "seal_load_ciphertext",
     "SECRET_GUARD_ENV",
     "secret_events",
 ]
@@ -177,73 +169,6 @@ def _record_secret(event: str, key_id: bytes) -> None:
 def secret_events() -> list[tuple[int, str, str]]:
     """(pid, "create" | "load", key id hex) of every secret context made or parsed in this process."""
     return list(_secret_events)
-
-
-# --- SEAL object <-> bytes ------------------------------------------------------------------------
-# tenseal.sealapi only (de)serializes SEAL objects through file paths, and only its
-# `encrypt_symmetric` keeps the PRNG seed that halves a fresh ciphertext. So we go through a
-# private (0700) temporary directory, on tmpfs when available. Ciphertexts only, never keys.
-
-_io_lock = threading.Lock()
-_io_dir: dict[int, str] = {}
-_io_counter = itertools.count()
-
-
-def _scratch_dir() -> str:
-    pid = os.getpid()  # a forked worker must not share (or delete) its parent's directory
-    with _io_lock:
-        d = _io_dir.get(pid)
-        if d is None or not os.path.isdir(d):
-            base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-            d = tempfile.mkdtemp(prefix="fedkv-seal-", dir=base)
-            _io_dir[pid] = d
-            atexit.register(_cleanup, pid, d)
-        return d
-
-
-def _cleanup(pid: int, d: str) -> None:
-    if os.getpid() == pid:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def _scratch_path() -> str:
-    return os.path.join(_scratch_dir(), f"{threading.get_ident()}-{next(_io_counter)}")
-
-
-def seal_save(obj: Any) -> bytes:
-    """Bytes of a SEAL Ciphertext / Serializable ciphertext (SEAL's own compressed format)."""
-    path = _scratch_path()
-    try:
-        obj.save(path)
-        with open(path, "rb") as fh:
-            return fh.read()
-    finally:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-
-
-def seal_load_ciphertext(seal_ctx: Any, data: bytes) -> sealapi.Ciphertext:
-    """Load and validate a ciphertext against `seal_ctx`; NotACiphertextError otherwise.
-
-    SEAL's `load` checks header, sizes, parameter ids and that every coefficient is reduced
-    modulo its prime, so truncated, random and foreign-parameter bytes fail here.
-    """
-    path = _scratch_path()
-    try:
-        with open(path, "wb") as fh:
-            fh.write(data)
-        ct = sealapi.Ciphertext()
-        ct.load(seal_ctx, path)
-        return ct
-    except Exception as exc:  # pybind maps SEAL's C++ exceptions to several Python types
-        raise NotACiphertextError(f"not a ciphertext of this context: {exc}") from exc
-    finally:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
 
 
 # --- contexts -------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from crypto.binding import CONTRIBUTION_UPDATE
 from crypto.context import DEFAULT_PRESET, CkksContext, CkksParams, load_context, make_secret_context
 from crypto.errors import (
     KeyUnwrapError,
@@ -442,7 +443,7 @@ class SignedUpdate:
 
 
 def sign_update(node_keys: NodeKeys, node_id: str, round: int, payload: bytes, epoch: int = 0, *,
-                run_id: int = 0, key_id: bytes = NO_KEY_ID, kind: int = 0, tag: bytes = b"") -> bytes:
+                run_id: int = 0, key_id: bytes = NO_KEY_ID, kind: int = CONTRIBUTION_UPDATE, tag: bytes = b"") -> bytes:
     """Sign ``payload`` for (run, node, round, key epoch, key id, kind, tag); returns wire bytes."""
     if node_id != node_keys.node_id:
         raise ValueError(f"node_keys belong to {node_keys.node_id!r}, not {node_id!r}")
@@ -501,7 +502,7 @@ class UpdateVerifier:
     def __repr__(self) -> str:
         return f"UpdateVerifier(nodes={sorted(self.nodes)}, round={self.round}, epoch={self.epoch})"
 
-    def verify(self, data: bytes | SignedUpdate, kind: int = 0) -> SignedUpdate:
+    def verify(self, data: bytes | SignedUpdate, kind: int = CONTRIBUTION_UPDATE) -> SignedUpdate:
         """Return the verified ``SignedUpdate``, or raise without recording anything.
 
         The signature is checked before run/round/epoch, so a forged message that claims an old

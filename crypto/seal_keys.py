@@ -15,7 +15,6 @@ the SEALContext with ``sec_level_type.tc128``, so parameters beyond the 128-bit 
 
 from __future__ import annotations
 
-import os
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import tenseal.sealapi as sealapi
 
 from crypto.errors import NotAContextError, ParameterError
+from crypto.seal_io import seal_load, seal_save
 
 __all__ = ["SEAL_KEYS_MAGIC", "SealKeys", "make_seal_keys", "load_seal_keys"]
 
@@ -68,8 +68,6 @@ class SealKeys:
     def serialize(self, *, save_public_key: bool = True, save_secret_key: bool = False,
                   save_galois_keys: bool = False, save_relin_keys: bool = False) -> bytes:
         """Parameters + public key (+ secret key): TenSEAL's signature, no Galois/relin keys exist."""
-        from crypto.context import seal_save  # the one place SEAL objects become bytes
-
         if not save_public_key:
             raise ParameterError("a fedkv context always carries its public key")
         parts = [seal_save(self._parms), seal_save(self._pk)]
@@ -106,8 +104,6 @@ def make_seal_keys(poly_modulus_degree: int, coeff_mod_bit_sizes: tuple[int, ...
 
 def load_seal_keys(data: bytes) -> SealKeys:
     """Parse `SealKeys.serialize` output; NotAContextError on anything else."""
-    from crypto.context import _scratch_path
-
     if data[:4] != SEAL_KEYS_MAGIC:
         raise NotAContextError("not a fedkv SEAL key record")
     parts, pos = [], 4
@@ -121,29 +117,19 @@ def load_seal_keys(data: bytes) -> SealKeys:
         pos += 4 + n
     if len(parts) not in (2, 3):
         raise NotAContextError("a SEAL key record holds parameters, a public key and maybe a secret key")
-    path = _scratch_path()
     try:
         parms = sealapi.EncryptionParameters(sealapi.SCHEME_TYPE.CKKS)
-        _load(parms, path, parts[0])
+        seal_load(parms, parts[0])
         seal = _seal_context(parms)
         pk = sealapi.PublicKey()
-        _load(pk, path, parts[1], seal)
+        seal_load(pk, parts[1], seal)
         sk = None
         if len(parts) == 3:
             sk = sealapi.SecretKey()
-            _load(sk, path, parts[2], seal)
+            seal_load(sk, parts[2], seal)
     except NotAContextError:
         raise
     except Exception as exc:  # SEAL's own validation (sizes, moduli, parms ids)
         raise NotAContextError(f"SEAL could not parse the key record: {exc}") from exc
     return SealKeys._from_parts(parms, seal, pk, sk)
 
-
-def _load(obj: Any, path: str, blob: bytes, *ctx: Any) -> None:
-    """sealapi loads only from files (as `crypto.context.seal_load_ciphertext` does)."""
-    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as fh:
-        fh.write(blob)
-    try:
-        obj.load(*ctx, path)
-    finally:
-        os.unlink(path)

@@ -20,11 +20,14 @@ from dataclasses import dataclass
 
 from crypto.errors import NotACiphertextError
 
-__all__ = ["Envelope", "KIND_UPDATE", "KIND_AGGREGATE", "MODE_CODES", "pack_envelope", "parse_envelope"]
+__all__ = ["Envelope", "ENVELOPE_UPDATE", "ENVELOPE_AGGREGATE", "MODE_CODES", "pack_envelope", "parse_envelope"]
 
 MAGIC = b"FKV\x01"
-KIND_UPDATE = 1
-KIND_AGGREGATE = 2
+# The envelope's kind byte: what the ciphertext bytes are (one node's update, or the server's sum).
+# Not the contribution kinds of ``crypto.binding`` (update or noise share), which label MACs and
+# signatures; those are other numbers for another fact.
+ENVELOPE_UPDATE = 1
+ENVELOPE_AGGREGATE = 2
 MODE_CODES = {"none": 0, "packed": 1}
 _HDR = struct.Struct(">4sBBH16s8s8sQII")
 _LEN = struct.Struct(">I")
@@ -74,7 +77,7 @@ def parse_envelope(data: bytes, *, max_ciphertext_bytes: int) -> Envelope:
     magic, kind, mode, flags, key_id, pfp, lfp, n_values, n_updates, n_ct = _HDR.unpack_from(data, 0)
     if magic != MAGIC:
         raise NotACiphertextError("not a fedkv ciphertext (bad magic)")
-    if kind not in (KIND_UPDATE, KIND_AGGREGATE) or mode not in MODE_CODES.values() or flags != 0:
+    if kind not in (ENVELOPE_UPDATE, ENVELOPE_AGGREGATE) or mode not in MODE_CODES.values() or flags != 0:
         raise NotACiphertextError(f"bad header fields (kind={kind}, mode={mode}, flags={flags})")
     if n_ct == 0 or n_ct > (len(data) - _HDR.size) // (_LEN.size + 1):
         raise NotACiphertextError(f"ciphertext count {n_ct} does not fit the {len(data)} bytes given")

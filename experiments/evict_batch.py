@@ -27,7 +27,7 @@ from experiments.output import (
 )
 from node.cache_node import SERVE_PROMPT
 from node.corpus import split_corpus
-from node.serving import serve_workload
+from node.workload_pass import serve_workload
 from node.sessions import Sessions
 from node.tasks import LM_MODEL, lm_model
 from node.workload import WorkloadConfig, find_trace, plan_turns

@@ -3,7 +3,7 @@
 Protocols, routed by message type:
 
 * ``query.fedkv_enroll`` / ``query.fedkv_keygen`` / ``query.fedkv_provision``: key provisioning
-  (``federation/provisioning.py``): the node's identity keys and CKKS keys live in its kit or
+  (``federation/key_service.py``): the node's identity keys and CKKS keys live in its kit or
   node-local directory (``federation/node_store.py``), never in ``context.state``; one node
   makes the CKKS key (or the kits hold it) and the server only relays wrapped bundles.
 * ``query.fedkv_noise``: distributed-DP noise shares for nodes that left a round (he=true).
@@ -32,8 +32,8 @@ from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
 
 from crypto import (
-    KIND_NOISE,
-    KIND_UPDATE,
+    CONTRIBUTION_NOISE,
+    CONTRIBUTION_UPDATE,
     AggregateMac,
     Manifest,
     ciphertext_coefficients,
@@ -44,7 +44,7 @@ from crypto import (
     payload_digest,
 )
 from crypto.dither import dither, dither_total
-from federation import node_host, protocol, provisioning
+from federation import node_host, protocol, key_service
 from federation.codec import (
     ClientCodec, adaptive_clipping_for, client_weight, make_client_codec, mean_bound_for, packing_for,
     plain_update_count, uses_error_feedback, wire_dim, wire_noise,
@@ -55,7 +55,7 @@ from federation.node_store import NodeStore
 from federation.timing import PhaseTimer
 from federation.sampling import poisson_mean_scale
 from node.cache_node import CacheNode, DpConfig
-from node.serving import ServeReport
+from node.workload_pass import ServeReport
 from node.workload import WorkloadConfig
 
 configure_logging()  # each log line once (Opacus adds a root handler on import)
@@ -77,25 +77,25 @@ class AggregateRejected(RuntimeError):
 @app.query("fedkv_enroll")
 def enroll(msg: Message, context: Context) -> Message:
     """Check the run against this node's policy; return its public identity keys."""
-    return provisioning.handle_enroll(msg, context)
+    return key_service.handle_enroll(msg, context)
 
 
 @app.query("fedkv_keygen")
 def keygen(msg: Message, context: Context) -> Message:
     """Make (or re-wrap) the CKKS key for the listed peers: this node is the key's origin."""
-    return provisioning.handle_keygen(msg, context)
+    return key_service.handle_keygen(msg, context)
 
 
 @app.query("fedkv_provision")
 def provision(msg: Message, context: Context) -> Message:
     """Verify a peer-wrapped CKKS key, keep it in the node's own files; acknowledge its key id."""
-    return provisioning.handle_provision(msg, context)
+    return key_service.handle_provision(msg, context)
 
 
 def _run_config(context: Context) -> RunConfig:
     """The run config, once it passed this node's policy (a run cannot lower the node's floors)."""
     cfg = RunConfig.from_run_config(context.run_config)
-    provisioning.node_policy(context).check(cfg)
+    key_service.node_policy(context).check(cfg)
     return cfg
 
 
@@ -103,20 +103,20 @@ def _codec(cfg: RunConfig, context: Context, dim: int, epoch: int | None = None)
     """(client codec, key epoch, secret context or None): CKKS with the node's key, or plaintext."""
     if not cfg.he:
         return make_client_codec(False, dim), 0, None
-    ctx, epoch = provisioning.secret_context(context, epoch)
+    ctx, epoch = key_service.secret_context(context, epoch)
     return make_client_codec(True, dim, packing_for(cfg, dim), ctx), epoch, ctx
 
 
 def _signed(cfg: RunConfig, context: Context, rnd: int, payload: bytes, epoch: int, ctx: Any, kind: int,
             dim: int) -> bytes:
     """Tag (he=true, ``crypto.binding``) and sign one contribution."""
-    keys = provisioning.node_keys(context)
+    keys = key_service.node_keys(context)
     if ctx is None:
-        return provisioning.sign(context, keys, rnd, payload, epoch, kind=kind)
+        return key_service.sign(context, keys, rnd, payload, epoch, kind=kind)
     coeffs = ciphertext_coefficients(ctx, packing_for(cfg, dim), payload)
     tag = AggregateMac(ctx.mac_key, last_modulus(ctx)).tag(coeffs, int(context.run_id), rnd, epoch, str(context.node_id),
                                                            kind, payload_digest(payload))
-    return provisioning.sign(context, keys, rnd, payload, epoch, key_id=ctx.key_id, kind=kind, tag=tag)
+    return key_service.sign(context, keys, rnd, payload, epoch, key_id=ctx.key_id, kind=kind, tag=tag)
 
 
 @app.train("fedkv")
@@ -131,9 +131,9 @@ def train(msg: Message, context: Context) -> Message:
     ``handler-s`` is the whole handler, so the server can show what the phases leave out."""
     timer = PhaseTimer()
     cfg = _run_config(context)
-    provisioning.node_keys(context)  # raises if this node was never enrolled
+    key_service.node_keys(context)  # raises if this node was never enrolled
     server_round = int(msg.content[protocol.CONFIG]["server-round"])
-    with NodeStore.for_context(context).answer_once(server_round, KIND_UPDATE) as slot:
+    with NodeStore.for_context(context).answer_once(server_round, CONTRIBUTION_UPDATE) as slot:
         if slot.stored is None:
             blob, metrics = _train(cfg, msg, context, server_round, timer)
             slot.keep(protocol.pack_blobs([blob, json.dumps(metrics).encode()]))
@@ -183,10 +183,10 @@ def _train(cfg: RunConfig, msg: Message, context: Context, server_round: int,
             feedback = uses_error_feedback(cfg)
             store = NodeStore.for_context(context)
             carry = store.load_residual(int(delta.shape[0])) if feedback else None
-            u = _dither(cfg, context, ctx, server_round, epoch, KIND_UPDATE, int(delta.shape[0]))
+            u = _dither(cfg, context, ctx, server_round, epoch, CONTRIBUTION_UPDATE, int(delta.shape[0]))
             payload = codec.encode(delta, weight, carry=carry, dither=u) if cfg.he else codec.encode(delta, weight)
         with timer.phase("sign"):
-            blob = _signed(cfg, context, server_round, payload, epoch, ctx, KIND_UPDATE, dim)
+            blob = _signed(cfg, context, server_round, payload, epoch, ctx, CONTRIBUTION_UPDATE, dim)
         with timer.phase("save"):
             node_host.save_node(context, node)
             if feedback:
@@ -254,7 +254,7 @@ def noise(msg: Message, context: Context) -> Message:
     rnd, shares, sampled = int(req["server-round"]), int(req["shares"]), int(req["num-sampled"])
     if not (1 <= shares < sampled <= cfg.max_clients):
         raise RuntimeError("noise request out of range")
-    with NodeStore.for_context(context).answer_once(rnd, KIND_NOISE) as slot:  # once per round, as train
+    with NodeStore.for_context(context).answer_once(rnd, CONTRIBUTION_NOISE) as slot:  # once per round, as train
         if slot.stored is None:
             slot.keep(_noise_shares(cfg, context, rnd, shares, sampled))
         blob = slot.stored
@@ -272,8 +272,8 @@ def _noise_shares(cfg: RunConfig, context: Context, rnd: int, shares: int, sampl
     # m shares as m contributions (range ±m·R, like CkksAggregator.add_noise): one of range R
     # would saturate the sum of m shares far more often than crypto.saturation allows for
     payload = codec.encode(np.zeros(dim, dtype=np.float32), 0.0, noise=rng.normal(0.0, std, dim),
-                           dither=_dither(cfg, context, ctx, rnd, epoch, KIND_NOISE, dim), contributions=shares)
-    return _signed(cfg, context, rnd, payload, epoch, ctx, KIND_NOISE, dim)
+                           dither=_dither(cfg, context, ctx, rnd, epoch, CONTRIBUTION_NOISE, dim), contributions=shares)
+    return _signed(cfg, context, rnd, payload, epoch, ctx, CONTRIBUTION_NOISE, dim)
 
 
 @app.evaluate("fedkv")
@@ -374,7 +374,7 @@ def _adapt(cfg: RunConfig, norms: list[float], mean: np.ndarray, scale: float, m
     ``norms`` from the noisy unclipped share."""
     adaptive = adaptive_clipping_for(cfg)
     assert adaptive is not None
-    updates = sum(1 for e in Manifest.from_bytes(manifest).entries if e.kind == KIND_UPDATE)
+    updates = sum(1 for e in Manifest.from_bytes(manifest).entries if e.kind == CONTRIBUTION_UPDATE)
     clip = norms[-1]
     fraction = adaptive.unclipped_fraction(float(mean[-1]) * updates, updates, updates / scale)
     norms.append(adaptive.next_clip_norm(clip, fraction))
@@ -388,7 +388,7 @@ def _fixed_denominator_scale(cfg: RunConfig, context: Context, dim: int, blob: b
     if cfg.client_sampling != "poisson":
         return 1.0
     if cfg.he:
-        n_updates = sum(1 for e in Manifest.from_bytes(manifest).entries if e.kind == KIND_UPDATE)
+        n_updates = sum(1 for e in Manifest.from_bytes(manifest).entries if e.kind == CONTRIBUTION_UPDATE)
     else:
         n_updates = plain_update_count(blob, dim)
     population = int(context.node_config["num-partitions"])
@@ -414,9 +414,9 @@ def _open(cfg: RunConfig, context: Context, dim: int, blob: bytes, manifest: byt
             with timer.phase("decrypt"):
                 return make_client_codec(False, dim).decode_mean(blob), 0
         m = Manifest.from_bytes(manifest)
-        updates = [e for e in m.entries if e.kind == KIND_UPDATE]
+        updates = [e for e in m.entries if e.kind == CONTRIBUTION_UPDATE]
         distinct = len({(e.node_id, e.kind) for e in m.entries}) == len({e.digest for e in m.entries}) == len(m.entries)
-        floor = max(cfg.min_clients, provisioning.node_policy(context).min_clients)
+        floor = max(cfg.min_clients, key_service.node_policy(context).min_clients)
         applied = context.state.config_records.get(APPLIED_KEY)
         last = int(applied["round"]) if applied is not None else 0
         if m.run_id != int(context.run_id) or m.round <= last or not distinct or len(updates) < floor:

@@ -8,7 +8,7 @@ Bytes travel as 1-D uint8 ``Array``s inside an ``ArrayRecord``: unlike bytes in 
 ``ConfigRecord``, Flower chunks Arrays (5 MB pieces), so large ciphertexts are fine.
 
 Before a node takes part it is enrolled (and, with he=true, provisioned with the CKKS key):
-``query.fedkv_enroll`` / ``query.fedkv_provision``, see ``federation/provisioning.py``.
+``query.fedkv_enroll`` / ``query.fedkv_provision``, see ``federation/key_service.py``.
 
 server -> client (train/evaluate):
     ArrayRecord "aggregates": {"v<k>": aggregate bytes that produce global version k,
@@ -64,7 +64,7 @@ SERVE_COUNTS = ("serve-sessions", "serve-turns", "serve-prompt-tokens", "serve-p
                 "serve-lookups", "serve-hit-hot", "serve-hit-warm", "serve-hit-cold",
                 "serve-decode-tokens", "serve-recomputed", "serve-invalidated",
                 "serve-stale-served", "serve-scored", "serve-trace-shaped")
-"""What a node's serving pass counted (``node.serving.ServeReport``; all 0 when it served
+"""What a node's serving pass counted (``node.workload_pass.ServeReport``; all 0 when it served
 nothing): sums over nodes are exact, rates are derived on the server. ``serve-trace-shaped``
 is 1 when the Mooncake trace shaped the node's sessions."""
 SERVE_AMOUNTS = ("serve-busy-s", "serve-nll", "serve-nll-fresh")

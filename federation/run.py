@@ -20,7 +20,7 @@ from crypto import privacy_claim
 from federation.codec import ckks_preset_for, wire_dim
 from federation.config import RunConfig
 from federation.flower_central import run_flower_central
-from federation.provisioning import KeyService
+from federation.key_service import KeyService
 from federation.results import RoundRecord, RunResults
 from federation.strategy import OpaqueFedAvg
 from node.cache_node import model_layout

@@ -2,7 +2,7 @@
 
 The ServerApp holds public material only: it never creates, receives or parses a CKKS secret
 context (in simulation a node makes the key; in deployment the provisioner did, see
-``federation.provisioning``). ``federation.run.run_rounds`` does the work; this file is the
+``federation.key_service``). ``federation.run.run_rounds`` does the work; this file is the
 Flower entry point and the results file around it. A run config that does not parse still
 writes a results file (``status: failed: <reason>``) before anything else runs.
 

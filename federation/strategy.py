@@ -50,7 +50,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from crypto import KIND_NOISE, KIND_UPDATE, Manifest, ManifestEntry, SignedUpdate
+from crypto import CONTRIBUTION_NOISE, CONTRIBUTION_UPDATE, Manifest, ManifestEntry, SignedUpdate
 from crypto import delta_total, last_modulus, noise_std, tag_problem, update_header_problem
 from federation.privacy_ledger import OBSERVERS, PrivacyLedger, RoundRelease, rounding_delta
 from crypto.errors import SignatureError
@@ -61,10 +61,10 @@ from federation.results import METRIC_NAMES, RoundRecord, mean, serving_summary,
 from federation.sampling import ClientSampler, SampleOutsideBounds, evaluation_size
 from federation.timing import PhaseTimer
 
-from federation.provisioning import AdmitReport
+from federation.key_service import AdmitReport
 
 if TYPE_CHECKING:
-    from federation.provisioning import KeyService
+    from federation.key_service import KeyService
 
 SOURCES = {0: "built", 1: "restored", 2: "reused"}
 
@@ -395,14 +395,14 @@ class OpaqueFedAvg:
         verify_s = add_s = 0.0
         for node, reply in train.ok:
             t0 = time.perf_counter()
-            signed = self._verified(train, node, "train", reply.blob, KIND_UPDATE)
+            signed = self._verified(train, node, "train", reply.blob, CONTRIBUTION_UPDATE)
             t1 = time.perf_counter()
             ok = (signed is not None and self._header_ok(agg, train, node, "train", signed, 1)
                   and self._add(agg, train, node, "train", signed))
             verify_s, add_s = verify_s + t1 - t0, add_s + time.perf_counter() - t1
             if not ok:
                 continue
-            entries.append(ManifestEntry(signed.node_id, KIND_UPDATE, signed.digest, signed.tag))
+            entries.append(ManifestEntry(signed.node_id, CONTRIBUTION_UPDATE, signed.digest, signed.tag))
             used.append((node, reply))
             rec.upload_bytes[str(node)] = len(reply.blob)
         rec.seconds["verify"], rec.seconds["aggregate"] = verify_s, add_s
@@ -477,7 +477,7 @@ class OpaqueFedAvg:
         sent = protocol.destinations(msgs)
         for reply in got:
             node = protocol.reply_sender(reply, sent)
-            if node not in plan or any(e.node_id == str(node) and e.kind == KIND_NOISE for e in entries):
+            if node not in plan or any(e.node_id == str(node) and e.kind == CONTRIBUTION_NOISE for e in entries):
                 continue
             if reply.has_error():
                 self._drop(out, node, "noise", f"client error: {protocol.error_text(reply)}")
@@ -487,11 +487,11 @@ class OpaqueFedAvg:
             except replies.BadReply as err:
                 self._drop(out, node, "noise", f"bad reply: {err}")
                 continue
-            signed = self._verified(out, node, "noise", blob, KIND_NOISE)
+            signed = self._verified(out, node, "noise", blob, CONTRIBUTION_NOISE)
             if signed is not None and not self._header_ok(agg, out, node, "noise", signed, plan[node]):
                 continue
             if signed is not None and self._add(agg, out, node, "noise", signed):
-                entries.append(ManifestEntry(signed.node_id, KIND_NOISE, signed.digest, signed.tag))
+                entries.append(ManifestEntry(signed.node_id, CONTRIBUTION_NOISE, signed.digest, signed.tag))
                 added += plan[node]
                 self._topup_by_node[node] = plan[node]
         rec.dropped.extend(out.dropped)

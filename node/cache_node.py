@@ -9,8 +9,8 @@ The node's KV-cache engine holds its parameters (``param/<name>``) and its lates
               -> cache.set_version(): K/V computed under the old weights is never served again
 
 Between rounds the node serves chat sessions (``lm`` task) through the cache:
-``create_session`` / ``send`` / ``reset_context`` / ``close`` (``node.sessions`` documents the
-byte framing and the errors). Sessions keep their K/V across turns until a write-back makes it
+``create_session`` / ``send`` / ``reset_conversation`` / ``close`` (``node.sessions`` documents
+the byte framing and the errors). Sessions keep their K/V across turns until a write-back makes it
 stale, then they are recomputed from their tokens.
 """
 
@@ -32,7 +32,7 @@ from node import digits
 from node.model import TinyTransformer
 from node import param_channel
 from node.coherence import exclusive_params
-from node.serving import ServeReport, serve_workload
+from node.workload_pass import ServeReport, serve_workload
 from node.sessions import Sessions
 from node.workload import WorkloadConfig, find_trace, plan_turns
 from node.tasks import LM_MODEL, Task, build_model, make_task
@@ -344,9 +344,9 @@ class CacheNode:
         """Free the session's blocks; the id leaves ``sessions`` and is refused from now on."""
         self.sessions.close(session_id)
 
-    def reset_context(self, session_id: str) -> None:
+    def reset_conversation(self, session_id: str) -> None:
         """Keep the session's system prompt, drop the rest of its conversation."""
-        self.sessions.reset_context(session_id)
+        self.sessions.reset_conversation(session_id)
 
     def history(self, session_id: str) -> bytes:
         """The session's conversation so far: system prompt, texts and replies."""

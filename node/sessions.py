@@ -52,7 +52,7 @@ class ChatSession:
     sid: int
     """The engine's session holding the conversation's K/V and tokens."""
     system: bytes
-    """Kept so ``reset_context`` can restore exactly this prefix."""
+    """Kept so ``reset_conversation`` can restore exactly this prefix."""
     logits: torch.Tensor | None = None
     """Next-byte logits after the last token; valid while the cache session is not stale."""
     lost: list[int] | None = None
@@ -176,7 +176,7 @@ class Sessions(Mapping[str, int]):
         del self._open[session_id]
         self.cache.close_session(chat.sid)
 
-    def reset_context(self, session_id: str) -> None:
+    def reset_conversation(self, session_id: str) -> None:
         """Drop the conversation but its system prompt; the prompt's full blocks come back
         from the prefix cache, only its partial last block is recomputed."""
         chat = self.session(session_id)

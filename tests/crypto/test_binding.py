@@ -9,7 +9,7 @@ import pytest
 from crypto import CkksAggregator, PackingConfig, UpdateEncryptor, make_secret_context
 from crypto import binding
 from crypto.ckks import _parse_for, _Plan, _SealOps
-from crypto.context import seal_save
+from crypto.seal_io import seal_save
 
 
 def _loaded(ctx, packing: PackingConfig, blob: bytes) -> list:
@@ -53,7 +53,7 @@ def test_a_compressed_zstd_block_is_refused() -> None:
 
 # --- the MAC itself (issue 20): pads bound to the ciphertext they tag ---------------------------
 
-from crypto.binding import KIND_NOISE, KIND_UPDATE, MANIFEST_MAGIC, AggregateMac, Manifest, ManifestEntry  # noqa: E402
+from crypto.binding import CONTRIBUTION_NOISE, CONTRIBUTION_UPDATE, MANIFEST_MAGIC, AggregateMac, Manifest, ManifestEntry  # noqa: E402
 from crypto.errors import NotACiphertextError  # noqa: E402
 
 RUN, RND, EPOCH = 7, 3, 0
@@ -67,7 +67,7 @@ def mac() -> AggregateMac:
     return AggregateMac(ctx.mac_key, last_modulus(ctx))
 
 
-def _summand(mac: AggregateMac, rng: np.random.Generator, node: str, n: int = 512, kind: int = KIND_UPDATE):
+def _summand(mac: AggregateMac, rng: np.random.Generator, node: str, n: int = 512, kind: int = CONTRIBUTION_UPDATE):
     c = rng.integers(0, mac.q, n, dtype=np.uint64)
     digest = binding.payload_digest(c.tobytes())  # stands in for the payload the coefficients come from
     return c, ManifestEntry(node, kind, digest, mac.tag(c, RUN, RND, EPOCH, node, kind, digest))
@@ -99,7 +99,7 @@ def _forgery(mac: AggregateMac, k: int, digest_of: str = "c2") -> bool:
     honest = Manifest(RUN, RND, EPOCH, (e2, eb))
     assert mac.check(_total(mac.q, c2, cb), honest)  # control: the honest sum passes
     digest = {"c1": e1.digest, "c2": e2.digest}[digest_of]
-    forged = Manifest(RUN, RND, EPOCH, (ManifestEntry("a", KIND_UPDATE, digest, _affine_tag(e1.tag, e2.tag, k, mac.q)), eb))
+    forged = Manifest(RUN, RND, EPOCH, (ManifestEntry("a", CONTRIBUTION_UPDATE, digest, _affine_tag(e1.tag, e2.tag, k, mac.q)), eb))
     return mac.check(_affine(mac.q, _total(mac.q, c2, cb), c1, c2, k), forged)
 
 
@@ -125,8 +125,8 @@ def test_an_invented_digest_or_kind_or_round_is_refused(mac) -> None:
     (ca, ea), (cb, eb) = _summand(mac, rng, "a"), _summand(mac, rng, "b")
     total = _total(mac.q, ca, cb)
     assert mac.check(total, Manifest(RUN, RND, EPOCH, (ea, eb)))
-    for bad in (ManifestEntry("a", KIND_UPDATE, bytes(32), ea.tag), ManifestEntry("a", KIND_NOISE, ea.digest, ea.tag),
-                ManifestEntry("c", KIND_UPDATE, ea.digest, ea.tag)):
+    for bad in (ManifestEntry("a", CONTRIBUTION_UPDATE, bytes(32), ea.tag), ManifestEntry("a", CONTRIBUTION_NOISE, ea.digest, ea.tag),
+                ManifestEntry("c", CONTRIBUTION_UPDATE, ea.digest, ea.tag)):
         assert not mac.check(total, Manifest(RUN, RND, EPOCH, (bad, eb)))
     assert not mac.check(total, Manifest(RUN, RND + 1, EPOCH, (ea, eb)))
     assert not mac.check(total, Manifest(RUN, RND, EPOCH, (ea,)))  # a summand left out
@@ -134,14 +134,14 @@ def test_an_invented_digest_or_kind_or_round_is_refused(mac) -> None:
 
 def test_tagging_one_ciphertext_again_gives_the_same_tag(mac) -> None:
     c, e = _summand(mac, np.random.default_rng(), "a")
-    assert mac.tag(c, RUN, RND, EPOCH, "a", KIND_UPDATE, e.digest) == e.tag
+    assert mac.tag(c, RUN, RND, EPOCH, "a", CONTRIBUTION_UPDATE, e.digest) == e.tag
     with pytest.raises(ValueError):
-        mac.tag(c, RUN, RND, EPOCH, "a", KIND_UPDATE, e.digest[:16])
+        mac.tag(c, RUN, RND, EPOCH, "a", CONTRIBUTION_UPDATE, e.digest[:16])
 
 
 def test_manifest_round_trips_and_parses_strictly(mac) -> None:
     rng = np.random.default_rng()
-    m = Manifest(RUN, RND, EPOCH, (_summand(mac, rng, "100")[1], _summand(mac, rng, "101", kind=KIND_NOISE)[1]))
+    m = Manifest(RUN, RND, EPOCH, (_summand(mac, rng, "100")[1], _summand(mac, rng, "101", kind=CONTRIBUTION_NOISE)[1]))
     data = m.to_bytes()
     assert data[:4] == MANIFEST_MAGIC == b"FKM\x02" and Manifest.from_bytes(data) == m
     nid = 28 + 3  # first entry's node id

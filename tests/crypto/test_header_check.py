@@ -11,7 +11,7 @@ import pytest
 from crypto import PackingConfig, UpdateEncryptor, last_modulus, tag_problem, update_header_problem
 from crypto.binding import WORDS
 from crypto.errors import NotACiphertextError
-from crypto.wire import KIND_AGGREGATE, pack_envelope, parse_envelope
+from crypto.wire import ENVELOPE_AGGREGATE, pack_envelope, parse_envelope
 
 DIM = 500
 
@@ -22,7 +22,7 @@ def update(secret_ctx) -> bytes:
 
 
 @pytest.mark.parametrize("field, change", [
-    ("kind", {"kind": KIND_AGGREGATE}),
+    ("kind", {"kind": ENVELOPE_AGGREGATE}),
     ("mode", {"mode": 0}),
     ("key_id", {"key_id": b"\x07" * 16}),
     ("packing_fp", {"packing_fp": b"\x07" * 8}),

@@ -47,16 +47,16 @@ def payload_fault(grid: FakeGrid, mutate: Callable[[bytes, Message, Context], by
     ``mutate(payload, msg, ctx)`` and re-sign it with the node's own key (a node that
     misbehaves, or a bug: the signature is valid, the bytes are not a good update)."""
     from crypto import SignedUpdate
-    from federation import protocol, provisioning
+    from federation import protocol, key_service
 
     def fault(msg: Message, ctx: Context) -> Message:
         reply = grid.deliver(msg)
         node_ctx = grid.contexts[msg.metadata.dst_node_id]
         rec = reply.content.array_records[protocol.UPDATE]
         su = SignedUpdate.from_bytes(protocol.array_to_bytes(rec["update"]))
-        keys = provisioning.node_keys(node_ctx)
+        keys = key_service.node_keys(node_ctx)
         payload = mutate(su.payload, msg, node_ctx)
-        rec["update"] = protocol.bytes_to_array(provisioning.sign(
+        rec["update"] = protocol.bytes_to_array(key_service.sign(
             node_ctx, keys, su.round, payload, su.epoch, key_id=su.key_id, kind=su.kind, tag=su.tag))
         return reply
 

@@ -93,11 +93,11 @@ def test_train_on_a_node_that_was_never_enrolled_is_an_error() -> None:
 
 
 def test_opaque_train_without_aggregates_for_a_behind_node_is_an_error() -> None:
-    from federation import provisioning
+    from federation import key_service
 
     set_server_identity()
     ctx = make_context(7, 0, 3, dict(BASE_CONFIG))
-    provisioning.node_keys(ctx, create=True)
+    key_service.node_keys(ctx, create=True)
     msg = Message(
         RecordDict({protocol.CONFIG: ConfigRecord({"server-round": 3, "target-version": 2, "num-sampled": 3})}),
         dst_node_id=7, message_type=protocol.TRAIN,

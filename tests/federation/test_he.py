@@ -30,12 +30,12 @@ from crypto import (
 )
 from crypto.binding import MANIFEST_MAGIC, Manifest
 from crypto.dither import dither_total
-from crypto.context import seal_save
+from crypto.seal_io import seal_save
 from crypto.errors import SecretKeyPresentError
-from federation import client_app, node_host, protocol, provisioning
+from federation import client_app, node_host, protocol, key_service
 from federation.codec import CkksAggregatorCodec, CkksClientCodec, CodecError, make_aggregator, packing_for
 from federation.config import RunConfig
-from federation.provisioning import KeyService
+from federation.key_service import KeyService
 from federation.node_store import NodeStore
 from federation.strategy import NotEnoughClients, OpaqueFedAvg
 from tests.federation.fakes import (
@@ -199,7 +199,7 @@ def test_server_only_ever_handles_ciphertexts_and_a_public_context() -> None:
             if len(blob) <= 32:
                 kinds["key/id"] += 1  # public keys (32 B), key id (16 B)
             elif blob[:4] == b"FKP\x01":  # node-signed public context
-                pub = provisioning.verify_public_context(blob, fed.keys.members[100].pub.sign_public)[0]
+                pub = key_service.verify_public_context(blob, fed.keys.members[100].pub.sign_public)[0]
                 assert not load_context(pub).is_private
                 kinds["context"] += 1
             elif blob[:4] == b"FKB\x01" or blob[4:8] == b"FKB\x01":  # a bundle, or a pack of them
@@ -233,7 +233,7 @@ def test_server_only_ever_handles_ciphertexts_and_a_public_context() -> None:
 
 def node_secret(fed: Federation, node_id: int) -> CkksContext:
     """A node's secret context, read from its node-local files (the test plays that node)."""
-    return provisioning.secret_context(fed.grid.contexts[node_id])[0]
+    return key_service.secret_context(fed.grid.contexts[node_id])[0]
 
 
 def test_he_round_aggregate_equals_plain_fedavg_of_the_same_updates(monkeypatch) -> None:
@@ -300,7 +300,7 @@ def _resign(fed: Federation, signer: int, node_id: str | None = None, keys: Node
                                key_id=su.key_id, kind=su.kind, tag=su.tag)
         else:
             c = fed.grid.contexts[signer]
-            blob = provisioning.sign(c, provisioning.node_keys(c), su.round + round_shift, su.payload, su.epoch,
+            blob = key_service.sign(c, key_service.node_keys(c), su.round + round_shift, su.payload, su.epoch,
                                      key_id=su.key_id, kind=su.kind, tag=su.tag)
         rec["update"] = protocol.bytes_to_array(blob)
         return reply
@@ -529,7 +529,7 @@ def test_client_level_epsilon_is_accounted_per_round() -> None:
 
 def test_provisioning_failure_keeps_the_node_out_of_the_round() -> None:
     fed = he_federation(3, **{"num-server-rounds": 1})
-    fed.grid.faults[(101, provisioning.PROVISION)] = lambda msg, ctx: None  # times out
+    fed.grid.faults[(101, key_service.PROVISION)] = lambda msg, ctx: None  # times out
     (rec,) = fed.run_all()
     assert "no reply" in drops(rec, "provision")[101]
     assert rec.num_clients == 2 and 101 not in fed.keys.holders
@@ -542,7 +542,7 @@ def test_node_keys_and_ckks_keys_live_in_node_files_not_in_context_state() -> No
         store = NodeStore.for_context(ctx)
         files = {p.name: p.stat().st_mode & 0o777 for p in store.root.iterdir()}
         assert files["identity.key"] == 0o600 and files["ckks-0.ctx"] == 0o600
-        assert provisioning.secret_context(ctx)[0].key_id == fed.keys.key_id
+        assert key_service.secret_context(ctx)[0].key_id == fed.keys.key_id
         assert not [k for k in ctx.state.config_records if "key" in k or "ckks" in k]
 
 

@@ -14,7 +14,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from federation import protocol, provisioning
+from federation import protocol, key_service
 from federation.local import InProcessGrid, run_local
 from tests.federation.fakes import BASE_CONFIG
 
@@ -53,16 +53,16 @@ def _assert_completed_without(results, node: int, phase_reason: str) -> None:
 
 def test_enroll_reply_with_an_int_for_a_key_drops_that_node() -> None:
     def mutate(reply):
-        reply.content.config_records[provisioning.NODE_KEYS_REC]["kx-public"] = 10**15
+        reply.content.config_records[key_service.NODE_KEYS_REC]["kx-public"] = 10**15
 
-    _assert_completed_without(_run(HE, mutate, provisioning.ENROLL), VICTIM, "kx-public")
+    _assert_completed_without(_run(HE, mutate, key_service.ENROLL), VICTIM, "kx-public")
 
 
 def test_provision_ack_with_an_infinite_epoch_drops_that_node() -> None:
     def mutate(reply):
-        reply.content.config_records[provisioning.PROVISIONED_REC]["epoch"] = math.inf
+        reply.content.config_records[key_service.PROVISIONED_REC]["epoch"] = math.inf
 
-    _assert_completed_without(_run(HE, mutate, provisioning.PROVISION), VICTIM, "epoch")
+    _assert_completed_without(_run(HE, mutate, key_service.PROVISION), VICTIM, "epoch")
 
 
 def test_evaluate_metric_version_inf_drops_that_node() -> None:
@@ -81,9 +81,9 @@ def test_train_metric_num_examples_as_a_list_drops_that_node() -> None:
 
 def test_a_bad_keygen_reply_falls_back_to_the_next_key_maker() -> None:
     def mutate(reply):
-        reply.content.array_records[provisioning.PUBLIC_CONTEXT_REC]["ctx"] = protocol.bytes_to_array(b"\x00" * 99)
+        reply.content.array_records[key_service.PUBLIC_CONTEXT_REC]["ctx"] = protocol.bytes_to_array(b"\x00" * 99)
 
-    results = _run(HE, mutate, provisioning.KEYGEN, node=100)  # node 100 (lowest id) makes the key
+    results = _run(HE, mutate, key_service.KEYGEN, node=100)  # node 100 (lowest id) makes the key
     assert results.status == "completed" and results.key_origin["node"] == 101
     assert any(d["node"] == 100 and d["phase"] == "keygen" and "bad keygen reply" in d["reason"]
                for d in results.rounds[0].dropped), results.rounds[0].dropped
@@ -155,13 +155,13 @@ def test_fuzzed_evaluate_replies_never_stop_the_run(data) -> None:
 @FUZZ
 @given(st.data())
 def test_fuzzed_enroll_replies_never_stop_the_run(data) -> None:
-    _fuzz_phase(data, HE, provisioning.ENROLL)
+    _fuzz_phase(data, HE, key_service.ENROLL)
 
 
 @FUZZ
 @given(st.data())
 def test_fuzzed_provision_and_keygen_replies_never_stop_the_run(data) -> None:
-    kind, node = data.draw(st.sampled_from([(provisioning.PROVISION, VICTIM), (provisioning.KEYGEN, 100)]))
+    kind, node = data.draw(st.sampled_from([(key_service.PROVISION, VICTIM), (key_service.KEYGEN, 100)]))
     _fuzz_phase(data, HE, kind, node)
 
 

@@ -23,7 +23,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from crypto import CkksAggregator, NodeKeys, load_context
 from crypto.binding import MANIFEST_MAGIC
 from crypto.errors import ContextMismatchError
-from federation import protocol, provisioning
+from federation import protocol, key_service
 from federation.codec import CkksClientCodec
 from federation.kit import write_kits
 from tests.federation.fakes import Federation, timeout_fault
@@ -156,7 +156,7 @@ def _same_reply_or_refusal(first: Message, again: Message) -> None:
 
 
 def test_a_train_message_sent_twice_gets_its_first_reply_again_never_a_second_tag() -> None:
-    from crypto import KIND_UPDATE
+    from crypto import CONTRIBUTION_UPDATE
 
     fed = Federation(3, **HE, **{"num-server-rounds": 1})
     fed.run_all()
@@ -167,11 +167,11 @@ def test_a_train_message_sent_twice_gets_its_first_reply_again_never_a_second_ta
         again = fed.grid.deliver(msg)
         _same_reply_or_refusal(first, again)
         replies.append(again)
-    assert len(_tags_of(fed, 100, 1, KIND_UPDATE, replies)) == 1
+    assert len(_tags_of(fed, 100, 1, CONTRIBUTION_UPDATE, replies)) == 1
 
 
 def test_a_noise_request_sent_twice_gets_its_first_reply_again_never_a_second_tag() -> None:
-    from crypto import KIND_NOISE
+    from crypto import CONTRIBUTION_NOISE
 
     fed = Federation(3, **HE, **{"num-server-rounds": 1})
     fed.grid.faults[(102, protocol.TRAIN)] = timeout_fault  # a survivor makes node 102's noise share
@@ -188,13 +188,13 @@ def test_a_noise_request_sent_twice_gets_its_first_reply_again_never_a_second_ta
         again = fed.grid.deliver(msg)
         _same_reply_or_refusal(first, again)
         replies.append(again)
-    assert len(_tags_of(fed, node, 1, KIND_NOISE, replies)) == 1
+    assert len(_tags_of(fed, node, 1, CONTRIBUTION_NOISE, replies)) == 1
 
 
 def test_a_node_that_failed_before_replying_answers_the_retry_once(monkeypatch) -> None:
     """A node that crashed before its reply was kept sent no tag: the retry is answered (once),
     and a further repeat gets that answer again."""
-    from crypto import KIND_UPDATE
+    from crypto import CONTRIBUTION_UPDATE
     from federation import node_host
 
     real_save, failed = node_host.save_node, []
@@ -215,25 +215,25 @@ def test_a_node_that_failed_before_replying_answers_the_retry_once(monkeypatch) 
         replies.append(fed.grid.deliver(msg))
     assert not replies[0].has_error()
     _same_reply_or_refusal(replies[0], replies[1])
-    assert len(_tags_of(fed, 100, 1, KIND_UPDATE, replies)) == 1
+    assert len(_tags_of(fed, 100, 1, CONTRIBUTION_UPDATE, replies)) == 1
 
 
 def _two_tags_of_node_100(fed: Federation):
     """Node 100's round-1 update (c2, t2) and a second update (c1, t1) it tagged in round 1, as a
     second train request made it do before issue 20 (made here through the node's own tagging
     code, so the MAC is tested on its own, whatever the replay guard does)."""
-    from crypto import KIND_UPDATE, SignedUpdate
+    from crypto import CONTRIBUTION_UPDATE, SignedUpdate
     from federation import client_app
     from federation.config import RunConfig
 
     _, honest_su = _signed_reply(fed, 100, protocol.TRAIN)
     ctx = fed.grid.contexts[100]
     cfg = RunConfig.from_run_config(ctx.run_config)
-    node_ctx, epoch = provisioning.secret_context(ctx)
+    node_ctx, epoch = key_service.secret_context(ctx)
     u = np.zeros(fed.dim) if fed.strategy.packing.dither else None
     vec = np.random.default_rng().uniform(-0.01, 0.01, fed.dim)
     payload = CkksClientCodec(fed.dim, node_ctx, fed.strategy.packing).encode(vec, 1.0, dither=u)
-    second = SignedUpdate.from_bytes(client_app._signed(cfg, ctx, 1, payload, epoch, node_ctx, KIND_UPDATE, fed.dim))
+    second = SignedUpdate.from_bytes(client_app._signed(cfg, ctx, 1, payload, epoch, node_ctx, CONTRIBUTION_UPDATE, fed.dim))
     assert second.tag != honest_su.tag
     return second, honest_su
 
@@ -245,7 +245,7 @@ def _affine(fed: Federation, aggregate: bytes, c1: bytes, c2: bytes, k: int) -> 
     import tenseal.sealapi as sealapi
 
     from crypto.ckks import _parse_for, _Plan, _SealOps
-    from crypto.context import seal_save
+    from crypto.seal_io import seal_save
     from crypto.wire import pack_envelope
 
     public = load_context(fed.keys.public_context)
@@ -289,11 +289,11 @@ def _with_entry(manifest: bytes, node: str, tag: bytes, digest: bytes | None = N
     """The manifest with node's update entry carrying ``tag`` (and ``digest`` when given)."""
     import dataclasses
 
-    from crypto import KIND_UPDATE, Manifest
+    from crypto import CONTRIBUTION_UPDATE, Manifest
 
     m = Manifest.from_bytes(manifest)
     change = {"tag": tag, **({"digest": digest} if digest is not None else {})}
-    entries = tuple(dataclasses.replace(e, **change) if (e.node_id, e.kind) == (node, KIND_UPDATE) else e
+    entries = tuple(dataclasses.replace(e, **change) if (e.node_id, e.kind) == (node, CONTRIBUTION_UPDATE) else e
                     for e in m.entries)
     return dataclasses.replace(m, entries=entries).to_bytes()
 
@@ -375,7 +375,7 @@ def test_with_kits_the_provisioner_made_the_key_and_nothing_is_keyed_over_the_wi
     assert [r.num_clients for r in recs] == [3, 3]
     assert fed.keys.key_origin["party"] == "provisioner" and fed.keys.stats["enrollment"] == "pinned"
     types = {m.metadata.message_type for m in fed.grid.sent}
-    assert provisioning.KEYGEN not in types and provisioning.PROVISION not in types
+    assert key_service.KEYGEN not in types and key_service.PROVISION not in types
 
 
 def test_substituted_enroll_keys_are_refused_and_nothing_is_wrapped_for_the_attacker(tmp_path) -> None:
@@ -384,11 +384,11 @@ def test_substituted_enroll_keys_are_refused_and_nothing_is_wrapped_for_the_atta
 
     def mitm(msg: Message, ctx):
         reply = fed.grid.deliver(msg)
-        rec = reply.content.config_records[provisioning.NODE_KEYS_REC]
+        rec = reply.content.config_records[key_service.NODE_KEYS_REC]
         rec["kx-public"], rec["sign-public"] = attacker.public.kx_public, attacker.public.sign_public
         return reply
 
-    fed.grid.faults[(102, provisioning.ENROLL)] = mitm
+    fed.grid.faults[(102, key_service.ENROLL)] = mitm
     (rec,) = fed.run_all()
     assert "PeerKeyError" in drops(rec, "enroll")[102] or "differ from the ones pinned" in drops(rec, "enroll")[102]
     assert rec.num_clients == 2 and 102 not in fed.keys.members
@@ -407,10 +407,10 @@ def test_a_hostile_server_cannot_get_a_key_wrapped_for_a_substituted_peer(tmp_pa
     req = ConfigRecord({"epoch": 1, "fresh": 1, "preset": "fedkv-4096", "effective-round": 2,
                         "members": [str(n) for n in members], "names": names, "kx": kx, "sign": sign,
                         "epochs": [1]})
-    msg = Message(RecordDict({provisioning.KEYGEN_REC: req}), dst_node_id=100, message_type=provisioning.KEYGEN)
+    msg = Message(RecordDict({key_service.KEYGEN_REC: req}), dst_node_id=100, message_type=key_service.KEYGEN)
     reply = fed.grid.deliver(msg)
     assert reply.has_error() and "does not hold the keys pinned" in reply.error.reason
-    store = provisioning.NodeStore.for_context(fed.grid.contexts[100])
+    store = key_service.NodeStore.for_context(fed.grid.contexts[100])
     assert store.epochs() == [0]  # no key of epoch 1 was made, so none was wrapped
 
 
@@ -465,8 +465,8 @@ def test_a_node_will_not_decrypt_a_sum_of_fewer_updates_than_min_clients() -> No
 def test_after_a_node_leaves_the_key_rotates_and_its_keys_cannot_decrypt_later_aggregates() -> None:
     fed = Federation(3, **HE, **{"num-server-rounds": 3})
     r1 = fed.round(1)
-    old = {e: provisioning.NodeStore.for_context(fed.grid.contexts[102]).context(e) for e in (0,)}
-    for kind in (protocol.TRAIN, protocol.EVALUATE, provisioning.PROVISION, provisioning.KEYGEN, protocol.NOISE):
+    old = {e: key_service.NodeStore.for_context(fed.grid.contexts[102]).context(e) for e in (0,)}
+    for kind in (protocol.TRAIN, protocol.EVALUATE, key_service.PROVISION, key_service.KEYGEN, protocol.NOISE):
         fed.grid.faults[(102, kind)] = timeout_fault  # node 102 is gone (killed)
     r2 = fed.round(2)
     r3 = fed.round(3)
@@ -522,7 +522,7 @@ def test_a_key_holder_that_signs_an_untagged_ciphertext_costs_one_round_not_the_
 
     fed = Federation(3, **HE, **{"num-server-rounds": 3})
     def swap(payload: bytes, msg, ctx) -> bytes:
-        node_ctx = provisioning.secret_context(ctx)[0]
+        node_ctx = key_service.secret_context(ctx)[0]
         u = np.zeros(fed.dim) if fed.strategy.packing.dither else None  # dp-mode distributed: dithered
         return CkksClientCodec(fed.dim, node_ctx, fed.strategy.packing).encode(np.zeros(fed.dim), 1.0, dither=u)
 
@@ -547,7 +547,7 @@ def test_in_simulation_a_peer_key_change_after_first_use_is_refused() -> None:
     req = ConfigRecord({"epoch": 1, "fresh": 1, "preset": "fedkv-4096", "effective-round": 2,
                         "members": [str(n) for n in members], "names": [""] * 3, "partitions": [0, 1, 2],
                         "kx": kx, "sign": sign, "epochs": [1]})
-    msg = Message(RecordDict({provisioning.KEYGEN_REC: req}), dst_node_id=100, message_type=provisioning.KEYGEN)
+    msg = Message(RecordDict({key_service.KEYGEN_REC: req}), dst_node_id=100, message_type=key_service.KEYGEN)
     reply = fed.grid.deliver(msg)
     assert reply.has_error() and "other keys than on first use" in reply.error.reason
 
@@ -559,7 +559,7 @@ def _keygen(fed: Federation, members: list[tuple[int, NodeKeys | None, int]], *,
             epochs: list[int]) -> RecordDict:
     """A keygen request for ``members`` as (node id, keys or None = the enrolled ones, partition)."""
     pubs = [keys.public if keys is not None else fed.keys.members[n].pub for n, keys, _ in members]
-    return RecordDict({provisioning.KEYGEN_REC: ConfigRecord({
+    return RecordDict({key_service.KEYGEN_REC: ConfigRecord({
         "epoch": epochs[-1], "fresh": int(fresh), "preset": fed.keys.preset, "effective-round": 3,
         "members": [str(n) for n, _, _ in members], "names": [""] * len(members),
         "partitions": [p for _, _, p in members],
@@ -587,15 +587,15 @@ def test_in_simulation_a_member_invented_after_the_first_key_is_refused() -> Non
         cases["the invented member alone"] = [(target, None, target - 100), (999, attacker, 2)]
         for what, members in cases.items():
             msg = Message(_keygen(fed, members, fresh=False, epochs=epochs), dst_node_id=target,
-                          message_type=provisioning.KEYGEN)
+                          message_type=key_service.KEYGEN)
             reply = fed.grid.deliver(msg)
             assert reply.has_error(), f"node {target} wrapped the key for {what}"
             assert reply.error.reason.startswith("MemberSetError: "), reply.error.reason
             assert "999" in reply.error.reason or "num-partitions=3" in reply.error.reason, reply.error.reason
     # a damaged pins.json is named, not a bare JSONDecodeError (and nothing is wrapped)
-    pins = provisioning.NodeStore.for_context(fed.grid.contexts[101]).root / "pins.json"
+    pins = key_service.NodeStore.for_context(fed.grid.contexts[101]).root / "pins.json"
     pins.write_bytes(pins.read_bytes()[:20])
-    msg = Message(_keygen(fed, honest, fresh=False, epochs=epochs), dst_node_id=101, message_type=provisioning.KEYGEN)
+    msg = Message(_keygen(fed, honest, fresh=False, epochs=epochs), dst_node_id=101, message_type=key_service.KEYGEN)
     reply = fed.grid.deliver(msg)
     assert reply.has_error() and f"{pins}: " in reply.error.reason, reply.error.reason
 
@@ -614,18 +614,18 @@ def test_in_simulation_a_key_from_an_invented_key_maker_is_refused() -> None:
     own = fed.keys.members[101].pub
     for members in ([(999, attacker.public, 2), (101, own, 1)], [(999, attacker.public, 3), (101, own, 1)]):
         content = RecordDict({
-            provisioning.PROVISION_REC: ConfigRecord({
+            key_service.PROVISION_REC: ConfigRecord({
                 "dealer-node": "999", "dealer-name": "", "dealer-sign": attacker.public.sign_public,
                 "members": [str(n) for n, _, _ in members], "names": [""] * len(members),
                 "partitions": [p for _, _, p in members], "kx": [k.kx_public for _, k, _ in members],
                 "sign": [k.sign_public for _, k, _ in members]}),
-            provisioning.BUNDLES_REC: ArrayRecord({f"e{epoch}": protocol.bytes_to_array(bundle)}),
-            provisioning.PUBLIC_CONTEXT_REC: ArrayRecord({"ctx": protocol.bytes_to_array(dealer.signed_public_context())}),
+            key_service.BUNDLES_REC: ArrayRecord({f"e{epoch}": protocol.bytes_to_array(bundle)}),
+            key_service.PUBLIC_CONTEXT_REC: ArrayRecord({"ctx": protocol.bytes_to_array(dealer.signed_public_context())}),
         })
-        reply = fed.grid.deliver(Message(content, dst_node_id=101, message_type=provisioning.PROVISION))
+        reply = fed.grid.deliver(Message(content, dst_node_id=101, message_type=key_service.PROVISION))
         assert reply.has_error(), "node 101 took the server's key"
         assert reply.error.reason.startswith("MemberSetError: ") and "999" in reply.error.reason, reply.error.reason
-    assert provisioning.NodeStore.for_context(fed.grid.contexts[101]).epochs() == [0]
+    assert key_service.NodeStore.for_context(fed.grid.contexts[101]).epochs() == [0]
 
 
 def test_in_simulation_the_first_key_lists_at_most_num_partitions_distinct_partitions() -> None:
@@ -634,13 +634,13 @@ def test_in_simulation_the_first_key_lists_at_most_num_partitions_distinct_parti
     nothing, and the honest first key that follows is made as usual."""
     fed = Federation(3, **HE, **{"num-server-rounds": 1})
     for n in (100, 101, 102):
-        provisioning.node_keys(fed.grid.contexts[n], create=True)
-    keys = {n: provisioning.node_keys(fed.grid.contexts[n]) for n in (100, 101, 102)}
+        key_service.node_keys(fed.grid.contexts[n], create=True)
+    keys = {n: key_service.node_keys(fed.grid.contexts[n]) for n in (100, 101, 102)}
     attacker = NodeKeys.generate("999")
     honest = [(n, keys[n], n - 100) for n in (100, 101, 102)]
     for members in (honest + [(999, attacker, 3)], honest[:2] + [(999, attacker, 1)]):
         msg = Message(_keygen(fed, members, fresh=True, epochs=[0]), dst_node_id=100,
-                      message_type=provisioning.KEYGEN)
+                      message_type=key_service.KEYGEN)
         reply = fed.grid.deliver(msg)
         assert reply.has_error(), "node 100 made a key for more members than partitions"
         assert reply.error.reason.startswith("MemberSetError: ") and "partition" in reply.error.reason, reply.error.reason
@@ -653,7 +653,7 @@ def test_in_simulation_a_node_that_left_rejoins_with_its_pinned_identity() -> No
     back under its pinned node id, partition and keys and is keyed again."""
     fed = Federation(3, **HE, **{"num-server-rounds": 4})
     fed.round(1)
-    kinds = (protocol.TRAIN, protocol.EVALUATE, provisioning.PROVISION, provisioning.KEYGEN, protocol.NOISE)
+    kinds = (protocol.TRAIN, protocol.EVALUATE, key_service.PROVISION, key_service.KEYGEN, protocol.NOISE)
     for kind in kinds:
         fed.grid.faults[(102, kind)] = timeout_fault
     r2, r3 = fed.round(2), fed.round(3)
@@ -677,7 +677,7 @@ def crafted_update_fault(grid, make_delta, rounds=None, header=None, envelope=No
     ``make_delta(packing, dim)`` encoded by the node's codec; ``header(w_int, count)`` rewrites the
     encrypted header (weight and contribution count slots); ``envelope(env)`` the public envelope;
     ``tag(tag)`` the tag it signs. Only in ``rounds`` (None: every round)."""
-    from crypto import KIND_UPDATE
+    from crypto import CONTRIBUTION_UPDATE
     from crypto.wire import pack_envelope, parse_envelope
     from federation import client_app
     from federation.codec import packing_for, wire_dim
@@ -693,22 +693,22 @@ def crafted_update_fault(grid, make_delta, rounds=None, header=None, envelope=No
         cfg = RunConfig.from_run_config(ctx.run_config)
         dim = wire_dim(cfg, model_layout(cfg.task, cfg.seed).size)
         packing = packing_for(cfg, dim)
-        key, epoch = provisioning.secret_context(ctx)
+        key, epoch = key_service.secret_context(ctx)
         codec = CkksClientCodec(dim, key, packing)
         if header is not None:
             assemble = codec._enc._packer.assemble
             codec._enc._packer.assemble = lambda h, data, n: assemble(header(*h), data, n)
-        u = client_app._dither(cfg, ctx, key, rnd, epoch, KIND_UPDATE, dim)
+        u = client_app._dither(cfg, ctx, key, rnd, epoch, CONTRIBUTION_UPDATE, dim)
         payload = codec.encode(np.asarray(make_delta(packing, dim), dtype=np.float64), 1.0, dither=u)
         if envelope is not None:
             payload = pack_envelope(envelope(parse_envelope(payload, max_ciphertext_bytes=1 << 30)))
-        blob = client_app._signed(cfg, ctx, rnd, payload, epoch, key, KIND_UPDATE, dim)
+        blob = client_app._signed(cfg, ctx, rnd, payload, epoch, key, CONTRIBUTION_UPDATE, dim)
         if tag is not None:
             from crypto import SignedUpdate
 
             su = SignedUpdate.from_bytes(blob)
-            blob = provisioning.sign(ctx, provisioning.node_keys(ctx), rnd, payload, epoch, key_id=su.key_id,
-                                     kind=KIND_UPDATE, tag=tag(su.tag))
+            blob = key_service.sign(ctx, key_service.node_keys(ctx), rnd, payload, epoch, key_id=su.key_id,
+                                     kind=CONTRIBUTION_UPDATE, tag=tag(su.tag))
         reply.content.array_records[protocol.UPDATE]["update"] = protocol.bytes_to_array(blob)
         return reply
 
@@ -725,7 +725,7 @@ def _mean_of(fed: Federation, node: int, aggregate: bytes) -> np.ndarray:
     from crypto import AggregateDecryptor, Manifest
     from crypto.dither import dither_total
 
-    key, _ = provisioning.secret_context(fed.grid.contexts[node])
+    key, _ = key_service.secret_context(fed.grid.contexts[node])
     m = Manifest.from_bytes(fed.strategy.history[-1][1])
     total = dither_total(key.dither_key, m.run_id, m.round, m.epoch, [(e.node_id, e.kind) for e in m.entries],
                          fed.dim)

@@ -40,7 +40,7 @@ def test_create_send_reset_close_round_trip(node):
     r2 = node.send(sid, b"    return", 5)
     assert node.history(sid) == SYSTEM + b"def add(a, b):\n" + r1 + b"    return" + r2
     assert node.cache.tokens(node.sessions[sid]) == list(node.history(sid))  # all in the cache
-    node.reset_context(sid)
+    node.reset_conversation(sid)
     assert node.history(sid) == SYSTEM
     again = node.send(sid, "def add(a, b):\n", max_new_tokens=8)
     assert again == r1  # greedy: the same context gives the same reply
@@ -69,16 +69,16 @@ def test_sessions_with_the_same_system_prompt_share_its_full_blocks(node):
     assert node.history(b).startswith(SYSTEM)  # b keeps the blocks a gave up
 
 
-def test_reset_context_keeps_exactly_the_system_prompt(node):
+def test_reset_conversation_keeps_exactly_the_system_prompt(node):
     sid = node.create_session(SYSTEM)
     for text in (b"class A:\n", b"    pass\n", b"a = A()\n"):
         node.send(sid, text, 7)
-    node.reset_context(sid)
+    node.reset_conversation(sid)
     assert node.cache.tokens(node.sessions[sid]) == list(SYSTEM)
     assert node.send(sid, b"x", 6) == node.send(node.create_session(SYSTEM), b"x", 6)
     empty = node.create_session()
     node.send(empty, b"abc", 3)
-    node.reset_context(empty)
+    node.reset_conversation(empty)
     assert node.history(empty) == b""
 
 
@@ -135,7 +135,7 @@ def test_legacy_generate_is_a_named_session(node):
 @pytest.mark.parametrize("call", [
     lambda n, s: n.send(s, b"hi"),
     lambda n, s: n.close(s),
-    lambda n, s: n.reset_context(s),
+    lambda n, s: n.reset_conversation(s),
     lambda n, s: n.history(s),
     lambda n, s: n.sessions[s],
 ])

@@ -1,4 +1,6 @@
-"""Key provisioning for a fedkv run: the CKKS secret key is made by a node or a provisioner, never the server.
+"""The in-run key service: enrollment, key provisioning and rotation (server ``KeyService``, node
+handlers). The CKKS secret key is made by a node or a provisioner, never the server. (The offline
+provisioner that writes startup kits is ``federation.provision``.)
 
 Who makes the key (``key_origin`` in the results JSON)
 ------------------------------------------------------
@@ -51,6 +53,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.common import log
 
 from crypto import (
+    CONTRIBUTION_UPDATE,
     DEFAULT_PRESET,
     NO_KEY_ID,
     NodeKeys,
@@ -66,7 +69,7 @@ from crypto.errors import CryptoError
 from federation import protocol, replies
 from federation.config import RunConfig
 from federation.node_store import MemberSetError, NodeStore, Peer, PeerKeyError, ProvisioningError
-from federation.policy import NodePolicy
+from federation.node_policy import NodePolicy
 
 __all__ = ["ENROLL", "KEYGEN", "PROVISION", "KeyService", "AdmitReport", "MemberSetError", "PeerKeyError",
            "ProvisioningError", "node_keys", "node_policy", "secret_context", "sign"]
@@ -104,7 +107,7 @@ def secret_context(context: Context, epoch: int | None = None) -> tuple[Any, int
 
 
 def sign(context: Context, keys: NodeKeys, server_round: int, payload: bytes, epoch: int = 0, *,
-         key_id: bytes = NO_KEY_ID, kind: int = 0, tag: bytes = b"") -> bytes:
+         key_id: bytes = NO_KEY_ID, kind: int = CONTRIBUTION_UPDATE, tag: bytes = b"") -> bytes:
     """The wire form of a contribution: signed over (run, node, round, epoch, key id, kind, tag, digest)."""
     return sign_update(keys, str(context.node_id), server_round, payload, epoch, run_id=int(context.run_id),
                        key_id=key_id, kind=kind, tag=tag)

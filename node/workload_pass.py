@@ -1,4 +1,6 @@
-"""A node serving its chat workload through its cache, and what that serving measured.
+"""One serving pass of a node's chat workload through its cache (between rounds,
+``CacheNode.serve_between_rounds``), and what it measured.
+(The HTTP serving agent, ``python -m node.serve``, is ``node/serve.py``.)
 
 ``serve_workload`` opens the sessions of a ``node.workload`` plan behind the shared system
 prompt, plays their turns in arrival order and closes them; the system prompt's blocks stay
