@@ -11,7 +11,7 @@ Blocks are ``cache.block.Block`` records kept by ``cache.manager.BlockManager``;
 keeps sessions (``BlockTable``) and turns them into writes, read plans and figures.
 
 Runtime knobs: ``set_tunable``/``tunables`` (``cache/tunables.py``); figures: ``stats()``, with
-``reset_context()`` to start a clean measurement; a ``KVCache.open(dir)`` engine is read and
+``reset_stats()`` to start a clean measurement; a ``KVCache.open(dir)`` engine is read and
 changed from another process with ``python -m cache stats|set --dir DIR`` (``cache/control.py``).
 """
 
@@ -896,7 +896,7 @@ class KVCache:
             new.insert(key, self.blocks.index[key].parent_hash)
         self.blocks.policy = new
 
-    def reset_context(self) -> None:
+    def reset_stats(self) -> None:
         """Start a clean measurement: zero the counters (``stats()``'s, the tiers') and the
         latency windows. Sessions, blocks, tiers and tunables are kept."""
         c = self.blocks.counters
@@ -912,7 +912,7 @@ class KVCache:
 
     @property
     def context_age_s(self) -> float:
-        """Seconds since the statistics context started (construction or reset_context)."""
+        """Seconds since the statistics context started (construction or reset_stats)."""
         return time.monotonic() - self._context_started
 
     def _op_boundary(self, now_ns: int) -> None:

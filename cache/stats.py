@@ -1,7 +1,7 @@
 """Figures of a KVCache: counters, block and byte accounting, utilisation, latency.
 
 Counters and latency windows describe the statistics context, which starts at construction
-and again at ``KVCache.reset_context()``; byte, block and utilisation figures describe the
+and again at ``KVCache.reset_stats()``; byte, block and utilisation figures describe the
 cache as it is now.
 """
 

@@ -1,4 +1,4 @@
-"""stats(): per-tier hit rates, swaps, utilisation, latency windows; reset_context()."""
+"""stats(): per-tier hit rates, swaps, utilisation, latency windows; reset_stats()."""
 
 import json
 
@@ -113,14 +113,14 @@ def test_stats_are_json_and_show_the_tunables():
     assert st["tunables"] == kv.tunables() and st["context_age_s"] >= 0
 
 
-def test_reset_context_zeroes_counters_and_windows_and_keeps_sessions_and_blocks():
+def test_reset_stats_zeroes_counters_and_windows_and_keeps_sessions_and_blocks():
     kv = KVCache(small_config(warm_bytes=1 << 20))
     _workload(kv)
     keep = kv.open_session()
     feed(kv, keep, list(range(300, 306)))
     before = kv.stats()
     assert before["prefix_hit_blocks"] and before["swaps"]["total"]
-    kv.reset_context()
+    kv.reset_stats()
     st = kv.stats()
     assert st["prefix_hit_blocks"] == st["prefix_miss_blocks"] == st["prefix_lookups"] == 0
     assert st["tier_hits"] == {"hot": 0, "warm": 0, "cold": 0}
@@ -135,7 +135,7 @@ def test_reset_context_zeroes_counters_and_windows_and_keeps_sessions_and_blocks
     assert kv.stats()["prefix_hit_blocks"] == 2
 
 
-def test_a_batch_after_reset_context_attends_over_what_was_written():
+def test_a_batch_after_reset_stats_attends_over_what_was_written():
     kv = KVCache(small_config())
     c = kv.config
     a, b = kv.open_session(), kv.open_session()
@@ -143,7 +143,7 @@ def test_a_batch_after_reset_context_attends_over_what_was_written():
     feed(kv, b, [4, 5, 6, 7, 8])
     for step_no in range(3):
         if step_no == 1:
-            kv.reset_context()  # the tail buffer is rebuilt, not reused under a reset key
+            kv.reset_stats()  # the tail buffer is rebuilt, not reused under a reset key
         step = kv.begin_batch([a, b], [10 + step_no, 20 + step_no])
         for layer in range(c.num_layers):
             k = torch.randn(c.num_heads, 2, c.head_dim)

@@ -208,8 +208,8 @@ class TunablesMachine(TightPoolMachine):
         self.kv.set_tunable("low_watermark", w)
 
     @rule()
-    def reset_context(self):
-        self.kv.reset_context()
+    def reset_stats(self):
+        self.kv.reset_stats()
         st_ = self.kv.stats()
         assert st_["prefix_hit_blocks"] == 0 and st_["swaps"]["total"] == 0
 

@@ -90,4 +90,4 @@ def test_one_round_executes_code_in_every_package() -> None:
     for files in rounds.values():
         assert {f.split("/")[0] for f in files} == set(house.PRODUCT_PACKAGES)
         assert "federation/client_app.py" in files and "federation/strategy.py" in files
-    assert "federation/provisioning.py" in rounds["round-1"]  # the first round provisions the key
+    assert "federation/key_service.py" in rounds["round-1"]  # the first round provisions the key
