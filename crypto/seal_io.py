@@ -6,8 +6,9 @@ files in a private (0700) temporary directory per process, on tmpfs (/dev/shm) w
 each removed as soon as it is read. Not only ciphertexts: the raw-SEAL contexts of fedkv-2048
 (``crypto.seal_keys``) pass their parameters, public key and, for a secret context, the SECRET
 KEY through here (``SealKeys.serialize`` via ``seal_save``, ``load_seal_keys`` via ``seal_load``'s 0600
-files). ``seal_save``'s file is created by SEAL with the process umask (0644 under umask 022):
-only the 0700 directory keeps other users out, for as long as the file exists. The directory
+files). ``seal_save`` creates its file 0600 before SEAL writes into it (SEAL would create it
+with the process umask, 0644 under umask 022), so every scratch file is 0600 in a 0700
+directory, and lives only until it is read. The directory
 is removed at normal exit (atexit); a killed process leaves it, empty unless killed mid-write.
 """
 
@@ -59,6 +60,7 @@ def seal_save(obj: Any) -> bytes:
     in SEAL's own compressed format."""
     path = scratch_path()
     try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # SEAL truncates, keeps the mode
         obj.save(path)
         with open(path, "rb") as fh:
             return fh.read()
