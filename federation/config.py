@@ -18,13 +18,17 @@ Accepted spellings (the CLI gives TOML values, tests and scripts give Python one
 
 from __future__ import annotations
 
+import ast
 import difflib
+import inspect
 import math
 import numbers
 import os
 import re
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any
 
 DP_MODES = ("none", "local", "distributed", "flower-central")
@@ -80,69 +84,103 @@ class RunConfig:
     num_server_rounds: int = 5
     """Federated rounds (>= 1)."""
     task: str = "lm"
-    """digits | lm (lm is provided by the node package's CacheNode)."""
+    """digits | lm. ``lm``: the byte-level transformer (the node package's CacheNode) on the
+    standard library's sources, one share of whole modules per node, metric perplexity;
+    ``digits``: scikit-learn digits, a small MLP, Dirichlet non-IID split (flwr-datasets), metric
+    accuracy."""
     he: bool = True
-    """CKKS aggregation (crypto/). false = plaintext codec, same messages, same signatures."""
+    """CKKS aggregation (crypto/; the server holds only the public context). false = plaintext
+    FedAvg through the plaintext codec, same messages, same signatures: updates are signed either
+    way."""
     packing: str = "packed"
-    """packed (quantised, several values per CKKS slot part) | none (one CKKS real per part).
-    Only used when he=true."""
+    """packed (quantised 8-bit values, several per CKKS slot part: smaller than fp32) | none (one
+    CKKS real per slot part). Only used when he=true."""
     packing_bits: int = 8
-    """Quantisation bits per value in packing=packed, in [1, 24]."""
+    """Quantisation bits per value in packing=packed, in [1, 24]. Part of the public CKKS encoding
+    (``federation/codec.py:packing_for``)."""
     error_feedback: bool = True
     """he=true, packing=packed: each node adds to its next update what quantization and
     saturation left out of its last one (``crypto.UpdateEncryptor`` ``carry``), so rounding
     errors do not accumulate over rounds and saturation bias is paid back. Not applied with
-    dp-mode=distributed (see ``crypto.privacy``: the residual would carry an unnoised share)."""
+    dp-mode=distributed, whose rounding is dithered instead (see ``crypto/privacy.py``: the
+    residual would carry an unnoised share)."""
     packing_range: float = 0.0
     """Public saturation range R of the CKKS encoding; 0 = derived from the run config
-    (``federation.codec.packing_for``)."""
+    (``federation/codec.py:packing_for``)."""
     max_clients: int = 32
     """Most clients sampled per round with he=true (packing headroom). Larger populations
-    are sampled down to this. At least min-clients."""
+    are sampled down to this. At least min-clients. Part of the public CKKS encoding: size it to
+    the real number of contributors (fewer headroom bits, more values per slot)."""
     max_weight: float = 1000.0
     """dp-mode=none: public bound on a client's FedAvg weight (its example count); a node
     with more examples counts as max-weight. Keep it close to the largest partition: the
     CKKS encoding pre-scales updates by weight/max-weight. Unused under DP (equal weights)."""
     ckks_preset: str = "auto"
-    """CKKS parameter set (crypto.PRESETS) the dealer uses."""
+    """CKKS parameter set (crypto.PRESETS) the dealer uses, part of the public CKKS encoding.
+    ``auto``: ``fedkv-2048`` (N=2048, one 54-bit prime) when the model fits one ciphertext, else
+    ``fedkv-4096`` (their ``-pq`` forms under he-security post-quantum)."""
     he_security: str = "classical"
-    """classical | post-quantum: the HE standard's 128-bit column the ring must meet (post-quantum:
-    log q <= 51 at N = 2048, 101 at 4096; the ``-pq`` presets)."""
+    """classical | post-quantum: the HE standard's 128-bit column the ring must meet.
+    ``classical``: log q 54 at N=2048, 109 at 4096 (what SEAL enforces); ``post-quantum``: log q
+    <= 51 at N = 2048, 101 at 4096, through ckks-preset ``auto`` or the ``fedkv-2048-pq`` /
+    ``fedkv-4096-pq`` presets (``tests/crypto/test_post_quantum.py``)."""
     dp_mode: str = "distributed"
-    """none | local | distributed | flower-central (Flower's client-side fixed clipping;
-    needs he=false)."""
+    """none | local (each client adds sigma·C) | distributed (each adds sigma·C/sqrt(n); only the
+    sum, which the server cannot read, carries sigma·C) | flower-central (Flower's
+    ``DifferentialPrivacyClientSideFixedClipping``, client-side fixed clipping: a trusted-server
+    baseline; needs he=false)."""
     dp_sgd: bool = False
     """Opacus per-sample DP-SGD in local training (independent of dp-mode; task=digits, and
     not with dp-mode=flower-central, whose array-protocol training does not run it)."""
     noise_multiplier: float = 0.02
-    """sigma (>= 0)."""
+    """sigma (>= 0). With 5 nodes no sigma buys a useful client-level epsilon without wrecking
+    the model: the default shows the mechanism: the run reports the epsilon it spends (27,612
+    after 5 rounds against third parties and the server, 34,487 against one node, 45,945 against
+    two colluding nodes: replace-one adjacency, all 5 nodes every round, Flower's RdpAccountant;
+    recomputed with the run's own accountant by
+    ``tests/crypto/test_privacy.py::test_main_job_epsilon_is_what_the_run_reports``, which also
+    checks it against dp-accounting's RDP and the exact Gaussian-DP figure, 25,953) and its
+    results field ``privacy_claim`` and last log line say "clipping and noise, no meaningful ε at
+    this population"; ``python -m experiments.privacy_accuracy`` shows where client-level DP pays
+    off."""
     clip_norm: float = 1.0
-    """L2 bound on one update. Applied under DP, and under HE in every dp-mode (the
+    """L2 bound C on one update. Applied under DP, and under HE in every dp-mode (the
     CKKS encoding needs a bounded range): > 0 then."""
     target_delta: float = 1e-5
     """delta of the reported epsilon, in (0, 1)."""
     colluding_nodes: int = 2
     """t of the ε reported against t colluding key-holding nodes (``epsilon_colluding``), >= 1."""
     fraction_train: float = 1.0
-    """Share of connected nodes sampled for training each round (at least min-clients), in (0, 1]."""
+    """Share of connected nodes sampled for training each round (client-sampling fixed; at least
+    min-clients), or each node's probability (poisson), in (0, 1]."""
     fraction_evaluate: float = 1.0
-    """Share of admitted nodes asked to evaluate (decrypt, write back, score, serve) each round,
-    in (0, 1]; at least min-clients, at most max-evaluate-clients. Nodes not asked catch up to
-    the latest version the next time they train or evaluate."""
+    """Share of admitted nodes asked to evaluate (decrypt the aggregate, write it back, score,
+    serve serve-sessions) each round, in (0, 1]; at least min-clients, at most
+    max-evaluate-clients; a fresh sample each round. Nodes not asked catch up to the latest
+    version the next time they train or evaluate."""
     max_evaluate_clients: int = 10
     """Most nodes that evaluate per round (0 = no cap; never fewer than min-clients): evaluation
     then costs the same at 100 nodes as at 10, like training under max-clients."""
     client_sampling: str = "fixed"
-    """fixed (exactly k nodes without replacement; ε under replace-one adjacency) | poisson (each
-    node with probability fraction-train, mean over the fixed expected count; ε under
-    add-or-remove-one). ``federation.sampling``."""
+    """fixed (exactly k = ceil(fraction-train·N) nodes without replacement; ε under replace-one
+    adjacency: the sum moves by 2C, so σ counts as σ/2) | poisson (each node joins with
+    probability fraction-train and the mean divides by the fixed expected count q·N (DP-FedAvg;
+    not rounded, it may be fractional); ε under add-or-remove-one at q = fraction-train itself,
+    the probability the sampler draws each node with, never a rounded q·N/N; a draw outside
+    [min-clients, max-clients] skips the round, which trains nobody but is charged as a full
+    release at σ and q (conservative: an upper bound on what it spent;
+    ``tests/federation/test_client_accounting.py::test_skipped_poisson_round_stays_charged``)).
+    ``federation.sampling``. Both accounted with Flower 1.42's ``RdpAccountant``
+    (``federation/client_accounting.py``); every round reports ε per observer
+    (``epsilon_client`` against third parties, amplified; ``epsilon_server``, ``epsilon_node``,
+    ``epsilon_colluding`` without amplification: ``federation/privacy_ledger.py``)."""
     adaptive_clipping: bool = False
     """Adaptive clipping (Andrew et al. 2021) instead of a fixed norm; clip-norm is the initial
     norm. dp-mode=flower-central: Flower's DifferentialPrivacyClientSideAdaptiveClipping.
     dp-mode=distributed (he=true): fedkv's, the noisy clipped count riding in the update's
-    ciphertext (``crypto.adaptive_clipping``); nodes keep the norm, the server never sees it.
-    Either way the count is paid for inside the noise multiplier (the update noise is raised),
-    so ε is the same."""
+    ciphertext as one extra coordinate (``crypto/adaptive_clipping.py``); nodes keep and move the
+    norm, the server never sees it. Either way the count is paid for inside the noise multiplier
+    (the update noise is raised), so ε is the same."""
     target_clipped_quantile: float = 0.5
     """adaptive-clipping: the share of updates the clip norm aims to leave unclipped, in (0, 1)."""
     clipped_count_stddev: float = 0.0
@@ -153,43 +191,55 @@ class RunConfig:
     clip_norm_lr: float = 0.2
     """adaptive-clipping: η of the geometric norm update C·exp(−η(b̃ − γ)) (Flower's default), >= 0."""
     sampler_seed: int = -1
-    """-1 = the sample is drawn from OS entropy (a normal run: amplification needs a sample
-    nobody can predict from the public seed); >= 0 seeds it (experiments)."""
+    """-1 = the client sample is drawn from OS entropy (``secrets.SystemRandom``; a normal run:
+    amplification by sampling needs a sample nobody can derive from the public seed); >= 0 seeds
+    it (experiments only)."""
     local_epochs: int = 2
-    """Local passes per round (>= 1)."""
+    """Local passes per round (>= 1; lm: 8 steps of 8 windows per epoch)."""
     lr: float = 0.0
     """Local learning rate; 0 = the task's default (digits 0.3 with SGD, lm 3e-3 with AdamW)."""
     kv_dtype: str = "fp32"
-    """KV-cache block dtype for the lm task (passed to the node; unused by digits)."""
+    """KV-cache block storage on the nodes: fp32 | fp16 | int8 | int4 (lm task; passed to the
+    node; unused by digits)."""
     results_dir: str = DEFAULT_RESULTS_DIR
-    """Where the run's JSON goes; relative paths resolve against the ServerApp's cwd."""
+    """Where the run's results JSON goes; relative paths resolve against the ServerApp's cwd
+    (where the SuperLink started), so prefer an absolute path."""
     min_clients: int = 2
-    """A round with fewer usable updates than this stops the run."""
+    """Minimum clients per round: a round with fewer usable updates than this stops the run."""
     seed: int = 42
-    """In [0, 2**32 - 1]."""
+    """The run's (public) seed, in [0, 2**32 - 1]."""
     alpha: float = 1.0
-    """Dirichlet concentration of the non-IID split (> 0)."""
+    """Dirichlet concentration of the digits task's non-IID split (> 0)."""
     round_timeout: float = 120.0
     """Seconds the server waits for replies per phase (late clients are left out),
     and for min-clients nodes to be connected before a round (> 0)."""
     server_kit: str = ""
-    """Absolute path of a provisioned server kit (``python -m federation.provision``);
-    "" = simulation: the nodes make the CKKS key."""
+    """Absolute path of the server's provisioned startup kit (``python -m federation.provision``):
+    enrollment pinned to the kit's roster, the provisioner's CKKS key. "" = simulation: the nodes
+    make the CKKS key (the lowest-id node) and peers are trusted on first use, bounded by the
+    member set each node pins at its first key (docs/threat-model.md)."""
     rotate_every: int = 0
-    """Rotate the CKKS key every K rounds (>= 0); 0 = only when a node leaves."""
+    """Also rotate the CKKS key every K rounds (>= 0); 0 = only when a node leaves (it always
+    rotates when a node leaves a round)."""
     max_rejected_rounds: int = 3
     """he=true: after this many rounds in a row whose aggregate every node refused (a key-holding
-    node's summand broke the public bound on the mean, or its tag or encrypted header; the server
-    cannot tell whose), the run stops with ``status`` "stopped: K rounds in a row had their
-    aggregate refused by every node (...)" instead of going on without progress (>= 1). A refused
-    round is discarded and the run goes on; an accepted one resets the count."""
+    node's summand broke the public bound on the mean, or its tag or encrypted header: see the
+    threat model's "malicious node"; the server cannot tell whose), the run stops with ``status``
+    "stopped: K rounds in a row had their aggregate refused by every node (...)" instead of going
+    on without progress (>= 1). A refused round is discarded and the run goes on; an accepted one
+    resets the count."""
     serve_sessions: int = 4
     """Chat sessions each node serves through its cache in every evaluate phase (lm task;
-    0 = none), behind one shared system prompt (``node.workload``)."""
+    0 = none): multi-turn, behind one shared system prompt, texts from the held-out share,
+    lengths and turn order shaped by the Mooncake conversation trace when the machine has it
+    (``$FEDKV_SERVE_TRACE``; ``node.workload``). The round line and results show prefix and tier
+    hit rates, tokens/s, K/V recomputed because of the write-back, blocks invalidated,
+    perplexity."""
     kv_stale_policy: str = "invalidate"
-    """What a write-back does to cached K/V: ``invalidate`` (never serve K/V of an older
-    model version) or ``keep-<k>`` (serve K/V of up to k older versions; the results show the
-    perplexity cost against recomputing)."""
+    """What a write-back does to cached K/V: ``invalidate`` (all older K/V unservable: never
+    serve K/V of an older model version) or ``keep-<k>`` (serve K/V of up to k older versions;
+    the results' ``serve_ppl`` vs ``serve_ppl_fresh``, a cache-free forward under the new
+    weights, is its quality cost against recomputing)."""
 
     @property
     def mode(self) -> str:
@@ -288,6 +338,75 @@ def results_dir_of(run_config: Mapping[str, Any]) -> str:
         return value
     return DEFAULT_RESULTS_DIR
 
+
+
+# -- docs/configuration.md: generated from RunConfig, so every default has one source ------------
+_DOC_INTRO = """\
+Every key below lives in `[tool.flwr.app.config]` of `pyproject.toml` (the defaults are the main
+job) and can be overridden per run with `--run-config "key=value ..."`. The defaults and meanings
+are `RunConfig`'s in `federation/config.py` (`tests/federation/test_config.py` checks that
+pyproject.toml has the same defaults)."""
+
+_DOC_TAIL = """\
+Each node also holds a policy the run config cannot lower (node config, or `node-policy.json` in
+its kit): `require-he`, `min-noise-multiplier`, `min-clients`, e.g. `--node-config
+"partition-id=0 num-partitions=5 require-he=true min-noise-multiplier=0.5"`. A run that asks for
+less is refused by that node at enrollment, with the reason in the results file.
+
+Examples, one per task:
+
+```bash
+python -m federation.check -- flwr run . --stream --federation-config "num-supernodes=5 client-resources-num-cpus=1" --run-config "task='lm' kv-dtype='int8' num-server-rounds=3 results-dir='$PWD/results'"
+python -m federation.check -- flwr run . --stream --federation-config "num-supernodes=10 client-resources-num-cpus=1" --run-config "task='digits' dp-mode='distributed' noise-multiplier=0.5 num-server-rounds=10"
+```"""
+
+
+def field_docs(source: str | None = None) -> dict[str, str]:
+    """RunConfig's attribute docstrings (the string right after each field) by field name, read
+    from this module's source with ``ast`` (Python keeps no attribute docstrings at runtime)."""
+    tree = ast.parse(source if source is not None else Path(__file__).read_text(encoding="utf-8"))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RunConfig")
+    docs: dict[str, str] = {}
+    for node, after in zip(cls.body, cls.body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+def _md(text: str) -> str:
+    """A docstring as one markdown table cell: one line, ``code`` as `code`, pipes escaped."""
+    return re.sub(r"``([^`]+)``", r"`\1`", " ".join(text.split())).replace("|", "\\|")
+
+
+def _md_default(value: Any) -> str:
+    if isinstance(value, bool):
+        return "`true`" if value else "`false`"
+    return f"`{value}`" if value != "" else '`""`'
+
+
+def markdown() -> str:
+    """docs/configuration.md: every run-config key with its default and its field docstring
+    (``python -m federation.config --markdown > docs/configuration.md``)."""
+    docs = field_docs()
+    missing = [f.name for f in fields(RunConfig) if f.name not in docs]
+    if missing:
+        raise ValueError(f"RunConfig fields without a docstring: {missing}")
+    module_doc = inspect.cleandoc(ast.get_docstring(ast.parse(Path(__file__).read_text(encoding="utf-8"))) or "")
+    checks = re.sub(r"``([^`]+)``", r"`\1`", module_doc.split("\n\n", 1)[1])
+    rows = [f"| `{_key(f.name)}` | {_md_default(f.default)} | {_md(docs[f.name])} |" for f in fields(RunConfig)]
+    return "\n".join([
+        "# Run configuration", "",
+        "<!-- Generated by `python -m federation.config --markdown > docs/configuration.md` from",
+        "     RunConfig's fields and their docstrings in federation/config.py: edit those, not this file",
+        "     (tests/federation/test_config_doc.py fails when the two differ). -->", "",
+        _DOC_INTRO, "",
+        "| key | default | meaning |", "|---|---|---|", *rows, "",
+        _DOC_TAIL, "",
+        "## How values are checked", "",
+        checks, "",
+    ])
 
 # -- internals ------------------------------------------------------------------------------
 def _key(name: str) -> str:
@@ -430,3 +549,15 @@ def _range_problems(cfg: RunConfig, bad: set[str]) -> list[str]:
           "dp-sgd=true does not run with dp-mode=flower-central (its array-protocol training has "
           "no DP-SGD); use dp-mode none, local or distributed")
     return problems
+
+
+def _main(argv: Sequence[str]) -> int:
+    if list(argv) != ["--markdown"]:
+        print("usage: python -m federation.config --markdown > docs/configuration.md", file=sys.stderr)
+        return 2
+    sys.stdout.write(markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))

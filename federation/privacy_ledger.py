@@ -14,7 +14,7 @@ One round releases a noisy sum of clipped updates. Four observers see it differe
 * ``colluding`` — t key holders pooling what they know (run-config ``colluding-nodes``): the
   same with the t largest share counts of the round removed, σ·sqrt((n−t)/n) when each made
   one share. No figure holds against a key holder colluding with the server: all nodes share
-  one CKKS key, so together they read single updates (README, threat model).
+  one CKKS key, so together they read single updates (docs/threat-model.md).
 
 dp-mode local: every update carries σC of its own, unknown to everyone else, so σ holds
 against each observer (the sum's extra noise is not credited). A σ of 0 against an observer

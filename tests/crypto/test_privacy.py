@@ -146,7 +146,7 @@ def test_the_retired_client_level_accountant_is_gone() -> None:
 
 # -- client level: what the main job's run reports -------------------------------------------------
 MAIN_JOB_EPSILON = 27_612
-"""ε after 5 rounds of the main job (README "Run configuration": noise-multiplier), as the run
+"""ε after 5 rounds of the main job (docs/configuration.md: noise-multiplier), as the run
 reports it: recomputed by ``test_main_job_epsilon_is_what_the_run_reports``."""
 
 
@@ -211,10 +211,10 @@ def test_main_job_epsilon_is_what_the_run_reports() -> None:
     rdp.compose(event)
     assert eps[-1] == pytest.approx(rdp.get_epsilon(1e-5), rel=1e-9)
     assert exact == pytest.approx(25_953, abs=1) and exact < eps[-1]
-    assert round(eps[-1]) == MAIN_JOB_EPSILON  # the figure README quotes
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert round(eps[-1]) == MAIN_JOB_EPSILON  # the figure docs/configuration.md quotes
+    doc = " ".join((Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text().split())
     node, colluding = _main_job_key_holder_epsilons()
-    assert f"{round(node):,} against one node, {round(colluding):,} against two colluding nodes" in readme
+    assert f"{round(node):,} against one node, {round(colluding):,} against two colluding nodes" in doc
     assert privacy_claim(eps[-1], "distributed") == NO_MEANINGFUL_EPSILON
 
 

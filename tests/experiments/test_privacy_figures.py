@@ -1,4 +1,4 @@
-"""The README's per-observer ε and canary-audit table ("ε per observer at these points"),
+"""docs/privacy.md's per-observer ε and canary-audit table ("ε per observer at these points"),
 recomputed from the code: the ledger the run uses and the audit privacy_accuracy runs."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from federation.privacy_ledger import OBSERVERS, PrivacyLedger, RoundRelease
 
 pytest.importorskip("dp_accounting")
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PRIVACY_DOC = Path(__file__).resolve().parents[2] / "docs" / "privacy.md"
 POINTS = {"fixed, ε = 2": ("fixed", 9.094), "fixed, ε = 8": ("fixed", 3.039), "Poisson, ε = 8": ("poisson", 1.069)}
 N, K, ROUNDS = 100, 32, 12
 
 
-def _readme_rows() -> dict[str, list[str]]:
+def _doc_rows() -> dict[str, list[str]]:
     rows = {}
-    for line in README.read_text().splitlines():
+    for line in PRIVACY_DOC.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if cells and cells[0] in POINTS:
             rows[cells[0]] = cells[1:]
@@ -43,9 +43,9 @@ def _fmt(v: float) -> str:
 
 
 @pytest.mark.parametrize("point", list(POINTS))
-def test_readme_observer_and_audit_figures(point: str) -> None:
+def test_privacy_doc_observer_and_audit_figures(point: str) -> None:
     sampling, sigma = POINTS[point]
-    row = _readme_rows()[point]
+    row = _doc_rows()[point]
     assert float(row[0]) == sigma
     eps = _epsilons(sampling, sigma)
     assert row[1:5] == [_fmt(eps[o]) for o in OBSERVERS]

@@ -172,8 +172,8 @@ def test_the_main_job_figures_in_the_codec_docstring_are_the_computed_ones() -> 
            f"{100 * rounding_std / sigma_c:.0f} % of σC = {sigma_c:g}" in doc
 
 
-def test_the_readmes_mean_bounds_are_what_the_code_derives() -> None:
-    """README (threat model): B = 2.27 for 3 digits nodes at σ = 0.05, 2.59 for the main job."""
+def test_the_threat_models_mean_bounds_are_what_the_code_derives() -> None:
+    """docs/threat-model.md: B = 2.27 for 3 digits nodes at σ = 0.05, 2.59 for the main job."""
     from federation.codec import mean_bound_for, wire_dim
     from federation.config import RunConfig
     from node.cache_node import model_layout

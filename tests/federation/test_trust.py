@@ -629,7 +629,7 @@ def test_in_simulation_a_key_from_an_invented_key_maker_is_refused() -> None:
 
 
 def test_in_simulation_the_first_key_lists_at_most_num_partitions_distinct_partitions() -> None:
-    """At the very first key the server may still choose whom to list (stated in the README),
+    """At the very first key the server may still choose whom to list (stated in docs/threat-model.md),
     but not more members than num-partitions, nor two in one partition; a refused request pins
     nothing, and the honest first key that follows is made as usual."""
     fed = Federation(3, **HE, **{"num-server-rounds": 1})
