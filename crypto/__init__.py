@@ -1,6 +1,6 @@
-"""Privacy core: CKKS aggregation, key provisioning, clipping, noise, accounting."""
+"""Privacy core: CKKS aggregation, MAC, signatures, key wrapping, secrets at rest; DP in ``crypto.dp``."""
 
-from crypto.adaptive_clipping import AdaptiveClipping
+from crypto.dp.adaptive_clipping import AdaptiveClipping
 from crypto.aggregate_bound import MeanBound
 from crypto.ckks import (
     AggregateDecryptor,
@@ -53,7 +53,7 @@ from crypto.keys import (
 )
 from crypto.layout import Layout, flatten
 from crypto.packing import PackingConfig, suggest_clip_range
-from crypto.privacy import (
+from crypto.dp.privacy import (
     ClipResult,
     clip_update,
     dp_sgd_epsilon,
@@ -63,7 +63,7 @@ from crypto.privacy import (
     noise_std,
     privacy_claim,
 )
-from crypto.saturation import (
+from crypto.dp.saturation import (
     SATURATION_DELTA_SHARE,
     delta_total,
     dp_clip_range,

@@ -384,12 +384,12 @@ class UpdateEncryptor:
         update itself would be scaled down with the weight. `carry` (error feedback: the
         previous round's `last_residual`) is added after the noise. Values then outside the
         packing range are saturated and counted in `last_report.saturated`; what rounding and
-        saturation leave out is `last_residual`. `dither` (``crypto.dither``, values in [0, 1))
+        saturation leave out is `last_residual`. `dither` (``crypto.dp.dither``, values in [0, 1))
         is required exactly when the packing says ``dither=True``.
 
         `contributions` m > 1 sends m noise shares as one summand (weight 0, `noise` their sum
         of std s·√m): range ±m·R and offset m·R, as ``CkksAggregator.add_noise`` encodes, so it
-        saturates far less often than one contribution of range R would (``crypto.saturation``).
+        saturates far less often than one contribution of range R would (``crypto.dp.saturation``).
         The envelope's count field carries m, so the server's headroom check counts m.
         """
         plan, pk = self._plan, self.packing
@@ -450,7 +450,7 @@ class UpdateEncryptor:
                 raise ParameterError("a dither was given but this packing does not use one")
             return None
         if u is None:
-            raise ParameterError("this packing is dithered: encrypt needs dither=crypto.dither.dither(...)")
+            raise ParameterError("this packing is dithered: encrypt needs dither=crypto.dp.dither.dither(...)")
         u = np.asarray(u, dtype=np.float64)
         if u.shape != shape or not np.isfinite(u).all() or u.min(initial=0.0) < 0 or u.max(initial=0.0) >= 1:
             raise LayoutMismatchError(f"dither must be {shape} values in [0, 1)")
@@ -692,7 +692,7 @@ class AggregateDecryptor:
     ) -> AggregateResult:
         """Decrypt an aggregate (or a single update) to the weighted mean (`accept`: see decrypt_raw).
 
-        A dithered packing needs `dither_total` (``crypto.dither.dither_total`` of the summands)."""
+        A dithered packing needs `dither_total` (``crypto.dp.dither.dither_total`` of the summands)."""
         raw = self.decrypt_raw(data, layout, accept=accept)
         pk = self.packing
         if raw.weight_sum <= 0:
@@ -717,7 +717,7 @@ class AggregateDecryptor:
                 raise ParameterError("a dither total was given but this packing does not use one")
             return 0.0
         if total is None:
-            raise ParameterError("this packing is dithered: decrypt needs dither_total=crypto.dither.dither_total(...)")
+            raise ParameterError("this packing is dithered: decrypt needs dither_total=crypto.dp.dither.dither_total(...)")
         total = np.asarray(total, dtype=np.float64)
         if total.shape != shape or not np.isfinite(total).all():
             raise LayoutMismatchError(f"dither_total must be {shape} finite values")

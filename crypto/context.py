@@ -249,7 +249,7 @@ class CkksContext:
 
     @property
     def dither_key(self) -> bytes:
-        """32-byte key of the quantization dither (``crypto.dither``), from the secret envelope
+        """32-byte key of the quantization dither (``crypto.dp.dither``), from the secret envelope
         like ``mac_key`` (another HKDF label): key holders share it, the server cannot derive it."""
         from cryptography.hazmat.primitives import hashes
         from cryptography.hazmat.primitives.kdf.hkdf import HKDF

@@ -723,7 +723,7 @@ def at_range(packing, dim):
 def _mean_of(fed: Federation, node: int, aggregate: bytes) -> np.ndarray:
     """What node ``node``'s key decrypts ``aggregate`` to (the attack's effect, for the test only)."""
     from crypto import AggregateDecryptor, Manifest
-    from crypto.dither import dither_total
+    from crypto.dp.dither import dither_total
 
     key, _ = key_service.secret_context(fed.grid.contexts[node])
     m = Manifest.from_bytes(fed.strategy.history[-1][1])
