@@ -39,18 +39,8 @@ from crypto.context import (
 )
 from crypto import errors
 from crypto.errors import *  # noqa: F403 - the exception hierarchy is part of the API
-from crypto.keys import (
-    NO_KEY_ID,
-    Dealer,
-    NodeKeys,
-    NodePublicKeys,
-    SignedUpdate,
-    UpdateVerifier,
-    WrappedKeyBundle,
-    sign_update,
-    unwrap_bundle,
-    verify_public_context,
-)
+from crypto.key_wrap import Dealer, WrappedKeyBundle, unwrap_bundle, verify_public_context
+from crypto.signing import NO_KEY_ID, NodeKeys, NodePublicKeys, SignedUpdate, UpdateVerifier, sign_update
 from crypto.layout import Layout, flatten
 from crypto.packing import PackingConfig, suggest_clip_range
 from crypto.dp.privacy import (

@@ -191,7 +191,7 @@ def _key_id(public_ts_bytes: bytes) -> bytes:
 class CkksContext:
     """A TenSEAL CKKS context plus its `CkksParams` and `key_id`; secret or public-only.
 
-    The dealer creates the secret one; nodes receive it wrapped (`crypto.keys`); the server gets
+    The dealer creates the secret one; nodes receive it wrapped (`crypto.key_wrap`); the server gets
     `public_bytes()`, from which the secret key cannot be recovered.
     """
 
