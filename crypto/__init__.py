@@ -10,14 +10,10 @@ from crypto.ckks import (
     EncryptReport,
     UpdateEncryptor,
     ciphertext_coefficients,
-    ciphertext_info,
     last_modulus,
-    update_header_problem,
-    preset_for,
-    AUTO_PRESETS,
-    PQ_AUTO_PRESETS,
-    update_bytes_estimate,
 )
+from crypto.header_check import ciphertext_info, update_header_problem
+from crypto.slot_plan import AUTO_PRESETS, PQ_AUTO_PRESETS, preset_for, update_bytes_estimate
 from crypto.at_rest import (
     PASSPHRASE_ENV, passphrase_from_env, read_secret_file, seal, unseal, write_public_file,
     write_secret_file,
