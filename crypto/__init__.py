@@ -1,6 +1,6 @@
-"""Privacy core: CKKS aggregation, key provisioning, clipping, noise, accounting."""
+"""Privacy core: CKKS aggregation, MAC, signatures, key wrapping, secrets at rest; DP in ``crypto.dp``."""
 
-from crypto.adaptive_clipping import AdaptiveClipping
+from crypto.dp.adaptive_clipping import AdaptiveClipping
 from crypto.aggregate_bound import MeanBound
 from crypto.ckks import (
     AggregateDecryptor,
@@ -10,14 +10,10 @@ from crypto.ckks import (
     EncryptReport,
     UpdateEncryptor,
     ciphertext_coefficients,
-    ciphertext_info,
     last_modulus,
-    update_header_problem,
-    preset_for,
-    AUTO_PRESETS,
-    PQ_AUTO_PRESETS,
-    update_bytes_estimate,
 )
+from crypto.header_check import ciphertext_info, update_header_problem
+from crypto.slot_plan import AUTO_PRESETS, PQ_AUTO_PRESETS, preset_for, update_bytes_estimate
 from crypto.at_rest import (
     PASSPHRASE_ENV, passphrase_from_env, read_secret_file, seal, unseal, write_public_file,
     write_secret_file,
@@ -39,21 +35,11 @@ from crypto.context import (
 )
 from crypto import errors
 from crypto.errors import *  # noqa: F403 - the exception hierarchy is part of the API
-from crypto.keys import (
-    NO_KEY_ID,
-    Dealer,
-    NodeKeys,
-    NodePublicKeys,
-    SignedUpdate,
-    UpdateVerifier,
-    WrappedKeyBundle,
-    sign_update,
-    unwrap_bundle,
-    verify_public_context,
-)
+from crypto.key_wrap import Dealer, WrappedKeyBundle, unwrap_bundle, verify_public_context
+from crypto.signing import NO_KEY_ID, NodeKeys, NodePublicKeys, SignedUpdate, UpdateVerifier, sign_update
 from crypto.layout import Layout, flatten
 from crypto.packing import PackingConfig, suggest_clip_range
-from crypto.privacy import (
+from crypto.dp.privacy import (
     ClipResult,
     clip_update,
     dp_sgd_epsilon,
@@ -63,7 +49,7 @@ from crypto.privacy import (
     noise_std,
     privacy_claim,
 )
-from crypto.saturation import (
+from crypto.dp.saturation import (
     SATURATION_DELTA_SHARE,
     delta_total,
     dp_clip_range,

@@ -11,7 +11,7 @@ node can check is the result: the mean of clipped updates has norm at most C, an
 rounding added to it are bounded with high probability. A mean beyond that bound did not come
 from honest nodes (except with probability β), and every node refuses it.
 
-Setup (the wire domain, ``federation.codec``: C and σ are what is encoded, ``wire_noise``; under
+Setup (the wire domain, ``crypto.dp.encoding_policy``: C and σ are what is encoded, ``wire_noise``; under
 adaptive clipping an update is [Δ/C_t, a·(b - ½)], of norm at most √(1 + a²/4)). An aggregate has
 J summands, its manifest's entries: n updates and J - n noise replies. Update i is pre-scaled by
 its normalized weight w_i in [0, 1] (weight / max-weight; 1 under DP), so its encoder gets
@@ -33,7 +33,7 @@ V, coordinate by coordinate:
 * z, Gaussian: local, every update carries N(0, (σC)²); distributed, every contribution carries a
   share N(0, (σC)²/n_s) (n_s: the round's sampled count) and there are k <= n_s of them (the
   survivors plus the shares made for those who left), at most (σC)² in all; none, 0.
-* e with a dither (dp-mode distributed, ``crypto.dither``): uniform on an interval of one step,
+* e with a dither (dp-mode distributed, ``crypto.dp.dither``): uniform on an interval of one step,
   independent of every value; E exp(λe) = sinh(λh)/(λh) <= exp(λ²h²/6) with h = step/2, so e is
   sub-Gaussian with variance proxy step²/12, one per summand.
 * e with stochastic rounding (none, local): given the value, two points one step apart with mean
@@ -59,7 +59,7 @@ adds ε·√d. Together, the check every node makes before it writes an aggregat
     ‖mean‖ <= B = C + (√v · (√d + √(2·ln(1/β))) + ε·√d) / W,        β = 1e-9.
 
 An honest round is refused with probability at most β + P(not E). Under DP with the derived
-range, P(not E) is at most δ_sat (``crypto.saturation``: the event the privacy coupling charges,
+range, P(not E) is at most δ_sat (``crypto.dp.saturation``: the event the privacy coupling charges,
 sized to 0.01·δ/(1 + e^10), about 4.5e-7·δ, over the whole run). With dp-mode none (no noise, a
 heuristic range) E fails only when an update, in this round or in the one its carry comes from,
 has a coordinate beyond R, which the nodes count (``saturated`` in the reply metrics); such a
@@ -122,7 +122,7 @@ class MeanBound:
     """The public bound on an aggregate's decrypted mean (module docstring), in the wire domain.
 
     Every field is public: a function of the run config and the model size
-    (``federation.codec.mean_bound_for``), the same on every node.
+    (``crypto.dp.encoding_policy.mean_bound_for``), the same on every node.
     """
 
     dim: int

@@ -23,8 +23,10 @@ feedback (`carry`). A model that fits one N=2048 ciphertext (``preset_for``: one
 16.5 KB, 2,048 parts of 35 bits) uploads less than its fp32 plaintext. Mode "none" carries one
 real per part: 8.07 bytes/param.
 
-SEAL objects are driven through `tenseal.sealapi` because the high-level `ckks_vector` neither
-exposes complex slots nor keeps the symmetric seed.
+Around it: ``crypto.slot_plan`` (the slot layout and the ring choice, ``preset_for``),
+``crypto.seal_ops`` (SEAL driven through `tenseal.sealapi`: the high-level `ckks_vector` neither
+exposes complex slots nor keeps the symmetric seed) and ``crypto.header_check`` (the public
+envelope checked against the round's encoding).
 
 Threat model, briefly: the server is honest-but-curious and never holds the secret key; all
 nodes share one secret key (TenSEAL has no threshold decryption), so a node can read another
@@ -46,7 +48,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import tenseal.sealapi as sealapi
 
 from crypto.context import (
     DEFAULT_PRESET,
@@ -60,7 +61,6 @@ from crypto.context import (
 )
 from crypto.errors import (
     AggregateRejectedError,
-    ContextMismatchError,
     DecryptionError,
     EmptyAggregateError,
     HeadroomError,
@@ -68,23 +68,17 @@ from crypto.errors import (
     NoSecretKeyError,
     NonFiniteUpdateError,
     NotACiphertextError,
-    PackingMismatchError,
     ParameterError,
     SaturationError,
     SecretKeyPresentError,
     WeightRangeError,
 )
 from crypto.layout import Layout, flatten, to_numpy
-from crypto.packing import (
-    PackingConfig,
-    dequantize,
-    dithered_quantize,
-    pack_fields,
-    saturate,
-    stochastic_quantize,
-    unpack_fields,
-)
-from crypto.seal_io import seal_load_ciphertext, seal_save
+from crypto.header_check import parse_for
+from crypto.packing import PackingConfig, saturate, unpack_fields
+from crypto.seal_io import seal_save
+from crypto.seal_ops import SealOps
+from crypto.slot_plan import HEADER_PARTS, Packer, SlotPlan
 from crypto.wire import (
     ENVELOPE_AGGREGATE,
     ENVELOPE_UPDATE,
@@ -92,7 +86,6 @@ from crypto.wire import (
     NO_LAYOUT,
     Envelope,
     pack_envelope,
-    parse_envelope,
 )
 
 __all__ = [
@@ -113,80 +106,12 @@ __all__ = [
     "UpdateEncryptor",
     "CkksAggregator",
     "AggregateDecryptor",
-    "ciphertext_info",
-    "update_header_problem",
-    "preset_for",
-    "AUTO_PRESETS",
-    "PQ_AUTO_PRESETS",
-    "update_bytes_estimate",
+    "ciphertext_coefficients",
+    "last_modulus",
 ]
 
 AGGREGATOR_PHASES = ("parse", "deserialize", "add", "serialize")
-_HEADER_PARTS = 2  # slot part 0: weight sum, part 1: contribution count
 _NOISE_MARGIN = 0.3  # max |decoded - nearest integer| accepted for packed parts (measured < 0.1)
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """Everything derived from (CkksParams, PackingConfig) that fixes the slot layout."""
-
-    params: CkksParams
-    packing: PackingConfig
-
-    def __post_init__(self) -> None:
-        pk, pa = self.packing, self.params
-        if pk.mode == "packed":
-            if self.k < 1:
-                raise ParameterError(
-                    f"a {pk.field_bits}-bit field (bits={pk.bits} + headroom {pk.headroom_bits}) "
-                    f"does not fit a {pa.slot_bits}-bit slot part"
-                )
-            if self.wfrac < 16:
-                raise ParameterError("max_clients too large for the weight slot")
-        else:
-            bound = pa.real_value_bound(pk.max_clients)
-            if pk.clip_range > bound:
-                raise ParameterError(
-                    f"mode none: clip_range {pk.clip_range} x max_clients {pk.max_clients} would "
-                    f"overflow q0 at scale 2^{pa.real_scale_bits}; use clip_range <= {bound:g}"
-                )
-
-    @property
-    def packed(self) -> bool:
-        return self.packing.mode == "packed"
-
-    @property
-    def k(self) -> int:
-        return self.packing.fields_per_part(self.params.slot_bits)
-
-    @property
-    def wfrac(self) -> int:
-        return self.packing.weight_frac_bits(self.params.slot_bits)
-
-    @property
-    def scale(self) -> float:
-        bits = self.params.packed_scale_bits if self.packed else self.params.real_scale_bits
-        return float(2**bits)
-
-    @property
-    def parts_per_ct(self) -> int:
-        return self.params.slot_parts
-
-    def n_data_parts(self, n_values: int) -> int:
-        return -(-n_values // self.k)
-
-    def n_ciphertexts(self, n_values: int) -> int:
-        return max(1, -(-(_HEADER_PARTS + self.n_data_parts(n_values)) // self.parts_per_ct))
-
-    @property
-    def max_ciphertext_bytes(self) -> int:
-        # size-2 ciphertext with every limb, uncompressed, plus SEAL's header: a generous cap
-        n, limbs = self.params.poly_modulus_degree, len(self.params.coeff_mod_bit_sizes)
-        return 2 * n * limbs * 8 + 4096
-
-    def bytes_per_param_estimate(self) -> float:
-        """Seeded symmetric ciphertext: one N-coefficient 64-bit polynomial per N*k values."""
-        return 8.0 / self.k
 
 
 @dataclass(frozen=True)
@@ -214,97 +139,6 @@ class AggregateResult:
     weight_sum: float  # sum of client weights, in the caller's units (normalized * max_weight)
     contributions: int  # clients + server noise shares summed into this aggregate
     n_updates: int  # client updates the server says it added
-
-
-class _SealOps:
-    """SEAL encoder / encryptor / evaluator bound to one context (built once, reused)."""
-
-    def __init__(self, ctx: CkksContext) -> None:
-        self.ctx = ctx
-        seal = ctx.seal
-        self.seal = seal
-        self.encoder = sealapi.CKKSEncoder(seal)
-        self.parms_id = seal.last_parms_id()
-        self.evaluator = sealapi.Evaluator(seal)
-        self.half = ctx.params.poly_modulus_degree // 2
-        self.sym_encryptor = sealapi.Encryptor(seal, ctx.secret_key()) if ctx.is_private else None
-        self.pub_encryptor = sealapi.Encryptor(seal, ctx.public_key())
-        self.decryptor = sealapi.Decryptor(seal, ctx.secret_key()) if ctx.is_private else None
-
-    def encrypt_parts(self, parts: np.ndarray, scale: float, *, symmetric: bool) -> list[bytes]:
-        """Encode N real parts per ciphertext as N/2 complex slots and encrypt at the last level."""
-        n = 2 * self.half
-        out = []
-        for start in range(0, parts.shape[0], n):
-            chunk = parts[start : start + n]
-            z = chunk[: self.half] + 1j * chunk[self.half :]
-            pt = sealapi.Plaintext()
-            self.encoder.encode(z.tolist(), self.parms_id, scale, pt)
-            if symmetric:
-                assert self.sym_encryptor is not None
-                out.append(seal_save(self.sym_encryptor.encrypt_symmetric(pt)))  # seeded
-            else:
-                ct = sealapi.Ciphertext()
-                self.pub_encryptor.encrypt(pt, ct)
-                out.append(seal_save(ct))
-        return out
-
-    def load_checked(self, blobs: tuple[bytes, ...], scale: float) -> list[Any]:
-        """Load every ciphertext and check level, size, NTT form and scale; all or nothing."""
-        cts = []
-        for i, blob in enumerate(blobs):
-            ct = seal_load_ciphertext(self.seal, blob)
-            if ct.parms_id() != self.parms_id or ct.size() != 2 or not ct.is_ntt_form():
-                raise NotACiphertextError(f"ciphertext {i} is not a fresh last-level CKKS ciphertext")
-            if not math.isclose(ct.scale, scale, rel_tol=1e-9):
-                raise NotACiphertextError(f"ciphertext {i} has scale {ct.scale}, expected {scale}")
-            cts.append(ct)
-        return cts
-
-    def decrypt_parts(self, cts: list[Any]) -> np.ndarray:
-        assert self.decryptor is not None
-        out = []
-        for ct in cts:
-            pt = sealapi.Plaintext()
-            self.decryptor.decrypt(ct, pt)
-            z = np.asarray(self.encoder.decode_complex(pt), dtype=np.complex128)
-            out.append(z.real)
-            out.append(z.imag)
-        return np.concatenate(out)
-
-
-class _Packer:
-    """Turns pre-scaled values into slot parts (quantize + pack when packed); shared by the
-    client encryptor and the server's noise top-up so both encode identically."""
-
-    def __init__(self, plan: _Plan, rng: np.random.Generator) -> None:
-        self.plan = plan
-        self.rng = rng
-
-    def encode_values(self, y: np.ndarray, contributions: int) -> np.ndarray:
-        return self.quantize(y, contributions)[0]
-
-    def quantize(self, y: np.ndarray, contributions: int, u: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(slot parts, the values they stand for): the second is what the sum will contain.
-        With a dither `u` (one per summand, whatever its contributions) the rounding is
-        subtractive-dithered."""
-        plan, pk = self.plan, self.plan.packing
-        if not plan.packed:
-            return y, y
-        if u is not None:
-            q = dithered_quantize(y, pk.clip_range, pk.levels, u, contributions)
-            sent = dequantize(q - u + 0.5, pk.clip_range, pk.levels, contributions)
-        else:
-            q = stochastic_quantize(y, pk.clip_range, pk.levels, self.rng, contributions)
-            sent = dequantize(q, pk.clip_range, pk.levels, contributions)
-        return pack_fields(q, pk.field_bits, plan.k).astype(np.float64), sent
-
-    def assemble(self, header: tuple[float, float], data: np.ndarray, n_values: int) -> np.ndarray:
-        n_ct = self.plan.n_ciphertexts(n_values)
-        parts = np.zeros(n_ct * self.plan.parts_per_ct, dtype=np.float64)
-        parts[0], parts[1] = header
-        parts[_HEADER_PARTS : _HEADER_PARTS + data.shape[0]] = data
-        return parts
 
 
 def _as_vector(update: Any, layout: Layout | None) -> tuple[np.ndarray, Layout | None]:
@@ -356,9 +190,9 @@ class UpdateEncryptor:
     ) -> None:
         self.context = context
         self.packing = packing or PackingConfig()
-        self._plan = _Plan(context.params, self.packing)
-        self._ops = _SealOps(context)
-        self._packer = _Packer(self._plan, rng if rng is not None else np.random.default_rng())
+        self._plan = SlotPlan(context.params, self.packing)
+        self._ops = SealOps(context)
+        self._packer = Packer(self._plan, rng if rng is not None else np.random.default_rng())
         self.last_report: EncryptReport | None = None
         self.total_saturated = 0
         self.last_residual: np.ndarray | None = None
@@ -384,12 +218,12 @@ class UpdateEncryptor:
         update itself would be scaled down with the weight. `carry` (error feedback: the
         previous round's `last_residual`) is added after the noise. Values then outside the
         packing range are saturated and counted in `last_report.saturated`; what rounding and
-        saturation leave out is `last_residual`. `dither` (``crypto.dither``, values in [0, 1))
+        saturation leave out is `last_residual`. `dither` (``crypto.dp.dither``, values in [0, 1))
         is required exactly when the packing says ``dither=True``.
 
         `contributions` m > 1 sends m noise shares as one summand (weight 0, `noise` their sum
         of std s·√m): range ±m·R and offset m·R, as ``CkksAggregator.add_noise`` encodes, so it
-        saturates far less often than one contribution of range R would (``crypto.saturation``).
+        saturates far less often than one contribution of range R would (``crypto.dp.saturation``).
         The envelope's count field carries m, so the server's headroom check counts m.
         """
         plan, pk = self._plan, self.packing
@@ -450,7 +284,7 @@ class UpdateEncryptor:
                 raise ParameterError("a dither was given but this packing does not use one")
             return None
         if u is None:
-            raise ParameterError("this packing is dithered: encrypt needs dither=crypto.dither.dither(...)")
+            raise ParameterError("this packing is dithered: encrypt needs dither=crypto.dp.dither.dither(...)")
         u = np.asarray(u, dtype=np.float64)
         if u.shape != shape or not np.isfinite(u).all() or u.min(initial=0.0) < 0 or u.max(initial=0.0) >= 1:
             raise LayoutMismatchError(f"dither must be {shape} values in [0, 1)")
@@ -489,8 +323,8 @@ class CkksAggregator:
             raise SecretKeyPresentError("the aggregator must be given the public context only")
         self.context = ctx
         self.packing = packing or PackingConfig()
-        self._plan = _Plan(ctx.params, self.packing)
-        self._ops = _SealOps(ctx)
+        self._plan = SlotPlan(ctx.params, self.packing)
+        self._ops = SealOps(ctx)
         # server noise must be unpredictable to clients: OS entropy unless a test seeds it
         self._rng = rng if rng is not None else np.random.default_rng()
         self.expected_values = expected_values
@@ -556,7 +390,7 @@ class CkksAggregator:
         gen = rng if rng is not None else self._rng
         z = gen.normal(0.0, std * math.sqrt(shares), size=n)
         z, saturated = saturate(z, shares * self.packing.clip_range)
-        packer = _Packer(self._plan, gen)
+        packer = Packer(self._plan, gen)
         parts = packer.assemble((0.0, float(shares)), packer.encode_values(z, contributions=shares), n)
         blobs = self._ops.encrypt_parts(parts, self._plan.scale, symmetric=False)
         self._accumulate(self._ops.load_checked(tuple(blobs), self._plan.scale))
@@ -591,7 +425,7 @@ class CkksAggregator:
 
     # --- internals ---
     def _parse(self, data: bytes, kind: int) -> Envelope:
-        env = _parse_for(self.context, self.packing, self._plan, data)
+        env = parse_for(self.context, self.packing, self._plan, data)
         if env.kind != kind:
             raise NotACiphertextError("expected a client update, got an aggregate")
         if self._n_values is not None and env.n_values != self._n_values:
@@ -610,23 +444,6 @@ class CkksAggregator:
             self._ops.evaluator.add_inplace(acc, ct)
 
 
-def _parse_for(ctx: CkksContext, packing: PackingConfig, plan: _Plan, data: bytes) -> Envelope:
-    env = parse_envelope(data, max_ciphertext_bytes=plan.max_ciphertext_bytes)
-    if env.key_id != ctx.key_id:
-        raise ContextMismatchError(
-            f"ciphertext was made under key {env.key_id.hex()}, this context is {ctx.key_id.hex()} "
-            "(another dealer, parameter set or a rotated-out key)"
-        )
-    if env.packing_fp != packing.fingerprint() or env.mode != MODE_CODES[packing.mode]:
-        raise PackingMismatchError("ciphertext was packed with another PackingConfig")
-    if len(env.ciphertexts) != plan.n_ciphertexts(env.n_values):
-        raise NotACiphertextError(
-            f"{len(env.ciphertexts)} ciphertexts cannot hold {env.n_values} values "
-            f"(expected {plan.n_ciphertexts(env.n_values)})"
-        )
-    return env
-
-
 class AggregateDecryptor:
     """Client side: decrypt an aggregate to the weighted mean (needs the secret context)."""
 
@@ -635,8 +452,8 @@ class AggregateDecryptor:
             raise NoSecretKeyError("decryption needs the secret context; this one is public-only")
         self.context = secret_context
         self.packing = packing or PackingConfig()
-        self._plan = _Plan(secret_context.params, self.packing)
-        self._ops = _SealOps(secret_context)
+        self._plan = SlotPlan(secret_context.params, self.packing)
+        self._ops = SealOps(secret_context)
 
     def decrypt_raw(
         self, data: bytes, layout: Layout | None = None, *, accept: Callable[[np.ndarray], bool] | None = None
@@ -648,7 +465,7 @@ class AggregateDecryptor:
         ``ciphertext_coefficients`` first loads each ciphertext once, not twice.
         """
         plan, pk = self._plan, self.packing
-        env = _parse_for(self.context, pk, plan, data)
+        env = parse_for(self.context, pk, plan, data)
         if layout is not None:
             if layout.size != env.n_values:
                 raise LayoutMismatchError(f"aggregate has {env.n_values} values, layout has {layout.size}")
@@ -675,7 +492,7 @@ class AggregateDecryptor:
             contributions = int(ints[1])
             self._check_header(w_sum, contributions)
             sums: np.ndarray = unpack_fields(
-                ints[_HEADER_PARTS : _HEADER_PARTS + plan.n_data_parts(n)], pk.field_bits, plan.k, n
+                ints[HEADER_PARTS : HEADER_PARTS + plan.n_data_parts(n)], pk.field_bits, plan.k, n
             )
         else:
             w_sum = float(parts[0])
@@ -683,7 +500,7 @@ class AggregateDecryptor:
             if abs(parts[1] - contributions) > 1e-3:
                 raise DecryptionError("contribution count did not decrypt to an integer: corrupted or wrong key")
             self._check_header(w_sum, contributions)
-            sums = parts[_HEADER_PARTS : _HEADER_PARTS + n]
+            sums = parts[HEADER_PARTS : HEADER_PARTS + n]
         return RawAggregate(sums, w_sum, contributions, env.n_updates)
 
     def decrypt(
@@ -692,7 +509,7 @@ class AggregateDecryptor:
     ) -> AggregateResult:
         """Decrypt an aggregate (or a single update) to the weighted mean (`accept`: see decrypt_raw).
 
-        A dithered packing needs `dither_total` (``crypto.dither.dither_total`` of the summands)."""
+        A dithered packing needs `dither_total` (``crypto.dp.dither.dither_total`` of the summands)."""
         raw = self.decrypt_raw(data, layout, accept=accept)
         pk = self.packing
         if raw.weight_sum <= 0:
@@ -717,7 +534,7 @@ class AggregateDecryptor:
                 raise ParameterError("a dither total was given but this packing does not use one")
             return 0.0
         if total is None:
-            raise ParameterError("this packing is dithered: decrypt needs dither_total=crypto.dither.dither_total(...)")
+            raise ParameterError("this packing is dithered: decrypt needs dither_total=crypto.dp.dither.dither_total(...)")
         total = np.asarray(total, dtype=np.float64)
         if total.shape != shape or not np.isfinite(total).all():
             raise LayoutMismatchError(f"dither_total must be {shape} finite values")
@@ -733,90 +550,15 @@ class AggregateDecryptor:
             )
 
 
-def ciphertext_info(data: bytes) -> dict[str, Any]:
-    """Public header fields of an update/aggregate (what the server can see), for logs/tests."""
-    env = parse_envelope(data, max_ciphertext_bytes=1 << 30)
-    return {
-        "kind": "update" if env.kind == ENVELOPE_UPDATE else "aggregate",
-        "mode": next(k for k, v in MODE_CODES.items() if v == env.mode),
-        "key_id": env.key_id.hex(),
-        "n_values": env.n_values,
-        "n_updates": env.n_updates,
-        "n_ciphertexts": len(env.ciphertexts),
-        "nbytes": len(data),
-    }
-
-
-def update_header_problem(data: bytes, context: CkksContext, packing: PackingConfig, n_values: int,
-                          contributions: int) -> tuple[str, str] | None:
-    """(field, what is wrong) for the first field of an update's public envelope (``crypto.wire``)
-    that disagrees with the round's public encoding, or None when every field agrees.
-
-    The server's check before it adds a summand (issue 20): every field is pinned to what the
-    round declares, none to what an earlier summand said. ``CkksAggregator.add`` compares the
-    layout digest with the first summand's only, so a first summand declaring a layout made every
-    later honest update "another tensor layout" and dropped them all. ``context`` may be public;
-    ``contributions`` is what the summand must stand for (1 for an update, m for m noise shares).
-    Raises ``NotACiphertextError`` when the bytes do not parse at all."""
-    plan = _Plan(context.params, packing)
-    env = parse_envelope(data, max_ciphertext_bytes=plan.max_ciphertext_bytes)
-    want_ct = plan.n_ciphertexts(n_values)
-    checks = (
-        ("kind", env.kind == ENVELOPE_UPDATE, "is an aggregate, not an update"),
-        ("mode", env.mode == MODE_CODES[packing.mode], f"has packing mode code {env.mode}, the round's is "
-                                                       f"{MODE_CODES[packing.mode]} ({packing.mode})"),
-        ("key_id", env.key_id == context.key_id, f"was encrypted under key {env.key_id.hex()[:16]}…, the round's "
-                                                 f"key is {context.key_id.hex()[:16]}…"),
-        ("packing_fp", env.packing_fp == packing.fingerprint(), f"has packing fingerprint {env.packing_fp.hex()}, "
-                                                                f"the round's is {packing.fingerprint().hex()}"),
-        ("layout_fp", env.layout_fp == NO_LAYOUT, f"declares tensor layout {env.layout_fp.hex()}, the round's "
-                                                  "updates are flat vectors (no layout)"),
-        ("n_values", env.n_values == n_values, f"holds {env.n_values} values, the round's updates {n_values}"),
-        ("n_updates", env.n_updates == contributions, f"carries {env.n_updates} share(s), {contributions} were asked"),
-        ("n_ciphertexts", len(env.ciphertexts) == want_ct, f"has {len(env.ciphertexts)} ciphertexts, "
-                                                           f"{n_values} values take {want_ct}"),
-    )
-    return next(((name, what) for name, ok, what in checks if not ok), None)
-
-
 def ciphertext_coefficients(ctx: CkksContext, packing: PackingConfig, data: bytes) -> np.ndarray:
     """Coefficients (mod q0) of every ciphertext in an update or aggregate, for ``crypto.binding``."""
     from crypto.binding import coefficients
 
-    plan = _Plan(ctx.params, packing)
-    env = _parse_for(ctx, packing, plan, data)
-    return coefficients(_SealOps(ctx).load_checked(env.ciphertexts, plan.scale))
+    plan = SlotPlan(ctx.params, packing)
+    env = parse_for(ctx, packing, plan, data)
+    return coefficients(SealOps(ctx).load_checked(env.ciphertexts, plan.scale))
 
 
 def last_modulus(ctx: CkksContext) -> int:
     """q0: the one prime left at the level where fedkv ciphertexts live."""
     return int(ctx.seal.last_context_data().parms().coeff_modulus()[0].value())
-
-
-AUTO_PRESETS = ("fedkv-2048", "fedkv-4096")
-"""The rings `preset_for` chooses among (all classical 128-bit secure by the HE standard's
-tables; not its post-quantum column)."""
-PQ_AUTO_PRESETS = ("fedkv-2048-pq", "fedkv-4096-pq")
-"""The same choice within the HE standard's post-quantum 128-bit column (he-security)."""
-
-
-def update_bytes_estimate(params: CkksParams, packing: PackingConfig, n_values: int) -> int:
-    """Bytes of a seeded update of `n_values` under `params`: one N-word polynomial per
-    ciphertext plus SEAL's header and seed (~210 bytes, measured), envelope excluded."""
-    plan = _Plan(params, packing)
-    return plan.n_ciphertexts(n_values) * (8 * params.poly_modulus_degree + 210)
-
-
-def preset_for(n_values: int, packing: PackingConfig, names: tuple[str, ...] = AUTO_PRESETS) -> str:
-    """The smallest ring of `names` (ordered small to large) whose ONE ciphertext holds
-    `n_values`; the last of `names` when none does. Why: a model below one N=4096 ciphertext's
-    capacity pays for the whole ciphertext, and the smallest secure ring that holds it costs half
-    as much. Larger models stay on the larger ring: the same bytes per parameter in fewer
-    ciphertexts, and 60-bit coefficients the MAC reads fast (``crypto.binding``)."""
-    for name in names:
-        try:
-            if _Plan(PRESETS[name], packing).n_ciphertexts(n_values) == 1:
-                return name
-        except ParameterError:
-            continue  # this packing does not fit that ring's slots
-    return names[-1]

@@ -191,7 +191,7 @@ def _key_id(public_ts_bytes: bytes) -> bytes:
 class CkksContext:
     """A TenSEAL CKKS context plus its `CkksParams` and `key_id`; secret or public-only.
 
-    The dealer creates the secret one; nodes receive it wrapped (`crypto.keys`); the server gets
+    The dealer creates the secret one; nodes receive it wrapped (`crypto.key_wrap`); the server gets
     `public_bytes()`, from which the secret key cannot be recovered.
     """
 
@@ -249,7 +249,7 @@ class CkksContext:
 
     @property
     def dither_key(self) -> bytes:
-        """32-byte key of the quantization dither (``crypto.dither``), from the secret envelope
+        """32-byte key of the quantization dither (``crypto.dp.dither``), from the secret envelope
         like ``mac_key`` (another HKDF label): key holders share it, the server cannot derive it."""
         from cryptography.hazmat.primitives import hashes
         from cryptography.hazmat.primitives.kdf.hkdf import HKDF

@@ -12,12 +12,12 @@ so every field sum is a non-negative integer below ``max_clients * (2^bits - 1) 
 and the true sum is recovered as ``step * Q - R * contributions``. The number of contributions
 travels encrypted in its own slot part, so the server needs no plaintext bookkeeping.
 
-Relation to DP clipping (`crypto.privacy.clip_update`): after L2 clipping to ``clip_norm`` C, no
+Relation to DP clipping (`crypto.dp.privacy.clip_update`): after L2 clipping to ``clip_norm`` C, no
 single coordinate exceeds C, so ``clip_range = C`` never saturates without noise but is coarse for
 large models; coordinates are typically ~C/sqrt(d). With distributed noise of std ``sigma*C/sqrt(n)``
 per client, a heuristic ``clip_range`` is about 4-5 noise std plus the signal tail
 (`suggest_clip_range`); under DP the range must make saturation improbable for *every* clipped
-update, which ``crypto.saturation.dp_clip_range`` sizes against a δ budget (``crypto.privacy``,
+update, which ``crypto.dp.saturation.dp_clip_range`` sizes against a δ budget (``crypto.dp.privacy``,
 the coupling bound). Values beyond the range are *saturated and counted* — never wrapped.
 """
 
@@ -72,7 +72,7 @@ class PackingConfig:
     max_weight: float = 1.0
     on_saturation: Literal["count", "raise"] = "count"
     dither: bool = False
-    """Subtractive dither instead of stochastic rounding (``crypto.dither``): every client
+    """Subtractive dither instead of stochastic rounding (``crypto.dp.dither``): every client
     passes ``dither=`` to encrypt, every decoder the summands' ``dither_total``. For
     dp-mode distributed, where the rounding error must not depend on a client's data."""
 
@@ -199,7 +199,7 @@ def dithered_quantize(
 ) -> np.ndarray:
     """``floor((y + m·R)/step + u)`` in [0, m·levels] for y within ±m·R (m = `contributions`,
     e.g. m noise shares sent as one summand): with u ~ U[0, 1) the error of ``q - u + 1/2`` is
-    uniform and independent of y (``crypto.dither``)."""
+    uniform and independent of y (``crypto.dp.dither``)."""
     step = 2.0 * clip_range / levels
     q = np.floor((np.asarray(y, dtype=np.float64) + contributions * clip_range) / step + u)
     np.clip(q, 0, contributions * levels, out=q)  # float edge cases only: y was saturated first

@@ -43,7 +43,7 @@ from crypto import (
     noise_std,
     payload_digest,
 )
-from crypto.dither import dither, dither_total
+from crypto.dp.dither import dither, dither_total
 from federation import node_host, protocol, key_service
 from federation.codec import (
     ClientCodec, adaptive_clipping_for, client_weight, make_client_codec, mean_bound_for, packing_for,

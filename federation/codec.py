@@ -17,53 +17,10 @@ he=true (``CkksClientCodec`` / ``CkksAggregatorCodec``): ``crypto.UpdateEncrypto
 which refuses a context holding a secret key. Every ``crypto.CryptoError`` becomes a
 ``CodecError`` (the strategy leaves that client out).
 
-The public encoding parameters (``packing_for``), identical on every node and the server
-because they are a function of the run config and the model size only:
-
-* mode = ``packing``, bits = ``packing-bits``, max_clients = ``max-clients``; dither under
-  dp-mode distributed (``crypto.dither``: the rounding error does not depend on the data);
-* max_weight = 1 under DP (every client has weight 1: the sensitivity analysis assumes
-  equal weights), ``max-weight`` with dp-mode=none (weight = min(num_examples, max-weight));
-* clip_range R = ``packing-range`` if > 0, else derived from C = ``clip-norm`` (updates are
-  L2-clipped to C, always with he=true, so no coordinate exceeds C) and s, the largest
-  per-contribution noise std a round can use (``contribution_std``: σC local, σC/√min-clients
-  distributed, since a round has >= min-clients clients; 0 without DP):
-
-  - under DP (local, distributed, σ > 0): R = ``crypto.dp_clip_range(C, s, dim, max-clients,
-    num-server-rounds, budget)``, the smallest range whose saturation bound δ_sat (the
-    probability that any coordinate of any contribution in any round saturates,
-    ``crypto.saturation``) is at most budget = ``crypto.saturation_budget(target-delta)`` =
-    0.01·δ / (1 + e^MEANINGFUL_EPSILON). That makes the premise of the coupling bound in
-    ``crypto.privacy`` true: what runs is (ε, δ + (1 + e^ε)·δ_sat)-DP, and δ_sat adds at most
-    1 % to δ at any ε a run may claim (``run_saturation_delta``, reported per round as
-    ``saturation_delta`` / ``delta_total``). An explicit packing-range under DP is kept; its
-    δ_sat is whatever it is, and reported.
-  - dp-mode none: the heuristic R = sqrt((4·s)² + (12·C/√dim)²) (= 12·C/√dim at s = 0),
-    capped at C + 4·s. This is ``crypto.suggest_clip_range`` with a 3x wider allowance for
-    the signal: trained updates are heavy-tailed (digits: max |coordinate| ≈ 10x RMS); at
-    4·C/√dim 1 % of the values saturated and 10 digits rounds lost 0.4 accuracy points vs the
-    plaintext codec, at 12·C/√dim none saturated and accuracy matched to 3 decimals (5 nodes,
-    dp-mode local σ=0).
-
-  Rounded *up* to 6 significant digits (the range is in the packing fingerprint; up, so the
-  bound still holds). Values outside ±R are saturated and counted (``saturated`` in the reply
-  metrics), never wrapped.
-
-  What the bound costs (computed by ``tests/federation/test_codec.py``): the digits experiment
-  (dim 4810, C = 1, σ = 1.33, 32 clients per round = min = max-clients, 25 rounds, δ = 1e-5,
-  8 bits, distributed) gets R = 3.05457 (the heuristic gave 0.956236 < C, which saturated the
-  worst-case update in 2 trials of 3) with δ_sat = 4.54e-12, step 0.02396; the dithered
-  rounding of the 32-contribution sum has per-coordinate std step·√(32/12) = 0.0391 = 2.9 % of
-  the DP noise std σC = 1.33 (0.09 % of its variance). The main job's defaults (lm, dim
-  141,056, σ = 0.02, min-clients 2, max-clients 32, 5 rounds, 5 nodes) get R = 1.12638 instead
-  of 0.0649682: step 0.00883, rounding std of the 5-node sum 0.0057 = 29 % of σC = 0.02, and
-  the per-node step is 3.3x a clipped coordinate's RMS (C/√dim = 0.0027), where the heuristic
-  range resolved it: the guarantee at that σ costs that much resolution.
-* adaptive clipping under dp-mode distributed (``adaptive_clipping_for``): a contribution is
-  ``wire_dim`` = dim + 1 values, the update divided by the nodes' current norm and the
-  clipped-count coordinate ±a/2 (``crypto.adaptive_clipping``), so the rules above run with C
-  replaced by the coordinate bound max(1, a/2) (``coordinate_bound``) and σ by σ_Δ
-  (``wire_noise``). The encoding never depends on the adapted norm, which the server never holds.
+The public encoding parameters (``packing_for``: packing mode, bits, range, dither, weights)
+are the policy of ``crypto.dp.encoding_policy``, a function of the run config and the model size
+only, so identical on every node and the server. The functions here of that name take the
+``RunConfig`` and pass its ``encoding_params`` on (crypto never imports federation).
 """
 
 from __future__ import annotations
@@ -71,7 +28,7 @@ from __future__ import annotations
 import math
 import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -80,6 +37,7 @@ import numpy as np
 if TYPE_CHECKING:  # crypto (tenseal) is imported lazily: he=false runs do not need it
     from crypto import AdaptiveClipping, CkksContext, PackingConfig
     from crypto.aggregate_bound import MeanBound
+    from crypto.dp.encoding_policy import EncodingParams
 
     from federation.config import RunConfig
 
@@ -222,165 +180,50 @@ def plain_update_count(blob: bytes, dim: int) -> int:
 # --- CKKS (crypto/) --------------------------------------------------------------------
 
 
-RANGE_NOISE_TAIL = 4.0
-"""Noise standard deviations covered by the derived packing range."""
-RANGE_SIGNAL_TAIL = 12.0
-"""Multiples of the clipped signal's coordinate RMS (C/√dim) covered by the derived range."""
+def encoding_params(cfg: RunConfig) -> EncodingParams:
+    """The run config's fields the encoding policy reads (``crypto.dp.encoding_policy``)."""
+    from crypto.dp.encoding_policy import EncodingParams
+
+    return EncodingParams(**{f.name: getattr(cfg, f.name) for f in fields(EncodingParams)})
 
 
+def _policy() -> Any:
+    from crypto.dp import encoding_policy  # lazily: he=false runs do not need crypto (tenseal)
+
+    return encoding_policy
+
+
+# crypto.dp.encoding_policy on a RunConfig (its docstrings say what each returns)
 def adaptive_clipping_for(cfg: RunConfig) -> AdaptiveClipping | None:
-    """fedkv's adaptive clipping under HE (``crypto.adaptive_clipping``), or None (fixed norm, or
-    Flower's own wrapper under flower-central). σ_b = 0 means max(max-clients/20, σ)."""
-    if not (cfg.adaptive_clipping and cfg.dp_mode == "distributed"):
-        return None
-    from crypto import AdaptiveClipping
-
-    count_std = cfg.clipped_count_stddev or max(cfg.max_clients / 20, cfg.noise_multiplier)
-    return AdaptiveClipping(cfg.noise_multiplier, count_std, cfg.target_clipped_quantile, cfg.clip_norm_lr)
+    return _policy().adaptive_clipping_for(encoding_params(cfg))
 
 
 def wire_dim(cfg: RunConfig, model_dim: int) -> int:
-    """Values per contribution: the model's, plus the clipped-count coordinate under adaptive clipping."""
-    return model_dim + 1 if adaptive_clipping_for(cfg) is not None else model_dim
+    return _policy().wire_dim(encoding_params(cfg), model_dim)
 
 
 def wire_noise(cfg: RunConfig) -> tuple[float, float]:
-    """(clip norm, noise multiplier) of what is encoded: (C, σ), or under adaptive clipping
-    (1, σ_Δ), since updates travel divided by the nodes' current norm."""
-    adaptive = adaptive_clipping_for(cfg)
-    if adaptive is None:
-        return cfg.clip_norm, cfg.noise_multiplier
-    return 1.0, adaptive.update_noise_multiplier
-
-
-def coordinate_bound(cfg: RunConfig) -> float:
-    """The largest |value| a contribution holds before noise: C (no coordinate of an update
-    clipped to C exceeds it), or under adaptive clipping max(1, a/2) (Δ/C and the count)."""
-    adaptive = adaptive_clipping_for(cfg)
-    if adaptive is None:
-        return cfg.clip_norm
-    return max(1.0, adaptive.count_scale / 2)
-
-
-def contribution_std(cfg: RunConfig) -> float:
-    """The largest per-contribution noise std a round can use: σC (local), σC/√min-clients
-    (distributed: a round has >= min-clients clients, so its share is at most this), 0 (none);
-    with (C, σ) as encoded (``wire_noise``)."""
-    c, sigma = wire_noise(cfg)
-    if cfg.dp_mode == "local":
-        return sigma * c
-    if cfg.dp_mode == "distributed":
-        return sigma * c / math.sqrt(max(cfg.min_clients, 1))
-    return 0.0
-
-
-def _round_up_6(x: float) -> float:
-    """x rounded *up* to 6 significant digits: the range goes into the packing fingerprint every
-    ciphertext carries, so a last-bit libm difference between machines must not split the run;
-    up, so the saturation bound computed at the unrounded range still holds."""
-    r = float(f"{x:.6g}")
-    if r >= x:
-        return r
-    exp10 = math.floor(math.log10(x)) - 5
-    return float(f"{r + 10.0**exp10:.6g}")
-
-
-def _derived_range(cfg: RunConfig, dim: int, s: float) -> float:
-    """R for packing-range = 0: ``dp_clip_range`` under DP (δ_sat <= ``saturation_budget``),
-    the saturation heuristic without DP (module docstring)."""
-    from crypto import dp_clip_range, saturation_budget
-
-    c = coordinate_bound(cfg)
-    if cfg.dp_mode in ("local", "distributed") and s > 0:
-        return _round_up_6(dp_clip_range(c, s, max(dim, 1), cfg.max_clients, cfg.num_server_rounds,
-                                         saturation_budget(cfg.target_delta)))
-    signal_rms = c / math.sqrt(max(dim, 1))
-    heuristic = min(math.hypot(RANGE_NOISE_TAIL * s, RANGE_SIGNAL_TAIL * signal_rms), c + RANGE_NOISE_TAIL * s)
-    adaptive = adaptive_clipping_for(cfg)
-    if adaptive is not None:  # σ = 0: the clipped-count coordinate is ±a/2 exactly and must not saturate
-        heuristic = max(heuristic, adaptive.count_scale / 2)
-    return float(f"{heuristic:.6g}")
+    return _policy().wire_noise(encoding_params(cfg))
 
 
 def packing_for(cfg: RunConfig, dim: int) -> PackingConfig:
-    """The public ``PackingConfig`` of a run (same on every node and the server).
-
-    A pure function of the run config and the number of values encoded (``wire_dim``); see
-    the module docstring for the rule. Raises ``ValueError`` when crypto rejects the
-    resulting parameters.
-    """
-    from crypto import PackingConfig
-    from crypto.errors import ParameterError
-
-    try:
-        clip_range = cfg.packing_range if cfg.packing_range > 0 else _derived_range(cfg, dim, contribution_std(cfg))
-        return PackingConfig(
-            mode=cfg.packing,
-            bits=cfg.packing_bits,
-            clip_range=float(clip_range),
-            max_clients=cfg.max_clients,
-            max_weight=client_max_weight(cfg),
-            dither=cfg.dp_mode == "distributed",  # rounding independent of the data (crypto.dither)
-        )
-    except ParameterError as err:
-        raise ValueError(f"bad run config: packing parameters rejected by crypto: {err}") from None
+    return _policy().packing_for(encoding_params(cfg), dim)
 
 
 def run_saturation_delta(cfg: RunConfig, dim: int) -> float:
-    """δ_sat of the run (``crypto.saturation``): the probability bound that some contribution
-    saturates, at the run's packing range, rounds and max-clients. 0 where saturation is not
-    part of the analysis: he=false (nothing is saturated), dp-mode none / flower-central, and
-    dp-mode local (each node's noisy update is its release; saturating it is post-processing,
-    ``crypto.privacy``)."""
-    from crypto import saturation_delta
-
-    s = contribution_std(cfg)
-    if not cfg.he or cfg.dp_mode != "distributed" or s <= 0:
-        return 0.0
-    clip_range = packing_for(cfg, dim).clip_range
-    return saturation_delta(clip_range, coordinate_bound(cfg), s, max(dim, 1), cfg.max_clients, cfg.num_server_rounds)
+    return _policy().run_saturation_delta(encoding_params(cfg), dim)
 
 
 def uses_error_feedback(cfg: RunConfig) -> bool:
-    """Error feedback runs with he=true, packed, and not under distributed DP (crypto.privacy)."""
-    return cfg.he and cfg.packing == "packed" and cfg.error_feedback and cfg.dp_mode != "distributed"
-
-
-def wire_clip_norm(cfg: RunConfig) -> float:
-    """The L2 bound of one encoded update's signal: C, or under adaptive clipping the norm of
-    [Δ/C_t, a·(b - ½)], at most √(1 + a²/4)."""
-    adaptive = adaptive_clipping_for(cfg)
-    if adaptive is None:
-        return cfg.clip_norm
-    return math.hypot(1.0, adaptive.count_scale / 2)
+    return _policy().uses_error_feedback(encoding_params(cfg))
 
 
 def mean_bound_for(cfg: RunConfig, dim: int, real_scale_bits: int = 40) -> MeanBound:
-    """The public bound a decrypted mean must respect (``crypto.aggregate_bound``), for he=true:
-    C = ``wire_clip_norm``; noise (σC)² per update (local) or per sum (distributed) with (C, σ) of
-    ``wire_noise``; rounding step²/12 per summand with a dither, step²/4 with stochastic
-    rounding, plus step²/4 per update for the error-feedback carry; in mode none CKKS' error
-    2^-(real_scale_bits - 20) (``real_scale_bits`` of the node's CKKS parameters) instead."""
-    from crypto.aggregate_bound import MeanBound
+    return _policy().mean_bound_for(encoding_params(cfg), dim, real_scale_bits)
 
-    packing = packing_for(cfg, dim)
-    c, sigma = wire_noise(cfg)
-    noise_var = (sigma * c) ** 2
-    packed = packing.mode == "packed"
-    step2 = packing.step**2 if packed else 0.0
-    return MeanBound(
-        dim=dim,
-        clip_norm=wire_clip_norm(cfg),
-        update_noise_var=noise_var if cfg.dp_mode == "local" else 0.0,
-        shared_noise_var=noise_var if cfg.dp_mode == "distributed" else 0.0,
-        rounding_proxy=step2 / 12 if packing.dither else step2 / 4,
-        carry_proxy=step2 / 4 if uses_error_feedback(cfg) else 0.0,
-        ckks_error=0.0 if packed else 2.0 ** -(real_scale_bits - 20),
-        unit_weights=cfg.dp_mode != "none",
-        max_weight=client_max_weight(cfg),
-        noise_replies=cfg.dp_mode == "distributed",
-        max_clients=cfg.max_clients,
-    )
+
+def client_weight(cfg: RunConfig, num_examples: int) -> tuple[float, bool]:
+    return _policy().client_weight(encoding_params(cfg), num_examples)
 
 
 def ckks_preset_for(cfg: RunConfig, dim: int) -> str:
@@ -393,20 +236,6 @@ def ckks_preset_for(cfg: RunConfig, dim: int) -> str:
 
     names = PQ_AUTO_PRESETS if cfg.he_security == "post-quantum" else AUTO_PRESETS
     return preset_for(dim, packing_for(cfg, dim), names)
-
-
-def client_max_weight(cfg: RunConfig) -> float:
-    """Public bound on a client weight: 1 under DP (equal weights), else ``max-weight``."""
-    return cfg.max_weight if cfg.dp_mode == "none" else 1.0
-
-
-def client_weight(cfg: RunConfig, num_examples: int) -> tuple[float, bool]:
-    """(FedAvg weight, was it capped). Equal weights under DP: the sensitivity analysis
-    assumes each client counts once; example counts capped at ``max-weight`` otherwise."""
-    if cfg.dp_mode != "none":
-        return 1.0, False
-    w = float(num_examples)
-    return (cfg.max_weight, True) if w > cfg.max_weight else (w, False)
 
 
 def _codec_error(err: Exception) -> CodecError:

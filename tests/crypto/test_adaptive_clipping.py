@@ -1,4 +1,4 @@
-"""crypto.adaptive_clipping: Andrew et al.'s split of σ and the norm update, as arithmetic."""
+"""crypto.dp.adaptive_clipping: Andrew et al.'s split of σ and the norm update, as arithmetic."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import pytest
 from crypto import AggregateDecryptor, CkksAggregator, PackingConfig, UpdateEncryptor
 from crypto.aggregate_bound import BETA, MeanBound, norm_tail
 from crypto.errors import ParameterError
-from crypto.saturation import dp_clip_range
+from crypto.dp.saturation import dp_clip_range
 
 DIM = 2000
 C = 1.0

@@ -8,14 +8,16 @@ import pytest
 
 from crypto import CkksAggregator, PackingConfig, UpdateEncryptor, make_secret_context
 from crypto import binding
-from crypto.ckks import _parse_for, _Plan, _SealOps
+from crypto.header_check import parse_for
+from crypto.seal_ops import SealOps
+from crypto.slot_plan import SlotPlan
 from crypto.seal_io import seal_save
 
 
 def _loaded(ctx, packing: PackingConfig, blob: bytes) -> list:
-    plan = _Plan(ctx.params, packing)
-    env = _parse_for(ctx, packing, plan, blob)
-    return _SealOps(ctx).load_checked(env.ciphertexts, plan.scale)
+    plan = SlotPlan(ctx.params, packing)
+    env = parse_for(ctx, packing, plan, blob)
+    return SealOps(ctx).load_checked(env.ciphertexts, plan.scale)
 
 
 @pytest.mark.parametrize("preset", ["fedkv-2048", "fedkv-4096", "fedkv-8192"])

@@ -208,7 +208,7 @@ def test_default_preset_noise_is_far_below_the_rounding_threshold(secret_ctx, pu
 def _noise_round(secret_ctx, public_bytes, cfg: PackingConfig, shares: int, share_std: float, rng):
     """Two weight-1 updates and one pure-noise summand of `shares` shares, dithered; returns
     (updates, noise, encryptor of the noise summand, aggregator, decrypted result)."""
-    from crypto.dither import dither, dither_total
+    from crypto.dp.dither import dither, dither_total
 
     dim = 2000
     enc = UpdateEncryptor(secret_ctx, cfg, rng=rng)
@@ -234,7 +234,7 @@ def test_noise_reply_of_m_shares_decodes_to_the_plaintext_sum_without_saturating
     assert agg.count == 3 and agg.contributions == 5 and result.contributions == 5 and result.n_updates == 3
     want = (updates[0] + updates[1] + noise) / 2.0
     assert result.weight_sum == pytest.approx(2.0)
-    # dithered: each of the 3 summands is off by at most step/2 (crypto.dither)
+    # dithered: each of the 3 summands is off by at most step/2 (crypto.dp.dither)
     assert np.max(np.abs(result.mean - want)) <= 3 * cfg.step / 2 / 2 + 1e-9
     # the same noise as ONE contribution of range R saturates about 4.6 % of its values
     single = UpdateEncryptor(secret_ctx, PackingConfig(clip_range=0.3, max_clients=8))

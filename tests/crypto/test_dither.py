@@ -15,7 +15,7 @@ from crypto import (
     ParameterError,
     UpdateEncryptor,
 )
-from crypto.dither import dither, dither_total
+from crypto.dp.dither import dither, dither_total
 
 PACKING = PackingConfig(bits=6, clip_range=1.0, max_clients=8, dither=True)
 KEY = b"k" * 32

@@ -24,7 +24,7 @@ from crypto import (
     global_l2_norm,
     noise_std,
 )
-from crypto.privacy import MEANINGFUL_EPSILON, NO_MEANINGFUL_EPSILON, privacy_claim
+from crypto.dp.privacy import MEANINGFUL_EPSILON, NO_MEANINGFUL_EPSILON, privacy_claim
 
 
 def test_clip_whole_update_across_tensors() -> None:
@@ -138,10 +138,10 @@ def test_dp_sgd_rejects_bad_input() -> None:
 def test_the_retired_client_level_accountant_is_gone() -> None:
     """Issue 21: every client-level ε is federation.client_accounting's; crypto has none."""
     import crypto
-    import crypto.privacy
+    import crypto.dp.privacy
 
     for name in ("PrivacyAccountant", "noise_multiplier_for", "rdp_orders", "client_sample_rate"):
-        assert not hasattr(crypto, name) and not hasattr(crypto.privacy, name), name
+        assert not hasattr(crypto, name) and not hasattr(crypto.dp.privacy, name), name
 
 
 # -- client level: what the main job's run reports -------------------------------------------------
@@ -242,7 +242,7 @@ def test_privacy_claim_rejects_bad_input() -> None:
 
 def test_numpy_default_rng_seeds_from_secrets(monkeypatch) -> None:
     """numpy's SeedSequence() draws its 128 entropy bits from secrets.randbits (os.urandom);
-    gaussian_noise without an rng uses such a fresh generator (crypto.privacy docstring)."""
+    gaussian_noise without an rng uses such a fresh generator (crypto.dp.privacy docstring)."""
     import secrets
 
     import numpy.random.bit_generator as bit_generator

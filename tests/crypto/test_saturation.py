@@ -1,4 +1,4 @@
-"""crypto.saturation: the saturation bound against Monte Carlo, and the range it sizes."""
+"""crypto.dp.saturation: the saturation bound against Monte Carlo, and the range it sizes."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from crypto import (
     saturation_budget,
     saturation_delta,
 )
-from crypto.dither import dither
+from crypto.dp.dither import dither
 from crypto.errors import ParameterError
 from crypto.packing import saturate
-from crypto.privacy import MEANINGFUL_EPSILON
+from crypto.dp.privacy import MEANINGFUL_EPSILON
 
 TRIALS = 20_000
 

@@ -109,10 +109,11 @@ def _he_cfg(**overrides):
 @pytest.mark.parametrize("mode", ["distributed", "local"])
 def test_derived_range_under_dp_meets_the_saturation_budget(mode) -> None:
     from crypto import saturation_budget, saturation_delta
-    from federation.codec import contribution_std, packing_for
+    from crypto.dp.encoding_policy import contribution_std
+    from federation.codec import encoding_params, packing_for
 
     cfg = _he_cfg(**{"dp-mode": mode})
-    s = contribution_std(cfg)
+    s = contribution_std(encoding_params(cfg))
     r = packing_for(cfg, 4810).clip_range
     assert r >= cfg.clip_norm + 6 * s
     assert saturation_delta(r, cfg.clip_norm, s, 4810, 32, 25) <= saturation_budget(1e-5)
@@ -121,18 +122,27 @@ def test_derived_range_under_dp_meets_the_saturation_budget(mode) -> None:
 
 def test_explicit_range_under_dp_is_kept_and_its_saturation_delta_reported() -> None:
     from crypto import saturation_delta
-    from federation.codec import contribution_std, packing_for, run_saturation_delta
+    from crypto.dp.encoding_policy import contribution_std
+    from federation.codec import encoding_params, packing_for, run_saturation_delta
 
     cfg = _he_cfg(**{"packing-range": 0.5})
     assert packing_for(cfg, 4810).clip_range == 0.5
-    assert run_saturation_delta(cfg, 4810) == saturation_delta(0.5, 1.0, contribution_std(cfg), 4810, 32, 25) == 1.0
+    s = contribution_std(encoding_params(cfg))
+    assert run_saturation_delta(cfg, 4810) == saturation_delta(0.5, 1.0, s, 4810, 32, 25) == 1.0
     assert run_saturation_delta(_he_cfg(**{"dp-mode": "local"}), 4810) == 0.0  # post-processing there
     assert run_saturation_delta(_he_cfg(he=False), 4810) == 0.0  # nothing is saturated
 
 
-def test_the_digits_figures_in_the_codec_docstring_are_the_computed_ones() -> None:
-    """federation.codec's docstring quotes the range and the rounding cost for the digits
-    experiment; recompute them so the text cannot drift from the code."""
+def _he_notes() -> str:
+    """docs/he-notes.md, whitespace-normalized: it quotes the encoding policy's measured figures."""
+    from pathlib import Path
+
+    return " ".join((Path(__file__).resolve().parents[2] / "docs" / "he-notes.md").read_text().split())
+
+
+def test_the_digits_figures_in_the_he_notes_are_the_computed_ones() -> None:
+    """docs/he-notes.md quotes the range and the rounding cost for the digits experiment
+    (``crypto.dp.encoding_policy``); recompute them so the text cannot drift from the code."""
     import math
 
     import federation.codec as codec
@@ -140,18 +150,19 @@ def test_the_digits_figures_in_the_codec_docstring_are_the_computed_ones() -> No
     cfg = _he_cfg()
     pk = codec.packing_for(cfg, 4810)
     rounding_std = pk.step * math.sqrt(32 / 12)  # the dithered sum of 32 contributions
-    doc = " ".join(codec.__doc__.split())
+    doc = _he_notes()
     assert f"R = {pk.clip_range:.6g}" in doc and f"δ_sat = {codec.run_saturation_delta(cfg, 4810):.3g}" in doc
     assert f"step {pk.step:.4g}" in doc and f"{rounding_std:.3g} = {100 * rounding_std / 1.33:.2g} %" in doc
 
 
-def test_the_main_job_figures_in_the_codec_docstring_are_the_computed_ones() -> None:
+def test_the_main_job_figures_in_the_he_notes_are_the_computed_ones() -> None:
     """The same for the main job's defaults (pyproject.toml's run config, lm, 5 nodes): the
     DP range, the heuristic it replaced, and the rounding cost of the 5-node sum."""
     import math
     import tomllib
     from pathlib import Path
 
+    import crypto.dp.encoding_policy as policy
     import federation.codec as codec
     from federation.config import RunConfig
     from node.cache_node import model_layout
@@ -161,12 +172,12 @@ def test_the_main_job_figures_in_the_codec_docstring_are_the_computed_ones() -> 
     cfg = RunConfig.from_run_config(defaults)
     dim = model_layout(cfg.task, cfg.seed).size
     pk = codec.packing_for(cfg, dim)
-    s, c = codec.contribution_std(cfg), cfg.clip_norm  # the heuristic range the DP range replaced
-    heuristic = min(math.hypot(codec.RANGE_NOISE_TAIL * s, codec.RANGE_SIGNAL_TAIL * c / math.sqrt(dim)),
-                    c + codec.RANGE_NOISE_TAIL * s)
+    s, c = policy.contribution_std(codec.encoding_params(cfg)), cfg.clip_norm  # the heuristic the DP range replaced
+    heuristic = min(math.hypot(policy.RANGE_NOISE_TAIL * s, policy.RANGE_SIGNAL_TAIL * c / math.sqrt(dim)),
+                    c + policy.RANGE_NOISE_TAIL * s)
     rounding_std = pk.step * math.sqrt(5 / 12)
     sigma_c = cfg.noise_multiplier * cfg.clip_norm
-    doc = " ".join(codec.__doc__.split())
+    doc = _he_notes()
     assert f"dim {dim:,}" in doc and f"R = {pk.clip_range:.6g} instead of {heuristic:.6g}" in doc
     assert f"step {pk.step:.3g}, rounding std of the 5-node sum {rounding_std:.2g} = " \
            f"{100 * rounding_std / sigma_c:.0f} % of σC = {sigma_c:g}" in doc

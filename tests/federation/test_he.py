@@ -29,7 +29,7 @@ from crypto import (
     sign_update,
 )
 from crypto.binding import MANIFEST_MAGIC, Manifest
-from crypto.dither import dither_total
+from crypto.dp.dither import dither_total
 from crypto.seal_io import seal_save
 from crypto.errors import SecretKeyPresentError
 from federation import client_app, node_host, protocol, key_service
@@ -87,7 +87,7 @@ def test_derived_packing_is_public_and_identical_everywhere() -> None:
     assert a == b and a.fingerprint() == b.fingerprint()
     assert a.max_weight == 1.0  # equal weights under DP
     sigma_share = cfg.noise_multiplier * cfg.clip_norm / math.sqrt(2)
-    # under DP: the smallest range whose saturation bound fits the budget (crypto.saturation)
+    # under DP: the smallest range whose saturation bound fits the budget (crypto.dp.saturation)
     want = dp_clip_range(cfg.clip_norm, sigma_share, 4810, cfg.max_clients, cfg.num_server_rounds,
                          saturation_budget(cfg.target_delta))
     assert want <= a.clip_range <= want * (1 + 1e-5)

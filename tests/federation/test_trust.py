@@ -244,7 +244,9 @@ def _affine(fed: Federation, aggregate: bytes, c1: bytes, c2: bytes, k: int) -> 
 
     import tenseal.sealapi as sealapi
 
-    from crypto.ckks import _parse_for, _Plan, _SealOps
+    from crypto.header_check import parse_for as _parse_for
+    from crypto.seal_ops import SealOps as _SealOps
+    from crypto.slot_plan import SlotPlan as _Plan
     from crypto.seal_io import seal_save
     from crypto.wire import pack_envelope
 
@@ -723,7 +725,7 @@ def at_range(packing, dim):
 def _mean_of(fed: Federation, node: int, aggregate: bytes) -> np.ndarray:
     """What node ``node``'s key decrypts ``aggregate`` to (the attack's effect, for the test only)."""
     from crypto import AggregateDecryptor, Manifest
-    from crypto.dither import dither_total
+    from crypto.dp.dither import dither_total
 
     key, _ = key_service.secret_context(fed.grid.contexts[node])
     m = Manifest.from_bytes(fed.strategy.history[-1][1])

@@ -2,7 +2,7 @@
 
 Why: under dp-mode distributed the released sum is the accounted Gaussian mechanism only while
 no contribution's coordinate is clipped to the public range ±R (``crypto.packing.saturate``).
-``crypto.privacy`` (section "Saturation: the coupling bound") shows that a run whose
+``crypto.dp.privacy`` (section "Saturation: the coupling bound") shows that a run whose
 saturation event has probability at most δ_sat is (ε, δ + (1 + e^ε)·δ_sat)-DP. This module
 computes δ_sat for a range, and the smallest range whose δ_sat fits a budget.
 
@@ -23,7 +23,7 @@ import numpy as np
 from scipy.stats import norm
 
 from crypto.errors import ParameterError
-from crypto.privacy import MEANINGFUL_EPSILON
+from crypto.dp.privacy import MEANINGFUL_EPSILON
 
 __all__ = ["SATURATION_DELTA_SHARE", "saturation_delta", "dp_clip_range", "saturation_budget", "delta_total"]
 
@@ -119,7 +119,7 @@ def saturation_budget(target_delta: float, share: float = SATURATION_DELTA_SHARE
 
 
 def delta_total(delta: float, epsilon: float, delta_sat: float) -> float:
-    """δ of what runs, ``δ + (1 + e^ε)·δ_sat`` (``crypto.privacy``, the coupling bound); 1 when
+    """δ of what runs, ``δ + (1 + e^ε)·δ_sat`` (``crypto.dp.privacy``, the coupling bound); 1 when
     ε is infinite or not accounted and δ_sat > 0 (no finite guarantee), capped at 1."""
     if not (0 <= delta_sat <= 1 and 0 <= delta <= 1):
         raise ParameterError(f"delta={delta!r} and delta_sat={delta_sat!r} must be in [0, 1]")

@@ -8,8 +8,8 @@ per coordinate, ``q = floor(y/step + u)`` and the decoder's ``q - u + 1/2`` diff
 ``y/step`` by ``-frac(y/step + u) + 1/2``: uniform on (-1/2, 1/2] *whatever y is* (the classic
 subtractive-dither result), so the decrypted sum is the Gaussian mechanism's output plus noise
 independent of every input: post-processing, and the accounted ε holds. Saturation is not
-post-processing; ``crypto.privacy`` ("the coupling bound") charges it as δ_sat
-(``crypto.saturation``). A summand of m noise shares gets one dither, range [0, m·L] and
+post-processing; ``crypto.dp.privacy`` ("the coupling bound") charges it as δ_sat
+(``crypto.dp.saturation``). A summand of m noise shares gets one dither, range [0, m·L] and
 offset m·R (``crypto.packing.dithered_quantize``).
 
 Both ends need ``u``: it is drawn from SHAKE-256 keyed with ``CkksContext.dither_key`` (every

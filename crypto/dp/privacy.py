@@ -27,7 +27,7 @@ accountant charges is the one that runs, up to what is stated here:
   post-processing, and adaptive composition covers the carry.
 - distributed: only the *sum* ``sum(clip(update_i) + share_i)`` is the mechanism; a client's
   rounding error must therefore not depend on its data. The packing is subtractive-dithered
-  (``crypto.dither``, ``PackingConfig.dither``): each coordinate's error is uniform on a step,
+  (``crypto.dp.dither``, ``PackingConfig.dither``): each coordinate's error is uniform on a step,
   independent of the value, so the decrypted sum is the mechanism's output plus independent
   noise — post-processing. Error feedback is off (a share's residual is not a function of the
   released sum). Saturation is covered by the coupling bound below, not by post-processing.
@@ -39,7 +39,7 @@ coordinate (±m·R for a node's reply of m noise shares) before the sum. Run bot
 probability space (the same noise, dithers and sampling). Let E be the event "no coordinate of
 any contribution in any round saturates". On E, M' = M: by induction over rounds the models,
 hence the next updates, are the same, and nothing was clipped. P(E^c) <= δ_sat for every input
-D, where δ_sat is ``crypto.saturation.saturation_delta``: a clipped update has every
+D, where δ_sat is ``crypto.dp.saturation.saturation_delta``: a clipped update has every
 coordinate |x_j| <= C whatever the history, its noise is fresh, so coordinate j saturates with
 probability Φ̄((R-C)/s) + Φ̄((R+C)/s) <= 2·Φ̄((R-C)/s) (s: the share's std; a pure-noise
 reply of m shares, std s·√m at range m·R: 2·Φ̄(√m·R/s), smaller); the union bound over the
@@ -51,14 +51,14 @@ of outcomes:
                  <= e^ε · P(M'(D') ∈ S) + δ + (1 + e^ε) · δ_sat,
 
 using P(M(D') ∈ S) <= P(M'(D') ∈ S) + δ_sat the same way. So M' is (ε, δ + (1 + e^ε)·δ_sat)-DP:
-``crypto.saturation.delta_total``, reported per round as ``delta_total`` next to ε. The
+``crypto.dp.saturation.delta_total``, reported per round as ``delta_total`` next to ε. The
 premise is made true where the range is chosen: with ``packing-range = 0`` the range is
 ``crypto.dp_clip_range`` at the budget ``crypto.saturation_budget(δ)`` = 0.01·δ /
-(1 + e^MEANINGFUL_EPSILON) (``federation.codec.packing_for``), so δ_total <= 1.01·δ at every ε
+(1 + e^MEANINGFUL_EPSILON) (``crypto.dp.encoding_policy.packing_for``), so δ_total <= 1.01·δ at every ε
 a run may claim. Caveats stated rather than hidden: the bound holds for the fixed C and σ of
-the encoding; adaptive clipping (``crypto.adaptive_clipping``) keeps them fixed by encoding Δ/C
+the encoding; adaptive clipping (``crypto.dp.adaptive_clipping``) keeps them fixed by encoding Δ/C
 (every coordinate <= 1) and the count coordinate ±a/2, so there C is max(1, a/2) and σ is
-σ_Δ (``federation.codec.coordinate_bound``, ``wire_noise``) whatever norm a round uses; the dither
+σ_Δ (``crypto.dp.encoding_policy.coordinate_bound``, ``wire_noise``) whatever norm a round uses; the dither
 is a keyed SHAKE-256 stream, so "independent uniform" holds against parties without the
 dither key (the server); the encryptor counts saturations, which under DP stay on the node.
 With dp-mode local the coupling is not needed: each node's ``clip + N(0, (σC)²)`` is its

@@ -1,0 +1,42 @@
+"""A real multi-process Flower deployment on this machine: TLS, SuperNode auth, a crash.
+
+``python -m federation.deploy demo --nodes 5 --rounds 3 --kill-one`` provisions startup kits
+(``federation.kit``), starts one ``flower-superlink`` (TLS + ``--enable-supernode-auth``) on a
+free loopback port with a private FLWR_HOME and database, registers every node's auth key,
+shows that an unregistered key and a wrong root certificate are refused, starts N
+``flower-supernode`` processes, runs the app with ``flwr run --stream`` and, with
+``--kill-one``, SIGKILLs the highest partition's SuperNode (its whole process family) once it
+has received its train message of round R-1 of R (``kill_round``: the round before the last,
+so the key rotation that follows is seen; round 1 with ``--rounds`` 1 or 2). The run must
+finish with the survivors.
+
+Kits, logs (``logs/``) and results (``results/``) go to ``--workdir DIR``, kept; without it to
+a temporary directory that is removed at the end unless ``--keep``. The last progress line
+says which (``workdir_note``).
+
+Every process is started in its own session and tracked by (pid, start time), with its
+descendants; all are stopped by pid on success, failure, SIGINT and SIGTERM. The last stdout
+line is one JSON object (see ``summary``); progress goes to stderr.
+
+``--serve`` (with ``--task lm``) starts ``python -m node.serve`` beside SuperNode 0, on that
+node's cache directory: each write-back of the node invalidates it, and the summary's
+``serve_agent`` shows the model versions its replies were computed under. Its client
+authenticates with the bearer token the agent writes on first start (``serve-token`` beside
+that cache directory).
+
+``--netns`` puts each SuperNode in a network namespace of its own (``fedkv-<tag>-<i>``), joined
+by a veth pair to a bridge the command creates on the host (10.250.<k>.0/24, the first free
+<k>); the SuperLink binds the bridge's address 10.250.<k>.1 only. Namespaces, veths and the
+bridge are removed at the end.
+"""
+
+from federation.deploy.app_run import kill_plan, kill_round, run_app, run_config
+from federation.deploy.cli import demo_main, main, parse_args, summary, workdir_note
+from federation.deploy.demo import CONNECTION, Demo, RunOutcome, prepare
+from federation.deploy.netns import Netns
+from federation.deploy.processes import Tracker
+
+__all__ = [
+    "CONNECTION", "Demo", "Netns", "RunOutcome", "Tracker", "demo_main", "kill_plan", "kill_round", "main",
+    "parse_args", "prepare", "run_app", "run_config", "summary", "workdir_note",
+]
