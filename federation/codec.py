@@ -273,7 +273,7 @@ class CkksClientCodec:
         ``noise`` is added after the weight pre-scale (crypto's place for distributed-DP
         shares under unequal weights); unused while DP runs use equal weights. ``carry`` is the
         error-feedback residual of this node's previous update (``residual`` after the call);
-        ``dither`` this contribution's ``crypto.dither.dither`` when the packing is dithered;
+        ``dither`` this contribution's ``crypto.dp.dither.dither`` when the packing is dithered;
         ``contributions`` m > 1 sends m noise shares (weight 0) as one summand of range ±m·R.
         """
         from crypto.errors import CryptoError

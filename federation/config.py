@@ -97,16 +97,16 @@ class RunConfig:
     CKKS real per slot part). Only used when he=true."""
     packing_bits: int = 8
     """Quantisation bits per value in packing=packed, in [1, 24]. Part of the public CKKS encoding
-    (``federation/codec.py:packing_for``)."""
+    (``crypto/dp/encoding_policy.py:packing_for``)."""
     error_feedback: bool = True
     """he=true, packing=packed: each node adds to its next update what quantization and
     saturation left out of its last one (``crypto.UpdateEncryptor`` ``carry``), so rounding
     errors do not accumulate over rounds and saturation bias is paid back. Not applied with
-    dp-mode=distributed, whose rounding is dithered instead (see ``crypto/privacy.py``: the
+    dp-mode=distributed, whose rounding is dithered instead (see ``crypto/dp/privacy.py``: the
     residual would carry an unnoised share)."""
     packing_range: float = 0.0
     """Public saturation range R of the CKKS encoding; 0 = derived from the run config
-    (``federation/codec.py:packing_for``)."""
+    (``crypto/dp/encoding_policy.py:packing_for``)."""
     max_clients: int = 32
     """Most clients sampled per round with he=true (packing headroom). Larger populations
     are sampled down to this. At least min-clients. Part of the public CKKS encoding: size it to
@@ -178,7 +178,7 @@ class RunConfig:
     """Adaptive clipping (Andrew et al. 2021) instead of a fixed norm; clip-norm is the initial
     norm. dp-mode=flower-central: Flower's DifferentialPrivacyClientSideAdaptiveClipping.
     dp-mode=distributed (he=true): fedkv's, the noisy clipped count riding in the update's
-    ciphertext as one extra coordinate (``crypto/adaptive_clipping.py``); nodes keep and move the
+    ciphertext as one extra coordinate (``crypto/dp/adaptive_clipping.py``); nodes keep and move the
     norm, the server never sees it. Either way the count is paid for inside the noise multiplier
     (the update noise is raised), so ε is the same."""
     target_clipped_quantile: float = 0.5

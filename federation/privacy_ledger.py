@@ -21,7 +21,7 @@ against each observer (the sum's extra noise is not credited). A σ of 0 against
 (colluders made all the noise) is ε = ∞ from then on.
 
 Rounding, for a key holder: third parties and the server do not know the dither, so the
-subtractive-dither argument makes the rounding independent of the data (``crypto.dither``). A
+subtractive-dither argument makes the rounding independent of the data (``crypto.dp.dither``). A
 key holder knows the dither, so for it that argument is void; it is replaced by smoothing. A
 node encodes ``floor(y/step + u)`` of its noisy value y. The fractional part y/step mod 1 is
 within total variation η/2 of uniform whatever the data, η = 2·Σ_j exp(−2π²j²s²) (Poisson

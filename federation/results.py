@@ -18,7 +18,7 @@ accountant, see ``OpaqueFedAvg._account``); ``epsilon_server``, ``epsilon_node``
 by a node (Opacus, per node), both for δ = ``delta``; null = not applicable (no DP of that
 kind) or unbounded (noise-multiplier 0). ``delta_total`` = δ + (1 + e^ε)·``saturation_delta``
 is the δ of the mechanism that runs under HE (the packed encoding saturates with probability
-at most ``saturation_delta``; ``crypto.privacy``, the coupling bound).
+at most ``saturation_delta``; ``crypto.dp.privacy``, the coupling bound).
 """
 
 from __future__ import annotations
@@ -114,12 +114,12 @@ class RoundRecord:
     """Largest sample-level DP-SGD ε so far over the nodes (dp-sgd=true)."""
     delta: float = math.nan
     saturation_delta: float = math.nan
-    """δ_sat of the run (``crypto.saturation``): a bound on the probability that the packed
+    """δ_sat of the run (``crypto.dp.saturation``): a bound on the probability that the packed
     encoding saturates any contribution (0: saturation is not part of the analysis, e.g.
     dp-mode local, where it is post-processing, or he=false); null without DP."""
     delta_total: float = math.nan
     """δ of the mechanism that runs: ``delta + (1 + e^epsilon_client)·saturation_delta``
-    (``crypto.privacy``, the coupling bound), for the ε of this round."""
+    (``crypto.dp.privacy``, the coupling bound), for the ε of this round."""
     delta_total_key_holders: float = math.nan
     """The same for ``epsilon_node``/``epsilon_colluding``: δ + (1 + e^ε_node)·(δ_sat + δ_round)."""
     node_sources: dict[str, int] = field(default_factory=dict)

@@ -74,7 +74,7 @@ def _claim(cfg: RunConfig, results: RunResults) -> None:
     eps = results.rounds[-1].epsilon_client if results.rounds else math.nan
     if cfg.dp_mode in ("local", "distributed", "flower-central") and not math.isfinite(eps):
         eps = math.inf
-    # the δ of what ran: target-delta plus the saturation coupling's share (crypto.privacy)
+    # the δ of what ran: target-delta plus the saturation coupling's share (crypto.dp.privacy)
     delta = results.rounds[-1].delta_total if results.rounds else math.nan
     delta = delta if math.isfinite(delta) and 0 < delta < 1 else cfg.target_delta
     results.privacy_claim = privacy_claim(eps, cfg.dp_mode, delta=delta)
