@@ -354,7 +354,9 @@ class CacheNode:
 
     def generate(self, prompt: bytes, max_new_tokens: int = 32, session: str = "default") -> bytes:
         """Legacy name-addressed entry point: ``send`` to session ``session``, created (with no
-        system prompt) on first use. A closed ``create_session`` id is still refused."""
+        system prompt) on first use. A closed ``create_session`` id is still refused. No decode
+        loop of its own; kept only while ``tests/federation/test_local.py`` calls it (new code:
+        ``create_session`` + ``send``)."""
         self._serve_lm()
         if session not in self.sessions:
             if self.sessions.was_closed(session):
