@@ -17,6 +17,7 @@ from torch import nn
 
 from cache import CacheConfig, KVCache
 from cache.attention import attend, attend_shared
+from crypto import Layout, flatten
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,8 @@ class Block(nn.Module):
 
 
 class TinyTransformer(nn.Module):
+    """The byte-level LM; implements ``node.model_interface.CachedLM``."""
+
     def __init__(self, cfg: ModelConfig | None = None):
         super().__init__()
         self.cfg = cfg = cfg or ModelConfig()
@@ -132,6 +135,26 @@ class TinyTransformer(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
+
+    @property
+    def context_len(self) -> int:
+        return self.cfg.context_len
+
+    def cache_config(self, **overrides) -> CacheConfig:
+        return self.cfg.cache_config(**overrides)
+
+    def train_loss(self, batch: torch.Tensor) -> torch.Tensor:
+        """Mean next-byte cross-entropy of ``batch`` [B, T + 1] (full causal attention)."""
+        logits = self(batch[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    def trainable_parameters(self):
+        """Every parameter: the model is trained whole."""
+        return self.parameters()
+
+    def parameter_layout(self) -> Layout:
+        """Every state-dict entry, in state-dict order: the federation averages the whole model."""
+        return flatten(self.state_dict(), check_finite=False)[1]
 
     def _check_len(self, n: int) -> None:
         if n > self.cfg.context_len:

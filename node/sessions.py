@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from cache import KVCache
-from node.model import TinyTransformer
+from node.model_interface import CachedLM
 
 _ID = re.compile(r"chat-(\d+)")
 
@@ -105,7 +105,7 @@ class Sessions(Mapping[str, int]):
     so ``Mapping.get`` and ``in`` behave as for a dict) or its subclass ``ClosedSessionError``.
     """
 
-    def __init__(self, model: TinyTransformer, cache: KVCache):
+    def __init__(self, model: CachedLM, cache: KVCache):
         self.model = model
         self.cache = cache
         self._open: dict[str, ChatSession] = {}
@@ -294,6 +294,6 @@ class Sessions(Mapping[str, int]):
     def _check_fits(self, n_tokens: int) -> None:
         """Refuse a turn that would pass the model's context before anything is written, so
         a refused turn leaves the session as it was."""
-        limit = self.model.cfg.context_len
+        limit = self.model.context_len
         if n_tokens > limit:
             raise ValueError(f"conversation of {n_tokens} tokens exceeds context_len {limit}")
