@@ -27,15 +27,16 @@ import numpy as np
 import torch
 
 from cache import CacheConfig, KVCache
-from crypto import Layout, clip_update, dp_sgd_epsilon, flatten, gaussian_noise
+from crypto import Layout, clip_update, dp_sgd_epsilon, gaussian_noise
 from node import digits
-from node.model import TinyTransformer
 from node import param_channel
 from node.coherence import exclusive_params
 from node.workload_pass import ServeReport, serve_workload
 from node.sessions import Sessions
 from node.workload import WorkloadConfig, find_trace, plan_turns
-from node.tasks import LM_MODEL, Task, build_model, make_task
+from node.model_interface import CachedLM
+from node.tasks import (Task, build_model, federated_state, load_parameters, make_task,
+                        parameter_layout)
 
 UPDATE_KEY = "grad/update"
 
@@ -102,16 +103,16 @@ SERVE_PROMPT = b"You are a fedkv cache node. Answer in one short line. "
 
 def model_layout(task: str, seed: int = 0) -> Layout:
     """Names and shapes of the task's parameters: what the server needs to size aggregates."""
-    return flatten(build_model(task, seed).state_dict())[1]
+    return parameter_layout(build_model(task, seed))
 
 
-def _kv_config(spec: NodeSpec) -> CacheConfig:
-    if spec.task == "lm":
+def _kv_config(spec: NodeSpec, model: torch.nn.Module) -> CacheConfig:
+    if isinstance(model, CachedLM):
         # a warm tier as big as the hot pool: evicted prefix blocks stay a hit; the best
         # policy (experiments.eviction) and prefetcher (experiments.prefetch) on Mooncake
-        return LM_MODEL.cache_config(kv_dtype=spec.kv_dtype, pool_bytes=spec.kv_pool_bytes,
-                                     warm_bytes=spec.kv_pool_bytes, eviction_policy="adaptive",
-                                     prefetch_mode="sequential")
+        return model.cache_config(kv_dtype=spec.kv_dtype, pool_bytes=spec.kv_pool_bytes,
+                                  warm_bytes=spec.kv_pool_bytes, eviction_policy="adaptive",
+                                  prefetch_mode="sequential")
     # digits has no attention; the engine still holds its parameters and updates
     return CacheConfig(num_layers=1, num_heads=1, head_dim=16, pool_bytes=2 << 20)
 
@@ -127,15 +128,15 @@ class CacheNode:
             spec.task, spec.partition_id, spec.num_partitions, spec.seed, spec.alpha
         )
         self.model = self.task.build_model(spec.seed)
-        cfg = _kv_config(spec)
+        cfg = _kv_config(spec, self.model)
         self.cache_dir, self._cache_key = cache_dir, cache_key
         self.agents_invalidated = 0
         """Serving agents this node's write-backs invalidated (coherence directory)."""
         self.cache = KVCache.open(cache_dir, cfg, key=cache_key) if cache_dir else KVCache(cfg)
         self.cache.keep_stale_versions(spec.kv_stale_versions)
-        _, self.layout = flatten(self.model.state_dict())
+        self.layout = parameter_layout(self.model)
         if not self._load_cached_params():
-            self._write_params(self.model.state_dict(), version=0)
+            self._write_params(federated_state(self.model, self.layout), version=0)
         self.dp_steps = 0
         self.dp_sample_rate = 0.0
         self.dp_sigma = 0.0
@@ -157,7 +158,7 @@ class CacheNode:
         with exclusive_params(self.cache_dir) as invalidated:
             for name in self.layout.names:
                 self.cache.put_tensor(f"param/{name}", state[name], version=version)
-            self.model.load_state_dict({n: state[n] for n in self.layout.names})
+            load_parameters(self.model, state, self.layout)
             self.cache.set_version(version)
             if self.cache_dir:
                 param_channel.publish(self.cache_dir, self._cache_key, self.params(), version)
@@ -172,7 +173,7 @@ class CacheNode:
         if any(self.cache.tensor_version(f"param/{n}") != self.cache.version
                for n in self.layout.names):
             return False
-        self.model.load_state_dict(state)
+        load_parameters(self.model, state, self.layout)
         return True
 
     def persist(self) -> None:
@@ -227,7 +228,7 @@ class CacheNode:
         ``lr <= 0`` means the task's default learning rate."""
         lr = lr if lr > 0 else self.task.default_lr
         start = self.params()
-        self.model.load_state_dict(start)
+        load_parameters(self.model, start, self.layout)
         # the same shuffle whether this object was reused or rebuilt from context.state
         seed = self.spec.seed * 1_000_003 + self.spec.partition_id * 1009 + self.version
         t0 = time.perf_counter()
@@ -237,9 +238,9 @@ class CacheNode:
         else:
             loss, n = self.task.train(self.model, epochs, lr, seed)
         train_s = time.perf_counter() - t0
-        after = self.layout.flatten(self.model.state_dict())
+        after = self.layout.flatten(federated_state(self.model, self.layout))
         delta = after - self.layout.flatten(start)
-        self.model.load_state_dict(start)
+        load_parameters(self.model, start, self.layout)
         if not np.all(np.isfinite(delta)):
             raise FloatingPointError("local update has NaN/Inf (diverged?); not sending it")
         self.cache.put_tensor(UPDATE_KEY, torch.from_numpy(delta.astype(np.float32)), self.version)
@@ -354,7 +355,9 @@ class CacheNode:
 
     def generate(self, prompt: bytes, max_new_tokens: int = 32, session: str = "default") -> bytes:
         """Legacy name-addressed entry point: ``send`` to session ``session``, created (with no
-        system prompt) on first use. A closed ``create_session`` id is still refused."""
+        system prompt) on first use. A closed ``create_session`` id is still refused. No decode
+        loop of its own; kept only while ``tests/federation/test_local.py`` calls it (new code:
+        ``create_session`` + ``send``)."""
         self._serve_lm()
         if session not in self.sessions:
             if self.sessions.was_closed(session):
@@ -363,9 +366,10 @@ class CacheNode:
         return self.sessions.send(session, prompt, max_new_tokens)
 
     def _serve_lm(self) -> None:
-        """Sessions need the byte-level transformer (a digits node has no attention), in eval
-        mode whatever training left it in."""
-        if not isinstance(self.model, TinyTransformer):
+        """Sessions need a language model that decodes through the cache
+        (``node.model_interface.CachedLM``; a digits node has none), in eval mode whatever
+        training left it in."""
+        if not isinstance(self.model, CachedLM):
             raise ValueError(f"generation needs the lm task, this node serves {self.task.name!r}")
         self.model.eval()
 

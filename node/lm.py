@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from node.corpus import random_windows, split_corpus
 from node.model import ModelConfig, TinyTransformer
+from node.model_interface import CachedLM
 
 CACHE_ENV = "FEDKV_CACHE_DIR"
 
@@ -41,7 +42,7 @@ def _lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
 
 
 def train_lm(
-    model: TinyTransformer,
+    model: CachedLM,
     data: bytes,
     steps: int,
     batch_size: int,
@@ -53,28 +54,29 @@ def train_lm(
     warmup: int | None = None,
     grad_clip: float = 1.0,
 ) -> list[float]:
-    """Next-byte training with AdamW on random windows of ``data`` (full causal attention,
-    ``model.forward``). Returns the training loss of every step (nats/byte)."""
+    """Next-token training with AdamW on random windows of ``data`` (the model's
+    ``train_loss``: full causal attention) over its ``trainable_parameters``. Returns the
+    training loss of every step (nats/token)."""
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
-    if seq_len > model.cfg.context_len:
-        raise ValueError(f"seq_len {seq_len} exceeds the model's context_len {model.cfg.context_len}")
+    if seq_len > model.context_len:
+        raise ValueError(f"seq_len {seq_len} exceeds the model's context_len {model.context_len}")
     warmup = max(1, min(20, steps // 10)) if warmup is None else max(1, warmup)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    params = list(model.trainable_parameters())
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     model.train()
     losses: list[float] = []
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, steps, lr, warmup)
         batch = random_windows(data, seq_len, batch_size, generator)
-        logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        loss = model.train_loss(batch)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"training loss became {loss.item()} at step {step}")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
         opt.step()
         losses.append(loss.item())
     model.eval()
@@ -83,7 +85,7 @@ def train_lm(
 
 @torch.no_grad()
 def eval_loss(
-    model: TinyTransformer,
+    model: CachedLM,
     data: bytes,
     seq_len: int,
     n_windows: int,

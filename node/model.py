@@ -2,7 +2,9 @@
 
 Training runs ordinary full causal attention (``forward``). Incremental decoding
 (``forward_cached``) never keeps K/V itself: each layer writes the new tokens' K/V into the
-cache engine and attends over the context as views of the cache's arena (``cache.attention``).
+cache engine and attends over the context as views of the cache's arena (``cache.attention``);
+``forward_batch`` does one decode step of several sessions at once. The model has no decode
+loop: ``node.sessions`` drives it (``Sessions.turn`` and ``Sessions.turn_batch``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import nn
 
 from cache import CacheConfig, KVCache
 from cache.attention import attend, attend_shared
+from crypto import Layout, flatten
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,8 @@ class Block(nn.Module):
 
 
 class TinyTransformer(nn.Module):
+    """The byte-level LM; implements ``node.model_interface.CachedLM``."""
+
     def __init__(self, cfg: ModelConfig | None = None):
         super().__init__()
         self.cfg = cfg = cfg or ModelConfig()
@@ -130,6 +135,26 @@ class TinyTransformer(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
+
+    @property
+    def context_len(self) -> int:
+        return self.cfg.context_len
+
+    def cache_config(self, **overrides) -> CacheConfig:
+        return self.cfg.cache_config(**overrides)
+
+    def train_loss(self, batch: torch.Tensor) -> torch.Tensor:
+        """Mean next-byte cross-entropy of ``batch`` [B, T + 1] (full causal attention)."""
+        logits = self(batch[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    def trainable_parameters(self):
+        """Every parameter: the model is trained whole."""
+        return self.parameters()
+
+    def parameter_layout(self) -> Layout:
+        """Every state-dict entry, in state-dict order: the federation averages the whole model."""
+        return flatten(self.state_dict(), check_finite=False)[1]
 
     def _check_len(self, n: int) -> None:
         if n > self.cfg.context_len:
@@ -170,64 +195,8 @@ class TinyTransformer(nn.Module):
         return self.head(self.ln_f(x))
 
     @torch.no_grad()
-    def generate_batch(self, prompts: list[list[int]], cache: KVCache,
-                       max_new_tokens: int) -> list[list[int]]:
-        """Greedy continuations of several prompts, decoded together: each prompt is
-        prefilled in its own session (reusing cached prefixes), then every step is one
-        forward over all sessions. The sessions are closed afterwards. In an int8/int4 cache
-        a prompt whose prefix another prompt quantized attends it quantized, so the result
-        can differ from ``generate`` of each prompt alone, within the bound documented at
-        ``KVCache._quantize_old``."""
-        sids = [cache.open_session() for _ in prompts]
-        try:
-            logits = torch.stack([self.prefill(list(p), cache, s) for p, s in zip(prompts, sids)])
-            out: list[list[int]] = [[] for _ in prompts]
-            for n in range(max_new_tokens):
-                nxt = logits.argmax(dim=-1).tolist()
-                for o, t in zip(out, nxt):
-                    o.append(t)
-                if n + 1 < max_new_tokens:
-                    logits = self.forward_batch(nxt, cache, sids)
-            return out
-        finally:
-            for s in sids:
-                cache.close_session(s)
-
-    @torch.no_grad()
     def prefill(self, prompt: list[int], cache: KVCache, sid: int) -> torch.Tensor:
         """Feed a prompt into an empty session, reusing any cached prefix; returns the logits
         of the last prompt token."""
         reused = cache.match_prefix(sid, prompt)
         return self.forward_cached(prompt[reused:], cache, sid)[-1]
-
-    @torch.no_grad()
-    def generate(
-        self,
-        prompt: list[int],
-        cache: KVCache,
-        max_new_tokens: int,
-        *,
-        sid: int | None = None,
-        temperature: float = 0.0,
-        generator: torch.Generator | None = None,
-    ) -> list[int]:
-        """Greedy (temperature 0) or sampled continuation of ``prompt`` through the cache.
-        With ``sid`` of a session holding tokens, ``prompt`` is appended to them."""
-        if sid is None:
-            sid = cache.open_session()
-        if cache.length(sid) == 0:  # a fresh session: reuse any cached prefix
-            logits = self.prefill(list(prompt), cache, sid)
-        else:
-            logits = self.forward_cached(list(prompt), cache, sid)[-1]
-        out: list[int] = []
-        for _ in range(max_new_tokens):
-            if temperature <= 0:
-                nxt = int(logits.argmax())
-            else:
-                p = torch.softmax(logits / temperature, dim=-1)
-                nxt = int(torch.multinomial(p, 1, generator=generator))
-            out.append(nxt)
-            if len(out) == max_new_tokens:
-                break
-            logits = self.forward_cached([nxt], cache, sid)[-1]
-        return out

@@ -67,11 +67,11 @@ from cache.errors import CacheFullError
 from crypto import PASSPHRASE_ENV, passphrase_from_env, read_secret_file
 from node import param_channel
 from node.coherence import COHERENCE_DIR, PARAM_ENTRY
-from node.model import TinyTransformer
+from node.model_interface import CachedLM
 from node.serve_auth import (NoSuchSession, QuotaExceeded, SessionRegistry, Tenants, TokenFileError,
                              check_bind, default_token_file, ensure_token_file, tls_context)
 from node.sessions import Sessions, UnknownSessionError
-from node.tasks import LM_MODEL
+from node.tasks import lm_model, load_parameters, parameter_layout
 
 _log = logging.getLogger("fedkv.serve")
 LIVE_SUBDIR = "serve"
@@ -129,11 +129,14 @@ class ServingAgent:
     def __init__(self, cache_dir: str | os.PathLike, key: bytes | None, *,
                  mode: Mode = Mode.STRONG, timeout_s: float = 30.0, wait_s: float = 60.0,
                  pool_bytes: int = int(POOL_MIB * (1 << 20)), max_sessions: int = MAX_SESSIONS,
-                 idle_expiry_s: float = IDLE_EXPIRY_S):
+                 idle_expiry_s: float = IDLE_EXPIRY_S, model: CachedLM | None = None):
+        """``model``: the node's language model family (default ``node.tasks.lm_model``);
+        its parameters come from the trainer's published file."""
         self.cache_dir, self.key = Path(cache_dir), key
         self.lock = threading.Lock()
-        self.model = TinyTransformer(LM_MODEL).eval()
-        self.cache = KVCache(LM_MODEL.cache_config(pool_bytes=pool_bytes))
+        self.model = (model if model is not None else lm_model()).eval()
+        self.layout = parameter_layout(self.model)
+        self.cache = KVCache(self.model.cache_config(pool_bytes=pool_bytes))
         self.sessions = Sessions(self.model, self.cache)
         self.sessions.before_token = self.check
         self.registry = SessionRegistry(max_sessions, idle_expiry_s)
@@ -165,7 +168,7 @@ class ServingAgent:
         except param_channel.ParamRollbackError as err:
             _log.error("%s", err)  # keeps serving the version it has
             return
-        self.model.load_state_dict(state)
+        load_parameters(self.model, state, self.layout)
         self.cache.set_version(version)  # K/V of other versions are never served again
         self.counters.reloads += 1
         self.counters.versions_seen.append(version)

@@ -14,6 +14,10 @@ through the engine's prefix index, so sessions that start with the same system p
 full blocks. After a federated write-back (``cache.bump_version``) a session's K/V is stale; its
 next turn recomputes the whole conversation under the new weights.
 
+Decoding: ``Sessions.turn`` is the node's decode loop (greedy, one ``model.forward_cached`` of
+the last token per step) and ``Sessions.turn_batch`` its batched form (one ``model.forward_batch``
+per step over several sessions); nothing else in the node decodes.
+
 Ids are ``chat-<n>`` from a counter, so a closed id is told apart from one never issued without
 remembering closed ids: ``Sessions`` holds open sessions only. A serving agent on a shared host
 names its sessions itself (random ids, ``node.serve_auth``) and opens each tenant's in the
@@ -23,13 +27,13 @@ tenant's prefix namespace: sessions share system-prompt blocks only within one n
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from cache import KVCache
-from node.model import TinyTransformer
+from node.model_interface import CachedLM
 
 _ID = re.compile(r"chat-(\d+)")
 
@@ -101,7 +105,7 @@ class Sessions(Mapping[str, int]):
     so ``Mapping.get`` and ``in`` behave as for a dict) or its subclass ``ClosedSessionError``.
     """
 
-    def __init__(self, model: TinyTransformer, cache: KVCache):
+    def __init__(self, model: CachedLM, cache: KVCache):
         self.model = model
         self.cache = cache
         self._open: dict[str, ChatSession] = {}
@@ -229,6 +233,36 @@ class Sessions(Mapping[str, int]):
             chat.logits = self.model.forward_cached(reply[-1:], self.cache, chat.sid)[-1]
         return TurnResult(bytes(reply), nll, scored, recomputed)
 
+    @torch.no_grad()
+    def turn_batch(self, session_ids: Sequence[str], texts: Sequence[str | bytes],
+                   max_new_tokens: int = 32) -> list[TurnResult]:
+        """``turn`` for several distinct sessions, their replies decoded together: each
+        session's text is fed as ``turn`` feeds it (a stale session recomputed first), then
+        every step is one ``model.forward_batch`` over all of them (a prefix they share is
+        attended once). Greedy like ``turn``; in an int8/int4 cache a session may attend a
+        prefix another session quantized, so a reply can differ from its one-at-a-time
+        ``turn`` within the bound ``KVCache._quantize_old`` documents. Refused before
+        anything is written if a conversation would pass the context."""
+        if len(texts) != len(session_ids):
+            raise ValueError(f"{len(session_ids)} sessions but {len(texts)} texts")
+        if len(set(session_ids)) != len(session_ids):
+            raise ValueError("a batched turn takes each session once")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        chats = [self.session(s) for s in session_ids]
+        for chat, text in zip(chats, texts):
+            self._check_fits(len(self._tokens(chat)) + len(as_bytes(text)) + max_new_tokens)
+        fed = [self.turn(s, text, 0) for s, text in zip(session_ids, texts)]
+        replies: list[list[int]] = [[] for _ in chats]
+        for _ in range(max_new_tokens if chats else 0):
+            self._before_token()
+            nxt = [int(chat.logits.argmax()) for chat in chats]
+            logits = self.model.forward_batch(nxt, self.cache, [chat.sid for chat in chats])
+            for chat, reply, token, row in zip(chats, replies, nxt, logits):
+                reply.append(token)
+                chat.logits = row
+        return [TurnResult(bytes(r), f.nll, f.scored, f.recomputed) for r, f in zip(replies, fed)]
+
     def _before_token(self) -> None:
         if self.before_token is not None:
             self.before_token()
@@ -260,6 +294,6 @@ class Sessions(Mapping[str, int]):
     def _check_fits(self, n_tokens: int) -> None:
         """Refuse a turn that would pass the model's context before anything is written, so
         a refused turn leaves the session as it was."""
-        limit = self.model.cfg.context_len
+        limit = self.model.context_len
         if n_tokens > limit:
             raise ValueError(f"conversation of {n_tokens} tokens exceeds context_len {limit}")

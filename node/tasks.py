@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -16,10 +17,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from crypto import Layout, flatten
 from node import digits
 from node.corpus import split_corpus
 from node.lm import eval_loss, train_lm
 from node.model import ModelConfig, TinyTransformer
+from node.model_interface import CachedLM
 
 LM_MODEL = ModelConfig(n_layers=2, n_heads=2, d_model=64, context_len=128)
 """The federated LM: ~0.13 M parameters, so a round of 5 encrypted nodes takes seconds."""
@@ -111,9 +114,35 @@ class LmTask:
         return loss, math.exp(loss), self.eval_windows * self.seq_len
 
 
-def lm_model(seed: int, config: ModelConfig = LM_MODEL) -> TinyTransformer:
-    torch.manual_seed(seed)
+def lm_model(seed: int | None = None, config: ModelConfig = LM_MODEL) -> CachedLM:
+    """The node's language model (the one place that names its class), initialised from
+    ``seed`` (None: torch's global generator as it is, for a model loaded afterwards)."""
+    if seed is not None:
+        torch.manual_seed(seed)
     return TinyTransformer(config)
+
+
+def parameter_layout(model: nn.Module) -> Layout:
+    """Names, shapes and order of the parameters the federation averages: a ``CachedLM``'s
+    own ``parameter_layout()``, every state-dict entry of another model (the digits MLP)."""
+    if isinstance(model, CachedLM):
+        return model.parameter_layout()
+    return flatten(model.state_dict(), check_finite=False)[1]
+
+
+def federated_state(model: nn.Module, layout: Layout) -> dict[str, torch.Tensor]:
+    """The model's state-dict entries ``layout`` names."""
+    state = model.state_dict()
+    return {n: state[n] for n in layout.names}
+
+
+def load_parameters(model: nn.Module, state: Mapping[str, torch.Tensor], layout: Layout) -> None:
+    """Load the entries ``layout`` names from ``state`` into ``model`` (a KeyError if one is
+    absent); entries outside the layout (a frozen base under adapters) keep their values.
+    A name the model lacks or a shape it does not have is refused, as a strict load would."""
+    _, unexpected = model.load_state_dict({n: state[n] for n in layout.names}, strict=False)
+    if unexpected:
+        raise KeyError(f"parameters the model does not have: {sorted(unexpected)}")
 
 
 def build_model(task: str, seed: int) -> nn.Module:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cache import KVCache
-from node.model import TinyTransformer
+from node.model_interface import CachedLM
 from node.sessions import Sessions, TurnResult
 from node.workload import Turn
 
@@ -77,14 +77,14 @@ def _counters(cache: KVCache) -> dict:
 
 
 @torch.no_grad()
-def _fresh_nll(model: TinyTransformer, history: list[int], n: int) -> float:
+def _fresh_nll(model: CachedLM, history: list[int], n: int) -> float:
     """Log-loss of the last ``n`` tokens of ``history`` from a cache-free forward."""
     logits = model(torch.as_tensor(history, dtype=torch.long)[None])[0]
     target = torch.as_tensor(history[-n:], dtype=torch.long)
     return float(torch.nn.functional.cross_entropy(logits[-n - 1 : -1], target, reduction="sum"))
 
 
-def _count(rep: ServeReport, r: TurnResult, model: TinyTransformer, history: bytes) -> None:
+def _count(rep: ServeReport, r: TurnResult, model: CachedLM, history: bytes) -> None:
     rep.turns += 1
     rep.decode_tokens += len(r.reply)
     rep.recomputed_tokens += r.recomputed

@@ -6,6 +6,7 @@ import torch
 
 from cache import KVCache, ShapeMismatchError
 from node.model import ModelConfig, TinyTransformer
+from node.sessions import Sessions
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +60,52 @@ def test_batched_decode_with_forks_and_unrelated_sessions(model):
     assert kv.stats()["cow_copies"] >= 1
 
 
-def test_generate_batch_equals_one_session_at_a_time(model):
-    prompts = [list(range(40)) + [i] * (i + 1) for i in range(4)]
+def test_batched_turns_equal_one_session_at_a_time(model):
+    prompts = [bytes(list(range(40)) + [i] * (i + 1)) for i in range(4)]
     kv = cache_for(model, kv_dtype="int8", fp_window=8)
-    together = model.generate_batch(prompts, kv, 10)
-    alone = [model.generate(p, cache_for(model, kv_dtype="int8", fp_window=8), 10)
-             for p in prompts]
-    assert together == alone
+    chats = Sessions(model, kv)
+    ids = [chats.create() for _ in prompts]
+    together = chats.turn_batch(ids, prompts, 10)
+    alone = []
+    for p in prompts:
+        one = Sessions(model, cache_for(model, kv_dtype="int8", fp_window=8))
+        alone.append(one.turn(one.create(), p, 10))
+    assert [r.reply for r in together] == [r.reply for r in alone]
+    assert together[0].scored == alone[0].scored  # later prompts take the shared prefix cached
+    assert [chats.history(s) for s in ids] == [p + r.reply for p, r in zip(prompts, together)]
+    for s in ids:
+        chats.close(s)
     assert kv.stats()["sessions_open"] == 0
+
+
+def test_a_batched_turn_goes_on_from_where_each_session_is(model):
+    """Sessions of different lengths, one of them stale after a write-back: the batched turn
+    feeds each its text (recomputing the stale one) and decodes them together, exactly as
+    one turn after another does on a cache of its own (fp32)."""
+    def script(batched: bool) -> list[bytes]:
+        chats = Sessions(model, cache_for(model))
+        ids = [chats.create(b"system prompt " * 3) for _ in range(3)]
+        chats.send(ids[0], b"first turn", 5)
+        chats.cache.bump_version()
+        chats.send(ids[1], b"x", 3)  # recomputed now; ids[0] and ids[2] stay stale
+        texts = [b"again", b"", b"hello"]
+        if batched:
+            return [r.reply for r in chats.turn_batch(ids, texts, 6)]
+        return [chats.send(s, t, 6) for s, t in zip(ids, texts)]
+
+    assert script(batched=True) == script(batched=False)
+
+
+def test_batched_turn_refusals_leave_the_sessions_alone(model):
+    chats = Sessions(model, cache_for(model))
+    a, b = chats.create(b"abc"), chats.create(b"abc")
+    for bad, match in [(([a, a], [b"x", b"y"], 2), "once"), (([a, b], [b"x"], 2), "texts"),
+                       (([a, b], [b"x", b"y"], -1), "max_new_tokens"),
+                       (([a, b], [b"x", b"y"], 300), "context_len")]:
+        with pytest.raises(ValueError, match=match):
+            chats.turn_batch(*bad)
+    assert chats.history(a) == chats.history(b) == b"abc"
+    assert chats.turn_batch([], [], 4) == []
 
 
 def test_batch_errors_name_the_problem(model):

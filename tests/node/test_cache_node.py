@@ -34,17 +34,18 @@ def test_round_keeps_params_and_update_in_the_cache(lm_node):
 
 def test_sessions_keep_kv_until_a_write_back(lm_node):
     node = lm_node
-    node.generate(b"def f(x):\n", 8, session="s")
-    sid = node.sessions["s"]
+    s = node.create_session()
+    node.send(s, b"def f(x):\n", 8)
+    sid = node.sessions[s]
     n1 = node.cache.length(sid)
-    node.generate(b"    return", 4, session="s")
+    node.send(s, b"    return", 4)
     assert node.cache.length(sid) > n1  # the second turn appended to the same K/V
     history = node.cache.tokens(sid)
     node.apply_mean_update(np.zeros(node.layout.size, np.float32), node.version + 1)
     assert node.cache.is_stale(sid)
     with pytest.raises(Exception, match="version"):
         node.cache.read(sid, 0)  # K/V of the old weights is not served
-    node.generate(b"!", 2, session="s")
+    node.send(s, b"!", 2)
     assert not node.cache.is_stale(sid)
     assert node.cache.tokens(sid)[: len(history)] == history  # recomputed from its tokens
     assert node.cache.stats()["model_version"] == node.version
