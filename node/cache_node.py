@@ -353,18 +353,6 @@ class CacheNode:
         """The session's conversation so far: system prompt, texts and replies."""
         return self.sessions.history(session_id)
 
-    def generate(self, prompt: bytes, max_new_tokens: int = 32, session: str = "default") -> bytes:
-        """Legacy name-addressed entry point: ``send`` to session ``session``, created (with no
-        system prompt) on first use. A closed ``create_session`` id is still refused. No decode
-        loop of its own; kept only while ``tests/federation/test_local.py`` calls it (new code:
-        ``create_session`` + ``send``)."""
-        self._serve_lm()
-        if session not in self.sessions:
-            if self.sessions.was_closed(session):
-                self.sessions.session(session)  # raises ClosedSessionError
-            self.sessions.create(b"", session_id=session)
-        return self.sessions.send(session, prompt, max_new_tokens)
-
     def _serve_lm(self) -> None:
         """Sessions need a language model that decodes through the cache
         (``node.model_interface.CachedLM``; a digits node has none), in eval mode whatever

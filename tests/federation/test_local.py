@@ -68,26 +68,27 @@ def test_lm_session_keeps_kv_across_turns_and_recomputes_after_writeback() -> No
     node = fed.grid.node(node_id)
     assert node.version == 1
 
-    first = node.generate(b"def main(", max_new_tokens=6, session="chat")
-    sid = node.sessions["chat"]
+    chat = node.create_session(b"")
+    first = node.send(chat, b"def main(", max_new_tokens=6)
+    sid = node.sessions[chat]
     turn1 = node.cache.tokens(sid)
     assert turn1[: len(b"def main(")] == list(b"def main(")
-    node.generate(b"):\n", max_new_tokens=6, session="chat")
+    node.send(chat, b"):\n", max_new_tokens=6)
     turn2 = node.cache.tokens(sid)
     # same session, K/V kept: the second turn extended the first one's tokens
-    assert node.sessions["chat"] == sid and not node.cache.is_stale(sid)
+    assert node.sessions[chat] == sid and not node.cache.is_stale(sid)
     assert len(turn2) > len(turn1) and turn2[: len(turn1)] == turn1
 
     fed.round(2)  # the evaluate phase writes aggregate 2 back into this node's cache
     assert fed.grid.node(node_id) is node and node.version == 2
     assert node.cache.is_stale(sid)  # the old K/V is not served any more
 
-    third = node.generate(b"    ", max_new_tokens=6, session="chat")
+    third = node.send(chat, b"    ", max_new_tokens=6)
     assert not node.cache.is_stale(sid)
     history = node.cache.tokens(sid)
     assert history[: len(turn2)] == turn2  # recomputed from the session's tokens
     # recomputed under the new weights: exactly what a fresh session with that history gives
-    fresh = node.generate(bytes(turn2) + b"    ", max_new_tokens=6, session="fresh")
+    fresh = node.send(node.create_session(b""), bytes(turn2) + b"    ", max_new_tokens=6)
     assert third == fresh
     assert len(first) == 6
 

@@ -121,17 +121,6 @@ def test_reply_after_a_write_back_uses_the_new_weights(node):
     assert node.send(fresh, b"    ", 10) == r2
 
 
-def test_legacy_generate_is_a_named_session(node):
-    first = node.generate(b"def main(", 6, session="chat")
-    assert node.history("chat") == b"def main(" + first
-    node.generate(b"):\n", 6, session="chat")
-    sid = node.create_session(SYSTEM)
-    assert node.generate(b"x", 4, session=sid) == node.send(node.create_session(SYSTEM), b"x", 4)
-    node.close("chat")
-    assert "chat" not in node.sessions
-    node.generate(b"y", 2, session="chat")  # a name is created again on first use
-
-
 @pytest.mark.parametrize("call", [
     lambda n, s: n.send(s, b"hi"),
     lambda n, s: n.close(s),
@@ -150,8 +139,6 @@ def test_unknown_and_closed_ids_are_refused(node, call):
         call(node, sid)
     with pytest.raises(KeyError):  # both are KeyErrors: dict-like lookups keep working
         call(node, sid)
-    with pytest.raises(ClosedSessionError):
-        node.generate(b"x", 2, session=sid)  # a closed id is not silently re-created
     assert node.sessions.get(sid) is None and sid not in node.sessions
 
 
