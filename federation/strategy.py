@@ -46,7 +46,7 @@ from logging import ERROR, INFO, WARNING
 from typing import TYPE_CHECKING
 
 import numpy as np
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import Message
 from flwr.common import log
 from flwr.serverapp import Grid
 
@@ -54,7 +54,8 @@ from crypto import CONTRIBUTION_NOISE, CONTRIBUTION_UPDATE, Manifest, ManifestEn
 from crypto import delta_total, last_modulus, noise_std, tag_problem, update_header_problem
 from federation.privacy_ledger import OBSERVERS, PrivacyLedger, RoundRelease, rounding_delta
 from crypto.errors import SignatureError
-from federation import protocol, replies
+from federation import messages, protocol
+from federation.messages import NodeSource
 from federation.codec import Aggregator, make_aggregator, packing_for, run_saturation_delta, wire_noise
 from federation.config import RunConfig
 from federation.results import METRIC_NAMES, RoundRecord, mean, serving_summary, weighted_mean
@@ -66,7 +67,6 @@ from federation.key_service import AdmitReport
 if TYPE_CHECKING:
     from federation.key_service import KeyService
 
-SOURCES = {0: "built", 1: "restored", 2: "reused"}
 
 
 TRAIN_PHASES = protocol.NODE_TRAIN_PHASES
@@ -107,7 +107,7 @@ class PhaseReplies:
     """Replies of one phase, split into usable ones and left-out nodes with reasons."""
 
     ok: list[tuple[int, object]] = field(default_factory=list)
-    """(node id, parsed reply: replies.TrainReply or replies.EvalMetrics)."""
+    """(node id, parsed reply: messages.TrainReply or messages.EvalMetrics)."""
     dropped: list[dict] = field(default_factory=list)
 
 
@@ -315,23 +315,13 @@ class OpaqueFedAvg:
         Train messages of round r bring nodes to v(r-1); evaluate messages to v r.
         """
         target = len(self.history)
-        messages = []
-        for node_id in node_ids:
-            have = min(self.known_version.get(node_id, 0), target)
-            content = RecordDict(
-                {
-                    protocol.AGGREGATES: protocol.pack_aggregates(self.history, have),
-                    protocol.CONFIG: ConfigRecord(
-                        {"server-round": rnd, "target-version": target, "num-sampled": len(node_ids)}
-                    ),
-                }
-            )
-            messages.append(Message(content, dst_node_id=node_id, message_type=message_type))
-        return messages
+        return [messages.round_request(message_type, node_id, rnd, self.history,
+                                       min(self.known_version.get(node_id, 0), target), len(node_ids))
+                for node_id in node_ids]
 
     def collect(self, phase: str, expected: list[int], replies_: Iterable[Message],
                 sent: dict[str, int] | None = None) -> PhaseReplies:
-        """Parse every reply (``federation.replies``); errors, silence and bad fields drop the node."""
+        """Parse every reply (``federation.messages``); errors, silence and bad fields drop the node."""
         out = PhaseReplies()
         dp = self.cfg.dp_mode in ("local", "distributed")
         seen: set[int] = set()
@@ -346,10 +336,10 @@ class OpaqueFedAvg:
                 continue
             try:
                 if phase == "train":
-                    parsed: object = replies.parse_train_reply(reply, dp=dp, dim=self.dim)
+                    parsed: object = messages.parse_train_reply(reply, dp=dp, dim=self.dim)
                 else:
-                    parsed = replies.parse_eval_reply(reply)
-            except replies.BadReply as err:
+                    parsed = messages.parse_eval_reply(reply)
+            except messages.BadReply as err:
                 self._drop(out, node, phase, f"bad reply: {err}")
                 continue
             out.ok.append((node, parsed))
@@ -374,7 +364,7 @@ class OpaqueFedAvg:
                 raise SignatureError(f"update signed by node {signed.node_id[:40]} arrived from node {node}")
             return self.verifier.verify(signed, kind)
         except Exception as err:  # noqa: BLE001 - SignatureError, ReplayError, UnknownNodeError...
-            self._drop(out, node, phase, f"signature check failed: {replies.safe_reason(err)}")
+            self._drop(out, node, phase, f"signature check failed: {messages.safe_reason(err)}")
             return None
 
     def _add(self, agg: Aggregator, out: PhaseReplies, node: int, phase: str, signed: SignedUpdate) -> bool:
@@ -382,7 +372,7 @@ class OpaqueFedAvg:
             agg.add(signed.payload)  # validates fully before touching the sum
             return True
         except Exception as err:  # noqa: BLE001 - any rejection drops this client only
-            self._drop(out, node, phase, f"update rejected: {replies.safe_reason(err)}")
+            self._drop(out, node, phase, f"update rejected: {messages.safe_reason(err)}")
             return False
 
     def aggregate_train(self, grid: Grid, rnd: int, train: PhaseReplies, rec: RoundRecord,
@@ -390,7 +380,7 @@ class OpaqueFedAvg:
         """Verify each update's signature, add it, top up missing noise, append the aggregate."""
         timer = timer or PhaseTimer()
         agg = self.make_aggregator()
-        used: list[tuple[int, replies.TrainReply]] = []
+        used: list[tuple[int, messages.TrainReply]] = []
         entries: list[ManifestEntry] = []
         verify_s = add_s = 0.0
         for node, reply in train.ok:
@@ -465,12 +455,7 @@ class OpaqueFedAvg:
         plan = {n: missing // len(survivors) + (1 if i < missing % len(survivors) else 0)
                 for i, n in enumerate(self.rng.sample(survivors, len(survivors)))}
         plan = {n: k for n, k in plan.items() if k > 0}
-        msgs = [
-            Message(RecordDict({protocol.CONFIG: ConfigRecord(
-                {"server-round": rnd, "shares": k, "num-sampled": rec.sampled})}),
-                dst_node_id=n, message_type=protocol.NOISE)
-            for n, k in plan.items()
-        ]
+        msgs = [messages.noise_request(n, messages.NoiseRequest(rnd, k, rec.sampled)) for n, k in plan.items()]
         out = PhaseReplies()
         added = 0
         got = grid.send_and_receive(msgs, timeout=self.cfg.round_timeout)
@@ -483,8 +468,8 @@ class OpaqueFedAvg:
                 self._drop(out, node, "noise", f"client error: {protocol.error_text(reply)}")
                 continue
             try:
-                blob = replies.parse_noise_reply(reply)
-            except replies.BadReply as err:
+                blob = messages.parse_noise_reply(reply)
+            except messages.BadReply as err:
                 self._drop(out, node, "noise", f"bad reply: {err}")
                 continue
             signed = self._verified(out, node, "noise", blob, CONTRIBUTION_NOISE)
@@ -523,7 +508,7 @@ class OpaqueFedAvg:
         self._drop(out, node, phase, f"{phase} reply {problem} (header field {field})")
         return False
 
-    def _summarize_train(self, m: list[replies.TrainMetrics], rec: RoundRecord) -> None:
+    def _summarize_train(self, m: list[messages.TrainMetrics], rec: RoundRecord) -> None:
         n = [float(x.num_examples) for x in m]
         rec.upload_bytes_mean = mean([float(b) for b in rec.upload_bytes.values()])
         dp = self.cfg.dp_mode in ("local", "distributed")
@@ -649,7 +634,7 @@ class OpaqueFedAvg:
     @staticmethod
     def _count_sources(metrics: list, rec: RoundRecord) -> None:
         for x in metrics:
-            name = SOURCES.get(x.node_source, "?")
+            name = NodeSource(x.node_source).label  # in range: messages checked it
             rec.node_sources[name] = rec.node_sources.get(name, 0) + 1
             if x.pid not in rec.pids:
                 rec.pids.append(x.pid)

@@ -23,7 +23,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from crypto import CkksAggregator, NodeKeys, load_context
 from crypto.binding import MANIFEST_MAGIC
 from crypto.errors import ContextMismatchError
-from federation import protocol, key_service
+from federation import key_service, messages, protocol
 from federation.codec import CkksClientCodec
 from federation.kit import write_kits
 from tests.federation.fakes import Federation, timeout_fault
@@ -384,7 +384,7 @@ def test_substituted_enroll_keys_are_refused_and_nothing_is_wrapped_for_the_atta
 
     def mitm(msg: Message, ctx):
         reply = fed.grid.deliver(msg)
-        rec = reply.content.config_records[key_service.NODE_KEYS_REC]
+        rec = reply.content.config_records[messages.NODE_KEYS]
         rec["kx-public"], rec["sign-public"] = attacker.public.kx_public, attacker.public.sign_public
         return reply
 
@@ -407,7 +407,7 @@ def test_a_hostile_server_cannot_get_a_key_wrapped_for_a_substituted_peer(tmp_pa
     req = ConfigRecord({"epoch": 1, "fresh": 1, "preset": "fedkv-4096", "effective-round": 2,
                         "members": [str(n) for n in members], "names": names, "kx": kx, "sign": sign,
                         "epochs": [1]})
-    msg = Message(RecordDict({key_service.KEYGEN_REC: req}), dst_node_id=100, message_type=key_service.KEYGEN)
+    msg = Message(RecordDict({messages.KEYGEN: req}), dst_node_id=100, message_type=key_service.KEYGEN)
     reply = fed.grid.deliver(msg)
     assert reply.has_error() and "does not hold the keys pinned" in reply.error.reason
     store = key_service.NodeStore.for_context(fed.grid.contexts[100])
@@ -547,7 +547,7 @@ def test_in_simulation_a_peer_key_change_after_first_use_is_refused() -> None:
     req = ConfigRecord({"epoch": 1, "fresh": 1, "preset": "fedkv-4096", "effective-round": 2,
                         "members": [str(n) for n in members], "names": [""] * 3, "partitions": [0, 1, 2],
                         "kx": kx, "sign": sign, "epochs": [1]})
-    msg = Message(RecordDict({key_service.KEYGEN_REC: req}), dst_node_id=100, message_type=key_service.KEYGEN)
+    msg = Message(RecordDict({messages.KEYGEN: req}), dst_node_id=100, message_type=key_service.KEYGEN)
     reply = fed.grid.deliver(msg)
     assert reply.has_error() and "other keys than on first use" in reply.error.reason
 
@@ -559,7 +559,7 @@ def _keygen(fed: Federation, members: list[tuple[int, NodeKeys | None, int]], *,
             epochs: list[int]) -> RecordDict:
     """A keygen request for ``members`` as (node id, keys or None = the enrolled ones, partition)."""
     pubs = [keys.public if keys is not None else fed.keys.members[n].pub for n, keys, _ in members]
-    return RecordDict({key_service.KEYGEN_REC: ConfigRecord({
+    return RecordDict({messages.KEYGEN: ConfigRecord({
         "epoch": epochs[-1], "fresh": int(fresh), "preset": fed.keys.preset, "effective-round": 3,
         "members": [str(n) for n, _, _ in members], "names": [""] * len(members),
         "partitions": [p for _, _, p in members],
@@ -614,13 +614,13 @@ def test_in_simulation_a_key_from_an_invented_key_maker_is_refused() -> None:
     own = fed.keys.members[101].pub
     for members in ([(999, attacker.public, 2), (101, own, 1)], [(999, attacker.public, 3), (101, own, 1)]):
         content = RecordDict({
-            key_service.PROVISION_REC: ConfigRecord({
+            messages.PROVISION_REQUEST: ConfigRecord({
                 "dealer-node": "999", "dealer-name": "", "dealer-sign": attacker.public.sign_public,
                 "members": [str(n) for n, _, _ in members], "names": [""] * len(members),
                 "partitions": [p for _, _, p in members], "kx": [k.kx_public for _, k, _ in members],
                 "sign": [k.sign_public for _, k, _ in members]}),
-            key_service.BUNDLES_REC: ArrayRecord({f"e{epoch}": protocol.bytes_to_array(bundle)}),
-            key_service.PUBLIC_CONTEXT_REC: ArrayRecord({"ctx": protocol.bytes_to_array(dealer.signed_public_context())}),
+            messages.BUNDLES: ArrayRecord({f"e{epoch}": protocol.bytes_to_array(bundle)}),
+            messages.PUBLIC_CONTEXT: ArrayRecord({"ctx": protocol.bytes_to_array(dealer.signed_public_context())}),
         })
         reply = fed.grid.deliver(Message(content, dst_node_id=101, message_type=key_service.PROVISION))
         assert reply.has_error(), "node 101 took the server's key"
