@@ -23,7 +23,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from crypto import CkksAggregator, NodeKeys, load_context
 from crypto.binding import MANIFEST_MAGIC
 from crypto.errors import ContextMismatchError
-from federation import key_service, messages, protocol
+from federation import contribution, key_service, messages, protocol
 from federation.codec import CkksClientCodec
 from federation.kit import write_kits
 from tests.federation.fakes import Federation, timeout_fault
@@ -223,7 +223,6 @@ def _two_tags_of_node_100(fed: Federation):
     second train request made it do before issue 20 (made here through the node's own tagging
     code, so the MAC is tested on its own, whatever the replay guard does)."""
     from crypto import CONTRIBUTION_UPDATE, SignedUpdate
-    from federation import client_app
     from federation.config import RunConfig
 
     _, honest_su = _signed_reply(fed, 100, protocol.TRAIN)
@@ -233,7 +232,8 @@ def _two_tags_of_node_100(fed: Federation):
     u = np.zeros(fed.dim) if fed.strategy.packing.dither else None
     vec = np.random.default_rng().uniform(-0.01, 0.01, fed.dim)
     payload = CkksClientCodec(fed.dim, node_ctx, fed.strategy.packing).encode(vec, 1.0, dither=u)
-    second = SignedUpdate.from_bytes(client_app._signed(cfg, ctx, 1, payload, epoch, node_ctx, CONTRIBUTION_UPDATE, fed.dim))
+    sender = contribution.sender_for(ctx, epoch, node_ctx)
+    second = SignedUpdate.from_bytes(contribution.tag_and_sign(cfg, sender, 1, payload, CONTRIBUTION_UPDATE, fed.dim))
     assert second.tag != honest_su.tag
     return second, honest_su
 
@@ -679,7 +679,6 @@ def crafted_update_fault(grid, make_delta, rounds=None, header=None, envelope=No
     ``tag(tag)`` the tag it signs. Only in ``rounds`` (None: every round)."""
     from crypto import CONTRIBUTION_UPDATE
     from crypto.wire import pack_envelope, parse_envelope
-    from federation import client_app
     from federation.codec import packing_for, wire_dim
     from federation.config import RunConfig
     from node.cache_node import model_layout
@@ -698,11 +697,12 @@ def crafted_update_fault(grid, make_delta, rounds=None, header=None, envelope=No
         if header is not None:
             assemble = codec._enc._packer.assemble
             codec._enc._packer.assemble = lambda h, data, n: assemble(header(*h), data, n)
-        u = client_app._dither(cfg, ctx, key, rnd, epoch, CONTRIBUTION_UPDATE, dim)
+        sender = contribution.sender_for(ctx, epoch, key)
+        u = contribution.dither_for(cfg, sender, rnd, CONTRIBUTION_UPDATE, dim)
         payload = codec.encode(np.asarray(make_delta(packing, dim), dtype=np.float64), 1.0, dither=u)
         if envelope is not None:
             payload = pack_envelope(envelope(parse_envelope(payload, max_ciphertext_bytes=1 << 30)))
-        blob = client_app._signed(cfg, ctx, rnd, payload, epoch, key, CONTRIBUTION_UPDATE, dim)
+        blob = contribution.tag_and_sign(cfg, sender, rnd, payload, CONTRIBUTION_UPDATE, dim)
         if tag is not None:
             from crypto import SignedUpdate
 
