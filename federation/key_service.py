@@ -66,7 +66,8 @@ from crypto import (
     verify_public_context,
 )
 from crypto.errors import CryptoError
-from federation import protocol, replies
+from federation import messages, protocol
+from federation.messages import BUNDLES, CTX, ENROLL_REQUEST, PROVISION_REQUEST, PUBLIC_CONTEXT
 from federation.config import RunConfig
 from federation.node_store import MemberSetError, NodeStore, Peer, PeerKeyError, ProvisioningError
 from federation.node_policy import NodePolicy
@@ -78,9 +79,6 @@ ENROLL = "query.fedkv_enroll"
 KEYGEN = "query.fedkv_keygen"
 PROVISION = "query.fedkv_provision"
 
-ENROLL_REC, NODE_KEYS_REC = "enroll", "node-keys"
-KEYGEN_REC, PROVISION_REC, PROVISIONED_REC = "keygen", "provision", "provisioned"
-BUNDLES_REC, PUBLIC_CONTEXT_REC = "bundles", "public-context"
 
 
 # --- node side ----------------------------------------------------------------------------
@@ -133,12 +131,9 @@ def handle_enroll(msg: Message, context: Context) -> Message:
     partition, num_partitions = _own_partition(context, store)
     pub = store.identity(create=True).public
     held = store.held()
-    reply = ConfigRecord({
-        "node-id": pub.node_id, "name": store.name, "kx-public": pub.kx_public, "sign-public": pub.sign_public,
-        "epoch": held[0] if held else -1, "key-id": held[1] if held else b"",
-        "partition-id": partition, "num-partitions": num_partitions,
-    })
-    return Message(RecordDict({NODE_KEYS_REC: reply}), reply_to=msg)
+    return messages.enroll_reply(msg, messages.EnrollReply(
+        pub.node_id, store.name, pub.kx_public, pub.sign_public, held[0] if held else -1,
+        held[1] if held else b"", partition, num_partitions))
 
 
 def _member_list(req: ConfigRecord) -> list[tuple[NodePublicKeys, str, int]]:
@@ -191,7 +186,7 @@ def _members(req: ConfigRecord, store: NodeStore, context: Context) -> list[tupl
 def handle_keygen(msg: Message, context: Context) -> Message:
     """``query.fedkv_keygen``: make (fresh) or re-wrap CKKS keys for the listed members."""
     node_policy(context).check(RunConfig.from_run_config(context.run_config))
-    req = msg.content.config_records[KEYGEN_REC]
+    req = msg.content.config_records[messages.KEYGEN]
     store = NodeStore.for_context(context)
     keys = store.identity()
     epoch, members = int(req["epoch"]), _members(req, store, context)
@@ -209,13 +204,9 @@ def handle_keygen(msg: Message, context: Context) -> Message:
             dealer.enroll(pub)
             packs[pub.node_id].append(dealer.wrap_for(pub.node_id).to_bytes())
     assert dealer is not None
-    done = ConfigRecord({"epoch": dealer.epoch, "key-id": dealer.key_id, "members": [p.node_id for p, _ in members]})
-    content = RecordDict({
-        KEYGEN_REC: done,
-        BUNDLES_REC: ArrayRecord({k: protocol.bytes_to_array(protocol.pack_blobs(v)) for k, v in packs.items()}),
-        PUBLIC_CONTEXT_REC: ArrayRecord({"ctx": protocol.bytes_to_array(dealer.signed_public_context())}),
-    })
-    return Message(content, reply_to=msg)
+    bundles = {node: protocol.pack_blobs(packed) for node, packed in packs.items()}
+    return messages.keygen_reply(msg, messages.KeygenReply(dealer.epoch, dealer.key_id, bundles,
+                                                           dealer.signed_public_context()))
 
 
 def _check_dealer(context: Context, store: NodeStore, req: ConfigRecord, dealer_sign: bytes) -> None:
@@ -236,16 +227,16 @@ def _check_dealer(context: Context, store: NodeStore, req: ConfigRecord, dealer_
 
 def handle_provision(msg: Message, context: Context) -> Message:
     """``query.fedkv_provision``: verify the signer, unwrap every bundle, keep the keys in files."""
-    req = msg.content.config_records[PROVISION_REC]
+    req = msg.content.config_records[PROVISION_REQUEST]
     store = NodeStore.for_context(context)
     dealer_sign = bytes(req["dealer-sign"])
     _check_dealer(context, store, req, dealer_sign)
     keys = store.identity()
-    pub_signed = protocol.array_to_bytes(msg.content.array_records[PUBLIC_CONTEXT_REC]["ctx"])
+    pub_signed = protocol.array_to_bytes(msg.content.array_records[PUBLIC_CONTEXT][CTX])
     pub_bytes, pub_epoch, _ = verify_public_context(pub_signed, dealer_sign)
     public = load_public_context(pub_bytes)
     newest = None
-    for key, arr in sorted(msg.content.array_records[BUNDLES_REC].items()):
+    for key, arr in sorted(msg.content.array_records[BUNDLES].items()):
         bundle = WrappedKeyBundle.from_bytes(protocol.array_to_bytes(arr))
         ctx = unwrap_bundle(bundle, keys, dealer_sign)
         store.save_context(ctx, bundle.epoch)
@@ -253,8 +244,7 @@ def handle_provision(msg: Message, context: Context) -> Message:
             newest = (bundle.epoch, ctx.key_id)
     if newest is None or newest != (pub_epoch, public.key_id):
         raise ProvisioningError("the bundles do not match the signed public context")
-    ack = ConfigRecord({"key-id": newest[1], "epoch": newest[0]})
-    return Message(RecordDict({PROVISIONED_REC: ack}), reply_to=msg)
+    return messages.provision_ack(msg, messages.ProvisionAck(key_id=newest[1], epoch=newest[0]))
 
 
 # --- server side (relay, roster, rotation) --------------------------------------------------
@@ -389,13 +379,14 @@ class KeyService:
         return got
 
     def _enroll(self, grid: Any, nodes: list[int], out: AdmitReport) -> None:
-        msgs = [Message(RecordDict({ENROLL_REC: ConfigRecord({})}), dst_node_id=n, message_type=ENROLL) for n in nodes]
+        msgs = [Message(RecordDict({ENROLL_REQUEST: ConfigRecord({})}), dst_node_id=n, message_type=ENROLL)
+                for n in nodes]
         for node, reply in sorted(self._exchange(grid, "enroll", msgs, out).items()):
             try:
-                rec = replies.parse_enroll_reply(reply, str(node))
+                rec = messages.parse_enroll_reply(reply, str(node))
                 self._check_roster(rec)
                 self._check_partition(rec)
-            except (replies.BadReply, ProvisioningError) as err:
+            except (messages.BadReply, ProvisioningError) as err:
                 self._refuse(out, node, "enroll", f"bad enroll reply: {err}")
                 continue
             pub = NodePublicKeys(rec.node_id, rec.kx_public, rec.sign_public)
@@ -465,12 +456,12 @@ class KeyService:
             "epoch": epochs[-1], "fresh": int(fresh), "preset": self.preset, "effective-round": rnd,
             **self._member_fields(everyone), "epochs": epochs,
         })
-        msg = Message(RecordDict({KEYGEN_REC: req}), dst_node_id=dealer, message_type=KEYGEN)
+        msg = Message(RecordDict({messages.KEYGEN: req}), dst_node_id=dealer, message_type=KEYGEN)
         reply = self._exchange(grid, "keygen", [msg], out).get(dealer)
         if reply is None:
             return False
         try:
-            made = replies.parse_keygen_reply(reply, [str(n) for n in everyone], epochs[-1])
+            made = messages.parse_keygen_reply(reply, [str(n) for n in everyone], epochs[-1])
             pub, epoch, _ = verify_public_context(made.signed_public_context, self.members[dealer].pub.sign_public)
             if epoch != epochs[-1]:
                 raise ProvisioningError("public context of another epoch")
@@ -478,8 +469,8 @@ class KeyService:
             if key_id != made.key_id or (not fresh and (epoch != self.epoch or key_id != self.key_id)):
                 raise ProvisioningError("the key made is not the one asked for")
             bundles = {n: self._split(made.bundles[str(n)], epochs) for n in members if n != dealer}
-        except (replies.BadReply, ProvisioningError, CryptoError, ValueError) as err:
-            self._refuse(out, dealer, "keygen", f"bad keygen reply: {replies.safe_reason(err)}")
+        except (messages.BadReply, ProvisioningError, CryptoError, ValueError) as err:
+            self._refuse(out, dealer, "keygen", f"bad keygen reply: {messages.safe_reason(err)}")
             return False
         if fresh:  # only now, with every part of the reply checked
             self._set_key(pub, epoch, {"party": "node", "node": dealer, "epoch": epoch})
@@ -509,16 +500,16 @@ class KeyService:
         msgs = []
         for n, by_epoch in bundles.items():
             content = RecordDict({
-                PROVISION_REC: ConfigRecord({"dealer-node": str(dealer), "dealer-name": d.name,
+                PROVISION_REQUEST: ConfigRecord({"dealer-node": str(dealer), "dealer-name": d.name,
                                              "dealer-sign": d.pub.sign_public, **listed}),
-                BUNDLES_REC: ArrayRecord({k: protocol.bytes_to_array(v) for k, v in by_epoch.items()}),
-                PUBLIC_CONTEXT_REC: ArrayRecord({"ctx": protocol.bytes_to_array(signed_public)}),
+                BUNDLES: ArrayRecord({k: protocol.bytes_to_array(v) for k, v in by_epoch.items()}),
+                PUBLIC_CONTEXT: ArrayRecord({CTX: protocol.bytes_to_array(signed_public)}),
             })
             msgs.append(Message(content, dst_node_id=n, message_type=PROVISION))
         for node, reply in self._exchange(grid, "provision", msgs, out).items():
             try:
-                ack = replies.parse_provision_ack(reply)
-            except replies.BadReply as err:
+                ack = messages.parse_provision_ack(reply)
+            except messages.BadReply as err:
                 self._refuse(out, node, "provision", f"bad provision reply: {err}")
                 continue
             if ack.key_id != self.key_id or ack.epoch != self.epoch:

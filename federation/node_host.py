@@ -32,6 +32,7 @@ import torch
 from flwr.app import ConfigRecord, Context
 
 from federation.config import stale_versions
+from federation.messages import NodeSource
 from federation.node_store import NodeStore
 from node.cache_node import CacheNode, NodeSpec
 
@@ -43,8 +44,6 @@ MAX_CACHED_NODES = 512
 simulation any node may land on any actor, and one it no longer holds is rebuilt and restored
 from disk for every message."""
 
-BUILT, RESTORED, REUSED = 0, 1, 2
-"""``node-source`` codes reported in reply metrics."""
 
 
 @dataclass
@@ -144,8 +143,8 @@ def _limit_threads() -> None:
         torch.set_num_threads(want)
 
 
-def get_node(context: Context) -> tuple[CacheNode, int]:
-    """The node for this context and how it was obtained (BUILT/RESTORED/REUSED)."""
+def get_node(context: Context) -> tuple[CacheNode, NodeSource]:
+    """The node for this context and how it was obtained (``NodeSource``: built, restored, reused)."""
     _limit_threads()
     key = (context.run_id, context.node_id)
     meta = context.state.config_records.get(META_KEY)
@@ -155,10 +154,10 @@ def get_node(context: Context) -> tuple[CacheNode, int]:
         _CACHE.move_to_end(key)
         entry.node.reattach()
         _OPEN.append(entry.node)
-        return entry.node, REUSED
+        return entry.node, NodeSource.REUSED
     node = build_node(context)
     _OPEN.append(node)
-    source = BUILT
+    source = NodeSource.BUILT
     if meta is not None:
         scalars = {k: v for k, v in meta.items() if k != "generation"}
         if node.version != int(scalars["version"]):  # the cache is behind: restore the copy
@@ -166,7 +165,7 @@ def get_node(context: Context) -> tuple[CacheNode, int]:
             node.load_state(params, scalars)
         else:
             node.load_scalars(scalars)
-        source = RESTORED
+        source = NodeSource.RESTORED
     _remember(key, node, generation, cache_capacity(context))
     return node, source
 
@@ -227,10 +226,10 @@ def stored_params(context: Context) -> np.ndarray:
     return NodeStore.for_context(context).load_params(int(meta["generation"]))
 
 
-def kv_on_disk(node: CacheNode, source: int) -> int:
+def kv_on_disk(node: CacheNode, source: NodeSource) -> int:
     """K/V blocks the node found on disk when this process opened its cache (0 when the
     process reused a node it already held)."""
-    return 0 if source == REUSED else node.kv_blocks_on_disk
+    return 0 if source == NodeSource.REUSED else node.kv_blocks_on_disk
 
 
 def pid() -> int:

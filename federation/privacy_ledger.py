@@ -39,10 +39,15 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
+from logging import WARNING
+from typing import Any
+
+from flwr.common import log
 
 from federation.client_accounting import ClientAccountant, GaussianAccountant
 
-__all__ = ["OBSERVERS", "RoundRelease", "observer_sigmas", "PrivacyLedger", "rounding_delta"]
+__all__ = ["OBSERVERS", "RoundCharge", "RoundRelease", "charge_round", "observer_sigmas", "PrivacyLedger",
+           "rounding_delta"]
 
 OBSERVERS: tuple[str, ...] = ("third_party", "server", "node", "colluding")
 
@@ -133,3 +138,85 @@ class PrivacyLedger:
         out = {"third_party": self._third_party.epsilon()}
         out.update({name: acc.epsilon() for name, acc in self._plain.items()})
         return {name: math.inf if name in self._void else eps for name, eps in out.items()}
+
+
+@dataclass
+class RoundCharge:
+    """What ``charge_round`` needs of the run besides the round: the strategy's public state."""
+
+    cfg: Any
+    """The run's ``RunConfig`` (dp-mode, noise-multiplier, target-delta, colluding-nodes, he)."""
+    sampler: Any
+    """The run's ``federation.sampling.ClientSampler`` (its method, q and fixed sizes)."""
+    saturation_delta: float
+    packing: Any
+    """The public ``PackingConfig`` (he=true) or None."""
+    dim: int
+
+
+def charge_round(run: RoundCharge, ledger: PrivacyLedger | None, prior_epsilon: float, rec: Any,
+                 release: RoundRelease, topup_summands: int) -> tuple[PrivacyLedger | None, float]:
+    """Charge one round's release (dp-mode local/distributed): fill ``rec``'s ε per observer and
+    δ figures; return the ledger (made at the first charged round, for that round's population:
+    Flower's accountant fixes N) and the third parties' ε so far (``epsilon_client``).
+
+    Poisson is charged at the sampler's own q (fraction-train), not at a rounded q·N / N. A
+    skipped Poisson round (a draw outside [min-clients, max-clients]: nobody trains) is charged
+    as a full release at σ: it released nothing, so over-counting is safe."""
+    from crypto import delta_total
+
+    cfg = run.cfg
+    rec.colluding_nodes = cfg.colluding_nodes
+    ledger, eps = _epsilons_after(run, ledger, prior_epsilon, rec, release)
+    rec.epsilon_server, rec.epsilon_node, rec.epsilon_colluding = eps["server"], eps["node"], eps["colluding"]
+    rec.saturation_delta = run.saturation_delta
+    rec.delta_total = delta_total(cfg.target_delta, eps["third_party"], run.saturation_delta)
+    rec.rounding_share_steps, rec.rounding_delta = _rounding(run, release, topup_summands)
+    rec.delta_total_key_holders = delta_total(
+        cfg.target_delta, eps["node"], min(1.0, run.saturation_delta + rec.rounding_delta))
+    return ledger, eps["third_party"]
+
+
+def _epsilons_after(run: RoundCharge, ledger: PrivacyLedger | None, prior_epsilon: float, rec: Any,
+                    release: RoundRelease) -> tuple[PrivacyLedger | None, dict[str, float]]:
+    """The ledger's ε per observer after this round's release."""
+    cfg, sampler = run.cfg, run.sampler
+    sigma = cfg.noise_multiplier
+    if sigma <= 0 or math.isinf(prior_epsilon):
+        return ledger, dict.fromkeys(OBSERVERS, math.inf)
+    if ledger is None:
+        ledger = PrivacyLedger(sampler.method, rec.population, cfg.target_delta, cfg.dp_mode, cfg.he,
+                               cfg.colluding_nodes)
+    if sampler.method == "poisson":  # the probability the sampler draws each node with
+        ledger.record(release, sigma, sample_rate=sampler.fraction)
+    else:
+        ledger.record(release, sigma, sample_size=_event_size(sampler, ledger, rec))
+    return ledger, ledger.epsilons()
+
+
+def _rounding(run: RoundCharge, release: RoundRelease, topup_summands: int) -> tuple[float, float]:
+    """(noise share std in lattice steps, the key holders' rounding δ) of a dithered packed
+    round (module docstring); (nan, 0) where nothing is rounded that way."""
+    packing = run.packing
+    if packing is None or not packing.dither or not release.sampled or release.skipped:
+        return math.nan, 0.0
+    from crypto import noise_std
+    from federation.codec import wire_noise
+
+    clip, sigma = wire_noise(run.cfg)
+    steps = noise_std(sigma, clip, "distributed", release.sampled) / packing.step
+    summands = len(release.shares_by_node) + topup_summands
+    return steps, rounding_delta(steps, run.dim * summands)
+
+
+def _event_size(sampler: Any, ledger: PrivacyLedger, rec: Any) -> int:
+    """The fixed sampler's k in the accountant's own population N0, scaled to N0 and rounded
+    up (conservative) when the admitted population changed. (Poisson is charged at the
+    sampler's q whatever N is.)"""
+    n0 = ledger.population
+    k = sampler.fixed_size(rec.population) if rec.sampling_skipped else rec.sampled
+    if rec.population != n0:
+        log(WARNING, "population %d differs from the accountant's %d: charging k=%d as a share of %d",
+            rec.population, n0, k, n0)
+        k = min(n0, math.ceil(k * n0 / rec.population))
+    return k

@@ -12,7 +12,7 @@ Client phase times are means over the clients that took part (their reply metric
 ``aggregate``, ``verify`` and ``provision`` are measured on the server.
 
 Privacy: ``epsilon_client`` is the client-level ε so far against third parties (server-side RDP
-accountant, see ``OpaqueFedAvg._account``); ``epsilon_server``, ``epsilon_node`` and
+accountant, see ``federation.privacy_ledger.charge_round``); ``epsilon_server``, ``epsilon_node`` and
 ``epsilon_colluding`` the same against the other observers (``federation.privacy_ledger``);
 ``epsilon_sample`` the largest sample-level DP-SGD ε reported
 by a node (Opacus, per node), both for δ = ``delta``; null = not applicable (no DP of that

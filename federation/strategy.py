@@ -15,9 +15,13 @@ Global versions: aggregate k (``history[k-1]``) turns global v(k-1) into vk. Eve
 message carries the aggregates the destination node may lack, so a node that skipped
 rounds (sampling, a crash, a timeout) catches up before it trains or evaluates.
 
-Each round: admit new nodes (enroll/provision) -> sample among the admitted -> train
-(signed update bytes) -> verify signature/round/sender -> ``Aggregator.add`` -> distributed
-DP noise top-up for dropped clients -> result -> evaluate.
+Each round (``round``, the one loop, in Flower's verbs): admit new nodes (enroll/provision,
+``federation.key_service``) -> sample among the admitted -> ``configure_train`` (signed update
+bytes come back) -> ``aggregate_train``: verify signature/round/sender/header ->
+``Aggregator.add`` -> distributed DP noise top-up for dropped clients
+(``federation.noise_topup``) -> the aggregate -> ε (``federation.privacy_ledger.charge_round``)
+-> ``configure_evaluate`` -> ``aggregate_evaluate``. The messages' writers and readers are
+``federation.messages``.
 
 Faults (a round goes on with the clients that remain; each left-out node is logged with
 its reason and listed in the round record's ``dropped``):
@@ -42,31 +46,31 @@ import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from logging import ERROR, INFO, WARNING
+from logging import ERROR, WARNING
 from typing import TYPE_CHECKING
 
-import numpy as np
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import Message
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from crypto import CONTRIBUTION_NOISE, CONTRIBUTION_UPDATE, Manifest, ManifestEntry, SignedUpdate
-from crypto import delta_total, last_modulus, noise_std, tag_problem, update_header_problem
-from federation.privacy_ledger import OBSERVERS, PrivacyLedger, RoundRelease, rounding_delta
+from crypto import CONTRIBUTION_UPDATE, Manifest, ManifestEntry, SignedUpdate
+from crypto import last_modulus, tag_problem, update_header_problem
+from federation.privacy_ledger import PrivacyLedger, RoundCharge, RoundRelease, charge_round
 from crypto.errors import SignatureError
-from federation import protocol, replies
-from federation.codec import Aggregator, make_aggregator, packing_for, run_saturation_delta, wire_noise
+from federation import messages, protocol
+from federation.messages import NodeSource
+from federation.codec import Aggregator, make_aggregator, packing_for, run_saturation_delta
 from federation.config import RunConfig
 from federation.results import METRIC_NAMES, RoundRecord, mean, serving_summary, weighted_mean
 from federation.sampling import ClientSampler, SampleOutsideBounds, evaluation_size
 from federation.timing import PhaseTimer
 
 from federation.key_service import AdmitReport
+from federation.noise_topup import NoiseTopUp
 
 if TYPE_CHECKING:
     from federation.key_service import KeyService
 
-SOURCES = {0: "built", 1: "restored", 2: "reused"}
 
 
 TRAIN_PHASES = protocol.NODE_TRAIN_PHASES
@@ -107,7 +111,7 @@ class PhaseReplies:
     """Replies of one phase, split into usable ones and left-out nodes with reasons."""
 
     ok: list[tuple[int, object]] = field(default_factory=list)
-    """(node id, parsed reply: replies.TrainReply or replies.EvalMetrics)."""
+    """(node id, parsed reply: messages.TrainReply or messages.EvalMetrics)."""
     dropped: list[dict] = field(default_factory=list)
 
 
@@ -120,21 +124,22 @@ class OpaqueFedAvg:
         self.keys = keys
         self.packing = packing_for(cfg, dim) if cfg.he else None
         self.saturation_delta = run_saturation_delta(cfg, dim)
-        """δ_sat of the run (``crypto.saturation``): the reported δ is δ + (1 + e^ε)·δ_sat."""
+        """δ_sat of the run (``crypto.dp.saturation``): the reported δ is δ + (1 + e^ε)·δ_sat."""
         self.wait_for_nodes_s = wait_for_nodes_s
         self.history: list[tuple[bytes, bytes]] = []
         """(aggregate, manifest) per global version: history[k-1] makes v k."""
         self.known_version: dict[int, int] = {}
         """Last global version each node confirmed; 0 (resend all) when unknown."""
         self.sampler = sampler_for(cfg)
-        self.rng = random.SystemRandom()  # who makes missing noise shares: not derivable from the seed
-        self.noise_rng = np.random.default_rng()
+        self.rng = random.SystemRandom()  # who evaluates: not derivable from the seed
+        self.noise = NoiseTopUp(cfg)
+        """Distributed DP: the noise shares of sampled nodes that left a round (``federation.noise_topup``)."""
         self.ledger: PrivacyLedger | None = None
         """ε per observer; created at the first DP round, for that round's population (Flower's
         accountant fixes N); ``federation.privacy_ledger``."""
         self.client_epsilon = 0.0 if cfg.dp_mode in ("local", "distributed") else math.nan
         self._topup_by_node: dict[int, int] = {}
-        """This round's noise shares each survivor made for left-out clients (he=true)."""
+        """This round's noise shares each survivor made for left-out clients (he=true; ``noise.by_node``)."""
         self.rotate_reason: str | None = None
         self.refused_rounds: list[int] = []
         """The rounds since the last accepted aggregate whose aggregate every node refused."""
@@ -199,7 +204,7 @@ class OpaqueFedAvg:
         t0 = time.perf_counter()
         self.verifier.start_round(rnd)
         with timer.phase("send"):
-            msgs = self.configure(protocol.TRAIN, rnd, sampled)
+            msgs = self.configure_train(rnd, sampled)
         with timer.phase("wait"):
             replies_ = grid.send_and_receive(msgs, timeout=self.cfg.round_timeout)
         with timer.phase("receive"):
@@ -214,7 +219,7 @@ class OpaqueFedAvg:
         t0 = time.perf_counter()
         with timer.phase("eval_send"):
             asked = self.evaluation_sample(ready)
-            msgs = self.configure(protocol.EVALUATE, rnd, asked)
+            msgs = self.configure_evaluate(rnd, asked)
         with timer.phase("eval_wait"):
             replies_ = grid.send_and_receive(msgs, timeout=self.cfg.round_timeout)
         with timer.phase("eval_receive"):
@@ -308,30 +313,28 @@ class OpaqueFedAvg:
                             self.cfg.max_evaluate_clients)
         return sorted(self.rng.sample(nodes, k)) if k < len(nodes) else list(nodes)
 
-    # -- messages -----------------------------------------------------------------------
+    # -- messages: Flower's verbs (configure / aggregate, train and evaluate) ---------------
+    def configure_train(self, rnd: int, node_ids: list[int]) -> list[Message]:
+        """Round ``rnd``'s train messages: each node catches up to v(r-1), then trains."""
+        return self.configure(protocol.TRAIN, rnd, node_ids)
+
+    def configure_evaluate(self, rnd: int, node_ids: list[int]) -> list[Message]:
+        """Round ``rnd``'s evaluate messages: each node catches up to v r, then evaluates."""
+        return self.configure(protocol.EVALUATE, rnd, node_ids)
+
     def configure(self, message_type: str, rnd: int, node_ids: list[int]) -> list[Message]:
         """One message per node: the aggregates (and manifests) it may lack + the round's config.
 
         Train messages of round r bring nodes to v(r-1); evaluate messages to v r.
         """
         target = len(self.history)
-        messages = []
-        for node_id in node_ids:
-            have = min(self.known_version.get(node_id, 0), target)
-            content = RecordDict(
-                {
-                    protocol.AGGREGATES: protocol.pack_aggregates(self.history, have),
-                    protocol.CONFIG: ConfigRecord(
-                        {"server-round": rnd, "target-version": target, "num-sampled": len(node_ids)}
-                    ),
-                }
-            )
-            messages.append(Message(content, dst_node_id=node_id, message_type=message_type))
-        return messages
+        return [messages.round_request(message_type, node_id, rnd, self.history,
+                                       min(self.known_version.get(node_id, 0), target), len(node_ids))
+                for node_id in node_ids]
 
     def collect(self, phase: str, expected: list[int], replies_: Iterable[Message],
                 sent: dict[str, int] | None = None) -> PhaseReplies:
-        """Parse every reply (``federation.replies``); errors, silence and bad fields drop the node."""
+        """Parse every reply (``federation.messages``); errors, silence and bad fields drop the node."""
         out = PhaseReplies()
         dp = self.cfg.dp_mode in ("local", "distributed")
         seen: set[int] = set()
@@ -342,23 +345,24 @@ class OpaqueFedAvg:
                 continue
             seen.add(node)
             if reply.has_error():
-                self._drop(out, node, phase, f"client error: {protocol.error_text(reply)}")
+                self.drop(out, node, phase, f"client error: {protocol.error_text(reply)}")
                 continue
             try:
                 if phase == "train":
-                    parsed: object = replies.parse_train_reply(reply, dp=dp, dim=self.dim)
+                    parsed: object = messages.parse_train_reply(reply, dp=dp, dim=self.dim)
                 else:
-                    parsed = replies.parse_eval_reply(reply)
-            except replies.BadReply as err:
-                self._drop(out, node, phase, f"bad reply: {err}")
+                    parsed = messages.parse_eval_reply(reply)
+            except messages.BadReply as err:
+                self.drop(out, node, phase, f"bad reply: {err}")
                 continue
             out.ok.append((node, parsed))
         for node in expected:
             if node not in seen:
-                self._drop(out, node, phase, f"no reply within round-timeout={self.cfg.round_timeout}s")
+                self.drop(out, node, phase, f"no reply within round-timeout={self.cfg.round_timeout}s")
         return out
 
-    def _drop(self, out: PhaseReplies, node: int, phase: str, reason: str) -> None:
+    def drop(self, out: PhaseReplies, node: int, phase: str, reason: str) -> None:
+        """Leave ``node`` out of this phase with ``reason`` (and resend it the whole history)."""
         log(WARNING, "%s: leaving out node %s: %s", phase, node, reason)
         out.dropped.append({"node": node, "phase": phase, "reason": reason})
         self.known_version[node] = 0  # unknown state: resend the whole history next time
@@ -374,15 +378,24 @@ class OpaqueFedAvg:
                 raise SignatureError(f"update signed by node {signed.node_id[:40]} arrived from node {node}")
             return self.verifier.verify(signed, kind)
         except Exception as err:  # noqa: BLE001 - SignatureError, ReplayError, UnknownNodeError...
-            self._drop(out, node, phase, f"signature check failed: {replies.safe_reason(err)}")
+            self.drop(out, node, phase, f"signature check failed: {messages.safe_reason(err)}")
             return None
+
+    def admit_summand(self, agg: Aggregator, out: PhaseReplies, node: int, phase: str, blob: bytes, kind: int,
+                      shares: int) -> SignedUpdate | None:
+        """A contribution into ``agg`` after every check (signature, header, the aggregator's own):
+        the verified update, or None with the node dropped (``noise_topup.SummandGate``)."""
+        signed = self._verified(out, node, phase, blob, kind)
+        if signed is None or not self._header_ok(agg, out, node, phase, signed, shares):
+            return None
+        return signed if self._add(agg, out, node, phase, signed) else None
 
     def _add(self, agg: Aggregator, out: PhaseReplies, node: int, phase: str, signed: SignedUpdate) -> bool:
         try:
             agg.add(signed.payload)  # validates fully before touching the sum
             return True
         except Exception as err:  # noqa: BLE001 - any rejection drops this client only
-            self._drop(out, node, phase, f"update rejected: {replies.safe_reason(err)}")
+            self.drop(out, node, phase, f"update rejected: {messages.safe_reason(err)}")
             return False
 
     def aggregate_train(self, grid: Grid, rnd: int, train: PhaseReplies, rec: RoundRecord,
@@ -390,7 +403,7 @@ class OpaqueFedAvg:
         """Verify each update's signature, add it, top up missing noise, append the aggregate."""
         timer = timer or PhaseTimer()
         agg = self.make_aggregator()
-        used: list[tuple[int, replies.TrainReply]] = []
+        used: list[tuple[int, messages.TrainReply]] = []
         entries: list[ManifestEntry] = []
         verify_s = add_s = 0.0
         for node, reply in train.ok:
@@ -418,9 +431,11 @@ class OpaqueFedAvg:
                 f"round {rnd}: {len(used)} usable update(s) < min-clients={self.cfg.min_clients}; "
                 f"left out: {[(d['node'], d['reason']) for d in train.dropped]}"
             )
-        self._topup_by_node = {}
         with timer.phase("noise"):
-            shares = self.top_up_noise(grid, rnd, agg, [n for n, _ in used], rec, entries)
+            noise_out = PhaseReplies()
+            shares = self.noise.top_up(grid, rnd, agg, [n for n, _ in used], rec, entries, self, noise_out)
+            rec.dropped.extend(noise_out.dropped)
+            self._topup_by_node = self.noise.by_node
         with timer.phase("serialize"):
             self.history.append((agg.result(), self._manifest(rnd, entries)))
         rec.aggregate_bytes = len(self.history[-1][0])
@@ -435,67 +450,6 @@ class OpaqueFedAvg:
         if not self.cfg.he:
             return b""
         return Manifest(self.verifier.run_id, rnd, self.keys.epoch, tuple(entries)).to_bytes()
-
-    def top_up_noise(self, grid: Grid, rnd: int, agg: Aggregator, survivors: list[int], rec: RoundRecord,
-                     entries: list[ManifestEntry]) -> int:
-        """Distributed DP: add the noise shares of sampled clients that were left out.
-
-        he=true: survivors make the missing shares (signed, tagged contributions of kind noise), so
-        every summand of an aggregate is a node's, and a node can check it (``crypto.binding``);
-        each survivor knows only its own extra share. he=false: the server draws them itself.
-        Returns the noise shares present beyond the survivors' own."""
-        missing = rec.sampled - len(survivors)
-        if self.cfg.dp_mode != "distributed" or missing <= 0 or self.cfg.noise_multiplier <= 0:
-            return 0
-        clip, sigma = wire_noise(self.cfg)  # (1, σ_Δ) under adaptive clipping: updates travel as Δ/C
-        std = noise_std(sigma, clip, "distributed", rec.sampled)
-        t0 = time.perf_counter()
-        if self.cfg.he:
-            added = self._noise_from_survivors(grid, rnd, agg, survivors, missing, rec, entries)
-        else:
-            agg.add_noise(std, shares=missing, rng=self.noise_rng)
-            added = missing
-        rec.seconds["noise"] = time.perf_counter() - t0
-        rec.noise_shares_added = added
-        log(INFO, "round %d: added %d of %d missing noise share(s) of std %.4g", rnd, added, missing, std)
-        return added
-
-    def _noise_from_survivors(self, grid: Grid, rnd: int, agg: Aggregator, survivors: list[int], missing: int,
-                              rec: RoundRecord, entries: list[ManifestEntry]) -> int:
-        plan = {n: missing // len(survivors) + (1 if i < missing % len(survivors) else 0)
-                for i, n in enumerate(self.rng.sample(survivors, len(survivors)))}
-        plan = {n: k for n, k in plan.items() if k > 0}
-        msgs = [
-            Message(RecordDict({protocol.CONFIG: ConfigRecord(
-                {"server-round": rnd, "shares": k, "num-sampled": rec.sampled})}),
-                dst_node_id=n, message_type=protocol.NOISE)
-            for n, k in plan.items()
-        ]
-        out = PhaseReplies()
-        added = 0
-        got = grid.send_and_receive(msgs, timeout=self.cfg.round_timeout)
-        sent = protocol.destinations(msgs)
-        for reply in got:
-            node = protocol.reply_sender(reply, sent)
-            if node not in plan or any(e.node_id == str(node) and e.kind == CONTRIBUTION_NOISE for e in entries):
-                continue
-            if reply.has_error():
-                self._drop(out, node, "noise", f"client error: {protocol.error_text(reply)}")
-                continue
-            try:
-                blob = replies.parse_noise_reply(reply)
-            except replies.BadReply as err:
-                self._drop(out, node, "noise", f"bad reply: {err}")
-                continue
-            signed = self._verified(out, node, "noise", blob, CONTRIBUTION_NOISE)
-            if signed is not None and not self._header_ok(agg, out, node, "noise", signed, plan[node]):
-                continue
-            if signed is not None and self._add(agg, out, node, "noise", signed):
-                entries.append(ManifestEntry(signed.node_id, CONTRIBUTION_NOISE, signed.digest, signed.tag))
-                added += plan[node]
-                self._topup_by_node[node] = plan[node]
-        rec.dropped.extend(out.dropped)
-        return added
 
     def _header_ok(self, agg: Aggregator, out: PhaseReplies, node: int, phase: str, signed: SignedUpdate,
                    shares: int) -> bool:
@@ -520,10 +474,10 @@ class OpaqueFedAvg:
             if found is None:
                 return True
             field, problem = found
-        self._drop(out, node, phase, f"{phase} reply {problem} (header field {field})")
+        self.drop(out, node, phase, f"{phase} reply {problem} (header field {field})")
         return False
 
-    def _summarize_train(self, m: list[replies.TrainMetrics], rec: RoundRecord) -> None:
+    def _summarize_train(self, m: list[messages.TrainMetrics], rec: RoundRecord) -> None:
         n = [float(x.num_examples) for x in m]
         rec.upload_bytes_mean = mean([float(b) for b in rec.upload_bytes.values()])
         dp = self.cfg.dp_mode in ("local", "distributed")
@@ -548,63 +502,16 @@ class OpaqueFedAvg:
 
     def _account(self, rec: RoundRecord, release: RoundRelease) -> float:
         """Client-level ε so far per observer (δ = target-delta) for dp-mode local/distributed;
-        returns the third parties' (``epsilon_client``).
-
-        One release per round, for the sampler (``federation.client_accounting``) and observer
-        (``federation.privacy_ledger``: third parties amplified; the server, a curious node and
-        ``colluding-nodes`` colluding nodes without amplification, each at the noise it does not
-        know). Poisson is charged at the sampler's own q (fraction-train), not at a rounded
-        q·N / N. A skipped Poisson round (a draw outside [min-clients, max-clients]: nobody
-        trains) is charged as a full release at σ: it released nothing, so over-counting is safe.
-        """
+        returns the third parties' (``epsilon_client``). One release per round, for the sampler
+        (``federation.client_accounting``) and observer (``federation.privacy_ledger``: third
+        parties amplified; the server, a curious node and ``colluding-nodes`` colluding nodes
+        without amplification, each at the noise it does not know): ``charge_round``."""
         if self.cfg.dp_mode not in ("local", "distributed"):
             return math.nan
-        rec.colluding_nodes = self.cfg.colluding_nodes
-        eps = self._epsilons_after(rec, release)
-        rec.epsilon_server, rec.epsilon_node, rec.epsilon_colluding = eps["server"], eps["node"], eps["colluding"]
-        rec.saturation_delta = self.saturation_delta
-        rec.delta_total = delta_total(self.cfg.target_delta, eps["third_party"], self.saturation_delta)
-        rec.rounding_share_steps, rec.rounding_delta = self._rounding(release)
-        rec.delta_total_key_holders = delta_total(
-            self.cfg.target_delta, eps["node"], min(1.0, self.saturation_delta + rec.rounding_delta))
-        self.client_epsilon = eps["third_party"]
+        run = RoundCharge(self.cfg, self.sampler, self.saturation_delta, self.packing, self.dim)
+        self.ledger, self.client_epsilon = charge_round(run, self.ledger, self.client_epsilon, rec, release,
+                                                        len(self._topup_by_node))
         return self.client_epsilon
-
-    def _epsilons_after(self, rec: RoundRecord, release: RoundRelease) -> dict[str, float]:
-        """The ledger's ε per observer after this round's release (``_account``)."""
-        sigma = self.cfg.noise_multiplier
-        if sigma <= 0 or math.isinf(self.client_epsilon):
-            return dict.fromkeys(OBSERVERS, math.inf)
-        if self.ledger is None:
-            self.ledger = PrivacyLedger(self.sampler.method, rec.population, self.cfg.target_delta,
-                                        self.cfg.dp_mode, self.cfg.he, self.cfg.colluding_nodes)
-        if self.sampler.method == "poisson":  # the probability the sampler draws each node with
-            self.ledger.record(release, sigma, sample_rate=self.sampler.fraction)
-        else:
-            self.ledger.record(release, sigma, sample_size=self._event_size(rec))
-        return self.ledger.epsilons()
-
-    def _rounding(self, release: RoundRelease) -> tuple[float, float]:
-        """(noise share std in lattice steps, the key holders' rounding δ) of a dithered packed
-        round (``federation.privacy_ledger``); (nan, 0) where nothing is rounded that way."""
-        if self.packing is None or not self.packing.dither or not release.sampled or release.skipped:
-            return math.nan, 0.0
-        clip, sigma = wire_noise(self.cfg)
-        steps = noise_std(sigma, clip, "distributed", release.sampled) / self.packing.step
-        summands = len(release.shares_by_node) + len(self._topup_by_node)
-        return steps, rounding_delta(steps, self.dim * summands)
-
-    def _event_size(self, rec: RoundRecord) -> int:
-        """The fixed sampler's k in the accountant's own population N0, scaled to N0 and rounded
-        up (conservative) when the admitted population changed. (Poisson is charged at the
-        sampler's q whatever N is.)"""
-        n0 = self.ledger.population if self.ledger is not None else rec.population
-        k = self.sampler.fixed_size(rec.population) if rec.sampling_skipped else rec.sampled
-        if rec.population != n0:
-            log(WARNING, "population %d differs from the accountant's %d: charging k=%d as a share of %d",
-                rec.population, n0, k, n0)
-            k = min(n0, math.ceil(k * n0 / rec.population))
-        return k
 
     def discard_if_refused(self, evaluated: PhaseReplies, rec: RoundRecord) -> None:
         """he=true: if no node accepted the round's aggregate and some refused it, drop it.
@@ -649,7 +556,7 @@ class OpaqueFedAvg:
     @staticmethod
     def _count_sources(metrics: list, rec: RoundRecord) -> None:
         for x in metrics:
-            name = SOURCES.get(x.node_source, "?")
+            name = NodeSource(x.node_source).label  # in range: messages checked it
             rec.node_sources[name] = rec.node_sources.get(name, 0) + 1
             if x.pid not in rec.pids:
                 rec.pids.append(x.pid)

@@ -4,7 +4,7 @@ The node's KV-cache engine holds its parameters (``param/<name>``) and its lates
 (``grad/update``) next to the K/V of its generation sessions. One round::
 
     params <- cache "param/"   train locally (SGD, or Opacus DP-SGD)   delta -> cache "grad/"
-    clip + noise (crypto.privacy)  -> the federation encrypts and sends it
+    clip + noise (crypto.dp.privacy)  -> the federation encrypts and sends it
     aggregate -> decrypt -> params + mean delta -> cache "param/" at version + 1
               -> cache.set_version(): K/V computed under the old weights is never served again
 
@@ -61,7 +61,7 @@ class NodeSpec:
 
 def os_entropy_torch_generator() -> torch.Generator:
     """A torch generator seeded with 63 bits from ``secrets`` (os.urandom): DP-SGD's noise and
-    sampling must not be derivable from the run's public seed (``crypto.privacy.gaussian_noise``)."""
+    sampling must not be derivable from the run's public seed (``crypto.dp.privacy.gaussian_noise``)."""
     return torch.Generator().manual_seed(secrets.randbits(63))
 
 
@@ -251,7 +251,7 @@ class CacheNode:
         delta = np.asarray(delta, dtype=np.float32)
         if dp.mode in ("local", "distributed") and dp.noise_multiplier > 0:
             # float64 from here on: casting the noisy value to float32 before the encoder's
-            # dither would round it by an amount that depends on the data (``crypto.dither``)
+            # dither would round it by an amount that depends on the data (``crypto.dp.dither``)
             placement = "local" if dp.mode == "local" else "distributed"
             delta = delta.astype(np.float64) + gaussian_noise(
                 delta.shape, dp.noise_multiplier, dp.clip_norm, placement, dp.num_sampled, rng

@@ -108,7 +108,7 @@ def test_a_node_without_its_history_fails_its_round_not_the_run() -> None:
     assert run_local(cfg, 6, grid=grid).status == "completed"
     victim = grid.node_ids[0]
     (NodeStore.for_context(grid.contexts[victim]).root / "clip-norms.json").unlink()
-    from federation import client_app
+    from federation import catch_up
 
     with pytest.raises(RuntimeError, match="clip-norm history"):
-        client_app._clip_norms(RunConfig.from_run_config(cfg), grid.contexts[victim], 1)
+        catch_up.clip_norms(RunConfig.from_run_config(cfg), grid.contexts[victim], 1)

@@ -1,6 +1,6 @@
 """A malformed reply never stops the run: hostile replies in every phase, through the real strategy.
 
-``tests/federation/test_replies.py`` fuzzes the parsers alone; here the whole run is driven
+``tests/federation/test_messages.py`` fuzzes the parsers alone; here the whole run is driven
 (enroll, keygen, provision, train, evaluate) with one node's reply mutated, and the run must
 complete with that node left out and the reason recorded in the results.
 """
@@ -14,7 +14,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from federation import protocol, key_service
+from federation import key_service, messages, protocol
 from federation.local import InProcessGrid, run_local
 from tests.federation.fakes import BASE_CONFIG
 
@@ -53,14 +53,14 @@ def _assert_completed_without(results, node: int, phase_reason: str) -> None:
 
 def test_enroll_reply_with_an_int_for_a_key_drops_that_node() -> None:
     def mutate(reply):
-        reply.content.config_records[key_service.NODE_KEYS_REC]["kx-public"] = 10**15
+        reply.content.config_records[messages.NODE_KEYS]["kx-public"] = 10**15
 
     _assert_completed_without(_run(HE, mutate, key_service.ENROLL), VICTIM, "kx-public")
 
 
 def test_provision_ack_with_an_infinite_epoch_drops_that_node() -> None:
     def mutate(reply):
-        reply.content.config_records[key_service.PROVISIONED_REC]["epoch"] = math.inf
+        reply.content.config_records[messages.PROVISIONED]["epoch"] = math.inf
 
     _assert_completed_without(_run(HE, mutate, key_service.PROVISION), VICTIM, "epoch")
 
@@ -81,7 +81,7 @@ def test_train_metric_num_examples_as_a_list_drops_that_node() -> None:
 
 def test_a_bad_keygen_reply_falls_back_to_the_next_key_maker() -> None:
     def mutate(reply):
-        reply.content.array_records[key_service.PUBLIC_CONTEXT_REC]["ctx"] = protocol.bytes_to_array(b"\x00" * 99)
+        reply.content.array_records[messages.PUBLIC_CONTEXT]["ctx"] = protocol.bytes_to_array(b"\x00" * 99)
 
     results = _run(HE, mutate, key_service.KEYGEN, node=100)  # node 100 (lowest id) makes the key
     assert results.status == "completed" and results.key_origin["node"] == 101

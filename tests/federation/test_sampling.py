@@ -71,7 +71,7 @@ def test_poisson_aggregate_is_divided_by_the_expected_count() -> None:
     """A node turns the realised-count mean of a plaintext aggregate into sum / (q·N)."""
     from flwr.app import Context, RecordDict
 
-    from federation.client_app import _fixed_denominator_scale
+    from federation.catch_up import fixed_denominator_scale
     from federation.codec import PlainAggregator, make_client_codec
     from federation.config import RunConfig
 
@@ -82,10 +82,10 @@ def test_poisson_aggregate_is_divided_by_the_expected_count() -> None:
     blob = agg.result()
     ctx = Context(run_id=1, node_id=1, node_config={"num-partitions": 10}, state=RecordDict(), run_config={})
     cfg = RunConfig(task="digits", he=False, fraction_train=0.2, client_sampling="poisson")
-    mean = codec.decode_mean(blob) * _fixed_denominator_scale(cfg, ctx, dim, blob, b"")
+    mean = codec.decode_mean(blob) * fixed_denominator_scale(cfg, ctx, dim, blob, b"")
     assert np.allclose(mean, sum(updates) / 2)  # q·N = 2, not the 3 that came
     fixed = RunConfig(task="digits", he=False, fraction_train=0.2)
-    assert _fixed_denominator_scale(fixed, ctx, dim, blob, b"") == 1.0
+    assert fixed_denominator_scale(fixed, ctx, dim, blob, b"") == 1.0
 
 
 def test_runs_account_for_their_sampler() -> None:

@@ -23,7 +23,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from crypto import CkksAggregator, NodeKeys, load_context
 from crypto.binding import MANIFEST_MAGIC
 from crypto.errors import ContextMismatchError
-from federation import protocol, key_service
+from federation import contribution, key_service, messages, protocol
 from federation.codec import CkksClientCodec
 from federation.kit import write_kits
 from tests.federation.fakes import Federation, timeout_fault
@@ -223,7 +223,6 @@ def _two_tags_of_node_100(fed: Federation):
     second train request made it do before issue 20 (made here through the node's own tagging
     code, so the MAC is tested on its own, whatever the replay guard does)."""
     from crypto import CONTRIBUTION_UPDATE, SignedUpdate
-    from federation import client_app
     from federation.config import RunConfig
 
     _, honest_su = _signed_reply(fed, 100, protocol.TRAIN)
@@ -233,7 +232,8 @@ def _two_tags_of_node_100(fed: Federation):
     u = np.zeros(fed.dim) if fed.strategy.packing.dither else None
     vec = np.random.default_rng().uniform(-0.01, 0.01, fed.dim)
     payload = CkksClientCodec(fed.dim, node_ctx, fed.strategy.packing).encode(vec, 1.0, dither=u)
-    second = SignedUpdate.from_bytes(client_app._signed(cfg, ctx, 1, payload, epoch, node_ctx, CONTRIBUTION_UPDATE, fed.dim))
+    sender = contribution.sender_for(ctx, epoch, node_ctx)
+    second = SignedUpdate.from_bytes(contribution.tag_and_sign(cfg, sender, 1, payload, CONTRIBUTION_UPDATE, fed.dim))
     assert second.tag != honest_su.tag
     return second, honest_su
 
@@ -386,7 +386,7 @@ def test_substituted_enroll_keys_are_refused_and_nothing_is_wrapped_for_the_atta
 
     def mitm(msg: Message, ctx):
         reply = fed.grid.deliver(msg)
-        rec = reply.content.config_records[key_service.NODE_KEYS_REC]
+        rec = reply.content.config_records[messages.NODE_KEYS]
         rec["kx-public"], rec["sign-public"] = attacker.public.kx_public, attacker.public.sign_public
         return reply
 
@@ -409,7 +409,7 @@ def test_a_hostile_server_cannot_get_a_key_wrapped_for_a_substituted_peer(tmp_pa
     req = ConfigRecord({"epoch": 1, "fresh": 1, "preset": "fedkv-4096", "effective-round": 2,
                         "members": [str(n) for n in members], "names": names, "kx": kx, "sign": sign,
                         "epochs": [1]})
-    msg = Message(RecordDict({key_service.KEYGEN_REC: req}), dst_node_id=100, message_type=key_service.KEYGEN)
+    msg = Message(RecordDict({messages.KEYGEN: req}), dst_node_id=100, message_type=key_service.KEYGEN)
     reply = fed.grid.deliver(msg)
     assert reply.has_error() and "does not hold the keys pinned" in reply.error.reason
     store = key_service.NodeStore.for_context(fed.grid.contexts[100])
@@ -549,7 +549,7 @@ def test_in_simulation_a_peer_key_change_after_first_use_is_refused() -> None:
     req = ConfigRecord({"epoch": 1, "fresh": 1, "preset": "fedkv-4096", "effective-round": 2,
                         "members": [str(n) for n in members], "names": [""] * 3, "partitions": [0, 1, 2],
                         "kx": kx, "sign": sign, "epochs": [1]})
-    msg = Message(RecordDict({key_service.KEYGEN_REC: req}), dst_node_id=100, message_type=key_service.KEYGEN)
+    msg = Message(RecordDict({messages.KEYGEN: req}), dst_node_id=100, message_type=key_service.KEYGEN)
     reply = fed.grid.deliver(msg)
     assert reply.has_error() and "other keys than on first use" in reply.error.reason
 
@@ -561,7 +561,7 @@ def _keygen(fed: Federation, members: list[tuple[int, NodeKeys | None, int]], *,
             epochs: list[int]) -> RecordDict:
     """A keygen request for ``members`` as (node id, keys or None = the enrolled ones, partition)."""
     pubs = [keys.public if keys is not None else fed.keys.members[n].pub for n, keys, _ in members]
-    return RecordDict({key_service.KEYGEN_REC: ConfigRecord({
+    return RecordDict({messages.KEYGEN: ConfigRecord({
         "epoch": epochs[-1], "fresh": int(fresh), "preset": fed.keys.preset, "effective-round": 3,
         "members": [str(n) for n, _, _ in members], "names": [""] * len(members),
         "partitions": [p for _, _, p in members],
@@ -616,13 +616,13 @@ def test_in_simulation_a_key_from_an_invented_key_maker_is_refused() -> None:
     own = fed.keys.members[101].pub
     for members in ([(999, attacker.public, 2), (101, own, 1)], [(999, attacker.public, 3), (101, own, 1)]):
         content = RecordDict({
-            key_service.PROVISION_REC: ConfigRecord({
+            messages.PROVISION_REQUEST: ConfigRecord({
                 "dealer-node": "999", "dealer-name": "", "dealer-sign": attacker.public.sign_public,
                 "members": [str(n) for n, _, _ in members], "names": [""] * len(members),
                 "partitions": [p for _, _, p in members], "kx": [k.kx_public for _, k, _ in members],
                 "sign": [k.sign_public for _, k, _ in members]}),
-            key_service.BUNDLES_REC: ArrayRecord({f"e{epoch}": protocol.bytes_to_array(bundle)}),
-            key_service.PUBLIC_CONTEXT_REC: ArrayRecord({"ctx": protocol.bytes_to_array(dealer.signed_public_context())}),
+            messages.BUNDLES: ArrayRecord({f"e{epoch}": protocol.bytes_to_array(bundle)}),
+            messages.PUBLIC_CONTEXT: ArrayRecord({"ctx": protocol.bytes_to_array(dealer.signed_public_context())}),
         })
         reply = fed.grid.deliver(Message(content, dst_node_id=101, message_type=key_service.PROVISION))
         assert reply.has_error(), "node 101 took the server's key"
@@ -681,7 +681,6 @@ def crafted_update_fault(grid, make_delta, rounds=None, header=None, envelope=No
     ``tag(tag)`` the tag it signs. Only in ``rounds`` (None: every round)."""
     from crypto import CONTRIBUTION_UPDATE
     from crypto.wire import pack_envelope, parse_envelope
-    from federation import client_app
     from federation.codec import packing_for, wire_dim
     from federation.config import RunConfig
     from node.cache_node import model_layout
@@ -700,11 +699,12 @@ def crafted_update_fault(grid, make_delta, rounds=None, header=None, envelope=No
         if header is not None:
             assemble = codec._enc._packer.assemble
             codec._enc._packer.assemble = lambda h, data, n: assemble(header(*h), data, n)
-        u = client_app._dither(cfg, ctx, key, rnd, epoch, CONTRIBUTION_UPDATE, dim)
+        sender = contribution.sender_for(ctx, epoch, key)
+        u = contribution.dither_for(cfg, sender, rnd, CONTRIBUTION_UPDATE, dim)
         payload = codec.encode(np.asarray(make_delta(packing, dim), dtype=np.float64), 1.0, dither=u)
         if envelope is not None:
             payload = pack_envelope(envelope(parse_envelope(payload, max_ciphertext_bytes=1 << 30)))
-        blob = client_app._signed(cfg, ctx, rnd, payload, epoch, key, CONTRIBUTION_UPDATE, dim)
+        blob = contribution.tag_and_sign(cfg, sender, rnd, payload, CONTRIBUTION_UPDATE, dim)
         if tag is not None:
             from crypto import SignedUpdate
 

@@ -1,8 +1,9 @@
-"""federation.replies: every reply field is checked; a malformed reply is a BadReply, never a crash."""
+"""federation.messages: every reply field is checked; a malformed reply is a BadReply, never a crash."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import math
 from collections.abc import Callable
@@ -14,8 +15,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from federation import protocol, replies
-from federation.replies import (
+from federation import messages, protocol
+from federation.messages import (
     BUNDLES, CTX, KEYGEN, NODE_KEYS, PROVISIONED, PUBLIC_CONTEXT, UNEXPECTED, UPDATE_KEY, BadReply,
     parse_enroll_reply, parse_eval_reply, parse_keygen_reply, parse_noise_reply, parse_provision_ack,
     parse_train_reply, safe_reason,
@@ -132,7 +133,7 @@ def reason_of(parse: Callable[[], Any]) -> str:
 # -- happy paths ------------------------------------------------------------------------------------
 def test_enroll_reply_parses() -> None:
     r = parse_enroll_reply(build(enroll_spec()), str(NODE))
-    assert r == replies.EnrollReply(str(NODE), "kit-a.1_B", b"k" * 32, b"s" * 32, 0, KEY_ID, 1, 3)
+    assert r == messages.EnrollReply(str(NODE), "kit-a.1_B", b"k" * 32, b"s" * 32, 0, KEY_ID, 1, 3)
     spec = enroll_spec()
     spec[NODE_KEYS][1].update({"epoch": -1, "key-id": b"", "name": ""})
     r = parse_enroll_reply(build(spec), str(NODE))
@@ -147,7 +148,7 @@ def test_keygen_reply_parses() -> None:
 
 
 def test_provision_ack_parses() -> None:
-    assert parse_provision_ack(build(ack_spec())) == replies.ProvisionAck(KEY_ID, 0)
+    assert parse_provision_ack(build(ack_spec())) == messages.ProvisionAck(KEY_ID, 0)
 
 
 def test_noise_reply_parses() -> None:
@@ -180,7 +181,7 @@ def test_train_reply_accepts_infinite_sample_epsilon_and_numpy_floats() -> None:
 
 def test_eval_reply_parses() -> None:
     r = parse_eval_reply(build(eval_spec()))
-    assert r == replies.EvalMetrics(30, 0.4, 0.9, 0.1, 0.0, 0.2, 3, 0, 7, 0, 0.01, 0.0, 0.03, 0.02, 0.4,
+    assert r == messages.EvalMetrics(30, 0.4, 0.9, 0.1, 0.0, 0.2, 3, 0, 7, 0, 0.01, 0.0, 0.03, 0.02, 0.4,
                                     SERVE_SPEC)
 
 
@@ -251,7 +252,7 @@ def test_train_identity_and_flag_ranges(key: str, value: int) -> None:
 
 
 def test_update_size_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(replies, "MAX_UPDATE_BYTES", 100)  # 256 MiB arrays are too big for a unit test
+    monkeypatch.setattr(messages, "MAX_UPDATE_BYTES", 100)  # 256 MiB arrays are too big for a unit test
     spec = train_spec()
     spec[protocol.UPDATE][1][UPDATE_KEY] = arr(bytes(101))
     assert reason_of(lambda: parse_train_reply(build(spec), dp=False, dim=DIM)) == "update.update: 101 bytes, expected 1..100"
@@ -270,13 +271,13 @@ def test_sample_epsilon_may_be_infinite_but_not_nan_or_negative() -> None:
         assert reason_of(lambda: parse_train_reply(msg, dp=True, dim=DIM)).startswith("metrics.epsilon-sample")
 
 
-@pytest.mark.parametrize("key", replies.TRAIN_NON_DP)
+@pytest.mark.parametrize("key", messages.TRAIN_NON_DP)
 def test_under_dp_private_metrics_must_be_absent(key: str) -> None:
     msg = with_field(train_spec(dp=True), protocol.METRICS, key, 0)
     assert reason_of(lambda: parse_train_reply(msg, dp=True, dim=DIM)) == f"metrics.{key}: must be absent under DP"
 
 
-@pytest.mark.parametrize("key", replies.TRAIN_NON_DP)
+@pytest.mark.parametrize("key", messages.TRAIN_NON_DP)
 def test_without_dp_training_metrics_are_required(key: str) -> None:
     spec = train_spec(dp=False)
     del spec[protocol.METRICS][1][key]
@@ -406,7 +407,7 @@ def test_the_guard_turns_a_missed_check_into_a_bad_reply(monkeypatch: pytest.Mon
     def broken(*args: Any) -> None:
         raise KeyError("a check this module lacks")
 
-    monkeypatch.setattr(replies, "_records", broken)
+    monkeypatch.setattr(messages, "exact_records", broken)
     with pytest.raises(BadReply, match=r"^malformed reply \(KeyError\)$"):
         parse_eval_reply(build(eval_spec()))
 
@@ -622,7 +623,7 @@ def oracle(parse_kind: Callable[[], Any]) -> Any:
         return None
 
 
-def o_enroll(spec: dict) -> replies.EnrollReply:
+def o_enroll(spec: dict) -> messages.EnrollReply:
     o_layout(spec, {NODE_KEYS: "config"})
     f = spec[NODE_KEYS][1]
     o_keys(f, ("node-id", "name", "kx-public", "sign-public", "epoch", "key-id", "partition-id", "num-partitions"))
@@ -632,11 +633,11 @@ def o_enroll(spec: dict) -> replies.EnrollReply:
     epoch = o_int(f["epoch"], -1, 2**31 - 1)
     key_id = o_bytes(f["key-id"], 16 if epoch >= 0 else 0)
     n = o_int(f["num-partitions"], 1, 2**31 - 1)
-    return replies.EnrollReply(f["node-id"], name, o_bytes(f["kx-public"], 32), o_bytes(f["sign-public"], 32),
+    return messages.EnrollReply(f["node-id"], name, o_bytes(f["kx-public"], 32), o_bytes(f["sign-public"], 32),
                                epoch, key_id, o_int(f["partition-id"], 0, n - 1), n)
 
 
-def o_keygen(spec: dict) -> replies.KeygenReply:
+def o_keygen(spec: dict) -> messages.KeygenReply:
     o_layout(spec, {KEYGEN: "config", BUNDLES: "array", PUBLIC_CONTEXT: "array"})
     f, bundles, ctx = spec[KEYGEN][1], spec[BUNDLES][1], spec[PUBLIC_CONTEXT][1]
     o_keys(f, ("epoch", "key-id", "members"))
@@ -645,15 +646,15 @@ def o_keygen(spec: dict) -> replies.KeygenReply:
     need(type(members) is list and all(type(m) is str for m in members))
     need(len(members) == len(set(members)) and set(members) == set(MEMBERS) and set(bundles) == set(MEMBERS))
     o_keys(ctx, ("ctx",))
-    return replies.KeygenReply(3, o_bytes(f["key-id"], 16), {m: o_array(bundles[m], 8 * MiB) for m in MEMBERS},
+    return messages.KeygenReply(3, o_bytes(f["key-id"], 16), {m: o_array(bundles[m], 8 * MiB) for m in MEMBERS},
                                o_array(ctx["ctx"], 8 * MiB))
 
 
-def o_ack(spec: dict) -> replies.ProvisionAck:
+def o_ack(spec: dict) -> messages.ProvisionAck:
     o_layout(spec, {PROVISIONED: "config"})
     f = spec[PROVISIONED][1]
     o_keys(f, ("key-id", "epoch"))
-    return replies.ProvisionAck(o_bytes(f["key-id"], 16), o_int(f["epoch"], 0, 2**31 - 1))
+    return messages.ProvisionAck(o_bytes(f["key-id"], 16), o_int(f["epoch"], 0, 2**31 - 1))
 
 
 def o_update(spec: dict) -> bytes:
@@ -672,7 +673,7 @@ EVAL_SECONDS = ("restore-s", "key-s", "serve-s", "save-s", "handler-s")
 PRIVATE = ("train-loss", "clipped", "delta-norm", "saturated")
 
 
-def o_train(spec: dict, dp: bool) -> replies.TrainReply:
+def o_train(spec: dict, dp: bool) -> messages.TrainReply:
     o_layout(spec, {protocol.UPDATE: "array", protocol.METRICS: "metric"})
     m = spec[protocol.METRICS][1]
     always = ("num-examples", "upload-bytes", "num-values", "weight-capped", *SECONDS, "version", "node-source", "pid",
@@ -683,7 +684,7 @@ def o_train(spec: dict, dp: bool) -> replies.TrainReply:
         "train_loss": o_float(m["train-loss"]), "clipped": o_int(m["clipped"], 0, 1) == 1,
         "delta_norm": o_float(m["delta-norm"], 0), "saturated": o_int(m["saturated"], 0, n),
     }
-    metrics = replies.TrainMetrics(
+    metrics = messages.TrainMetrics(
         num_examples=o_int(m["num-examples"], 0, 10**9), upload_bytes=o_int(m["upload-bytes"], 0, 2**40),
         num_values=n, weight_capped=o_int(m["weight-capped"], 0, 1) == 1,
         **{k.replace("-", "_"): o_float(m[k], 0, 1e6) for k in SECONDS},
@@ -692,14 +693,14 @@ def o_train(spec: dict, dp: bool) -> replies.TrainReply:
         epsilon_sample=o_float(m["epsilon-sample"], 0, inf_ok=True) if "epsilon-sample" in m else None,
         **private,
     )
-    return replies.TrainReply(o_update(spec), metrics)
+    return messages.TrainReply(o_update(spec), metrics)
 
 
-def o_eval(spec: dict) -> replies.EvalMetrics:
+def o_eval(spec: dict) -> messages.EvalMetrics:
     o_layout(spec, {protocol.METRICS: "metric"})
     m = spec[protocol.METRICS][1]
-    o_keys(m, replies.EVAL_FIELDS)
-    return replies.EvalMetrics(
+    o_keys(m, messages.EVAL_FIELDS)
+    return messages.EvalMetrics(
         o_int(m["num-examples"], 1, 10**9), o_float(m["eval-loss"]), o_float(m["eval-metric"], 0),
         o_float(m["decrypt-s"], 0, 1e6), o_float(m["writeback-s"], 0, 1e6), o_float(m["eval-s"], 0, 1e6),
         o_int(m["version"], 0, 2**31 - 1), o_int(m["node-source"], 0, 2), o_int(m["pid"], 1, 2**31 - 1),
@@ -792,3 +793,49 @@ def test_property_any_reply_to_any_parser(kind: str, spec: dict) -> None:
         "train": lambda: parse_train_reply(msg, dp=False, dim=DIM), "eval": lambda: parse_eval_reply(msg),
     }[kind]
     assert outcome(parse) is None
+
+
+# -- writers: every reply a node writes reads back as the same value -------------------------------------
+def _server_message(message_type: str = "query.fedkv_test") -> Message:
+    return Message(RecordDict({}), dst_node_id=NODE, message_type=message_type)
+
+
+@pytest.mark.parametrize("dp", [False, True])
+def test_each_writer_reads_back_as_what_it_wrote(dp: bool) -> None:
+    """``messages`` keeps each reply's writer beside its reader: writing the value a valid reply
+    parses to and reading it again gives the same value, field for field and type for type."""
+    enroll = parse_enroll_reply(build(enroll_spec()), str(NODE))
+    same(parse_enroll_reply(messages.enroll_reply(_server_message(), enroll), str(NODE)), enroll)
+    keygen = parse_keygen_reply(build(keygen_spec()), MEMBERS, 3)
+    same(parse_keygen_reply(messages.keygen_reply(_server_message(), keygen), MEMBERS, 3), keygen)
+    ack = parse_provision_ack(build(ack_spec()))
+    same(parse_provision_ack(messages.provision_ack(_server_message(), ack)), ack)
+    noise = parse_noise_reply(build(noise_spec()))
+    assert parse_noise_reply(messages.noise_reply(_server_message(), noise)) == noise
+    train = parse_train_reply(build(train_spec(dp)), dp=dp, dim=DIM)
+    written = messages.train_reply(_server_message(), train.blob, messages.metric_fields(train.metrics))
+    same(parse_train_reply(written, dp=dp, dim=DIM), train)
+    evaluated = parse_eval_reply(build(eval_spec()))
+    same(parse_eval_reply(messages.eval_reply(_server_message(), evaluated)), evaluated)
+
+
+def test_the_node_source_is_spelled_once() -> None:
+    """``NodeSource`` is what a node reports, what the reader accepts and what a round counts."""
+    assert messages.NODE_SOURCES == tuple(int(s) for s in messages.NodeSource) == (0, 1, 2)
+    assert [s.label for s in messages.NodeSource] == ["built", "restored", "reused"]
+    metrics = parse_eval_reply(build(eval_spec()))
+    for source in messages.NodeSource:
+        fields = messages.metric_fields(dataclasses.replace(metrics, node_source=source))
+        assert type(fields["node-source"]) is int and fields["node-source"] == source
+
+
+def test_round_and_noise_requests_read_back() -> None:
+    history = [(b"a1", b"m1"), (b"a2", b"")]
+    msg = messages.round_request(protocol.TRAIN, NODE, 3, history, 0, 2)
+    req = messages.read_round_request(msg)
+    assert (req.server_round, req.target_version, req.num_sampled) == (3, 2, 2)
+    assert req.aggregates() == [(1, b"a1", b"m1"), (2, b"a2", b"")]
+    caught_up = messages.round_request(protocol.EVALUATE, NODE, 3, history, 2, 1)
+    assert messages.read_round_request(caught_up).aggregates() == []
+    noise = messages.NoiseRequest(4, 2, 5)
+    assert messages.read_noise_request(messages.noise_request(NODE, noise)) == noise
