@@ -497,7 +497,7 @@ class KVCache:
         pushed them out of its window -- while a cold prefill of the same prompt attends its
         own prefix at full precision in the layers before the last. A prompt's logits, and
         rarely a greedy token, therefore depend on whether another session quantized its
-        prefix (int4 ``generate_batch`` vs one-at-a-time ``generate``). This is inherent to
+        prefix (int4 ``Sessions.turn_batch`` vs one-at-a-time ``Sessions.turn``). This is inherent to
         keeping only the compact form of cached blocks (that is the memory a quantized cache
         saves); making every layer attend one representation would mean quantizing before
         the prefill's attention, a change of results we do not make here. The bound is
