@@ -26,7 +26,7 @@ import numbers
 import os
 import re
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -487,23 +487,25 @@ def _range_problems(cfg: RunConfig, bad: set[str]) -> list[str]:
     for key, choices in _CHOICES.items():
         value = getattr(cfg, key.replace("-", "_"))
         check(key, lambda: value in choices, f"{key} must be one of {choices}, not {value!r}")
+    _check_values(cfg, check)
+    _check_combinations(cfg, check)
+    return problems
+
+
+_Check = Callable[[str, Callable[[], bool], str], None]
+
+
+def _check_values(cfg: RunConfig, check: _Check) -> None:
+    """One key's range at a time."""
     check("num-server-rounds", lambda: cfg.num_server_rounds >= 1, "num-server-rounds must be >= 1")
     check("packing-bits", lambda: 1 <= cfg.packing_bits <= 24, "packing-bits must be in [1, 24]")
     check("packing-range", lambda: cfg.packing_range >= 0, "packing-range must be >= 0 (0 = derived)")
     check("min-clients", lambda: cfg.min_clients >= 1, "min-clients must be >= 1")
-    check("max-clients min-clients", lambda: cfg.max_clients >= max(cfg.min_clients, 1),
-          "max-clients must be >= min-clients")
     check("max-weight", lambda: cfg.max_weight > 0, "max-weight must be > 0")
     check("noise-multiplier", lambda: cfg.noise_multiplier >= 0, "noise-multiplier must be >= 0")
     check("clip-norm", lambda: cfg.clip_norm >= 0, "clip-norm must be >= 0")
-    check("clip-norm dp-mode", lambda: cfg.dp_mode == "none" or cfg.clip_norm != 0,
-          "clip-norm must be > 0 when dp-mode is not none")
-    check("clip-norm he", lambda: not cfg.he or cfg.clip_norm != 0,
-          "clip-norm must be > 0 when he=true (updates are clipped to bound the CKKS encoding range)")
     check("target-delta", lambda: 0.0 < cfg.target_delta < 1.0, "target-delta must be in (0, 1)")
     check("colluding-nodes", lambda: cfg.colluding_nodes >= 1, "colluding-nodes must be >= 1")
-    check("he-security ckks-preset", lambda: cfg.he_security == "classical" or cfg.ckks_preset in ("auto",) + PQ_PRESETS,
-          f"he-security post-quantum needs ckks-preset auto or one of {PQ_PRESETS}, not {cfg.ckks_preset!r}")
     check("fraction-train", lambda: 0.0 < cfg.fraction_train <= 1.0, "fraction-train must be in (0, 1]")
     check("fraction-evaluate", lambda: 0.0 < cfg.fraction_evaluate <= 1.0, "fraction-evaluate must be in (0, 1]")
     check("max-evaluate-clients", lambda: cfg.max_evaluate_clients >= 0,
@@ -525,6 +527,24 @@ def _range_problems(cfg: RunConfig, bad: set[str]) -> list[str]:
           f"serve-sessions must be in [0, {MAX_SERVE_SESSIONS}]")
     check("kv-stale-policy", lambda: _is_stale_policy(cfg.kv_stale_policy),
           f"kv-stale-policy must be 'invalidate' or 'keep-<k>' (k >= 1), not {cfg.kv_stale_policy!r}")
+    check("clip-norm-lr", lambda: math.isfinite(cfg.clip_norm_lr) and cfg.clip_norm_lr >= 0,
+          "clip-norm-lr must be finite and >= 0")
+    check("target-clipped-quantile", lambda: 0.0 < cfg.target_clipped_quantile < 1.0,
+          "target-clipped-quantile must be in (0, 1)")
+    check("clipped-count-stddev", lambda: cfg.clipped_count_stddev >= 0,
+          "clipped-count-stddev must be >= 0 (0 = max(clients per round / 20, noise-multiplier))")
+
+
+def _check_combinations(cfg: RunConfig, check: _Check) -> None:
+    """Keys that constrain each other."""
+    check("max-clients min-clients", lambda: cfg.max_clients >= max(cfg.min_clients, 1),
+          "max-clients must be >= min-clients")
+    check("clip-norm dp-mode", lambda: cfg.dp_mode == "none" or cfg.clip_norm != 0,
+          "clip-norm must be > 0 when dp-mode is not none")
+    check("clip-norm he", lambda: not cfg.he or cfg.clip_norm != 0,
+          "clip-norm must be > 0 when he=true (updates are clipped to bound the CKKS encoding range)")
+    check("he-security ckks-preset", lambda: cfg.he_security == "classical" or cfg.ckks_preset in ("auto",) + PQ_PRESETS,
+          f"he-security post-quantum needs ckks-preset auto or one of {PQ_PRESETS}, not {cfg.ckks_preset!r}")
     check("rotate-every he", lambda: cfg.rotate_every == 0 or cfg.he,
           "rotate-every rotates the CKKS key; it needs he=true")
     check("server-kit he", lambda: not cfg.server_kit or cfg.he,
@@ -537,18 +557,11 @@ def _range_problems(cfg: RunConfig, bad: set[str]) -> list[str]:
           "adaptive-clipping needs dp-mode=distributed (fedkv's, under HE) or flower-central (Flower's wrapper)")
     check("adaptive-clipping he", lambda: not (cfg.adaptive_clipping and cfg.dp_mode == "distributed" and not cfg.he),
           "adaptive-clipping with dp-mode=distributed sums the clipped count under CKKS; set he=true")
-    check("clip-norm-lr", lambda: math.isfinite(cfg.clip_norm_lr) and cfg.clip_norm_lr >= 0,
-          "clip-norm-lr must be finite and >= 0")
-    check("target-clipped-quantile", lambda: 0.0 < cfg.target_clipped_quantile < 1.0,
-          "target-clipped-quantile must be in (0, 1)")
-    check("clipped-count-stddev", lambda: cfg.clipped_count_stddev >= 0,
-          "clipped-count-stddev must be >= 0 (0 = max(clients per round / 20, noise-multiplier))")
     check("dp-sgd task", lambda: not (cfg.dp_sgd and cfg.task == "lm"),
           "dp-sgd=true needs task=digits (Opacus DP-SGD is not implemented for the lm task)")
     check("dp-sgd dp-mode", lambda: not (cfg.dp_sgd and cfg.dp_mode == "flower-central"),
           "dp-sgd=true does not run with dp-mode=flower-central (its array-protocol training has "
           "no DP-SGD); use dp-mode none, local or distributed")
-    return problems
 
 
 def _main(argv: Sequence[str]) -> int:

@@ -155,18 +155,38 @@ def pretrained_tiny(
     key = checkpoint_key(cfg, **settings)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     path = root / f"tiny-{key}.pt"
-    model = TinyTransformer(cfg)
     info: dict = {"path": str(path), "key": key, **settings}
-    if path.exists() and not retrain:
-        try:
-            blob = torch.load(path, map_location="cpu", weights_only=True)
-            model.load_state_dict(blob["state_dict"])
-            info.update(json.loads(blob["meta"]), cached=True)
-            model.eval()
-            return (model, info) if return_info else model
-        except Exception as e:  # corrupt or foreign file: train again and overwrite
-            if log:
-                log(f"checkpoint {path} unreadable ({type(e).__name__}: {e}); retraining")
+    model = None if retrain else _load_checkpoint(cfg, path, info, log)
+    if model is None:
+        model, meta = _train_tiny(cfg, steps, batch_size, seq_len, lr, seed, max_bytes)
+        _save_checkpoint(model, meta, path)
+        info.update(meta, cached=False)
+        if log:
+            log(f"trained {steps} steps in {meta['train_seconds']:.1f}s: held-out "
+                f"{meta['heldout_loss']:.3f} nats/byte -> {path}")
+    model.eval()
+    return (model, info) if return_info else model
+
+
+def _load_checkpoint(cfg: ModelConfig, path: Path, info: dict, log) -> TinyTransformer | None:  # noqa: ANN001
+    """The cached model, its meta merged into ``info``; None when absent or unreadable."""
+    if not path.exists():
+        return None
+    model = TinyTransformer(cfg)
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+        model.load_state_dict(blob["state_dict"])
+        info.update(json.loads(blob["meta"]), cached=True)
+        return model
+    except Exception as e:  # corrupt or foreign file: train again and overwrite
+        if log:
+            log(f"checkpoint {path} unreadable ({type(e).__name__}: {e}); retraining")
+        return None
+
+
+def _train_tiny(cfg: ModelConfig, steps: int, batch_size: int, seq_len: int, lr: float, seed: int,
+                max_bytes: int | None) -> tuple[TinyTransformer, dict]:
+    """Train from a seeded init on share 0 of the corpus; (model, the figures recorded)."""
     torch.manual_seed(seed)
     model = TinyTransformer(cfg)
     split = split_corpus(1, seed=seed, max_bytes=max_bytes)
@@ -176,7 +196,7 @@ def pretrained_tiny(
     train_s = time.perf_counter() - t0
     eg = torch.Generator().manual_seed(seed + 1)
     heldout = eval_loss(model, split.heldout, seq_len, 16, eg)
-    meta = {
+    return model, {
         "train_seconds": round(train_s, 3),
         "first_loss": losses[0] if losses else None,
         "final_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
@@ -184,8 +204,12 @@ def pretrained_tiny(
         "heldout_ppl": math.exp(heldout),
         "torch_threads": torch.get_num_threads(),
     }
-    root.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=root)
+
+
+def _save_checkpoint(model: TinyTransformer, meta: dict, path: Path) -> None:
+    """Atomic write (temp file + rename) of the weights and their meta."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         torch.save({"state_dict": model.state_dict(), "meta": json.dumps(meta)}, tmp)
@@ -193,8 +217,3 @@ def pretrained_tiny(
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    info.update(meta, cached=False)
-    model.eval()
-    if log:
-        log(f"trained {steps} steps in {train_s:.1f}s: held-out {heldout:.3f} nats/byte -> {path}")
-    return (model, info) if return_info else model
