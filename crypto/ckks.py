@@ -236,6 +236,24 @@ class UpdateEncryptor:
             header = (w_int, float(m))
         else:
             header = (w, float(m))
+        wanted = self._to_encode(vec, w, noise, carry)
+        y, saturated = saturate(wanted, m * pk.clip_range)
+        if saturated and pk.on_saturation == "raise":
+            raise SaturationError(f"{saturated} values outside ±{m * pk.clip_range}")
+        data, sent = self._packer.quantize(y, contributions=m, u=self._checked_dither(dither, vec.shape))
+        parts = self._packer.assemble(header, data, vec.shape[0])
+        blobs = self._ops.encrypt_parts(parts, plan.scale, symmetric=self.context.is_private)
+        env = Envelope(ENVELOPE_UPDATE, MODE_CODES[pk.mode], self.context.key_id, pk.fingerprint(),
+                       layout.digest() if layout is not None else NO_LAYOUT, vec.shape[0], m, tuple(blobs))
+        out = pack_envelope(env)
+        self.last_report = EncryptReport(vec.shape[0], len(blobs), len(out), saturated, w)
+        self.total_saturated += saturated
+        self.last_residual = wanted - sent
+        return out
+
+    @staticmethod
+    def _to_encode(vec: np.ndarray, w: float, noise: np.ndarray | None, carry: np.ndarray | None) -> np.ndarray:
+        """The weighted update plus the noise share and the carried residual, in that order."""
         y = vec * w
         if noise is not None:
             noise = np.asarray(noise, dtype=np.float64)
@@ -246,28 +264,7 @@ class UpdateEncryptor:
             y = y + noise
         if carry is not None:
             y = y + _checked_carry(carry, vec.shape)
-        wanted = y
-        y, saturated = saturate(y, m * pk.clip_range)
-        if saturated and pk.on_saturation == "raise":
-            raise SaturationError(f"{saturated} values outside ±{m * pk.clip_range}")
-        data, sent = self._packer.quantize(y, contributions=m, u=self._checked_dither(dither, vec.shape))
-        parts = self._packer.assemble(header, data, vec.shape[0])
-        blobs = self._ops.encrypt_parts(parts, plan.scale, symmetric=self.context.is_private)
-        env = Envelope(
-            ENVELOPE_UPDATE,
-            MODE_CODES[pk.mode],
-            self.context.key_id,
-            pk.fingerprint(),
-            layout.digest() if layout is not None else NO_LAYOUT,
-            vec.shape[0],
-            m,
-            tuple(blobs),
-        )
-        out = pack_envelope(env)
-        self.last_report = EncryptReport(vec.shape[0], len(blobs), len(out), saturated, w)
-        self.total_saturated += saturated
-        self.last_residual = wanted - sent
-        return out
+        return y
 
     def _checked_contributions(self, contributions: int, w: float) -> int:
         if not (isinstance(contributions, (int, np.integer)) and not isinstance(contributions, bool)
