@@ -29,7 +29,7 @@ import torch
 from cache.attention import Run
 from cache.batch import BatchStep, TailBuffer, shared_prefix_blocks, tail_positions
 from cache.block import Block
-from cache.block_table import BlockTable
+from cache.block_table import BlockTable, end_of
 from cache.compaction import COMPACT_EVERY, compact
 from cache.config import CacheConfig
 from cache.control import POLL_S, PUBLISH_S, LiveControl
@@ -241,7 +241,7 @@ class KVCache:
         parent = t.root
         for i in range((len(toks) - 1) // B):
             b = m.lookup(parent, toks[i * B : (i + 1) * B],
-                         self._end(t.blocks[-1]) if t.blocks else None)
+                         end_of(t.blocks[-1], self.config.block_size) if t.blocks else None)
             if b is None:
                 m.counters["prefix_miss_blocks"] += 1
                 break
@@ -266,7 +266,7 @@ class KVCache:
         p = self.prefetcher
         if p is None or p.name != c.prefetch_mode or p.degree != c.prefetch_degree:
             p = self.prefetcher = make_prefetcher(c.prefetch_mode, c.prefetch_degree)
-        prefetch_after_lookup(self, p, [b.hash for b in touched])
+        prefetch_after_lookup(self.blocks, p, [b.hash for b in touched])
 
     # == writing ===========================================================================
     def reserve(self, sid: int, tokens: Iterable[int]) -> None:
@@ -306,7 +306,7 @@ class KVCache:
         t.tokens = t.tokens[: t.length] + toks
         t.pending, t.written = len(toks), set()
         self._try_plan(t)
-        t.write_at = self._positions(t, t.length, len(toks))
+        t.write_at = t.positions(t.length, len(toks))
 
     def _relieve_pressure(self) -> None:
         """Below the low watermark of free arena memory: demote a batch of ``evict_batch``
@@ -339,11 +339,7 @@ class KVCache:
     def compact(self) -> dict[str, int]:
         """Mark-and-sweep, then move scattered sessions into contiguous runs."""
         self._reserves_since_compact = 0
-        return compact(self)
-
-    def _end(self, b: Block | None) -> int | None:
-        """Where the block after ``b`` goes to continue its run."""
-        return None if b is None or b.start is None else b.start + self.config.block_size
+        return compact(self.blocks, self.arena, self._sessions.values())
 
     def _allocate(self, t: BlockTable, total: int) -> tuple[Block | None, list[Block]]:
         """Room for ``total`` tokens: the partly filled last block grows in place, or is
@@ -352,32 +348,24 @@ class KVCache:
         B, m = self.config.block_size, self.blocks
         keep = t.block_ids()
         tail, new = None, []
-        last = self._end(t.blocks[-1]) if t.blocks else None
+        last = end_of(t.blocks[-1], self.config.block_size) if t.blocks else None
         try:
             if t.length % B:
                 old, want = t.blocks[-1], min(B, total - (len(t.blocks) - 1) * B)
                 if old.ref_count > 1 or not m.grow(old, want):
                     prev = t.blocks[-2] if len(t.blocks) > 1 else None
-                    tail = m.copy(old, t.length % B, want, self._end(prev), keep)
-                    last = self._end(tail)
+                    tail = m.copy(old, t.length % B, want, end_of(prev, self.config.block_size), keep)
+                    last = end_of(tail, self.config.block_size)
             for i in range(t.blocks_needed(total) - len(t.blocks)):
                 n = min(B, total - (len(t.blocks) + i) * B)
                 new.append(m.new(n, last, keep | {b.id for b in new}))
-                last = self._end(new[-1])
+                last = end_of(new[-1], self.config.block_size)
         except CacheFullError:
             m.counters["alloc_failures"] += 1  # refused to the caller, nothing changed
             for b in new + ([tail] if tail else []):
                 m.unref(b)
             raise
         return tail, new
-
-    def _positions(self, t: BlockTable, start: int, n: int) -> slice | torch.Tensor:
-        """Arena token positions of tokens [start, start + n): a slice when contiguous."""
-        B = self.config.block_size
-        pos = [t.blocks[p // B].start + p % B for p in range(start, start + n)]
-        if all(b - a == 1 for a, b in zip(pos, pos[1:])):
-            return slice(pos[0], pos[0] + n)
-        return torch.tensor(pos)
 
     def _check_layer(self, layer: int) -> None:
         if not isinstance(layer, int) or not 0 <= layer < self.config.num_layers:
@@ -523,7 +511,7 @@ class KVCache:
             keep, after = t.block_ids() if keep is None else keep, None
             for b in t.held():
                 self.blocks.ensure_fp(b, after, keep)
-                after = self._end(b)
+                after = end_of(b, self.config.block_size)
             t.runs, t.planned = [], 0
         for b in t.blocks[t.planned :]:
             if b is None:
@@ -822,8 +810,8 @@ class KVCache:
         refused (``UnsafePermissionsError``), and a lock another process holds for longer
         than ``config.lock_timeout_s`` raises ``StoreLockedError``."""
         from cache.persist import open_cache
-        kv = open_cache(cls, directory, config, key=key, policy=policy, clock=clock,
-                        max_bytes=max_bytes)
+        kv = open_cache(cls, directory, config, key=key, max_bytes=max_bytes, policy=policy,
+                        clock=clock)
         kv._go_live(directory)
         return kv
 
@@ -980,6 +968,11 @@ class KVCache:
         fmt = BlockFormat(kv_dtype or c.kv_dtype, c.quant_scheme, c.num_heads, c.block_size,
                           c.head_dim, c.scale_format)
         return fmt.layer_bytes * c.num_layers / c.block_size
+
+    @property
+    def tail_buffer_bytes(self) -> int:
+        """Bytes of the batch tail buffer kept for the next step (0: none)."""
+        return self._tails.kv.numel() * self._tails.kv.element_size() if self._tails else 0
 
     def stats(self) -> dict:
         from cache.stats import cache_stats
