@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from dataclasses import fields
 from time import perf_counter_ns
 from typing import Any, Callable, Iterable
@@ -32,12 +33,13 @@ from cache.block import Block
 from cache.block_table import BlockTable, end_of
 from cache.compaction import COMPACT_EVERY, compact
 from cache.config import CacheConfig
-from cache.control import POLL_S, PUBLISH_S, LiveControl
+from cache.control import POLL_S
 from cache.errors import (
     CacheFullError, ClosedSessionError, ConfigError, LayerIndexError, ReservationError,
     ShapeMismatchError, StaleSessionError, TensorDTypeError, UnknownSessionError,
 )
 from cache.latency import OpLatencies
+from cache.live import LivePlane
 from cache.manager import BlockManager
 from cache.policy import POLICIES, EvictionPolicy, make_policy
 from cache.pool import BlockPool
@@ -51,8 +53,6 @@ from cache.token_arena import TokenArena
 from cache.tunables import TUNABLES, validate_tunable
 
 QUANTIZED = ("int8", "int4")
-PUBLISH_COST_FACTOR = 100
-"""Live snapshots take at most 1/100 of the engine's time (see ``KVCache._publish``)."""
 _log = logging.getLogger("fedkv.cache")
 TAIL_ROOM = 16
 """Decode steps a batch's tail buffer has room for before it is gathered again."""
@@ -111,10 +111,9 @@ class KVCache:
         """Made on the first lookup when ``prefetch_mode`` is not ``none`` (``_prefetch``)."""
         self.latency = OpLatencies()
         """Recent durations of lookups and operations (``stats()['latency']``)."""
-        self.live: LiveControl | None = None
+        self.live: LivePlane | None = None
         """Set by ``KVCache.open``: snapshots and change requests in the directory."""
         self._boundary_ns = 0  # perf_counter_ns after which the next op looks at ``live``
-        self._publish_ns = 0
         self._context_started = time.monotonic()
 
     @property
@@ -821,7 +820,7 @@ class KVCache:
         stats snapshot for ``python -m cache stats``."""
         from cache.persist import flush
         flush(self)
-        self._publish(perf_counter_ns())
+        self._publish()
 
     def close(self) -> None:
         """Flush, then release the directory (its lock) for the next process; the cache
@@ -904,24 +903,20 @@ class KVCache:
         return time.monotonic() - self._context_started
 
     def _op_boundary(self, now_ns: int) -> None:
-        """After a timed operation, at most every ``POLL_S``: take pending change requests
-        and, every ``PUBLISH_S``, publish a snapshot (an engine opened on a directory).
+        """After a timed operation, at most every ``POLL_S``: apply the change requests the
+        live plane's timer thread has read (in memory; the plane does the file work and
+        publishes the snapshots: ``cache/live.py``).
 
         Each timed operation (``cache.latency.OP_KINDS``) inlines its own timing (two
         ``perf_counter_ns``, a ring append, this deadline check) instead of a decorator:
         a wrapper's extra frame doubled the cost per call on this machine, and decode runs
         ``num_layers + 1`` of them a step (``python -m cache overhead``)."""
         self._boundary_ns = now_ns + int(POLL_S * 1e9)
-        if self.live is not None:
-            self._serve_live(now_ns)
-
-    def _serve_live(self, now_ns: int) -> None:
-        try:
-            self.live.serve(self._apply_remote)
-            if now_ns >= self._publish_ns:
-                self._publish(now_ns)
-        except Exception:  # noqa: BLE001 -- a live node never fails an operation for this
-            _log.exception("cache live control failed; the engine goes on")
+        if self.live is not None and self.live.inbox:
+            try:
+                self.live.apply_pending()
+            except Exception:  # noqa: BLE001 -- a live node never fails an operation for this
+                _log.exception("cache live control failed; the engine goes on")
 
     def _apply_remote(self, key: str, value: Any) -> tuple[Any, Any]:
         old = self.set_tunable(key, value)
@@ -929,14 +924,10 @@ class KVCache:
                   getattr(self.config, key))
         return old, getattr(self.config, key)
 
-    def _publish(self, now_ns: int, *, attached: bool = True) -> None:
-        """Write a snapshot; the next one while operating comes after ``PUBLISH_S`` or 100x
-        this one's cost, whichever is later (``stats()`` walks every block: on a large cache
-        a snapshot a second would cost more than 1 % of the node's time)."""
+    def _publish(self, *, attached: bool = True) -> None:
+        """Write a snapshot now (on request: open, flush, close), when live."""
         if self.live is not None:
-            self.live.publish(self.stats(), attached=attached)
-            took = perf_counter_ns() - now_ns
-            self._publish_ns = now_ns + max(int(PUBLISH_S * 1e9), PUBLISH_COST_FACTOR * took)
+            self.live.publish(attached=attached)
 
     def go_live(self, directory: str | os.PathLike) -> None:
         """Publish stats and take tunable changes through ``directory/live`` (what
@@ -950,15 +941,21 @@ class KVCache:
             self._op_boundary(now)
 
     def _go_live(self, directory: str | os.PathLike) -> None:
+        ref = weakref.ref(self)  # the plane's thread must not keep a dropped engine alive
+        if self.live is not None:
+            self.live.stop()
         try:
-            self.live = LiveControl(directory)
+            self.live = LivePlane(directory, lambda: ref().stats(),
+                                  lambda key, value: ref()._apply_remote(key, value))
         except OSError as e:
             _log.warning("cache live control unavailable in %s (%s)", directory, e)
             return
-        self._publish(perf_counter_ns())
+        self._publish()
 
     def _leave_live(self) -> None:
-        self._publish(perf_counter_ns(), attached=False)
+        if self.live is not None:
+            self.live.stop()
+        self._publish(attached=False)
         self.live = None
 
     # == figures ===========================================================================
@@ -972,7 +969,8 @@ class KVCache:
     @property
     def tail_buffer_bytes(self) -> int:
         """Bytes of the batch tail buffer kept for the next step (0: none)."""
-        return self._tails.kv.numel() * self._tails.kv.element_size() if self._tails else 0
+        tails = self._tails  # read once: a live snapshot may run beside a batch step
+        return tails.kv.numel() * tails.kv.element_size() if tails is not None else 0
 
     def stats(self) -> dict:
         from cache.stats import cache_stats

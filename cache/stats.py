@@ -2,7 +2,8 @@
 
 Counters and latency windows describe the statistics context, which starts at construction
 and again at ``KVCache.reset_stats()``; byte, block and utilisation figures describe the
-cache as it is now. The figures are read through ``StatsSource`` (what ``KVCache`` offers
+cache as it is now. A live engine's timer thread takes snapshots while the engine may be
+operating (``cache/live.py``): containers are copied before they are walked. The figures are read through ``StatsSource`` (what ``KVCache`` offers
 publicly), so this module never imports the engine.
 """
 
@@ -57,7 +58,7 @@ def _bytes(kv: "StatsSource") -> dict:
     q_tok = kv.bytes_per_token(kv.config.kv_dtype) if kv.qpool else 0.0
     held = {fresh: 0, **({kv.config.kv_dtype: 0} if kv.qpool else {})}
     tokens = live_tokens = live_held = buffer = 0.0
-    for b in m.blocks.values():
+    for b in list(m.blocks.values()):  # one copy: a snapshot may run beside an operation
         here = there = 0.0
         if b.start is not None:
             fp = fp_block * b.capacity / B
@@ -122,15 +123,16 @@ def cache_stats(kv: "StatsSource") -> dict:
     by = _bytes(kv)
     live = sum(by["held"].values())
     lookups = c["prefix_hit_blocks"] + c["prefix_miss_blocks"]
-    errors = [b.error for b in m.blocks.values() if b.quantized]
-    refs = [b.ref_count for b in m.blocks.values()]
+    blocks = list(m.blocks.values())
+    errors = [b.error for b in blocks if b.quantized]
+    refs = [b.ref_count for b in blocks]
     tiers = _tier_stats(kv, live)
     return {
         **c,
         "prefix_hit_rate": c["prefix_hit_blocks"] / lookups if lookups else 0.0,
         "model_version": m.version,
         "sessions_open": len(kv.sessions()),
-        "blocks_used": len(m.blocks),
+        "blocks_used": len(blocks),
         "blocks_referenced": sum(r > 0 for r in refs),
         "blocks_shared": sum(r > 1 for r in refs),
         "blocks_cached_unreferenced": len(m.policy),
