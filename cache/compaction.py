@@ -5,9 +5,9 @@ manager still holds is freed (a leak would show up here; the counter should stay
 Compaction: a session whose own blocks (refcount 1, the tail of its table) are spread over
 several runs is moved into one free gap, so its decode reads one view again (the copy-free
 path of ``cache/attention.py``). The functions take the pieces they work on (the block
-manager, the arena, the session tables), never the engine. Triggers (``KVCache.reserve``): free arena memory below
-``CacheConfig.low_watermark``, at most once per ``COMPACT_EVERY`` reserves; three allocation
-failures in a row; and every ``flush()``.
+manager, the arena, the session tables), never the engine. Triggers (``cache/pressure.py``):
+free arena memory below ``CacheConfig.low_watermark``, at most once per ``COMPACT_EVERY``
+reserves; three allocation failures in a row; and every ``flush()``.
 """
 
 from __future__ import annotations

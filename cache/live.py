@@ -13,7 +13,8 @@ blocks for a snapshot. Snapshots are also published on request (``publish``: ``K
 The snapshot runs on the timer thread while the engine may be operating: it reads the
 engine's containers without a lock, so a snapshot describes the cache at some moment during
 an operation, and one that meets a container being resized is retried (``SNAPSHOT_TRIES``).
-This module knows the engine only as two callables (``snapshot`` and ``apply``).
+This module knows the engine only as ``LiveEngine`` (``stats``, ``set_tunable``, ``config``);
+the plane itself only as two callables (``snapshot`` and ``apply``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import threading
 import weakref
 from collections import deque
 from time import perf_counter_ns
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from cache.control import POLL_S, PUBLISH_S, LiveControl, Request
 
@@ -33,6 +34,48 @@ PUBLISH_COST_FACTOR = 100
 """Live snapshots take at most 1/100 of the time (``LivePlane.publish``)."""
 SNAPSHOT_TRIES = 3
 """Attempts at a snapshot that meets a container changing size under it."""
+
+
+class LiveEngine(Protocol):
+    """What the plane needs of an engine (``KVCache`` is one)."""
+
+    config: Any
+
+    def stats(self) -> dict: ...
+
+    def set_tunable(self, key: str, value: Any) -> Any: ...
+
+
+def go_live(engine: LiveEngine, directory: str | os.PathLike,
+            old: "LivePlane | None" = None) -> "LivePlane | None":
+    """A plane for ``engine`` on ``directory`` (``old`` stopped), its first snapshot
+    published; None (logged) when the directory cannot hold one. The plane and its thread
+    hold the engine only through a weak reference: a dropped engine is not kept alive."""
+    if old is not None:
+        old.stop()
+    ref = weakref.ref(engine)
+
+    def apply(key: str, value: Any) -> tuple[Any, Any]:
+        e = ref()
+        before = e.set_tunable(key, value)
+        after = getattr(e.config, key)
+        _log.info("cache tunable %s changed from another process: %r -> %r", key, before, after)
+        return before, after
+
+    try:
+        plane = LivePlane(directory, lambda: ref().stats(), apply)
+    except OSError as e:
+        _log.warning("cache live control unavailable in %s (%s)", directory, e)
+        return None
+    plane.publish()
+    return plane
+
+
+def leave_live(plane: "LivePlane | None") -> None:
+    """Stop the plane and publish a last snapshot marked ``attached: false``."""
+    if plane is not None:
+        plane.stop()
+        plane.publish(attached=False)
 
 
 class LivePlane:
