@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from cache.errors import ReservationError, ShapeMismatchError, check_layer
+from cache.block_table import check_layer
+from cache.errors import ReservationError, ShapeMismatchError
 
 if TYPE_CHECKING:
     from cache.block_table import BlockTable

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cache.block import Block
+from cache.errors import LayerIndexError
 from cache.sparsity import SparsityPolicy
 
 
@@ -70,3 +71,9 @@ class BlockTable:
 def end_of(b: Block | None, block_size: int) -> int | None:
     """Where the block after ``b`` goes to continue its run (None: anywhere)."""
     return None if b is None or b.start is None else b.start + block_size
+
+
+def check_layer(layer: int, num_layers: int) -> None:
+    """LayerIndexError unless ``layer`` is an int in ``[0, num_layers)``."""
+    if not isinstance(layer, int) or not 0 <= layer < num_layers:
+        raise LayerIndexError(f"layer {layer!r} out of range: the cache has {num_layers} layers")

@@ -32,7 +32,8 @@ from cache.attention import Run
 from cache.batch import Batcher, BatchStep
 from cache.config import CacheConfig
 from cache.control import POLL_S
-from cache.errors import ConfigError, check_layer
+from cache.block_table import check_layer
+from cache.errors import ConfigError
 from cache.latency import OpLatencies
 from cache.live import LivePlane, go_live, leave_live
 from cache.manager import BlockManager

@@ -50,9 +50,3 @@ class UnknownTensorError(CacheError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "unknown tensor"
-
-
-def check_layer(layer: int, num_layers: int) -> None:
-    """LayerIndexError unless ``layer`` is an int in ``[0, num_layers)``."""
-    if not isinstance(layer, int) or not 0 <= layer < num_layers:
-        raise LayerIndexError(f"layer {layer!r} out of range: the cache has {num_layers} layers")

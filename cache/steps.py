@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cache.block_table import BlockTable, end_of
-from cache.errors import ReservationError, ShapeMismatchError, TensorDTypeError, check_layer
+from cache.block_table import BlockTable, check_layer, end_of
+from cache.errors import ReservationError, ShapeMismatchError, TensorDTypeError
 from cache.prefetch import Prefetcher, make_prefetcher, prefetch_after_lookup
 
 if TYPE_CHECKING:
