@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cache.block import Block
+from cache.errors import LayerIndexError
 from cache.sparsity import SparsityPolicy
 
 
@@ -57,3 +58,22 @@ class BlockTable:
 
     def block_ids(self) -> set[int]:
         return {b.id for b in self.blocks if b is not None}
+
+    def positions(self, start: int, n: int) -> slice | torch.Tensor:
+        """Arena token positions of tokens [start, start + n): a slice when contiguous."""
+        B = self.block_size
+        pos = [self.blocks[p // B].start + p % B for p in range(start, start + n)]
+        if all(b - a == 1 for a, b in zip(pos, pos[1:])):
+            return slice(pos[0], pos[0] + n)
+        return torch.tensor(pos)
+
+
+def end_of(b: Block | None, block_size: int) -> int | None:
+    """Where the block after ``b`` goes to continue its run (None: anywhere)."""
+    return None if b is None or b.start is None else b.start + block_size
+
+
+def check_layer(layer: int, num_layers: int) -> None:
+    """LayerIndexError unless ``layer`` is an int in ``[0, num_layers)``."""
+    if not isinstance(layer, int) or not 0 <= layer < num_layers:
+        raise LayerIndexError(f"layer {layer!r} out of range: the cache has {num_layers} layers")

@@ -3,13 +3,14 @@
 A ``KVCache.open(dir, ...)`` engine owns ``dir/live/`` (mode 0700):
 
 * ``stats.json``: its latest ``stats()`` snapshot with its pid and the wall time it was
-  written; published on ``open``, on ``flush()`` and at most every ``PUBLISH_S`` while it runs
-  operations (less often when a snapshot is expensive: at most 1 % of the engine's time;
+  written; published on ``open``, on ``flush()`` and at most every ``PUBLISH_S`` by a timer
+  thread (less often when a snapshot is expensive: at most 1 % of the time;
   ``attached: false`` once ``close``/``release`` let go of the directory);
 * ``set-<id>.json``: a change request (``{"key", "value"}``) written by ``python -m cache set``;
-  the engine looks for requests at an operation boundary at most every ``POLL_S`` (one
-  ``os.scandir`` of this small directory), applies each through ``KVCache.set_tunable`` (the
-  same validator as the command line) and answers in
+  the engine's timer thread looks for requests every ``POLL_S`` (one ``os.scandir`` of this
+  small directory), the engine applies each at its next operation boundary through
+  ``KVCache.set_tunable`` (the same validator as the command line; ``cache/live.py``) and the
+  thread answers in
 * ``ack-<id>.json``: ``{"status": "applied", "key", "old", "new", "pid"}``, or
   ``"rejected"``/``"unreadable"`` with an ``error``.
 
@@ -37,9 +38,10 @@ _log = logging.getLogger("fedkv.cache")
 LIVE_DIR = "live"
 STATS_FILE = "stats.json"
 POLL_S = 0.2
-"""Longest wait before a live engine looks for change requests (while it runs operations)."""
+"""Longest wait before a live engine looks for change requests, and between two operation
+boundaries that apply them."""
 PUBLISH_S = 1.0
-"""Longest wait between two stats snapshots while the engine runs operations."""
+"""Longest wait between two timed stats snapshots."""
 ACK_TTL_S = 60.0
 """Answers nobody collected (the requester timed out) are deleted after this long."""
 _REQUEST = re.compile(r"^set-([0-9a-f]{32})\.json$")
@@ -109,6 +111,15 @@ def pid_alive(pid: int) -> bool:
 
 
 # == engine side ===============================================================================
+@dataclass(frozen=True)
+class Request:
+    """A change request read from ``set-<rid>.json``."""
+
+    rid: str
+    key: str
+    value: Any
+
+
 class LiveControl:
     """The engine's end: publishes snapshots, serves change requests."""
 
@@ -127,46 +138,68 @@ class LiveControl:
 
     def serve(self, apply: Callable[[str, Any], tuple[Any, Any]]) -> int:
         """Apply every pending request with ``apply(key, value) -> (old, new)`` and answer
-        it; returns how many were applied. Never raises for a bad file or a full disk."""
+        it; returns how many were applied. Never raises for a bad file or a full disk.
+        (A live engine splits this: ``cache.live.LivePlane``.)"""
         applied = 0
+        for req in self.take_requests():
+            answer = self.outcome(req, apply)
+            self.answer(req, answer)
+            applied += answer["status"] == "applied"
+        return applied
+
+    def take_requests(self) -> list[Request]:
+        """Claim and read every pending request; one that cannot be read is answered
+        ``unreadable`` at once (logged). Old answers nobody collected are pruned."""
         try:
             entries = list(os.scandir(self.dir))
         except OSError as e:
             _log.warning("cache control directory %s unreadable (%s)", self.dir, e)
-            return 0
+            return []
+        out = []
         for entry in entries:
             m = _REQUEST.match(entry.name)
             if m:
-                applied += self._serve_one(entry.path, m.group(1), apply)
+                req = self._take_one(entry.path, m.group(1))
+                if req is not None:
+                    out.append(req)
             elif entry.name.startswith("ack-"):
                 self._prune_ack(entry)
-        return applied
+        return out
 
-    def _serve_one(self, path: str, rid: str, apply: Callable[[str, Any], tuple[Any, Any]]
-                   ) -> int:
+    def _take_one(self, path: str, rid: str) -> Request | None:
         taken = path + ".taken"
-        try:  # claim it: of two threads at a boundary, or an engine and a withdrawing
+        try:  # claim it: of two threads, or an engine and a withdrawing
             os.rename(path, taken)  # requester, exactly one gets the request
         except FileNotFoundError:
-            return 0
-        answer: dict[str, Any] = {"pid": os.getpid()}
+            return None
         try:
             req = _read_json_object(taken)
             if not isinstance(req.get("key"), str) or "value" not in req:
                 raise CorruptLiveFileError(f"{path} has no string 'key' and 'value'")
-            old, new = apply(req["key"], req["value"])
-            answer.update(status="applied", key=req["key"], old=old, new=new)
-        except ConfigError as e:
-            answer.update(status="rejected", error=str(e))
+            return Request(rid, req["key"], req["value"])
         except (CorruptLiveFileError, OSError) as e:
             _log.warning("cache control request %s ignored: %s", path, e)
-            answer.update(status="unreadable", error=str(e))
-        _unlink_quietly(taken)
+            self.answer(Request(rid, "", None), {"status": "unreadable", "error": str(e)})
+            return None
+        finally:
+            _unlink_quietly(taken)
+
+    @staticmethod
+    def outcome(req: Request, apply: Callable[[str, Any], tuple[Any, Any]]) -> dict:
+        """``apply`` the request; the answer: applied (old, new) or rejected (why)."""
         try:
-            write_json_atomic(os.path.join(self.dir, f"ack-{rid}.json"), answer)
+            old, new = apply(req.key, req.value)
+        except ConfigError as e:
+            return {"status": "rejected", "error": str(e)}
+        return {"status": "applied", "key": req.key, "old": old, "new": new}
+
+    def answer(self, req: Request, answer: dict) -> None:
+        """Write the request's answer file (the engine's pid added); a failure is logged."""
+        try:
+            write_json_atomic(os.path.join(self.dir, f"ack-{req.rid}.json"),
+                              {"pid": os.getpid(), **answer})
         except OSError as e:
-            _log.warning("cache control answer for %s not written (%s)", rid, e)
-        return int(answer["status"] == "applied")
+            _log.warning("cache control answer for %s not written (%s)", req.rid, e)
 
     @staticmethod
     def _prune_ack(entry: os.DirEntry) -> None:

@@ -10,6 +10,7 @@ policy) and then keeps its quantized copy alone when it has one.
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Callable
 
 import torch
@@ -345,6 +346,23 @@ class BlockManager:
         """K/V of ``version`` may be served: the current one, or one of the ``keep_versions``
         before it (``CacheConfig.stale_versions``)."""
         return self.version - self.keep_versions <= version <= self.version
+
+    def reset_counters(self) -> None:
+        """Zero the counters and the tiers' figures (a new statistics context)."""
+        for name in self.counters:
+            self.counters[name] = 0
+        if self.tiers is not None:
+            s = self.tiers.stats
+            for f in fields(s):
+                setattr(s, f.name, 0)
+
+    def switch_policy(self, policy: EvictionPolicy) -> None:
+        """Hand the cached blocks to ``policy`` in the old policy's eviction order (best
+        victim first: inserted first, leaves first)."""
+        old = self.policy
+        for key in old.victims(len(old)):
+            policy.insert(key, self.index[key].parent_hash)
+        self.policy = policy
 
     def set_version(self, version: int) -> None:
         """Move to model ``version``: blocks of versions no longer servable leave the index

@@ -42,15 +42,19 @@ class OverheadConfig:
 
 def _bare_append_and_read(kv: KVCache, sid: int, layer: int, k: torch.Tensor,
                           v: torch.Tensor) -> list:
-    kv._write(sid, layer, k, v)
+    kv.steps.write(kv.session_table.get(sid), layer, k, v)
     return kv.read_runs(sid, layer)
+
+
+def _bare_reserve(kv: KVCache, sid: int, tokens: list[int]) -> None:
+    kv.steps.reserve(kv.session_table.get(sid), tokens)
 
 
 def _step(kv: KVCache, sid: int, token: int, k: torch.Tensor, bare: bool,
           attention: bool) -> int:
     """One decode step (reserve, then every layer, attending over its runs when
     ``attention``); its duration in ns."""
-    reserve = KVCache._reserve if bare else KVCache.reserve
+    reserve = _bare_reserve if bare else KVCache.reserve
     append = _bare_append_and_read if bare else KVCache.append_and_read
     start = time.perf_counter_ns()
     reserve(kv, sid, [token])

@@ -6,13 +6,15 @@ ids keyed, so nothing on disk names a block's content hash; directory 0700, file
 blocks (``kind: kv``, keyed by content hash), named tensors (``kind: tensor``: the node's ``param/`` and ``grad/``, one
 safetensors blob each) and the engine's model version (``kind: engine``). Opening a directory
 restores tensors and version at once and blocks lazily (the hottest into warm first).
+The functions see the engine through ``Persistent`` (what ``KVCache`` offers publicly), so
+this module never imports the engine.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from safetensors.torch import load as st_load, save as st_save
 
@@ -20,9 +22,26 @@ from cache.fsperm import LOCK_TIMEOUT_S
 
 if TYPE_CHECKING:
     from cache.config import CacheConfig
-    from cache.engine import KVCache
+    from cache.manager import BlockManager
+    from cache.segments import SegmentStore
+    from cache.tensor_store import TensorStore
 
 _log = logging.getLogger("fedkv.cache")
+
+
+class Persistent(Protocol):
+    """What persistence reads and sets on a cache (``KVCache`` is one)."""
+
+    store: "SegmentStore | None"
+    blocks: "BlockManager"
+    tensors: "TensorStore"
+    found_on_disk: int
+
+    @property
+    def version(self) -> int: ...
+
+    def compact(self) -> dict[str, int]: ...
+
 ENGINE_KEY = b"engine:state"
 TENSOR_PREFIX = b"tensor:"
 
@@ -45,10 +64,11 @@ def open_store(directory: str | os.PathLike, key: bytes | None, max_bytes: int |
         return SegmentStore(directory, **kw)
 
 
-def open_cache(cls, directory, config: "CacheConfig", *, key, policy, clock, max_bytes
-               ) -> "KVCache":
+def open_cache(make: Callable[..., Persistent], directory, config: "CacheConfig", *, key,
+               max_bytes, **kwargs: Any) -> Persistent:
+    """``make(config, store=..., **kwargs)`` on the directory's store, restored from it."""
     store = open_store(directory, key, max_bytes, config.lock_timeout_s)
-    kv = cls(config, policy, store=store, clock=clock)
+    kv = make(config, store=store, **kwargs)
     kv.found_on_disk = sum(1 for k in store.keys() if store.meta(k).get("kind") == "kv")
     _load_tensors(kv)
     if ENGINE_KEY in store:
@@ -57,7 +77,7 @@ def open_cache(cls, directory, config: "CacheConfig", *, key, policy, clock, max
     return kv
 
 
-def _load_tensors(kv: "KVCache") -> None:
+def _load_tensors(kv: Persistent) -> None:
     store = kv.store
     for k in store.keys():
         meta = store.meta(k)
@@ -72,21 +92,21 @@ def _load_tensors(kv: "KVCache") -> None:
         kv.tensors.put(str(meta["name"]), t, int(meta["version"]))
 
 
-def _save_tensors(kv: "KVCache") -> None:
+def _save_tensors(kv: Persistent) -> None:
     for name in kv.tensors.names():
         t = kv.tensors.get(name)
         kv.store.put(TENSOR_PREFIX + name.encode(), st_save({"t": t.contiguous()}),
                      {"kind": "tensor", "name": name, "version": kv.tensors.version(name)})
 
 
-def _hot_entries(kv: "KVCache") -> dict:
+def _hot_entries(kv: Persistent) -> dict:
     m = kv.blocks
     return {b.hash: m.entry(b) for b in m.blocks.values()
             if b.hash is not None and m.index.get(b.hash) is b and b.dirty
             and b.version == m.version}
 
 
-def flush(kv: "KVCache") -> None:
+def flush(kv: Persistent) -> None:
     kv.compact()
     if kv.store is None:
         return
@@ -109,7 +129,7 @@ are rewritten at every flush, so without it a node's directory grows by the mode
 message."""
 
 
-def _compact_if_mostly_dead(kv: "KVCache") -> None:
+def _compact_if_mostly_dead(kv: Persistent) -> None:
     st = kv.store.stats()
     if st["bytes_on_disk"] > COMPACT_DEAD_RATIO * max(st["live_bytes"], 1):
         try:
@@ -119,7 +139,7 @@ def _compact_if_mostly_dead(kv: "KVCache") -> None:
                          type(e).__name__, e)
 
 
-def close(kv: "KVCache") -> None:
+def close(kv: Persistent) -> None:
     flush(kv)
     if kv.store is not None:
         kv.store.close()

@@ -21,7 +21,7 @@ One small class per mode (SGLang ``evict_policy.py`` style), all with the same i
   accesses; it scores its own hits over a window and retrains when they fall below 70 %;
 * ``none``: never prefetches (the baseline).
 
-On a live ``KVCache``: :func:`prefetch_after_lookup` observes the blocks a lookup touched and
+On a live cache's block manager: :func:`prefetch_after_lookup` observes the blocks a lookup touched and
 restores the predicted ones into hot as unreferenced cached blocks, so the next
 ``match_prefix`` of them is a hot hit. A prefetched block takes hot room like any other (the
 restore evicts the policy's victim): prefetching competes with demand blocks.
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 from cache.errors import CacheError
 
 if TYPE_CHECKING:
-    from cache.engine import KVCache
+    from cache.manager import BlockManager
 
 Key = Hashable
 PREFETCH_DEGREE = 2
@@ -573,20 +573,20 @@ def make_prefetcher(mode: str, degree: int = PREFETCH_DEGREE, seed: int = 0) -> 
     raise PrefetchError(f"prefetch mode must be one of {PREFETCH_MODES}, got {mode!r}")
 
 
-# == applying predictions to a live KVCache ===================================================
-def settle(kv: "KVCache", ledger: PrefetchLedger) -> None:
+# == applying predictions to a live cache's blocks ============================================
+def settle(blocks: "BlockManager", ledger: PrefetchLedger) -> None:
     """Count as wasted every pending prefetch that has left hot unused."""
-    for key in [k for k in ledger.pending if k not in kv.blocks.index]:
+    for key in [k for k in ledger.pending if k not in blocks.index]:
         ledger.evicted(key)
 
 
-def prefetch_into_hot(kv: "KVCache", keys: Iterable[bytes],
+def prefetch_into_hot(blocks: "BlockManager", keys: Iterable[bytes],
                       ledger: PrefetchLedger | None = None) -> list[bytes]:
     """Restore each block of ``keys`` held in warm or cold into hot, as an unreferenced cached
     block (most recently used in the policy): its next ``match_prefix`` is a hot hit. Blocks
     already hot, held nowhere, or of another model version are skipped; when hot has no room
     the entry goes back to its tier and the rest are not fetched. Returns the keys fetched."""
-    m = kv.blocks
+    m = blocks
     if m.tiers is None:
         raise PrefetchError("this cache has no warm tier or cold store: nothing to prefetch from")
     fetched = []
@@ -596,7 +596,7 @@ def prefetch_into_hot(kv: "KVCache", keys: Iterable[bytes],
         e = m.tiers.take(h)
         if e is None:
             continue
-        if e.version != kv.version:  # as lookup: K/V of another version are never served
+        if e.version != m.version:  # as lookup: K/V of another version are never served
             continue
         if m.restore(h, e) is None:
             m.tiers.put(h, e)  # no room: nothing lost
@@ -607,7 +607,7 @@ def prefetch_into_hot(kv: "KVCache", keys: Iterable[bytes],
     return fetched
 
 
-def prefetch_after_lookup(kv: "KVCache", prefetcher: Prefetcher,
+def prefetch_after_lookup(blocks: "BlockManager", prefetcher: Prefetcher,
                           keys: Iterable[bytes]) -> list[bytes]:
     """The engine hook: observe the block hashes a lookup touched (in order), then fetch what
     the prefetcher predicts into hot. Returns the keys fetched."""
@@ -615,5 +615,5 @@ def prefetch_after_lookup(kv: "KVCache", prefetcher: Prefetcher,
     for h in keys:
         led.access(h)
         prefetcher.observe(h)
-    settle(kv, led)
-    return prefetch_into_hot(kv, prefetcher.predict(kv.blocks.index), led)
+    settle(blocks, led)
+    return prefetch_into_hot(blocks, prefetcher.predict(blocks.index), led)

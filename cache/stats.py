@@ -2,31 +2,67 @@
 
 Counters and latency windows describe the statistics context, which starts at construction
 and again at ``KVCache.reset_stats()``; byte, block and utilisation figures describe the
-cache as it is now.
+cache as it is now. A live engine's timer thread takes snapshots while the engine may be
+operating (``cache/live.py``): containers are copied before they are walked. The figures are read through ``StatsSource`` (what ``KVCache`` offers
+publicly), so this module never imports the engine.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from cache.engine import KVCache
+    from cache.config import CacheConfig
+    from cache.latency import OpLatencies
+    from cache.manager import BlockManager
+    from cache.pool import BlockPool
+    from cache.prefetch import Prefetcher
+    from cache.tensor_store import TensorStore
+    from cache.token_arena import TokenArena
 
 
-def _bytes(kv: "KVCache") -> dict:
+class StatsSource(Protocol):
+    """What the figures are computed from (``KVCache`` is one)."""
+
+    config: "CacheConfig"
+    arena: "TokenArena"
+    qpool: "BlockPool | None"
+    blocks: "BlockManager"
+    tensors: "TensorStore"
+    latency: "OpLatencies"
+    prefetcher: "Prefetcher | None"
+    found_on_disk: int
+
+    @property
+    def full_precision_dtype(self) -> str: ...
+
+    @property
+    def context_age_s(self) -> float: ...
+
+    @property
+    def tail_buffer_bytes(self) -> int: ...
+
+    def bytes_per_token(self, kv_dtype: str | None = None) -> float: ...
+
+    def tunables(self) -> dict[str, Any]: ...
+
+    def sessions(self) -> list[int]: ...
+
+
+def _bytes(kv: "StatsSource") -> dict:
     """Bytes held per storage dtype, bytes whose token positions hold tokens, and the same
     for referenced blocks only; the read buffer is the full-precision copy of quantized blocks."""
-    m, B = kv.blocks, kv.config.block_size
+    m, B, fresh = kv.blocks, kv.config.block_size, kv.full_precision_dtype
     fp_block = kv.arena.block_bytes
     q_slot = kv.qpool.classes[kv.config.kv_dtype].slot_bytes if kv.qpool else 0
     q_tok = kv.bytes_per_token(kv.config.kv_dtype) if kv.qpool else 0.0
-    held = {kv.fresh: 0, **({kv.config.kv_dtype: 0} if kv.qpool else {})}
+    held = {fresh: 0, **({kv.config.kv_dtype: 0} if kv.qpool else {})}
     tokens = live_tokens = live_held = buffer = 0.0
-    for b in m.blocks.values():
+    for b in list(m.blocks.values()):  # one copy: a snapshot may run beside an operation
         here = there = 0.0
         if b.start is not None:
             fp = fp_block * b.capacity / B
-            held[kv.fresh] += fp
+            held[fresh] += fp
             here += fp
             there += fp_block / B * len(b.tokens)
             buffer += fp if b.qhandle is not None else 0
@@ -41,7 +77,7 @@ def _bytes(kv: "KVCache") -> dict:
             "live_held": live_held, "buffer": buffer}
 
 
-def _tier_stats(kv: "KVCache", hot_bytes: float) -> dict:
+def _tier_stats(kv: "StatsSource", hot_bytes: float) -> dict:
     """Hits per tier (hot = prefix hits served without a promotion), swaps, bytes per tier."""
     t = kv.blocks.tiers
     if t is None:
@@ -62,7 +98,7 @@ def _tier_stats(kv: "KVCache", hot_bytes: float) -> dict:
     }
 
 
-def _rates_and_use(kv: "KVCache", tiers: dict, lookups: int, hot_tokens: float) -> dict:
+def _rates_and_use(kv: "StatsSource", tiers: dict, lookups: int, hot_tokens: float) -> dict:
     """Hit rate per tier (that tier's hits over block lookups: they sum to the prefix hit
     rate), swaps (tier moves in plus out), and how full each tier is: the hot arena's pages
     in use, the share of hot bytes holding tokens (``kv_utilisation``), warm bytes used."""
@@ -81,21 +117,22 @@ def _rates_and_use(kv: "KVCache", tiers: dict, lookups: int, hot_tokens: float) 
     }
 
 
-def cache_stats(kv: "KVCache") -> dict:
+def cache_stats(kv: "StatsSource") -> dict:
     m = kv.blocks
     c = m.counters
     by = _bytes(kv)
     live = sum(by["held"].values())
     lookups = c["prefix_hit_blocks"] + c["prefix_miss_blocks"]
-    errors = [b.error for b in m.blocks.values() if b.quantized]
-    refs = [b.ref_count for b in m.blocks.values()]
+    blocks = list(m.blocks.values())
+    errors = [b.error for b in blocks if b.quantized]
+    refs = [b.ref_count for b in blocks]
     tiers = _tier_stats(kv, live)
     return {
         **c,
         "prefix_hit_rate": c["prefix_hit_blocks"] / lookups if lookups else 0.0,
         "model_version": m.version,
         "sessions_open": len(kv.sessions()),
-        "blocks_used": len(m.blocks),
+        "blocks_used": len(blocks),
         "blocks_referenced": sum(r > 0 for r in refs),
         "blocks_shared": sum(r > 1 for r in refs),
         "blocks_cached_unreferenced": len(m.policy),
@@ -104,8 +141,7 @@ def cache_stats(kv: "KVCache") -> dict:
         "bytes_allocated": live,
         "bytes_holding_tokens": by["tokens"],
         "read_buffer_bytes": by["buffer"],
-        "batch_tail_buffer_bytes": (kv._tails.kv.numel() * kv._tails.kv.element_size()
-                                    if kv._tails is not None else 0),
+        "batch_tail_buffer_bytes": kv.tail_buffer_bytes,
         "bytes_stored": live - by["buffer"],  # the compact form: what idle sessions cost
         "kv_utilisation": by["tokens"] / live if live else 0.0,
         "kv_utilisation_live": by["live_tokens"] / by["live_held"] if by["live_held"] else 0.0,

@@ -241,7 +241,7 @@ class Sessions(Mapping[str, int]):
         every step is one ``model.forward_batch`` over all of them (a prefix they share is
         attended once). Greedy like ``turn``; in an int8/int4 cache a session may attend a
         prefix another session quantized, so a reply can differ from its one-at-a-time
-        ``turn`` within the bound ``KVCache._quantize_old`` documents. Refused before
+        ``turn`` within the bound ``Pressure.quantize_old`` documents. Refused before
         anything is written if a conversation would pass the context."""
         if len(texts) != len(session_ids):
             raise ValueError(f"{len(session_ids)} sessions but {len(texts)} texts")

@@ -54,7 +54,7 @@ def test_a_continuing_step_appends_to_the_tails_instead_of_gathering_them():
             _, tk, _, valid = kv.append_and_read_batch(step, layer, k, -k)
         seen.append(tk.clone())
     # what the buffer holds equals a fresh gather of the same tokens
-    kv._tails = None
+    kv.batcher.tails = None
     step = kv.begin_batch([a, b], [7, 8])
     for layer in range(kv.config.num_layers):
         _, tk, _, valid = kv.append_and_read_batch(step, layer, torch.zeros(H, 2, D),

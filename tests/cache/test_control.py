@@ -1,5 +1,6 @@
 """The live-control file protocol (cache/control.py) between an engine and a reader, in one
-process: snapshots, change requests and their answers, bad files, the polling boundary."""
+process: snapshots, change requests and their answers, bad files, the polling boundary; the
+engine's plane (cache/live.py): file work on a timer thread, changes applied by operations."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import logging
 import os
 import threading
+import time
 import uuid
 
 import pytest
@@ -14,7 +16,7 @@ import pytest
 from cache import KVCache
 from cache.control import (
     LIVE_DIR, STATS_FILE, ChangeRejectedError, CorruptLiveFileError, LiveControl,
-    NoLiveEngineError, read_snapshot, request_change, write_json_atomic,
+    NoLiveEngineError, Request, read_snapshot, request_change, write_json_atomic,
 )
 
 from tests.cache.conftest import feed, small_config
@@ -95,7 +97,8 @@ def test_a_garbage_request_is_logged_answered_and_dropped(kv, tmp_path, caplog):
     for garbage in (b"\xff\xfe", b"[1, 2]", b'{"value": 3}'):
         req.write_bytes(garbage)
         with caplog.at_level(logging.WARNING, logger="fedkv.cache"):
-            assert kv.live.serve(kv._apply_remote) == 0
+            kv.live.tick()  # as the timer thread does (one tick at a time: it may have been first)
+        assert not kv.live.inbox
         assert not req.exists() and "ignored" in caplog.text
         ack = json.loads((tmp_path / LIVE_DIR / f"ack-{rid}.json").read_text())
         assert ack["status"] == "unreadable"
@@ -135,28 +138,45 @@ def test_release_and_attach_leave_and_rejoin(tmp_path):
     kv.close()
 
 
-def test_the_directory_is_looked_at_only_once_the_poll_deadline_passed(kv, monkeypatch):
-    calls = []
-    monkeypatch.setattr(kv.live, "serve", lambda apply: calls.append(1) or 0)
+def test_operations_never_read_the_directory_and_apply_requests_at_the_poll_deadline(
+        kv, monkeypatch):
+    kv.live.stop()  # the timer thread's file work is out of the way: only operations run
+    reads = []
+    monkeypatch.setattr(kv.live.control, "take_requests", lambda: reads.append(1) or [])
+    kv.live.inbox.append(Request("0" * 32, "evict_batch", 24))
     sid = kv.open_session()
     kv._boundary_ns = 1 << 62  # far away: no operation looks
     feed(kv, sid, [1, 2, 3])
-    assert calls == []
-    kv._boundary_ns = 0  # due: the next operation looks, once, and sets the next deadline
+    assert kv.config.evict_batch == 16 and len(kv.live.inbox) == 1
+    kv._boundary_ns = 0  # due: the next operation applies it, once, and sets the next deadline
     feed(kv, sid, [4])
-    assert len(calls) == 1 and kv._boundary_ns > 0
+    assert kv.config.evict_batch == 24 and not kv.live.inbox and kv._boundary_ns > 0
+    (req, answer), = kv.live.answered  # answered by the timer thread (here: stop/close)
+    assert answer == {"status": "applied", "key": "evict_batch", "old": 16, "new": 24}
+    assert reads == []
 
 
 def test_a_failing_live_control_never_fails_an_operation(kv, monkeypatch, caplog):
-    def broken(apply):
+    def broken():
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(kv.live, "serve", broken)
+    kv.live.stop()
+    monkeypatch.setattr(kv.live, "apply_pending", broken)
+    kv.live.inbox.append(Request("0" * 32, "evict_batch", 24))
     kv._boundary_ns = 0
     sid = kv.open_session()
     with caplog.at_level(logging.ERROR, logger="fedkv.cache"):
         feed(kv, sid, [1, 2, 3])
     assert kv.length(sid) == 3 and "live control failed" in caplog.text
+
+
+def test_the_timer_publishes_without_operations(kv, tmp_path):
+    before = json.loads((tmp_path / LIVE_DIR / STATS_FILE).read_text())["written_at"]
+    kv.live.next_publish_ns = 0  # due now: the timer thread's next tick (POLL_S) publishes
+    deadline = time.monotonic() + 5
+    while json.loads((tmp_path / LIVE_DIR / STATS_FILE).read_text())["written_at"] == before:
+        assert time.monotonic() < deadline, "no timed snapshot"
+        time.sleep(0.02)
 
 
 def test_a_snapshot_that_cannot_be_written_is_logged(tmp_path, monkeypatch, caplog):
@@ -181,13 +201,14 @@ def test_an_expensive_snapshot_spaces_the_next_ones_out(kv, monkeypatch):
     from time import perf_counter_ns, sleep
 
     from cache.control import PUBLISH_S
-    from cache.engine import PUBLISH_COST_FACTOR
+    from cache.live import PUBLISH_COST_FACTOR
 
+    kv.live.stop()
     start = perf_counter_ns()
-    kv._publish(start)
-    assert kv._publish_ns - start >= PUBLISH_S * 1e9  # a cheap one: the floor
+    kv.live.publish(start)
+    assert kv.live.next_publish_ns - start >= PUBLISH_S * 1e9  # a cheap one: the floor
     real = kv.stats
     monkeypatch.setattr(kv, "stats", lambda: (sleep(0.02), real())[1])
     start = perf_counter_ns()
-    kv._publish(start)
-    assert kv._publish_ns - start >= PUBLISH_COST_FACTOR * 0.02e9
+    kv.live.publish(start)
+    assert kv.live.next_publish_ns - start >= PUBLISH_COST_FACTOR * 0.02e9

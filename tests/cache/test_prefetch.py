@@ -256,7 +256,7 @@ def test_a_prefetched_block_is_a_hot_hit_for_match_prefix(tiered):
     assert cold not in kv.blocks.index and warm not in kv.blocks.index
     led = PrefetchLedger()
     evictions = kv.stats()["evictions"]
-    assert prefetch_into_hot(kv, [cold, warm, hashes[-1], b"never-seen"], led) == [cold, warm]
+    assert prefetch_into_hot(kv.blocks, [cold, warm, hashes[-1], b"never-seen"], led) == [cold, warm]
     assert led.issued == 2 and led.issued_bytes == 2 * BLOCK_BYTES
     assert kv.stats()["evictions"] == evictions + 2  # they took hot room from other blocks
     before = tier_reads(kv)
@@ -279,18 +279,18 @@ def test_the_hook_prefetches_the_rest_of_a_conversation_after_its_first_block(ti
         hashes.append(block_hash(parent, prompt[i * BLOCK : (i + 1) * BLOCK], kv.version))
         parent = hashes[-1]
     p = SequentialPrefetcher(degree=2)
-    assert prefetch_after_lookup(kv, p, hashes) == []  # learns the chain; all hot already
+    assert prefetch_after_lookup(kv.blocks, p, hashes) == []  # learns the chain; all hot already
     assert kv.offload("cold") == 3
     s = kv.open_session()
     assert kv.match_prefix(s, prompt[:BLOCK] + [0]) == BLOCK  # the first block: a tier read
     kv.close_session(s)
-    assert prefetch_after_lookup(kv, p, hashes[:1]) == hashes[1:]
+    assert prefetch_after_lookup(kv.blocks, p, hashes[:1]) == hashes[1:]
     before = tier_reads(kv)
     s = kv.open_session()
     assert kv.match_prefix(s, prompt + [0]) == 3 * BLOCK
     assert tier_reads(kv) == before  # blocks 2 and 3 were already hot
     kv.close_session(s)
-    prefetch_after_lookup(kv, p, hashes)
+    prefetch_after_lookup(kv.blocks, p, hashes)
     assert p.ledger.used == 2 and p.ledger.wasted == 0
 
 
@@ -299,21 +299,21 @@ def test_an_unused_prefetch_that_leaves_hot_is_counted_wasted(tiered):
     prompts, _ = cached_prompts(kv, kv.arena.num_blocks + 2)
     h = block_hash(ROOT, prompts[0], kv.version)
     p = NoPrefetch()
-    prefetch_into_hot(kv, [h], p.ledger)
+    prefetch_into_hot(kv.blocks, [h], p.ledger)
     cached_prompts_from = kv.arena.num_blocks + 2
     for i in range(kv.arena.num_blocks + 1):  # enough new blocks to push it out again
         q = list(range(BLOCK * (cached_prompts_from + i), BLOCK * (cached_prompts_from + i + 1)))
         s = kv.open_session()
         feed(kv, s, q)
         kv.close_session(s)
-    prefetch_after_lookup(kv, p, [])
+    prefetch_after_lookup(kv.blocks, p, [])
     assert (p.ledger.issued, p.ledger.used, p.ledger.wasted) == (1, 0, 1)
 
 
 def test_prefetch_needs_a_tier_below_hot():
     kv = KVCache(small_config())
     with pytest.raises(PrefetchError, match="no warm tier"):
-        prefetch_into_hot(kv, [b"x"])
+        prefetch_into_hot(kv.blocks, [b"x"])
 
 
 def test_the_engine_prefetches_after_each_lookup_when_a_mode_is_set():

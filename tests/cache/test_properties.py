@@ -96,7 +96,7 @@ class CacheMachine(RuleBasedStateMachine):
         m = self.kv.blocks
         expected: dict[int, int] = {}
         for sid in self.model:
-            for b in self.kv._table(sid, allow_stale=True).blocks:
+            for b in self.kv.session_table.get(sid, allow_stale=True).blocks:
                 expected[b.id] = expected.get(b.id, 0) + 1
                 assert m.blocks[b.id] is b  # a table only holds live records
         for b in m.blocks.values():

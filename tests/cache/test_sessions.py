@@ -12,7 +12,7 @@ def test_open_close_cycles_leave_no_tables(kv):
         s = kv.open_session()
         feed(kv, s, [i % 7, 1, 2, 3, 4, 5])  # one full block (cached) and a tail (freed)
         kv.close_session(s)
-    assert len(kv._sessions) == 0
+    assert len(kv.session_table) == 0
     st = kv.stats()
     assert st["sessions_open"] == 0 and st["blocks_referenced"] == 0
     # what is left of closed sessions is only unreferenced prefix-cache blocks, one per prompt
@@ -45,7 +45,7 @@ def test_closing_a_fork_keeps_the_parent_and_frees_only_private_blocks(kv):
     f = kv.fork(s)
     feed(kv, f, [7, 8, 9])  # copies the shared tail, then a private block
     kv.close_session(f)
-    assert set(kv._sessions) == {s}
+    assert set(kv.sessions()) == {s}
     st = kv.stats()
     assert st["blocks_referenced"] == 2  # the parent's two blocks
     assert st["blocks_used"] == 3 and st["blocks_cached_unreferenced"] == 1  # f's full block

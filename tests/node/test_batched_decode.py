@@ -138,7 +138,7 @@ def test_batched_decode_after_reset_and_refill_to_the_same_length_attends_the_ne
 def test_a_prefix_another_session_quantized_moves_logits_within_the_documented_bound(model, dtype):
     """Issue 22 0, "decide and test": a prefix-cache hit attaches the prefix as cached (here
     quantized by another session), a cold prefill attends its own K/V at full precision in
-    the layers before the last; the difference is inherent (KVCache._quantize_old documents
+    the layers before the last; the difference is inherent (Pressure.quantize_old documents
     it) and bounded: no more than 3x what quantization moves a cold prefill's logits."""
     prompts = [list(range(40)) + [i] * (i + 1) for i in range(4)]
     warm = cache_for(model, kv_dtype=dtype, fp_window=8)

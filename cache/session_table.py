@@ -1,0 +1,116 @@
+"""The session table: session id -> ``BlockTable``, and what happens to a session's blocks.
+
+Ids are never reused, so a closed id is told apart from one never opened. A session turns
+stale when the model moves past the version its K/V were computed under; its blocks are then
+released and only ``reset`` makes it usable again. Releasing a table hands its blocks back to
+the block manager, tails first (the LRU reclaims tails before shared roots).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+from cache.block_table import BlockTable
+from cache.errors import ClosedSessionError, ReservationError, StaleSessionError, UnknownSessionError
+from cache.sparsity import SparsityPolicy
+
+if TYPE_CHECKING:
+    from cache.manager import BlockManager
+
+
+class SessionTable:
+    def __init__(self, block_size: int, blocks: "BlockManager") -> None:
+        self.block_size, self.blocks = block_size, blocks
+        self._tables: dict[int, BlockTable] = {}
+        self._next_sid = 0
+
+    def __iter__(self) -> Iterator[BlockTable]:
+        return iter(list(self._tables.values()))
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+    def ids(self) -> list[int]:
+        return list(self._tables)
+
+    def open(self, sparsity: SparsityPolicy | None = None, root: bytes = b"") -> int:
+        sid = self._next_sid
+        self._next_sid += 1
+        self._tables[sid] = BlockTable(sid, self.block_size, self.blocks.version,
+                                       sparsity=sparsity, root=root)
+        return sid
+
+    def get(self, sid: int, *, allow_stale: bool = False) -> BlockTable:
+        t = self._tables.get(sid)
+        if t is None:
+            if isinstance(sid, int) and 0 <= sid < self._next_sid:  # ids are never reused
+                raise ClosedSessionError(f"session {sid} is closed")
+            raise UnknownSessionError(f"session {sid!r} was never opened in this cache")
+        if t.stale and not allow_stale:
+            raise StaleSessionError(
+                f"session {sid} holds K/V of model version {t.version} but the model is at "
+                f"version {self.blocks.version}; call reset_session({sid}) and prefill again")
+        return t
+
+    def close(self, sid: int) -> None:
+        self.release(self.get(sid, allow_stale=True))
+        del self._tables[sid]
+
+    def reset(self, sid: int) -> list[int]:
+        t = self.get(sid, allow_stale=True)
+        toks = t.tokens[: t.length]
+        self.release(t)
+        t.tokens, t.length, t.version, t.stale = [], 0, self.blocks.version, False
+        return toks
+
+    def fork(self, sid: int) -> int:
+        t = self.get(sid)
+        if t.pending:
+            raise ReservationError(f"session {sid} has {t.pending} reserved tokens not written")
+        if t.sparsity is not None:
+            raise ReservationError(f"session {sid} drops K/V (sparsity) and cannot be forked")
+        child = self.open(root=t.root)
+        c = self._tables[child]
+        c.blocks, c.tokens, c.length = list(t.blocks), list(t.tokens), t.length
+        c.quant_checked = t.quant_checked
+        for b in c.blocks:
+            self.blocks.ref(b)
+        return child
+
+    def release(self, t: BlockTable) -> None:
+        t.releases += 1  # its tokens may come back with other K/V: no tail buffer continues
+        for b in reversed(t.held()):  # tails first: LRU reclaims tails before shared roots
+            self.blocks.unref(b)
+        t.blocks, t.pending, t.written, t.runs, t.planned = [], 0, set(), None, 0
+        t.quant_checked = 0
+        t.tokens = t.tokens[: t.length]
+
+    def unreserve(self, t: BlockTable, held: int) -> None:
+        """Undo a reserve for a session that held ``held`` blocks before it: the new blocks
+        are released, the reserved tokens forgotten."""
+        for b in reversed(t.blocks[held:]):
+            self.blocks.unref(b)
+        del t.blocks[held:]
+        t.tokens = t.tokens[: t.length]
+        t.pending, t.written, t.write_at, t.runs = 0, set(), None, None
+
+    def touch(self, t: BlockTable) -> None:
+        self.blocks.clock += 1
+        t.last_access = self.blocks.clock
+
+    def mark_stale(self) -> None:
+        """After a model version move: sessions whose K/V are no longer servable release
+        their blocks and turn stale."""
+        for t in self._tables.values():
+            if not t.stale and not self.blocks.servable(t.version):
+                self.release(t)
+                t.stale = True
+
+    def reclaim_read_buffer(self, keep: set[int]) -> bool:
+        """Drop the decoded read buffer of the least recently used session (its quantized
+        blocks stay); blocks in ``keep`` are never touched."""
+        for t in sorted(self._tables.values(), key=lambda t: t.last_access):
+            dropped = [self.blocks.drop_read_buffer(b) for b in t.held() if b.id not in keep]
+            if any(dropped):
+                return True
+        return False

@@ -1,0 +1,159 @@
+"""One session's step through the cache: attach a cached prefix, reserve, write a layer, commit.
+
+``attach_prefix`` hangs the longest cached chain of whole blocks on an empty session (and lets
+the prefetcher see it); ``reserve`` makes room for the next tokens (``Pressure`` decides what
+to demote, compact, free); ``write`` stores one layer's K/V at the reserved positions, and
+after the last layer ``commit`` completes the tokens: full blocks get a content hash (prefix
+sharing, dedup) and blocks that left the full-precision window are quantized.
+
+Works on the config, the arena, the block manager, the session table, the read planner and
+the pressure handler; never on the engine.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from cache.block_table import BlockTable, check_layer, end_of
+from cache.errors import ReservationError, ShapeMismatchError, TensorDTypeError
+from cache.prefetch import Prefetcher, make_prefetcher, prefetch_after_lookup
+
+if TYPE_CHECKING:
+    from cache.config import CacheConfig
+    from cache.manager import BlockManager
+    from cache.pressure import Pressure
+    from cache.reads import ReadPlanner
+    from cache.session_table import SessionTable
+    from cache.token_arena import TokenArena
+
+
+class SessionSteps:
+    def __init__(self, config: "CacheConfig", arena: "TokenArena", blocks: "BlockManager",
+                 sessions: "SessionTable", reads: "ReadPlanner", pressure: "Pressure") -> None:
+        self.config, self.arena, self.blocks = config, arena, blocks
+        self.sessions, self.reads, self.pressure = sessions, reads, pressure
+        self.prefetcher: Prefetcher | None = None
+        """Made on the first lookup when ``prefetch_mode`` is not ``none`` (``_prefetch``)."""
+
+    def attach_prefix(self, t: BlockTable, toks: list[int]) -> int:
+        """``KVCache.match_prefix`` on the session's table."""
+        if t.length or t.pending:
+            raise ReservationError(f"match_prefix needs an empty session; {t.sid} has tokens")
+        B, m = self.config.block_size, self.blocks
+        m.counters["prefix_lookups"] += 1
+        parent = t.root
+        for i in range((len(toks) - 1) // B):
+            b = m.lookup(parent, toks[i * B : (i + 1) * B],
+                         end_of(t.blocks[-1], B) if t.blocks else None)
+            if b is None:
+                m.counters["prefix_miss_blocks"] += 1
+                break
+            m.ref(b)
+            t.blocks.append(b)
+            parent = b.hash
+            m.counters["prefix_hit_blocks"] += 1
+        t.length = len(t.blocks) * B
+        t.tokens = toks[: t.length]
+        t.quant_checked = len(t.blocks) if m.qpool is not None else 0
+        m.counters["prefix_hit_tokens"] += t.length
+        self._prefetch(t.blocks)
+        return t.length
+
+    def _prefetch(self, touched: list) -> None:
+        """After a lookup: the prefetcher sees the blocks it touched and moves what it
+        predicts from warm/cold into hot (``cache/prefetch.py``). Built on first use and again
+        when ``prefetch_mode``/``prefetch_degree`` change (a new one learns from scratch)."""
+        c = self.config
+        if c.prefetch_mode == "none" or not c.prefetch_degree or self.blocks.tiers is None:
+            return
+        p = self.prefetcher
+        if p is None or p.name != c.prefetch_mode or p.degree != c.prefetch_degree:
+            p = self.prefetcher = make_prefetcher(c.prefetch_mode, c.prefetch_degree)
+        prefetch_after_lookup(self.blocks, p, [b.hash for b in touched])
+
+    def reserve(self, t: BlockTable, toks: list[int]) -> None:
+        """``KVCache.reserve`` on the session's table."""
+        if not toks:
+            raise ShapeMismatchError("reserve needs at least one token")
+        if t.pending:
+            raise ReservationError(
+                f"session {t.sid}: {t.pending} reserved tokens are not written in every layer "
+                f"yet (done: {sorted(t.written)})")
+        self.sessions.touch(t)
+        if t.sparsity is not None and t.length:
+            self.pressure.drop_sparse(t)
+        self.pressure.relieve()
+        self.reads.try_plan(t)  # blocks resident at full precision before anything is allocated
+        tail, new = self.pressure.allocate(t, t.length + len(toks))
+        if tail is not None:
+            old = t.blocks[-1]
+            t.blocks[-1] = tail
+            shared = old.ref_count > 1
+            self.blocks.unref(old)
+            self.blocks.counters["cow_copies" if shared else "tail_moves"] += 1
+            t.runs = None
+        t.blocks.extend(new)
+        t.tokens = t.tokens[: t.length] + toks
+        t.pending, t.written = len(toks), set()
+        self.reads.try_plan(t)
+        t.write_at = t.positions(t.length, len(toks))
+
+    def write(self, t: BlockTable, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``KVCache.write`` on the session's table; the last layer commits."""
+        self._check_kv(t, layer, k, v)
+        dst = self.arena.kv[layer]
+        if isinstance(t.write_at, slice):
+            dst[0, :, t.write_at] = k
+            dst[1, :, t.write_at] = v
+        else:
+            dst[0].index_copy_(1, t.write_at, k.to(dst.dtype))
+            dst[1].index_copy_(1, t.write_at, v.to(dst.dtype))
+        t.written.add(layer)
+        if len(t.written) == self.config.num_layers:
+            self.commit(t)
+
+    def _check_kv(self, t: BlockTable, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        check_layer(layer, self.config.num_layers)
+        c = self.config
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+                raise TensorDTypeError(
+                    f"{name} must be a floating-point torch.Tensor, got "
+                    f"{getattr(x, 'dtype', type(x).__name__)}")
+            want = (c.num_heads, t.pending, c.head_dim)
+            if tuple(x.shape) != want:
+                raise ShapeMismatchError(
+                    f"{name} has shape {tuple(x.shape)}, expected {want} "
+                    f"(heads, reserved tokens, head_dim) for session {t.sid}")
+        if not t.pending:
+            raise ReservationError(f"session {t.sid}: nothing reserved; call reserve() first")
+        if layer in t.written:
+            raise ReservationError(f"session {t.sid}: layer {layer} already written")
+
+    def commit(self, t: BlockTable) -> None:
+        """All layers written: tokens become complete; hash full blocks; quantize old ones
+        (``Pressure.quantize_old`` says what that means for what a query attends)."""
+        B, m = self.config.block_size, self.blocks
+        start, t.length = t.length, t.length + t.pending
+        t.pending, t.written, t.write_at = 0, set(), None
+        for bi in range(start // B, t.blocks_needed(t.length)):
+            b = t.blocks[bi]
+            b.tokens, b.last_access, b.dirty = t.tokens[bi * B : min((bi + 1) * B, t.length)], m.clock, True
+            if len(b.tokens) == B and b.hash is None:
+                self._register(t, bi)
+        if m.qpool is not None:
+            self.pressure.quantize_old(t)
+
+    def _register(self, t: BlockTable, bi: int) -> None:
+        prev = t.blocks[bi - 1] if bi else None
+        parent = t.root if bi == 0 else (prev.hash if prev is not None else None)
+        if parent is None:  # an earlier block is unhashed (forked chain) or dropped
+            return
+        kept = self.blocks.register(t.blocks[bi], parent)
+        if kept is not t.blocks[bi]:
+            t.blocks[bi] = kept
+            t.runs = None
+        if self.prefetcher is not None and kept.hash is not None:
+            self.prefetcher.observe(kept.hash)  # a new block: learn the chain into it
