@@ -128,31 +128,37 @@ def attend_gqa(q: torch.Tensor, runs: Sequence[Run]) -> torch.Tensor:
     """Grouped-query attention of the newest T positions over the cache's runs.
 
     q: [kv_heads, group, T, dim] (query heads regrouped by the KV head they share); runs: the
-    cache's K/V views, each [kv_heads, n_i, dim]. Returns [kv_heads, group, T, dim]. The group
-    and T axes are flattened into one query axis of G*T rows, with the causal mask tiled G
-    times, so each KV head's keys are read once for all its query heads (no repeat_kv copy)."""
+    cache's K/V views, each [kv_heads, n_i, dim]. Returns [kv_heads, group, T, dim]. No K/V is
+    repeated per query head:
+
+    - decode (T = 1): the group's queries are G rows against each run in place, two matmuls
+      and one softmax over the concatenated scores (no mask: the new token sees everything);
+    - prefill (T > 1): SDPA over K/V *expanded* (stride 0) to [kv_heads, G, n, dim], causal
+      (``is_causal`` when the session was empty, else the [T, n] mask of the newest T
+      positions; several runs are concatenated first). Measured here (1 thread, 2,048 tokens,
+      SmolLM2's 3x3x64 heads): 0.15-0.24 s per layer, against 0.67 s for the flattened
+      [kv_heads, G*T, dim] form with a tiled mask and 0.6-0.7 s for ``enable_gqa`` or
+      ``repeat_interleave`` (neither reaches the fused kernel)."""
     Hk, G, T, D = q.shape
     if runs and runs[0][0].dtype != q.dtype:  # an fp16 cache: attend in q's precision
         runs = [(k.to(q.dtype), v.to(q.dtype)) for k, v in runs]
-    qf = q.reshape(Hk, G * T, D)
-    n = sum(k.shape[1] for k, _ in runs)
-    mask = causal_mask(T, n)
-    if mask is not None and G > 1:
-        mask = mask.repeat(G, 1)
-    if len(runs) == 1 and mask is not None:  # prefill of an empty session: SDPA's fused kernel
-        k, v = runs[0]
-        return F.scaled_dot_product_attention(qf, k, v, attn_mask=mask).view(Hk, G, T, D)
+    if T > 1:
+        k = runs[0][0] if len(runs) == 1 else torch.cat([k for k, _ in runs], 1)
+        v = runs[0][1] if len(runs) == 1 else torch.cat([v for _, v in runs], 1)
+        n = k.shape[1]
+        k, v = k[:, None].expand(Hk, G, n, D), v[:, None].expand(Hk, G, n, D)
+        if n == T:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(T, n))
+    qf = q.reshape(Hk, G, D)
     scores = torch.cat([torch.matmul(qf, k.transpose(-1, -2)) for k, _ in runs], dim=-1)
-    scores.mul_(1.0 / math.sqrt(D))
-    if mask is not None:
-        scores.masked_fill_(~mask, float("-inf"))
-    p = torch.softmax(scores, dim=-1)
+    p = torch.softmax(scores.mul_(1.0 / math.sqrt(D)), dim=-1)
     out, a = None, 0
     for k, v in runs:
         part = torch.matmul(p[..., a : a + k.shape[1]], v)
         out = part if out is None else out.add_(part)
         a += k.shape[1]
-    return out.view(Hk, G, T, D)
+    return out.view(Hk, G, 1, D)
 
 
 class Attention(nn.Module):
@@ -252,8 +258,11 @@ class LlamaModel(nn.Module):
         return self.cfg.cache_config(**overrides)
 
     @torch.no_grad()
-    def forward_cached(self, tokens: torch.Tensor | list[int], cache: KVCache, sid: int) -> torch.Tensor:
-        """Feed new tokens of session ``sid`` (after what it holds); logits [T, vocab]."""
+    def forward_cached(self, tokens: torch.Tensor | list[int], cache: KVCache, sid: int, *,
+                       last_only: bool = False) -> torch.Tensor:
+        """Feed new tokens of session ``sid`` (after what it holds); logits [T, vocab], or
+        [1, vocab] of the last token with ``last_only`` (the output projection over a 49,152
+        vocabulary is ~30 % of a 2,048-token SmolLM2 prefill)."""
         tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
         start, T = cache.length(sid), tokens.numel()
         if start + T > self.cfg.max_position_embeddings:
@@ -266,6 +275,8 @@ class LlamaModel(nn.Module):
         cos, sin = cos.to(dtype), sin.to(dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer.forward_cached(x, cos, sin, cache, sid, i)
+        if last_only:
+            x = x[-1:]
         return self.lm_head(self.model.norm(x))
 
     @torch.no_grad()
@@ -273,7 +284,7 @@ class LlamaModel(nn.Module):
         """Feed a prompt into an empty session, reusing any cached prefix (whole blocks);
         returns the logits of the last prompt token."""
         reused = cache.match_prefix(sid, prompt)
-        return self.forward_cached(prompt[reused:], cache, sid)[-1]
+        return self.forward_cached(prompt[reused:], cache, sid, last_only=True)[-1]
 
     @torch.no_grad()
     def generate(self, prompt: list[int], cache: KVCache, max_new_tokens: int, *,
@@ -286,7 +297,7 @@ class LlamaModel(nn.Module):
         if cache.length(sid) == 0:
             logits = self.prefill(list(prompt), cache, sid)
         else:
-            logits = self.forward_cached(list(prompt), cache, sid)[-1]
+            logits = self.forward_cached(list(prompt), cache, sid, last_only=True)[-1]
         out: list[int] = []
         while len(out) < max_new_tokens:
             nxt = int(logits.argmax())

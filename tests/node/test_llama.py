@@ -78,6 +78,15 @@ def test_prefill_and_greedy_decode_match_hf(tiny):
     assert ref.std() > 0.3  # logits far from trivial: the tolerance means something
 
 
+def test_prefill_computes_only_the_last_logits_the_same(tiny):
+    _, ours = tiny
+    prompt = list(range(3, 40))
+    a, b = (KVCache(ours.cache_config(block_size=BLOCK)) for _ in range(2))
+    full = ours.forward_cached(prompt, a, a.open_session())
+    last = ours.prefill(prompt, b, b.open_session())
+    assert last.shape == (128,) and torch.allclose(last, full[-1], atol=1e-6)
+
+
 def test_second_session_reuses_prefix_blocks_and_matches_hf(tiny):
     hf, ours = tiny
     kv = KVCache(ours.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
@@ -116,7 +125,9 @@ def test_reduced_precision_kv_stays_close(tiny, kv_dtype, rel):
 @pytest.mark.slow
 def test_smollm2_matches_hf(one_thread):
     """SmolLM2-135M-Instruct from the model directory: a chat-templated prompt and 16 greedy
-    tokens through the cache, logits within 1e-4 of HF's cache-free forward."""
+    tokens through the cache, logits within 1e-4 of HF's cache-free forward (measured 5.7e-5
+    at logits up to 38; HF's own DynamicCache decode differs from its cache-free forward by
+    5.0e-5 here, so 1e-4 is near the fp32 floor for 30 layers, not a loose bound)."""
     from node import models
 
     try:
