@@ -15,14 +15,13 @@ How it drives the cache (the same calls ``node.model.TinyTransformer`` makes)::
 
 Keys are stored *after* RoPE (positions are absolute: a prefix hit reuses them unchanged). The
 cache holds ``num_key_value_heads`` heads; the query heads that share a KV head are regrouped
-as ``[kv_heads, group, T, head_dim]`` and attended together (:func:`attend_gqa`), so no K/V is
-ever repeated per query head. Dropped-position (sparsity) sessions and batched decode are not
+as ``[kv_heads, group, T, head_dim]`` and attended together (``cache.attention.attend``'s
+group axis), so no K/V is ever repeated per query head. Dropped-position (sparsity) sessions and batched decode are not
 wired here yet.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cache import CacheConfig, KVCache
-from cache.attention import Run, causal_mask
+from cache.attention import attend
 
 
 @dataclass(frozen=True)
@@ -124,43 +123,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rot * sin
 
 
-def attend_gqa(q: torch.Tensor, runs: Sequence[Run]) -> torch.Tensor:
-    """Grouped-query attention of the newest T positions over the cache's runs.
-
-    q: [kv_heads, group, T, dim] (query heads regrouped by the KV head they share); runs: the
-    cache's K/V views, each [kv_heads, n_i, dim]. Returns [kv_heads, group, T, dim]. No K/V is
-    repeated per query head:
-
-    - decode (T = 1): the group's queries are G rows against each run in place, two matmuls
-      and one softmax over the concatenated scores (no mask: the new token sees everything);
-    - prefill (T > 1): SDPA over K/V *expanded* (stride 0) to [kv_heads, G, n, dim], causal
-      (``is_causal`` when the session was empty, else the [T, n] mask of the newest T
-      positions; several runs are concatenated first). Measured here (1 thread, 2,048 tokens,
-      SmolLM2's 3x3x64 heads): 0.15-0.24 s per layer, against 0.67 s for the flattened
-      [kv_heads, G*T, dim] form with a tiled mask and 0.6-0.7 s for ``enable_gqa`` or
-      ``repeat_interleave`` (neither reaches the fused kernel)."""
-    Hk, G, T, D = q.shape
-    if runs and runs[0][0].dtype != q.dtype:  # an fp16 cache: attend in q's precision
-        runs = [(k.to(q.dtype), v.to(q.dtype)) for k, v in runs]
-    if T > 1:
-        k = runs[0][0] if len(runs) == 1 else torch.cat([k for k, _ in runs], 1)
-        v = runs[0][1] if len(runs) == 1 else torch.cat([v for _, v in runs], 1)
-        n = k.shape[1]
-        k, v = k[:, None].expand(Hk, G, n, D), v[:, None].expand(Hk, G, n, D)
-        if n == T:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(T, n))
-    qf = q.reshape(Hk, G, D)
-    scores = torch.cat([torch.matmul(qf, k.transpose(-1, -2)) for k, _ in runs], dim=-1)
-    p = torch.softmax(scores.mul_(1.0 / math.sqrt(D)), dim=-1)
-    out, a = None, 0
-    for k, v in runs:
-        part = torch.matmul(p[..., a : a + k.shape[1]], v)
-        out = part if out is None else out.add_(part)
-        a += k.shape[1]
-    return out.view(Hk, G, 1, D)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -180,7 +142,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(T, c.num_kv_heads, c.head_dim).transpose(0, 1)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # K stored post-RoPE
         runs = cache.append_and_read(sid, layer, k, v)
-        a = attend_gqa(q.view(c.num_kv_heads, c.group, T, c.head_dim), runs)
+        a = attend(q.view(c.num_kv_heads, c.group, T, c.head_dim), runs)  # GQA
         return self.o_proj(a.reshape(c.num_heads, T, c.head_dim).transpose(0, 1).reshape(T, -1))
 
 
