@@ -6,23 +6,26 @@ those of Hugging Face's ``LlamaForCausalLM`` (``model.layers.3.self_attn.q_proj.
 so its state dict loads as is (``node.models.load(...).state_dict`` for SmolLM2-135M-Instruct)
 and adapters that target ``q_proj``/``v_proj`` find them.
 
-How it drives the cache (the same calls ``node.model.TinyTransformer`` makes)::
+``LlamaModel`` implements ``node.model_interface.CachedLM`` (the calls
+``node.model.TinyTransformer`` makes), so ``node.sessions.Sessions`` and ``CacheNode`` drive it;
+it has no decode loop of its own (sampling lives in ``Sessions.turn`` / ``turn_batch``)::
 
-    kv = KVCache(model.cfg.cache_config(kv_dtype=...))   # heads = the model's *KV* heads
+    kv = KVCache(model.cache_config(kv_dtype=...))       # heads = the model's *KV* heads
     sid = kv.open_session()
     logits = model.prefill(prompt, kv, sid)              # match_prefix, then forward_cached
     logits = model.forward_cached([token], kv, sid)[-1]  # one decode step
+    logits = model.forward_batch(tokens, kv, sids)       # one step of several sessions
 
 Keys are stored *after* RoPE (positions are absolute: a prefix hit reuses them unchanged). The
 cache holds ``num_key_value_heads`` heads; the query heads that share a KV head are regrouped
-as ``[kv_heads, group, T, head_dim]`` and attended together (:func:`attend_gqa`), so no K/V is
-ever repeated per query head. Dropped-position (sparsity) sessions and batched decode are not
-wired here yet.
+as ``[kv_heads, group, T, head_dim]`` and attended together (``cache.attention.attend`` and
+``attend_shared`` with a group axis), so no K/V is ever repeated per query head. A session
+opened with a sparsity policy attends what the policy keeps (the policy sees every query
+head's weights).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -31,7 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cache import CacheConfig, KVCache
-from cache.attention import Run, causal_mask
+from cache.attention import attend, attend_shared
+from crypto import Layout, flatten
+from node.model import attend_sparse
 
 
 @dataclass(frozen=True)
@@ -124,43 +129,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rot * sin
 
 
-def attend_gqa(q: torch.Tensor, runs: Sequence[Run]) -> torch.Tensor:
-    """Grouped-query attention of the newest T positions over the cache's runs.
-
-    q: [kv_heads, group, T, dim] (query heads regrouped by the KV head they share); runs: the
-    cache's K/V views, each [kv_heads, n_i, dim]. Returns [kv_heads, group, T, dim]. No K/V is
-    repeated per query head:
-
-    - decode (T = 1): the group's queries are G rows against each run in place, two matmuls
-      and one softmax over the concatenated scores (no mask: the new token sees everything);
-    - prefill (T > 1): SDPA over K/V *expanded* (stride 0) to [kv_heads, G, n, dim], causal
-      (``is_causal`` when the session was empty, else the [T, n] mask of the newest T
-      positions; several runs are concatenated first). Measured here (1 thread, 2,048 tokens,
-      SmolLM2's 3x3x64 heads): 0.15-0.24 s per layer, against 0.67 s for the flattened
-      [kv_heads, G*T, dim] form with a tiled mask and 0.6-0.7 s for ``enable_gqa`` or
-      ``repeat_interleave`` (neither reaches the fused kernel)."""
-    Hk, G, T, D = q.shape
-    if runs and runs[0][0].dtype != q.dtype:  # an fp16 cache: attend in q's precision
-        runs = [(k.to(q.dtype), v.to(q.dtype)) for k, v in runs]
-    if T > 1:
-        k = runs[0][0] if len(runs) == 1 else torch.cat([k for k, _ in runs], 1)
-        v = runs[0][1] if len(runs) == 1 else torch.cat([v for _, v in runs], 1)
-        n = k.shape[1]
-        k, v = k[:, None].expand(Hk, G, n, D), v[:, None].expand(Hk, G, n, D)
-        if n == T:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(T, n))
-    qf = q.reshape(Hk, G, D)
-    scores = torch.cat([torch.matmul(qf, k.transpose(-1, -2)) for k, _ in runs], dim=-1)
-    p = torch.softmax(scores.mul_(1.0 / math.sqrt(D)), dim=-1)
-    out, a = None, 0
-    for k, v in runs:
-        part = torch.matmul(p[..., a : a + k.shape[1]], v)
-        out = part if out is None else out.add_(part)
-        a += k.shape[1]
-    return out.view(Hk, G, 1, D)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -171,17 +139,50 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(E, Hk * D, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(H * D, E, bias=cfg.attention_bias)
 
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x: [..., T, hidden] -> q [..., kv_heads, G, T, D] and k, v [..., kv_heads, T, D],
+        q and k rotated (row t at the position of ``cos[t]``; K is stored post-RoPE)."""
+        c, T = self.cfg, x.shape[-2]
+
+        def heads(t: torch.Tensor, n: int) -> torch.Tensor:
+            return t.unflatten(-1, (n, c.head_dim)).transpose(-3, -2)
+
+        q = apply_rope(heads(self.q_proj(x), c.num_heads), cos, sin)
+        k = apply_rope(heads(self.k_proj(x), c.num_kv_heads), cos, sin)
+        v = heads(self.v_proj(x), c.num_kv_heads)
+        return q.unflatten(-3, (c.num_kv_heads, c.group)), k, v
+
+    def _out(self, a: torch.Tensor) -> torch.Tensor:
+        """a: [..., kv_heads, G, T, D] -> [..., T, hidden]."""
+        return self.o_proj(a.flatten(-4, -3).transpose(-3, -2).flatten(-2))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Cache-free causal attention, x: [B, T, hidden]; K/V expanded with stride 0 over
+        each group (differentiable, SDPA's fused causal kernel)."""
+        q, k, v = self._qkv(x, cos, sin)
+        k, v = k.unsqueeze(-3).expand_as(q), v.unsqueeze(-3).expand_as(q)
+        return self._out(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        cache: KVCache, sid: int, layer: int) -> torch.Tensor:
         """x: [T, hidden] of the T new tokens -> [T, hidden]."""
-        c, T = self.cfg, x.shape[0]
-        q = self.q_proj(x).view(T, c.num_heads, c.head_dim).transpose(0, 1)
-        k = self.k_proj(x).view(T, c.num_kv_heads, c.head_dim).transpose(0, 1)
-        v = self.v_proj(x).view(T, c.num_kv_heads, c.head_dim).transpose(0, 1)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # K stored post-RoPE
+        q, k, v = self._qkv(x, cos, sin)
         runs = cache.append_and_read(sid, layer, k, v)
-        a = attend_gqa(q.view(c.num_kv_heads, c.group, T, c.head_dim), runs)
-        return self.o_proj(a.reshape(c.num_heads, T, c.head_dim).transpose(0, 1).reshape(T, -1))
+        policy = cache.sparsity(sid)
+        if policy is None:
+            return self._out(attend(q, runs))  # grouped: [kv_heads, G, T, D]
+        return self._out(attend_sparse(q, runs, cache, sid, layer, policy))
+
+    def forward_batch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      cache: KVCache, step, layer: int) -> torch.Tensor:
+        """x: [B, hidden], one new token of each of the step's B sessions (row b rotated to
+        its own session's position) -> [B, hidden]."""
+        q, k, v = self._qkv(x, cos, sin)  # q [Hk, G, B, D]; k, v [Hk, B, D]
+        prefix, tk, tv, valid = cache.append_and_read_batch(step, layer, k, v)
+        if tk.dtype != q.dtype:  # an fp16 cache
+            prefix = [(a.to(q.dtype), b.to(q.dtype)) for a, b in prefix]
+            tk, tv = tk.to(q.dtype), tv.to(q.dtype)
+        return self._out(attend_shared(q, prefix, tk, tv, valid))
 
 
 class MLP(nn.Module):
@@ -197,6 +198,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm residual block; ``how`` names the attention's form (``forward``: cache-free,
+    ``forward_cached``: one session, ``forward_batch``: one step of several)."""
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.self_attn = Attention(cfg)
@@ -204,8 +208,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward_cached(self, x, cos, sin, cache: KVCache, sid: int, layer: int) -> torch.Tensor:
-        x = x + self.self_attn.forward_cached(self.input_layernorm(x), cos, sin, cache, sid, layer)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *cache_args,
+                how: str = "forward") -> torch.Tensor:
+        attn = getattr(self.self_attn, how)
+        x = x + attn(self.input_layernorm(x), cos, sin, *cache_args)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -254,55 +260,91 @@ class LlamaModel(nn.Module):
         loaded = models.load(directory, verify_hashes=verify_hashes)
         return cls.from_state_dict(LlamaConfig.from_hf(loaded.config), loaded.state_dict)
 
+    # -- CachedLM (node.model_interface) ----------------------------------------------------
+    @property
+    def context_len(self) -> int:
+        return self.cfg.max_position_embeddings
+
     def cache_config(self, **overrides) -> CacheConfig:
         return self.cfg.cache_config(**overrides)
 
+    def _check_len(self, n: int) -> None:
+        if n > self.cfg.max_position_embeddings:
+            raise ValueError(f"{n} positions exceed max_position_embeddings "
+                             f"{self.cfg.max_position_embeddings}")
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.model.rotary_emb(positions)
+        dtype = self.model.embed_tokens.weight.dtype
+        return cos.to(dtype), sin.to(dtype)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Cache-free causal forward: idx [B, T] -> logits [B, T, vocab] (training, scoring)."""
+        T = idx.shape[-1]
+        self._check_len(T)
+        cos, sin = self._rope(torch.arange(T, device=idx.device))
+        x = self.model.embed_tokens(idx)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.model.norm(x))
+
+    def train_loss(self, batch: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of ``batch`` [B, T + 1] (cache-free forward)."""
+        logits = self(batch[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    def trainable_parameters(self):
+        """Every parameter (each tied tensor once): the model is trained whole. A LoRA
+        wrapper (issue 23 item 4) narrows this to its adapters."""
+        return self.parameters()
+
+    def parameter_layout(self) -> Layout:
+        """Every state-dict entry in state-dict order, the tied ``lm_head.weight`` left out
+        (it *is* ``model.embed_tokens.weight``: averaging it twice would send it twice)."""
+        state = self.state_dict()
+        if self.cfg.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        return flatten(state, check_finite=False)[1]
+
     @torch.no_grad()
-    def forward_cached(self, tokens: torch.Tensor | list[int], cache: KVCache, sid: int, *,
+    def forward_cached(self, tokens: torch.Tensor | Sequence[int], cache: KVCache, sid: int, *,
                        last_only: bool = False) -> torch.Tensor:
         """Feed new tokens of session ``sid`` (after what it holds); logits [T, vocab], or
         [1, vocab] of the last token with ``last_only`` (the output projection over a 49,152
-        vocabulary is ~30 % of a 2,048-token SmolLM2 prefill)."""
+        vocabulary is ~30 % of a 2,048-token SmolLM2 prefill). A session opened with a
+        sparsity policy attends what the policy keeps."""
         tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
         start, T = cache.length(sid), tokens.numel()
-        if start + T > self.cfg.max_position_embeddings:
-            raise ValueError(f"{start + T} positions exceed max_position_embeddings "
-                             f"{self.cfg.max_position_embeddings}")
+        self._check_len(start + T)
         cache.reserve(sid, tokens.tolist())
-        cos, sin = self.model.rotary_emb(torch.arange(start, start + T))
-        dtype = self.model.embed_tokens.weight.dtype
+        cos, sin = self._rope(torch.arange(start, start + T))
         x = self.model.embed_tokens(tokens)
-        cos, sin = cos.to(dtype), sin.to(dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer.forward_cached(x, cos, sin, cache, sid, i)
+            x = layer(x, cos, sin, cache, sid, i, how="forward_cached")
         if last_only:
             x = x[-1:]
         return self.lm_head(self.model.norm(x))
 
     @torch.no_grad()
-    def prefill(self, prompt: list[int], cache: KVCache, sid: int) -> torch.Tensor:
-        """Feed a prompt into an empty session, reusing any cached prefix (whole blocks);
-        returns the logits of the last prompt token."""
-        reused = cache.match_prefix(sid, prompt)
-        return self.forward_cached(prompt[reused:], cache, sid, last_only=True)[-1]
+    def forward_batch(self, tokens: Sequence[int], cache: KVCache,
+                      sids: Sequence[int]) -> torch.Tensor:
+        """One decode step of distinct sessions: token i goes to session ``sids[i]`` (at its
+        own position); logits [B, vocab]. A prefix of blocks the sessions share is attended
+        once for all of them and all their query heads (``cache.attention.attend_shared``)."""
+        starts = [cache.length(s) for s in sids]
+        for n in starts:
+            self._check_len(n + 1)
+        step = cache.begin_batch(list(sids), [int(t) for t in tokens])
+        cos, sin = self._rope(torch.tensor(starts))
+        x = self.model.embed_tokens(torch.as_tensor(list(tokens), dtype=torch.long))
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, cache, step, i, how="forward_batch")
+        return self.lm_head(self.model.norm(x))
 
     @torch.no_grad()
-    def generate(self, prompt: list[int], cache: KVCache, max_new_tokens: int, *,
-                 sid: int | None = None, eos: int | Sequence[int] | None = None) -> list[int]:
-        """Greedy continuation of ``prompt`` (appended to ``sid``'s tokens when it has some);
-        stops after an ``eos`` token (included)."""
-        stop = {eos} if isinstance(eos, int) else set(eos or ())
-        if sid is None:
-            sid = cache.open_session()
-        if cache.length(sid) == 0:
-            logits = self.prefill(list(prompt), cache, sid)
-        else:
-            logits = self.forward_cached(list(prompt), cache, sid, last_only=True)[-1]
-        out: list[int] = []
-        while len(out) < max_new_tokens:
-            nxt = int(logits.argmax())
-            out.append(nxt)
-            if nxt in stop or len(out) == max_new_tokens:
-                break
-            logits = self.forward_cached([nxt], cache, sid)[-1]
-        return out
+    def prefill(self, prompt: Sequence[int], cache: KVCache, sid: int) -> torch.Tensor:
+        """Feed a prompt into an empty session, reusing any cached prefix (whole blocks);
+        returns the logits of the last prompt token."""
+        prompt = [int(t) for t in prompt]
+        reused = cache.match_prefix(sid, prompt)
+        return self.forward_cached(prompt[reused:], cache, sid, last_only=True)[-1]

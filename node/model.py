@@ -46,6 +46,26 @@ class ModelConfig:
         )
 
 
+def attend_sparse(q: torch.Tensor, runs, cache: KVCache, sid: int, layer: int,
+                  policy) -> torch.Tensor:
+    """Attend to what the sparsity policy kept after the last step plus the new positions;
+    the policy then observes this step's weights over every logical position (and the cache
+    frees the blocks it dropped once the step is complete). ``q`` is ``[heads, T, dim]`` or
+    grouped ``[kv_heads, G, T, dim]`` (GQA); the policy sees one row of weights per query
+    head, ``[heads, T, n]`` either way."""
+    pos = cache.resident_positions(sid, layer)
+    n, T = int(pos[-1]) + 1, q.shape[-2]
+    live = torch.ones(n, dtype=torch.bool)
+    if n > T:
+        live[: n - T] = policy.keep(layer, n - T)
+    keep = live[pos]
+    a, w = attend(q, runs, keep=keep, weights=True)
+    full = w.new_zeros(*w.shape[:-1], n)
+    full[..., pos] = w
+    policy.observe(layer, full.flatten(0, -3))
+    return a
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -89,20 +109,7 @@ class Block(nn.Module):
 
     @staticmethod
     def _attend_sparse(q, runs, cache: KVCache, sid: int, layer: int, policy) -> torch.Tensor:
-        """Attend to what the policy kept after the last step plus the new positions; the
-        policy then observes this step's weights over every logical position (and the cache
-        frees the blocks it dropped once the step is complete)."""
-        pos = cache.resident_positions(sid, layer)
-        n, T = int(pos[-1]) + 1, q.shape[1]
-        live = torch.ones(n, dtype=torch.bool)
-        if n > T:
-            live[: n - T] = policy.keep(layer, n - T)
-        keep = live[pos]
-        a, w = attend(q, runs, keep=keep, weights=True)
-        full = w.new_zeros(w.shape[0], w.shape[1], n)
-        full[..., pos] = w
-        policy.observe(layer, full)
-        return a
+        return attend_sparse(q, runs, cache, sid, layer, policy)
 
     def forward_batch(self, x: torch.Tensor, cache: KVCache, step, layer: int) -> torch.Tensor:
         """x: [B, d_model], one new token of each of the step's B sessions."""

@@ -1,8 +1,11 @@
 """Chat sessions on a node: a system prompt, then turns of user text and greedy replies.
 
-Framing: the model is byte-level, so a conversation is one byte string. Text goes in as bytes
-(``str`` is UTF-8 encoded) and replies come out as raw bytes, because a byte model can stop in
-the middle of a UTF-8 character; decode with ``reply.decode("utf-8", "replace")`` for display.
+Framing: a conversation is one token sequence. For the byte-level model it is a byte string:
+text goes in as bytes (``str`` is UTF-8 encoded) and replies come out as raw bytes
+(``TurnResult.reply``), because a byte model can stop in the middle of a UTF-8 character;
+decode with ``reply.decode("utf-8", "replace")`` for display. A model with a tokenizer
+(``node.llama``) takes its token ids instead (any sequence of ints, e.g. a chat template's
+``input_ids``) and its reply is ``TurnResult.tokens``; ``Sessions`` itself never tokenizes.
 Nothing is inserted between turns: the session's tokens are exactly
 ``system_prompt + text_1 + reply_1 + text_2 + reply_2 + ...``, so a caller that wants
 "User:"/"Assistant:" markers writes them into its text.
@@ -55,8 +58,8 @@ class ChatSession:
 
     sid: int
     """The engine's session holding the conversation's K/V and tokens."""
-    system: bytes
-    """Kept so ``reset_conversation`` can restore exactly this prefix."""
+    system: tuple[int, ...]
+    """The system prompt's tokens, kept so ``reset_conversation`` can restore exactly this prefix."""
     logits: torch.Tensor | None = None
     """Next-byte logits after the last token; valid while the cache session is not stale."""
     lost: list[int] | None = None
@@ -66,13 +69,20 @@ class ChatSession:
 
 @dataclass(frozen=True)
 class TurnResult:
-    reply: bytes
+    tokens: tuple[int, ...]
+    """The reply's token ids (bytes for the byte-level model)."""
     nll: float
     """Summed log-loss (nats) of the turn's text tokens given everything before them."""
     scored: int
     """Text tokens in ``nll`` (a text token taken from the prefix cache has no logits here)."""
     recomputed: int
     """Tokens of the conversation recomputed because the session's K/V were stale."""
+
+    @property
+    def reply(self) -> bytes:
+        """The reply as bytes: the byte-level model's framing (a ValueError for token ids
+        past 255: read ``tokens`` and detokenize)."""
+        return bytes(self.tokens)
 
 
 def _log_loss(prev: torch.Tensor | None, logits: torch.Tensor, text: list[int]) -> tuple[float, int]:
@@ -95,6 +105,24 @@ def as_bytes(text: str | bytes | bytearray) -> bytes:
     if isinstance(text, (bytes, bytearray)):
         return bytes(text)
     raise TypeError(f"text must be str or bytes, got {type(text).__name__}")
+
+
+Text = str | bytes | bytearray | Sequence[int]
+
+
+def as_tokens(text: Text) -> list[int]:
+    """A turn's tokens: ``str``/bytes in the byte framing (``as_bytes``), or token ids as
+    they are (a sequence of ints, for a model with a tokenizer)."""
+    if isinstance(text, (str, bytes, bytearray)):
+        return list(as_bytes(text))
+    if isinstance(text, torch.Tensor):
+        text = text.reshape(-1).tolist()
+    if isinstance(text, Sequence) and all(isinstance(t, int) and not isinstance(t, bool)
+                                          for t in text):
+        if any(t < 0 for t in text):
+            raise ValueError("token ids must be >= 0")
+        return list(text)
+    raise TypeError(f"text must be str or bytes (or token ids), got {type(text).__name__}")
 
 
 class Sessions(Mapping[str, int]):
@@ -140,11 +168,11 @@ class Sessions(Mapping[str, int]):
         return m is not None and int(m.group(1)) < self._issued and session_id not in self._open
 
     # -- lifecycle ------------------------------------------------------------------------
-    def create(self, system_prompt: str | bytes = b"", session_id: str | None = None, *,
+    def create(self, system_prompt: Text = b"", session_id: str | None = None, *,
                namespace: bytes | str = b"") -> str:
         """Open a session and prefill its system prompt (sharing cached full blocks with
         sessions of the same prefix ``namespace`` only)."""
-        system = as_bytes(system_prompt)
+        system = tuple(as_tokens(system_prompt))
         self._check_fits(len(system))
         if session_id is None:
             session_id = self._new_id()
@@ -192,22 +220,26 @@ class Sessions(Mapping[str, int]):
         """The whole conversation so far (system prompt, texts and replies) as bytes."""
         return bytes(self._tokens(self.session(session_id)))
 
+    def tokens(self, session_id: str) -> list[int]:
+        """The whole conversation so far as token ids (``history`` for a tokenized model)."""
+        return self._tokens(self.session(session_id))
+
     def _tokens(self, chat: ChatSession) -> list[int]:
         return list(chat.lost) if chat.lost is not None else self.cache.tokens(chat.sid)
 
     # -- turns ----------------------------------------------------------------------------
-    def send(self, session_id: str, text: str | bytes, max_new_tokens: int = 32) -> bytes:
+    def send(self, session_id: str, text: Text, max_new_tokens: int = 32) -> bytes:
         """Append ``text`` and decode a greedy reply of ``max_new_tokens`` bytes through the
         cache; both stay in the session. Empty text lets the model continue its last reply."""
         return self.turn(session_id, text, max_new_tokens).reply
 
     @torch.no_grad()
-    def turn(self, session_id: str, text: str | bytes, max_new_tokens: int = 32) -> TurnResult:
+    def turn(self, session_id: str, text: Text, max_new_tokens: int = 32) -> TurnResult:
         """``send`` that also says what the turn cost: the text's log-loss under the cached
         context (perplexity measured in the decode loop) and the tokens recomputed because
         a write-back made the session's K/V stale."""
         chat = self.session(session_id)
-        new = list(as_bytes(text))
+        new = as_tokens(text)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         self._check_fits(len(self._tokens(chat)) + len(new) + max_new_tokens)
@@ -231,10 +263,10 @@ class Sessions(Mapping[str, int]):
             self._before_token()
             reply.append(int(chat.logits.argmax()))
             chat.logits = self.model.forward_cached(reply[-1:], self.cache, chat.sid)[-1]
-        return TurnResult(bytes(reply), nll, scored, recomputed)
+        return TurnResult(tuple(reply), nll, scored, recomputed)
 
     @torch.no_grad()
-    def turn_batch(self, session_ids: Sequence[str], texts: Sequence[str | bytes],
+    def turn_batch(self, session_ids: Sequence[str], texts: Sequence[Text],
                    max_new_tokens: int = 32) -> list[TurnResult]:
         """``turn`` for several distinct sessions, their replies decoded together: each
         session's text is fed as ``turn`` feeds it (a stale session recomputed first), then
@@ -251,7 +283,7 @@ class Sessions(Mapping[str, int]):
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         chats = [self.session(s) for s in session_ids]
         for chat, text in zip(chats, texts):
-            self._check_fits(len(self._tokens(chat)) + len(as_bytes(text)) + max_new_tokens)
+            self._check_fits(len(self._tokens(chat)) + len(as_tokens(text)) + max_new_tokens)
         fed = [self.turn(s, text, 0) for s, text in zip(session_ids, texts)]
         replies: list[list[int]] = [[] for _ in chats]
         for _ in range(max_new_tokens if chats else 0):
@@ -261,7 +293,7 @@ class Sessions(Mapping[str, int]):
             for chat, reply, token, row in zip(chats, replies, nxt, logits):
                 reply.append(token)
                 chat.logits = row
-        return [TurnResult(bytes(r), f.nll, f.scored, f.recomputed) for r, f in zip(replies, fed)]
+        return [TurnResult(tuple(r), f.nll, f.scored, f.recomputed) for r, f in zip(replies, fed)]
 
     def _before_token(self) -> None:
         if self.before_token is not None:

@@ -147,3 +147,133 @@ def test_smollm2_matches_hf(one_thread):
     assert (first - ref[: len(ids)]).abs().max() < TOL
     assert (steps - ref[len(ids) :]).abs().max() < TOL
     assert toks == ref[len(ids) - 1 : -1].argmax(-1).tolist()
+
+
+# -- behind the node's model interface (CachedLM): Sessions drive it ---------------------------
+
+def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    """HF's own greedy ``generate`` (its DynamicCache), never stopping early."""
+    out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                      max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)
+    return out[0, len(ids) :].tolist()
+
+
+def test_is_a_cached_lm_with_a_cache_free_forward_and_loss_like_hf(tiny):
+    from node.model_interface import CachedLM
+
+    hf, ours = tiny
+    assert isinstance(ours, CachedLM) and ours.context_len == 512
+    assert not hasattr(ours, "generate")  # no decode loop of its own: node.sessions samples
+    names = ours.parameter_layout().names
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names  # tied: once
+    assert len(names) == len(hf.state_dict()) - 1
+    batch = torch.randint(0, 128, (3, 25), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = hf(batch, use_cache=False)
+        assert (ours(batch) - ref.logits).abs().max() < TOL
+        ref_loss = hf(batch[:, :-1], labels=batch[:, :-1], use_cache=False).loss
+    # HF shifts its labels inside; ours takes [B, T + 1] (inputs [:, :-1], targets [:, 1:])
+    loss = ours.train_loss(batch[:, :-1])
+    assert loss.requires_grad and abs(loss.item() - ref_loss.item()) < 1e-5
+
+
+def test_session_turns_equal_hf_greedy_generate_token_for_token(tiny):
+    """Sessions.turn (the node's one decode loop) over the cache: a system prompt, a turn and
+    a second turn on top of the first reply, each equal to HF's greedy generate of the whole
+    conversation so far."""
+    from node.sessions import Sessions
+
+    hf, ours = tiny
+    g = torch.Generator().manual_seed(5)
+    system = torch.randint(0, 128, (2 * BLOCK + 3,), generator=g).tolist()
+    user1 = torch.randint(0, 128, (7,), generator=g).tolist()
+    user2 = torch.randint(0, 128, (4,), generator=g).tolist()
+    chats = Sessions(ours, KVCache(ours.cache_config(block_size=BLOCK, pool_bytes=1 << 20)))
+    s = chats.create(system)
+    r1 = chats.turn(s, user1, 12)
+    assert list(r1.tokens) == _hf_greedy(hf, system + user1, 12)
+    r2 = chats.turn(s, user2, 10)
+    history = system + user1 + list(r1.tokens) + user2
+    assert list(r2.tokens) == _hf_greedy(hf, history, 10)
+    assert chats.tokens(s) == history + list(r2.tokens)
+    ref = _hf_logits(hf, history)  # the turn's text log-loss is HF's too
+    nll = torch.nn.functional.cross_entropy(ref[-len(user2) - 1 : -1], torch.tensor(user2),
+                                            reduction="sum")
+    assert abs(r2.nll - float(nll)) < 1e-4 and r2.scored == len(user2)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16"])
+def test_batched_turns_sharing_a_system_prompt_equal_one_at_a_time(tiny, kv_dtype):
+    """4 sessions with one system prompt (3 full blocks, shared in the cache) and their own
+    questions: ``turn_batch`` (one ``forward_batch`` per step, the prefix attended once for
+    all sessions and query heads) replies exactly as ``turn`` does for each alone."""
+    from node.sessions import Sessions
+
+    _, ours = tiny
+    g = torch.Generator().manual_seed(6)
+    system = torch.randint(0, 128, (3 * BLOCK + 2,), generator=g).tolist()
+    questions = [torch.randint(0, 128, (1 + 2 * i,), generator=g).tolist() for i in range(4)]
+
+    def cache():
+        return KVCache(ours.cache_config(block_size=BLOCK, pool_bytes=1 << 20, kv_dtype=kv_dtype))
+
+    kv = cache()
+    chats = Sessions(ours, kv)
+    ids = [chats.create(system) for _ in questions]
+    assert kv.stats()["blocks_shared"] >= 3
+    together = chats.turn_batch(ids, questions, 12)
+    alone = []
+    for q in questions:
+        one = Sessions(ours, cache())
+        alone.append(one.turn(one.create(system), q, 12))
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+    assert all(abs(a.nll - b.nll) < 1e-4 for a, b in zip(together, alone))
+    assert [chats.tokens(s) for s in ids] == [system + q + list(r.tokens)
+                                             for q, r in zip(questions, together)]
+    assert len({r.tokens for r in together}) > 1  # the sessions' own tails matter
+
+
+def test_batched_step_logits_match_hf(tiny):
+    """forward_batch's logits for sessions of different lengths (a shared prefix, own tails)
+    against HF's cache-free forward of each sequence."""
+    hf, ours = tiny
+    kv = KVCache(ours.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
+    g = torch.Generator().manual_seed(7)
+    system = torch.randint(0, 128, (2 * BLOCK,), generator=g).tolist()
+    seqs = [system + torch.randint(0, 128, (1 + 3 * i,), generator=g).tolist() for i in range(3)]
+    sids = [kv.open_session() for _ in seqs]
+    for sid, seq in zip(sids, seqs):
+        ours.prefill(seq, kv, sid)
+    worst = 0.0
+    for _ in range(5):
+        toks = torch.randint(0, 128, (len(sids),), generator=g).tolist()
+        logits = ours.forward_batch(toks, kv, sids)
+        for i, t in enumerate(toks):
+            seqs[i].append(t)
+            worst = max(worst, float((logits[i] - _hf_logits(hf, seqs[i])[-1]).abs().max()))
+    assert worst < TOL
+
+
+def test_sparse_session_attends_what_its_policy_keeps(tiny):
+    """A heavy-hitter policy whose budget holds everything keeps the dense logits (the policy
+    observes one row of weights per query head); a sliding window drops old positions."""
+    from cache.sparsity import SlidingWindow, TopKRetention
+
+    _, ours = tiny
+    prompt = torch.randint(0, 128, (30,), generator=torch.Generator().manual_seed(8)).tolist()
+
+    def run(policy):
+        kv = KVCache(ours.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
+        sid = kv.open_session(policy)
+        logits = [ours.forward_cached(prompt, kv, sid)[-1]]
+        for _ in range(6):
+            logits.append(ours.forward_cached([int(logits[-1].argmax())], kv, sid)[-1])
+        return torch.stack(logits), kv, sid
+
+    dense, _, _ = run(None)
+    full, _, _ = run(TopKRetention(budget=64, recent=4, sinks=2))
+    assert (full - dense).abs().max() < 1e-5
+    window, kv, sid = run(SlidingWindow(window=8, sinks=2))
+    assert torch.isfinite(window).all()
+    assert len(kv.resident_positions(sid, 0)) < kv.length(sid)
