@@ -63,7 +63,7 @@ class SessionSteps:
 
     def _prefetch(self, touched: list) -> None:
         """After a lookup: the prefetcher sees the blocks it touched and moves what it
-        predicts from warm/cold into hot (``cache/prefetch.py``). Built on first use and again
+        predicts from warm/cold into hot (``cache/prefetch/``). Built on first use and again
         when ``prefetch_mode``/``prefetch_degree`` change (a new one learns from scratch)."""
         c = self.config
         if c.prefetch_mode == "none" or not c.prefetch_degree or self.blocks.tiers is None:
