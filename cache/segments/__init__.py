@@ -69,10 +69,11 @@ transiently by the live bytes it rewrites (it is the way back under the cap) but
 ``TimeoutError``), ``UnknownRecordError`` (also a ``KeyError``) and ``StoreFullError`` (also
 an ``OSError`` with ``errno.ENOSPC``, so generic disk-full handling catches it) derive from it.
 
-The package, one responsibility a module: ``files.py`` (the directory's file names and
-durable-write helpers), ``errors.py``, ``record.py`` (the record format: header, checksum,
-sealing, the derived keys), ``manifest.py`` (the manifest's encoding, sealing and atomic
-replacement) and ``store.py`` (``SegmentStore``: staging, commit, compaction, reads). It imports
+The package, one responsibility a module: ``directory.py`` (file names, durable-write helpers,
+the lock, wiping, reconciling the files with the manifest on open), ``errors.py``, ``record.py``
+(the record format: header, checksum, sealing, the derived keys; verified mmap reads),
+``manifest.py`` (the manifest's encoding, sealing and atomic replacement) and ``store.py``
+(``SegmentStore``: staging, commit, compaction, reads). It imports
 only the standard library, ``cryptography`` (when a key is given) and, optionally, ``xxhash``;
 its only imports from ``cache`` outside it are ``cache.errors`` and ``cache.fsperm``.
 """

@@ -1,16 +1,54 @@
-"""The store's directory as a whole: its lock (one store at a time), wiping it, and on open
+"""The store's directory: its file names, the writes that must survive a power cut (a full
+``write``, a directory ``fsync``), its lock (one store at a time), wiping it, and on open
 bringing the files in line with the manifest (orphan segments deleted, uncommitted tails
 truncated, a half-written manifest dropped, owner-only modes)."""
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 
 from cache.fsperm import LockTimeoutError, lock_within, private_dir
 from cache.segments.errors import StoreLockedError
-from cache.segments.files import LOCK_FILE, MANIFEST, MANIFEST_TMP, SEG_RE, fsync_dir, seg_name
 
-__all__ = ["reconcile", "scan", "take_lock", "wipe"]
+__all__ = ["LOCK_FILE", "MANIFEST", "MANIFEST_TMP", "SEG_RE", "fsync_dir", "reconcile", "scan", "seg_name",
+           "take_lock", "unlink_quiet", "wipe", "write_all"]
+
+MANIFEST = "manifest.json"
+MANIFEST_TMP = "manifest.json.tmp"
+LOCK_FILE = "LOCK"
+SEG_RE = re.compile(r"^seg-(\d{6,})\.bin$")
+
+
+def seg_name(seg: int) -> str:
+    return f"seg-{seg:06d}.bin"
+
+
+def write_all(fd: int, data) -> None:
+    """``os.write`` until everything is written (short writes happen near a full disk)."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:  # pragma: no cover - os.write raises instead on Linux
+            raise OSError(errno.EIO, "short write")
+        view = view[n:]
+
+
+def fsync_dir(directory: str) -> None:
+    """fsync a directory so renames, creations and unlinks in it survive a power cut."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def take_lock(directory: str, timeout_s: float) -> int:

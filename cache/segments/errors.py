@@ -7,12 +7,17 @@ import os
 
 from cache.errors import CacheError
 from cache.fsperm import LockTimeoutError
-from cache.segments.files import seg_name, show_key
 
 __all__ = ["CorruptBlockError", "CorruptManifestError", "OldFormatError", "StoreError", "StoreFullError",
-           "StoreLockedError", "UnknownRecordError", "WrongKeyError", "os_error"]
+           "StoreLockedError", "UnknownRecordError", "WrongKeyError", "os_error", "show_key"]
 
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def show_key(key: bytes) -> str:
+    """A record key as messages show it: its first 12 bytes in hex and its length."""
+    h = key[:12].hex()
+    return f"{h}{'...' if len(key) > 12 else ''} ({len(key)} bytes)"
 
 
 class StoreError(CacheError):
@@ -41,7 +46,8 @@ class CorruptBlockError(StoreError):
         self.offset = offset
         where = ""
         if segment is not None:
-            where = f" in {seg_name(segment)}" + (f" at offset {offset}" if offset is not None else "")
+            where = f" in seg-{segment:06d}.bin"  # the name directory.seg_name gives it
+            where += f" at offset {offset}" if offset is not None else ""
         super().__init__(f"corrupt record {show_key(key)}{where}: {reason}")
 
 

@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass
 
 from cache.fsperm import open_private
+from cache.segments.directory import MANIFEST, MANIFEST_TMP, fsync_dir, unlink_quiet, write_all
 from cache.segments.errors import CorruptManifestError, OldFormatError, StoreError, WrongKeyError, os_error
-from cache.segments.files import MANIFEST, MANIFEST_TMP, fsync_dir, unlink_quiet, write_all
 from cache.segments.record import NONCE_LEN, Entry, Keys, check_meta
 
 __all__ = ["Manifest", "bad_manifest", "canonical", "decode_manifest", "encode_manifest",

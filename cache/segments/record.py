@@ -6,6 +6,7 @@ in a plain store and ``HMAC-SHA256(id key, record key)`` in an encrypted one, wh
 sealed with AES-256-GCM (a fresh nonce; the record key and segment id as associated data). The
 trailing 64-bit checksum (xxh3-64 or BLAKE2b-64, fixed per store) covers everything before it.
 ``Keys`` derives the record, record-id and manifest keys from the store's key (HKDF-SHA256).
+``SegmentReaders`` reads records back, verified, through one mmap per segment.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import mmap
 import os
 import struct
 from dataclasses import dataclass
 
+from cache.segments.directory import seg_name
 from cache.segments.errors import CorruptBlockError, StoreError
 
 try:  # optional: ~10x faster than BLAKE2b; recorded per store so a reader knows which one
@@ -24,8 +27,8 @@ try:  # optional: ~10x faster than BLAKE2b; recorded per store so a reader knows
 except ImportError:  # pragma: no cover - depends on the environment
     xxhash = None
 
-__all__ = ["Entry", "Hasher", "Keys", "MAX_KEY_LEN", "as_bytes_view", "build_record", "check_meta",
-           "default_algo", "parse_record", "record_len"]
+__all__ = ["Entry", "Hasher", "Keys", "MAX_KEY_LEN", "SegmentReaders", "as_bytes_view", "build_record",
+           "check_meta", "default_algo", "parse_record", "record_len"]
 
 MAGIC = b"FKVR"
 VERSION = 2  # 2: an encrypted store's record carries its keyed id, not its key
@@ -195,3 +198,72 @@ def parse_record(rec: memoryview, key: bytes, e: Entry, keys: Keys | None, hashe
         return keys.records.decrypt(nonce, body, record_aad(e.seg, key))
     except InvalidTag:
         raise bad("authentication failed (wrong key, or the record was tampered with)") from None
+
+
+class _Reader:
+    __slots__ = ("fd", "mm", "mapped")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.mm: mmap.mmap | None = None
+        self.mapped = 0
+
+    def close(self) -> None:
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:  # a view is still alive; unmapped when it is collected
+                pass
+            self.mm = None
+        os.close(self.fd)
+
+
+class SegmentReaders:
+    """The open segments of one store's directory, for reading."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._open: dict[int, _Reader] = {}
+
+    def _reader(self, seg: int) -> _Reader | None:
+        r = self._open.get(seg)
+        if r is None:
+            try:
+                fd = os.open(os.path.join(self.directory, seg_name(seg)), os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return None
+            r = self._open[seg] = _Reader(fd)
+        return r
+
+    def read(self, key: bytes, e: Entry, keys: Keys | None, hasher: Hasher) -> bytes:
+        """Verify and return the payload of record ``e`` through an mmap of its segment."""
+        def bad(reason: str) -> CorruptBlockError:
+            return CorruptBlockError(key, reason, segment=e.seg, offset=e.off)
+
+        end = e.off + e.length
+        r = self._reader(e.seg)
+        if r is None:
+            raise bad("its segment file is missing")
+        # Check the size first: touching an mmap past the end of a cut file is SIGBUS, not an error.
+        size = os.fstat(r.fd).st_size
+        if size < end:
+            raise bad(f"the segment is truncated ({size} bytes, the record ends at {end})")
+        if r.mm is None or r.mapped < end:
+            # The old map (if any) is not closed here: a view of it may still be alive (e.g. in
+            # a traceback); dropping the reference unmaps it once the last view is gone.
+            r.mm = mmap.mmap(r.fd, size, prot=mmap.PROT_READ)
+            r.mapped = size
+        if e.length < HEADER.size + len(record_id(keys, key)) + TRAILER.size:
+            raise bad("the manifest gives it an impossible length")
+        with memoryview(r.mm) as mv:
+            rec = mv[e.off:end]
+            try:
+                return parse_record(rec, key, e, keys, hasher)
+            finally:
+                rec.release()
+
+    def close(self) -> None:
+        """Close every open segment (reopened on the next read)."""
+        for r in self._open.values():
+            r.close()
+        self._open.clear()

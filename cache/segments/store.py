@@ -10,18 +10,20 @@ import threading
 from typing import Callable, Iterator
 
 from cache.fsperm import LOCK_TIMEOUT_S, open_private, private_dir
-from cache.segments.directory import reconcile, scan, take_lock, wipe as wipe_directory
+from cache.segments.directory import (
+    MANIFEST, fsync_dir, reconcile, scan, seg_name, take_lock, unlink_quiet, write_all,
+)
+from cache.segments.directory import wipe as wipe_directory
 from cache.segments.errors import (
     CorruptBlockError, CorruptManifestError, StoreError, StoreFullError, UnknownRecordError, os_error,
+    show_key,
 )
-from cache.segments.files import MANIFEST, fsync_dir, seg_name, show_key, unlink_quiet, write_all
 from cache.segments.manifest import (
     bad_manifest, canonical, manifest_bytes, parse_manifest, write_manifest,
 )
-from cache.segments.reader import SegmentReaders
 from cache.segments.record import (
-    MAX_KEY_LEN, Entry, Hasher, Keys, as_bytes_view, build_record, check_meta, default_algo,
-    record_len,
+    MAX_KEY_LEN, Entry, Hasher, Keys, SegmentReaders, as_bytes_view, build_record, check_meta,
+    default_algo, record_len,
 )
 
 __all__ = ["SegmentStore"]
