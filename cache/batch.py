@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from cache.block_table import BlockTable
     from cache.config import CacheConfig
     from cache.manager import BlockManager
-    from cache.reads import ReadPlanner
+    from cache.steps import ReadPlanner
     from cache.session_table import SessionTable
     from cache.token_arena import TokenArena
 

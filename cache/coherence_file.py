@@ -2,7 +2,7 @@
 share it (the ClientApp that trains and writes parameters back, a serving process).
 
     d = FileDirectory(cache_dir, Mode.STRONG, batch=16, timeout_s=10.0)
-    agent = d.join("server")          # same Agent API as cache.coherence.Agent
+    agent = d.join("server")          # the agent API of cache.coherence.AgentBase
     p = agent.start_polling(0.005, on_invalidate=lambda keys: ...)   # keeps ACKs flowing
 
 The directory is made 0700 and its files 0600 (``cache.fsperm``); one that group/other can
@@ -14,7 +14,8 @@ reap dead agents, apply the ``CoherenceTable`` transition, write the file back (
 file, then ``os.replace``, so a reader never sees half a file) only when it changed, unlock.
 Agents are identified by id + pid (+ the process start time, so a reused pid is not taken for
 the old process); an agent whose process is gone (or a zombie) is reaped by whoever next
-touches the directory, exactly as ``Directory.crash``: its holdings dropped, its queued
+touches the directory, exactly as a crash in the in-process simulator
+(``experiments/coherence_sim.py``, ``Directory.crash``): its holdings dropped, its queued
 invalidations delivered, every Pending waiting on it resolved. A blocked ``acquire_*``
 retries with a short backoff (no background thread); an agent that never polls holds a strong
 writer up until it is reaped or the writer's ``CoherenceTimeout``, hence ``start_polling``.

@@ -93,7 +93,7 @@ class CacheConfig:
     """Warm restart (``KVCache.open``): share of ``warm_bytes`` filled at once with the
     hottest cold blocks; the rest come back lazily on a prefix hit."""
     prefetch_degree: int = 2
-    """Blocks the prefetcher (``cache/prefetch.py``) moves to hot ahead of use per access;
+    """Blocks the prefetcher (``cache/prefetch/``) moves to hot ahead of use per access;
     0 turns prefetch off."""
     prefetch_mode: str = "none"
     """Which prefetcher runs after each prefix lookup of a tiered cache: ``none``,

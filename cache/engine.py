@@ -9,7 +9,8 @@ Flow of one decoding step (what ``node.model`` does)::
 
 The parts, none of which imports this module: ``BlockManager`` (``manager.py``: block records,
 the prefix index, eviction, tiers), ``SessionTable`` (``session_table.py``), ``Pressure``
-(``pressure.py``: when to demote, compact, quantize), ``ReadPlanner`` (``reads.py``),
+(``pressure.py``: when to demote, compact, quantize), ``SessionSteps`` and ``ReadPlanner``
+(``steps.py``: one session's reserve, write, read, commit),
 ``Batcher`` (``batch.py``), ``LivePlane`` (``live.py``: live control off the decode path),
 persistence (``persist.py``) and figures (``stats.py``, ``storage.py``).
 
@@ -32,7 +33,7 @@ from cache.attention import Run
 from cache.batch import Batcher, BatchStep
 from cache.config import CacheConfig
 from cache.control import POLL_S
-from cache.block_table import check_layer
+from cache.block_table import BlockTable, check_layer
 from cache.errors import ConfigError
 from cache.latency import OpLatencies
 from cache.live import LivePlane, go_live, leave_live
@@ -41,10 +42,9 @@ from cache.policy import POLICIES, EvictionPolicy, make_policy
 from cache.prefetch import Prefetcher
 from cache.prefix import namespace_root
 from cache.pressure import Pressure
-from cache.reads import ReadPlanner
 from cache.session_table import SessionTable
 from cache.sparsity import SparsityPolicy
-from cache.steps import SessionSteps
+from cache.steps import ReadPlanner, SessionSteps
 from cache.storage import BlockCosts, make_storage
 from cache.tensor_store import TensorStore
 from cache.tiers import ColdStore, Tiers
@@ -115,15 +115,22 @@ class KVCache:
         """Ids of the open sessions."""
         return self.session_table.ids()
 
+    def _table(self, sid: int, allow_stale: bool = False) -> BlockTable:
+        """``session_table.get``, with the decode hot path (a live session) one dict lookup."""
+        t = self.session_table.tables.get(sid)
+        if t is None or (t.stale and not allow_stale):
+            return self.session_table.get(sid, allow_stale=allow_stale)  # raises what applies
+        return t
+
     def is_stale(self, sid: int) -> bool:
         """True when the session's K/V predate the current model version."""
-        return self.session_table.get(sid, allow_stale=True).stale
+        return self._table(sid, allow_stale=True).stale
 
     def length(self, sid: int) -> int:
-        return self.session_table.get(sid).length
+        return self._table(sid).length
 
     def tokens(self, sid: int) -> list[int]:
-        t = self.session_table.get(sid, allow_stale=True)
+        t = self._table(sid, allow_stale=True)
         return list(t.tokens[: t.length])
 
     def close_session(self, sid: int) -> None:
@@ -149,7 +156,7 @@ class KVCache:
         """
         start = perf_counter_ns()  # timing inlined in each timed op: see _op_boundary
         try:
-            return self.steps.attach_prefix(self.session_table.get(sid), [int(x) for x in tokens])
+            return self.steps.attach_prefix(self._table(sid), [int(x) for x in tokens])
         finally:
             end = perf_counter_ns()
             self.latency.lookup.append(end - start)
@@ -161,7 +168,7 @@ class KVCache:
         """Make room for new tokens; allocation is all-or-nothing."""
         start = perf_counter_ns()
         try:
-            self.steps.reserve(self.session_table.get(sid), [int(x) for x in tokens])
+            self.steps.reserve(self._table(sid), [int(x) for x in tokens])
         finally:
             end = perf_counter_ns()
             self.latency.reserve.append(end - start)
@@ -176,7 +183,7 @@ class KVCache:
         """Store K/V of the reserved tokens for one layer; k, v: [heads, pending, head_dim]."""
         start = perf_counter_ns()
         try:
-            self.steps.write(self.session_table.get(sid), layer, k, v)
+            self.steps.write(self._table(sid), layer, k, v)
         finally:
             end = perf_counter_ns()
             self.latency.write.append(end - start)
@@ -189,7 +196,7 @@ class KVCache:
         as views to attend over (:func:`cache.attention.attend`)."""
         start = perf_counter_ns()
         try:
-            self.steps.write(self.session_table.get(sid), layer, k, v)
+            self.steps.write(self._table(sid), layer, k, v)
             return self.read_runs(sid, layer)
         finally:
             end = perf_counter_ns()
@@ -197,21 +204,21 @@ class KVCache:
             if end >= self._boundary_ns:
                 self._op_boundary(end)
 
-    # == reading (cache/reads.py) ============================================================
+    # == reading (cache/steps.py) ============================================================
     def sparsity(self, sid: int) -> SparsityPolicy | None:
-        return self.session_table.get(sid).sparsity
+        return self._table(sid).sparsity
 
     def resident_positions(self, sid: int, layer: int) -> torch.Tensor:
         """Logical positions (0 = the session's first token) of the tokens ``read_runs``
         returns, in order: what the sparsity policy's masks are indexed by."""
-        return self.reads.resident_positions(self.session_table.get(sid), layer)
+        return self.reads.resident_positions(self._table(sid), layer)
 
     def read_runs(self, sid: int, layer: int) -> list[Run]:
         """K and V of every readable token in ``layer`` as views into the arena, one pair
         per run of consecutive blocks: each [heads, n_i, head_dim], full precision. When
         the read buffer has no room for a cold session's quantized blocks, they are decoded
         for this read only (``stats()['transient_reads']``)."""
-        t = self.session_table.get(sid)
+        t = self._table(sid)
         check_layer(layer, self.config.num_layers)
         return self.reads.runs(t, layer)
 

@@ -17,7 +17,6 @@ import torch
 
 from cache.block import Block
 from cache.errors import CacheFullError
-from cache.index import make_index
 from cache.pool import BlockPool
 from cache.prefix import ROOT, block_hash
 from cache.policy import EvictionPolicy
@@ -38,7 +37,7 @@ class BlockManager:
                  qpool: BlockPool | None = None, qformat: BlockFormat | None = None):
         self.arena, self.policy, self.qpool, self.qformat = arena, policy, qpool, qformat
         self.blocks: dict[int, Block] = {}
-        self.index: dict[bytes, Block] = make_index()  # a dict: measured faster (index.py)
+        self.index: dict[bytes, Block] = {}  # faster than a cuckoo table: experiments/cuckoo_index.py
         self.version = 0
         self.clock = 0
         self.counters = dict.fromkeys(COUNTERS, 0)

@@ -1,6 +1,6 @@
 """Persistence of a KVCache in a directory: what survives between Flower messages.
 
-Everything goes into one ``SegmentStore`` (``cache/segments.py``: atomic commits, a checksum
+Everything goes into one ``SegmentStore`` (``cache/segments/``: atomic commits, a checksum
 per record and per manifest, AES-256-GCM with the node's key; the record map sealed and record
 ids keyed, so nothing on disk names a block's content hash; directory 0700, files 0600): K/V
 blocks (``kind: kv``, keyed by content hash), named tensors (``kind: tensor``: the node's ``param/`` and ``grad/``, one

@@ -1,6 +1,7 @@
 """Pressure handling: when to demote, compact, quantize and free, and where new blocks go.
 
-* Below ``low_watermark`` of free arena memory a reserve demotes ``evict_batch`` cached blocks
+* Below ``low_watermark`` of free arena memory (tested inline by the step, which then calls
+  ``relieve``) a reserve demotes ``evict_batch`` cached blocks
   to warm (when there is a warm tier: they stay hits) and compacts lazily (at most once per
   ``COMPACT_EVERY`` reserves); a single allocation still evicts at most the one block it needs.
 * The third allocation failure in a row compacts and retries once.
@@ -49,9 +50,9 @@ class Pressure:
         return moved
 
     def relieve(self) -> None:
-        """Before a reserve: below the low watermark, demote a batch and compact lazily."""
+        """Memory is low (``SessionSteps.reserve`` tests the watermark and counts the reserve
+        inline): demote a batch, and compact at most once per ``COMPACT_EVERY`` reserves."""
         free = self.arena.free_pages / self.arena.num_pages
-        self.reserves_since_compact += 1
         if free >= self.config.low_watermark:
             return
         if self.blocks.tiers is not None and self.config.warm_bytes:

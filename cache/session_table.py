@@ -21,27 +21,29 @@ if TYPE_CHECKING:
 class SessionTable:
     def __init__(self, block_size: int, blocks: "BlockManager") -> None:
         self.block_size, self.blocks = block_size, blocks
-        self._tables: dict[int, BlockTable] = {}
+        self.tables: dict[int, BlockTable] = {}
+        """Open sessions by id. Read it directly only on a hot path that then falls back to
+        ``get`` for anything but a live session (``KVCache._table``); change it only here."""
         self._next_sid = 0
 
     def __iter__(self) -> Iterator[BlockTable]:
-        return iter(list(self._tables.values()))
+        return iter(list(self.tables.values()))
 
     def __len__(self) -> int:
-        return len(self._tables)
+        return len(self.tables)
 
     def ids(self) -> list[int]:
-        return list(self._tables)
+        return list(self.tables)
 
     def open(self, sparsity: SparsityPolicy | None = None, root: bytes = b"") -> int:
         sid = self._next_sid
         self._next_sid += 1
-        self._tables[sid] = BlockTable(sid, self.block_size, self.blocks.version,
+        self.tables[sid] = BlockTable(sid, self.block_size, self.blocks.version,
                                        sparsity=sparsity, root=root)
         return sid
 
     def get(self, sid: int, *, allow_stale: bool = False) -> BlockTable:
-        t = self._tables.get(sid)
+        t = self.tables.get(sid)
         if t is None:
             if isinstance(sid, int) and 0 <= sid < self._next_sid:  # ids are never reused
                 raise ClosedSessionError(f"session {sid} is closed")
@@ -54,7 +56,7 @@ class SessionTable:
 
     def close(self, sid: int) -> None:
         self.release(self.get(sid, allow_stale=True))
-        del self._tables[sid]
+        del self.tables[sid]
 
     def reset(self, sid: int) -> list[int]:
         t = self.get(sid, allow_stale=True)
@@ -70,7 +72,7 @@ class SessionTable:
         if t.sparsity is not None:
             raise ReservationError(f"session {sid} drops K/V (sparsity) and cannot be forked")
         child = self.open(root=t.root)
-        c = self._tables[child]
+        c = self.tables[child]
         c.blocks, c.tokens, c.length = list(t.blocks), list(t.tokens), t.length
         c.quant_checked = t.quant_checked
         for b in c.blocks:
@@ -101,7 +103,7 @@ class SessionTable:
     def mark_stale(self) -> None:
         """After a model version move: sessions whose K/V are no longer servable release
         their blocks and turn stale."""
-        for t in self._tables.values():
+        for t in self.tables.values():
             if not t.stale and not self.blocks.servable(t.version):
                 self.release(t)
                 t.stale = True
@@ -109,7 +111,7 @@ class SessionTable:
     def reclaim_read_buffer(self, keep: set[int]) -> bool:
         """Drop the decoded read buffer of the least recently used session (its quantized
         blocks stay); blocks in ``keep`` are never touched."""
-        for t in sorted(self._tables.values(), key=lambda t: t.last_access):
+        for t in sorted(self.tables.values(), key=lambda t: t.last_access):
             dropped = [self.blocks.drop_read_buffer(b) for b in t.held() if b.id not in keep]
             if any(dropped):
                 return True

@@ -1,13 +1,19 @@
-"""One session's step through the cache: attach a cached prefix, reserve, write a layer, commit.
+"""One session's step through the cache: attach a cached prefix, reserve, write a layer, read
+the context, commit.
 
 ``attach_prefix`` hangs the longest cached chain of whole blocks on an empty session (and lets
-the prefetcher see it); ``reserve`` makes room for the next tokens (``Pressure`` decides what
-to demote, compact, free); ``write`` stores one layer's K/V at the reserved positions, and
-after the last layer ``commit`` completes the tokens: full blocks get a content hash (prefix
-sharing, dedup) and blocks that left the full-precision window are quantized.
+the prefetcher see it); ``reserve`` makes room for the next tokens; ``write`` stores one
+layer's K/V at the reserved positions, and after the last layer ``commit`` completes the
+tokens: full blocks get a content hash (prefix sharing, dedup) and blocks that left the
+full-precision window are quantized. ``ReadPlanner`` gives the views a layer attends.
 
-Works on the config, the arena, the block manager, the session table, the read planner and
-the pressure handler; never on the engine.
+The decode hot path stays here: a reserve whose tokens fit in the pages the session's
+unshared last block already holds allocates nothing, and memory pressure is one inline
+watermark test; only when memory is low, or a block must be allocated, copied or freed, does
+the pressure handler (``pressure.py``: what to demote, compact, quantize) run.
+
+Works on the config, the arena, the block manager, the session table and the pressure
+handler; never on the engine.
 """
 
 from __future__ import annotations
@@ -16,22 +22,110 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cache.attention import Run
+from cache.block import Block
 from cache.block_table import BlockTable, check_layer, end_of
-from cache.errors import ReservationError, ShapeMismatchError, TensorDTypeError
+from cache.errors import CacheFullError, ReservationError, ShapeMismatchError, TensorDTypeError
 from cache.prefetch import Prefetcher, make_prefetcher, prefetch_after_lookup
 
 if TYPE_CHECKING:
     from cache.config import CacheConfig
     from cache.manager import BlockManager
     from cache.pressure import Pressure
-    from cache.reads import ReadPlanner
     from cache.session_table import SessionTable
     from cache.token_arena import TokenArena
 
 
+class ReadPlanner:
+    """Reading a session's context: its read plan (runs of consecutive arena blocks) and the
+    views. A session is read as views into the full-precision arena, one per run of
+    consecutive blocks (``BlockTable.runs``): the plan grows with appended blocks and is
+    rebuilt -- quantized-only blocks decoded into a read buffer, once -- only after a block
+    changed place. When the read buffer has no room, the context is decoded for one read
+    only (``transient_run``)."""
+
+    def __init__(self, block_size: int, arena: "TokenArena", blocks: "BlockManager") -> None:
+        self.block_size, self.arena, self.blocks = block_size, arena, blocks
+
+    def plan(self, t: BlockTable, keep: set[int] | None = None) -> list[list[int]]:
+        """The session's runs of consecutive blocks ([start, blocks]); grown by appended
+        blocks, rebuilt (and quantized-only blocks decoded, once) only after a block changed
+        place. Making room never drops the read buffer of a block in ``keep`` (default: the
+        session's own)."""
+        B = self.block_size
+        if t.runs is None or t.plan_generation != self.blocks.generation:
+            keep, after = t.block_ids() if keep is None else keep, None
+            for b in t.held():
+                self.blocks.ensure_fp(b, after, keep)
+                after = end_of(b, B)
+            t.runs, t.planned = [], 0
+        for b in t.blocks[t.planned :]:
+            if b is None:
+                continue
+            if t.runs and t.runs[-1][0] + t.runs[-1][1] * B == b.start:
+                t.runs[-1][1] += 1
+            else:
+                t.runs.append([b.start, 1])
+        t.planned, t.plan_generation = len(t.blocks), self.blocks.generation
+        return t.runs
+
+    def try_plan(self, t: BlockTable, keep: set[int] | None = None) -> bool:
+        try:
+            self.plan(t, keep)
+            return True
+        except CacheFullError:  # no room for a read buffer: reads decode per step instead
+            t.runs = None
+            return False
+
+    def transient_run(self, t: BlockTable, layer: int, n: int) -> list[Run]:
+        """The context decoded for this read only (no read buffer fits): one temporary run."""
+        self.blocks.counters["transient_reads"] += 1
+        ks, vs = [], []
+        for b in t.blocks[: t.blocks_needed(n)]:
+            if b is None:
+                continue
+            if b.start is not None:
+                k, v = self.arena.run(layer, b.start, self.block_size)
+            else:
+                k, v = self.blocks.decode_layer(b, layer)
+            ks.append(k.float())
+            vs.append(v.float())
+        m = self.resident(t, n)
+        return [(torch.cat(ks, 1)[:, :m], torch.cat(vs, 1)[:, :m])]
+
+    def resident(self, t: BlockTable, n: int) -> int:
+        """Of the first ``n`` positions, how many are held (dropped blocks left out)."""
+        if t.sparsity is None:  # the decode hot path: nothing is ever dropped
+            return n
+        B = self.block_size
+        return n - B * sum(b is None for b in t.blocks[: n // B])
+
+    def runs(self, t: BlockTable, layer: int) -> list[Run]:
+        """K and V of every readable token of ``t`` in ``layer`` (see ``KVCache.read_runs``)."""
+        n, B = t.layer_length(layer), self.block_size
+        if not self.try_plan(t):
+            return self.transient_run(t, layer, n)
+        n = self.resident(t, n)
+        out = []
+        for start, nb in t.runs:
+            if n <= 0:
+                break
+            take = min(n, nb * B)
+            out.append(self.arena.run(layer, start, take))
+            n -= take
+        return out
+
+    def resident_positions(self, t: BlockTable, layer: int) -> torch.Tensor:
+        """Logical positions of the tokens ``runs`` returns, in order."""
+        B, n = self.block_size, t.layer_length(layer)
+        starts = [i * B for i, b in enumerate(t.blocks[: t.blocks_needed(n)]) if b is not None]
+        pos = (torch.tensor(starts).view(-1, 1) + torch.arange(B)).flatten()
+        return pos[pos < n]
+
+
 class SessionSteps:
     def __init__(self, config: "CacheConfig", arena: "TokenArena", blocks: "BlockManager",
-                 sessions: "SessionTable", reads: "ReadPlanner", pressure: "Pressure") -> None:
+                 sessions: "SessionTable", reads: ReadPlanner, pressure: "Pressure") -> None:
         self.config, self.arena, self.blocks = config, arena, blocks
         self.sessions, self.reads, self.pressure = sessions, reads, pressure
         self.prefetcher: Prefetcher | None = None
@@ -63,7 +157,7 @@ class SessionSteps:
 
     def _prefetch(self, touched: list) -> None:
         """After a lookup: the prefetcher sees the blocks it touched and moves what it
-        predicts from warm/cold into hot (``cache/prefetch.py``). Built on first use and again
+        predicts from warm/cold into hot (``cache/prefetch/``). Built on first use and again
         when ``prefetch_mode``/``prefetch_degree`` change (a new one learns from scratch)."""
         c = self.config
         if c.prefetch_mode == "none" or not c.prefetch_degree or self.blocks.tiers is None:
@@ -81,12 +175,16 @@ class SessionSteps:
             raise ReservationError(
                 f"session {t.sid}: {t.pending} reserved tokens are not written in every layer "
                 f"yet (done: {sorted(t.written)})")
-        self.sessions.touch(t)
+        m = self.blocks
+        m.clock += 1  # the session's last use (its LRU stamp)
+        t.last_access = m.clock
         if t.sparsity is not None and t.length:
             self.pressure.drop_sparse(t)
-        self.pressure.relieve()
+        self.pressure.reserves_since_compact += 1  # its lazy compaction counts reserves
+        if self.arena.free_pages / self.arena.num_pages < self.config.low_watermark:
+            self.pressure.relieve()  # memory is low: demote a batch, compact lazily
         self.reads.try_plan(t)  # blocks resident at full precision before anything is allocated
-        tail, new = self.pressure.allocate(t, t.length + len(toks))
+        tail, new = self._room(t, t.length + len(toks))
         if tail is not None:
             old = t.blocks[-1]
             t.blocks[-1] = tail
@@ -99,6 +197,18 @@ class SessionSteps:
         t.pending, t.written = len(toks), set()
         self.reads.try_plan(t)
         t.write_at = t.positions(t.length, len(toks))
+
+    def _room(self, t: BlockTable, total: int) -> tuple[Block | None, list[Block]]:
+        """Room for ``total`` tokens: nothing to do when they fit in the pages the session's
+        unshared, resident last block already holds (most decode steps), else
+        ``Pressure.allocate`` (grow, copy-on-write, move, new blocks)."""
+        B, page = self.config.block_size, self.arena.page
+        last = t.blocks[-1] if t.length % B else None
+        if (last is not None and last.ref_count == 1 and last.start is not None
+                and total - (len(t.blocks) - 1) * B <= min(B, last.capacity // page * page)):
+            self.pressure.alloc_failures_in_row = 0  # a success, as an allocation would be
+            return None, []
+        return self.pressure.allocate(t, total)
 
     def write(self, t: BlockTable, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """``KVCache.write`` on the session's table; the last layer commits."""

@@ -4,7 +4,7 @@ vanishing, and where a prefix hit finds them again.
 * **hot**: the TokenArena and the quantized BlockPool (``cache/manager.py``);
 * **warm**: CPU bytes of each block in its own storage format (quantized in int8/int4 caches,
   so warm costs what the compact form costs), bounded by ``warm_bytes``, LRU inside;
-* **cold**: a ``SegmentStore`` on disk (``cache/segments.py``: checksummed, atomic, optionally
+* **cold**: a ``SegmentStore`` on disk (``cache/segments/``: checksummed, atomic, optionally
   AES-GCM), memory-mapped on read, when the cache was opened on a directory.
 
 A block leaves hot only when the hot tier needs its room (demotion under pressure) and comes
@@ -43,7 +43,7 @@ class TierEntry:
         """(payload, meta) for the cold store. Token ids and the parent hash go inside the
         payload (encrypted at rest); meta and the record key (the block's content hash) go
         into the manifest, sealed in an encrypted store (on disk a record names only its
-        keyed id: ``cache/segments.py``), in the clear in a plain one."""
+        keyed id: ``cache/segments/record.py``), in the clear in a plain one."""
         head = struct.pack("<IB", len(self.tokens), len(self.parent))
         payload = head + array("i", self.tokens).tobytes() + self.parent + self.payload
         meta = {"kind": "kv", "version": self.version, "format": self.format,

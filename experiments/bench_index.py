@@ -1,4 +1,4 @@
-"""Block-index lookup latency: ``dict`` vs the cuckoo hash (``cache/index.py``) at 50 % and 90 %
+"""Block-index lookup latency: ``dict`` vs the cuckoo hash (``experiments/cuckoo_index.py``) at 50 % and 90 %
 load, in one run.
 
     python -m experiments.bench_index --json [--size N] [--quick] [--seed S]   # < 60 s
@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from cache.index import DEFAULT_KIND, CuckooIndex, make_index
+from experiments.cuckoo_index import DEFAULT_KIND, CuckooIndex, make_index
 
 LOADS = (50, 90)
 KINDS = ("dict", "cuckoo")

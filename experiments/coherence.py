@@ -8,8 +8,8 @@ each stored with its version. Every contender does the same work per op: a read 
 attention over the block (``softmax(q @ block.T) @ block``, ``q`` ``[queries, head_dim]``; torch
 releases the GIL inside), a write replaces the block with a new tensor computed from it.
 
-* ``mesi_strong`` / ``mesi_relaxed``: each thread is an agent of ``cache.coherence.Directory``
-  and calls the protocol on every op: ``acquire_read`` (a copy it holds is read without any
+* ``mesi_strong`` / ``mesi_relaxed``: each thread is an agent of the in-process simulator's
+  ``Directory`` (``experiments/coherence_sim.py``) and calls the protocol on every op: ``acquire_read`` (a copy it holds is read without any
   lock; a miss asks the directory) or ``acquire_write`` ... ``release``. Agents keep the blocks
   they read (their copies); an invalidation drops the copy.
 * ``global_lock``: one ``threading.Lock`` held for the whole op, as a cache whose blocks are
@@ -41,7 +41,8 @@ from typing import Any
 
 import torch
 
-from cache.coherence import Directory, Mode
+from cache.coherence import Mode
+from experiments.coherence_sim import Directory
 from experiments.output import (
     add_common_args, make_run_dir, markdown_table, plot_lines, print_estimate, print_results_dir,
     write_csv, write_json,

@@ -8,8 +8,8 @@ committing and ``OK`` right after ``commit()`` (every 10th transaction: ``compac
 for the test a transaction followed by ``OK`` is certainly durable and the last ``BEGIN`` without
 ``OK`` may or may not be.
 
-It loads ``cache/segments.py`` without running ``cache/__init__`` (which imports torch, ~1.5 s):
-a bare ``cache`` package object stands in, so only ``cache.errors`` and ``cache.segments`` load.
+It loads ``cache/segments/`` without running ``cache/__init__`` (which imports torch, ~1.5 s):
+a bare ``cache`` package object stands in, so only ``cache.errors``, ``cache.fsperm`` and ``cache.segments`` load.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""cache.coherence_file: the in-process state machine's rules and invariants over the file
+"""cache.coherence_file: the protocol state machine's rules and invariants over the file
 backend (crash = the agent's pid dies, reaped by the next touch), a corrupted or truncated
 directory file, real processes that crash, and a trainer process writing parameters back while
 a serving process answers tokens from its loaded copy."""
@@ -21,7 +21,7 @@ from hypothesis import settings
 
 from cache.coherence import AgentGoneError, CoherenceConfigError, CoherenceTimeout, Mode, State
 from cache.coherence_file import STATE_FILE, CorruptDirectoryError, FileDirectory, pid_alive
-from tests.cache.test_coherence import CoherenceMachine, check_directory, check_local_copies
+from tests.cache.coherence_machine import CoherenceMachine, check_directory, check_local_copies
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import errno
+import hashlib
 import json
 import os
 import random
@@ -18,6 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache import segments
+from cache.segments import manifest as seg_manifest
+from cache.segments import record as seg_record
 from cache.errors import CacheError
 from cache.segments import (
     CorruptBlockError,
@@ -113,11 +117,11 @@ def test_an_encrypted_manifest_tampered_under_its_checksum_is_corrupt_not_a_wron
     path = os.path.join(tmp_path, "manifest.json")
     m = json.load(open(path))
     m.pop("manifest_sha256")
-    sealed = bytearray(segments.base64.b64decode(m["sealed"]))
+    sealed = bytearray(base64.b64decode(m["sealed"]))
     sealed[5] ^= 1
-    m["sealed"] = segments.base64.b64encode(bytes(sealed)).decode()
-    m["manifest_sha256"] = segments.hashlib.sha256(segments._canonical(m)).hexdigest()
-    open(path, "wb").write(segments._canonical(m))
+    m["sealed"] = base64.b64encode(bytes(sealed)).decode()
+    m["manifest_sha256"] = hashlib.sha256(seg_manifest.canonical(m)).hexdigest()
+    open(path, "wb").write(seg_manifest.canonical(m))
     with pytest.raises(CorruptManifestError, match="fails authentication"):
         SegmentStore(tmp_path, key=KEY)
 
@@ -133,8 +137,8 @@ def test_other_manifest_versions(tmp_path, version, error):
     m = json.load(open(path))
     m.pop("manifest_sha256")
     m["version"] = version
-    m["manifest_sha256"] = segments.hashlib.sha256(segments._canonical(m)).hexdigest()
-    open(path, "wb").write(segments._canonical(m))
+    m["manifest_sha256"] = hashlib.sha256(seg_manifest.canonical(m)).hexdigest()
+    open(path, "wb").write(seg_manifest.canonical(m))
     with pytest.raises(error, match=f"version {version}") as ei:
         SegmentStore(tmp_path)
     assert isinstance(ei.value, CorruptManifestError) == (version < 2)
@@ -262,7 +266,7 @@ def _rewrite_manifest(directory, edit, key=None) -> None:
     edit(m)
     for field in ("format", "version", "encrypted"):
         m.pop(field, None)
-    data = segments._encode_manifest(m, segments._Keys(key) if key is not None else None)
+    data = seg_manifest.encode_manifest(m, seg_record.Keys(key) if key is not None else None)
     open(os.path.join(directory, "manifest.json"), "wb").write(data)
 
 

@@ -1,4 +1,4 @@
-"""cache.index: CuckooIndex behaves exactly like a dict (hypothesis state machine, with growth,
+"""experiments.cuckoo_index: CuckooIndex behaves exactly like a dict (hypothesis state machine, with growth,
 kicks and the stash forced by colliding keys); the 8-slot compare finds keys anywhere;
 load_factor; key errors; make_index."""
 
@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from cache.index import DEFAULT_KIND, SLOTS, CuckooIndex, DictIndex, make_index
+from experiments.cuckoo_index import DEFAULT_KIND, SLOTS, CuckooIndex, DictIndex, make_index
 
 
 def key(lo: int, hi: int) -> bytes:

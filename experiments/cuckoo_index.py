@@ -1,6 +1,9 @@
-"""The block index: content hash (16-byte blake2b digest, ``cache/prefix.py``) -> Block record.
+"""The block index studied: content hash (16-byte blake2b digest, ``cache/prefix.py``) -> Block record.
 
-Two implementations with one mapping interface, and ``make_index`` picking the default:
+An experiment, not product code: the cache's block index (``cache/manager.py``,
+``BlockManager.index``) is a plain ``dict``, the faster one measured below. This module keeps
+the two implementations compared, with one mapping interface and ``make_index`` picking the
+default, for ``experiments/bench_index.py``:
 
 * ``DictIndex`` — a plain ``dict`` (a subclass that adds nothing, so ``get``/``[]`` stay the C
   hash table's: CPython hashes a ``bytes`` key once and caches it in the object).
