@@ -21,6 +21,16 @@ Decoding: ``Sessions.turn`` is the node's decode loop (greedy, one ``model.forwa
 the last token per step) and ``Sessions.turn_batch`` its batched form (one ``model.forward_batch``
 per step over several sessions); nothing else in the node decodes.
 
+Speaking the model's language (``node.chat``): ``Sessions(model, cache, codec=ChatCodec(...))``
+templates a ``str`` turn: the system prompt is the templated system message (the shared prefix:
+sessions with one system prompt share its full blocks), a turn feeds the templated user message
+and the assistant header, decodes until an EOS id, a stop string or ``max_new_tokens``, and then
+feeds the template's end of the assistant turn, so the session's tokens are
+``tokenizer.apply_chat_template`` of the conversation. Token ids are still fed as they are.
+Without a codec (the byte model) nothing is templated and no token ends a reply. ``sampling``
+(``node.chat.Sampling``) is greedy unless asked otherwise; a stop string ends the reply before
+it (``TurnResult.text``) while the cache keeps every token that was fed.
+
 Ids are ``chat-<n>`` from a counter, so a closed id is told apart from one never issued without
 remembering closed ids: ``Sessions`` holds open sessions only. A serving agent on a shared host
 names its sessions itself (random ids, ``node.serve_auth``) and opens each tenant's in the
@@ -31,11 +41,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from cache import KVCache
+from node.chat import GREEDY, ByteCodec, Message, Sampling
 from node.model_interface import CachedLM
 
 _ID = re.compile(r"chat-(\d+)")
@@ -65,6 +76,9 @@ class ChatSession:
     lost: list[int] | None = None
     """The conversation while it is not in the cache: its K/V were dropped to be recomputed
     and the recompute failed (e.g. a full pool). The next turn recomputes from here."""
+    messages: list[Message] = field(default_factory=list)
+    """The conversation as chat messages (a chat codec's sessions only): what the template
+    renders the next turn after."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +91,11 @@ class TurnResult:
     """Text tokens in ``nll`` (a text token taken from the prefix cache has no logits here)."""
     recomputed: int
     """Tokens of the conversation recomputed because the session's K/V were stale."""
+    text: str | None = None
+    """The reply as text, cut before a stop string and without the EOS (set when the
+    session has a codec or the turn had stop strings)."""
+    stop_reason: str = "length"
+    """Why the reply ended: ``"length"`` (max_new_tokens), ``"eos"`` or ``"stop"``."""
 
     @property
     def reply(self) -> bytes:
@@ -133,9 +152,12 @@ class Sessions(Mapping[str, int]):
     so ``Mapping.get`` and ``in`` behave as for a dict) or its subclass ``ClosedSessionError``.
     """
 
-    def __init__(self, model: CachedLM, cache: KVCache):
+    def __init__(self, model: CachedLM, cache: KVCache, codec=None):
         self.model = model
         self.cache = cache
+        self.codec = codec
+        """``None`` (bytes or token ids as they are), ``node.chat.ByteCodec`` (the same) or
+        ``node.chat.ChatCodec`` (a ``str`` is templated; see the module docstring)."""
         self._open: dict[str, ChatSession] = {}
         self._issued = 0
         self.before_token: Callable[[], None] | None = None
@@ -172,13 +194,19 @@ class Sessions(Mapping[str, int]):
                namespace: bytes | str = b"") -> str:
         """Open a session and prefill its system prompt (sharing cached full blocks with
         sessions of the same prefix ``namespace`` only)."""
-        system = tuple(as_tokens(system_prompt))
+        messages: list[Message] = []
+        if self._templated(system_prompt):
+            system = tuple(self.codec.system(system_prompt))
+            messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        else:
+            system = tuple(as_tokens(system_prompt))
         self._check_fits(len(system))
         if session_id is None:
             session_id = self._new_id()
         elif session_id in self._open:
             raise ValueError(f"session {session_id!r} is already open")
-        chat = ChatSession(self.cache.open_session(namespace=namespace), system)
+        chat = ChatSession(self.cache.open_session(namespace=namespace), system,
+                           messages=messages)
         try:
             self._prefill_system(chat)
         except BaseException:  # e.g. CacheFullError: leave no half-made session behind
@@ -214,6 +242,7 @@ class Sessions(Mapping[str, int]):
         chat = self.session(session_id)
         self.cache.reset_session(chat.sid)
         chat.lost = None
+        chat.messages = [m for m in chat.messages if m["role"] == "system"]
         self._prefill_system(chat)
 
     def history(self, session_id: str) -> bytes:
@@ -228,21 +257,68 @@ class Sessions(Mapping[str, int]):
         return list(chat.lost) if chat.lost is not None else self.cache.tokens(chat.sid)
 
     # -- turns ----------------------------------------------------------------------------
-    def send(self, session_id: str, text: Text, max_new_tokens: int = 32) -> bytes:
-        """Append ``text`` and decode a greedy reply of ``max_new_tokens`` bytes through the
-        cache; both stay in the session. Empty text lets the model continue its last reply."""
-        return self.turn(session_id, text, max_new_tokens).reply
+    def send(self, session_id: str, text: Text, max_new_tokens: int = 32, **options) -> bytes:
+        """Append ``text`` and decode a reply of at most ``max_new_tokens`` tokens through the
+        cache; both stay in the session. Empty text lets the model continue its last reply.
+        ``options`` are ``turn``'s (``sampling``, ``stop``)."""
+        return self.turn(session_id, text, max_new_tokens, **options).reply
+
+    def _templated(self, text: object) -> bool:
+        return self.codec is not None and getattr(self.codec, "chat", False) \
+            and isinstance(text, str)
 
     @torch.no_grad()
-    def turn(self, session_id: str, text: Text, max_new_tokens: int = 32) -> TurnResult:
+    def turn(self, session_id: str, text: Text, max_new_tokens: int = 32, *,
+             sampling: Sampling | None = None, stop: Sequence[str] = ()) -> TurnResult:
         """``send`` that also says what the turn cost: the text's log-loss under the cached
         context (perplexity measured in the decode loop) and the tokens recomputed because
-        a write-back made the session's K/V stale."""
+        a write-back made the session's K/V stale. ``sampling`` picks each token (greedy by
+        default); the reply ends at the codec's EOS, a ``stop`` string or ``max_new_tokens``."""
+        chat, fed, user = self._start(session_id, text, max_new_tokens)
+        sampling = sampling or GREEDY
+        eos = self._eos()
+        reply: list[int] = []
+        reason = "length"
+        for _ in range(max_new_tokens):
+            self._before_token()
+            reply.append(sampling.pick(chat.logits))
+            chat.logits = self.model.forward_cached(reply[-1:], self.cache, chat.sid)[-1]
+            reason = self._ended(reply, eos, stop)
+            if reason != "length":
+                break
+        return self._finish(chat, fed, user, reply, reason, stop)
+
+    def _eos(self) -> frozenset[int]:
+        return frozenset(self.codec.eos_ids) if self.codec is not None else frozenset()
+
+    def _decode(self, tokens: Sequence[int]) -> str:
+        return (self.codec or ByteCodec()).decode(tokens)
+
+    def _ended(self, reply: list[int], eos: frozenset[int], stop: Sequence[str]) -> str:
+        if reply[-1] in eos:
+            return "eos"
+        if stop:
+            text = self._decode(reply)
+            if any(s and s in text for s in stop):
+                return "stop"
+        return "length"
+
+    def _start(self, session_id: str, text: Text,
+               max_new_tokens: int) -> tuple[ChatSession, TurnResult, Message | None]:
+        """Feed a turn's text (a stale session recomputed first): the session, a result
+        holding the text's log-loss, and the user message a templated turn adds."""
         chat = self.session(session_id)
-        new = as_tokens(text)
+        user: Message | None = None
+        extra = 0
+        if self._templated(text):
+            new = self.codec.user(chat.messages, text)
+            user = {"role": "user", "content": text}
+            extra = len(self.codec.end_of_reply([*chat.messages, user], "", False))
+        else:
+            new = as_tokens(text)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        self._check_fits(len(self._tokens(chat)) + len(new) + max_new_tokens)
+        self._check_fits(len(self._tokens(chat)) + len(new) + max_new_tokens + extra)
         self._before_token()
         recomputed = 0
         if chat.lost is not None or self.cache.is_stale(chat.sid):
@@ -258,23 +334,36 @@ class Sessions(Mapping[str, int]):
         chat.lost = None
         if chat.logits is None:
             raise ValueError(f"session {session_id!r} is empty: send some text first")
-        reply: list[int] = []
-        for _ in range(max_new_tokens):
-            self._before_token()
-            reply.append(int(chat.logits.argmax()))
-            chat.logits = self.model.forward_cached(reply[-1:], self.cache, chat.sid)[-1]
-        return TurnResult(tuple(reply), nll, scored, recomputed)
+        return chat, TurnResult((), nll, scored, recomputed), user
+
+    def _finish(self, chat: ChatSession, fed: TurnResult, user: Message | None,
+                reply: list[int], reason: str, stop: Sequence[str]) -> TurnResult:
+        """The turn's result; a templated turn also feeds the end of the assistant turn."""
+        text = None
+        if user is not None or stop:
+            text = self._decode(reply[:-1] if reason == "eos" else reply)
+            cuts = [text.find(s) for s in stop if s and s in text]
+            if cuts:
+                text = text[:min(cuts)]
+        if user is not None:
+            end = self.codec.end_of_reply([*chat.messages, user], text, reason == "eos")
+            if end:
+                chat.logits = self.model.forward_cached(end, self.cache, chat.sid)[-1]
+            chat.messages += [user, {"role": "assistant", "content": text}]
+        return TurnResult(tuple(reply), fed.nll, fed.scored, fed.recomputed, text, reason)
 
     @torch.no_grad()
     def turn_batch(self, session_ids: Sequence[str], texts: Sequence[Text],
-                   max_new_tokens: int = 32) -> list[TurnResult]:
+                   max_new_tokens: int = 32, *, sampling: Sampling | None = None,
+                   stop: Sequence[str] = ()) -> list[TurnResult]:
         """``turn`` for several distinct sessions, their replies decoded together: each
         session's text is fed as ``turn`` feeds it (a stale session recomputed first), then
-        every step is one ``model.forward_batch`` over all of them (a prefix they share is
-        attended once). Greedy like ``turn``; in an int8/int4 cache a session may attend a
-        prefix another session quantized, so a reply can differ from its one-at-a-time
-        ``turn`` within the bound ``Pressure.quantize_old`` documents. Refused before
-        anything is written if a conversation would pass the context."""
+        every step is one ``model.forward_batch`` over the sessions still decoding (a prefix
+        they share is attended once; one that reached EOS or a stop string drops out). In an
+        int8/int4 cache a session may attend a prefix another session quantized, so a reply
+        can differ from its one-at-a-time ``turn`` within the bound ``Pressure.quantize_old``
+        documents. Refused before anything is written if a conversation would pass the
+        context."""
         if len(texts) != len(session_ids):
             raise ValueError(f"{len(session_ids)} sessions but {len(texts)} texts")
         if len(set(session_ids)) != len(session_ids):
@@ -283,17 +372,27 @@ class Sessions(Mapping[str, int]):
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         chats = [self.session(s) for s in session_ids]
         for chat, text in zip(chats, texts):
-            self._check_fits(len(self._tokens(chat)) + len(as_tokens(text)) + max_new_tokens)
-        fed = [self.turn(s, text, 0) for s, text in zip(session_ids, texts)]
+            n = len(self.codec.user(chat.messages, text)) if self._templated(text) \
+                else len(as_tokens(text))
+            self._check_fits(len(self._tokens(chat)) + n + max_new_tokens)
+        started = [self._start(s, text, max_new_tokens) for s, text in zip(session_ids, texts)]
+        sampling = sampling or GREEDY
+        eos = self._eos()
         replies: list[list[int]] = [[] for _ in chats]
+        reasons = ["length"] * len(chats)
         for _ in range(max_new_tokens if chats else 0):
+            live = [i for i, r in enumerate(reasons) if r == "length"]
+            if not live:
+                break
             self._before_token()
-            nxt = [int(chat.logits.argmax()) for chat in chats]
-            logits = self.model.forward_batch(nxt, self.cache, [chat.sid for chat in chats])
-            for chat, reply, token, row in zip(chats, replies, nxt, logits):
-                reply.append(token)
-                chat.logits = row
-        return [TurnResult(tuple(r), f.nll, f.scored, f.recomputed) for r, f in zip(replies, fed)]
+            nxt = [sampling.pick(chats[i].logits) for i in live]
+            logits = self.model.forward_batch(nxt, self.cache, [chats[i].sid for i in live])
+            for i, token, row in zip(live, nxt, logits):
+                replies[i].append(token)
+                chats[i].logits = row
+                reasons[i] = self._ended(replies[i], eos, stop)
+        return [self._finish(chat, fed, user, reply, reason, stop)
+                for (chat, fed, user), reply, reason in zip(started, replies, reasons)]
 
     def _before_token(self) -> None:
         if self.before_token is not None:

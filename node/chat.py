@@ -1,0 +1,169 @@
+"""How a node turns a conversation into the tokens its model reads, and replies back into text.
+
+A codec per model family (issue 23, item 3):
+
+* ``ByteCodec`` -- the byte-level model's identity framing: text is UTF-8 bytes, a turn feeds
+  exactly its bytes, no template, no EOS. ``Sessions`` without a codec behaves this way (and
+  this is what the default product model serves; ``tests/node/test_golden_decode.py``).
+* ``ChatCodec`` -- a Hugging Face tokenizer with a chat template (``node.models`` writes
+  ``tokenizer.json`` and ``chat_template.jinja`` into the model directory). The system prompt
+  is the templated system message; a user turn is the templated user message plus the
+  assistant header (``add_generation_prompt``); a reply ends at an EOS id (the tokenizer's and
+  ``generation_config.json``'s), and the end of the assistant turn the template writes after
+  the content (for ChatML ``<|im_end|>\\n``; the EOS the model produced is part of it) is fed
+  after it. Each piece is the difference between two renderings of the template, so the tokens
+  a session feeds are the tokens ``tokenizer.apply_chat_template`` gives for the whole
+  conversation.
+
+``Sampling`` picks the next token from logits outside the model: greedy by default,
+temperature / top-p with an injected ``torch.Generator``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+Message = dict[str, str]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a turn picks each token from the logits. ``temperature <= 0`` is greedy (argmax,
+    the default, exactly the old decode loop); otherwise softmax(logits / temperature)
+    restricted to the smallest set of tokens whose probability reaches ``top_p`` (nucleus),
+    drawn with ``generator`` (seed it for a repeatable sample)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    generator: torch.Generator | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """The next token from ``logits`` ``[vocab]``."""
+        if self.greedy:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        if self.top_p < 1:
+            p, idx = probs.sort(descending=True)
+            # keep a token while the mass before it is below top_p (the first always stays)
+            keep = (p.cumsum(0) - p) < self.top_p
+            probs = torch.zeros_like(probs).scatter_(0, idx[keep], p[keep])
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+GREEDY = Sampling()
+
+
+class ByteCodec:
+    """The byte-level model's framing: identity, no template, no EOS (today's behaviour)."""
+
+    chat = False
+    eos_ids: frozenset[int] = frozenset()
+
+    def system(self, prompt: str | bytes) -> list[int]:
+        return list(prompt.encode("utf-8") if isinstance(prompt, str) else bytes(prompt))
+
+    def user(self, messages: Sequence[Message], text: str | bytes) -> list[int]:
+        return self.system(text)
+
+    def end_of_reply(self, messages: Sequence[Message], reply: str, eos: bool) -> list[int]:
+        return []
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return bytes(tokens).decode("utf-8", "replace")
+
+
+class ChatCodec:
+    """A tokenizer with a chat template (see the module docstring)."""
+
+    chat = True
+
+    def __init__(self, tokenizer: Any, eos_ids: Sequence[int] | None = None):
+        self.tokenizer = tokenizer
+        if eos_ids is None:
+            eos_ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        self.eos_ids = frozenset(int(i) for i in eos_ids)
+        if not self.eos_ids:
+            raise ValueError("a chat codec needs at least one EOS id")
+
+    @classmethod
+    def from_dir(cls, directory: str | os.PathLike | None = None) -> "ChatCodec":
+        """The tokenizer of a converted model directory (``node.models``; default its
+        ``default_dir()``), EOS ids from the tokenizer and ``generation_config.json``."""
+        from transformers import AutoTokenizer
+
+        from node.models import default_dir
+        d = Path(directory).expanduser() if directory is not None else default_dir()
+        tok = AutoTokenizer.from_pretrained(d)
+        eos = {tok.eos_token_id} - {None}
+        gen = d / "generation_config.json"
+        if gen.is_file():
+            e = json.loads(gen.read_text()).get("eos_token_id")
+            eos |= set(e if isinstance(e, list) else [e]) - {None}
+        return cls(tok, sorted(eos))
+
+    # -- the template, rendered as text and cut into the pieces a session feeds -------------
+    def render(self, messages: Sequence[Message], generation_prompt: bool = False) -> str:
+        if not messages:
+            return ""
+        return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        """Template text to ids (special tokens in it are read as such, none are added)."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _delta(self, before: str, after: str) -> str:
+        if not after.startswith(before):
+            raise ValueError("the chat template does not extend the conversation by appending")
+        return after[len(before):]
+
+    def system(self, prompt: str) -> list[int]:
+        """The templated system message: the prefix sessions with this prompt share."""
+        return self.encode(self.render(_system(prompt)))
+
+    def user(self, messages: Sequence[Message], text: str) -> list[int]:
+        """The templated user turn and the assistant header, after ``messages``."""
+        user = [*messages, {"role": "user", "content": text}]
+        return self.encode(self._delta(self.render(messages), self.render(user, True)))
+
+    def end_of_reply(self, messages: Sequence[Message], reply: str, eos: bool) -> list[int]:
+        """What the template writes after the assistant's content (``messages`` ends with the
+        user turn), less the EOS the model already produced when ``eos``."""
+        mark = "\x00fedkv-reply\x00"
+        head = self.render(messages, True)
+        tail = self._delta(head, self.render([*messages, {"role": "assistant", "content": mark}]))
+        tokens = self.encode(tail[tail.index(mark) + len(mark):])
+        if eos and tokens and tokens[0] in self.eos_ids:
+            tokens = tokens[1:]
+        return tokens
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    def conversation_ids(self, messages: Sequence[Message]) -> list[int]:
+        """``apply_chat_template`` of ``messages`` as ids: what a session should have fed."""
+        out = self.tokenizer.apply_chat_template(list(messages), tokenize=True)
+        if hasattr(out, "keys"):
+            out = out["input_ids"]
+        return list(out)
+
+
+def _system(prompt: str) -> list[Message]:
+    return [{"role": "system", "content": prompt}] if prompt else []
