@@ -325,20 +325,21 @@ class KVCache:
         kv._go_live(directory)
         return kv
 
-    def flush(self) -> None:
+    def flush(self, strict: bool = False) -> None:
         """Write every dirty block worth keeping, the tensors and the model version to the
         cold store and commit (atomic: a crash keeps the previous commit); publishes a
-        stats snapshot for ``python -m cache stats``."""
+        stats snapshot for ``python -m cache stats``. ``strict``: an ``OSError`` writing or
+        committing them raises (else logged: memory only)."""
         from cache.persist import flush
-        flush(self)
+        flush(self, strict)
         if self.live is not None:
             self.live.publish()
 
-    def close(self) -> None:
-        """Flush, then release the directory (its lock) for the next process; the cache
-        stays usable in memory and ``attach`` re-opens the directory."""
+    def close(self, strict: bool = False) -> None:
+        """Flush (``strict`` as there), then release the directory (its lock) for the next
+        process; the cache stays usable in memory and ``attach`` re-opens the directory."""
         from cache.persist import close
-        close(self)
+        close(self, strict)
         self._leave_live()
 
     def offload(self, tier: str = "warm") -> int:

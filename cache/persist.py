@@ -106,7 +106,10 @@ def _hot_entries(kv: Persistent) -> dict:
             and b.version == m.version}
 
 
-def flush(kv: Persistent) -> None:
+def flush(kv: Persistent, strict: bool = False) -> None:
+    """Tensors, model version and K/V worth keeping, in one commit. ``strict``: a failure to
+    write or commit the tensors and version raises (the previous commit stays); otherwise it is
+    logged and they stay in memory only."""
     kv.compact()
     if kv.store is None:
         return
@@ -116,8 +119,10 @@ def flush(kv: Persistent) -> None:
         _save_tensors(kv)
         kv.store.put(ENGINE_KEY, b"", {"kind": "engine", "model_version": kv.version})
     except OSError as e:
+        if strict:
+            raise
         _log.warning("cache flush could not write tensors (%s: %s); memory only", type(e).__name__, e)
-    kv.blocks.tiers.flush(entries)
+    kv.blocks.tiers.flush(entries, strict=strict)
     for h in entries:
         kv.blocks.index[h].dirty = False
     _compact_if_mostly_dead(kv)
@@ -139,8 +144,8 @@ def _compact_if_mostly_dead(kv: Persistent) -> None:
                          type(e).__name__, e)
 
 
-def close(kv: Persistent) -> None:
-    flush(kv)
+def close(kv: Persistent, strict: bool = False) -> None:
+    flush(kv, strict)
     if kv.store is not None:
         kv.store.close()
         kv.store = None

@@ -190,9 +190,9 @@ class Tiers:
                     gone.append((key, int(meta["version"])))
         return gone
 
-    def flush(self, entries: dict[bytes, TierEntry]) -> None:
+    def flush(self, entries: dict[bytes, TierEntry], strict: bool = False) -> None:
         """Write ``entries`` (hot blocks worth keeping) and every dirty warm block to cold and
-        commit: what a restart will find."""
+        commit: what a restart will find. ``strict``: a failed commit raises (else a warning)."""
         if self.cold is None:
             return
         for key, e in list(entries.items()) + list(self.warm.items()):
@@ -202,6 +202,8 @@ class Tiers:
             self.cold.commit()
         except OSError as e:
             self.stats.cold_write_failures += 1
+            if strict:
+                raise
             self.on_warning(f"cold tier commit failed ({type(e).__name__}: {e}); blocks since "
                             f"the last commit stay in memory only")
 

@@ -177,11 +177,13 @@ class CacheNode:
         return True
 
     def persist(self) -> None:
-        """Flush the cache to its directory and release it (no-op without one): what the
-        next process -- or the next message in this one, after ``reattach`` -- sees."""
+        """Commit the cache to its directory and release it (no-op without one): what the
+        next process -- or the next message in this one, after ``reattach`` -- sees. The
+        ``param/`` tensors and the model version go in one atomic commit; a failure raises and
+        leaves the previous commit (the node's parameters have no other copy to fall back on)."""
         if self.cache_dir:
             self.reattach()
-            self.cache.close()
+            self.cache.close(strict=True)
 
     def release(self) -> None:
         """Release the cache directory without flushing (end of a message, or a failure)."""
@@ -361,16 +363,20 @@ class CacheNode:
             raise ValueError(f"generation needs the lm task, this node serves {self.task.name!r}")
         self.model.eval()
 
-    # -- persistence (context.state) ----------------------------------------------------
-    def to_state(self) -> tuple[np.ndarray, dict[str, int | float]]:
-        """(flat params, scalars): enough to rebuild this node in a fresh process."""
-        scalars = {
+    # -- state between objects and processes ---------------------------------------------
+    def scalars(self) -> dict[str, int | float]:
+        """The node's public scalars (model version, DP-SGD accounting): what ``context.state``
+        keeps; the parameters stay in the cache directory."""
+        return {
             "version": self.version,
             "dp_steps": self.dp_steps,
             "dp_sample_rate": self.dp_sample_rate,
             "dp_sigma": self.dp_sigma,
         }
-        return self.flat_params(), scalars
+
+    def to_state(self) -> tuple[np.ndarray, dict[str, int | float]]:
+        """(flat params, scalars): a node without a cache directory copied into another."""
+        return self.flat_params(), self.scalars()
 
     def load_state(self, params: np.ndarray, scalars: dict) -> None:
         version = int(scalars["version"])

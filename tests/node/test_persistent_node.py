@@ -81,3 +81,32 @@ def test_a_corrupted_cache_directory_is_rebuilt_cleanly(tmp_path, caplog):
     assert node.version == 0 and node.kv_blocks_on_disk == 0
     s = node.create_session(system_prompt=PROMPT)
     assert node.send(s, b"hi", max_new_tokens=2)
+
+
+def test_a_commit_that_fails_raises_and_keeps_the_previous_parameters(tmp_path, monkeypatch):
+    """The cache directory is the node's only stored copy of its parameters: a commit that
+    cannot be made (disk full) must fail the message, not log and carry on, and the directory
+    keeps the previous commit."""
+    import errno
+
+    import pytest
+
+    from cache.segments import SegmentStore
+
+    spec = NodeSpec(partition_id=0, num_partitions=3, task="digits")
+    node = CacheNode(spec, cache_dir=tmp_path / "c", cache_key=KEY)
+    node.persist()
+    before = node.flat_params()
+    node.apply_mean_update(np.full(node.layout.size, 0.01), 1)
+
+    def full(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(SegmentStore, "commit", full)
+    with pytest.raises(OSError):
+        node.persist()
+    node.release()
+    monkeypatch.undo()
+    again = CacheNode(spec, cache_dir=tmp_path / "c", cache_key=KEY)
+    assert again.version == 0
+    np.testing.assert_array_equal(again.flat_params(), before)
