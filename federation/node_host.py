@@ -1,22 +1,20 @@
-"""One ``CacheNode`` per Flower node, reused across rounds.
+"""One ``CacheNode`` per Flower node, reused across messages: ``NodeRuntime`` owns its state.
 
-What persists where (measured, see docs/flower-notes.md):
+What persists where (``NodeRuntime``; measured, see docs/flower-notes.md):
 
-* The node's KV cache (K/V blocks, ``param/``, ``grad/``, model version) persists in its
-  cache directory (``cache.KVCache.open``; encrypted with the node's own key), so a fresh
-  ClientApp process warm-starts from what the previous message flushed.
-* ``context.state`` is the only thing Flower guarantees per node across messages, in
-  simulation and in deployment; but in simulation it lives in the ServerApp's process. So it
-  keeps only public scalars (global version, generation); the parameters (the decrypted global
-  model, which the server must not read) go to the node's own directory
-  (``federation.node_store``, ``params-<generation>.npy``, mode 0600), named by generation so a
-  handler that fails after writing leaves the committed generation's file in place.
-* A module-level cache lives as long as the *process* that runs the ClientApp: a Ray
-  actor in simulation (actors are shared by all nodes, a node may land on a different
-  actor each message), a fresh process per message in deployment. So the cache is
-  only a shortcut: it is used when its ``generation`` equals the one in
-  ``context.state``; otherwise the node is rebuilt (data loaders etc.) and its state
-  restored from ``context.state``.
+* **The cache directory** (``KVCache.open``; AES-256-GCM with the node's own key, one atomic
+  commit per message): the node's parameters (``param/``), its last update (``grad/``), the
+  model version and its K/V blocks. The committed ``param/`` tensors are the one source of
+  truth for the node's parameters; the model's weights are loaded from them.
+* **context.state** (``fedkv.meta``): public scalars only -- the version, DP-SGD accounting and a
+  generation counter. In simulation it lives in the ServerApp's process, so nothing secret.
+* **The node directory** (``federation.node_store``): keys, CKKS contexts, the error-feedback
+  residual, the adaptive clip-norm history and the kept replies -- no parameters.
+* **published-params.bin** beside the cache (``node.param_channel``): a sealed copy for the
+  node's serving agent, which cannot open the store while a ClientApp holds it; never read back.
+* **Process memory**: a reuse cache of built nodes (a Ray actor in simulation, shared by all
+  nodes; a fresh process per message in deployment), used only when its generation equals
+  ``context.state``'s; otherwise the node is rebuilt on its cache directory.
 """
 
 from __future__ import annotations
@@ -33,8 +31,8 @@ from flwr.app import ConfigRecord, Context
 
 from federation.config import stale_versions
 from federation.messages import NodeSource
-from federation.node_store import NodeStore
-from node.cache_node import CacheNode, NodeSpec
+from federation.node_store import NodeStore, ProvisioningError
+from node.cache_node import CacheNode, NodeSpec, model_layout
 
 T = TypeVar("T")
 META_KEY = "fedkv.meta"
@@ -52,27 +50,99 @@ class _Entry:
     generation: int
 
 
-_CACHE: "OrderedDict[tuple[int, int], _Entry]" = OrderedDict()
-_OPEN: list[CacheNode] = []
-"""Nodes whose cache directory this message opened; ``releasing`` closes them at its end
-(another process -- a Ray actor, the next SuperNode message -- may need the directory)."""
+class NodeStateLost(ProvisioningError):
+    """The node's cache directory is behind its committed ``context.state``: the parameters
+    the node committed are gone (the directory was removed or replaced)."""
+
+
+class NodeRuntime:
+    """The node state one process holds across messages (the module docstring lists what
+    persists where): the reuse cache of built nodes, ``restore`` at the start of a message,
+    ``save`` (commit) at its end and ``release`` of every cache directory it opened.
+
+    A handler that fails before ``save`` commits nothing: its directories are released without
+    a flush and its node is ``discard``ed, so the next message restores the previous commit. A
+    process that dies after the commit but before Flower keeps ``context.state`` leaves the
+    cache one commit ahead; the cache wins (its parameters are a global model the node
+    applied; ``catch_up`` skips what it holds) and the scalars come from ``context.state``.
+    """
+
+    def __init__(self) -> None:
+        self.nodes: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
+        self._open: list[CacheNode] = []
+        """Nodes whose cache directory this message opened; ``release`` closes them."""
+
+    def restore(self, context: Context) -> tuple[CacheNode, NodeSource]:
+        """The node for this context and how it was obtained (built, restored, reused)."""
+        _limit_threads()
+        key = (context.run_id, context.node_id)
+        meta = context.state.config_records.get(META_KEY)
+        generation = int(meta["generation"]) if meta is not None else 0
+        entry = self.nodes.get(key)
+        if entry is not None and entry.generation == generation:
+            self.nodes.move_to_end(key)
+            entry.node.reattach()
+            self._open.append(entry.node)
+            return entry.node, NodeSource.REUSED
+        node = build_node(context)  # its parameters: the cache directory's committed param/
+        self._open.append(node)
+        source = NodeSource.BUILT
+        if meta is not None:
+            scalars = {k: v for k, v in meta.items() if k != "generation"}
+            if node.version < int(scalars["version"]):
+                raise NodeStateLost(f"the node's cache directory {node.cache_dir} holds model version "
+                                    f"{node.version}, but the node committed version {scalars['version']}; "
+                                    "its parameters are gone (rejoin the run from a fresh node directory)")
+            node.load_scalars(scalars)
+            source = NodeSource.RESTORED
+        self._remember(key, node, generation, cache_capacity(context))
+        return node, source
+
+    def save(self, context: Context, node: CacheNode) -> None:
+        """Commit the node's cache (parameters and version, atomically), then its public
+        scalars into ``context.state`` with the next generation."""
+        meta = context.state.config_records.get(META_KEY)
+        generation = (int(meta["generation"]) if meta is not None else 0) + 1
+        node.persist()
+        context.state[META_KEY] = ConfigRecord({**node.scalars(), "generation": generation})
+        self._remember((context.run_id, context.node_id), node, generation, cache_capacity(context))
+
+    def release(self) -> None:
+        """Release every cache directory this message opened (without flushing)."""
+        while self._open:
+            self._open.pop().release()
+
+    def discard(self, context: Context) -> None:
+        """Drop this node's object (a failed handler may have left it half-updated)."""
+        entry = self.nodes.pop((context.run_id, context.node_id), None)
+        if entry is not None:
+            entry.node.release()
+
+    def forget_all(self) -> None:
+        """Drop the reuse cache (tests; simulates a fresh ClientApp process)."""
+        self.nodes.clear()
+
+    def _remember(self, key: tuple[int, int], node: CacheNode, generation: int, capacity: int) -> None:
+        self.nodes[key] = _Entry(node, generation)
+        self.nodes.move_to_end(key)
+        while len(self.nodes) > capacity:
+            self.nodes.popitem(last=False)
+
+
+RUNTIME = NodeRuntime()
+"""This process's runtime (one per ClientApp process)."""
 
 
 def releasing(handler: Callable[..., T]) -> Callable[..., T]:
     """Wrap a ClientApp handler: every cache directory it opened is released when it ends,
-    also when it raises (what a message persists is what ``save_node`` flushed)."""
+    also when it raises (what a message persists is what ``save_node`` committed)."""
     @functools.wraps(handler)
     def wrapped(*args, **kwargs):
         try:
             return handler(*args, **kwargs)
         finally:
-            _release_open()
+            RUNTIME.release()
     return wrapped
-
-
-def _release_open() -> None:
-    while _OPEN:
-        _OPEN.pop().release()
 
 
 def peek_node(context: Context) -> CacheNode:
@@ -80,7 +150,7 @@ def peek_node(context: Context) -> CacheNode:
     try:
         return get_node(context)[0]
     finally:
-        _release_open()
+        RUNTIME.release()
 
 
 def spec_from_context(context: Context) -> NodeSpec:
@@ -144,30 +214,8 @@ def _limit_threads() -> None:
 
 
 def get_node(context: Context) -> tuple[CacheNode, NodeSource]:
-    """The node for this context and how it was obtained (``NodeSource``: built, restored, reused)."""
-    _limit_threads()
-    key = (context.run_id, context.node_id)
-    meta = context.state.config_records.get(META_KEY)
-    generation = int(meta["generation"]) if meta is not None else 0
-    entry = _CACHE.get(key)
-    if entry is not None and entry.generation == generation:
-        _CACHE.move_to_end(key)
-        entry.node.reattach()
-        _OPEN.append(entry.node)
-        return entry.node, NodeSource.REUSED
-    node = build_node(context)
-    _OPEN.append(node)
-    source = NodeSource.BUILT
-    if meta is not None:
-        scalars = {k: v for k, v in meta.items() if k != "generation"}
-        if node.version != int(scalars["version"]):  # the cache is behind: restore the copy
-            params = NodeStore.for_context(context).load_params(generation)
-            node.load_state(params, scalars)
-        else:
-            node.load_scalars(scalars)
-        source = NodeSource.RESTORED
-    _remember(key, node, generation, cache_capacity(context))
-    return node, source
+    """``RUNTIME.restore``: the node for this context and how it was obtained."""
+    return RUNTIME.restore(context)
 
 
 def build_node(context: Context) -> CacheNode:
@@ -179,16 +227,18 @@ def build_node(context: Context) -> CacheNode:
 
 
 def save_node(context: Context, node: CacheNode) -> None:
-    """Write the node's parameters to its directory, its public scalars into ``context.state``,
-    and bump the generation the cache checks."""
-    key = (context.run_id, context.node_id)
-    meta = context.state.config_records.get(META_KEY)
-    generation = (int(meta["generation"]) if meta is not None else 0) + 1
-    params, scalars = node.to_state()
-    NodeStore.for_context(context).save_params(generation, np.asarray(params))
-    node.persist()  # the cache directory is the source of truth; the file above a copy
-    context.state[META_KEY] = ConfigRecord({**scalars, "generation": generation})
-    _remember(key, node, generation, cache_capacity(context))
+    """``RUNTIME.save``: commit the node's cache, its public scalars into ``context.state``."""
+    RUNTIME.save(context, node)
+
+
+def discard(context: Context) -> None:
+    """``RUNTIME.discard``."""
+    RUNTIME.discard(context)
+
+
+def forget_all() -> None:
+    """``RUNTIME.forget_all``."""
+    RUNTIME.forget_all()
 
 
 def cache_capacity(context: Context) -> int:
@@ -200,30 +250,23 @@ def cache_capacity(context: Context) -> int:
     return min(MAX_CACHED_NODES, max(MIN_CACHED_NODES, population))
 
 
-def _remember(key: tuple[int, int], node: CacheNode, generation: int, capacity: int) -> None:
-    _CACHE[key] = _Entry(node, generation)
-    _CACHE.move_to_end(key)
-    while len(_CACHE) > capacity:
-        _CACHE.popitem(last=False)
-
-
-def discard(context: Context) -> None:
-    """Drop this node's cached object (after a failed handler left it half-updated); its
-    cache directory keeps what the last successful message flushed."""
-    entry = _CACHE.pop((context.run_id, context.node_id), None)
-    if entry is not None:
-        entry.node.release()
-
-
-def forget_all() -> None:
-    """Drop the process cache (tests; simulates a fresh ClientApp process)."""
-    _CACHE.clear()
-
-
 def stored_params(context: Context) -> np.ndarray:
-    """The parameters of the node's committed generation (tests, inspection)."""
-    meta = context.state.config_records[META_KEY]
-    return NodeStore.for_context(context).load_params(int(meta["generation"]))
+    """The parameters the node's cache directory has committed, as a fresh process reads them
+    (tests, inspection; outside a handler: it takes the directory's lock for the read)."""
+    from safetensors.torch import load as st_load
+
+    from cache.persist import TENSOR_PREFIX, open_store
+
+    store = NodeStore.for_context(context)
+    where = store.cache_dir(str(context.node_config.get("cache-dir", "") or ""))
+    spec = spec_from_context(context)
+    layout = model_layout(spec.task, spec.seed)
+    seg = open_store(where, store.cache_key(where), None)
+    try:
+        state = {n: st_load(seg.get(TENSOR_PREFIX + f"param/{n}".encode()))["t"] for n in layout.names}
+    finally:
+        seg.close()
+    return layout.flatten(state).astype(np.float32)
 
 
 def kv_on_disk(node: CacheNode, source: NodeSource) -> int:

@@ -304,26 +304,11 @@ class NodeStore:
             found.add(0)
         return sorted(found)
 
-    # -- the node's model -------------------------------------------------------------------
-    def save_params(self, generation: int, params: np.ndarray) -> None:
-        """Parameters of ``generation`` (keeps the previous one: it may still be the committed one)."""
-        buf = io.BytesIO()
-        np.save(buf, np.asarray(params), allow_pickle=False)
-        write_secret_file(self.root / f"params-{generation}.npy", buf.getvalue())
-        for old in self.root.glob("params-*.npy"):
-            if int(old.stem.split("-")[1]) < generation - 1:
-                old.unlink(missing_ok=True)
-
-    def load_params(self, generation: int) -> np.ndarray:
-        path = self.root / f"params-{generation}.npy"
-        if not path.exists():
-            raise ProvisioningError("the node's parameter file for its committed state is missing")
-        return np.load(io.BytesIO(read_secret_file(path)), allow_pickle=False)
-
+    # -- the node's update residual ----------------------------------------------------------
     def save_residual(self, residual: np.ndarray) -> None:
         """The error-feedback residual of the node's last update (private: a function of it).
 
-        Framed and mode 0600 like the parameter files, replaced atomically but not fsync'ed: a
+        Framed and mode 0600 like the node's other secrets, replaced atomically but not fsync'ed: a
         residual lost in a crash costs at most a step of accuracy once, while the fsync cost
         ~8 ms of every lm round."""
         buf = io.BytesIO()

@@ -21,9 +21,9 @@ def test_capacity_follows_the_population(population, capacity) -> None:
 
 def test_a_100_node_population_is_not_evicted(monkeypatch) -> None:
     """At 64 nodes per actor (the old fixed size) a 100-node run restored nodes from disk."""
-    monkeypatch.setattr(node_host, "_CACHE", type(node_host._CACHE)())
+    runtime = node_host.NodeRuntime()
     for n in range(100):
-        node_host._remember((1, n), object(), 1, node_host.cache_capacity(_context(n, 100)))
-    assert len(node_host._CACHE) == 100 and (1, 0) in node_host._CACHE
-    node_host._remember((1, 100), object(), 1, 100)
-    assert (1, 0) not in node_host._CACHE and len(node_host._CACHE) == 100  # least recent goes first
+        runtime._remember((1, n), object(), 1, node_host.cache_capacity(_context(n, 100)))
+    assert len(runtime.nodes) == 100 and (1, 0) in runtime.nodes
+    runtime._remember((1, 100), object(), 1, 100)
+    assert (1, 0) not in runtime.nodes and len(runtime.nodes) == 100  # least recent goes first

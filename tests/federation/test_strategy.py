@@ -46,7 +46,7 @@ def test_happy_path_nodes_stay_in_lockstep_and_learn() -> None:
     assert all(int(c.state.config_records[node_host.META_KEY]["version"]) == 3 for c in grid.contexts.values())
     # the ClientApp hosts one object per node, reused across rounds
     assert recs[1].node_sources == {"reused": 6}
-    assert len(node_host._CACHE) == 3
+    assert len(node_host.RUNTIME.nodes) == 3
 
 
 def test_node_rebuilt_from_context_state_gives_identical_results() -> None:
