@@ -4,6 +4,14 @@ processes train and write back.
     python -m node.serve --cache-dir DIR [--key-file DIR/../kv-cache.key] [--port 8470]
         [--token-file DIR/../serve-token] [--max-sessions 16] [--idle-expiry-s 600]
         [--socket-timeout 10] [--pool-mib 8] [--host 127.0.0.1 [--tls-cert C --tls-key K]]
+        [--model byte|smollm2 [--model-dir DIR]]
+
+``--model smollm2`` serves SmolLM2-135M-Instruct (``node.llama.LlamaModel`` and
+``node.chat.ChatCodec`` read from ``--model-dir``, default ``node.models.default_dir()``; absent:
+an error naming ``python -m node.models fetch``) with its chat template: the system prompt is
+the templated system message, a turn the templated user message, a reply ends at EOS, a stop
+string or max tokens. Its weights are its own (it still ACKs the trainer's write-backs and takes
+published parameters only if they fit it). The default ``byte`` model is unchanged.
 
 It is the second agent of the node's cache directory (``cache.coherence_file``): it holds the
 ``param`` entry shared and keeps its own K/V (in memory: the directory's block store belongs
@@ -32,9 +40,16 @@ while a request body is being read. The agent binds loopback; another ``--host``
 unless ``--tls-cert`` and ``--tls-key`` are given (TLS 1.2 or newer).
 
 Endpoints (JSON): ``POST /v1/sessions`` ``{"system": str}`` -> ``{"session"}``;
-``POST /v1/sessions/<id>`` ``{"text": str, "max_new_tokens": int}`` -> ``{"reply", "reply_hex",
-"version", "recomputed"}``; ``GET /v1/sessions/<id>`` -> ``{"session", "tokens",
-"history_hex"}``; ``DELETE /v1/sessions/<id>``; ``GET /v1/stats``: the model version and
+``POST /v1/sessions/<id>`` ``{"text": str, "max_tokens" (or "max_new_tokens"): int in [0, 128]
+(16), "temperature": [0, 10] (0: greedy), "top_p": (0, 1] (1), "stop": [str, ...] (at most 8, 1-64
+characters each), "seed": int in [0, 2**63-1]}`` -> ``{"reply", "reply_hex" (byte model) or
+"reply_tokens" (smollm2), "stop_reason" ("length", "eos" or "stop"), "version", "recomputed"}``
+(``reply`` is cut before a stop string; the session keeps every token decoded). Options are
+checked strictly before the session is touched: an unknown field, a wrong type, NaN or a value
+out of range is a 400 naming the field. Sampling draws from a ``torch.Generator`` of the
+request's own, seeded from ``secrets`` unless ``seed`` is given (then the reply repeats);
+``GET /v1/sessions/<id>`` -> ``{"session", "tokens", "history_hex"}`` (smollm2: ``"history"``,
+the templated conversation); ``DELETE /v1/sessions/<id>``; ``GET /v1/stats``: the model version and
 write-backs seen, and the caller's tenant's own counters only (sessions, turns, tokens, prefix
 hits of its own sessions; never the engine-wide hit rate). Bad requests get 400 with
 ``{"error"}``; the agent goes on. Its cache is live to the node's owner: ``python -m cache stats
@@ -47,7 +62,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
+import secrets
 import signal
 import socket
 import ssl
@@ -59,6 +76,9 @@ from dataclasses import asdict, dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from cache import KVCache
 from cache.coherence import Mode
@@ -66,8 +86,10 @@ from cache.coherence_file import FileDirectory
 from cache.errors import CacheFullError
 from crypto import PASSPHRASE_ENV, passphrase_from_env, read_secret_file
 from node import param_channel
+from node.chat import Sampling
 from node.coherence import COHERENCE_DIR, PARAM_ENTRY
 from node.model_interface import CachedLM
+from node.models import ModelError
 from node.serve_auth import (NoSuchSession, QuotaExceeded, SessionRegistry, Tenants, TokenFileError,
                              check_bind, default_token_file, ensure_token_file, tls_context)
 from node.sessions import Sessions, UnknownSessionError
@@ -78,11 +100,21 @@ LIVE_SUBDIR = "serve"
 """``python -m cache stats --dir <cache-dir>/serve`` reads (and ``set`` changes) this agent's cache."""
 MAX_BODY = 1 << 16
 MAX_NEW_TOKENS = 128
+DEFAULT_NEW_TOKENS = 16
+MAX_TEMPERATURE = 10.0
+MAX_STOP_STRINGS = 8
+MAX_STOP_CHARS = 64
+MAX_SEED = (1 << 63) - 1
+MODELS = ("byte", "smollm2")
+"""``--model``: the node's byte-level model (default, its parameters published by the
+trainer) or SmolLM2-135M-Instruct from ``--model-dir`` with its chat template."""
+SMOLLM2_POOL_MIB = 64.0
 MAX_SESSIONS = 16
 """Open sessions per tenant (``--max-sessions``)."""
 IDLE_EXPIRY_S = 600.0
 SOCKET_TIMEOUT_S = 10.0
 POOL_MIB = 8.0
+"""The byte model's default pool; SmolLM2 (46 KiB of K/V per token) gets ``SMOLLM2_POOL_MIB``."""
 _PREFIX_COUNTERS = ("prefix_lookups", "prefix_hit_blocks", "prefix_hit_tokens")
 
 
@@ -120,6 +152,92 @@ class TenantCounters:
     prefix_hit_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class TurnOptions:
+    """A turn's per-request options (``parse_turn`` validates them from the JSON body)."""
+
+    max_new_tokens: int = DEFAULT_NEW_TOKENS
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    """None: the request's sampling generator is seeded from ``secrets`` (not repeatable)."""
+
+    def sampling(self, seed: int) -> Sampling:
+        """A fresh generator per attempt: a turn rolled back by a write-back and decoded
+        again draws the same numbers."""
+        g = torch.Generator()
+        g.manual_seed(seed)
+        return Sampling(self.temperature, self.top_p, g)
+
+
+TURN_FIELDS = ("text", "max_new_tokens", "max_tokens", "temperature", "top_p", "stop", "seed")
+
+
+def _int(body: dict, name: str, lo: int, hi: int) -> int | None:
+    v = body.get(name)
+    if v is None and name not in body:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    if name not in body:
+        return default
+    v = body[name]
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) \
+            or not (lo < v if lo_open else lo <= v) or not v <= hi:
+        span = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        raise ValueError(f"{name} must be a finite number in {span}, got {v!r}")
+    return float(v)
+
+
+def parse_turn(body: dict) -> tuple[str, TurnOptions]:
+    """A turn's text and options from its JSON body, strictly: an unknown field, a wrong
+    type, NaN/Infinity or a value out of range is a ValueError/TypeError (400) naming the
+    field, raised before the session is touched."""
+    unknown = sorted(set(body) - set(TURN_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown field(s) {unknown}; a turn takes {list(TURN_FIELDS)}")
+    text = body.get("text")
+    if not isinstance(text, str):
+        raise TypeError("'text' must be a string")
+    n = _int(body, "max_new_tokens", 0, MAX_NEW_TOKENS)
+    m = _int(body, "max_tokens", 0, MAX_NEW_TOKENS)
+    if n is not None and m is not None and n != m:
+        raise ValueError(f"max_tokens ({m}) and max_new_tokens ({n}) disagree; give one")
+    stop = body.get("stop", [])
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise TypeError("stop must be a list of strings")
+    if len(stop) > MAX_STOP_STRINGS or not all(0 < len(s) <= MAX_STOP_CHARS for s in stop):
+        raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings of 1 to "
+                         f"{MAX_STOP_CHARS} characters")
+    seed = _int(body, "seed", 0, MAX_SEED)
+    return text, TurnOptions(
+        max_new_tokens=m if m is not None else n if n is not None else DEFAULT_NEW_TOKENS,
+        temperature=_number(body, "temperature", 0.0, 0.0, MAX_TEMPERATURE),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        stop=tuple(stop), seed=seed)
+
+
+def load_model(name: str, model_dir: str | os.PathLike | None = None) -> tuple[CachedLM, Any]:
+    """(model, codec) for ``--model``: ``byte`` is ``(node.tasks.lm_model(), None)``;
+    ``smollm2`` is ``LlamaModel`` + ``ChatCodec`` read from ``model_dir`` (default
+    ``node.models.default_dir()``), a ``ModelMissingError`` naming the fetch command when
+    the directory holds no converted model."""
+    if name == "byte":
+        return lm_model(), None
+    if name != "smollm2":
+        raise ValueError(f"unknown model {name!r}; use one of {list(MODELS)}")
+    from node import models
+    from node.chat import ChatCodec
+    from node.llama import LlamaModel
+    d = Path(model_dir).expanduser() if model_dir is not None else models.default_dir()
+    return LlamaModel.from_pretrained(d).eval(), ChatCodec.from_dir(d)
+
+
 class ServingAgent:
     """The model, its own KVCache and chat sessions, kept coherent with the trainer's writes.
 
@@ -129,15 +247,20 @@ class ServingAgent:
     def __init__(self, cache_dir: str | os.PathLike, key: bytes | None, *,
                  mode: Mode = Mode.STRONG, timeout_s: float = 30.0, wait_s: float = 60.0,
                  pool_bytes: int = int(POOL_MIB * (1 << 20)), max_sessions: int = MAX_SESSIONS,
-                 idle_expiry_s: float = IDLE_EXPIRY_S, model: CachedLM | None = None):
+                 idle_expiry_s: float = IDLE_EXPIRY_S, model: CachedLM | None = None,
+                 codec: Any = None, own_weights: bool = False):
         """``model``: the node's language model family (default ``node.tasks.lm_model``);
-        its parameters come from the trainer's published file."""
+        its parameters come from the trainer's published file. ``own_weights``: the model
+        arrives with its weights (SmolLM2 from its directory): the agent serves them without
+        waiting for published parameters, and takes published ones only if they fit it.
+        ``codec``: ``node.chat.ChatCodec`` for a model with a chat template (None: bytes)."""
         self.cache_dir, self.key = Path(cache_dir), key
         self.lock = threading.Lock()
         self.model = (model if model is not None else lm_model()).eval()
+        self.codec, self.own_weights = codec, own_weights
         self.layout = parameter_layout(self.model)
         self.cache = KVCache(self.model.cache_config(pool_bytes=pool_bytes))
-        self.sessions = Sessions(self.model, self.cache)
+        self.sessions = Sessions(self.model, self.cache, codec)
         self.sessions.before_token = self.check
         self.registry = SessionRegistry(max_sessions, idle_expiry_s)
         self.tenants: defaultdict[str, TenantCounters] = defaultdict(TenantCounters)
@@ -158,6 +281,9 @@ class ServingAgent:
         while sleeping would hold the trainer's first write up."""
         deadline = time.monotonic() + self._wait_s
         while not param_channel.path_in(self.cache_dir).exists():
+            if self.own_weights:
+                self.agent.acquire_read(PARAM_ENTRY)  # a reader all the same: ACKs write-backs
+                return
             if time.monotonic() > deadline:
                 raise param_channel.PublishedParamsError(
                     f"no parameters were published in {self.cache_dir} within {self._wait_s} s")
@@ -168,7 +294,21 @@ class ServingAgent:
         except param_channel.ParamRollbackError as err:
             _log.error("%s", err)  # keeps serving the version it has
             return
-        load_parameters(self.model, state, self.layout)
+        if self.own_weights:
+            own = self.model.state_dict()
+            try:  # the trainer's parameters may be another model's: then keep these, whole
+                unfit = [n for n in self.layout.names
+                         if n not in state or tuple(state[n].shape) != tuple(own[n].shape)]
+                if unfit:
+                    raise KeyError(f"{len(unfit)} parameters absent or of another shape, "
+                                   f"e.g. {unfit[0]!r}")
+                load_parameters(self.model, state, self.layout)
+            except (KeyError, RuntimeError) as e:
+                _log.warning("published parameters (version %d) do not fit the served model "
+                             "(%s); serving its own weights", version, e)
+                return
+        else:
+            load_parameters(self.model, state, self.layout)
         self.cache.set_version(version)  # K/V of other versions are never served again
         self.counters.reloads += 1
         self.counters.versions_seen.append(version)
@@ -226,47 +366,79 @@ class ServingAgent:
             for k, b in zip(_PREFIX_COUNTERS, before):
                 setattr(t, k, getattr(t, k) + c[k] - b)
 
-    def create(self, tenant: str, system: bytes) -> str:
+    def _as_text(self, text: str | bytes) -> str | bytes:
+        """A chat codec templates ``str`` (bytes are read as UTF-8); the byte model takes either."""
+        if self.codec is not None and isinstance(text, (bytes, bytearray)):
+            return bytes(text).decode("utf-8")
+        return text
+
+    def create(self, tenant: str, system: str | bytes) -> str:
         """A new session of ``tenant``: QuotaExceeded past its quota, CacheFullError (nothing
         left behind) when the pool cannot hold the system prompt."""
         with self.lock:
             self._idle()  # the system prompt is prefilled under the newest weights
             sid = self.registry.new_id(tenant)
+            system = self._as_text(system)
             self._counted(tenant, lambda: self.sessions.create(system, sid, namespace=tenant))
             self.registry.add(tenant, sid)
             self.tenants[tenant].sessions_created += 1
             return sid
 
-    def send(self, tenant: str, session_id: str, text: bytes, max_new_tokens: int) -> dict:
-        """One turn, decoded again from the turn's start when a write-back interrupts it; a
-        turn the pool cannot hold is rolled back whole (CacheFullError, session as before)."""
+    def send(self, tenant: str, session_id: str, text: str | bytes,
+             options: TurnOptions | int = TurnOptions()) -> dict:
+        """One turn, decoded again from the turn's start when a write-back interrupts it (with
+        the same sampling seed); a turn the pool cannot hold is rolled back whole
+        (CacheFullError, session as before). ``options``: a ``TurnOptions`` (an int is
+        ``max_new_tokens``, greedy)."""
+        if isinstance(options, int):
+            options = TurnOptions(max_new_tokens=options)
+        seed = options.seed if options.seed is not None else secrets.randbits(63)
+        text = self._as_text(text)
         with self.lock:
             self._expire()  # an idle session is gone even between the main loop's passes
             self.registry.use(tenant, session_id)
-            history = self.sessions.history(session_id)
+            session = self.sessions.session(session_id)
+            history = self.sessions.tokens(session_id)
+            messages = list(session.messages)
             t = self.tenants[tenant]
+
+            def turn():
+                return self.sessions.turn(session_id, text, options.max_new_tokens,
+                                          sampling=options.sampling(seed), stop=options.stop)
             while True:
                 try:
-                    r = self._counted(tenant, lambda: self.sessions.turn(session_id, text, max_new_tokens))
+                    r = self._counted(tenant, turn)
                     break
                 except ModelChanged:
                     t.rolled_back_turns += 1
                     self._load()
                     self.sessions.rollback(session_id, len(history))
+                    session.messages = list(messages)
                 except CacheFullError:  # the turn's text or part of its reply is in: undo it
-                    if self.sessions.history(session_id) != history:
+                    if self.sessions.tokens(session_id) != history:
                         self.sessions.rollback(session_id, len(history))
+                    session.messages = list(messages)
                     raise
             t.turns += 1
-            t.tokens += len(r.reply)
+            t.tokens += len(r.tokens)
             t.recomputed_tokens += r.recomputed
-            return {"reply": r.reply.decode("utf-8", "replace"), "reply_hex": r.reply.hex(),
-                    "version": self.version, "recomputed": r.recomputed}
+            out: dict[str, Any] = {"reply": r.text if r.text is not None else
+                                   r.reply.decode("utf-8", "replace")}
+            if self.codec is None:  # the byte model: the reply's bytes as the session holds them
+                out["reply_hex"] = r.reply.hex()
+            else:
+                out["reply_tokens"] = list(r.tokens)
+            return {**out, "stop_reason": r.stop_reason, "version": self.version,
+                    "recomputed": r.recomputed}
 
     def read(self, tenant: str, session_id: str) -> dict:
         with self.lock:
             self._expire()
             self.registry.use(tenant, session_id)
+            if self.codec is not None:  # token ids: the templated conversation as text
+                ids = self.sessions.tokens(session_id)
+                return {"session": session_id, "tokens": len(ids),
+                        "history": self.codec.tokenizer.decode(ids)}
             history = self.sessions.history(session_id)
             return {"session": session_id, "tokens": len(history), "history_hex": history.hex()}
 
@@ -381,11 +553,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._guarded(lambda: {"session": a.create(tenant, _text(self._body(), "system", ""))})
         elif (sid := self._session_id()) is not None:
             def turn() -> dict:
-                body = self._body()
-                n = body.get("max_new_tokens", 16)
-                if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_NEW_TOKENS:
-                    raise ValueError(f"max_new_tokens must be an int in [0, {MAX_NEW_TOKENS}]")
-                return a.send(tenant, sid, _text(body, "text"), n)
+                text, options = parse_turn(self._body())  # all checked before the model is taken
+                return a.send(tenant, sid, text, options)
             self._guarded(turn)
         else:
             self._no_path()
@@ -459,7 +628,16 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    help="a session idle this long is closed and its blocks freed")
     p.add_argument("--socket-timeout", type=float, default=SOCKET_TIMEOUT_S,
                    help="seconds a connection may stay silent (or stall a read) before it is dropped")
-    p.add_argument("--pool-mib", type=float, default=POOL_MIB, help="the agent's KV pool (MiB)")
+    p.add_argument("--pool-mib", type=float, default=None,
+                   help=f"the agent's KV pool (MiB; default {POOL_MIB:g}, {SMOLLM2_POOL_MIB:g} "
+                        "for smollm2)")
+    p.add_argument("--model", choices=MODELS, default="byte",
+                   help="byte: the node's byte-level model, parameters published by the trainer "
+                        "(default); smollm2: SmolLM2-135M-Instruct from --model-dir with its chat "
+                        "template, EOS and stop strings")
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help="the converted SmolLM2 directory (default: $FEDKV_MODEL_DIR, else "
+                        "~/.cache/fedkv/models/smollm2-135m-instruct; python -m node.models fetch)")
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write {pid, port, version} here once serving")
     p.add_argument("--coherence", type=int, choices=[1, 2], default=2,
@@ -472,6 +650,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         check_bind(args.host, args.tls_cert, args.tls_key)
     except ValueError as e:
         p.error(str(e))
+    if args.model_dir is not None and args.model != "smollm2":
+        p.error("--model-dir is for --model smollm2")
+    if args.pool_mib is None:
+        args.pool_mib = SMOLLM2_POOL_MIB if args.model == "smollm2" else POOL_MIB
     if args.max_sessions < 1 or args.idle_expiry_s <= 0 or args.socket_timeout <= 0 or args.pool_mib <= 0:
         p.error("--max-sessions, --idle-expiry-s, --socket-timeout and --pool-mib must be positive")
     return args
@@ -506,9 +688,16 @@ def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
     tls = tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
     tenants = _tenants(args)
+    try:
+        model, codec = load_model(args.model, args.model_dir)
+    except ImportError as e:
+        raise SystemExit(f"--model {args.model} needs the llm extra (pip install -e '.[llm]'): {e}")
+    except ModelError as e:  # names the fix: python -m node.models fetch (--force)
+        raise SystemExit(f"--model {args.model}: {e}") from None
     agent = ServingAgent(args.cache_dir, _key(args), mode=Mode(args.coherence), wait_s=args.wait_s,
                          pool_bytes=int(args.pool_mib * (1 << 20)), max_sessions=args.max_sessions,
-                         idle_expiry_s=args.idle_expiry_s)
+                         idle_expiry_s=args.idle_expiry_s, model=model, codec=codec,
+                         own_weights=args.model != "byte")
     server = ServeHTTPServer((args.host, args.port), agent, tenants,
                              socket_timeout=args.socket_timeout, tls=tls)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -517,8 +706,8 @@ def main(argv: list[str] | None = None) -> int:
         tmp = args.ready_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"pid": os.getpid(), "port": port, "version": agent.version}))
         tmp.replace(args.ready_file)
-    _log.info("pid %d serving %s on %s://%s:%d for %d tenant(s)", os.getpid(), args.cache_dir,
-              "https" if tls else "http", args.host, port, len(tenants.names))
+    _log.info("pid %d serving %s (%s) on %s://%s:%d for %d tenant(s)", os.getpid(), args.cache_dir,
+              args.model, "https" if tls else "http", args.host, port, len(tenants.names))
     try:
         server.serve_forever(poll_interval=0.02)
     finally:

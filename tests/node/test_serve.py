@@ -93,7 +93,7 @@ def start_agent(tmp_path):
     procs: list[subprocess.Popen] = []
 
     def start(*flags: str, write_tokens: bool = True, scheme: str = "http",
-              context: ssl.SSLContext | None = None) -> Agent:
+              context: ssl.SSLContext | None = None, startup_s: float = 60) -> Agent:
         tokens = {"alice": secrets.token_urlsafe(32), "bob": secrets.token_urlsafe(32)}
         if write_tokens:
             path = tmp_path / "serve-token"
@@ -105,7 +105,7 @@ def start_agent(tmp_path):
                                  "--port", "0", "--ready-file", str(ready), *flags], cwd=ROOT,
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         procs.append(proc)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + startup_s
         while not ready.exists():
             assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
             assert time.monotonic() < deadline, "node.serve did not start"
@@ -472,3 +472,166 @@ def test_tls_on_loopback_and_a_token_file_written_on_first_start(start_agent, tm
     with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
         Agent(agent.port, agent.proc, {}).call("/v1/stats", token=token, timeout=5)  # plain HTTP
     assert agent.call("/v1/stats", token=token)["tenant"] == "default"  # still serving
+
+
+# -- per-request options: max_tokens, temperature, top_p, stop, seed (issue 23, item 3) ------
+
+def _turn(agent: Agent, sid: str, **body) -> dict:
+    return agent.call(f"/v1/sessions/{sid}", body)
+
+
+SYSTEM = "You are a fedkv node. "
+BAD_OPTIONS = [  # (body fields, the field the 400 must name)
+    ({"temperature": "hot"}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"), ({"temperature": -0.5}, "temperature"),
+    ({"temperature": 11}, "temperature"), ({"temperature": True}, "temperature"),
+    ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_p": float("nan")}, "top_p"),
+    ({"top_p": None}, "top_p"), ({"stop": "x"}, "stop"), ({"stop": [1]}, "stop"),
+    ({"stop": [""]}, "stop"), ({"stop": ["a" * 65]}, "stop"), ({"stop": ["a"] * 9}, "stop"),
+    ({"seed": -1}, "seed"), ({"seed": 1.5}, "seed"), ({"seed": "7"}, "seed"),
+    ({"seed": True}, "seed"), ({"seed": 2**63}, "seed"), ({"max_tokens": 10**6}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"), ({"max_tokens": 2.0}, "max_tokens"),
+    ({"max_new_tokens": "8"}, "max_new_tokens"),
+    ({"max_tokens": 4, "max_new_tokens": 5}, "max_tokens"), ({"temprature": 0.5}, "temprature"),
+]
+
+
+def test_parse_turn_is_strict_and_names_the_field():
+    from node.serve import DEFAULT_NEW_TOKENS, TurnOptions, parse_turn
+    assert parse_turn({"text": "hi"}) == ("hi", TurnOptions(DEFAULT_NEW_TOKENS))
+    assert parse_turn({"text": "", "max_new_tokens": 3})[1].max_new_tokens == 3  # the old field
+    text, o = parse_turn({"text": "q", "max_tokens": 9, "max_new_tokens": 9, "temperature": 0.7,
+                          "top_p": 0.9, "stop": ["\n", "END"], "seed": 2**63 - 1})
+    assert o == TurnOptions(9, 0.7, 0.9, ("\n", "END"), 2**63 - 1)
+    for fields, name in BAD_OPTIONS:
+        with pytest.raises((ValueError, TypeError), match=name):
+            parse_turn({"text": "q", **fields})
+    with pytest.raises(TypeError, match="text"):
+        parse_turn({"max_tokens": 2})
+
+
+def test_bad_options_get_400s_naming_the_field_and_change_nothing(served):
+    _, agent = served
+    sid = agent.call("/v1/sessions", {"system": SYSTEM})["session"]
+    _turn(agent, sid, text="hi ", max_new_tokens=3)
+    before, stats = agent.call(f"/v1/sessions/{sid}", method="GET"), agent.call("/v1/stats")
+    for fields, name in BAD_OPTIONS:
+        status, answer = agent.status(f"/v1/sessions/{sid}", {"text": "x", **fields})
+        assert status == 400 and name in answer["error"], (fields, status, answer)
+    assert agent.call(f"/v1/sessions/{sid}", method="GET") == before
+    after = agent.call("/v1/stats")
+    assert (after["turns"], after["tokens"]) == (stats["turns"], stats["tokens"]) == (1, 3)
+    assert _turn(agent, sid, text="ok ", max_tokens=2)["stop_reason"] == "length"  # goes on
+
+
+def test_temperature_zero_is_the_old_greedy_reply(served):
+    node, agent = served
+    a, b = (agent.call("/v1/sessions", {"system": SYSTEM})["session"] for _ in range(2))
+    old = _turn(agent, a, text="status? ", max_new_tokens=12)
+    new = _turn(agent, b, text="status? ", max_tokens=12, temperature=0, top_p=0.3, seed=5)
+    assert old == new and old["stop_reason"] == "length"
+    prompt = (SYSTEM + "status? ").encode()
+    assert bytes.fromhex(old["reply_hex"]) == _fresh_reply(_model(node.params()), prompt, 12)
+
+
+def test_a_seeded_sample_repeats(served):
+    _, agent = served
+    body = {"text": "status? ", "max_tokens": 24, "temperature": 1.0, "top_p": 0.9}
+    replies = []
+    for tenant in ("alice", "bob", "alice"):
+        sid = agent.call("/v1/sessions", {"system": SYSTEM}, tenant=tenant)["session"]
+        replies.append(agent.call(f"/v1/sessions/{sid}", {**body, "seed": 7}, tenant=tenant))
+        unseeded = agent.call(f"/v1/sessions/{sid}", body, tenant=tenant)  # secrets-seeded
+        assert len(bytes.fromhex(unseeded["reply_hex"])) == 24
+    assert replies[0] == replies[1] == replies[2]
+    greedy = _turn(agent, agent.call("/v1/sessions", {"system": SYSTEM})["session"],
+                   text="status? ", max_tokens=24)
+    assert greedy["reply_hex"] != replies[0]["reply_hex"]  # it did sample
+
+
+def test_stop_strings_end_the_reply_before_them(served):
+    _, agent = served
+    sid = agent.call("/v1/sessions", {"system": SYSTEM})["session"]
+    full = bytes.fromhex(_turn(agent, sid, text="status? ", max_tokens=24)["reply_hex"])
+    pos = next(i for i, c in enumerate(full) if i > 0 and chr(c).isalnum() and c < 128)
+    stop = chr(full[pos])
+    sid = agent.call("/v1/sessions", {"system": SYSTEM})["session"]
+    r = _turn(agent, sid, text="status? ", max_tokens=24, stop=["never-there", stop])
+    assert r["stop_reason"] == "stop"
+    assert r["reply"] == full[:pos].decode("utf-8", "replace")  # cut before the stop string
+    assert bytes.fromhex(r["reply_hex"]) == full[:pos + 1]      # the session holds what was decoded
+    history = bytes.fromhex(agent.call(f"/v1/sessions/{sid}", method="GET")["history_hex"])
+    assert history == (SYSTEM + "status? ").encode() + full[:pos + 1]
+
+
+def test_smollm2_without_its_directory_is_a_clear_error(tmp_path):
+    from node import serve
+    with pytest.raises(SystemExit, match="python -m node.models fetch"):
+        serve.main(["--cache-dir", str(tmp_path / "kv-cache"), "--no-key", "--model", "smollm2",
+                    "--model-dir", str(tmp_path / "absent")])
+
+
+def _smollm2_dir() -> Path:
+    pytest.importorskip("transformers")
+    from node.models import MANIFEST, default_dir
+    if not (default_dir() / MANIFEST).is_file():
+        pytest.skip("SmolLM2 not fetched: python -m node.models fetch")
+    return default_dir()
+
+
+SMOL_SYSTEM = "You are a concise assistant. Answer in one or two sentences."
+
+
+def test_an_agent_serving_smollm2_answers_in_its_chat_template(start_agent):
+    model_dir = _smollm2_dir()
+    agent = start_agent("--model", "smollm2", "--model-dir", str(model_dir), startup_s=300)
+    q = "What is the capital of France?"
+    sid = agent.call("/v1/sessions", {"system": SMOL_SYSTEM})["session"]
+    r = agent.call(f"/v1/sessions/{sid}", {"text": q, "max_tokens": 24}, timeout=120)
+    assert r["stop_reason"] in ("eos", "length") and r["version"] == 0
+    assert isinstance(r["reply"], str) and r["reply"].strip() and "<|im" not in r["reply"]
+    assert "reply_hex" not in r and all(isinstance(t, int) for t in r["reply_tokens"])
+    assert "Paris" in r["reply"], r
+    history = agent.call(f"/v1/sessions/{sid}", method="GET")["history"]
+    assert history.startswith(f"<|im_start|>system\n{SMOL_SYSTEM}<|im_end|>\n"), history
+    assert f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n{r['reply']}" in history
+    assert history.endswith("<|im_end|>\n")  # the template closed the assistant turn
+    # a stop string, in another tenant's session (no shared prefix: the same greedy tokens)
+    word = r["reply"].split()[1]
+    sid = agent.call("/v1/sessions", {"system": SMOL_SYSTEM}, tenant="bob")["session"]
+    s = agent.call(f"/v1/sessions/{sid}", {"text": q, "max_tokens": 24, "stop": [word]},
+                   tenant="bob", timeout=120)
+    assert s["stop_reason"] == "stop" and s["reply"] == r["reply"][:r["reply"].index(word)], s
+
+
+def test_own_weights_serve_without_published_parameters_and_keep_unfit_ones_out(tmp_path):
+    """``--model smollm2``'s path, with the byte model standing in: the agent serves the
+    weights it came with at once; a published file for another model is refused whole."""
+    from cache.coherence import Mode
+    from node import param_channel as pc
+    from node.coherence import exclusive_params
+    from node.serve import ServingAgent, TurnOptions
+    from node.tasks import lm_model
+
+    model = lm_model(seed=3)
+    mine = {n: t.clone() for n, t in model.state_dict().items()}
+    agent = ServingAgent(tmp_path, KEY, mode=Mode.RELAXED, wait_s=0.1, model=model,
+                         own_weights=True)
+    try:
+        assert agent.version == 0
+        sid = agent.create("alice", b"sys: ")
+        first = agent.send("alice", sid, b"hi ", TurnOptions(4))
+        assert first["stop_reason"] == "length" and len(first["reply_hex"]) == 8
+        with exclusive_params(tmp_path, Mode.RELAXED):  # another model's parameters
+            pc.publish(tmp_path, KEY, {"other.weight": torch.zeros(2, 2)}, 1)
+        agent.idle()
+        assert agent.version == 0 and agent.counters.invalidations == 1  # seen, and refused
+        assert all(torch.equal(agent.model.state_dict()[n], t) for n, t in mine.items())
+        fitting = {n: t + 0.25 for n, t in mine.items()}
+        with exclusive_params(tmp_path, Mode.RELAXED):
+            pc.publish(tmp_path, KEY, fitting, 2)
+        agent.idle()
+        assert agent.version == 2
+        assert all(torch.equal(agent.model.state_dict()[n], fitting[n]) for n in fitting)
+    finally:
+        agent.close()
