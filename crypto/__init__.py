@@ -41,6 +41,7 @@ from crypto.layout import Layout, flatten
 from crypto.packing import PackingConfig, suggest_clip_range
 from crypto.dp.privacy import (
     ClipResult,
+    clip_and_noise,
     clip_update,
     dp_sgd_epsilon,
     dp_sgd_noise_multiplier,
@@ -107,6 +108,7 @@ __all__ = [
     "UpdateVerifier",
     "WrappedKeyBundle",
     "ciphertext_info",
+    "clip_and_noise",
     "clip_update",
     "dp_sgd_epsilon",
     "dp_sgd_noise_multiplier",

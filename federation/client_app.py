@@ -99,8 +99,9 @@ def train(msg: Message, context: Context) -> Message:
 
 def _train(cfg: RunConfig, req: messages.RoundRequest, context: Context,
            timer: PhaseTimer) -> tuple[bytes, dict[str, Any]]:
-    """The train handler's work: catch up, train (the node clips and adds its noise share), make
-    the contribution (``federation.contribution``); (signed bytes, ``messages.metric_fields``)."""
+    """The train handler's work: catch up, train (the node's raw update), make the contribution
+    (``federation.contribution``: the whole update-level mechanism); (signed bytes,
+    ``messages.metric_fields``)."""
     with timer.phase("restore"):
         node, source = node_host.get_node(context)
     store, feedback = NodeStore.for_context(context), uses_error_feedback(cfg)
@@ -110,16 +111,14 @@ def _train(cfg: RunConfig, req: messages.RoundRequest, context: Context,
         with timer.phase("key"):
             codec, epoch, ctx = node_codec(cfg, context, dim)
             sender = sender_for(context, epoch, ctx)
-        # Fresh OS entropy on purpose: DP noise must not be reproducible from the seed.
-        out = node.train_round(cfg.local_epochs, cfg.lr, _dp_config(cfg, clip_norm, req.num_sampled),
-                               np.random.default_rng())
+        out = node.train_round(cfg.local_epochs, cfg.lr, _dp_sgd_config(cfg, clip_norm))
         timer.add("train", out.train_s)
         with timer.phase("encrypt"):
             residual = store.load_residual(dim) if feedback else None
-        made = make_contribution(cfg, out.delta, clipped=bool(out.clipped), num_examples=out.num_examples,
-                                 clip_norm=clip_norm, num_sampled=req.num_sampled, rnd=req.server_round,
-                                 codec=codec, sender=sender, residual=residual, rng=np.random.default_rng(),
-                                 timer=timer)
+        # Fresh OS entropy on purpose: DP noise must not be reproducible from the seed.
+        made = make_contribution(cfg, out.delta, num_examples=out.num_examples, clip_norm=clip_norm,
+                                 num_sampled=req.num_sampled, rnd=req.server_round, codec=codec, sender=sender,
+                                 residual=residual, rng=np.random.default_rng(), timer=timer)
         with timer.phase("save"):
             node_host.save_node(context, node)
             if feedback:
@@ -130,10 +129,10 @@ def _train(cfg: RunConfig, req: messages.RoundRequest, context: Context,
     return made.blob, _train_metrics(cfg, out, made, node, source, timer)
 
 
-def _dp_config(cfg: RunConfig, clip_norm: float, num_sampled: int) -> DpConfig:
-    """What the node's own part of the mechanism (clip, noise share: ``CacheNode.train_round``) needs."""
-    return DpConfig(mode=cfg.dp_mode, clip_norm=clip_norm, noise_multiplier=wire_noise(cfg)[1],
-                    num_sampled=num_sampled, dp_sgd=cfg.dp_sgd, target_delta=cfg.target_delta)
+def _dp_sgd_config(cfg: RunConfig, clip_norm: float) -> DpConfig:
+    """What DP-SGD inside the node's training (``CacheNode.train_round``) needs."""
+    return DpConfig(clip_norm=clip_norm, noise_multiplier=wire_noise(cfg)[1], dp_sgd=cfg.dp_sgd,
+                    target_delta=cfg.target_delta)
 
 
 def _train_metrics(cfg: RunConfig, out: TrainOutcome, made: Contribution, node: CacheNode, source: NodeSource,

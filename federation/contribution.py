@@ -2,13 +2,16 @@
 in one readable order, and returns the signed wire bytes (Opacus' ``make_private`` shape: one
 call, its preconditions documented, its randomness injected).
 
-The whole mechanism, in order (the first two steps happen inside the node, see *Preconditions*):
+The whole mechanism, in order, all of it here: the node only trains and hands over its raw
+update (``node.cache_node.CacheNode.train_round``; DP-SGD's per-sample clipping and noise, when
+on, happen inside that training):
 
-1. **clip** the update to the round's norm C (dp-mode local/distributed: the node,
-   ``node.cache_node.CacheNode.train_round``; he=true with dp-mode none: here, because the CKKS
-   encoding needs a bounded range, ``federation.codec.packing_for``);
-2. **noise share**: the node adds its Gaussian share (σC/√k distributed, σC local) in
-   ``train_round``, in float64 so the encoder's dither sees the noisy value unrounded;
+1. **clip** the update to the round's norm C (dp-mode local/distributed; he=true with dp-mode
+   none too, with the run's ``clip-norm``, because the CKKS encoding needs a bounded range,
+   ``federation.codec.packing_for``);
+2. **noise share** (dp-mode local/distributed): the node's Gaussian share (σC/√k distributed,
+   σC local) drawn from ``rng``, in float64 so the encoder's dither sees the noisy value
+   unrounded (steps 1 and 2: ``crypto.dp.privacy.clip_and_noise``);
 3. **count coordinate** (adaptive clipping): the update divided by C plus one coordinate, the
    clipped count, with its own noise share drawn from ``rng``
    (``crypto.dp.adaptive_clipping``);
@@ -40,6 +43,7 @@ from crypto import (
     AggregateMac,
     NodeKeys,
     ciphertext_coefficients,
+    clip_and_noise,
     clip_update,
     last_modulus,
     noise_std,
@@ -121,32 +125,38 @@ def tag_and_sign(cfg: RunConfig, sender: Sender, rnd: int, payload: bytes, kind:
                        key_id=ctx.key_id, kind=kind, tag=tag)
 
 
-def make_contribution(cfg: RunConfig, delta: np.ndarray, *, clipped: bool, num_examples: int, clip_norm: float,
+def make_contribution(cfg: RunConfig, delta: np.ndarray, *, num_examples: int, clip_norm: float,
                       num_sampled: int, rnd: int, codec: ClientCodec, sender: Sender, residual: np.ndarray | None,
                       rng: np.random.Generator, timer: PhaseTimer | None = None) -> Contribution:
     """The node's contribution for round ``rnd``: steps 1 to 8 of the module docstring.
 
     Preconditions (the caller's, not checked here):
 
-    * ``delta`` is the node's local update (new parameters minus the global ones), finite;
-      with dp-mode local/distributed already clipped to ``clip_norm`` and noised with the
-      node's share, in float64 (``CacheNode.train_round``; ``clipped`` says whether clipping
-      changed it); with dp-mode none unclipped.
+    * ``delta`` is the node's raw local update (new parameters minus the global ones, as
+      ``CacheNode.train_round`` returns it), finite, neither clipped nor noised: this call is
+      the only place the update-level mechanism runs (DP-SGD, if on, already ran inside the
+      training and does not replace it).
     * ``clip_norm`` is the norm of the version the node reached (``catch_up.catch_up``: the
-      run's ``clip-norm``, or the adaptive one); ``num_sampled`` the round's k.
+      run's ``clip-norm``, or the adaptive one), > 0 under dp-mode local/distributed;
+      ``num_sampled`` the round's k (the distributed share's √k).
     * ``codec`` and ``sender`` are of the same key epoch (``node_codec``, ``sender_for``);
       ``residual`` is the carry the node kept from its last contribution (``None`` when the
       packing keeps none), of ``num_values`` coordinates.
-    * ``rng`` draws the count coordinate's noise share (adaptive clipping only); it must be
-      fresh OS entropy in a run (DP noise must not be reproducible from the seed), a seeded
+    * ``rng`` draws all of this contribution's DP noise, in order: the update's noise share
+      (step 2), then the count coordinate's (step 3, adaptive clipping only); it must be fresh
+      OS entropy in a run (DP noise must not be reproducible from the seed), a seeded
       generator only in tests.
 
     Time goes to ``timer``'s ``encrypt`` (steps 1 to 6) and ``sign`` (7 and 8) phases."""
     timer = timer if timer is not None else PhaseTimer()
     with timer.phase("encrypt"):
-        if cfg.he and cfg.dp_mode == "none":  # 1. (under DP the node clipped, before its noise)
-            res = clip_update(delta, cfg.clip_norm)
-            delta, clipped = np.asarray(res.clipped, dtype=np.float32), clipped or res.was_clipped
+        if cfg.dp_mode in ("local", "distributed"):  # 1. + 2.
+            delta, clipped = clip_and_noise(delta, cfg.dp_mode, clip_norm, wire_noise(cfg)[1], num_sampled, rng)
+        else:
+            delta, clipped = np.asarray(delta, dtype=np.float32), False
+            if cfg.he and cfg.dp_mode == "none":  # 1. (no noise: only the encoding's bounded range)
+                res = clip_update(delta, cfg.clip_norm)
+                delta, clipped = np.asarray(res.clipped, dtype=np.float32), res.was_clipped
         if adaptive_clipping_for(cfg) is not None:  # 3. (dp-mode distributed only: never with 1.)
             delta = _with_clipped_count(cfg, delta, clip_norm, clipped, num_sampled, rng)
         weight, capped = client_weight(cfg, num_examples)  # 4.
@@ -174,7 +184,7 @@ def _with_clipped_count(cfg: RunConfig, delta: np.ndarray, clip_norm: float, cli
     sigma = adaptive.update_noise_multiplier
     if sigma > 0:
         count += float(rng.normal(0.0, noise_std(sigma, 1.0, "distributed", num_sampled)))
-    return np.concatenate([np.asarray(delta, dtype=np.float64) / clip_norm, [count]])  # float64: see TrainOutcome
+    return np.concatenate([np.asarray(delta, dtype=np.float64) / clip_norm, [count]])  # float64: see clip_and_noise
 
 
 def make_noise_shares(cfg: RunConfig, *, rnd: int, shares: int, sampled: int, dim: int, codec: ClientCodec,

@@ -4,7 +4,7 @@ The node's KV-cache engine holds its parameters (``param/<name>``) and its lates
 (``grad/update``) next to the K/V of its generation sessions. One round::
 
     params <- cache "param/"   train locally (SGD, or Opacus DP-SGD)   delta -> cache "grad/"
-    clip + noise (crypto.dp.privacy)  -> the federation encrypts and sends it
+    the raw delta -> federation.contribution.make_contribution: clip -> noise share -> ... -> sign
     aggregate -> decrypt -> params + mean delta -> cache "param/" at version + 1
               -> cache.set_version(): K/V computed under the old weights is never served again
 
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from cache import CacheConfig, KVCache
-from crypto import Layout, clip_update, dp_sgd_epsilon, gaussian_noise
+from crypto import Layout, dp_sgd_epsilon
 from node import digits
 from node import param_channel
 from node.coherence import exclusive_params
@@ -67,17 +67,13 @@ def os_entropy_torch_generator() -> torch.Generator:
 
 @dataclass(frozen=True)
 class DpConfig:
-    """Update-level privacy applied on the node before encryption."""
+    """Sample-level privacy inside local training: per-sample DP-SGD (Opacus). The update-level
+    mechanism (clip, noise share) is not the node's: ``federation.contribution.make_contribution``."""
 
-    mode: str = "none"
-    """none | local | distributed | flower-central (the last is done by Flower's mod)."""
     clip_norm: float = 0.0
-    """L2 bound on the whole update in modes local and distributed (and Opacus' per-sample
-    bound with dp_sgd)."""
+    """Opacus' per-sample bound (1.0 when 0)."""
     noise_multiplier: float = 0.0
-    """sigma: the noise on the *sum* of updates has std sigma * clip_norm."""
-    num_sampled: int = 1
-    """Clients sampled this round; distributed mode gives each sigma * C / sqrt(n)."""
+    """Opacus' sigma."""
     dp_sgd: bool = False
     """Per-sample DP-SGD with Opacus during local training (digits)."""
     target_delta: float = 1e-5
@@ -85,14 +81,15 @@ class DpConfig:
 
 @dataclass
 class TrainOutcome:
-    """What one local round produced (delta already clipped and noised per ``DpConfig``;
-    float32, or float64 once noised: the noisy value reaches the encoder unrounded)."""
+    """What one local round produced: the raw update (new minus global parameters, float64 as
+    computed, neither clipped nor noised: ``make_contribution`` applies the mechanism) and its
+    stats."""
 
     delta: np.ndarray
     loss: float
     num_examples: int
-    clipped: bool
     delta_norm: float
+    """The update's L2 norm."""
     train_s: float
     epsilon: float = float("nan")
 
@@ -222,12 +219,11 @@ class CacheNode:
         self._write_params(self.layout.unflatten(new.astype(np.float32), as_torch=True), version)
 
     # -- local training ------------------------------------------------------------
-    def train_round(
-        self, epochs: int, lr: float, dp: DpConfig, rng: np.random.Generator
-    ) -> TrainOutcome:
-        """Train from the global parameters; return delta (clipped + noised) and stats. The
-        model goes back to the global parameters: only a write-back moves the node.
-        ``lr <= 0`` means the task's default learning rate."""
+    def train_round(self, epochs: int, lr: float, dp: DpConfig = DpConfig()) -> TrainOutcome:
+        """Train from the global parameters (with ``dp.dp_sgd``: Opacus DP-SGD); return the raw
+        update, also kept in the cache as ``grad/update``, and stats. The model goes back to the
+        global parameters: only a write-back moves the node. ``lr <= 0`` means the task's
+        default learning rate."""
         lr = lr if lr > 0 else self.task.default_lr
         start = self.params()
         load_parameters(self.model, start, self.layout)
@@ -246,19 +242,7 @@ class CacheNode:
         if not np.all(np.isfinite(delta)):
             raise FloatingPointError("local update has NaN/Inf (diverged?); not sending it")
         self.cache.put_tensor(UPDATE_KEY, torch.from_numpy(delta.astype(np.float32)), self.version)
-        norm, clipped = float(np.linalg.norm(delta)), False
-        if dp.mode in ("local", "distributed") and dp.clip_norm > 0:
-            res = clip_update(delta, dp.clip_norm)
-            delta, clipped = res.clipped, res.was_clipped
-        delta = np.asarray(delta, dtype=np.float32)
-        if dp.mode in ("local", "distributed") and dp.noise_multiplier > 0:
-            # float64 from here on: casting the noisy value to float32 before the encoder's
-            # dither would round it by an amount that depends on the data (``crypto.dp.dither``)
-            placement = "local" if dp.mode == "local" else "distributed"
-            delta = delta.astype(np.float64) + gaussian_noise(
-                delta.shape, dp.noise_multiplier, dp.clip_norm, placement, dp.num_sampled, rng
-            )
-        return TrainOutcome(delta, loss, n, clipped, norm, train_s, eps)
+        return TrainOutcome(delta, loss, n, float(np.linalg.norm(delta)), train_s, eps)
 
     def _train_dp_sgd(self, epochs: int, lr: float, dp: DpConfig) -> tuple[float, int, float]:
         """Per-sample DP-SGD with Opacus on a copy; epsilon from all steps so far (RDP)."""

@@ -97,6 +97,7 @@ __all__ = [
     "clip_update",
     "noise_std",
     "gaussian_noise",
+    "clip_and_noise",
     "dp_sgd_epsilon",
     "dp_sgd_noise_multiplier",
     "privacy_claim",
@@ -200,6 +201,33 @@ def gaussian_noise(
     std = noise_std(sigma, clip_norm, placement, n_clients, missing)
     rng = rng if rng is not None else np.random.default_rng()
     return rng.normal(0.0, std, size=shape)
+
+
+def clip_and_noise(
+    update: np.ndarray,
+    placement: Literal["local", "distributed"],
+    clip_norm: float,
+    sigma: float,
+    n_clients: int,
+    rng: np.random.Generator,
+) -> tuple[np.ndarray, bool]:
+    """A node's update-level Gaussian mechanism: (clip(update) + its noise, whether clipping
+    changed it). Clip the flat ``update`` to ``clip_norm`` (skipped when ``clip_norm`` is 0),
+    then add the ``placement``'s noise (local: N(0, (sigma*C)^2); distributed: the share
+    N(0, (sigma*C)^2 / n_clients)) drawn from ``rng`` (skipped when ``sigma`` is 0).
+
+    The clipped update is float32; once noised the result is float64 and stays so: casting the
+    noisy value to float32 before the encoder's dither would round it by an amount that depends
+    on the data (``crypto.dp.dither``). ``rng``: fresh OS entropy in a run (``gaussian_noise``).
+    """
+    clipped = False
+    if clip_norm > 0:
+        res = clip_update(update, clip_norm)
+        update, clipped = res.clipped, res.was_clipped
+    out = np.asarray(update, dtype=np.float32)
+    if sigma > 0:
+        out = out.astype(np.float64) + gaussian_noise(out.shape, sigma, clip_norm, placement, n_clients, rng)
+    return out, bool(clipped)
 
 
 # -- sample-level accounting (DP-SGD inside a node) -------------------------------------------------
