@@ -17,7 +17,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PRODUCT = ("cache", "crypto", "node", "federation")
 """Packages the main job and the tests' product paths import (experiments may use extras)."""
-LAZY_EXTRAS = {"node/models.py": ("llm",)}
+LAZY_EXTRAS = {"node/models.py": ("llm",), "node/chat.py": ("llm",)}
 """Product modules serving an optional extra: imports *inside functions* may come from it (the
 main job never calls them); their module-level imports must still be core dependencies."""
 
