@@ -22,7 +22,7 @@ command (:class:`ModelMissingError`), a truncated or altered file is refused
 (:class:`ModelCorruptError`). ``python -m node.models info`` prints the licence, the pinned
 source and what the directory holds.
 
-Needs the ``llm`` extra (``pip install -e '.[llm]'``: transformers, gguf, accelerate) for the
+Needs the ``llm`` extra (``pip install -e '.[llm]'``: gguf, accelerate, which transformers needs to read GGUF) for the
 conversion and the tokenizer; reading the weights needs only ``safetensors``.
 """
 
@@ -305,12 +305,12 @@ class LoadedModel:
     manifest: dict[str, Any] = field(repr=False)
 
     def hf_config(self):
-        """The ``transformers`` config object (needs the llm extra)."""
+        """The ``transformers`` config object."""
         from transformers import AutoConfig
         return AutoConfig.from_pretrained(self.path)
 
     def tokenizer(self):
-        """The model's tokenizer with its chat template (needs the llm extra)."""
+        """The model's tokenizer with its chat template."""
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(self.path)
 

@@ -17,11 +17,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PRODUCT = ("cache", "crypto", "node", "federation")
 """Packages the main job and the tests' product paths import (experiments may use extras)."""
-LAZY_EXTRAS = {"node/models.py": ("llm",), "node/chat.py": ("llm",)}
-"""Product modules serving an optional extra: imports *inside functions* may come from it (the
-main job never calls them); their module-level imports must still be core dependencies."""
-
-
 def _name(requirement: str) -> str:
     return re.split(r"[\s\[<>=!~;]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-")
 
@@ -49,24 +44,14 @@ def _declared(extras: tuple[str, ...] = ()) -> set[str]:
     return names
 
 
-def _outside_functions(node: ast.AST):
-    """``ast.walk`` without descending into function bodies (module- and class-level code)."""
-    yield node
-    for child in ast.iter_child_nodes(node):
-        if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            yield from _outside_functions(child)
-
-
-def _imports(package: str, lazy: frozenset[str] = frozenset(), only: str | None = None) -> dict[str, str]:
+def _imports(package: str) -> dict[str, str]:
     """Top-level module -> one file importing it, for every absolute import in ``package``
-    (in the files named in ``lazy``, only the imports outside functions; with ``only``, the
-    one file of that path, all its imports)."""
+    (function-local ones included: a call that reaches them must not fail on a base install)."""
     found: dict[str, str] = {}
-    paths = [REPO / only] if only else sorted((REPO / package).rglob("*.py"))
-    for path in paths:
+    for path in sorted((REPO / package).rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
         rel = path.relative_to(REPO).as_posix()
-        for node in (_outside_functions(tree) if rel in lazy else ast.walk(tree)):
+        for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 mods = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -78,14 +63,13 @@ def _imports(package: str, lazy: frozenset[str] = frozenset(), only: str | None 
     return found
 
 
-def _undeclared(packages: tuple[str, ...], extras: tuple[str, ...],
-                lazy: frozenset[str] = frozenset(), only: str | None = None) -> list[str]:
+def _undeclared(packages: tuple[str, ...], extras: tuple[str, ...]) -> list[str]:
     declared = _declared(extras)
     dists = packages_distributions()
     own = set(_pyproject()["tool"]["setuptools"]["packages"]["find"]["include"])
     missing = []
     for package in packages:
-        for mod, where in _imports(package, lazy, only).items():
+        for mod, where in _imports(package).items():
             if mod in sys.stdlib_module_names or f"{mod}*" in own or mod == "__future__":
                 continue
             providers = {_name(d) for d in dists.get(mod, [])}
@@ -95,14 +79,7 @@ def _undeclared(packages: tuple[str, ...], extras: tuple[str, ...],
 
 
 def test_the_product_imports_only_declared_dependencies() -> None:
-    assert _undeclared(PRODUCT, extras=(), lazy=frozenset(LAZY_EXTRAS)) == []
-
-
-def test_modules_serving_an_extra_import_only_the_core_or_that_extra() -> None:
-    """node.models needs transformers (the llm extra) only when it converts or tokenizes."""
-    for rel, extras in LAZY_EXTRAS.items():
-        assert _undeclared((rel,), extras=extras, only=rel) == []
-        assert _undeclared((rel,), extras=(), only=rel) != []  # the extra is really needed
+    assert _undeclared(PRODUCT, extras=()) == []
 
 
 def test_experiments_import_only_declared_dependencies_or_the_bench_and_test_extras() -> None:
