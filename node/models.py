@@ -23,7 +23,7 @@ command (:class:`ModelMissingError`), a truncated or altered file is refused
 source and what the directory holds.
 
 Needs the ``llm`` extra (``pip install -e '.[llm]'``: gguf, accelerate, which transformers needs to read GGUF) for the
-conversion and the tokenizer; reading the weights needs only ``safetensors``.
+conversion; reading the weights needs only ``safetensors``, the tokenizer ``transformers``.
 """
 
 from __future__ import annotations
