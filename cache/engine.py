@@ -33,7 +33,7 @@ from cache.attention import Run
 from cache.batch import Batcher, BatchStep
 from cache.config import CacheConfig
 from cache.control import POLL_S
-from cache.block_table import BlockTable, check_layer
+from cache.block_table import check_layer
 from cache.errors import ConfigError
 from cache.latency import OpLatencies
 from cache.live import LivePlane, go_live, leave_live
@@ -115,22 +115,15 @@ class KVCache:
         """Ids of the open sessions."""
         return self.session_table.ids()
 
-    def _table(self, sid: int, allow_stale: bool = False) -> BlockTable:
-        """``session_table.get``, with the decode hot path (a live session) one dict lookup."""
-        t = self.session_table.tables.get(sid)
-        if t is None or (t.stale and not allow_stale):
-            return self.session_table.get(sid, allow_stale=allow_stale)  # raises what applies
-        return t
-
     def is_stale(self, sid: int) -> bool:
         """True when the session's K/V predate the current model version."""
-        return self._table(sid, allow_stale=True).stale
+        return self.session_table.get(sid, allow_stale=True).stale
 
     def length(self, sid: int) -> int:
-        return self._table(sid).length
+        return self.session_table.get(sid).length
 
     def tokens(self, sid: int) -> list[int]:
-        t = self._table(sid, allow_stale=True)
+        t = self.session_table.get(sid, allow_stale=True)
         return list(t.tokens[: t.length])
 
     def close_session(self, sid: int) -> None:
@@ -156,7 +149,7 @@ class KVCache:
         """
         start = perf_counter_ns()  # timing inlined in each timed op: see _op_boundary
         try:
-            return self.steps.attach_prefix(self._table(sid), [int(x) for x in tokens])
+            return self.steps.attach_prefix(self.session_table.get(sid), [int(x) for x in tokens])
         finally:
             end = perf_counter_ns()
             self.latency.lookup.append(end - start)
@@ -168,7 +161,7 @@ class KVCache:
         """Make room for new tokens; allocation is all-or-nothing."""
         start = perf_counter_ns()
         try:
-            self.steps.reserve(self._table(sid), [int(x) for x in tokens])
+            self.steps.reserve(self.session_table.get(sid), [int(x) for x in tokens])
         finally:
             end = perf_counter_ns()
             self.latency.reserve.append(end - start)
@@ -183,7 +176,7 @@ class KVCache:
         """Store K/V of the reserved tokens for one layer; k, v: [heads, pending, head_dim]."""
         start = perf_counter_ns()
         try:
-            self.steps.write(self._table(sid), layer, k, v)
+            self.steps.write(self.session_table.get(sid), layer, k, v)
         finally:
             end = perf_counter_ns()
             self.latency.write.append(end - start)
@@ -196,7 +189,7 @@ class KVCache:
         as views to attend over (:func:`cache.attention.attend`)."""
         start = perf_counter_ns()
         try:
-            self.steps.write(self._table(sid), layer, k, v)
+            self.steps.write(self.session_table.get(sid), layer, k, v)
             return self.read_runs(sid, layer)
         finally:
             end = perf_counter_ns()
@@ -206,19 +199,19 @@ class KVCache:
 
     # == reading (cache/steps.py) ============================================================
     def sparsity(self, sid: int) -> SparsityPolicy | None:
-        return self._table(sid).sparsity
+        return self.session_table.get(sid).sparsity
 
     def resident_positions(self, sid: int, layer: int) -> torch.Tensor:
         """Logical positions (0 = the session's first token) of the tokens ``read_runs``
         returns, in order: what the sparsity policy's masks are indexed by."""
-        return self.reads.resident_positions(self._table(sid), layer)
+        return self.reads.resident_positions(self.session_table.get(sid), layer)
 
     def read_runs(self, sid: int, layer: int) -> list[Run]:
         """K and V of every readable token in ``layer`` as views into the arena, one pair
         per run of consecutive blocks: each [heads, n_i, head_dim], full precision. When
         the read buffer has no room for a cold session's quantized blocks, they are decoded
         for this read only (``stats()['transient_reads']``)."""
-        t = self._table(sid)
+        t = self.session_table.get(sid)
         check_layer(layer, self.config.num_layers)
         return self.reads.runs(t, layer)
 
