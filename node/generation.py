@@ -1,0 +1,92 @@
+"""One generation request and the stream of its tokens: the contract between whatever decodes
+(``node.scheduler``'s continuous batching, or one request at a time) and whatever serves or
+measures it (``node.openai_api``, ``experiments.serve_load``).
+
+Requests carry token ids, not text: the chat template, stop strings and detokenizing are the
+server's (``node.chat``), so a backend never sees a tokenizer. A backend answers ``submit``
+at once with one handle per sample (``n`` forks share the prompt's blocks by copy-on-write)
+and produces tokens as it runs; a consumer iterates a handle from its own thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from node.chat import GREEDY, Sampling
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+"""``stop``: an EOS/stop token id was produced (it is not yielded); ``length``: ``max_tokens``
+reached; ``cancelled``: the consumer called ``cancel``; ``error``: the backend failed the
+request (``GenerationHandle.error`` says why; nothing secret-dependent)."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What to generate. ``tenant`` is the prefix-sharing namespace: a request shares cached
+    blocks only with requests of the same tenant."""
+
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampling: Sampling = GREEDY
+    stop_token_ids: frozenset[int] = frozenset()
+    tenant: str = "default"
+    n: int = 1
+    seeds: tuple[int, ...] | None = field(default=None)
+    """One sampling seed per fork (``len == n``); None: each fork draws its own from the OS."""
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise ValueError("a generation request needs at least one prompt token")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.seeds is not None and len(self.seeds) != self.n:
+            raise ValueError(f"{len(self.seeds)} seeds for n={self.n} forks")
+
+
+class GenerationHandle(Protocol):
+    """One sample being generated."""
+
+    request_id: str
+    finish_reason: str | None
+    """One of ``FINISH_REASONS`` once finished, else None."""
+    error: str | None
+    model_version: int | None
+    """The model (weights/adapter) version every yielded token was computed under; set when
+    the first token is produced."""
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    """Prompt tokens taken from the prefix cache instead of computed."""
+
+    def tokens(self, timeout: float | None = None) -> Iterator[int]:
+        """The generated token ids as they are produced, ending when the sample finishes;
+        ``TimeoutError`` when no token arrives within ``timeout`` seconds."""
+        ...
+
+    def cancel(self) -> None:
+        """Stop generating; the handle finishes with ``cancelled`` and its blocks are freed."""
+        ...
+
+
+class GenerationBackend(Protocol):
+    """Something that decodes requests (see the module docstring)."""
+
+    model_id: str
+
+    @property
+    def version(self) -> int:
+        """The model version new tokens are computed under."""
+        ...
+
+    def submit(self, request: GenerationRequest) -> list[GenerationHandle]:
+        """Queue ``request``; one handle per fork, in order. Never refuses for lack of KV
+        memory (it waits or preempts); ``ValueError`` for a request the model cannot take
+        (a prompt longer than its context)."""
+        ...
+
+    def close(self) -> None:
+        """Finish every handle (``cancelled``) and stop any thread the backend runs."""
+        ...
