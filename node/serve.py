@@ -72,7 +72,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -82,18 +82,16 @@ import torch
 
 from cache import KVCache
 from cache.coherence import Mode
-from cache.coherence_file import FileDirectory
 from cache.errors import CacheFullError
 from crypto import PASSPHRASE_ENV, passphrase_from_env, read_secret_file
-from node import param_channel
 from node.chat import Sampling
-from node.coherence import COHERENCE_DIR, PARAM_ENTRY
 from node.model_interface import CachedLM
+from node.param_follower import ParamFollower
 from node.models import ModelError
 from node.serve_auth import (NoSuchSession, QuotaExceeded, SessionRegistry, Tenants, TokenFileError,
                              check_bind, default_token_file, ensure_token_file, tls_context)
 from node.sessions import Sessions, UnknownSessionError
-from node.tasks import lm_model, load_parameters, parameter_layout
+from node.tasks import lm_model, parameter_layout
 
 _log = logging.getLogger("fedkv.serve")
 LIVE_SUBDIR = "serve"
@@ -120,16 +118,6 @@ _PREFIX_COUNTERS = ("prefix_lookups", "prefix_hit_blocks", "prefix_hit_tokens")
 
 class ModelChanged(Exception):
     """A write-back invalidated ``param`` in the middle of a turn: roll it back, reload."""
-
-
-@dataclass
-class ServeCounters:
-    """The model's history: what every tenant may see (the trainer's write-backs)."""
-
-    reloads: int = 0
-    invalidations: int = 0
-    """``param`` invalidations received (each one a trainer write-back)."""
-    versions_seen: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -265,10 +253,9 @@ class ServingAgent:
         self.registry = SessionRegistry(max_sessions, idle_expiry_s)
         self.tenants: defaultdict[str, TenantCounters] = defaultdict(TenantCounters)
         self.cache.go_live(self.cache_dir / LIVE_SUBDIR)  # python -m cache stats|set --dir ...
-        self.counters = ServeCounters()
-        self.directory = FileDirectory(self.cache_dir / COHERENCE_DIR, mode=mode, timeout_s=timeout_s)
-        self.agent = self.directory.join("serve")
-        self._wait_s = wait_s
+        self.follower = ParamFollower(self.cache_dir, key, self.model, self.layout, mode=mode,
+                                      timeout_s=timeout_s, wait_s=wait_s, own_weights=own_weights)
+        self.counters = self.follower.counters
         self._load()
 
     @property
@@ -276,49 +263,15 @@ class ServingAgent:
         return self.cache.version
 
     def _load(self) -> None:
-        """Read ``param`` (waits while a writer holds it) and the parameters published. The
-        first parameters are waited for *before* taking ``param``: a reader that held it
-        while sleeping would hold the trainer's first write up."""
-        deadline = time.monotonic() + self._wait_s
-        while not param_channel.path_in(self.cache_dir).exists():
-            if self.own_weights:
-                self.agent.acquire_read(PARAM_ENTRY)  # a reader all the same: ACKs write-backs
-                return
-            if time.monotonic() > deadline:
-                raise param_channel.PublishedParamsError(
-                    f"no parameters were published in {self.cache_dir} within {self._wait_s} s")
-            time.sleep(0.1)  # the node has not written its parameters yet
-        self.agent.acquire_read(PARAM_ENTRY)
-        try:
-            state, version = param_channel.load(self.cache_dir, self.key, at_least=self.version)
-        except param_channel.ParamRollbackError as err:
-            _log.error("%s", err)  # keeps serving the version it has
-            return
-        if self.own_weights:
-            own = self.model.state_dict()
-            try:  # the trainer's parameters may be another model's: then keep these, whole
-                unfit = [n for n in self.layout.names
-                         if n not in state or tuple(state[n].shape) != tuple(own[n].shape)]
-                if unfit:
-                    raise KeyError(f"{len(unfit)} parameters absent or of another shape, "
-                                   f"e.g. {unfit[0]!r}")
-                load_parameters(self.model, state, self.layout)
-            except (KeyError, RuntimeError) as e:
-                _log.warning("published parameters (version %d) do not fit the served model "
-                             "(%s); serving its own weights", version, e)
-                return
-        else:
-            load_parameters(self.model, state, self.layout)
-        self.cache.set_version(version)  # K/V of other versions are never served again
-        self.counters.reloads += 1
-        self.counters.versions_seen.append(version)
-        _log.info("serving model version %d", version)
+        """The published parameters (``ParamFollower.load``); K/V of other versions are never
+        served again."""
+        version = self.follower.load(self.version)
+        if version is not None:
+            self.cache.set_version(version)
 
     def check(self) -> None:
         """Between tokens: ACK pending invalidations; a dropped ``param`` means new weights."""
-        dropped = self.agent.poll()
-        if PARAM_ENTRY in dropped:
-            self.counters.invalidations += 1
+        if self.follower.poll():
             raise ModelChanged
 
     def idle(self, blocking: bool = True) -> None:
@@ -458,7 +411,7 @@ class ServingAgent:
                     "sessions": self.registry.count(tenant), **asdict(self.tenants[tenant])}
 
     def close(self) -> None:
-        self.agent.leave()
+        self.follower.leave()
 
 
 _UNAUTHORIZED = {"error": "unauthorized"}
