@@ -1,0 +1,434 @@
+"""Load benchmark of the node as an LLM server: N concurrent clients against three backends.
+
+    python -m experiments.serve_load [--quick] [--json] [--models smollm2,tiny] [--clients 1,4,16,32]
+
+Every backend is a ``node.generation.GenerationBackend`` and the same client threads drive
+them, so the figures compare decoders, not harnesses:
+
+* ``fedkv_scheduler`` -- ``node.scheduler_backend.ScheduledBackend``: continuous batching with
+  chunked prefill and preemption, its KV pool sized for ``pool_share`` (a quarter) of the
+  offered load;
+* ``fedkv_no_scheduler`` -- ``node.serial_backend.SerialBackend``: the same model and cache,
+  one request at a time;
+* ``hf_sequential`` -- Hugging Face ``LlamaForCausalLM`` with its ``DynamicCache`` on the same
+  weights, one request at a time (``generate``'s loop, stepped by hand so tokens stream).
+
+Each client waits an exponential think time (Poisson arrivals per client), sends a request,
+reads its tokens as they stream and repeats. Request lengths come from the Mooncake
+conversation trace when ``../shared/data/traces`` (or ``--trace``) has it: lengths divided by
+``scale`` (a 7,000-token prompt is minutes of prefill on two cores), each trace hash id a fixed
+block of ``block_tokens`` tokens, so requests that share hash ids share a prompt prefix as in
+the trace; otherwise synthetic lengths with a shared system prefix. Greedy decoding throughout.
+Per cell (model x clients x backend): output tokens/s over the cell's wall time, TTFT and
+time-per-output-token p50/p99; per model: dropped requests (any that ended in ``error``),
+preempted and resumed sequences, the prefix hit rate of the scheduler's cache, and
+``overcommit`` = offered load / pool capacity in tokens. Backends run in rotated order per
+client count and ``--repeats`` times; each figure is the median over repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import queue
+import random
+import statistics
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cache import KVCache
+from experiments.output import (add_common_args, make_run_dir, markdown_table, plot_lines,
+                                print_results_dir, write_csv, write_json)
+from node.generation import GenerationRequest
+
+SYSTEMS = ("fedkv_scheduler", "fedkv_no_scheduler", "hf_sequential")
+CLIENTS = (1, 4, 16, 32)
+MODELS = ("smollm2", "tiny")
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / \
+    "mooncake_conversation_trace.jsonl"
+METRICS = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    requests_per_client: int = 2
+    think_s: float = 0.05
+    """Mean of the exponential wait before each request of a client (Poisson arrivals)."""
+    max_prompt: int = 192
+    max_new: int = 32
+    scale: int = 16
+    """Trace lengths are divided by this."""
+    block_tokens: int = 32
+    """Tokens per trace hash id after scaling (the trace's 512-token blocks / ``scale``)."""
+    pool_share: float = 0.25
+    """The scheduler's KV pool holds this share of the offered load (the rest is preemption's)."""
+    repeats: int = 1
+    timeout_s: float = 600.0
+    """A token that takes longer than this counts the request as dropped."""
+
+
+@dataclass(frozen=True)
+class Req:
+    prompt: tuple[int, ...]
+    max_tokens: int
+
+
+# -- workload ------------------------------------------------------------------------------
+def trace_requests(path: Path, n: int, cfg: LoadConfig, vocab: int, seed: int) -> list[Req]:
+    """The first ``n`` requests of a Mooncake trace, scaled (see the module docstring)."""
+    out = []
+    with open(path) as fh:
+        for line in fh:
+            if len(out) >= n:
+                break
+            if line.strip():
+                r = json.loads(line)
+                length = min(max(8, r["input_length"] // cfg.scale), cfg.max_prompt)
+                ids = [t for h in r["hash_ids"] for t in _block(h, cfg.block_tokens, vocab, seed)]
+                ids = (ids * (length // max(len(ids), 1) + 1))[:length]
+                out.append(Req(tuple(ids), min(max(4, r["output_length"] // cfg.scale),
+                                               cfg.max_new)))
+    return out
+
+
+def _block(h: int, size: int, vocab: int, seed: int) -> list[int]:
+    rng = random.Random(seed * 1_000_003 + h)
+    return [rng.randrange(4, vocab) for _ in range(size)]
+
+
+def synthetic_requests(n: int, cfg: LoadConfig, vocab: int, seed: int) -> list[Req]:
+    """A shared system block, then a request's own tokens; lengths uniform."""
+    rng = random.Random(seed)
+    system = _block(-1, cfg.block_tokens * 2, vocab, seed)
+    return [Req(tuple(system + [rng.randrange(4, vocab) for _ in range(
+        rng.randrange(8, max(9, cfg.max_prompt - len(system))))]),
+        rng.randrange(4, cfg.max_new + 1)) for _ in range(n)]
+
+
+# -- the HF baseline behind the same contract ------------------------------------------------
+class _Handle:
+    def __init__(self, rid: str, prompt_tokens: int):
+        self.request_id, self.prompt_tokens, self.cached_prompt_tokens = rid, prompt_tokens, 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.model_version: int | None = 0
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+
+    def tokens(self, timeout: float | None = None) -> Iterator[int]:
+        while True:
+            try:
+                tok = self._q.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"no token within {timeout} s") from None
+            if tok is None:
+                return
+            yield tok
+
+    def cancel(self) -> None:
+        self.finish_reason = self.finish_reason or "cancelled"
+
+
+class HFSequentialBackend:
+    """HF ``LlamaForCausalLM`` + ``DynamicCache``, one request at a time on one thread, greedy
+    (the baseline: what serving with ``generate`` does)."""
+
+    def __init__(self, hf_model: Any, model_id: str = "hf"):
+        self.model, self.model_id, self.version = hf_model.eval(), model_id, 0
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._n = 0
+        self._thread = threading.Thread(target=self._loop, name="hf-sequential", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: GenerationRequest) -> list[_Handle]:
+        if request.n != 1 or not request.sampling.greedy:
+            raise ValueError("the HF baseline decodes one greedy sample per request")
+        self._n += 1
+        h = _Handle(f"hf-{self._n}", len(request.prompt))
+        self._jobs.put((request, h))
+        return [h]
+
+    @torch.inference_mode()
+    def _run(self, request: GenerationRequest, h: _Handle) -> None:
+        from transformers import DynamicCache
+        past = DynamicCache()
+        out = self.model(torch.tensor([request.prompt]), cache=past, use_cache=True)
+        for _ in range(request.max_tokens):
+            tok = int(out.logits[0, -1].argmax())
+            if tok in request.stop_token_ids or h.finish_reason == "cancelled":
+                h.finish_reason = h.finish_reason or "stop"
+                return
+            h._q.put(tok)
+            out = self.model(torch.tensor([[tok]]), cache=past, use_cache=True)
+        h.finish_reason = "length"
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            request, h = job
+            try:
+                self._run(request, h)
+            except Exception as e:  # a failed request ends its handle, never the loop
+                h.finish_reason, h.error = "error", type(e).__name__
+            h._q.put(None)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+
+# -- driving a backend -----------------------------------------------------------------------
+@dataclass
+class Record:
+    ttft_s: float
+    tpot_s: float | None
+    tokens: int
+    dropped: bool
+
+
+def drive(backend: Any, requests: Sequence[Req], clients: int, cfg: LoadConfig,
+          seed: int) -> tuple[list[Record], float]:
+    """``clients`` threads, each sending its share of ``requests`` in turn after an
+    exponential wait; (one record per request, wall seconds)."""
+    records: list[Record] = []
+    lock = threading.Lock()
+
+    def client(c: int) -> None:
+        rng = random.Random(seed * 7919 + c)
+        for req in requests[c::clients]:
+            time.sleep(rng.expovariate(1 / cfg.think_s) if cfg.think_s > 0 else 0)
+            rec = _one(backend, req, cfg.timeout_s)
+            with lock:
+                records.append(rec)
+
+    threads = [threading.Thread(target=client, args=(c,), name=f"client-{c}")
+               for c in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return records, time.perf_counter() - t0
+
+
+def _one(backend: Any, req: Req, timeout_s: float) -> Record:
+    t0 = time.perf_counter()
+    times: list[float] = []
+    try:
+        (h,) = backend.submit(GenerationRequest(req.prompt, req.max_tokens, tenant="load"))
+        for _ in h.tokens(timeout=timeout_s):
+            times.append(time.perf_counter())
+        dropped = h.finish_reason == "error"
+    except (TimeoutError, ValueError, RuntimeError):
+        dropped = True
+    ttft = times[0] - t0 if times else math.nan
+    tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+    return Record(ttft, tpot, len(times), dropped)
+
+
+def summarize(records: Sequence[Record], wall_s: float) -> dict[str, float]:
+    ttft = [r.ttft_s for r in records if not math.isnan(r.ttft_s)]
+    tpot = [r.tpot_s for r in records if r.tpot_s is not None]
+
+    def pct(xs: list[float], q: float) -> float:
+        return float(np.percentile(xs, q)) if xs else math.nan
+    return {"tokens_per_s": sum(r.tokens for r in records) / wall_s,
+            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+            "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99)}
+
+
+# -- models and backends ---------------------------------------------------------------------
+@dataclass
+class Served:
+    name: str
+    model: Any
+    """``node.llama.LlamaModel`` (fedkv's decode path)."""
+    hf: Any
+    """``transformers.LlamaForCausalLM`` with the same weights."""
+    vocab: int
+
+
+def load_served(name: str, seed: int, model_dir: str | None = None) -> Served:
+    """``smollm2`` from the converted model directory; ``tiny``: a seeded random Llama (2
+    layers, hidden 64, GQA 4 over 2 heads, vocabulary 512) loaded into both."""
+    import transformers
+
+    from node.llama import LlamaConfig, LlamaModel
+    if name == "smollm2":
+        from node import models
+        d = Path(model_dir).expanduser() if model_dir else models.default_dir()
+        ours = LlamaModel.from_pretrained(d).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+        return Served(name, ours, hf.eval(), hf.config.vocab_size)
+    if name != "tiny":
+        raise ValueError(f"unknown model {name!r}; use one of {list(MODELS)}")
+    cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=100_000.0,
+        tie_word_embeddings=True, max_position_embeddings=1024)
+    torch.manual_seed(seed)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    ours = LlamaModel.from_state_dict(LlamaConfig.from_hf(cfg), hf.state_dict()).eval()
+    return Served(name, ours, hf, cfg.vocab_size)
+
+
+def fp32_bytes_per_token(model: Any) -> int:
+    c = model.cache_config()
+    return 2 * c.num_layers * c.num_heads * c.head_dim * 4
+
+
+def pool_tokens(requests: Sequence[Req], clients: int, cfg: LoadConfig, block: int) -> tuple[int, int]:
+    """(offered load, pool capacity) in tokens: ``clients`` requests of the workload's mean
+    size in flight, the pool ``pool_share`` of it, never less than the largest request plus a
+    block per sequence of room (else that request could never run)."""
+    need = [len(r.prompt) + r.max_tokens for r in requests]
+    offered = round(clients * statistics.fmean(need))
+    floor = max(need) + 2 * block
+    return offered, max(math.ceil(cfg.pool_share * offered), floor)
+
+
+def make_backend(system: str, served: Served, pool: int, clients: int) -> Any:
+    if system == "hf_sequential":
+        return HFSequentialBackend(served.hf, served.name)
+    cache = KVCache(served.model.cache_config(pool_bytes=pool * fp32_bytes_per_token(served.model)))
+    if system == "fedkv_no_scheduler":
+        from node.serial_backend import SerialBackend
+        return SerialBackend(served.model, cache, model_id=served.name)
+    from node.scheduler import SchedulerConfig
+    from node.scheduler_backend import ScheduledBackend
+    return ScheduledBackend(served.model, cache, SchedulerConfig(max_running=max(clients, 1)),
+                            model_id=served.name)
+
+
+def backend_counters(backend: Any) -> dict[str, float]:
+    """Preemptions, resumes and the prefix hit rate of a scheduler backend (zeros otherwise)."""
+    sched = getattr(backend, "scheduler", None)
+    if sched is None:
+        return {"preempted": 0, "resumed": 0, "prefix_hit_rate": math.nan}
+    return {"preempted": sched.counters.get("preemptions", 0),
+            "resumed": sched.counters.get("resumes", 0),
+            "prefix_hit_rate": float(sched.cache.stats().get("prefix_hit_rate", math.nan))}
+
+
+# -- the run ---------------------------------------------------------------------------------
+def run_model(served: Served, clients_list: Sequence[int], cfg: LoadConfig, seed: int,
+              trace: Path | None) -> tuple[dict, list[dict]]:
+    """One model's ``by_clients`` table and its CSV rows."""
+    by_clients: dict[str, dict] = {}
+    rows: list[dict] = []
+    totals = {"dropped_requests": 0, "preempted": 0, "resumed": 0}
+    block = served.model.cache_config().block_size
+    for i, clients in enumerate(clients_list):
+        n = max(4, clients * cfg.requests_per_client)
+        reqs = (trace_requests(trace, n, cfg, served.vocab, seed) if trace is not None
+                else synthetic_requests(n, cfg, served.vocab, seed))
+        offered, pool = pool_tokens(reqs, clients, cfg, block)
+        cell: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
+        for rep in range(cfg.repeats):
+            order = SYSTEMS[(i + rep) % 3:] + SYSTEMS[:(i + rep) % 3]  # rotated: no fixed slot
+            for system in order:
+                backend = make_backend(system, served, pool, clients)
+                try:
+                    records, wall = drive(backend, reqs, clients, cfg, seed + rep)
+                    counters = backend_counters(backend)
+                finally:
+                    backend.close()
+                dropped = sum(r.dropped for r in records)
+                cell[system].append(summarize(records, wall))
+                rows.append({"model": served.name, "clients": clients, "system": system,
+                             "repeat": rep, "requests": len(records), "dropped": dropped,
+                             "offered_tokens": offered, "pool_tokens": pool,
+                             **cell[system][-1], **counters})
+                if system == "fedkv_scheduler":
+                    totals["dropped_requests"] += dropped
+                    totals["preempted"] += counters["preempted"]
+                    totals["resumed"] += counters["resumed"]
+        by_clients[str(clients)] = {s: {m: statistics.median(x[m] for x in cell[s])
+                                        for m in METRICS} for s in SYSTEMS}
+    offered, pool = rows[-1]["offered_tokens"], rows[-1]["pool_tokens"]
+    return {"by_clients": by_clients, **totals, "overcommit": offered / pool}, rows
+
+
+def targets(result: dict) -> list[str]:
+    """The issue's targets (figures, not assertions), PASS/MISS each."""
+    out = []
+    m = result["model"].get("smollm2")
+    if m and "16" in m["by_clients"]:
+        c = m["by_clients"]["16"]
+        s = c["fedkv_scheduler"]
+        checks = [("throughput >= 4x HF one at a time", s["tokens_per_s"] / c["hf_sequential"]["tokens_per_s"], 4.0),
+                  ("throughput >= 2x fedkv without the scheduler",
+                   s["tokens_per_s"] / c["fedkv_no_scheduler"]["tokens_per_s"], 2.0)]
+        out += [f"{'PASS' if v >= t else 'MISS'} {name}: {v:.2f}x" for name, v, t in checks]
+        r = s["ttft_p99_s"] / s["ttft_p50_s"]
+        out.append(f"{'PASS' if r <= 3 else 'MISS'} p99 TTFT <= 3x p50: {r:.2f}x")
+    for name, m in result["model"].items():
+        out.append(f"{'PASS' if m['dropped_requests'] == 0 else 'MISS'} {name}: "
+                   f"{m['dropped_requests']} dropped at overcommit {m['overcommit']:.2f}")
+    return out
+
+
+def summary_md(result: dict, rows: list[dict]) -> str:
+    table = [{"model": r["model"], "clients": r["clients"], "system": r["system"],
+              **{k: r[k] for k in METRICS}, "dropped": r["dropped"],
+              "preempted": r["preempted"]} for r in rows]
+    return ("# serve_load\n\n" + markdown_table(table) + "\n" +
+            "\n".join(f"- {t}" for t in targets(result)) + "\n")
+
+
+def _plot(out: Path, result: dict) -> None:
+    series = {}
+    for name, m in result["model"].items():
+        xs = [int(c) for c in m["by_clients"]]
+        for s in SYSTEMS:
+            series[f"{name} {s}"] = (xs, [m["by_clients"][c][s]["tokens_per_s"]
+                                          for c in m["by_clients"]])
+    plot_lines(out / "serve_load.png", series, xlabel="concurrent clients",
+               ylabel="output tokens/s", title="serve_load: throughput")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(p, quick_help="short requests, one per client (~5 min on 2 cores)")
+    p.add_argument("--json", action="store_true", help="print one JSON object last")
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--clients", default=",".join(map(str, CLIENTS)))
+    p.add_argument("--repeats", type=int, default=None, help="per cell (1 quick, 3 otherwise)")
+    p.add_argument("--trace", default=str(TRACE), help="Mooncake conversation trace (.jsonl)")
+    p.add_argument("--model-dir", default=None)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cfg = LoadConfig(requests_per_client=1 if args.quick else 2,
+                     max_prompt=128 if args.quick else 192, max_new=16 if args.quick else 32,
+                     repeats=args.repeats or (1 if args.quick else 3))
+    trace = Path(args.trace) if args.trace and os.path.isfile(args.trace) else None
+    clients = [int(c) for c in args.clients.split(",")]
+    result: dict[str, Any] = {"model": {}, "workload": "mooncake" if trace else "synthetic",
+                              "config": {**cfg.__dict__, "threads": args.threads}}
+    rows: list[dict] = []
+    for name in args.models.split(","):
+        served = load_served(name, args.seed, args.model_dir)
+        result["model"][name], r = run_model(served, clients, cfg, args.seed, trace)
+        rows += r
+    out = make_run_dir(args.out, "serve_load")
+    write_csv(out / "serve_load.csv", rows)
+    _plot(out, result)
+    (out / "summary.md").write_text(summary_md(result, rows))
+    write_json(out / "serve_load.json", result)
+    print(summary_md(result, rows))
+    print_results_dir(out)
+    if args.json:
+        print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
