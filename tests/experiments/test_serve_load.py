@@ -1,0 +1,58 @@
+"""experiments.serve_load: the workload keeps the trace's shared prefixes, the pool is sized
+as documented, every backend runs behind one driver, and the JSON has the issue's shape."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from experiments import serve_load as sl
+
+pytest.importorskip("transformers")
+
+
+def test_trace_requests_share_the_prefixes_the_trace_shares(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    rows = [{"timestamp": 0, "input_length": 16 * 100, "output_length": 160, "hash_ids": [0, 1, 2]},
+            {"timestamp": 0, "input_length": 16 * 100, "output_length": 16, "hash_ids": [0, 1, 9]},
+            {"timestamp": 0, "input_length": 16 * 40, "output_length": 16, "hash_ids": [5]}]
+    trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = sl.LoadConfig(scale=16, block_tokens=32, max_prompt=192, max_new=8)
+    a, b, c = sl.trace_requests(trace, 10, cfg, vocab=500, seed=0)
+    assert len(a.prompt) == len(b.prompt) == 100 and len(c.prompt) == 40
+    assert a.prompt[:64] == b.prompt[:64] and a.prompt[64:] != b.prompt[64:]
+    assert a.prompt[:32] != c.prompt[:32]
+    assert (a.max_tokens, b.max_tokens) == (8, 4)  # 160 // 16 capped at 8; 16 // 16 raised to 4
+    assert all(4 <= t < 500 for t in a.prompt)
+
+
+def test_the_pool_holds_a_share_of_the_offered_load_but_always_the_largest_request():
+    reqs = [sl.Req(tuple(range(90)), 10), sl.Req(tuple(range(40)), 10)]
+    offered, pool = sl.pool_tokens(reqs, 16, sl.LoadConfig(pool_share=0.25), block=16)
+    assert offered == 16 * 75 and pool == 300
+    offered, pool = sl.pool_tokens(reqs, 1, sl.LoadConfig(pool_share=0.25), block=16)
+    assert pool == 100 + 32 > offered * 0.25
+
+
+def test_summarize_percentiles_and_throughput():
+    recs = [sl.Record(0.1 * i, 0.01 * i, 10, False) for i in range(1, 101)]
+    s = sl.summarize(recs, wall_s=10.0)
+    assert s["tokens_per_s"] == pytest.approx(100.0)
+    assert s["ttft_p50_s"] == pytest.approx(5.05) and s["ttft_p99_s"] == pytest.approx(9.901)
+    assert s["tpot_p50_s"] == pytest.approx(0.505)
+
+
+def test_the_hf_baseline_streams_greedy_tokens_like_generate(one_thread):
+    served = sl.load_served("tiny", seed=0)
+    prompt = tuple(range(5, 25))
+    backend = sl.HFSequentialBackend(served.hf)
+    try:
+        (h,) = backend.submit(sl.GenerationRequest(prompt, 6))
+        got = list(h.tokens(timeout=60))
+    finally:
+        backend.close()
+    want = served.hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                              min_new_tokens=6)[0, len(prompt):].tolist()
+    assert got == want and h.finish_reason == "length"
