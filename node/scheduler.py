@@ -358,14 +358,17 @@ class Scheduler:
         return []
 
     def _run_prefill(self, chunks: list[tuple[Sequence, int]]):
+        """One ``forward_cached`` per chunk. Out of blocks, the newest sequence whose chunk
+        has not run yet is preempted (this one last): a row that already decoded or
+        prefilled this step keeps its result."""
         out = []
-        for s, n in chunks:
+        for i, (s, n) in enumerate(chunks):
             while s.status is Status.RUNNING:
                 try:
                     logits = self.model.forward_cached(s.context[s.computed : s.computed + n],
                                                        self.cache, s.sid)
                 except CacheFullError:
-                    self._preempt_newest()
+                    self._preempt_newest([c for c, _ in chunks[i:] if c.status is Status.RUNNING])
                     continue
                 self.counters["prefill_chunks"] += 1
                 s.computed += n
@@ -375,9 +378,10 @@ class Scheduler:
         return out
 
     # -- preemption and retiring -------------------------------------------------------------
-    def _preempt_newest(self) -> Sequence:
-        """Move the newest running sequence back to waiting, releasing its blocks."""
-        victim = max(self.running, key=lambda s: s.arrival)
+    def _preempt_newest(self, among: list[Sequence] | None = None) -> Sequence:
+        """Move the newest running sequence (of ``among``) back to waiting, releasing its
+        blocks."""
+        victim = max(self.running if among is None else among, key=lambda s: s.arrival)
         self.running.remove(victim)
         if self.config.preempt_mode == "swap":
             self.cache.close_session(victim.sid)  # full blocks stay cached (warm tier)

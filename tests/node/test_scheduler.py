@@ -33,13 +33,19 @@ def _byte_model(seed: int = 0) -> TinyTransformer:
     return TinyTransformer(ModelConfig(n_layers=2, n_heads=2, d_model=32, context_len=256)).eval()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _single_thread(one_thread):
+    """Every test here, the state machine's too, on one torch thread (see ``one_thread``)."""
+    yield
+
+
 @pytest.fixture(scope="module")
-def byte_model(one_thread):
+def byte_model():
     return _byte_model()
 
 
 @pytest.fixture(scope="module")
-def llama_model(one_thread):
+def llama_model():
     transformers = pytest.importorskip("transformers")
     from node.llama import LlamaConfig, LlamaModel
     cfg = transformers.LlamaConfig(
@@ -287,3 +293,72 @@ def test_the_backend_streams_and_closes_cleanly(byte_model):
     assert kv.sessions() == [] and kv.stats()["blocks_referenced"] == 0
     with pytest.raises(RuntimeError, match="closed"):
         backend.submit(GenerationRequest((1,), 1))
+
+
+# -- the invariants, as a state machine -----------------------------------------------------
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Requests of random lengths (some sharing a prefix, some with forks) in a 10-block pool,
+    steps, cancellations and weight updates, in any order."""
+
+    @initialize(mode=st.sampled_from(["swap", "recompute"]), budget=st.integers(4, 40))
+    def setup(self, mode: str, budget: int) -> None:
+        self.model, self.probe = _byte_model(), _byte_model()
+        self.weights = {0: copy.deepcopy(self.model.state_dict())}
+        self.kv = _cache(self.model, 10)
+        self.s = Scheduler(self.model, self.kv, SchedulerConfig(
+            max_running=4, token_budget=budget, preempt_mode=mode))
+        self.seqs, self.cancelled = [], set()
+
+    @rule(length=st.integers(1, 40), max_tokens=st.integers(0, 12), n=st.integers(1, 2),
+          shared=st.booleans(), tenant=st.sampled_from(["a", "b"]), seed=st.integers(0, 99))
+    def add(self, length, max_tokens, n, shared, tenant, seed):
+        prompt = _prompts(256, [length], seed=0 if shared else seed + 1)[0]
+        sampling = Sampling() if n == 1 else Sampling(temperature=0.8)
+        self.seqs += self.s.add(GenerationRequest(prompt, max_tokens, sampling=sampling, n=n,
+                                                  tenant=tenant))
+
+    @rule(k=st.integers(1, 6))
+    def step(self, k):
+        for _ in range(k):
+            self.s.step()
+
+    @precondition(lambda self: any(not q.finished for q in self.seqs))
+    @rule(data=st.data())
+    def cancel(self, data):
+        q = data.draw(st.sampled_from([q for q in self.seqs if not q.finished]))
+        q.cancel()
+        self.cancelled.add(id(q))
+
+    @rule(seed=st.integers(100, 103))
+    def update_weights(self, seed):
+        v = max(self.weights) + 1
+        self.weights[v] = _byte_model(seed).state_dict()
+        self.s.update_weights(lambda m, w=self.weights[v]: m.load_state_dict(w), v)
+
+    @invariant()
+    def bounded(self):
+        s = self.s
+        assert len(s.running) <= s.config.max_running
+        held = {q.sid for q in s.running} | {q.sid for q in s.waiting if q.sid is not None}
+        assert set(self.kv.sessions()) == held  # no session outlives its sequence
+        for q in self.seqs:
+            assert len(q.generated) <= q.request.max_tokens
+            assert q.finish_reason in (None, "stop", "length", "cancelled")
+
+    def teardown(self):
+        if not hasattr(self, "s"):
+            return
+        _run(self.s)
+        assert self.kv.sessions() == [] and self.kv.stats()["blocks_referenced"] == 0
+        for q in self.seqs:
+            assert q.finished and list(q.tokens(timeout=0)) == q.generated
+            if id(q) not in self.cancelled:  # never dropped: finished, resumed if preempted
+                assert q.finish_reason in ("stop", "length") and q.resumed == q.preemptions
+            if q.sampling.greedy:
+                _check_versions(q, self.weights, self.probe)
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=25, stateful_step_count=15, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow])
