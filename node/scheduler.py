@@ -286,11 +286,11 @@ class Scheduler:
         B = self.cache.config.block_size
         scored = sorted(((self._probe(s), s.arrival, s) for s in ready),
                         key=lambda t: (-t[0], t[1]))
-        for cached, _, s in scored:
+        for _, _, s in scored:
             if len(self.running) >= self.config.max_running:
                 return
-            need = -(-(len(s.context) - cached) // B) + 1
-            if self.running and need > self._free_blocks():
+            need = -(-len(s.context) // B) + 1  # cached blocks count too: hot ones are
+            if self.running and need > self._free_blocks():  # in _free_blocks, warm need room
                 return
             self.waiting.remove(s)
             self._start(s)
