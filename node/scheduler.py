@@ -105,6 +105,7 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     model_version: int | None = None
+    """The first token's version (``token_versions`` has every token's)."""
     cached_prompt_tokens: int = 0
     preemptions: int = 0
     resumed: int = 0

@@ -295,6 +295,12 @@ def test_the_backend_streams_and_closes_cleanly(byte_model):
         backend.submit(GenerationRequest((1,), 1))
 
 
+def test_a_handle_with_no_token_yet_times_out(byte_model):
+    q = Scheduler(byte_model, _cache(byte_model, 8)).add(GenerationRequest((1, 2), 3))[0]
+    with pytest.raises(TimeoutError, match="within 0.01 s"):
+        next(q.tokens(timeout=0.01))
+
+
 # -- the invariants, as a state machine -----------------------------------------------------
 
 class SchedulerMachine(RuleBasedStateMachine):
