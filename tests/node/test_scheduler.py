@@ -368,3 +368,29 @@ class SchedulerMachine(RuleBasedStateMachine):
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=25, stateful_step_count=15, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
+
+
+class _Broken:
+    """A model whose batched decode fails: the backend must fail the requests, not hang."""
+
+    def __init__(self, model):
+        self._m = model
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
+
+    def forward_batch(self, *a, **k):
+        raise RuntimeError("boom")
+
+
+def test_a_failing_step_fails_its_requests_and_the_backend_goes_on(byte_model):
+    kv = _cache(byte_model, 16)
+    backend = ScheduledBackend(_Broken(byte_model), kv)
+    try:
+        h = backend.submit(GenerationRequest((1, 2, 3), 4))[0]
+        # the first token comes from the prefill (forward_cached); the decode step then fails
+        assert list(h.tokens(timeout=30)) == _alone(byte_model, [1, 2, 3], 1)
+        assert h.finish_reason == "error" and "RuntimeError" in h.error
+        assert backend.alive and kv.sessions() == []
+    finally:
+        backend.close()
