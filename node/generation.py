@@ -56,7 +56,9 @@ class GenerationHandle(Protocol):
     error: str | None
     model_version: int | None
     """The model (weights/adapter) version every yielded token was computed under; set when
-    the first token is produced."""
+    the first token is produced. A backend that restarts running requests under a newer
+    version (``node.scheduler``) keeps the first token's here and lists each token's in a
+    ``token_versions`` attribute of its handles."""
     prompt_tokens: int
     cached_prompt_tokens: int
     """Prompt tokens taken from the prefix cache instead of computed."""
