@@ -282,6 +282,7 @@ class _Completion:
                 if delta := ts.push(token):
                     yield delta
                 if ts.stopped:
+                    h.cancel()  # the text ended at a stop string: its fork need not go on
                     return
         except TimeoutError:
             raise APIError(503, "generation timed out", None, "timeout", "server_error") from None
@@ -458,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.server_close()
         backend.close()
+        print("stopped: server and backend closed", flush=True)
     return 0
 
 

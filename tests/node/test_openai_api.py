@@ -68,9 +68,10 @@ def llama_parts(one_thread):
 
 
 @contextlib.contextmanager
-def serving(model, codec, model_id: str, config: APIConfig = APIConfig(), wrap=lambda b: b):
+def serving(model, codec, model_id: str, config: APIConfig = APIConfig(), wrap=lambda b: b,
+            pool_bytes: int = 1 << 21):
     """A live server on a thread; yields it; always shuts down server and backend."""
-    backend = wrap(SerialBackend(model, KVCache(model.cache_config(pool_bytes=1 << 21)),
+    backend = wrap(SerialBackend(model, KVCache(model.cache_config(pool_bytes=pool_bytes)),
                                  model_id=model_id))
     server = thread = None
     try:
@@ -90,7 +91,7 @@ def serving(model, codec, model_id: str, config: APIConfig = APIConfig(), wrap=l
 
 def client(server, tenant: str = "alice", **kw) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1",
-                         api_key=TOKENS.get(tenant, tenant), max_retries=0, timeout=30, **kw)
+                         api_key=TOKENS.get(tenant, tenant), max_retries=0, **{"timeout": 30, **kw})
 
 
 @pytest.fixture(params=["byte", "llama"])
@@ -332,6 +333,43 @@ def test_quota_429_and_full_server_503(one_thread):
         assert _stats(s, "alice")["rate_limited"] == 1 and _stats(s, "carol")["refused_busy"] == 1
 
 
+class _Silent:
+    """Wraps a backend: its handles never produce a token (``tokens`` times out)."""
+
+    def __init__(self, inner):
+        self.inner, self.model_id, self.version, self.handles = inner, inner.model_id, 0, []
+
+    def submit(self, request):
+        class Handle:
+            request_id, finish_reason, error, model_version = "silent", None, None, None
+            prompt_tokens, cached_prompt_tokens, cancelled = len(request.prompt), 0, False
+
+            def tokens(self, timeout=None):
+                time.sleep(timeout)
+                raise TimeoutError(f"no token within {timeout} s")
+                yield
+
+            def cancel(self):
+                self.cancelled = True
+        self.handles += [Handle() for _ in range(request.n)]
+        return self.handles[-request.n:]
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_request_without_tokens_times_out_503_and_is_cancelled(one_thread):
+    config = APIConfig(request_timeout_s=0.2)
+    with serving(lm_model(seed=0).eval(), None, "fedkv-byte", config, wrap=_Silent) as s:
+        c = client(s)
+        with pytest.raises(openai.InternalServerError) as e:
+            c.completions.create(model="fedkv-byte", prompt="hi", n=2)
+        assert e.value.status_code == 503 and e.value.body["code"] == "timeout"
+        with pytest.raises(openai.APIError, match="timed out"):  # the stream's last event
+            list(c.chat.completions.create(model="fedkv-byte", messages=MESSAGES, stream=True))
+        assert len(s.backend.handles) == 3 and all(h.cancelled for h in s.backend.handles)
+
+
 def test_curl_style_request_and_error_shape(byte_server):
     url = f"http://127.0.0.1:{byte_server.server_address[1]}/v1/chat/completions"
     body = json.dumps({"model": "fedkv-byte", "messages": MESSAGES, "max_tokens": 3}).encode()
@@ -357,9 +395,43 @@ def test_smollm2_streamed_equals_whole(one_thread):
     d = models.default_dir()
     if not (d / "model.safetensors").is_file():
         pytest.skip("python -m node.models fetch has not been run")
-    with serving(LlamaModel.from_pretrained(d).eval(), ChatCodec.from_dir(d), "smollm2") as s:
+    with serving(LlamaModel.from_pretrained(d).eval(), ChatCodec.from_dir(d), "smollm2",
+                 pool_bytes=64 << 20) as s:
         for kw in ({"temperature": 0}, {"temperature": 0.8, "seed": 11, "n": 2}):
-            whole = _chat(client(s), s, False, max_tokens=40, **kw)
-            streamed = _chat(client(s), s, True, max_tokens=40, **kw)
+            c = client(s, timeout=300)  # ~2 tokens/s on 2 loaded cores
+            whole = _chat(c, s, False, max_tokens=16, **kw)
+            streamed = _chat(c, s, True, max_tokens=16, **kw)
             assert whole[0] == streamed[0] and whole[1] == streamed[1]
             assert all(whole[0]) and whole[2].completion_tokens == streamed[2].completion_tokens
+
+
+@pytest.mark.slow
+def test_cli_serves_and_stops_cleanly_on_sigterm(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    tmp_path.chmod(0o700)
+    token_file = tmp_path / "token"
+    p = subprocess.Popen([sys.executable, "-m", "node.openai_api", "--port", "0", "--token-file",
+                          str(token_file)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        lines = []
+        for line in p.stdout:
+            lines.append(line)
+            if line.startswith("serving"):
+                break
+        url = line.split(" at ")[1].split()[0]
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        c = openai.OpenAI(base_url=url, api_key=token_file.read_text().strip(), max_retries=0)
+        assert [m.id for m in c.models.list().data] == ["fedkv-byte"]
+        text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model="fedkv-byte", messages=MESSAGES, max_tokens=4, stream=True) if ch.choices)
+        assert text
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0 and "stopped: server and backend closed" in p.stdout.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
