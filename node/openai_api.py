@@ -192,7 +192,8 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             raise bad(None, "Content-Length must be an integer") from None
         if not 0 < n <= self.server.config.max_body:
-            raise bad(None, f"the body must be a JSON object of 1 to {self.server.config.max_body} bytes")
+            raise bad(None, "the body must be a JSON object of 1 to "
+                            f"{self.server.config.max_body} bytes")
         try:
             body = json.loads(self.rfile.read(n))
         except ValueError as e:
@@ -213,9 +214,10 @@ class _Handler(BaseHTTPRequestHandler):
                     raise APIError(404, "no such model", "model", "model_not_found")
                 self._json(200, found[0])
             elif self.path == "/v1/stats":
+                with self.server._lock:
+                    own = asdict(self.server.stats[tenant])
                 self._json(200, {"tenant": tenant, "model": self.server.backend.model_id,
-                                 "version": self.server.backend.version,
-                                 **asdict(self.server.stats[tenant])})
+                                 "version": self.server.backend.version, **own})
             else:
                 raise APIError(404, f"no such path {self.path}", None, "not_found")
         self._guarded(get)
@@ -246,18 +248,19 @@ class _Completion:
         """Tokens each choice consumed (the usage's completion tokens)."""
 
     def _request(self, prompt: list[int]) -> GenerationRequest:
-        room = self.server.context_len - len(prompt)
-        if room < 1 or (self.p.max_tokens is not None and self.p.max_tokens > room):
+        """The backend's request; 400 when the prompt and ``max_tokens`` overflow the context."""
+        room, asked = self.server.context_len - len(prompt), self.p.max_tokens
+        if room < 1 or (asked is not None and asked > room):
             raise APIError(400, f"this model's maximum context length is {self.server.context_len} "
                                 f"tokens; the prompt has {len(prompt)} and max_tokens asks for "
-                                f"{self.p.max_tokens}", "messages" if self.chat else "prompt",
+                                f"{asked or 1}", "messages" if self.chat else "prompt",
                            "context_length_exceeded")
         n, seed = self.p.n, self.p.seed
+        seeds = None if seed is None else tuple((seed + i) & MAX_SEED for i in range(n))
         return GenerationRequest(
-            tuple(prompt), min(room, self.server.config.max_tokens) if self.p.max_tokens is None
-            else self.p.max_tokens, Sampling(self.p.temperature, self.p.top_p),
-            stop_token_ids=self.server.codec.eos_ids, tenant=self.tenant, n=n,
-            seeds=None if seed is None else tuple((seed + i) & MAX_SEED for i in range(n)))
+            tuple(prompt), min(room, self.server.config.max_tokens) if asked is None else asked,
+            Sampling(self.p.temperature, self.p.top_p), stop_token_ids=self.server.codec.eos_ids,
+            tenant=self.tenant, n=n, seeds=seeds)
 
     def run(self, prompt: list[int]) -> None:
         request = self._request(prompt)
@@ -340,7 +343,7 @@ class _Completion:
         self.h._event("[DONE]")
 
     def _chunk(self, handles, i: int, delta: dict | str, reason: str | None, usage: dict) -> None:
-        body = {"delta": delta, "logprobs": None} if self.chat else {"text": delta, "logprobs": None}
+        body = {"delta" if self.chat else "text": delta, "logprobs": None}
         self.h._event({**self._head(handles, chunk=True), **usage,
                        "choices": [{"index": i, **body, "finish_reason": reason}]})
 
@@ -348,9 +351,11 @@ class _Completion:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat \
             else "text_completion"
         version = handles[0].model_version
+        if version is None:  # no token yet
+            version = self.server.backend.version
         return {"id": self.id, "object": kind, "created": self.created,
                 "model": self.server.backend.model_id,
-                "system_fingerprint": f"fedkv-v{version if version is not None else self.server.backend.version}"}
+                "system_fingerprint": f"fedkv-v{version}"}
 
     def _usage(self, handles: list[GenerationHandle]) -> dict[str, Any]:
         prompt, done = handles[0].prompt_tokens, sum(self._used)
@@ -369,12 +374,14 @@ class _Completion:
 # -- the command line -----------------------------------------------------------------------------
 MODEL_IDS = {"byte": "fedkv-byte", "smollm2": "smollm2-135m-instruct"}
 DEFAULT_PORT = 8471
+DEFAULT_TOKEN_FILE = Path.home() / ".cache" / "fedkv" / "serve-token"
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     from node.serve import MODELS, POOL_MIB, SMOLLM2_POOL_MIB
     d = APIConfig()
-    p = argparse.ArgumentParser(prog="python -m node.openai_api", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m node.openai_api",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=MODELS, default="byte",
                    help="byte: the node's byte-level model (random weights, seed --seed: for "
                         "plumbing); smollm2: SmolLM2-135M-Instruct from --model-dir")
@@ -386,7 +393,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 = any free port")
     p.add_argument("--tls-cert", type=Path, default=None)
     p.add_argument("--tls-key", type=Path, default=None)
-    p.add_argument("--token-file", type=Path, default=Path.home() / ".cache" / "fedkv" / "serve-token",
+    p.add_argument("--token-file", type=Path, default=DEFAULT_TOKEN_FILE,
                    help="'tenant:token' lines (a bare token: tenant 'default'), mode 0600; "
                         "written with one fresh token when missing")
     p.add_argument("--pool-mib", type=float, default=None,

@@ -48,7 +48,8 @@ class APIError(Exception):
                  code: str | None = None, type: str = "invalid_request_error",
                  headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.status, self.message, self.param = status, message, param
+        self.code, self.type = code, type
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
@@ -184,8 +185,8 @@ def _content(c: object, p: str) -> str:
     """A string, or a list of ``{"type": "text", "text": ...}`` parts joined."""
     if isinstance(c, str):
         return c
-    if isinstance(c, list) and all(isinstance(x, dict) and x.get("type") == "text"
-                                    and isinstance(x.get("text"), str) and set(x) == {"type", "text"}
+    if isinstance(c, list) and all(isinstance(x, dict) and set(x) == {"type", "text"}
+                                    and x["type"] == "text" and isinstance(x["text"], str)
                                     for x in c):
         return "".join(x["text"] for x in c)
     raise bad(f"{p}.content", f"{p}.content must be a string or a list of text parts "
@@ -229,7 +230,8 @@ class PromptCodec:
     def text(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
             if max(prompt) >= self.vocab_size:
-                raise bad("prompt", f"token ids must be below the vocabulary size {self.vocab_size}")
+                raise bad("prompt", f"token ids must be below the vocabulary size "
+                                    f"{self.vocab_size}")
             return prompt
         return self.codec.encode(prompt) if self.chat else list(prompt.encode("utf-8"))
 

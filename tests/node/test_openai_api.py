@@ -64,7 +64,8 @@ def llama_parts(one_thread):
         max_position_embeddings=256, initializer_range=0.2)
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(cfg).eval()
-    return LlamaModel.from_state_dict(LlamaConfig.from_hf(cfg), hf.state_dict()).eval(), ChatCodec(tok)
+    model = LlamaModel.from_state_dict(LlamaConfig.from_hf(cfg), hf.state_dict()).eval()
+    return model, ChatCodec(tok)
 
 
 @contextlib.contextmanager
@@ -267,7 +268,9 @@ def test_tenants_share_prefixes_and_stats_only_with_themselves(byte_server):
     def cached(c) -> int:
         r = c.completions.create(model="fedkv-byte", prompt=prompt, max_tokens=2, temperature=0)
         return r.usage.prompt_tokens_details.cached_tokens
+    bob_before = _stats(byte_server, "bob")
     assert cached(alice) == 0 and cached(alice) >= 32
+    assert _stats(byte_server, "bob") == bob_before  # alice's requests move none of bob's counters
     assert cached(bob) == 0  # alice's blocks are not bob's
     a, b = _stats(byte_server, "alice"), _stats(byte_server, "bob")
     assert (a["tenant"], a["requests"], b["tenant"], b["requests"]) == ("alice", 2, "bob", 1)
@@ -378,6 +381,8 @@ def test_curl_style_request_and_error_shape(byte_server):
     with urllib.request.urlopen(req, timeout=30) as r:
         reply = json.loads(r.read())
     assert reply["usage"]["completion_tokens"] == 3
+    rendered = "".join(f"{m['role']}: {m['content']}\n" for m in MESSAGES) + "assistant: "
+    assert reply["usage"]["prompt_tokens"] == len(rendered.encode())  # the byte model's rendering
     for data, param in ((b"{not json", None), (body.replace(b'"max_tokens"', b'"temperature": NaN, '
                                                              b'"max_tokens"'), "temperature")):
         bad = urllib.request.Request(url, data, {"Authorization": "Bearer " + TOKENS["bob"]})
