@@ -17,6 +17,8 @@ import urllib.request
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 openai = pytest.importorskip("openai")
 transformers = pytest.importorskip("transformers")
@@ -229,6 +231,29 @@ def test_text_stream_holds_back_stop_prefixes_and_partial_utf8():
     assert utf8.finish() == ""
 
 
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(st.text("abc", max_size=3), min_size=1, max_size=12),
+       stops=st.lists(st.text("abc", min_size=1, max_size=3), max_size=4))
+def test_text_stream_equals_cutting_at_the_first_completed_stop(pieces, stops):
+    """Streamed deltas never show a stop string, and add up to the text cut where the first
+    stop string is complete (what a non-streamed reply of the same tokens holds)."""
+    ts = TextStream(lambda ids: "".join(pieces[i] for i in ids), stops)
+    out = ""
+    for i in range(len(pieces)):
+        out += ts.push(i)
+        assert not any(s in out for s in stops)
+        if ts.stopped:
+            break
+    out += ts.finish()
+    want = "".join(pieces)
+    for k in range(1, len(pieces) + 1):
+        text = "".join(pieces[:k])
+        if cuts := [text.find(s) for s in stops if s in text]:
+            want = text[:min(cuts)]
+            break
+    assert out == want and ts.stopped == bool(cuts)
+
+
 def test_wrong_key_is_401(byte_server):
     with pytest.raises(openai.AuthenticationError) as e:
         client(byte_server, "not-a-token-0123456789").models.list()
@@ -242,7 +267,8 @@ def test_wrong_key_is_401(byte_server):
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0]"),
     ({"extra_body": {"frobnicate": 1}}, "frobnicate"), ({"max_tokens": 10_000}, "max_tokens"),
-    ({"stream_options": {"include_usage": True}}, "stream_options")])
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"max_tokens": 200}, "messages")])  # the byte model's context is 128 tokens
 def test_bad_params_are_400_in_openai_shape(byte_server, kw, param):
     kw = {"model": "fedkv-byte", "messages": MESSAGES, **kw}
     with pytest.raises(openai.BadRequestError) as e:
@@ -391,6 +417,13 @@ def test_curl_style_request_and_error_shape(byte_server):
         err = json.loads(e.value.read())["error"]
         assert e.value.code == 400 and set(err) == {"message", "type", "param", "code"}
         assert err["param"] == param
+
+
+def test_cli_refuses_a_public_address_without_tls(capsys):
+    from node.openai_api import _args
+    with pytest.raises(SystemExit):
+        _args(["--host", "0.0.0.0"])
+    assert "without TLS" in capsys.readouterr().err
 
 
 @pytest.mark.slow
