@@ -60,13 +60,14 @@ def _tiny_tokenizer():
 def llama_parts(one_thread):
     from node.llama import LlamaConfig, LlamaModel
     tok = _tiny_tokenizer()
-    cfg = transformers.LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-        max_position_embeddings=256, initializer_range=0.2)
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    model = LlamaModel.from_state_dict(LlamaConfig.from_hf(cfg), hf.state_dict()).eval()
+    torch.manual_seed(0)  # random weights (no HF model: its import alone takes seconds)
+    model = LlamaModel(LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, max_position_embeddings=256)).eval()
+    with torch.no_grad():  # HF's initializer_range 0.2: replies vary (the default init repeats)
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
     return model, ChatCodec(tok)
 
 
@@ -231,7 +232,7 @@ def test_text_stream_holds_back_stop_prefixes_and_partial_utf8():
     assert utf8.finish() == ""
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(pieces=st.lists(st.text("abc", max_size=3), min_size=1, max_size=12),
        stops=st.lists(st.text("abc", min_size=1, max_size=3), max_size=4))
 def test_text_stream_equals_cutting_at_the_first_completed_stop(pieces, stops):
