@@ -400,6 +400,57 @@ def test_a_request_without_tokens_times_out_503_and_is_cancelled(one_thread):
         assert len(s.backend.handles) == 3 and all(h.cancelled for h in s.backend.handles)
 
 
+class _Slow:
+    """Wraps a backend: each handle yields a token every 20 ms and records ``cancel``."""
+
+    def __init__(self, inner):
+        self.inner, self.model_id, self.version, self.cancelled = inner, inner.model_id, 0, []
+
+    def submit(self, request):
+        backend = self
+
+        class Slow:
+            def __init__(self, h):
+                self.h = h
+
+            def __getattr__(self, name):
+                return getattr(self.h, name)
+
+            def tokens(self, timeout=None):
+                for t in self.h.tokens(timeout):
+                    time.sleep(0.02)
+                    yield t
+
+            def cancel(self):
+                backend.cancelled.append(self.h.finish_reason)
+                self.h.cancel()
+        return [Slow(h) for h in self.inner.submit(request)]
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_client_hanging_up_mid_stream_cancels_its_request(one_thread):
+    import socket
+    with serving(lm_model(seed=0).eval(), None, "fedkv-byte", wrap=_Slow) as s:
+        body = json.dumps({"model": "fedkv-byte", "prompt": "hi", "max_tokens": 120,
+                           "stream": True, "temperature": 0}).encode()
+        with socket.create_connection(("127.0.0.1", s.server_address[1]), timeout=30) as c:
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                      + TOKENS["alice"].encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+                      + body)
+            got = b""
+            while b"data: " not in got:
+                chunk = c.recv(4096)
+                assert chunk, got  # the server must not end the stream first
+                got += chunk
+        deadline = time.monotonic() + 20
+        while (not s.backend.cancelled or s._active["alice"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert s.backend.cancelled == [None]  # cancelled while it was still generating
+        assert s._active["alice"] == 0 and _stats(s, "alice")["completion_tokens"] < 120
+
+
 def test_curl_style_request_and_error_shape(byte_server):
     url = f"http://127.0.0.1:{byte_server.server_address[1]}/v1/chat/completions"
     body = json.dumps({"model": "fedkv-byte", "messages": MESSAGES, "max_tokens": 3}).encode()
