@@ -451,6 +451,15 @@ def test_a_client_hanging_up_mid_stream_cancels_its_request(one_thread):
         assert s._active["alice"] == 0 and _stats(s, "alice")["completion_tokens"] < 120
 
 
+def test_a_full_kv_pool_is_503(one_thread):
+    from tests.node.test_serial_backend import _FailingModel
+    with serving(_FailingModel(lm_model(seed=0).eval(), fail_at=3), None, "fedkv-byte") as s:
+        with pytest.raises(openai.InternalServerError) as e:
+            client(s).completions.create(model="fedkv-byte", prompt="hi", max_tokens=9)
+        assert e.value.status_code == 503 and "KV cache is full" in e.value.body["message"]
+        assert s.backend.cache.sessions() == []
+
+
 def test_curl_style_request_and_error_shape(byte_server):
     url = f"http://127.0.0.1:{byte_server.server_address[1]}/v1/chat/completions"
     body = json.dumps({"model": "fedkv-byte", "messages": MESSAGES, "max_tokens": 3}).encode()
