@@ -1,0 +1,205 @@
+"""A ``GenerationBackend`` that decodes one request at a time: fedkv without the scheduler.
+
+One worker thread takes requests from a queue in arrival order. For each it opens a cache
+session in the request's tenant namespace (prefix blocks are shared only within a tenant),
+prefills the prompt with ``model.prefill`` (a cached prefix is reused, not computed), forks
+the session ``n - 1`` times (the forks share the prompt's blocks copy-on-write) and decodes the
+forks round-robin, one ``forward_cached`` token at a time, until each meets a stop id,
+``max_tokens``, the model's context or a ``cancel``. Each fork samples with its own
+``torch.Generator``, seeded from the request's seed or ``secrets``. A full KV pool
+(``CacheFullError``) finishes the request's unfinished handles with ``error`` and frees its
+sessions; the worker goes on with the next request. It is the baseline the continuous-batching
+scheduler (``node.scheduler``) is measured against, and a backend the OpenAI server
+(``node.openai_api``) runs on by itself.
+
+The model and the cache are touched by the worker thread only; handles are fed through
+``queue.Queue``, so any thread may consume or cancel them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import secrets
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from cache import KVCache
+from cache.errors import CacheFullError
+from node.chat import Sampling
+from node.generation import GenerationRequest
+from node.model_interface import CachedLM
+
+_log = logging.getLogger("fedkv.serial_backend")
+_END = object()
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class SerialHandle:
+    """One fork's stream of tokens (``node.generation.GenerationHandle``)."""
+
+    request_id: str
+    prompt_tokens: int
+    finish_reason: str | None = None
+    error: str | None = None
+    model_version: int | None = None
+    cached_prompt_tokens: int = 0
+    _queue: queue.Queue = field(default_factory=queue.Queue, repr=False)
+    _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def tokens(self, timeout: float | None = None) -> Iterator[int]:
+        """The generated ids as produced; ``TimeoutError`` after ``timeout`` s without one."""
+        while True:
+            try:
+                item = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"no token within {timeout} s") from None
+            if item is _END:
+                self._queue.put(_END)  # a second iteration ends at once too
+                return
+            yield item
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def _finish(self, reason: str, error: str | None = None) -> None:
+        if self.finish_reason is None:
+            self.error, self.finish_reason = error, reason
+            self._queue.put(_END)
+
+
+@dataclass
+class _Fork:
+    handle: SerialHandle
+    sid: int
+    sampling: Sampling
+    logits: torch.Tensor
+    produced: int = 0
+
+
+class SerialBackend:
+    """Decodes queued requests one at a time on one worker thread (see the module docstring)."""
+
+    def __init__(self, model: CachedLM, cache: KVCache, *, model_id: str = "fedkv"):
+        self.model, self.cache, self.model_id = model, cache, model_id
+        self._requests: queue.Queue = queue.Queue()
+        self._closed = threading.Event()
+        self._lock = threading.Lock()  # submit vs close: nothing is queued after close drains
+        self._worker = threading.Thread(target=self._run, name="fedkv-serial-backend", daemon=True)
+        self._worker.start()
+
+    @property
+    def version(self) -> int:
+        return self.cache.version
+
+    def submit(self, request: GenerationRequest) -> list[SerialHandle]:
+        """One handle per fork, queued; ``ValueError`` when the prompt exceeds the context,
+        ``RuntimeError`` after ``close``."""
+        if len(request.prompt) > self.model.context_len:
+            raise ValueError(f"the prompt has {len(request.prompt)} tokens; the model takes at "
+                             f"most {self.model.context_len}")
+        rid = f"gen-{next(_ids)}"
+        handles = [SerialHandle(f"{rid}-{i}", len(request.prompt)) for i in range(request.n)]
+        with self._lock:
+            if self._closed.is_set():
+                raise RuntimeError("the backend is closed")
+            self._requests.put((request, handles))
+        return handles
+
+    def close(self) -> None:
+        """Stop the worker (the request it decodes and every queued one finish ``cancelled``)."""
+        with self._lock:
+            self._closed.set()
+            self._requests.put(None)
+        self._worker.join()
+        while True:
+            try:
+                item = self._requests.get_nowait()
+            except queue.Empty:
+                return
+            for h in item[1] if item else ():
+                h._finish("cancelled")
+
+    # -- the worker ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while (item := self._requests.get()) is not None:
+                request, handles = item
+                if self._closed.is_set():
+                    self._requests.put(item)  # close() finishes it
+                    return
+                self._serve(request, handles)
+
+    def _serve(self, request: GenerationRequest, handles: list[SerialHandle]) -> None:
+        """Prefill, fork, decode; whatever happens, every handle finishes and sessions close."""
+        sids: list[int] = []
+        try:
+            forks = self._prefill(request, handles, sids)
+            self._decode(request, forks)
+        except CacheFullError:
+            for h in handles:
+                h._finish("error", "the KV cache is full: no free block for this request")
+        except Exception as e:  # a bug must not leave a consumer waiting forever
+            for h in handles:
+                h._finish("error", f"generation failed: {type(e).__name__}")
+            _log.exception("request %s failed", handles[0].request_id)
+        finally:
+            for sid in sids:
+                self.cache.close_session(sid)
+            for h in handles:
+                h._finish("cancelled" if self._closed.is_set() else "error", "not finished")
+
+    def _prefill(self, request: GenerationRequest, handles: list[SerialHandle],
+                 sids: list[int]) -> list[_Fork]:
+        if request.max_tokens == 0:
+            for h in handles:
+                h._finish("length")
+            return []
+        counters = self.cache.blocks.counters
+        hits = counters["prefix_hit_tokens"]
+        sids.append(self.cache.open_session(namespace=request.tenant))
+        logits = self.model.prefill(list(request.prompt), self.cache, sids[0])
+        cached = counters["prefix_hit_tokens"] - hits
+        sids.extend(self.cache.fork(sids[0]) for _ in handles[1:])
+        forks = []
+        for i, (h, sid) in enumerate(zip(handles, sids)):
+            h.cached_prompt_tokens = cached
+            seed = request.seeds[i] if request.seeds is not None else secrets.randbits(63)
+            g = torch.Generator().manual_seed(seed)
+            sampling = Sampling(request.sampling.temperature, request.sampling.top_p, g)
+            forks.append(_Fork(h, sid, sampling, logits))
+        return forks
+
+    def _decode(self, request: GenerationRequest, forks: list[_Fork]) -> None:
+        """Round-robin over the forks, one token each per turn."""
+        while forks := [f for f in forks if self._step(request, f)]:
+            pass
+
+    def _step(self, request: GenerationRequest, f: _Fork) -> bool:
+        """One token of fork ``f``; False once it finished."""
+        h = f.handle
+        if h.cancelled or self._closed.is_set():
+            h._finish("cancelled")
+            return False
+        token = f.sampling.pick(f.logits)
+        if h.model_version is None:
+            h.model_version = self.cache.version
+        if token in request.stop_token_ids:
+            h._finish("stop")
+            return False
+        h._queue.put(token)
+        f.produced += 1
+        if f.produced >= request.max_tokens or self.cache.length(f.sid) >= self.model.context_len:
+            h._finish("length")
+            return False
+        f.logits = self.model.forward_cached([token], self.cache, f.sid)[-1]
+        return True
