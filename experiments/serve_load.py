@@ -297,7 +297,11 @@ def pool_tokens(requests: Sequence[Req], clients: int, cfg: LoadConfig, block: i
 def make_backend(system: str, served: Served, pool: int, clients: int) -> Any:
     if system == "hf_sequential":
         return HFSequentialBackend(served.hf, served.name)
-    cache = KVCache(served.model.cache_config(pool_bytes=pool * fp32_bytes_per_token(served.model)))
+    per_token = fp32_bytes_per_token(served.model)
+    block = served.model.cache_config().block_size * per_token
+    slab = 1 << math.ceil(math.log2(8 * block))  # the cache's default slab rule, minus its 128 KiB floor
+    cache = KVCache(served.model.cache_config(pool_bytes=max(pool * per_token, slab),
+                                              managed_block_bytes=slab))
     if system == "fedkv_no_scheduler":
         from node.serial_backend import SerialBackend
         return SerialBackend(served.model, cache, model_id=served.name)
