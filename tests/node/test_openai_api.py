@@ -17,8 +17,6 @@ import urllib.request
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 openai = pytest.importorskip("openai")
 transformers = pytest.importorskip("transformers")
@@ -26,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 from cache import KVCache  # noqa: E402
 from node.chat import ChatCodec  # noqa: E402
 from node.openai_api import APIConfig, OpenAIServer  # noqa: E402
-from node.openai_protocol import PromptCodec, TextStream  # noqa: E402
+from node.openai_protocol import PromptCodec  # noqa: E402
 from node.serial_backend import SerialBackend  # noqa: E402
 from node.serve_auth import Tenants  # noqa: E402
 from node.tasks import lm_model  # noqa: E402
@@ -223,38 +221,6 @@ def _greedy_ids(server, prompt: list[int], n: int) -> list[int]:
     return list(h.tokens(timeout=30))
 
 
-def test_text_stream_holds_back_stop_prefixes_and_partial_utf8():
-    pieces = ["Hel", "lo W", "or", "ld"]
-    ts = TextStream(lambda ids: "".join(pieces[i] for i in ids), ["o Wor"])
-    assert [ts.push(i) for i in range(3)] == ["Hel", "l", ""] and ts.stopped
-    utf8 = TextStream(lambda ids: bytes(ids).decode("utf-8", "replace"))
-    assert [utf8.push(b) for b in "a日".encode()] == ["a", "", "", "日"]
-    assert utf8.finish() == ""
-
-
-@settings(max_examples=150, deadline=None)
-@given(pieces=st.lists(st.text("abc", max_size=3), min_size=1, max_size=12),
-       stops=st.lists(st.text("abc", min_size=1, max_size=3), max_size=4))
-def test_text_stream_equals_cutting_at_the_first_completed_stop(pieces, stops):
-    """Streamed deltas never show a stop string, and add up to the text cut where the first
-    stop string is complete (what a non-streamed reply of the same tokens holds)."""
-    ts = TextStream(lambda ids: "".join(pieces[i] for i in ids), stops)
-    out = ""
-    for i in range(len(pieces)):
-        out += ts.push(i)
-        assert not any(s in out for s in stops)
-        if ts.stopped:
-            break
-    out += ts.finish()
-    want = "".join(pieces)
-    for k in range(1, len(pieces) + 1):
-        text = "".join(pieces[:k])
-        if cuts := [text.find(s) for s in stops if s in text]:
-            want = text[:min(cuts)]
-            break
-    assert out == want and ts.stopped == bool(cuts)
-
-
 def test_wrong_key_is_401(byte_server):
     with pytest.raises(openai.AuthenticationError) as e:
         client(byte_server, "not-a-token-0123456789").models.list()
@@ -401,7 +367,8 @@ def test_a_request_without_tokens_times_out_503_and_is_cancelled(one_thread):
 
 
 class _Slow:
-    """Wraps a backend: each handle yields a token every 20 ms and records ``cancel``."""
+    """Wraps a backend: each handle yields a token every 20 ms; ``cancelled`` records how many
+    it had yielded at each ``cancel``."""
 
     def __init__(self, inner):
         self.inner, self.model_id, self.version, self.cancelled = inner, inner.model_id, 0, []
@@ -411,7 +378,7 @@ class _Slow:
 
         class Slow:
             def __init__(self, h):
-                self.h = h
+                self.h, self.yielded = h, 0
 
             def __getattr__(self, name):
                 return getattr(self.h, name)
@@ -419,10 +386,11 @@ class _Slow:
             def tokens(self, timeout=None):
                 for t in self.h.tokens(timeout):
                     time.sleep(0.02)
+                    self.yielded += 1
                     yield t
 
             def cancel(self):
-                backend.cancelled.append(self.h.finish_reason)
+                backend.cancelled.append(self.yielded)
                 self.h.cancel()
         return [Slow(h) for h in self.inner.submit(request)]
 
@@ -447,7 +415,8 @@ def test_a_client_hanging_up_mid_stream_cancels_its_request(one_thread):
         deadline = time.monotonic() + 20
         while (not s.backend.cancelled or s._active["alice"]) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert s.backend.cancelled == [None]  # cancelled while it was still generating
+        (yielded,) = s.backend.cancelled
+        assert yielded < 120  # cancelled while the reply was still streaming
         assert s._active["alice"] == 0 and _stats(s, "alice")["completion_tokens"] < 120
 
 
