@@ -51,6 +51,7 @@ BATCHED = ("fedkv_batched", "fedkv_sequential", "hf_batched")
 TTFT = ("recompute", "hot", "warm", "cold")
 CAPACITY = ("fp32", "fp16", "int8", "int4")
 QUALITY = ("fp16", "int8", "int4")
+DTYPES = ("fp32", "int8", "int4")
 PROMPT_FILES = ("argparse.py", "difflib.py", "inspect.py")
 HELDOUT_FILES = ("textwrap.py", "heapq.py", "bisect.py", "calendar.py")
 
@@ -76,9 +77,12 @@ class Plan:
     quality_len: int = 512
     quality_windows: int = 4
     block_size: int = 16
+    hf_prefill: bool = True
+    """HF prefills with its own forward; False: its DynamicCache is filled with fedkv's fp32
+    K/V of the same prompts (equal up to float rounding; untimed either way)."""
 
 
-QUICK = Plan(decode_steps=8, repeats=3, batch_steps=12, quality_windows=1)
+QUICK = Plan(decode_steps=8, repeats=3, batch_steps=12, quality_windows=1, hf_prefill=False)
 
 
 def log(msg: str) -> None:
@@ -136,19 +140,60 @@ class Stepper(Protocol):
         ...
 
 
-class FedkvDecoder:
-    """One session: ``prefill`` (untimed, at construction), then ``forward_cached`` steps."""
+def copy_session(src: KVCache, sid: int, dst: KVCache) -> int:
+    """A new session of ``dst`` with the tokens and K/V of ``src``'s fp32 session ``sid``,
+    stored through ``dst``'s public write path (after ``match_prefix``: a prefix ``dst``
+    caches is shared, as ``prefill`` shares it): what a prefill into ``dst`` stores, without
+    computing it again (an int8/int4 ``dst`` quantizes on commit as it would)."""
+    toks, new = src.tokens(sid), dst.open_session()
+    n = dst.match_prefix(new, toks)
+    dst.reserve(new, toks[n:])
+    for layer in range(src.config.num_layers):
+        k, v = src.read(sid, layer)
+        dst.write(new, layer, k[:, n:], v[:, n:])
+    return new
 
-    def __init__(self, model: LlamaModel, prompt: list[int], kv_dtype: str, block: int,
-                 extra: int):
-        self.model, self.kv = model, fedkv_cache(model, len(prompt) + extra, kv_dtype, block)
-        self.sid = self.kv.open_session()
-        self.logits, self.tokens = model.prefill(prompt, self.kv, self.sid), []
+
+def prefilled(model: LlamaModel, prompts: list[list[int]], extra: int, block: int,
+              dtypes: tuple[str, ...] = ("fp32",)
+              ) -> tuple[list[tuple[KVCache, list[int]]], torch.Tensor]:
+    """One cache per entry of ``dtypes`` (the first fp32) with a session per prompt: the
+    first prefilled (later prompts reuse the shared prefix through the prefix cache), the
+    others copies of it (``copy_session``); and the prompts' last logits."""
+    shared = len(os.path.commonprefix(prompts))
+    held = shared + sum(len(p) - shared + extra + 2 * block for p in prompts)
+    fp = fedkv_cache(model, held, "fp32", block)
+    sids = [fp.open_session() for _ in prompts]
+    logits = torch.stack([model.prefill(p, fp, s) for p, s in zip(prompts, sids)])
+    out = [(fp, sids)]
+    for d in dtypes[1:]:
+        kv = fedkv_cache(model, held, d, block)
+        out.append((kv, [copy_session(fp, s, kv) for s in sids]))
+    return out, logits
+
+
+class FedkvSessions:
+    """Sessions of one cache decoded greedily: a step is one ``forward_batch`` or, with
+    ``together=False``, one ``forward_cached`` per session, each alone."""
+
+    def __init__(self, model: LlamaModel, kv: KVCache, sids: list[int], logits: torch.Tensor,
+                 together: bool = False):
+        self.model, self.kv, self.sids, self.together = model, kv, sids, together
+        self.logits, self.tokens = logits, []
 
     def step(self) -> int:
-        self.tokens.append(int(self.logits.argmax()))
-        self.logits = self.model.forward_cached([self.tokens[-1]], self.kv, self.sid)[-1]
-        return 1
+        toks = self.logits.argmax(-1).tolist()
+        self.tokens.append(toks[0])
+        if self.together:
+            self.logits = self.model.forward_batch(toks, self.kv, self.sids)
+        else:
+            self.logits = torch.stack([self.model.forward_cached([t], self.kv, s)[-1]
+                                       for t, s in zip(toks, self.sids)])
+        return len(self.sids)
+
+    def kv_bytes(self) -> int:
+        st = self.kv.stats()  # the batch tail buffer is K/V memory too
+        return int(st["bytes_allocated"] + st["batch_tail_buffer_bytes"])
 
 
 def _cache_kw(hf: Any) -> str:
@@ -159,27 +204,68 @@ def _cache_kw(hf: Any) -> str:
     return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
 
 
-class HFDecoder:
-    """HF's own loop step by step: the model called with ``past_key_values`` (a
-    ``DynamicCache``), one token at a time, the logits of the last position only."""
+def _left_mask(lens: list[int]) -> torch.Tensor:
+    n = max(lens)
+    return torch.tensor([[0] * (n - m) + [1] * m for m in lens])
 
-    def __init__(self, hf: Any, prompt: list[int]):
-        from transformers import DynamicCache
 
-        self.hf, self.cache, self.tokens = hf, DynamicCache(config=hf.config), []
-        self.kw = _cache_kw(hf)
-        self.logits = self._forward(torch.tensor([prompt]))[0]
+@torch.no_grad()
+def hf_prefill(hf: Any, prompts: list[list[int]]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """HF's own prefill of a left-padded batch: (DynamicCache, attention mask, last logits)."""
+    from transformers import DynamicCache
+
+    cache, mask = DynamicCache(config=hf.config), _left_mask([len(p) for p in prompts])
+    pad = int(hf.config.pad_token_id or 0)
+    ids = torch.tensor([[pad] * (mask.shape[1] - len(p)) + p for p in prompts])
+    out = hf(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+             use_cache=True, logits_to_keep=1, **{_cache_kw(hf): cache})
+    return cache, mask, out.logits[:, -1]
+
+
+def hf_cache_from(hf: Any, kv: KVCache, sids: list[int]) -> tuple[Any, torch.Tensor]:
+    """A left-padded DynamicCache holding fedkv's fp32 K/V of ``sids`` (both store keys after
+    RoPE, [kv_heads, T, head_dim] per layer): HF's prefill result without computing it."""
+    from transformers import DynamicCache
+
+    cache, mask = DynamicCache(config=hf.config), _left_mask([kv.length(s) for s in sids])
+    for layer in range(kv.config.num_layers):
+        kvs = [kv.read(s, layer) for s in sids]
+        pad = [(0, 0, mask.shape[1] - k.shape[1], 0) for k, _ in kvs]
+        cache.update(torch.stack([F.pad(k, p) for (k, _), p in zip(kvs, pad)]),
+                     torch.stack([F.pad(v, p) for (_, v), p in zip(kvs, pad)]), layer)
+    return cache, mask
+
+
+class HFSessions:
+    """HF's own loop, step by step: the model called with its ``DynamicCache`` (input [B, 1],
+    positions from the attention mask, so left padding is skipped), last logits only."""
+
+    def __init__(self, hf: Any, cache: Any, mask: torch.Tensor, logits: torch.Tensor):
+        self.hf, self.cache, self.mask, self.logits = hf, cache, mask, logits
+        self.kw, self.tokens = _cache_kw(hf), []
 
     @torch.no_grad()
-    def _forward(self, ids: torch.Tensor, **kw: Any) -> torch.Tensor:
-        kw[self.kw] = self.cache
-        out = self.hf(ids, use_cache=True, logits_to_keep=1, **kw)
-        return out.logits[:, -1]
-
     def step(self) -> int:
-        self.tokens.append(int(self.logits.argmax()))
-        self.logits = self._forward(torch.tensor([[self.tokens[-1]]]))[0]
-        return 1
+        toks = self.logits.argmax(-1)
+        self.tokens.append(int(toks[0]))
+        self.mask = torch.cat((self.mask, torch.ones_like(self.mask[:, :1])), dim=1)
+        out = self.hf(toks[:, None], attention_mask=self.mask, use_cache=True, logits_to_keep=1,
+                      position_ids=self.mask.sum(-1, keepdim=True) - 1, **{self.kw: self.cache})
+        self.logits = out.logits[:, -1]
+        return self.mask.shape[0]
+
+    def kv_bytes(self) -> int:
+        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.cache.layers
+                   if layer.keys is not None)
+
+
+def hf_sessions(hf: Any, prompts: list[list[int]], own_prefill: bool, kv: KVCache,
+                sids: list[int], logits: torch.Tensor) -> HFSessions:
+    """HF's contender: its own prefill, or its DynamicCache filled from fedkv's fp32 K/V of
+    the same prompts (and fedkv's last logits) to save the untimed prefill."""
+    if own_prefill:
+        return HFSessions(hf, *hf_prefill(hf, prompts))
+    return HFSessions(hf, *hf_cache_from(hf, kv, sids), logits)
 
 
 def interleave(steppers: dict[str, Stepper], segments: int, steps: int,
@@ -212,11 +298,11 @@ def decode_section(model: LlamaModel, hf: Any, text: list[int],
         if len(prompt) != ctx:
             raise ValueError(f"prompt text has {len(text)} tokens, fewer than {ctx}")
         t0 = time.perf_counter()
-        st: dict[str, Stepper] = {f"fedkv_{d}": FedkvDecoder(model, prompt, d, plan.block_size,
-                                                             extra)
-                                  for d in ("fp32", "int8", "int4")}
-        st["hf_dynamic_cache"] = HFDecoder(hf, prompt)
-        log(f"decode {ctx}: 4 prefills {time.perf_counter() - t0:.1f}s")
+        caches, logits = prefilled(model, [prompt], extra, plan.block_size, DTYPES)
+        st: dict[str, Any] = {f"fedkv_{d}": FedkvSessions(model, kv, sids, logits)
+                              for d, (kv, sids) in zip(DTYPES, caches)}
+        st["hf_dynamic_cache"] = hf_sessions(hf, [prompt], plan.hf_prefill, *caches[0], logits)
+        log(f"decode {ctx}: prefills {time.perf_counter() - t0:.1f}s")
         samples = interleave(st, plan.repeats, plan.decode_steps, f"decode {ctx}")
         med = {k: _median(v) for k, v in samples.items()}
         a, b = st["fedkv_fp32"].tokens, st["hf_dynamic_cache"].tokens
@@ -230,77 +316,21 @@ def decode_section(model: LlamaModel, hf: Any, text: list[int],
 
 
 # == batched ==============================================================================
-class FedkvSessions:
-    """Many sessions in one cache, prefilled in order (later ones reuse the shared prefix
-    from the prefix cache); a step is one ``forward_batch`` or, ``together=False``, one
-    ``forward_cached`` per session, each alone."""
-
-    def __init__(self, model: LlamaModel, prompts: list[list[int]], steps: int, block: int,
-                 together: bool):
-        shared = len(os.path.commonprefix(prompts))
-        held = shared + sum(len(p) - shared + steps + 2 * block for p in prompts)
-        self.model, self.together = model, together
-        self.kv = fedkv_cache(model, held, "fp32", block)
-        self.sids = [self.kv.open_session() for _ in prompts]
-        self.logits = torch.stack([model.prefill(p, self.kv, s)
-                                   for p, s in zip(prompts, self.sids)])
-        self.reused = self.kv.stats()["prefix_hit_tokens"]
-
-    def step(self) -> int:
-        toks = self.logits.argmax(-1).tolist()
-        if self.together:
-            self.logits = self.model.forward_batch(toks, self.kv, self.sids)
-        else:
-            self.logits = torch.stack([self.model.forward_cached([t], self.kv, s)[-1]
-                                       for t, s in zip(toks, self.sids)])
-        return len(self.sids)
-
-    def kv_bytes(self) -> int:
-        st = self.kv.stats()
-        return int(st["bytes_allocated"] + st["batch_tail_buffer_bytes"])
-
-
-class HFBatched(HFDecoder):
-    """One DynamicCache over a left-padded batch; positions follow the attention mask."""
-
-    def __init__(self, hf: Any, prompts: list[list[int]]):
-        from transformers import DynamicCache
-
-        n, pad = max(map(len, prompts)), int(hf.config.pad_token_id or 0)
-        self.hf, self.cache, self.kw = hf, DynamicCache(config=hf.config), _cache_kw(hf)
-        ids = torch.tensor([[pad] * (n - len(p)) + p for p in prompts])
-        self.mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in prompts])
-        pos = (self.mask.cumsum(-1) - 1).clamp(min=0)
-        self.logits = self._forward(ids, attention_mask=self.mask, position_ids=pos)
-
-    def step(self) -> int:
-        self.mask = torch.cat((self.mask, torch.ones_like(self.mask[:, :1])), dim=1)
-        pos = self.mask.sum(-1, keepdim=True) - 1
-        self.logits = self._forward(self.logits.argmax(-1)[:, None], attention_mask=self.mask,
-                                    position_ids=pos)
-        return self.mask.shape[0]
-
-    def kv_bytes(self) -> int:
-        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.cache.layers
-                   if layer.keys is not None)
-
-
 def batched_section(model: LlamaModel, hf: Any, text: list[int],
                     plan: Plan) -> tuple[dict, dict]:
     prefix = text[: plan.batch_prefix]
     qs = _windows(text, plan.batch_sessions, plan.batch_question, plan.batch_prefix)
     prompts = [prefix + q for q in qs]
     per_seg = max(1, plan.batch_steps // plan.repeats)
-    st: dict[str, Any] = {}
-    prefill_s: dict[str, float] = {}
-    for name, make in (("fedkv_batched", lambda: FedkvSessions(model, prompts, plan.batch_steps,
-                                                                plan.block_size, True)),
-                       ("fedkv_sequential", lambda: FedkvSessions(model, prompts, plan.batch_steps,
-                                                                   plan.block_size, False)),
-                       ("hf_batched", lambda: HFBatched(hf, prompts))):
-        t0 = time.perf_counter()
-        st[name] = make()
-        prefill_s[name] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    caches, logits = prefilled(model, prompts, plan.batch_steps, plan.block_size,
+                               ("fp32", "fp32"))
+    reused = caches[0][0].stats()["prefix_hit_tokens"]
+    st: dict[str, Any] = {"fedkv_batched": FedkvSessions(model, *caches[0], logits, True),
+                          "fedkv_sequential": FedkvSessions(model, *caches[1], logits)}
+    t1 = time.perf_counter()
+    st["hf_batched"] = hf_sessions(hf, prompts, plan.hf_prefill, *caches[0], logits)
+    prefill_s = {"fedkv": t1 - t0, "hf": time.perf_counter() - t1}
     log("batched prefill s: " + ", ".join(f"{k} {v:.1f}" for k, v in prefill_s.items()))
     samples = interleave(st, plan.repeats, per_seg, "batched")
     med = {k: _median(v) for k, v in samples.items()}
@@ -309,7 +339,7 @@ def batched_section(model: LlamaModel, hf: Any, text: list[int],
             "ratio_vs_hf": _ratio(med["fedkv_batched"], med["hf_batched"]),
             "ratio_vs_sequential": _ratio(med["fedkv_batched"], med["fedkv_sequential"]),
             "kv_bytes_ratio_vs_hf": _ratio(kvb["fedkv_batched"], kvb["hf_batched"]),
-            "prefix_reused_tokens": st["fedkv_batched"].reused, "prefill_s": prefill_s,
+            "prefix_reused_tokens": reused, "prefill_s": prefill_s,
             "sessions": plan.batch_sessions, "new_tokens": 1 + per_seg * plan.repeats,
             "samples": samples}
 

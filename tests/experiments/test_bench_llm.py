@@ -41,7 +41,7 @@ def result(tmp_path_factory):
     finally:
         torch.set_num_threads(threads)
     out = tmp_path_factory.mktemp("bench_llm")
-    return r, bench_llm.write_outputs(r, str(out))
+    return r, bench_llm.write_outputs(r, str(out)), (hf, ours)
 
 
 def _finite_positive(x) -> bool:
@@ -49,7 +49,7 @@ def _finite_positive(x) -> bool:
 
 
 def test_json_shape(result):
-    r, _ = result
+    r = result[0]
     assert set(r["decode_tokens_per_s"]) == {"32", "64"}
     for row in r["decode_tokens_per_s"].values():
         assert set(bench_llm.DECODE) <= set(row)
@@ -73,7 +73,7 @@ def test_json_shape(result):
 
 
 def test_sections_measure_what_they_say(result):
-    r, _ = result
+    r = result[0]
     d = r["details"]
     # later batched sessions reused the shared prefix from the prefix cache
     assert d["batched"]["prefix_reused_tokens"] >= (TINY.batch_sessions - 1) * TINY.batch_prefix
@@ -92,7 +92,7 @@ def test_sections_measure_what_they_say(result):
 
 
 def test_outputs_written(result):
-    _, run_dir = result
+    run_dir = result[1]
     assert (run_dir / "result.json").is_file() and (run_dir / "decode.png").stat().st_size > 0
     lines = (run_dir / "figures.csv").read_text().splitlines()
     assert lines[0] == "section,key,value" and len(lines) > 20
@@ -121,3 +121,33 @@ def test_quick_json_on_the_real_model(tmp_path):
     assert set(r["decode_tokens_per_s"]) == {"512", "2048"}
     assert all(_finite_positive(r["decode_tokens_per_s"][c]["fedkv_fp32"]) for c in ("512", "2048"))
     assert set(r["quality"]) == {"fp16", "int8", "int4"}
+
+
+def test_hf_cache_from_fedkv_equals_hf_prefill(result):
+    """--quick fills HF's DynamicCache from fedkv's fp32 K/V instead of HF's own prefill: the
+    next step's logits must be HF's own, left padding included."""
+    hf, ours = result[2]
+    prompts = [list(range(3, 40)), list(range(50, 71))]
+    caches, logits = bench_llm.prefilled(ours, prompts, 4, 8)
+    own = bench_llm.HFSessions(hf, *bench_llm.hf_prefill(hf, prompts))
+    ported = bench_llm.hf_sessions(hf, prompts, False, *caches[0], logits)
+    assert torch.allclose(own.logits, logits, atol=1e-4)
+    for _ in range(2):
+        own.step(), ported.step()
+        assert torch.allclose(own.logits, ported.logits, atol=1e-4)
+    assert own.kv_bytes() == ported.kv_bytes()
+
+
+def test_copy_session_stores_what_prefill_stores(result):
+    hf, ours = result[2]
+    prompt = list(range(5, 45))
+    [(src, [sid])], _ = bench_llm.prefilled(ours, [prompt], 4, 8)
+    direct = bench_llm.fedkv_cache(ours, 64, "int8", 8)
+    d = direct.open_session()
+    ours.prefill(prompt, direct, d)
+    copy = bench_llm.fedkv_cache(ours, 64, "int8", 8)
+    c = bench_llm.copy_session(src, sid, copy)
+    assert copy.tokens(c) == direct.tokens(d) == prompt
+    for layer in range(2):
+        for a, b in zip(copy.read(c, layer), direct.read(d, layer)):
+            assert torch.allclose(a, b, atol=1e-5)
