@@ -11,7 +11,11 @@ contenders measured side by side. Sections (``notes`` in the JSON says the same)
 
 * ``decode_tokens_per_s`` -- greedy decode after a 512- / 2,048-token prompt of real text
   (standard-library source tokenized by the model's tokenizer). HF is called step by step
-  with ``past_key_values`` (a ``DynamicCache``), the same loop fedkv runs, not ``generate``.
+  with its ``DynamicCache`` (``cache=``, formerly ``past_key_values``), the same loop fedkv
+  runs, not ``generate``. Each prompt is prefilled once, by fedkv fp32; the int8/int4 caches
+  get copies of its K/V through their public write path (quantized on commit, as a prefill
+  stores them) and, under ``--quick``, HF's DynamicCache is filled with them too (HF's own
+  prefill otherwise; the tests check both equal real prefills). Prefills are untimed.
 * ``batched`` -- 16 sessions sharing a 512-token system prompt, each with its own 32-token
   question: fedkv batched (the prefix prefilled once, later sessions reuse it through the
   prefix cache; then ``forward_batch`` steps), fedkv one session at a time (``forward_cached``
@@ -35,14 +39,16 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from cache import CacheConfig, CacheFullError, KVCache
+from experiments.llm_contenders import (FedkvSessions, bytes_per_token, copy_session,
+                                        fedkv_cache, hf_sessions, interleave, prefilled)
 from experiments.output import make_run_dir, markdown_table, plot_lines, write_csv, write_json
 from node.llama import LlamaModel
 
@@ -116,176 +122,6 @@ def _windows(text: list[int], n: int, length: int, start: int) -> list[list[int]
     return out
 
 
-# == fedkv and HF contenders ==============================================================
-def _bytes_per_token(model: LlamaModel) -> int:
-    c = model.cfg
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
-
-
-def fedkv_cache(model: LlamaModel, tokens: int, kv_dtype: str = "fp32", block: int = 16,
-                **kw: Any) -> KVCache:
-    """A cache holding ``tokens`` without eviction: the full-precision share of the pool (all
-    of it in fp32/fp16, ``read_buffer_fraction`` in int8/int4, which keep decoded read buffers
-    of active sessions there) fits 1.5x their fp32 bytes plus slack."""
-    need = int(1.5 * (tokens + 8 * block) * _bytes_per_token(model))
-    if kv_dtype in ("int8", "int4"):
-        need = int(need / model.cache_config().read_buffer_fraction)
-    pool = max(need, model.cache_config(block_size=block).managed_block_bytes)
-    return KVCache(model.cache_config(kv_dtype=kv_dtype, pool_bytes=pool, block_size=block, **kw))
-
-
-class Stepper(Protocol):
-    def step(self) -> int:
-        """One greedy decode step of every session it holds; returns the tokens made."""
-        ...
-
-
-def copy_session(src: KVCache, sid: int, dst: KVCache) -> int:
-    """A new session of ``dst`` with the tokens and K/V of ``src``'s fp32 session ``sid``,
-    stored through ``dst``'s public write path (after ``match_prefix``: a prefix ``dst``
-    caches is shared, as ``prefill`` shares it): what a prefill into ``dst`` stores, without
-    computing it again (an int8/int4 ``dst`` quantizes on commit as it would)."""
-    toks, new = src.tokens(sid), dst.open_session()
-    n = dst.match_prefix(new, toks)
-    dst.reserve(new, toks[n:])
-    for layer in range(src.config.num_layers):
-        k, v = src.read(sid, layer)
-        dst.write(new, layer, k[:, n:], v[:, n:])
-    return new
-
-
-def prefilled(model: LlamaModel, prompts: list[list[int]], extra: int, block: int,
-              dtypes: tuple[str, ...] = ("fp32",)
-              ) -> tuple[list[tuple[KVCache, list[int]]], torch.Tensor]:
-    """One cache per entry of ``dtypes`` (the first fp32) with a session per prompt: the
-    first prefilled (later prompts reuse the shared prefix through the prefix cache), the
-    others copies of it (``copy_session``); and the prompts' last logits."""
-    shared = len(os.path.commonprefix(prompts))
-    held = shared + sum(len(p) - shared + extra + 2 * block for p in prompts)
-    fp = fedkv_cache(model, held, "fp32", block)
-    sids = [fp.open_session() for _ in prompts]
-    logits = torch.stack([model.prefill(p, fp, s) for p, s in zip(prompts, sids)])
-    out = [(fp, sids)]
-    for d in dtypes[1:]:
-        kv = fedkv_cache(model, held, d, block)
-        out.append((kv, [copy_session(fp, s, kv) for s in sids]))
-    return out, logits
-
-
-class FedkvSessions:
-    """Sessions of one cache decoded greedily: a step is one ``forward_batch`` or, with
-    ``together=False``, one ``forward_cached`` per session, each alone."""
-
-    def __init__(self, model: LlamaModel, kv: KVCache, sids: list[int], logits: torch.Tensor,
-                 together: bool = False):
-        self.model, self.kv, self.sids, self.together = model, kv, sids, together
-        self.logits, self.tokens = logits, []
-
-    def step(self) -> int:
-        toks = self.logits.argmax(-1).tolist()
-        self.tokens.append(toks[0])
-        if self.together:
-            self.logits = self.model.forward_batch(toks, self.kv, self.sids)
-        else:
-            self.logits = torch.stack([self.model.forward_cached([t], self.kv, s)[-1]
-                                       for t, s in zip(toks, self.sids)])
-        return len(self.sids)
-
-    def kv_bytes(self) -> int:
-        st = self.kv.stats()  # the batch tail buffer is K/V memory too
-        return int(st["bytes_allocated"] + st["batch_tail_buffer_bytes"])
-
-
-def _cache_kw(hf: Any) -> str:
-    """The keyword this transformers version's forward takes the cache under (``cache`` in
-    5.x, where ``past_key_values`` is deprecated)."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
-
-
-def _left_mask(lens: list[int]) -> torch.Tensor:
-    n = max(lens)
-    return torch.tensor([[0] * (n - m) + [1] * m for m in lens])
-
-
-@torch.no_grad()
-def hf_prefill(hf: Any, prompts: list[list[int]]) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    """HF's own prefill of a left-padded batch: (DynamicCache, attention mask, last logits)."""
-    from transformers import DynamicCache
-
-    cache, mask = DynamicCache(config=hf.config), _left_mask([len(p) for p in prompts])
-    pad = int(hf.config.pad_token_id or 0)
-    ids = torch.tensor([[pad] * (mask.shape[1] - len(p)) + p for p in prompts])
-    out = hf(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-             use_cache=True, logits_to_keep=1, **{_cache_kw(hf): cache})
-    return cache, mask, out.logits[:, -1]
-
-
-def hf_cache_from(hf: Any, kv: KVCache, sids: list[int]) -> tuple[Any, torch.Tensor]:
-    """A left-padded DynamicCache holding fedkv's fp32 K/V of ``sids`` (both store keys after
-    RoPE, [kv_heads, T, head_dim] per layer): HF's prefill result without computing it."""
-    from transformers import DynamicCache
-
-    cache, mask = DynamicCache(config=hf.config), _left_mask([kv.length(s) for s in sids])
-    for layer in range(kv.config.num_layers):
-        kvs = [kv.read(s, layer) for s in sids]
-        pad = [(0, 0, mask.shape[1] - k.shape[1], 0) for k, _ in kvs]
-        cache.update(torch.stack([F.pad(k, p) for (k, _), p in zip(kvs, pad)]),
-                     torch.stack([F.pad(v, p) for (_, v), p in zip(kvs, pad)]), layer)
-    return cache, mask
-
-
-class HFSessions:
-    """HF's own loop, step by step: the model called with its ``DynamicCache`` (input [B, 1],
-    positions from the attention mask, so left padding is skipped), last logits only."""
-
-    def __init__(self, hf: Any, cache: Any, mask: torch.Tensor, logits: torch.Tensor):
-        self.hf, self.cache, self.mask, self.logits = hf, cache, mask, logits
-        self.kw, self.tokens = _cache_kw(hf), []
-
-    @torch.no_grad()
-    def step(self) -> int:
-        toks = self.logits.argmax(-1)
-        self.tokens.append(int(toks[0]))
-        self.mask = torch.cat((self.mask, torch.ones_like(self.mask[:, :1])), dim=1)
-        out = self.hf(toks[:, None], attention_mask=self.mask, use_cache=True, logits_to_keep=1,
-                      position_ids=self.mask.sum(-1, keepdim=True) - 1, **{self.kw: self.cache})
-        self.logits = out.logits[:, -1]
-        return self.mask.shape[0]
-
-    def kv_bytes(self) -> int:
-        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.cache.layers
-                   if layer.keys is not None)
-
-
-def hf_sessions(hf: Any, prompts: list[list[int]], own_prefill: bool, kv: KVCache,
-                sids: list[int], logits: torch.Tensor) -> HFSessions:
-    """HF's contender: its own prefill, or its DynamicCache filled from fedkv's fp32 K/V of
-    the same prompts (and fedkv's last logits) to save the untimed prefill."""
-    if own_prefill:
-        return HFSessions(hf, *hf_prefill(hf, prompts))
-    return HFSessions(hf, *hf_cache_from(hf, kv, sids), logits)
-
-
-def interleave(steppers: dict[str, Stepper], segments: int, steps: int,
-               label: str) -> dict[str, list[float]]:
-    """tokens/s of ``segments`` timed segments of ``steps`` steps per contender; the order
-    rotates each segment so no contender owns a fixed slot; one untimed step each first."""
-    names = list(steppers)
-    for s in steppers.values():
-        s.step()
-    samples: dict[str, list[float]] = {k: [] for k in names}
-    for rep in range(segments):
-        for name in names[rep % len(names):] + names[: rep % len(names)]:
-            t0 = time.perf_counter()
-            made = sum(steppers[name].step() for _ in range(steps))
-            samples[name].append(made / (time.perf_counter() - t0))
-        log(f"  {label} segment {rep + 1}: " + ", ".join(f"{n} {samples[n][-1]:.2f}"
-                                                       for n in names))
-    return samples
-
-
 # == decode ===============================================================================
 def decode_section(model: LlamaModel, hf: Any, text: list[int],
                    plan: Plan) -> tuple[dict, dict]:
@@ -303,7 +139,7 @@ def decode_section(model: LlamaModel, hf: Any, text: list[int],
                               for d, (kv, sids) in zip(DTYPES, caches)}
         st["hf_dynamic_cache"] = hf_sessions(hf, [prompt], plan.hf_prefill, *caches[0], logits)
         log(f"decode {ctx}: prefills {time.perf_counter() - t0:.1f}s")
-        samples = interleave(st, plan.repeats, plan.decode_steps, f"decode {ctx}")
+        samples = interleave(st, plan.repeats, plan.decode_steps, f"decode {ctx}", log)
         med = {k: _median(v) for k, v in samples.items()}
         a, b = st["fedkv_fp32"].tokens, st["hf_dynamic_cache"].tokens
         out[str(ctx)] = {**med,
@@ -332,7 +168,7 @@ def batched_section(model: LlamaModel, hf: Any, text: list[int],
     st["hf_batched"] = hf_sessions(hf, prompts, plan.hf_prefill, *caches[0], logits)
     prefill_s = {"fedkv": t1 - t0, "hf": time.perf_counter() - t1}
     log("batched prefill s: " + ", ".join(f"{k} {v:.1f}" for k, v in prefill_s.items()))
-    samples = interleave(st, plan.repeats, per_seg, "batched")
+    samples = interleave(st, plan.repeats, per_seg, "batched", log)
     med = {k: _median(v) for k, v in samples.items()}
     kvb = {k: st[k].kv_bytes() for k in BATCHED}
     return {**med, "kv_bytes": kvb}, {
@@ -357,58 +193,65 @@ def _first_token(model: LlamaModel, kv: KVCache, prompt: list[int]) -> tuple[flo
     return dt, tok, dict(kv.stats()["tier_hits"])
 
 
-def _primed(model: LlamaModel, kv: KVCache, system: list[int]) -> KVCache:
-    sid = kv.open_session()
-    model.prefill(system, kv, sid)
-    kv.close_session(sid)
+def _holding(kv: KVCache, src: KVCache, sid: int) -> KVCache:
+    """``kv`` with ``src``'s session copied in and closed: its blocks stay cached."""
+    kv.close_session(copy_session(src, sid, kv))
     return kv
 
 
-def ttft_section(model: LlamaModel, text: list[int], plan: Plan,
-                 workdir: str) -> tuple[dict, dict]:
-    """TTFT of a new session whose system prompt is cached hot / warm / cold, or not at all."""
-    system = text[: plan.ttft_prefix]
-    qs = _windows(text, plan.repeats, plan.ttft_question, plan.ttft_prefix)
+def _ttft_runners(model: LlamaModel, system: list[int], plan: Plan, workdir: str,
+                  open_s: list[float]) -> dict[str, Callable[[list[int]], tuple]]:
+    """One ``prompt -> (seconds, first token, tier hits)`` per variant; the system prompt is
+    prefilled once (into the hot cache) and copied into the warm and cold ones."""
     room = plan.ttft_prefix + plan.repeats * (plan.ttft_question + 2 * plan.block_size)
-    warm_bytes = 2 * room * _bytes_per_token(model)
-    hot = _primed(model, fedkv_cache(model, room, block=plan.block_size), system)
-    warm = _primed(model, fedkv_cache(model, room, block=plan.block_size, warm_bytes=warm_bytes),
-                   system)
-    cold_cfg = fedkv_cache(model, room, block=plan.block_size).config
-    cold_dir = os.path.join(workdir, "cold")
-    seed_kv = _primed(model, KVCache.open(cold_dir, cold_cfg), system)
-    seed_kv.close()
-    open_s: list[float] = []
+    fresh = lambda **kw: fedkv_cache(model, room, block=plan.block_size, **kw)  # noqa: E731
+    hot = fresh()
+    sid = hot.open_session()
+    model.prefill(system, hot, sid)
+    warm = _holding(fresh(warm_bytes=2 * room * bytes_per_token(model)), hot, sid)
+    cold_dir, cold_cfg = os.path.join(workdir, "cold"), fresh().config
+    _holding(KVCache.open(cold_dir, cold_cfg), hot, sid).close()  # flushed to disk
+    hot.close_session(sid)
 
-    def cold(prompt: list[int]) -> tuple[float, int, dict]:
+    def cold(prompt: list[int]) -> tuple:
         t0 = time.perf_counter()
         kv = KVCache.open(cold_dir, cold_cfg)  # a fresh cache object on the flushed directory
         open_s.append(time.perf_counter() - t0)
         try:
             return _first_token(model, kv, prompt)
         finally:
-            kv.release()  # leave the directory as flushed: every repeat restores from disk
+            kv.release()  # the directory stays as flushed: every repeat restores from disk
 
-    def warm_run(prompt: list[int]) -> tuple[float, int, dict]:
-        warm.offload("warm")
+    def warm_run(prompt: list[int]) -> tuple:
+        warm.offload("warm")  # every cached block (the last repeat's too) leaves hot
         return _first_token(model, warm, prompt)
 
-    runs = {"recompute": lambda p: _first_token(model, fedkv_cache(model, room, block=plan.block_size), p),
+    return {"recompute": lambda p: _first_token(model, fresh(), p),
             "hot": lambda p: _first_token(model, hot, p), "warm": warm_run, "cold": cold}
+
+
+def ttft_section(model: LlamaModel, text: list[int], plan: Plan,
+                 workdir: str) -> tuple[dict, dict]:
+    """TTFT of a new session whose system prompt is cached hot / warm / cold, or not at all;
+    each repeat asks its own question, the variants in rotating order."""
+    system = text[: plan.ttft_prefix]
+    qs = _windows(text, plan.repeats, plan.ttft_question, plan.ttft_prefix)
+    open_s: list[float] = []
+    runs = _ttft_runners(model, system, plan, workdir, open_s)
     samples: dict[str, list[float]] = {k: [] for k in TTFT}
+    firsts: dict[str, list[int]] = {k: [] for k in TTFT}
     hits: dict[str, dict] = {}
-    firsts: dict[str, set[int]] = {k: set() for k in TTFT}
     for rep, q in enumerate(qs):
         for name in TTFT[rep % 4:] + TTFT[: rep % 4]:
             dt, tok, hits[name] = runs[name](system + q)
             samples[name].append(dt)
-            firsts[name].add(tok)
+            firsts[name].append(tok)
         log(f"  ttft repeat {rep + 1}: " + ", ".join(f"{k} {samples[k][-1]:.3f}s" for k in TTFT))
     med = {k: _median(v) for k, v in samples.items()}
     return med, {"speedup_vs_recompute": {k: _ratio(med["recompute"], med[k]) for k in TTFT[1:]},
-            "prefix_hit_blocks_by_tier": hits, "cold_open_s": _median(open_s),
-            "same_first_tokens": len({frozenset(v) for v in firsts.values()}) == 1,
-            "samples": samples}
+                 "prefix_hit_blocks_by_tier": hits, "cold_open_s": _median(open_s),
+                 "same_first_tokens": all(v == firsts["recompute"] for v in firsts.values()),
+                 "samples": samples}
 
 
 # == active capacity ======================================================================

@@ -14,7 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from experiments import bench_llm  # noqa: E402
+from experiments import bench_llm, llm_contenders  # noqa: E402
 from node.llama import LlamaConfig, LlamaModel  # noqa: E402
 
 TINY = bench_llm.Plan(contexts=(32, 64), decode_steps=2, repeats=2, batch_sessions=3,
@@ -128,9 +128,9 @@ def test_hf_cache_from_fedkv_equals_hf_prefill(result):
     next step's logits must be HF's own, left padding included."""
     hf, ours = result[2]
     prompts = [list(range(3, 40)), list(range(50, 71))]
-    caches, logits = bench_llm.prefilled(ours, prompts, 4, 8)
-    own = bench_llm.HFSessions(hf, *bench_llm.hf_prefill(hf, prompts))
-    ported = bench_llm.hf_sessions(hf, prompts, False, *caches[0], logits)
+    caches, logits = llm_contenders.prefilled(ours, prompts, 4, 8)
+    own = llm_contenders.HFSessions(hf, *llm_contenders.hf_prefill(hf, prompts))
+    ported = llm_contenders.hf_sessions(hf, prompts, False, *caches[0], logits)
     assert torch.allclose(own.logits, logits, atol=1e-4)
     for _ in range(2):
         own.step(), ported.step()
@@ -141,12 +141,12 @@ def test_hf_cache_from_fedkv_equals_hf_prefill(result):
 def test_copy_session_stores_what_prefill_stores(result):
     hf, ours = result[2]
     prompt = list(range(5, 45))
-    [(src, [sid])], _ = bench_llm.prefilled(ours, [prompt], 4, 8)
-    direct = bench_llm.fedkv_cache(ours, 64, "int8", 8)
+    [(src, [sid])], _ = llm_contenders.prefilled(ours, [prompt], 4, 8)
+    direct = llm_contenders.fedkv_cache(ours, 64, "int8", 8)
     d = direct.open_session()
     ours.prefill(prompt, direct, d)
-    copy = bench_llm.fedkv_cache(ours, 64, "int8", 8)
-    c = bench_llm.copy_session(src, sid, copy)
+    copy = llm_contenders.fedkv_cache(ours, 64, "int8", 8)
+    c = llm_contenders.copy_session(src, sid, copy)
     assert copy.tokens(c) == direct.tokens(d) == prompt
     for layer in range(2):
         for a, b in zip(copy.read(c, layer), direct.read(d, layer)):
