@@ -7,7 +7,9 @@ weights (both loaded from ``node.models.default_dir()``), same torch thread coun
 Every figure is measured in this run; speeds are medians of interleaved segments (each
 contender is prefilled once, untimed, then timed segments of greedy steps rotate over the
 contenders, so load on the machine hits them alike) and every target is a ratio of two
-contenders measured side by side. Sections (``notes`` in the JSON says the same):
+contenders measured side by side. The JSON: the five sections below in their interface
+shape, ``details`` (ratios, samples, checks, seconds per section), ``targets`` (each with
+PASS/MISS, also printed), ``notes`` (how each section measures) and ``config``.
 
 * ``decode_tokens_per_s`` -- greedy decode after a 512- / 2,048-token prompt of real text
   (standard-library source tokenized by the model's tokenizer). HF is called step by step
@@ -60,6 +62,22 @@ QUALITY = ("fp16", "int8", "int4")
 DTYPES = ("fp32", "int8", "int4")
 PROMPT_FILES = ("argparse.py", "difflib.py", "inspect.py")
 HELDOUT_FILES = ("textwrap.py", "heapq.py", "bisect.py", "calendar.py")
+NOTES = {
+    "decode_tokens_per_s": "greedy steps after a prompt of stdlib source; prefilled once by "
+    "fedkv fp32, int8/int4 caches get its K/V through KVCache.write (quickly: HF's "
+    "DynamicCache too); HF called step by step with its DynamicCache; medians of "
+    "interleaved segments",
+    "batched": "16 sessions, shared system prompt + own question; fedkv batched = prefix "
+    "cache + forward_batch, sequential = forward_cached per session, HF = left-padded batch; "
+    "KV bytes: stats() bytes_allocated + batch tail buffer vs DynamicCache tensors",
+    "ttft_s": "prefill + first token of a new session, median over questions; hot = blocks in "
+    "the arena, warm = offload('warm'), cold = flushed directory reopened by KVCache.open "
+    "(open time apart: details.ttft_s.cold_open_s), recompute = empty cache",
+    "active_capacity_tokens": "tokens written into open sessions until CacheFullError at "
+    "equal pool_bytes (details.active_capacity_tokens.source says whose function)",
+    "quality": "held-out stdlib source teacher-forced through the cache one block per "
+    "forward_cached call, so earlier blocks are read back in storage precision; vs fp32",
+}
 
 
 @dataclass(frozen=True)
@@ -362,9 +380,10 @@ def run_all(model: LlamaModel, hf: Any, text: list[int], heldout: list[int], pla
             r[key], r["details"][key] = fn()
             r["details"][key]["seconds"] = time.perf_counter() - t
             log(f"{key}: {r['details'][key]['seconds']:.0f}s")
+    r["notes"] = NOTES
     r["targets"] = {w: {"value": v, "target": t, "pass": ok} for w, v, t, ok in target_checks(r)}
     r["config"] = {"threads": threads, "plan": asdict(plan), "torch": torch.__version__,
-                   "hf_decode": "model called step by step with past_key_values (DynamicCache)",
+                   "hf_decode": "model called step by step with its DynamicCache (not generate)",
                    "seconds": time.perf_counter() - t0}
     return r
 
@@ -423,10 +442,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer repeats and steps (<= ~6 min)")
-    p.add_argument("--json", action="store_true", help="print one JSON object last (logs to stderr)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object last (the progress lines go to stderr)")
     p.add_argument("--threads", type=int, default=1, help="torch threads for both (default 1)")
-    p.add_argument("--model-dir", default=None, help="converted model (default: node.models.default_dir())")
-    p.add_argument("--out", default="results", help="writes <out>/bench_llm/<timestamp>/ (default results)")
+    p.add_argument("--model-dir", default=None,
+                   help="converted model directory (default: node.models.default_dir())")
+    p.add_argument("--out", default="results",
+                   help="writes <out>/bench_llm/<timestamp>/ (default results)")
     return p
 
 
