@@ -46,6 +46,9 @@ def copy_session(src: KVCache, sid: int, dst: KVCache) -> int:
     stored through ``dst``'s public write path (after ``match_prefix``: a prefix ``dst``
     caches is shared, as ``prefill`` shares it): what a prefill into ``dst`` stores, without
     computing it again (an int8/int4 ``dst`` quantizes on commit as it would)."""
+    if src.config.kv_dtype != "fp32":
+        raise ValueError(f"copy_session reads full-precision K/V: the source cache is "
+                         f"{src.config.kv_dtype}, not fp32")
     toks, new = src.tokens(sid), dst.open_session()
     n = dst.match_prefix(new, toks)
     dst.reserve(new, toks[n:])
@@ -61,6 +64,8 @@ def prefilled(model: LlamaModel, prompts: list[list[int]], extra: int, block: in
     """One cache per entry of ``dtypes`` (the first fp32) with a session per prompt: the
     first prefilled (later prompts reuse the shared prefix through the prefix cache), the
     others copies of it (``copy_session``); and the prompts' last logits."""
+    if not dtypes or dtypes[0] != "fp32":
+        raise ValueError(f"the first cache is the prefilled fp32 one, got dtypes {dtypes!r}")
     shared = len(os.path.commonprefix(prompts))
     held = shared + sum(len(p) - shared + extra + 2 * block for p in prompts)
     fp = fedkv_cache(model, held, "fp32", block)

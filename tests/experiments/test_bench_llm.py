@@ -151,3 +151,7 @@ def test_copy_session_stores_what_prefill_stores(result):
     for layer in range(2):
         for a, b in zip(copy.read(c, layer), direct.read(d, layer)):
             assert torch.allclose(a, b, atol=1e-5)
+    with pytest.raises(ValueError, match="not fp32"):
+        llm_contenders.copy_session(direct, d, copy)
+    with pytest.raises(ValueError, match="fp32"):
+        llm_contenders.prefilled(ours, [prompt], 4, 8, ("int8",))
