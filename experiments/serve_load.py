@@ -6,8 +6,7 @@ Every backend is a ``node.generation.GenerationBackend`` and the same client thr
 them, so the figures compare decoders, not harnesses:
 
 * ``fedkv_scheduler`` -- ``node.scheduler_backend.ScheduledBackend``: continuous batching with
-  chunked prefill and preemption, its KV pool sized for ``pool_share`` (a quarter) of the
-  offered load;
+  chunked prefill and preemption;
 * ``fedkv_no_scheduler`` -- ``node.serial_backend.SerialBackend``: the same model and cache,
   one request at a time;
 * ``hf_sequential`` -- Hugging Face ``LlamaForCausalLM`` with its ``DynamicCache`` on the same
@@ -22,7 +21,10 @@ the trace; otherwise synthetic lengths with a shared system prefix. Greedy decod
 Per cell (model x clients x backend): output tokens/s over the cell's wall time, TTFT and
 time-per-output-token p50/p99; per model: dropped requests (any that ended in ``error``),
 preempted and resumed sequences, the prefix hit rate of the scheduler's cache, and
-``overcommit`` = offered load / pool capacity in tokens. Backends run in rotated order per
+``overcommit`` = offered load / pool capacity in tokens at the most clients. A model's KV pool
+is one size for every client count, as a server's is: ``pool_share`` (a quarter) of the
+offered load at the most clients, so the largest cells run overcommitted and preemption does
+the rest (the smaller ones less so). Backends run in rotated order per
 client count and ``--repeats`` times; each figure is the median over repeats.
 """
 
@@ -286,8 +288,8 @@ def fp32_bytes_per_token(model: Any) -> int:
 
 def pool_tokens(requests: Sequence[Req], clients: int, cfg: LoadConfig, block: int) -> tuple[int, int]:
     """(offered load, pool capacity) in tokens: ``clients`` requests of the workload's mean
-    size in flight, the pool ``pool_share`` of it, never less than the largest request plus a
-    block per sequence of room (else that request could never run)."""
+    size in flight, the pool ``pool_share`` of it, never less than the largest request plus
+    two blocks of room (else that request could never run)."""
     need = [len(r.prompt) + r.max_tokens for r in requests]
     offered = round(clients * statistics.fmean(need))
     floor = max(need) + 2 * block
@@ -329,11 +331,16 @@ def run_model(served: Served, clients_list: Sequence[int], cfg: LoadConfig, seed
     rows: list[dict] = []
     totals = {"dropped_requests": 0, "preempted": 0, "resumed": 0}
     block = served.model.cache_config().block_size
-    for i, clients in enumerate(clients_list):
+
+    def workload(clients: int) -> list[Req]:
         n = max(4, clients * cfg.requests_per_client)
-        reqs = (trace_requests(trace, n, cfg, served.vocab, seed) if trace is not None
+        return (trace_requests(trace, n, cfg, served.vocab, seed) if trace is not None
                 else synthetic_requests(n, cfg, served.vocab, seed))
-        offered, pool = pool_tokens(reqs, clients, cfg, block)
+    top = max(clients_list)
+    _, pool = pool_tokens(workload(top), top, cfg, block)  # one pool for every client count
+    for i, clients in enumerate(clients_list):
+        reqs = workload(clients)
+        offered = round(clients * statistics.fmean(len(r.prompt) + r.max_tokens for r in reqs))
         cell: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
         for rep in range(cfg.repeats):
             order = SYSTEMS[(i + rep) % 3:] + SYSTEMS[:(i + rep) % 3]  # rotated: no fixed slot
@@ -356,7 +363,7 @@ def run_model(served: Served, clients_list: Sequence[int], cfg: LoadConfig, seed
                     totals["resumed"] += counters["resumed"]
         by_clients[str(clients)] = {s: {m: statistics.median(x[m] for x in cell[s])
                                         for m in METRICS} for s in SYSTEMS}
-    offered, pool = rows[-1]["offered_tokens"], rows[-1]["pool_tokens"]
+    offered = max(r["offered_tokens"] for r in rows)
     return {"by_clients": by_clients, **totals, "overcommit": offered / pool}, rows
 
 

@@ -56,3 +56,21 @@ def test_the_hf_baseline_streams_greedy_tokens_like_generate(one_thread):
     want = served.hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
                               min_new_tokens=6)[0, len(prompt):].tolist()
     assert got == want and h.finish_reason == "length"
+
+
+def test_the_json_has_the_issue_shape_and_nothing_is_dropped(tmp_path, one_thread, capsys):
+    res = sl.main(["--models", "tiny", "--clients", "1,3", "--quick", "--json",
+                   "--out", str(tmp_path)])
+    m = res["model"]["tiny"]
+    assert set(m) >= {"by_clients", "dropped_requests", "preempted", "resumed", "overcommit"}
+    assert set(m["by_clients"]) == {"1", "3"}
+    for cell in m["by_clients"].values():
+        assert set(cell) == set(sl.SYSTEMS)
+        for figures in cell.values():
+            assert set(figures) == set(sl.METRICS) and figures["tokens_per_s"] > 0
+    assert m["dropped_requests"] == 0 and m["preempted"] == m["resumed"]
+    assert m["overcommit"] > 1  # the pool holds a share of the load at 3 clients
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("{")
+    run = next((tmp_path / "serve_load").iterdir())
+    assert {p.name for p in run.iterdir()} >= {"serve_load.csv", "serve_load.png", "summary.md",
+                                               "serve_load.json"}
