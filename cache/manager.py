@@ -288,10 +288,10 @@ class BlockManager:
 
     # -- quantization --------------------------------------------------------------------
     def quantize(self, b: Block, threshold: float) -> None:
-        """Encode a full block into the quantized pool; its full-precision slot then holds the
-        decoded values -- the read buffer, so attention reads what the compact form stores,
-        decoded once -- while the block is referenced. Past ``threshold`` of accumulated error the
-        block stays full precision."""
+        """Encode a full block into the quantized pool and free its full-precision slot:
+        reads decode the compact form (``ReadPlanner``), so attention sees what the cache
+        stores and an open session costs no full-precision copy of it. Past ``threshold`` of
+        accumulated error the block stays full precision."""
         kv = self.arena.block(b.start).float()
         raw = self.qformat.encode(kv[:, 0], kv[:, 1])
         k_hat, v_hat = self.qformat.decode(raw)
@@ -307,10 +307,8 @@ class BlockManager:
             self.counters["quant_skipped_full"] += 1
             return
         self.qpool.slot_bytes_of(h)[: raw.numel()].copy_(raw.reshape(-1))
-        dst = self.arena.block(b.start)  # the read buffer holds exactly what was stored
-        dst[:, 0].copy_(k_hat)
-        dst[:, 1].copy_(v_hat)
         b.qhandle, b.error, b.format = h, total, self.qformat.kv_dtype
+        self._drop_slot(b)  # read from its compact form from now on (decoded per read)
         self.counters["quantized_blocks"] += 1
 
     def ensure_fp(self, b: Block, after: int | None, keep: set[int]) -> bool:
@@ -329,12 +327,15 @@ class BlockManager:
         self.counters["dequantized_blocks"] += 1
         return True
 
-    def decode_layer(self, b: Block, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [heads, B, dim] of one layer of a quantized block, decoded (not kept)."""
+    def decode_blocks(self, blocks: list[Block], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [heads, len(blocks) * B, dim] of one layer of quantized blocks, decoded in
+        one call into a fresh scratch tensor (not kept)."""
         lb = self.qformat.layer_bytes
-        raw = self.qpool.slot_bytes_of(b.qhandle)[layer * lb : (layer + 1) * lb]
-        k, v = self.qformat.decode(raw.view(1, -1))
-        return k[0], v[0]
+        raw = torch.stack([self.qpool.slot_bytes_of(b.qhandle)[layer * lb : (layer + 1) * lb]
+                           for b in blocks])
+        k, v = self.qformat.decode(raw)  # [n, H, B, D]
+        n, H, B, D = k.shape
+        return k.transpose(0, 1).reshape(H, n * B, D), v.transpose(0, 1).reshape(H, n * B, D)
 
     @property
     def _layers(self) -> int:

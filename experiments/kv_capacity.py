@@ -46,9 +46,14 @@ def active_capacity_tokens(kv_dtype: str, pool_bytes: int, *, num_layers: int, n
     ``pool_bytes`` when each of them has also taken one decode step (see the module
     docstring). Distinct random prompts (no prefix sharing), random K/V, other settings at
     their ``CacheConfig`` defaults; deterministic (seeded)."""
-    c = CacheConfig(num_layers=num_layers, num_heads=num_heads, head_dim=head_dim,
-                    block_size=block_size, kv_dtype=kv_dtype, pool_bytes=pool_bytes)
-    kv, g = KVCache(c), torch.Generator().manual_seed(0)
+    return capacity_of(CacheConfig(num_layers=num_layers, num_heads=num_heads,
+                                   head_dim=head_dim, block_size=block_size, kv_dtype=kv_dtype,
+                                   pool_bytes=pool_bytes), session_tokens)
+
+
+def capacity_of(c: CacheConfig, session_tokens: int) -> int:
+    """``active_capacity_tokens`` of a cache built from ``c`` (any setting)."""
+    kv, g, num_layers = KVCache(c), torch.Generator().manual_seed(0), c.num_layers
     opened, next_tok = [], 0
     while True:
         sid = kv.open_session()
