@@ -12,7 +12,11 @@ measurement drives the public ``KVCache`` API the way ``node.llama.forward_cache
    when one is refused, the newest session not yet stepped is closed and the step retried;
 3. the capacity is the tokens the stepped sessions hold.
 
-    python -m experiments.kv_capacity --json            # SmolLM2-135M and a tiny geometry
+    python -m experiments.kv_capacity --json            # SmolLM2-135M (256 MiB) and a tiny one
+    python -m experiments.kv_capacity --geometry tiny --pool-mib 4 --session-tokens 256
+
+Prompts are prefilled whole (one ``reserve``), so a quantized cache's full-precision arena
+must also hold the prompt being prefilled until its old blocks are quantized.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from cache import CacheConfig, CacheFullError, KVCache
 DTYPES = ("fp32", "fp16", "int8", "int4")
 SMOLLM2 = {"num_layers": 30, "num_heads": 3, "head_dim": 64}
 """SmolLM2-135M's K/V geometry (../shared/notes/real-llm.md)."""
-TINY = {"num_layers": 2, "num_heads": 2, "head_dim": 32}
+TINY = {"num_layers": 2, "num_heads": 2, "head_dim": 64}
 
 
 def _step(kv: KVCache, sid: int, tokens: list[int], layers: int, g: torch.Generator) -> None:
@@ -90,20 +94,29 @@ def capacity_table(pool_bytes: int, geometry: dict[str, int], session_tokens: in
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--geometry", choices=("both", "smollm2", "tiny"), default="both",
+                   help="SmolLM2-135M's K/V geometry (--pool-mib, --session-tokens), a tiny "
+                        "one (2 layers, 2 heads, head_dim 64; 16 MiB, 512 tokens), or both")
     p.add_argument("--pool-mib", type=int, default=256, help="pool_bytes in MiB (default 256)")
     p.add_argument("--session-tokens", type=int, default=512,
                    help="prompt tokens per session (default 512)")
     p.add_argument("--json", action="store_true", help="print one JSON object last")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    out = capacity_table(a.pool_mib << 20, SMOLLM2, a.session_tokens)
-    out["tiny"] = capacity_table(1 << 20, TINY, 64)
-    for name, t in (("SmolLM2-135M", out), ("tiny", out["tiny"])):
+    tables = {}
+    if a.geometry in ("both", "smollm2"):
+        tables["SmolLM2-135M"] = capacity_table(a.pool_mib << 20, SMOLLM2, a.session_tokens)
+    if a.geometry in ("both", "tiny"):
+        tiny = (a.pool_mib, a.session_tokens) if a.geometry == "tiny" else (16, 512)
+        tables["tiny"] = capacity_table(tiny[0] << 20, TINY, tiny[1])
+    for name, t in tables.items():
         if not a.json:
-            print(f"{name}: pool {t['pool_bytes'] >> 10} KiB, {t['session_tokens']}-token sessions")
+            print(f"{name}: pool {t['pool_bytes'] >> 20} MiB, {t['session_tokens']}-token sessions")
             for d in DTYPES:
                 print(f"  {d:5s} {t['active_capacity_tokens'][d]:8d} tokens  "
                       f"x{t['ratio_vs_fp32'][d]} fp32")
+    first, *rest = tables.values()
+    out = {**first, "geometry": next(iter(tables)), **({"tiny": rest[0]} if rest else {})}
     if a.json:
         print(json.dumps(out))
     return out
