@@ -83,7 +83,8 @@ class TailBuffer:
     reset and refilled to the same length holds other K/V behind the same first tail block,
     so ``BlockTable.releases`` is part of the key) appends its new tokens here -- one
     indexed store per layer -- instead of gathering every tail again; anything else rebuilds
-    it. A bounded copy of the tails only (the prefix is read in place), like a read buffer."""
+    it. A copy of the tails only (the prefix is read in place); a member's quantized blocks
+    are decoded into it, so it costs their full-precision bytes while the batch runs."""
 
     key: tuple
     kv: torch.Tensor
@@ -210,7 +211,7 @@ class Batcher:
         token appended to the buffer the previous step left."""
         buf, c = step.tails, self.config
         T = max(buf.lengths)
-        if step.fresh and step.tail_pos is None:  # read buffers do not all fit: decode
+        if step.fresh and step.tail_pos is None:  # quantized blocks among the tails: decode
             for row, sid in enumerate(step.sids):
                 t = self.sessions.get(sid)
                 (tk, tv), = self.reads.transient_run(t, layer, t.length + 1)

@@ -65,11 +65,11 @@ class CacheConfig:
     rest holds quantized blocks. The arena holds what is not quantized yet: each open
     session's fresh window (``fp_window`` plus its partial last block) and the prompt being
     prefilled (a whole prompt is written at full precision before its old blocks are
-    quantized). Quantized blocks keep no full-precision copy: reads decode them per layer
-    into a scratch tensor freed after the read. 0.35 gave the most active context for both
+    quantized). Room left over keeps decoded read buffers of quantized blocks (no decode per
+    step); any allocation drops them, and reads then decode quantized blocks per layer into
+    a scratch tensor freed after the read. 0.35 gave the most active context for both
     int8 and int4 (SmolLM2 geometry, 512-token sessions, 256-512 MiB pools: ``python -m
-    experiments.kv_capacity``; int8 peaks near 0.3, int4 near 0.4). The name is historical
-    (it once held decoded read buffers). fp32/fp16 caches use the whole pool at full
+    experiments.kv_capacity``; int8 peaks near 0.3, int4 near 0.4). fp32/fp16 caches use the whole pool at full
     precision."""
     low_watermark: float = 0.2
     """Free full-precision arena share below which a reserve triggers a (lazy) compaction

@@ -43,7 +43,8 @@ class BlockManager:
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.reclaim_fp: Callable[[set[int]], bool] = lambda keep: False
         """Set by the engine: drop some session's read buffer (never one in ``keep``); False
-        when there is none to drop."""
+        when there is none to drop (reads decode quantized blocks; only a copy-on-write of
+        a quantized block leaves a buffer)."""
         self.tiers: Tiers | None = None
         """Warm/cold tiers below hot (``cache/tiers.py``); None: evicted blocks are freed."""
         self.keep_versions = 0
@@ -57,8 +58,9 @@ class BlockManager:
 
     # -- storage -----------------------------------------------------------------------
     def _fp_room(self, tokens: int, after: int | None, keep: set[int]) -> int:
-        """Arena room for ``tokens`` (its start); evicts cached blocks, then idle read
-        buffers, one at a time until it fits."""
+        """Arena room for ``tokens`` (its start); evicts cached blocks, then read buffers
+        (the least recently used session's first; any session's, since reads decode a
+        quantized block without one), until it fits."""
         evicted = 0
         try:
             while True:
@@ -288,10 +290,12 @@ class BlockManager:
 
     # -- quantization --------------------------------------------------------------------
     def quantize(self, b: Block, threshold: float) -> None:
-        """Encode a full block into the quantized pool and free its full-precision slot:
-        reads decode the compact form (``ReadPlanner``), so attention sees what the cache
-        stores and an open session costs no full-precision copy of it. Past ``threshold`` of
-        accumulated error the block stays full precision."""
+        """Encode a full block into the quantized pool; its full-precision slot then holds the
+        decoded values -- a read buffer, so attention reads what the compact form stores
+        without decoding it every step -- only while the arena has room: any allocation may
+        drop it (``_fp_room``), and reads then decode the compact form (``ReadPlanner``), so
+        an open session never needs a full-precision copy of its context. Past ``threshold``
+        of accumulated error the block stays full precision."""
         kv = self.arena.block(b.start).float()
         raw = self.qformat.encode(kv[:, 0], kv[:, 1])
         k_hat, v_hat = self.qformat.decode(raw)
@@ -307,8 +311,10 @@ class BlockManager:
             self.counters["quant_skipped_full"] += 1
             return
         self.qpool.slot_bytes_of(h)[: raw.numel()].copy_(raw.reshape(-1))
+        dst = self.arena.block(b.start)  # the read buffer holds exactly what was stored
+        dst[:, 0].copy_(k_hat)
+        dst[:, 1].copy_(v_hat)
         b.qhandle, b.error, b.format = h, total, self.qformat.kv_dtype
-        self._drop_slot(b)  # read from its compact form from now on (decoded per read)
         self.counters["quantized_blocks"] += 1
 
     def ensure_fp(self, b: Block, after: int | None, keep: set[int]) -> bool:

@@ -40,13 +40,14 @@ class ReadPlanner:
     """Reading a session's context: its read plan and the runs a layer attends.
 
     The plan is a list of ``[arena start, blocks, first block index]`` runs of consecutive
-    blocks: full-precision blocks are read as views into the arena, one per run of
-    consecutive arena blocks (``BlockTable.runs``); a run of quantized-only blocks (start
-    ``None``) is decoded for the read, one layer at a time, into a scratch tensor that lives
-    only as long as the read (``stats()['transient_reads']``). No full-precision copy of a
-    quantized block is kept, so an open session costs its quantized blocks plus its fresh
-    window, not a decoded buffer of its whole context. The plan grows with appended blocks
-    and is rebuilt only after a block changed place or form (``BlockManager.generation``)."""
+    blocks: blocks with an arena slot (fresh ones, and quantized ones whose read buffer the
+    arena still has room for) are read as views, one per run of consecutive arena blocks
+    (``BlockTable.runs``); a run of quantized-only blocks (start ``None``) is decoded for the
+    read, one layer at a time, into a scratch tensor that lives only as long as the read
+    (``stats()['transient_reads']``). Read buffers are never allocated for a read and any
+    allocation may drop them, so an open session needs its quantized blocks plus its fresh
+    window, not a decoded copy of its whole context. The plan grows with appended blocks and
+    is rebuilt only after a block changed place or form (``BlockManager.generation``)."""
 
     def __init__(self, block_size: int, arena: "TokenArena", blocks: "BlockManager") -> None:
         self.block_size, self.arena, self.blocks = block_size, arena, blocks

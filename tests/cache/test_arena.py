@@ -108,8 +108,8 @@ def test_engine_round_trip_with_log8_scales_and_64_byte_pages():
 
 
 def test_a_full_pool_holds_tokens_at_the_arena_rate():
-    # open 16-token sessions until nothing fits: quantized blocks keep no full-precision
-    # copy, so the quantized pool, not the full-precision arena, bounds what the cache holds
+    # open 16-token sessions until nothing fits: idle sessions' read buffers are dropped, so
+    # the quantized pool, not the full-precision arena, bounds what the cache holds
     c = LM_MODEL.cache_config(kv_dtype="int8", fp_window=0, pool_bytes=1 << 20)
     kv = KVCache(c)
     n = 0
@@ -123,4 +123,4 @@ def test_a_full_pool_holds_tokens_at_the_arena_rate():
             n += 16
     q_bytes = kv.qpool.num_slabs * kv.qpool.slab_bytes
     assert n >= 0.95 * q_bytes / arena_bytes_per_token(c)
-    assert kv.stats()["read_buffer_bytes"] == 0
+    assert kv.stats()["read_buffer_evictions"] > 0

@@ -54,8 +54,8 @@ def _expected(kv: KVCache, store: list, quantized_blocks: int) -> list:
 def test_attention_over_quantized_context_equals_attention_over_its_dequantized_blocks(dtype):
     """Sessions interleave, one is closed (its slots freed and reused by another): every
     read still serves each session's own blocks, decoded exactly as stored."""
-    kv = KVCache(small_config(kv_dtype=dtype, fp_window=4, head_dim=16,
-                              read_buffer_fraction=0.3))
+    kv = KVCache(small_config(kv_dtype=dtype, fp_window=4, head_dim=16, pool_bytes=64 << 10,
+                              read_buffer_fraction=0.25))  # 8 blocks: read buffers dropped
     g, c = torch.Generator().manual_seed(3), kv.config
     empty = (torch.empty(c.num_heads, 0, c.head_dim),) * 2
     a, b = kv.open_session(), kv.open_session()
@@ -69,7 +69,8 @@ def test_attention_over_quantized_context_equals_attention_over_its_dequantized_
     _write(kv, a, 3, g, sa)
     st = kv.stats()
     assert st["quantized_blocks"] > 0 and st["kept_full_precision_blocks"] == 0
-    assert st["read_buffer_bytes"] == 0
+    assert st["read_buffer_evictions"] > 0  # some reads below decode, some use buffers
+    assert st["transient_reads"] > 0
     for sid, store in ((a, sa), (d, sd)):
         n = kv.length(sid)
         want = _expected(kv, store, (n - c.fp_window) // c.block_size)
