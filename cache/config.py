@@ -69,8 +69,8 @@ class CacheConfig:
     step); any allocation drops them, and reads then decode quantized blocks per layer into
     a scratch tensor freed after the read. 0.35 gave the most active context for both
     int8 and int4 (SmolLM2 geometry, 512-token sessions, 256-512 MiB pools: ``python -m
-    experiments.kv_capacity``; int8 peaks near 0.3, int4 near 0.4). fp32/fp16 caches use the whole pool at full
-    precision."""
+    experiments.kv_capacity``; int8 peaks near 0.3, int4 near 0.4). fp32/fp16 caches use
+    the whole pool at full precision."""
     low_watermark: float = 0.2
     """Free full-precision arena share below which a reserve triggers a (lazy) compaction
     that restores sessions' contiguous runs (``cache/compaction.py``)."""
