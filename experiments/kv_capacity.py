@@ -45,17 +45,20 @@ def _step(kv: KVCache, sid: int, tokens: list[int], layers: int, g: torch.Genera
 
 
 def active_capacity_tokens(kv_dtype: str, pool_bytes: int, *, num_layers: int, num_heads: int,
-                           head_dim: int, block_size: int = 16, session_tokens: int = 512) -> int:
+                           head_dim: int, block_size: int = 16, session_tokens: int = 512,
+                           chunk_tokens: int = 0) -> int:
     """Tokens open sessions of ``session_tokens`` prompt tokens hold in a ``kv_dtype`` cache of
     ``pool_bytes`` when each of them has also taken one decode step (see the module
-    docstring). Distinct random prompts (no prefix sharing), random K/V, other settings at
-    their ``CacheConfig`` defaults; deterministic (seeded)."""
+    docstring). ``chunk_tokens`` > 0 feeds each session in chunks of that many tokens (the
+    turns of a conversation: one ``forward_cached`` per turn) instead of one prompt. Distinct
+    random prompts (no prefix sharing), random K/V, other settings at their ``CacheConfig``
+    defaults; deterministic (seeded)."""
     return capacity_of(CacheConfig(num_layers=num_layers, num_heads=num_heads,
                                    head_dim=head_dim, block_size=block_size, kv_dtype=kv_dtype,
-                                   pool_bytes=pool_bytes), session_tokens)
+                                   pool_bytes=pool_bytes), session_tokens, chunk_tokens)
 
 
-def capacity_of(c: CacheConfig, session_tokens: int) -> int:
+def capacity_of(c: CacheConfig, session_tokens: int, chunk_tokens: int = 0) -> int:
     """``active_capacity_tokens`` of a cache built from ``c`` (any setting)."""
     kv, g, num_layers = KVCache(c), torch.Generator().manual_seed(0), c.num_layers
     opened, next_tok = [], 0
@@ -63,8 +66,10 @@ def capacity_of(c: CacheConfig, session_tokens: int) -> int:
         sid = kv.open_session()
         toks = list(range(next_tok, next_tok + session_tokens))  # distinct: no dedup
         next_tok += session_tokens
+        step = chunk_tokens or session_tokens
         try:
-            _step(kv, sid, toks, num_layers, g)
+            for i in range(0, session_tokens, step):
+                _step(kv, sid, toks[i : i + step], num_layers, g)
         except CacheFullError:
             kv.close_session(sid)
             break
