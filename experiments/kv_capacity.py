@@ -122,6 +122,13 @@ def main(argv: list[str] | None = None) -> dict:
                       f"x{t['ratio_vs_fp32'][d]} fp32")
     first, *rest = tables.values()
     out = {**first, "geometry": next(iter(tables)), **({"tiny": rest[0]} if rest else {})}
+    if a.geometry == "both":  # sessions longer than the arena, fed in 128-token turns
+        conv = {d: active_capacity_tokens(d, 4 << 20, session_tokens=1024, chunk_tokens=128,
+                                          **TINY) for d in DTYPES}
+        out["conversation"] = {"active_capacity_tokens": conv, "pool_bytes": 4 << 20,
+                               "session_tokens": 1024, "chunk_tokens": 128, **TINY}
+        if not a.json:
+            print(f"tiny, 4 MiB, 1024-token sessions in 128-token turns: {conv}")
     if a.json:
         print(json.dumps(out))
     return out
