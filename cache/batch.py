@@ -36,7 +36,7 @@ class BatchStep:
     """(arena start, tokens) per run of the shared prefix."""
     tail_pos: torch.Tensor | None
     """[B, T] arena positions of each session's own tokens (new one included), padded; None
-    when the members' read buffers do not all fit: the tails are decoded per layer."""
+    when a member holds quantized blocks: the tails are decoded per layer."""
     tail_valid: torch.Tensor
     """[B, T] bool: which tail positions hold a token."""
     written: int = 0
@@ -83,7 +83,8 @@ class TailBuffer:
     reset and refilled to the same length holds other K/V behind the same first tail block,
     so ``BlockTable.releases`` is part of the key) appends its new tokens here -- one
     indexed store per layer -- instead of gathering every tail again; anything else rebuilds
-    it. A bounded copy of the tails only (the prefix is read in place), like a read buffer."""
+    it. A copy of the tails only (the prefix is read in place); a member's quantized blocks
+    are decoded into it, so it costs their full-precision bytes while the batch runs."""
 
     key: tuple
     kv: torch.Tensor
@@ -145,18 +146,15 @@ class Batcher:
             raise
 
     def _plan(self, sids: list[int], tables: list[BlockTable]) -> BatchStep:
-        """The step's write positions, shared prefix runs and tails. Every member's blocks are
-        made resident with all members' blocks kept (reserving one member may have dropped
-        another's read buffer; re-planning must not drop a member's again). When they do not
-        all fit in the full-precision arena, the tails are decoded per layer instead
-        (``transient``: no shared prefix, ``stats()['transient_reads']``), as ``read_runs``
-        does for one session."""
+        """The step's write positions, shared prefix runs and tails. When every member's
+        blocks are in the full-precision arena they are gathered from it; when a member holds
+        quantized blocks the tails are decoded per layer instead (``transient``: no shared
+        prefix, ``stats()['transient_reads']``), as ``read_runs`` does for one session."""
         B = self.config.block_size
-        keep = set().union(*(t.block_ids() for t in tables))
-        resident = all([self.reads.try_plan(t, keep) for t in tables])
+        resident = all([self.reads.in_arena(t) for t in tables])
         shared = shared_prefix_blocks(tables) if resident else 0
         prefix, left = [], shared
-        for start, nb in (self.reads.plan(tables[0], keep) if shared else []):
+        for start, nb, _ in (self.reads.plan(tables[0]) if shared else []):
             if left <= 0:
                 break
             prefix.append((start, min(nb, left) * B))
@@ -213,7 +211,7 @@ class Batcher:
         token appended to the buffer the previous step left."""
         buf, c = step.tails, self.config
         T = max(buf.lengths)
-        if step.fresh and step.tail_pos is None:  # read buffers do not all fit: decode
+        if step.fresh and step.tail_pos is None:  # quantized blocks among the tails: decode
             for row, sid in enumerate(step.sids):
                 t = self.sessions.get(sid)
                 (tk, tv), = self.reads.transient_run(t, layer, t.length + 1)

@@ -11,10 +11,9 @@ class Block:
     """One block of ``block_size`` token positions, in every layer.
 
     A block's K/V live in up to two places: positions ``start .. start + capacity`` of the
-    full-precision TokenArena (fresh blocks, and the decoded read buffer of active sessions;
-    a partly filled last block has less than ``block_size`` capacity) and ``qhandle`` in the
-    quantized
-    BlockPool (the form of idle and cached blocks once they left the full-precision window).
+    full-precision TokenArena (fresh blocks; a partly filled last block has less than
+    ``block_size`` capacity) and ``qhandle`` in the quantized BlockPool (the only form of a
+    block once it left the full-precision window: reads decode it, ``cache/steps.py``).
     """
 
     id: int

@@ -60,11 +60,17 @@ class CacheConfig:
     passes the threshold."""
     pool_bytes: int = 64 << 20
     """Arena size, preallocated at construction."""
-    read_buffer_fraction: float = 0.25
-    """int8/int4 caches: share of ``pool_bytes`` held at full precision -- the fresh window
-    blocks and the decoded read buffers of active sessions (their quantized blocks are
-    decoded once, not every step); the rest holds quantized blocks. fp32/fp16 caches use the
-    whole pool at full precision."""
+    read_buffer_fraction: float = 0.35
+    """int8/int4 caches: share of ``pool_bytes`` held at full precision (the TokenArena); the
+    rest holds quantized blocks. The arena holds what is not quantized yet: each open
+    session's fresh window (``fp_window`` plus its partial last block) and the prompt being
+    prefilled (a whole prompt is written at full precision before its old blocks are
+    quantized). Room left over keeps decoded read buffers of quantized blocks (no decode per
+    step); any allocation drops them, and reads then decode quantized blocks per layer into
+    a scratch tensor freed after the read. 0.35 gave the most active context for both
+    int8 and int4 (SmolLM2 geometry, 512-token sessions, 256-512 MiB pools: ``python -m
+    experiments.kv_capacity``; int8 peaks near 0.3, int4 near 0.4). fp32/fp16 caches use
+    the whole pool at full precision."""
     low_watermark: float = 0.2
     """Free full-precision arena share below which a reserve triggers a (lazy) compaction
     that restores sessions' contiguous runs (``cache/compaction.py``)."""

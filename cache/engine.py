@@ -207,10 +207,10 @@ class KVCache:
         return self.reads.resident_positions(self.session_table.get(sid), layer)
 
     def read_runs(self, sid: int, layer: int) -> list[Run]:
-        """K and V of every readable token in ``layer`` as views into the arena, one pair
-        per run of consecutive blocks: each [heads, n_i, head_dim], full precision. When
-        the read buffer has no room for a cold session's quantized blocks, they are decoded
-        for this read only (``stats()['transient_reads']``)."""
+        """K and V of every readable token in ``layer``, one pair per run of consecutive
+        blocks: each [heads, n_i, head_dim], full precision -- views into the arena, and a
+        session's quantized blocks decoded for this read only (a scratch tensor per run,
+        ``stats()['transient_reads']``): no full-precision copy of them is kept."""
         t = self.session_table.get(sid)
         check_layer(layer, self.config.num_layers)
         return self.reads.runs(t, layer)

@@ -43,7 +43,8 @@ class BlockManager:
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.reclaim_fp: Callable[[set[int]], bool] = lambda keep: False
         """Set by the engine: drop some session's read buffer (never one in ``keep``); False
-        when there is none to drop."""
+        when there is none to drop (reads decode quantized blocks; only a copy-on-write of
+        a quantized block leaves a buffer)."""
         self.tiers: Tiers | None = None
         """Warm/cold tiers below hot (``cache/tiers.py``); None: evicted blocks are freed."""
         self.keep_versions = 0
@@ -57,8 +58,9 @@ class BlockManager:
 
     # -- storage -----------------------------------------------------------------------
     def _fp_room(self, tokens: int, after: int | None, keep: set[int]) -> int:
-        """Arena room for ``tokens`` (its start); evicts cached blocks, then idle read
-        buffers, one at a time until it fits."""
+        """Arena room for ``tokens`` (its start); evicts cached blocks, then read buffers
+        (the least recently used session's first; any session's, since reads decode a
+        quantized block without one), until it fits."""
         evicted = 0
         try:
             while True:
@@ -289,9 +291,11 @@ class BlockManager:
     # -- quantization --------------------------------------------------------------------
     def quantize(self, b: Block, threshold: float) -> None:
         """Encode a full block into the quantized pool; its full-precision slot then holds the
-        decoded values -- the read buffer, so attention reads what the compact form stores,
-        decoded once -- while the block is referenced. Past ``threshold`` of accumulated error the
-        block stays full precision."""
+        decoded values -- a read buffer, so attention reads what the compact form stores
+        without decoding it every step -- only while the arena has room: any allocation may
+        drop it (``_fp_room``), and reads then decode the compact form (``ReadPlanner``), so
+        an open session never needs a full-precision copy of its context. Past ``threshold``
+        of accumulated error the block stays full precision."""
         kv = self.arena.block(b.start).float()
         raw = self.qformat.encode(kv[:, 0], kv[:, 1])
         k_hat, v_hat = self.qformat.decode(raw)
@@ -329,12 +333,15 @@ class BlockManager:
         self.counters["dequantized_blocks"] += 1
         return True
 
-    def decode_layer(self, b: Block, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [heads, B, dim] of one layer of a quantized block, decoded (not kept)."""
+    def decode_blocks(self, blocks: list[Block], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [heads, len(blocks) * B, dim] of one layer of quantized blocks, decoded in
+        one call into a fresh scratch tensor (not kept)."""
         lb = self.qformat.layer_bytes
-        raw = self.qpool.slot_bytes_of(b.qhandle)[layer * lb : (layer + 1) * lb]
-        k, v = self.qformat.decode(raw.view(1, -1))
-        return k[0], v[0]
+        raw = torch.stack([self.qpool.slot_bytes_of(b.qhandle)[layer * lb : (layer + 1) * lb]
+                           for b in blocks])
+        k, v = self.qformat.decode(raw)  # [n, H, B, D]
+        n, H, B, D = k.shape
+        return k.transpose(0, 1).reshape(H, n * B, D), v.transpose(0, 1).reshape(H, n * B, D)
 
     @property
     def _layers(self) -> int:

@@ -85,7 +85,7 @@ class Pressure:
         copied (shared: copy-on-write; no room after it: a move) -- that copy, or None --
         and the new blocks, each placed right after its predecessor when that space is free."""
         B, m = self.config.block_size, self.blocks
-        keep = t.block_ids()
+        keep: set[int] = set()  # any read buffer may go, the session's own too: reads decode
         tail, new = None, []
         last = end_of(t.blocks[-1], B) if t.blocks else None
         try:

@@ -51,7 +51,8 @@ class StatsSource(Protocol):
 
 def _bytes(kv: "StatsSource") -> dict:
     """Bytes held per storage dtype, bytes whose token positions hold tokens, and the same
-    for referenced blocks only; the read buffer is the full-precision copy of quantized blocks."""
+    for referenced blocks only; the read buffer is a full-precision copy of a quantized block
+    (reads decode quantized blocks instead, so only a copy-on-write of one keeps one)."""
     m, B, fresh = kv.blocks, kv.config.block_size, kv.full_precision_dtype
     fp_block = kv.arena.block_bytes
     q_slot = kv.qpool.classes[kv.config.kv_dtype].slot_bytes if kv.qpool else 0

@@ -37,61 +37,55 @@ if TYPE_CHECKING:
 
 
 class ReadPlanner:
-    """Reading a session's context: its read plan (runs of consecutive arena blocks) and the
-    views. A session is read as views into the full-precision arena, one per run of
-    consecutive blocks (``BlockTable.runs``): the plan grows with appended blocks and is
-    rebuilt -- quantized-only blocks decoded into a read buffer, once -- only after a block
-    changed place. When the read buffer has no room, the context is decoded for one read
-    only (``transient_run``)."""
+    """Reading a session's context: its read plan and the runs a layer attends.
+
+    The plan is a list of ``[arena start, blocks, first block index]`` runs of consecutive
+    blocks: blocks with an arena slot (fresh ones, and quantized ones whose read buffer the
+    arena still has room for) are read as views, one per run of consecutive arena blocks
+    (``BlockTable.runs``); a run of quantized-only blocks (start ``None``) is decoded for the
+    read, one layer at a time, into a scratch tensor that lives only as long as the read
+    (``stats()['transient_reads']``). Read buffers are never allocated for a read and any
+    allocation may drop them, so an open session needs its quantized blocks plus its fresh
+    window, not a decoded copy of its whole context. The plan grows with appended blocks and
+    is rebuilt only after a block changed place or form (``BlockManager.generation``)."""
 
     def __init__(self, block_size: int, arena: "TokenArena", blocks: "BlockManager") -> None:
         self.block_size, self.arena, self.blocks = block_size, arena, blocks
 
-    def plan(self, t: BlockTable, keep: set[int] | None = None) -> list[list[int]]:
-        """The session's runs of consecutive blocks ([start, blocks]); grown by appended
-        blocks, rebuilt (and quantized-only blocks decoded, once) only after a block changed
-        place. Making room never drops the read buffer of a block in ``keep`` (default: the
-        session's own)."""
+    def plan(self, t: BlockTable) -> list[list]:
+        """The session's runs ``[start, blocks, first index]``; grown by appended blocks,
+        rebuilt only after a block changed place or form. Allocates nothing."""
         B = self.block_size
         if t.runs is None or t.plan_generation != self.blocks.generation:
-            keep, after = t.block_ids() if keep is None else keep, None
-            for b in t.held():
-                self.blocks.ensure_fp(b, after, keep)
-                after = end_of(b, B)
             t.runs, t.planned = [], 0
-        for b in t.blocks[t.planned :]:
+        runs = t.runs
+        for i in range(t.planned, len(t.blocks)):
+            b = t.blocks[i]
             if b is None:
                 continue
-            if t.runs and t.runs[-1][0] + t.runs[-1][1] * B == b.start:
-                t.runs[-1][1] += 1
+            last = runs[-1] if runs else None
+            if b.start is None:  # quantized only: decoded when read
+                if last is not None and last[0] is None and last[2] + last[1] == i:
+                    last[1] += 1
+                else:
+                    runs.append([None, 1, i])
+            elif last is not None and last[0] is not None and last[0] + last[1] * B == b.start:
+                last[1] += 1
             else:
-                t.runs.append([b.start, 1])
+                runs.append([b.start, 1, i])
         t.planned, t.plan_generation = len(t.blocks), self.blocks.generation
-        return t.runs
+        return runs
 
-    def try_plan(self, t: BlockTable, keep: set[int] | None = None) -> bool:
-        try:
-            self.plan(t, keep)
-            return True
-        except CacheFullError:  # no room for a read buffer: reads decode per step instead
-            t.runs = None
-            return False
+    def in_arena(self, t: BlockTable) -> bool:
+        """True when every block the session holds is read in place (nothing to decode)."""
+        return all(start is not None for start, _, _ in self.plan(t))
 
     def transient_run(self, t: BlockTable, layer: int, n: int) -> list[Run]:
-        """The context decoded for this read only (no read buffer fits): one temporary run."""
-        self.blocks.counters["transient_reads"] += 1
-        ks, vs = [], []
-        for b in t.blocks[: t.blocks_needed(n)]:
-            if b is None:
-                continue
-            if b.start is not None:
-                k, v = self.arena.run(layer, b.start, self.block_size)
-            else:
-                k, v = self.blocks.decode_layer(b, layer)
-            ks.append(k.float())
-            vs.append(v.float())
-        m = self.resident(t, n)
-        return [(torch.cat(ks, 1)[:, :m], torch.cat(vs, 1)[:, :m])]
+        """The first ``n`` positions as one run, decoded blocks and views concatenated (a
+        batch member whose context is not all in the arena)."""
+        runs = self._read(t, layer, n)
+        return [(torch.cat([k for k, _ in runs], 1).float(),
+                 torch.cat([v for _, v in runs], 1).float())]
 
     def resident(self, t: BlockTable, n: int) -> int:
         """Of the first ``n`` positions, how many are held (dropped blocks left out)."""
@@ -102,17 +96,24 @@ class ReadPlanner:
 
     def runs(self, t: BlockTable, layer: int) -> list[Run]:
         """K and V of every readable token of ``t`` in ``layer`` (see ``KVCache.read_runs``)."""
-        n, B = t.layer_length(layer), self.block_size
-        if not self.try_plan(t):
-            return self.transient_run(t, layer, n)
-        n = self.resident(t, n)
-        out = []
-        for start, nb in t.runs:
+        return self._read(t, layer, t.layer_length(layer))
+
+    def _read(self, t: BlockTable, layer: int, n: int) -> list[Run]:
+        """Runs of the first ``n`` positions: arena views, quantized runs decoded."""
+        B, n, out, decoded = self.block_size, self.resident(t, n), [], False
+        for start, nb, i0 in self.plan(t):
             if n <= 0:
                 break
             take = min(n, nb * B)
-            out.append(self.arena.run(layer, start, take))
+            if start is None:
+                k, v = self.blocks.decode_blocks(t.blocks[i0 : i0 + nb], layer)
+                out.append((k[:, :take], v[:, :take]))
+                decoded = True
+            else:
+                out.append(self.arena.run(layer, start, take))
             n -= take
+        if decoded:
+            self.blocks.counters["transient_reads"] += 1
         return out
 
     def resident_positions(self, t: BlockTable, layer: int) -> torch.Tensor:
@@ -183,7 +184,6 @@ class SessionSteps:
         self.pressure.reserves_since_compact += 1  # its lazy compaction counts reserves
         if self.arena.free_pages / self.arena.num_pages < self.config.low_watermark:
             self.pressure.relieve()  # memory is low: demote a batch, compact lazily
-        self.reads.try_plan(t)  # blocks resident at full precision before anything is allocated
         tail, new = self._room(t, t.length + len(toks))
         if tail is not None:
             old = t.blocks[-1]
@@ -195,7 +195,6 @@ class SessionSteps:
         t.blocks.extend(new)
         t.tokens = t.tokens[: t.length] + toks
         t.pending, t.written = len(toks), set()
-        self.reads.try_plan(t)
         t.write_at = t.positions(t.length, len(toks))
 
     def _room(self, t: BlockTable, total: int) -> tuple[Block | None, list[Block]]:

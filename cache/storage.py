@@ -21,7 +21,7 @@ def fresh_dtype(config: CacheConfig) -> tuple[str, torch.dtype]:
 
 def make_storage(c: CacheConfig) -> tuple[TokenArena, BlockPool | None, BlockFormat | None]:
     """Split ``pool_bytes``: all full precision, or ``read_buffer_fraction`` of it in a
-    quantized cache (fresh window blocks and active sessions' decoded buffers)."""
+    quantized cache (blocks not quantized yet: fresh windows, prompts being prefilled)."""
     _, dtype = fresh_dtype(c)
     block = 2 * c.num_layers * c.num_heads * c.block_size * c.head_dim * dtype.itemsize
     share = c.read_buffer_fraction if c.kv_dtype in QUANTIZED else 1.0
