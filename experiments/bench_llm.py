@@ -48,7 +48,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from cache import CacheConfig, CacheFullError, KVCache
+from cache import KVCache
+from experiments.kv_capacity import active_capacity_tokens
 from experiments.llm_contenders import (FedkvSessions, bytes_per_token, copy_session,
                                         fedkv_cache, hf_sessions, interleave, prefilled)
 from experiments.output import make_run_dir, markdown_table, plot_lines, write_csv, write_json
@@ -273,40 +274,14 @@ def ttft_section(model: LlamaModel, text: list[int], plan: Plan,
 
 
 # == active capacity ======================================================================
-def _active_capacity_tokens(kv_dtype: str, pool_bytes: int, *, num_layers: int, num_heads: int,
-                            head_dim: int, block_size: int = 16, session_tokens: int = 512) -> int:
-    """Fallback until experiments.kv_capacity lands: open sessions of ``session_tokens`` and
-    feed them random K/V a block at a time (``reserve``/``write``, attended nowhere: capacity
-    does not depend on the values) until ``CacheFullError``; the tokens written."""
-    kv = KVCache(CacheConfig(num_layers=num_layers, num_heads=num_heads, head_dim=head_dim,
-                             block_size=block_size, kv_dtype=kv_dtype, pool_bytes=pool_bytes))
-    g, total = torch.Generator().manual_seed(0), 0
-    while True:
-        sid = kv.open_session()
-        for _ in range(0, session_tokens, block_size):
-            try:
-                kv.reserve(sid, [total % 1000] * block_size)
-            except CacheFullError:
-                return total
-            for layer in range(num_layers):
-                kv.write(sid, layer, torch.randn(num_heads, block_size, head_dim, generator=g),
-                         torch.randn(num_heads, block_size, head_dim, generator=g))
-            total += block_size
-
-
 def capacity_section(model: LlamaModel, plan: Plan) -> tuple[dict, dict]:
-    try:
-        from experiments.kv_capacity import active_capacity_tokens as cap
-        source = "experiments.kv_capacity"
-    except ImportError:
-        cap, source = _active_capacity_tokens, "bench_llm fallback"
     c = model.cfg
-    toks = {d: int(cap(d, plan.capacity_pool_bytes, num_layers=c.num_layers,
+    toks = {d: int(active_capacity_tokens(d, plan.capacity_pool_bytes, num_layers=c.num_layers,
                        num_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=plan.block_size,
                        session_tokens=plan.capacity_session_tokens)) for d in CAPACITY}
     log("active capacity tokens: " + ", ".join(f"{k} {v}" for k, v in toks.items()))
     return toks, {"ratio_vs_fp32": {d: _ratio(toks[d], toks["fp32"]) for d in CAPACITY},
-            "pool_bytes": plan.capacity_pool_bytes, "source": source}
+            "pool_bytes": plan.capacity_pool_bytes}
 
 
 # == quality ==============================================================================
