@@ -156,6 +156,31 @@ class KVCache:
             if end >= self._boundary_ns:
                 self._op_boundary(end)
 
+    def cached_prefix_tokens(self, tokens: Iterable[int], namespace: bytes | str = b"") -> int:
+        """Tokens of ``tokens`` ``match_prefix`` would reuse from the hot or warm tier for a
+        session of ``namespace``, found without attaching, promoting or counting anything (a
+        scheduler's admission probe; cold blocks are not probed: that would read the disk)."""
+        toks, B = [int(x) for x in tokens], self.config.block_size
+        parent, n = namespace_root(namespace), 0
+        for i in range((len(toks) - 1) // B):
+            parent = self.blocks.peek(parent, toks[i * B : (i + 1) * B])
+            if parent is None:
+                break
+            n += B
+        return n
+
+    @property
+    def full_precision_blocks(self) -> int:
+        """Blocks the full-precision arena holds: the whole pool in an fp32/fp16 cache, the
+        fresh windows' share in int8/int4 (a prompt is prefilled there before it is quantized)."""
+        return self.arena.num_blocks
+
+    def free_blocks(self) -> int:
+        """Full-precision blocks an allocation can take now without preempting anyone: the
+        arena's free pages plus the cached blocks no session holds (evictable)."""
+        a = self.arena
+        return a.free_pages * a.page // self.config.block_size + len(self.policy)
+
     # == writing ===========================================================================
     def reserve(self, sid: int, tokens: Iterable[int]) -> None:
         """Make room for new tokens; allocation is all-or-nothing."""

@@ -264,6 +264,16 @@ class BlockManager:
         b.last_access = self.clock
         return b
 
+    def peek(self, parent: bytes, tokens: list[int]) -> bytes | None:
+        """The hash ``lookup`` would find ``tokens`` under in the hot or warm tier (current
+        version only), without promoting, placing or counting anything; None if absent."""
+        h = block_hash(parent, tokens, self.version)
+        b = self.index.get(h)
+        if b is not None:
+            return h if b.tokens == tokens else None
+        warm = self.tiers.warm if self.tiers is not None else None
+        return h if warm is not None and h in warm else None
+
     def _find(self, h: bytes, tokens: list[int], version: int, after: int | None) -> Block | None:
         b = self.index.get(h)
         if b is None and self.tiers is not None and version >= 0:

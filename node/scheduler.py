@@ -38,7 +38,6 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from cache import CacheFullError, KVCache
-from cache.prefix import block_hash, namespace_root
 from node.generation import GenerationRequest
 from node.model_interface import CachedLM
 
@@ -163,21 +162,6 @@ def _sampler(request: GenerationRequest, i: int):
     return replace(request.sampling, generator=torch.Generator().manual_seed(seed))
 
 
-def cached_prefix_tokens(cache: KVCache, tokens: list[int], namespace: str) -> int:
-    """Tokens of ``tokens`` ``match_prefix`` would reuse (hot or warm), found without
-    attaching, promoting or counting anything: the admission order's probe."""
-    B, version = cache.config.block_size, cache.version
-    index = cache.blocks.index
-    tiers = cache.blocks.tiers
-    parent, n = namespace_root(namespace), 0
-    for i in range((len(tokens) - 1) // B):
-        h = block_hash(parent, tokens[i * B : (i + 1) * B], version)
-        if h not in index and (tiers is None or h not in tiers.warm):
-            break
-        parent, n = h, n + B
-    return n
-
-
 class Scheduler:
     """Continuous batching of generation requests over one model and one cache."""
 
@@ -231,7 +215,7 @@ class Scheduler:
         bad = [t for t in request.prompt if t < 0 or (vocab is not None and t >= vocab)]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} outside the vocabulary [0, {vocab})")
-        B, pool = self.cache.config.block_size, self.cache.arena.num_blocks
+        B, pool = self.cache.config.block_size, self.cache.full_precision_blocks
         need = -(-total // B) + 1  # + 1: room to copy a shared last block (copy-on-write)
         if need > pool:
             raise ValueError(f"prompt + max_tokens = {total} tokens needs {need} blocks of "
@@ -291,7 +275,7 @@ class Scheduler:
             if len(self.running) >= self.config.max_running:
                 return
             need = -(-len(s.context) // B) + 1  # cached blocks count too: hot ones are
-            if self.running and need > self._free_blocks():  # in _free_blocks, warm need room
+            if self.running and need > self.cache.free_blocks():  # in free_blocks, warm ones need room
                 return
             self.waiting.remove(s)
             self._start(s)
@@ -306,12 +290,7 @@ class Scheduler:
     def _probe(self, s: Sequence) -> int:
         if self.config.preempt_mode == "recompute" and s.preemptions:
             return 0  # its resume recomputes everything
-        return cached_prefix_tokens(self.cache, s.context, s.request.tenant)
-
-    def _free_blocks(self) -> int:
-        """Blocks an allocation can get now: free arena pages plus evictable cached blocks."""
-        a = self.cache.arena
-        return a.free_pages * a.page // self.cache.config.block_size + len(self.cache.policy)
+        return self.cache.cached_prefix_tokens(s.context, s.request.tenant)
 
     def _start(self, s: Sequence) -> None:
         """Give ``s`` a session: new (match_prefix) or, after a recompute preemption, its own."""

@@ -365,3 +365,26 @@ def test_below_the_low_watermark_compaction_runs_lazily():
         feed(kv, s, [i])
         kv.reset_session(s)
     assert kv.stats()["compactions"] == 1
+
+
+def test_cached_prefix_tokens_predicts_match_prefix_without_touching_anything():
+    import torch as _t
+    from cache import CacheConfig as _C, KVCache as _K
+    kv = _K(_C(num_layers=1, num_heads=1, head_dim=4, block_size=4, pool_bytes=1 << 16,
+               managed_block_bytes=1 << 12))
+    toks = list(range(1, 14))
+    sid = kv.open_session(namespace="a")
+    kv.reserve(sid, toks)
+    kv.write(sid, 0, _t.randn(1, 13, 4), _t.randn(1, 13, 4))
+    kv.close_session(sid)
+    before = dict(kv.stats())
+    assert kv.cached_prefix_tokens(toks + [99], "a") == 12
+    assert kv.cached_prefix_tokens(toks, "b") == 0  # another namespace sees nothing
+    assert kv.cached_prefix_tokens([7] + toks, "a") == 0
+    after = kv.stats()
+    assert {k: after[k] for k in ("prefix_lookups", "prefix_hit_blocks")} == \
+        {k: before[k] for k in ("prefix_lookups", "prefix_hit_blocks")}
+    sid = kv.open_session(namespace="a")
+    assert kv.match_prefix(sid, toks + [99]) == 12
+    kv.bump_version()
+    assert kv.cached_prefix_tokens(toks + [99], "a") == 0  # stale blocks are not a hit
