@@ -1,0 +1,187 @@
+"""Learning while serving: the OpenAI server on the scheduler follows a node's trainer.
+
+A live server (on a thread) joins a node cache directory's coherence directory; the test is the
+trainer, publishing parameters as ``CacheNode._write_params`` does (``exclusive_params`` +
+``param_channel.publish``). While a long greedy completion streams, one write-back happens.
+Checked: the stream completes; each token was computed under one version, the old one before
+the write-back and the new one after (every token recomputed with a cache-free forward under
+the weights of its version); chunk fingerprints and ``/v1/models`` show the new version; and
+no scheduler step ran on the old weights after the trainer was let write (strong coherence:
+its write waits for the server's ACK). A negative control runs the same scenario on a server
+that does not follow the node and checks that the same checks fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+
+from cache import KVCache  # noqa: E402
+from node import param_channel  # noqa: E402
+from node.coherence import exclusive_params  # noqa: E402
+from node.openai_api import APIConfig, OpenAIServer  # noqa: E402
+from node.openai_follow import follow, join_node  # noqa: E402
+from node.openai_protocol import PromptCodec  # noqa: E402
+from node.scheduler_backend import ScheduledBackend  # noqa: E402
+from node.serve_auth import Tenants  # noqa: E402
+from node.tasks import federated_state, lm_model, parameter_layout  # noqa: E402
+
+KEY = bytes(range(1, 33))
+TOKEN = "alice-token-0123456789"
+PROMPT, MAX_TOKENS = "The node says: ", 100
+STEP_SLEEP_S = 0.01
+"""Each scheduler step sleeps this long, so the 100-token stream outlasts the write-back."""
+
+
+def _states() -> dict[int, dict[str, torch.Tensor]]:
+    """The trainer's parameters per version: 0 the initial model, 1 after a write-back."""
+    model = lm_model(seed=1)
+    s0 = {n: t.clone() for n, t in federated_state(model, parameter_layout(model)).items()}
+    g = torch.Generator().manual_seed(2)
+    return {0: s0, 1: {n: t + 0.3 * torch.randn(t.shape, generator=g) for n, t in s0.items()}}
+
+
+def _fingerprint(model) -> float:
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+
+@dataclass
+class Run:
+    """What one scenario saw."""
+
+    handles: list = field(default_factory=list)
+    steps: list[tuple[float, float]] = field(default_factory=list)
+    """(end time, fingerprint of the weights the step's forward used)."""
+    fingerprints: list[str] = field(default_factory=list)
+    """``system_fingerprint`` of every chunk with text."""
+    finish: str | None = None
+    t_write: float | None = None
+    """When the trainer was let write (every reader had ACKed)."""
+    models_versions: tuple[int, int] = (-1, -1)
+    invalidations: int = 0
+
+
+@contextlib.contextmanager
+def _serving(cache_dir, follow_node: bool, run: Run, initial: dict[str, torch.Tensor]):
+    """A live server on the scheduler; ``follow_node``: joined to ``cache_dir``'s node (else it
+    starts from ``initial``, the node's first parameters, and never hears of the node again)."""
+    model = lm_model(seed=99).eval()  # the node's parameters replace these
+    if not follow_node:
+        model.load_state_dict(initial, strict=False)
+    cache = KVCache(model.cache_config(pool_bytes=1 << 21))
+    follower = join_node(cache_dir, KEY, model, cache, wait_s=5) if follow_node else None
+    backend = ScheduledBackend(model, cache, model_id="fedkv-byte")
+    hook = follow(backend, follower) if follower is not None else None
+    step = backend.scheduler.step
+
+    def slow_step():  # on the loop thread: weights do not change during a step
+        time.sleep(STEP_SLEEP_S)
+        events = step()
+        run.steps.append((time.monotonic(), _fingerprint(model)))
+        return events
+    backend.scheduler.step = slow_step
+    submit = backend.submit
+    backend.submit = lambda r: run.handles.extend(hs := submit(r)) or hs
+    server = thread = None
+    try:
+        server = OpenAIServer(("127.0.0.1", 0), backend, PromptCodec(None), Tenants([("alice", TOKEN)]),
+                              APIConfig(max_tokens=MAX_TOKENS), context_len=model.context_len)
+        server.history = hook.history if hook else None
+        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02})
+        thread.start()
+        yield server
+    finally:
+        if thread is not None:
+            server.shutdown()
+            thread.join()
+        if server is not None:
+            server.server_close()
+        backend.close()
+        if hook is not None:
+            hook.close()
+
+
+def _write_back(cache_dir, state, version: int, run: Run) -> None:
+    """The trainer's side of a write-back (``CacheNode._write_params``)."""
+    with exclusive_params(cache_dir, timeout_s=20) as invalidated:
+        run.t_write = time.monotonic()
+        param_channel.publish(cache_dir, KEY, state, version)
+    run.invalidations = invalidated
+
+
+def _scenario(tmp_path, follow_node: bool) -> Run:
+    cache_dir, states, run = tmp_path / "kv-cache", _states(), Run()
+    cache_dir.mkdir()
+    param_channel.publish(cache_dir, KEY, states[0], 0)  # the node's first parameters
+    with _serving(cache_dir, follow_node, run, states[0]) as server:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1",
+                          api_key=TOKEN, max_retries=0, timeout=60)
+        before = c.models.list().data[0].version
+        trainer = None
+        for chunk in c.completions.create(model="fedkv-byte", prompt=PROMPT, stream=True,
+                                          max_tokens=MAX_TOKENS, temperature=0):
+            choice = chunk.choices[0]
+            if choice.text:
+                run.fingerprints.append(chunk.system_fingerprint)
+            run.finish = choice.finish_reason or run.finish
+            if trainer is None and len(run.fingerprints) >= 20:  # mid-stream
+                trainer = threading.Thread(target=_write_back,
+                                           args=(cache_dir, states[1], 1, run))
+                trainer.start()
+        trainer.join(30)
+        run.models_versions = (before, c.models.list().data[0].version)
+    return run
+
+
+@torch.no_grad()
+def _problems(run: Run) -> list[str]:
+    """Everything that says the server did not learn while serving (empty: it did)."""
+    refs = {}
+    for v, state in _states().items():
+        refs[v] = lm_model().eval()
+        refs[v].load_state_dict(state, strict=False)
+    (h,) = run.handles
+    out = []
+    if run.finish != "length" or len(h.generated) != MAX_TOKENS:
+        out.append(f"the stream did not complete ({run.finish}, {len(h.generated)} tokens)")
+    versions = list(h.token_versions)
+    if not (versions and versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)):
+        out.append(f"token versions are not 0 then 1: {sorted(set(versions))}")
+    ids = list(h.request.prompt)
+    for i, (token, v) in enumerate(zip(h.generated, versions)):
+        want = int(refs[v](torch.tensor([ids]))[0, -1].argmax())
+        if token != want:
+            out.append(f"token {i} is not version {v}'s greedy token")
+            break
+        ids.append(token)
+    if set(run.fingerprints) - {"fedkv-v0", "fedkv-v1"} or run.fingerprints[-1:] != ["fedkv-v1"]:
+        out.append(f"chunk fingerprints {sorted(set(run.fingerprints))}")
+    if run.models_versions != (0, 1):
+        out.append(f"/v1/models versions {run.models_versions}")
+    old = _fingerprint(refs[0])
+    late = [t for t, fp in run.steps if abs(fp - old) < 1e-6 and t > (run.t_write or 0)]
+    if run.t_write is None or late:
+        out.append(f"{len(late)} steps used the old weights after the trainer was let write")
+    return out
+
+
+def test_a_write_back_during_a_stream_restarts_it_under_the_new_version(tmp_path, one_thread):
+    run = _scenario(tmp_path, follow_node=True)
+    assert run.invalidations == 1  # the trainer had to invalidate the server
+    assert _problems(run) == []
+    assert run.fingerprints[0] == "fedkv-v0"  # the stream started on the old weights
+
+
+def test_negative_control_a_server_that_ignores_the_node_fails_the_checks(tmp_path, one_thread):
+    run = _scenario(tmp_path, follow_node=False)
+    problems = _problems(run)
+    assert any("token versions" in p for p in problems), problems
+    assert any("/v1/models" in p for p in problems), problems
+    assert any("after the trainer was let write" in p for p in problems), problems
