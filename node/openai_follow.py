@@ -70,7 +70,9 @@ def join_node(cache_dir: str | os.PathLike, key: bytes | None, model: CachedLM, 
               own_weights: bool = False) -> ParamFollower:
     """A follower holding ``param`` shared in ``cache_dir``'s coherence directory, the
     published parameters (if any fit) already loaded and ``cache`` at their version."""
+    from cache.fsperm import private_dir
     from node.tasks import parameter_layout
+    private_dir(cache_dir)  # 0700 when the server is first: the node refuses a reachable one
     follower = ParamFollower(Path(cache_dir), key, model, parameter_layout(model), mode=mode,
                              wait_s=wait_s, own_weights=own_weights)
     try:

@@ -118,7 +118,7 @@ def _write_back(cache_dir, state, version: int, run: Run) -> None:
 
 def _scenario(tmp_path, follow_node: bool) -> Run:
     cache_dir, states, run = tmp_path / "kv-cache", _states(), Run()
-    cache_dir.mkdir()
+    cache_dir.mkdir(mode=0o700)
     param_channel.publish(cache_dir, KEY, states[0], 0)  # the node's first parameters
     with _serving(cache_dir, follow_node, run, states[0]) as server:
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1",
@@ -185,3 +185,58 @@ def test_negative_control_a_server_that_ignores_the_node_fails_the_checks(tmp_pa
     assert any("token versions" in p for p in problems), problems
     assert any("/v1/models" in p for p in problems), problems
     assert any("after the trainer was let write" in p for p in problems), problems
+
+
+@pytest.mark.slow  # a server process (~20 s on 2 loaded cores)
+def test_the_cli_follows_a_cache_node_through_a_write_back(tmp_path, one_thread):
+    """``python -m node.openai_api --cache-dir`` beside a real ``CacheNode`` (the trainer):
+    its key and token file beside the cache directory, the node's write-back waits for the
+    server's ACK, and the replies, ``/v1/models`` and ``/v1/stats`` move to the new version."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    from crypto import write_secret_file
+    from node.cache_node import CacheNode, NodeSpec
+
+    tmp_path.chmod(0o700)
+    cache_dir, ready = tmp_path / "kv-cache", tmp_path / "ready.json"
+    write_secret_file(tmp_path / "kv-cache.key", KEY)
+    (tmp_path / "serve-token").write_text(f"alice:{TOKEN}\n")
+    (tmp_path / "serve-token").chmod(0o600)
+    node = CacheNode(NodeSpec(0, 5, "lm"), cache_dir=cache_dir, cache_key=KEY)
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "node.openai_api", "--cache-dir", str(cache_dir), "--port", "0",
+         "--ready-file", str(ready), "--wait-s", "30"], cwd=root, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "node.openai_api did not start"
+            time.sleep(0.05)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{json.loads(ready.read_text())['port']}/v1",
+                          api_key=TOKEN, max_retries=0, timeout=60)
+
+        def ask() -> tuple[str, int]:
+            r = c.completions.create(model="fedkv-byte", prompt=PROMPT, max_tokens=4)
+            return r.system_fingerprint, c.models.list().data[0].version
+        assert ask() == ("fedkv-v0", 0)
+        node.apply_mean_update(np.random.default_rng(1).normal(0, 0.05, node.layout.size), 1)
+        assert node.agents_invalidated == 1  # the write-back waited for the server's ACK
+        assert ask() == ("fedkv-v1", 1)
+        stats = c.get("/stats", cast_to=object)
+        assert (stats["versions_seen"], stats["invalidations"], stats["version"]) == ([0, 1], 1, 1)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        node.release()
