@@ -45,11 +45,18 @@ class WeightFollower:
 
     def __init__(self, follower: ParamFollower, backend: ScheduledBackend):
         self.follower, self.backend = follower, backend
+        self._due = False
+        """A write-back was ACKed and its parameters are not loaded yet (a ``load`` that
+        failed -- the trainer held ``param`` past the directory's timeout -- is retried at the
+        next boundary; the backend logs the error)."""
 
     def __call__(self) -> None:
-        if not self.follower.poll():  # ACKs: we are between steps, no forward is running
+        if self.follower.poll():  # ACKs: we are between steps, no forward is running
+            self._due = True
+        if not self._due:
             return
         version = self.follower.load(self.backend.version)  # waits for the trainer's release
+        self._due = False
         if version is not None:
             self.backend.update_weights(_loaded, version)  # applied before the next forward
 
