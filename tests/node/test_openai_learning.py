@@ -240,3 +240,35 @@ def test_the_cli_follows_a_cache_node_through_a_write_back(tmp_path, one_thread)
             proc.kill()
             proc.wait()
         node.release()
+
+
+def test_a_load_that_fails_after_the_ack_is_retried_at_the_next_boundary():
+    """The ACK cannot be taken back: a ``load`` that raised (the trainer held ``param`` past
+    the timeout) must be tried again, not forgotten until the next write-back."""
+    from node.openai_follow import WeightFollower
+
+    class Follower:
+        polls, loads = [True, False, False], []
+
+        def poll(self) -> bool:
+            return self.polls.pop(0)
+
+        def load(self, serving: int) -> int:
+            self.loads.append(serving)
+            if len(self.loads) == 1:
+                raise TimeoutError("param still held by the trainer")
+            return 5
+
+    class Backend:
+        version, updates = 4, []
+
+        def update_weights(self, apply, version) -> None:
+            self.updates.append(version)
+
+    hook, backend = WeightFollower(Follower(), Backend()), Backend()
+    hook.backend = backend
+    with pytest.raises(TimeoutError):
+        hook()
+    hook()  # no new invalidation, but the ACKed one is still due
+    hook()  # nothing due
+    assert hook.follower.loads == [4, 4] and backend.updates == [5]
