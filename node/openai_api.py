@@ -1,6 +1,8 @@
 """An OpenAI-compatible HTTP server over any ``node.generation.GenerationBackend``.
 
     python -m node.openai_api [--model byte|smollm2] [--model-dir DIR] [--port 8471]
+        [--backend scheduler|serial] [--max-running 16] [--token-budget 256]
+        [--preempt-mode swap|recompute] [--cache-dir DIR [--key-file F]] [--ready-file F]
         [--token-file ~/.cache/fedkv/serve-token] [--pool-mib MiB] [--max-tokens 256]
         [--max-concurrent 4] [--max-queue 16] [--request-timeout 60] [--socket-timeout 10]
         [--host 127.0.0.1 [--tls-cert C --tls-key K]]
@@ -21,6 +23,12 @@ cached prompt; each tenant has at most ``max_concurrent`` requests in flight (42
 server at most ``max_queue`` (503 with ``Retry-After``); a request that gets no token within
 ``request_timeout_s`` is cancelled (503); sockets time out; it binds loopback unless TLS.
 
+Backends: ``node.scheduler``'s continuous batching (default) or one request at a time
+(``serial``, the baseline). With ``--cache-dir`` the server follows a node's trainer
+(``node.openai_follow``): each write-back is loaded between scheduler steps, running requests
+restart under the new version, ``/v1/models`` and every chunk's ``system_fingerprint``
+(``fedkv-v<version>``) say which version computed it.
+
 The standard library's ``http.server`` (threads, like ``node.serve``), not FastAPI/uvicorn:
 those are not dependencies of the project.
 """
@@ -38,13 +46,14 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from node import openai_follow
 from node.chat import Sampling
 from node.generation import GenerationBackend, GenerationHandle, GenerationRequest
 from node.openai_protocol import (MAX_SEED, APIError, Params, PromptCodec, TextStream, bad,
@@ -103,6 +112,8 @@ class OpenAIServer(ThreadingHTTPServer):
         self.backend, self.codec, self.tenants, self.config = backend, codec, tenants, config
         self.context_len, self.created = context_len, int(time.time())
         self.stats: defaultdict[str, TenantStats] = defaultdict(TenantStats)
+        self.history: Callable[[], dict] | None = None
+        """The followed node's model history (``WeightFollower.history``), shown to all."""
         self._active: defaultdict[str, int] = defaultdict(int)
         self._lock = threading.Lock()
         if tls is not None:  # the handshake happens on the connection's thread
@@ -216,8 +227,9 @@ class _Handler(BaseHTTPRequestHandler):
             elif self.path == "/v1/stats":
                 with self.server._lock:
                     own = asdict(self.server.stats[tenant])
+                history = self.server.history() if self.server.history else {}
                 self._json(200, {"tenant": tenant, "model": self.server.backend.model_id,
-                                 "version": self.server.backend.version, **own})
+                                 "version": self.server.backend.version, **history, **own})
             else:
                 raise APIError(404, f"no such path {self.path}", None, "not_found")
         self._guarded(get)
@@ -314,7 +326,7 @@ class _Completion:
             choices.append({"index": i, **body, "finish_reason": self._reason(h, ts)})
             if self.chat:
                 choices[-1]["logprobs"] = None
-        self.h._json(200, {**self._head(handles, chunk=False), "choices": choices,
+        self.h._json(200, {**self._head(self._newest(handles), chunk=False), "choices": choices,
                            "usage": self._usage(handles)})
 
     def _stream(self, handles: list[GenerationHandle]) -> None:
@@ -338,20 +350,25 @@ class _Completion:
             self.h._event(e.body())
             return
         if self.p.include_usage:
-            self.h._event({**self._head(handles, chunk=True), "choices": [],
+            self.h._event({**self._head(self._newest(handles), chunk=True), "choices": [],
                            "usage": self._usage(handles)})
         self.h._event("[DONE]")
 
     def _chunk(self, handles, i: int, delta: dict | str, reason: str | None, usage: dict) -> None:
         body = {"delta" if self.chat else "text": delta, "logprobs": None}
-        self.h._event({**self._head(handles, chunk=True), **usage,
+        self.h._event({**self._head(_version_at(handles[i], self._used[i]), chunk=True), **usage,
                        "choices": [{"index": i, **body, "finish_reason": reason}]})
 
-    def _head(self, handles: list[GenerationHandle], chunk: bool) -> dict[str, Any]:
+    def _newest(self, handles: list[GenerationHandle]) -> int | None:
+        """The newest version among the tokens sent (the whole reply's fingerprint)."""
+        return max((v for h, n in zip(handles, self._used) if (v := _version_at(h, n)) is not None),
+                   default=None)
+
+    def _head(self, version: int | None, chunk: bool) -> dict[str, Any]:
+        """``version``: the model version of the tokens in the object (None: none yet)."""
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat \
             else "text_completion"
-        version = handles[0].model_version
-        if version is None:  # no token yet
+        if version is None:
             version = self.server.backend.version
         return {"id": self.id, "object": kind, "created": self.created,
                 "model": self.server.backend.model_id,
@@ -369,6 +386,14 @@ class _Completion:
             st.prompt_tokens += handles[0].prompt_tokens
             st.cached_prompt_tokens += handles[0].cached_prompt_tokens
             st.completion_tokens += sum(used)
+
+
+def _version_at(h: GenerationHandle, n: int) -> int | None:
+    """The version of ``h``'s ``n``-th token (the last one a chunk holds): a backend that
+    restarts running requests under new weights lists each token's (``token_versions``,
+    appended before the token is queued); the serial one has one per request."""
+    versions = getattr(h, "token_versions", None)
+    return versions[n - 1] if versions and 0 < n <= len(versions) else h.model_version
 
 
 # -- the command line -----------------------------------------------------------------------------
@@ -393,9 +418,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 = any free port")
     p.add_argument("--tls-cert", type=Path, default=None)
     p.add_argument("--tls-key", type=Path, default=None)
-    p.add_argument("--token-file", type=Path, default=DEFAULT_TOKEN_FILE,
+    p.add_argument("--token-file", type=Path, default=None,
                    help="'tenant:token' lines (a bare token: tenant 'default'), mode 0600; "
-                        "written with one fresh token when missing")
+                        f"written with one fresh token when missing (default {DEFAULT_TOKEN_FILE}"
+                        "; serve-token beside --cache-dir)")
     p.add_argument("--pool-mib", type=float, default=None,
                    help=f"KV pool (default {POOL_MIB:g}; {SMOLLM2_POOL_MIB:g} for smollm2)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
@@ -403,8 +429,13 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-queue", type=int, default=d.max_queue)
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s)
     p.add_argument("--socket-timeout", type=float, default=d.socket_timeout_s)
+    openai_follow.add_arguments(p)
     args = p.parse_args(argv)
-    from node.serve_auth import check_bind
+    openai_follow.check_arguments(p, args)
+    from node.serve_auth import check_bind, default_token_file
+    if args.token_file is None:
+        args.token_file = default_token_file(args.cache_dir) if args.cache_dir \
+            else DEFAULT_TOKEN_FILE
     try:
         check_bind(args.host, args.tls_cert, args.tls_key)
     except ValueError as e:
@@ -435,7 +466,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from cache import KVCache
     from node.models import ModelError
-    from node.serial_backend import SerialBackend
     from node.serve import load_model
     from node.serve_auth import tls_context
     tls = tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
@@ -446,26 +476,32 @@ def main(argv: list[str] | None = None) -> int:
     except ModelError as e:
         raise SystemExit(f"--model {args.model}: {e}") from None
     cache = KVCache(model.cache_config(pool_bytes=int(args.pool_mib * (1 << 20))))
-    backend = SerialBackend(model.eval(), cache, model_id=MODEL_IDS[args.model])
+    backend, hook = openai_follow.build_backend(args, model.eval(), cache, MODEL_IDS[args.model],
+                                                own_weights=args.model != "byte")
     config = APIConfig(args.max_tokens, args.max_concurrent, args.max_queue,
                        args.request_timeout, args.socket_timeout)
     try:
         server = OpenAIServer((args.host, args.port), backend, PromptCodec(codec), tenants,
                               config, context_len=model.context_len, tls=tls)
     except BaseException:
-        backend.close()
+        openai_follow.close(backend, hook)
         raise
+    server.history = hook.history if hook else None
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwinds serve_forever: finally below
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"serving {backend.model_id} at {'https' if tls else 'http'}://{host}:"
-          f"{server.server_address[1]}/v1 (token file {args.token_file})", flush=True)
+    port = server.server_address[1]
+    if args.ready_file:
+        openai_follow.write_ready(args.ready_file, port, backend.version)
+    print(f"serving {backend.model_id} ({args.backend}, version {backend.version}) at "
+          f"{'https' if tls else 'http'}://{host}:{port}/v1 (token file {args.token_file})",
+          flush=True)
     try:
         server.serve_forever(poll_interval=0.05)
     except KeyboardInterrupt:
         pass
     finally:
         server.server_close()
-        backend.close()
+        openai_follow.close(backend, hook)
         print("stopped: server and backend closed", flush=True)
     return 0
 

@@ -6,6 +6,10 @@ caller's thread and hands them over through a queue; cancellations and weight up
 flags the loop applies at the next step boundary; tokens reach consumers through each
 handle's own thread-safe queue (``Sequence.tokens``). ``close`` cancels what is left, stops the
 thread and joins it.
+
+``between_steps`` (optional) runs on the loop thread before every step and on every idle
+wake-up: while it runs no forward runs, so a caller that must know the old weights are out of
+use (a coherence ACK, ``node.openai_follow``) does its work there.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ class ScheduledBackend:
     """Continuous batching behind the generation contract (see the module docstring)."""
 
     def __init__(self, model: CachedLM, cache: KVCache, config: SchedulerConfig | None = None,
-                 *, model_id: str = "fedkv", idle_wait_s: float = 0.05):
+                 *, model_id: str = "fedkv", idle_wait_s: float = 0.05,
+                 between_steps: Callable[[], None] | None = None):
         self.model_id = model_id
+        self.between_steps = between_steps
         self.scheduler = Scheduler(model, cache, config)
         self._inbox: queue.SimpleQueue[list[Sequence]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -80,6 +86,7 @@ class ScheduledBackend:
         s = self.scheduler
         try:
             while not self._stop.is_set():
+                self._between_steps()
                 self._drain()
                 if not s.has_work:
                     self._wake.wait(self._idle_wait_s)
@@ -93,6 +100,14 @@ class ScheduledBackend:
         finally:
             self._drain()
             s.cancel_all()
+
+    def _between_steps(self) -> None:
+        if self.between_steps is None:
+            return
+        try:
+            self.between_steps()
+        except Exception:  # noqa: BLE001 -- the hook's failure is logged; serving goes on
+            _log.exception("between-steps hook failed")
 
     def _drain(self) -> None:
         while True:

@@ -612,18 +612,22 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _key(args: argparse.Namespace) -> bytes | None:
-    """The node's cache key; waits for it (the node's first ClientApp message makes it)."""
-    if args.no_key:
-        return None
-    path = args.key_file or args.cache_dir.parent / "kv-cache.key"
-    deadline = time.monotonic() + args.wait_s
+def node_key(cache_dir: Path, key_file: Path | None, wait_s: float) -> bytes:
+    """The node's cache key (``key_file``, default ``kv-cache.key`` beside ``cache_dir``);
+    waits for it (the node's first ClientApp message makes it). Shared by every server that
+    follows a node (``node.serve``, ``node.openai_api``)."""
+    path = key_file or cache_dir.parent / "kv-cache.key"
+    deadline = time.monotonic() + wait_s
     while not path.exists():
         if time.monotonic() > deadline:
-            raise SystemExit(f"key file {path} did not appear within {args.wait_s} s "
+            raise SystemExit(f"key file {path} did not appear within {wait_s} s "
                              "(is the node running? --no-key for an unencrypted cache)")
         time.sleep(0.2)
     return read_secret_file(path, passphrase_from_env())
+
+
+def _key(args: argparse.Namespace) -> bytes | None:
+    return None if args.no_key else node_key(args.cache_dir, args.key_file, args.wait_s)
 
 
 def _tenants(args: argparse.Namespace) -> Tenants:

@@ -18,11 +18,13 @@ Every process is started in its own session and tracked by (pid, start time), wi
 descendants; all are stopped by pid on success, failure, SIGINT and SIGTERM. The last stdout
 line is one JSON object (see ``summary``); progress goes to stderr.
 
-``--serve`` (with ``--task lm``) starts ``python -m node.serve`` beside SuperNode 0, on that
-node's cache directory: each write-back of the node invalidates it, and the summary's
-``serve_agent`` shows the model versions its replies were computed under. Its client
-authenticates with the bearer token the agent writes on first start (``serve-token`` beside
-that cache directory).
+``--serve`` (with ``--task lm``) starts the OpenAI-compatible server (``python -m
+node.openai_api --backend scheduler --cache-dir ...``) beside SuperNode 0, on that node's cache
+directory: each write-back of the node invalidates it and it loads the new parameters between
+scheduler steps; the summary's ``serve_agent`` shows the model versions its streamed replies
+(``system_fingerprint``) and ``/v1/models`` reported. Its client (plain HTTP) authenticates
+with the bearer token the server writes on first start (``serve-token`` beside that cache
+directory).
 
 ``--netns`` puts each SuperNode in a network namespace of its own (``fedkv-<tag>-<i>``), joined
 by a veth pair to a bridge the command creates on the host (10.250.<k>.0/24, the first free

@@ -81,8 +81,9 @@ def test_deploy_demo_survives_a_killed_supernode(tmp_path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_deploy_demo_with_a_serving_agent_picks_up_every_version(tmp_path) -> None:
-    """--serve: ``node.serve`` beside SuperNode 0 loads each model version the node writes
-    back (one invalidation per write-back) and its replies move to the new versions."""
+    """--serve: the OpenAI server (``node.openai_api`` on the scheduler) beside SuperNode 0
+    loads each model version the node writes back (one invalidation per write-back) and its
+    replies and ``/v1/models`` move to the new versions."""
     work = tmp_path / "demo"
     proc = subprocess.run(
         [sys.executable, "-m", "federation.deploy", "demo", "--nodes", "2", "--rounds", "3", "--task", "lm",
@@ -98,6 +99,7 @@ def test_deploy_demo_with_a_serving_agent_picks_up_every_version(tmp_path) -> No
     assert agent["started"] and agent["errors"] == [], context
     assert agent["versions_loaded"] == [0, 1, 2, 3] and agent["invalidations"] == 3, context
     assert {"1", "2"} <= set(agent["replies_per_version"]), context
+    assert {1, 2} <= set(agent["models_versions_seen"]), context
     assert out["leftover_processes"] == 0 and not _processes_mentioning(str(work)), context
     for r in out["serving_per_round"][1:]:  # every write-back invalidated the prompt's K/V
         assert r["recomputed_tokens"] > 0 and r["invalidated_blocks"] > 0 and math.isclose(r["ppl"], r["ppl_fresh"], rel_tol=1e-4), context
@@ -135,8 +137,9 @@ def test_the_last_line_says_where_the_logs_are_or_how_to_keep_them(tmp_path) -> 
 
 
 def test_the_serve_probe_authenticates_with_the_token_the_agent_wrote(tmp_path) -> None:
-    """--serve's client reads the agent's ``serve-token`` (beside the cache directory) and
-    sends it on every request; here against a stand-in agent on loopback that insists on it."""
+    """--serve's client reads the server's ``serve-token`` (beside the cache directory) and
+    sends it on every request; here against a stand-in OpenAI server on loopback that insists
+    on it, streaming chunks whose fingerprints span versions 1 and 2."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -153,10 +156,11 @@ def test_the_serve_probe_authenticates_with_the_token_the_agent_wrote(tmp_path) 
         def log_message(self, *args) -> None:
             pass
 
-        def _answer(self, body: dict) -> None:
+        def _answer(self, body: dict | bytes) -> None:
             seen.append(self.headers.get("Authorization"))
             ok = seen[-1] == f"Bearer {token}"
-            data = json.dumps(body if ok else {"error": "unauthorized"}).encode()
+            data = body if ok and isinstance(body, bytes) else \
+                json.dumps(body if ok else {"error": "unauthorized"}).encode()
             self.send_response(200 if ok else 401)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -164,10 +168,13 @@ def test_the_serve_probe_authenticates_with_the_token_the_agent_wrote(tmp_path) 
 
         def do_POST(self) -> None:
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            self._answer({"session": "ab" * 16} if self.path == "/v1/sessions" else {"version": 2})
+            assert self.path == "/v1/chat/completions"
+            self._answer(b"".join(b"data: " + json.dumps({"system_fingerprint": f"fedkv-v{v}"}).encode()
+                                  + b"\n\n" for v in (1, 2)) + b"data: [DONE]\n\n")
 
         def do_GET(self) -> None:
-            self._answer({"versions_seen": [0, 1, 2], "invalidations": 2, "rolled_back_turns": 0})
+            self._answer({"data": [{"version": 2}]} if self.path == "/v1/models"
+                         else {"versions_seen": [0, 1, 2], "invalidations": 2})
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Agent)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -184,4 +191,7 @@ def test_the_serve_probe_authenticates_with_the_token_the_agent_wrote(tmp_path) 
     report = probe.report()
     assert report["errors"] == [] and report["replies"] >= 3, report
     assert report["versions_loaded"] == [0, 1, 2] and report["invalidations"] == 2
+    assert report["replies_per_version"] == {"2": report["replies"]}
+    assert report["replies_spanning_versions"] == report["replies"]
+    assert report["models_versions_seen"] == [2]
     assert seen and set(seen) == {f"Bearer {token}"}

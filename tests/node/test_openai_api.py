@@ -1,6 +1,8 @@
 """node.openai_api through the official ``openai`` client, as a user's program calls it.
 
-Live servers on ephemeral loopback ports, each on a thread that a fixture always shuts down
+The ``server`` and ``byte_server`` fixtures run each test on both backends: the scheduler
+(``node.scheduler_backend``, the default) and the serial baseline. Live servers on ephemeral
+loopback ports, each on a thread that a fixture always shuts down
 (server, then backend). Two models: the byte model (every token one byte, so any two-character
 stop string is split across tokens) and a tiny random Llama with a small byte-level BPE trained
 here in memory and a ChatML template (multi-byte tokens, a real chat template and EOS). The
@@ -25,6 +27,7 @@ from cache import KVCache  # noqa: E402
 from node.chat import ChatCodec  # noqa: E402
 from node.openai_api import APIConfig, OpenAIServer  # noqa: E402
 from node.openai_protocol import PromptCodec  # noqa: E402
+from node.scheduler_backend import ScheduledBackend  # noqa: E402
 from node.serial_backend import SerialBackend  # noqa: E402
 from node.serve_auth import Tenants  # noqa: E402
 from node.tasks import lm_model  # noqa: E402
@@ -71,10 +74,11 @@ def llama_parts(one_thread):
 
 @contextlib.contextmanager
 def serving(model, codec, model_id: str, config: APIConfig = APIConfig(), wrap=lambda b: b,
-            pool_bytes: int = 1 << 21):
+            pool_bytes: int = 1 << 21, backend: str = "serial"):
     """A live server on a thread; yields it; always shuts down server and backend."""
-    backend = wrap(SerialBackend(model, KVCache(model.cache_config(pool_bytes=pool_bytes)),
-                                 model_id=model_id))
+    kind = {"serial": SerialBackend, "scheduler": ScheduledBackend}[backend]
+    backend = wrap(kind(model, KVCache(model.cache_config(pool_bytes=pool_bytes)),
+                        model_id=model_id))
     server = thread = None
     try:
         server = OpenAIServer(("127.0.0.1", 0), backend, PromptCodec(codec), TENANTS, config,
@@ -96,21 +100,26 @@ def client(server, tenant: str = "alice", **kw) -> openai.OpenAI:
                          api_key=TOKENS.get(tenant, tenant), max_retries=0, **{"timeout": 30, **kw})
 
 
-@pytest.fixture(params=["byte", "llama"])
+BACKENDS = ["scheduler", "serial"]
+
+
+@pytest.fixture(params=[(m, b) for b in BACKENDS for m in ("byte", "llama")],
+                ids=lambda p: "-".join(p))
 def server(request, one_thread):
-    if request.param == "byte":
+    name, backend = request.param
+    if name == "byte":
         torch.manual_seed(0)
-        with serving(lm_model(seed=0).eval(), None, "fedkv-byte") as s:
+        with serving(lm_model(seed=0).eval(), None, "fedkv-byte", backend=backend) as s:
             yield s
     else:
         model, codec = request.getfixturevalue("llama_parts")
-        with serving(model, codec, "tiny-llama") as s:
+        with serving(model, codec, "tiny-llama", backend=backend) as s:
             yield s
 
 
-@pytest.fixture
-def byte_server(one_thread):
-    with serving(lm_model(seed=0).eval(), None, "fedkv-byte") as s:
+@pytest.fixture(params=BACKENDS)
+def byte_server(request, one_thread):
+    with serving(lm_model(seed=0).eval(), None, "fedkv-byte", backend=request.param) as s:
         yield s
 
 
@@ -454,6 +463,18 @@ def test_cli_refuses_a_public_address_without_tls(capsys):
     with pytest.raises(SystemExit):
         _args(["--host", "0.0.0.0"])
     assert "without TLS" in capsys.readouterr().err
+
+
+def test_cli_backend_flags(capsys):
+    from node.openai_api import _args
+    a = _args(["--max-running", "3", "--token-budget", "32", "--preempt-mode", "recompute"])
+    assert (a.backend, a.max_running, a.token_budget, a.preempt_mode) == \
+        ("scheduler", 3, 32, "recompute")
+    with pytest.raises(SystemExit):  # the serial baseline cannot swap weights between steps
+        _args(["--backend", "serial", "--cache-dir", "/nonexistent"])
+    assert "--cache-dir needs --backend scheduler" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _args(["--token-budget", "0"])
 
 
 @pytest.mark.slow
