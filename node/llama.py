@@ -156,16 +156,25 @@ class Fused:
     """The weights of linears reading the same input (q/k/v; gate/up) stored as the column
     blocks of one contiguous [in, sum(out)] matrix, so decode makes one matmul of them, not
     three. The parameters stay (HF names, state dict, LoRA targets): each *is* a transposed
-    view of its block. ``weight()`` returns the matrix only while it is still their storage
-    and they are plain bias-free ``nn.Linear``s -- after an adapter replaced one (LoRA on
-    ``q_proj``), a dtype change or a new parameter it returns None and callers use the
-    modules -- and only without autograd (the matrix is no parameter)."""
+    view of its block. ``weight()`` returns the matrix for decode only without autograd (it
+    is no parameter) and while the modules are plain bias-free ``nn.Linear``s -- an adapter
+    that replaced one (LoRA on ``q_proj``) turns it off and callers use the modules; a
+    parameter whose storage was replaced (a dtype change, ``deepcopy``, an assignment) is
+    fused again, once, in place (values unchanged, same parameter objects)."""
 
     def __init__(self, owner: nn.Module, names: tuple[str, ...]):
-        self.owner, self.names, self.w = owner, names, None
-        mods = [getattr(owner, n) for n in names]
+        self.owner, self.names = owner, names
+        self.w: torch.Tensor | None = None
+        self.ptrs: list[int] = []
+        self.weight()
+
+    def _modules(self) -> list[nn.Linear] | None:
+        mods = [getattr(self.owner, n) for n in self.names]
         if any(type(m) is not nn.Linear or m.bias is not None for m in mods):
-            return
+            return None
+        return mods
+
+    def _fuse(self, mods: list[nn.Linear]) -> None:
         self.w = torch.cat([m.weight.detach().t() for m in mods], dim=1).contiguous()
         a = 0
         for m in mods:
@@ -175,13 +184,13 @@ class Fused:
         self.ptrs = [m.weight.data_ptr() for m in mods]
 
     def weight(self) -> torch.Tensor | None:
-        if self.w is None or torch.is_grad_enabled():
+        mods = self._modules()
+        if mods is None:
             return None
-        for name, ptr in zip(self.names, self.ptrs):
-            m = getattr(self.owner, name)
-            if type(m) is not nn.Linear or m.weight.data_ptr() != ptr:
-                return None
-        return self.w
+        if [m.weight.data_ptr() for m in mods] != self.ptrs:
+            with torch.no_grad():
+                self._fuse(mods)
+        return None if torch.is_grad_enabled() else self.w
 
 
 class Attention(nn.Module):
