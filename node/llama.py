@@ -102,7 +102,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # HF's x * rsqrt(mean(x^2) + eps) in fp32, as one kernel (a decode step runs 61)
+        # HF's weight * (x * rsqrt(mean(x^2) + eps)) in fp32, as one kernel (a decode step
+        # runs 61); a reduced-precision x is normalized in fp32 and rounded first, as HF does
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
@@ -189,7 +192,7 @@ class Fused:
         if mods is None:
             return None
         if [m.weight.data_ptr() for m in mods] != self.ptrs:
-            with torch.no_grad():
+            with torch.inference_mode(False), torch.no_grad():  # parameters stay trainable
                 self._fuse(mods)
         return None if torch.is_grad_enabled() else self.w
 

@@ -379,3 +379,15 @@ def test_rope_table_rows_are_the_computed_values(tiny):
     want_cos, want_sin = rot(torch.arange(300))
     assert cos.shape[0] >= 300 and torch.equal(cos[:300], want_cos)
     assert torch.equal(sin[:300], want_sin)
+
+
+def test_refusing_under_inference_mode_keeps_the_model_trainable(tiny):
+    """A re-fuse (here after deepcopy) first met inside ``torch.inference_mode`` must not turn
+    the parameters into inference tensors: the cache-free loss still backpropagates."""
+    _, ours = tiny
+    m = copy.deepcopy(ours)
+    with torch.inference_mode():
+        _greedy_logits(m, list(range(4, 20)), 1)
+    batch = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(5))
+    m.train_loss(batch).backward()
+    assert m.model.layers[0].self_attn.q_proj.weight.grad.abs().max() > 0
