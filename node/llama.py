@@ -16,6 +16,13 @@ it has no decode loop of its own (sampling lives in ``Sessions.turn`` / ``turn_b
     logits = model.forward_cached([token], kv, sid)[-1]  # one decode step
     logits = model.forward_batch(tokens, kv, sids)       # one step of several sessions
 
+Decode layout: a one-token step is bound by reading the weights, so the wide ones are stored
+for it -- q/k/v and gate/up each fused into one column-major matrix whose blocks the
+parameters are views of (:class:`Fused`), the (tied) output embedding column-major
+(:func:`transpose_storage`) -- and RoPE's cos/sin come from a table. Parameter names, shapes
+and values are HF's; training (autograd) and adapters wrapping ``q_proj``/``v_proj`` use the
+modules.
+
 Keys are stored *after* RoPE (positions are absolute: a prefix hit reuses them unchanged). The
 cache holds ``num_key_value_heads`` heads; the query heads that share a KV head are regrouped
 as ``[kv_heads, group, T, head_dim]`` and attended together (``cache.attention.attend`` and
@@ -102,8 +109,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # HF's weight * (x * rsqrt(mean(x^2) + eps)) in fp32, as one kernel (a decode step
-        # runs 61); a reduced-precision x is normalized in fp32 and rounded first, as HF does
+        # HF's weight * (x * rsqrt(mean(x^2) + eps)) in fp32 in one call (a decode step runs
+        # 61); a reduced-precision x is normalized in fp32 and rounded first, as HF does
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
@@ -209,9 +216,9 @@ class Attention(nn.Module):
         self.relayout()
 
     def relayout(self) -> None:
-        """Fuse q/k/v (see :class:`Fused`). o_proj stays row-major: column-major measured no
-        faster for it, and its one-token GEMM then sums in an order that doubled SmolLM2's
-        decode error against an fp64 reference (4e-5 -> 1e-4, with down_proj's)."""
+        """Fuse q/k/v (see :class:`Fused`). o_proj stays row-major: column-major gained little
+        for it, and its one-token GEMM then sums in an order that doubled SmolLM2's decode
+        error against an fp64 reference (4e-5 -> 1e-4, with down_proj's)."""
         self.qkv = Fused(self, ("q_proj", "k_proj", "v_proj"))
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
