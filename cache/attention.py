@@ -71,7 +71,7 @@ def attend(q: torch.Tensor, runs: Sequence[Run], keep: torch.Tensor | None = Non
     # decode: two matmuls and a softmax beat CPU SDPA for one query (bench_kv's profile
     # section: micro_per_layer attend_one_query_us vs sdpa_one_query_us) and take the runs
     # in place
-    scores = torch.cat([torch.matmul(q, k.transpose(-1, -2)) for k, _ in runs], dim=-1)
+    scores = _scores(q, runs)
     scores.mul_(1.0 / math.sqrt(q.shape[-1]))
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
@@ -82,6 +82,13 @@ def attend(q: torch.Tensor, runs: Sequence[Run], keep: torch.Tensor | None = Non
         out = part if out is None else out.add_(part)
         a += k.shape[1]
     return (out, p) if weights else out
+
+
+def _scores(rows: torch.Tensor, runs: Sequence[Run]) -> torch.Tensor:
+    """rows @ K^T over every run, concatenated (no concatenation copy for a single run)."""
+    if len(runs) == 1:
+        return torch.matmul(rows, runs[0][0].transpose(-1, -2))
+    return torch.cat([torch.matmul(rows, k.transpose(-1, -2)) for k, _ in runs], dim=-1)
 
 
 def _attend_grouped(q: torch.Tensor, runs: Sequence[Run], keep: torch.Tensor | None,
@@ -111,7 +118,11 @@ def _attend_grouped(q: torch.Tensor, runs: Sequence[Run], keep: torch.Tensor | N
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     rows = q.reshape(Hk, G * T, D)
-    scores = torch.cat([torch.matmul(rows, k.transpose(-1, -2)) for k, _ in runs], dim=-1)
+    if len(runs) == 1 and mask is None and not weights:  # one query, one run: no copies
+        k, v = runs[0]
+        p = torch.softmax(torch.matmul(rows, k.transpose(-1, -2)).mul_(1.0 / math.sqrt(D)), -1)
+        return torch.matmul(p, v).view(Hk, G, T, D)
+    scores = _scores(rows, runs)
     scores = scores.mul_(1.0 / math.sqrt(D)).view(Hk, G, T, n)
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))

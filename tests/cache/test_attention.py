@@ -153,3 +153,20 @@ def test_shared_group_of_one_is_the_multi_head_path_bit_for_bit(seed):
     q, prefix, _, tk, tv, valid = shared_case(1000 + seed, G=1)
     assert torch.equal(attend_shared(q, prefix, tk, tv, valid)[:, 0],
                        attend_shared(q[:, 0], prefix, tk, tv, valid))
+
+
+@pytest.mark.parametrize("n", [1, 17, 64])
+def test_one_query_over_one_run_equals_the_runs_path_and_dense(n):
+    """Decode's common case (one query, the whole context one run, here a strided view of a
+    larger arena as the cache hands out) takes a copy-free path; it equals the same context
+    split into runs (the general path) and dense attention over repeated K/V."""
+    g = torch.Generator().manual_seed(n)
+    q = torch.randn(3, 3, 1, 64, generator=g)
+    arena_k, arena_v = torch.randn(3, 100, 64, generator=g), torch.randn(3, 100, 64, generator=g)
+    k, v = arena_k[:, 10 : 10 + n], arena_v[:, 10 : 10 + n]
+    one = attend(q, [(k, v)])
+    ref, _ = dense(q, k, v)
+    assert (one - ref).abs().max() < TOL
+    if n > 1:
+        assert (one - attend(q, split_runs(k, v, [n // 2]))).abs().max() < TOL
+    assert (attend(q[:, :1], [(k, v)])[:, 0] - attend(q[:, 0], [(k, v)])).abs().max() == 0

@@ -9,6 +9,8 @@ once (``-m slow``; skipped when ``python -m node.models fetch`` has not been run
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -277,3 +279,115 @@ def test_sparse_session_attends_what_its_policy_keeps(tiny):
     window, kv, sid = run(SlidingWindow(window=8, sinks=2))
     assert torch.isfinite(window).all()
     assert len(kv.resident_positions(sid, 0)) < kv.length(sid)
+
+
+def _greedy_logits(model: LlamaModel, prompt: list[int], steps: int) -> torch.Tensor:
+    kv = KVCache(model.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
+    first, logits, _, _, _ = _decode(model, kv, prompt, steps)
+    return torch.cat([first, logits])
+
+
+def test_fused_weights_are_the_parameters_and_the_state_dict_is_hfs(tiny):
+    """q/k/v (gate/up) are views of one fused matrix, so decode's one matmul reads the very
+    parameters: an in-place update of q_proj (an optimizer step) reaches the fused path, and
+    the state dict still holds HF's names and values."""
+    hf, ours = tiny
+    m = copy.deepcopy(ours)
+    attn, mlp = m.model.layers[0].self_attn, m.model.layers[0].mlp
+    assert attn.qkv.weight() is None  # autograd on: the module path
+    with torch.no_grad():
+        w, gu = attn.qkv.weight(), mlp.gate_up.weight()
+        assert w is not None and gu is not None
+        assert w.untyped_storage().data_ptr() == attn.q_proj.weight.untyped_storage().data_ptr()
+        assert torch.equal(w[:, :64], attn.q_proj.weight.t())
+        ref = hf.state_dict()
+        for name, t in m.state_dict().items():
+            assert torch.equal(t, ref[name]), name
+        prompt = list(range(5, 30))
+        before = _greedy_logits(m, prompt, 2)
+        attn.q_proj.weight.mul_(1.5)
+        after = _greedy_logits(m, prompt, 2)
+        hf2 = copy.deepcopy(hf)
+        hf2.model.layers[0].self_attn.q_proj.weight.mul_(1.5)
+        assert (before - after).abs().max() > 1e-3
+        assert (after[: len(prompt)] - _hf_logits(hf2, prompt)).abs().max() < TOL
+
+
+class _Delta(torch.nn.Module):
+    """A stand-in for a LoRA wrapper: the base linear plus a fixed low-rank delta."""
+
+    def __init__(self, base: torch.nn.Linear, scale: float):
+        super().__init__()
+        self.base = base
+        g = torch.Generator().manual_seed(9)
+        self.a = torch.randn(base.in_features, 2, generator=g)
+        self.b = scale * torch.randn(2, base.out_features, generator=g)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ self.a @ self.b
+
+
+def test_an_adapter_on_q_and_v_is_used_by_decode(tiny):
+    """Replacing q_proj/v_proj with a wrapper turns the fused path off for that layer: a zero
+    delta decodes like the plain model, a non-zero one like the same model without fusion."""
+    _, ours = tiny
+    prompt = list(range(7, 31))
+    plain = _greedy_logits(ours, prompt, 4)
+    for scale in (0.0, 0.5):
+        m = copy.deepcopy(ours)
+        for layer in m.model.layers:
+            layer.self_attn.q_proj = _Delta(layer.self_attn.q_proj, scale)
+            layer.self_attn.v_proj = _Delta(layer.self_attn.v_proj, scale)
+        with torch.no_grad():
+            assert m.model.layers[0].self_attn.qkv.weight() is None
+        got = _greedy_logits(m, prompt, 4)
+        if scale == 0.0:
+            assert (got - plain).abs().max() < 1e-5
+        else:  # reference: the cache-free forward, which always calls the modules
+            seq = prompt + got[len(prompt) - 1 : -1].argmax(-1).tolist()
+            with torch.no_grad():
+                ref = m(torch.tensor([seq]))[0]
+            assert (got - plain).abs().max() > 1e-2 and (got - ref).abs().max() < TOL
+
+
+def test_a_replaced_parameter_is_fused_again_and_decode_reads_it(tiny):
+    """A new k_proj/gate_proj parameter (its storage no longer the fused matrix: what a
+    dtype change, ``deepcopy`` or an assignment does) is fused again before decode uses the
+    matrix, so decode reads the new weights and matches HF with the same change."""
+    hf, ours = tiny
+    m, hf2 = copy.deepcopy(ours), copy.deepcopy(hf)
+    for model in (m, hf2):
+        layer = model.model.layers[1]
+        for mod in (layer.self_attn.k_proj, layer.mlp.gate_proj):
+            mod.weight = torch.nn.Parameter(mod.weight.detach() * 1.3)
+    prompt = list(range(2, 27))
+    with torch.no_grad():
+        ref = _hf_logits(hf2, prompt)
+        assert (ref - _hf_logits(hf, prompt)).abs().max() > 1e-3
+    assert (_greedy_logits(m, prompt, 1)[: len(prompt)] - ref).abs().max() < TOL
+    attn = m.model.layers[1].self_attn
+    with torch.no_grad():
+        w = attn.qkv.weight()
+    assert w.untyped_storage().data_ptr() == attn.k_proj.weight.untyped_storage().data_ptr()
+    assert torch.equal(w[:, 64:96], attn.k_proj.weight.t())
+
+
+def test_rope_table_rows_are_the_computed_values(tiny):
+    _, ours = tiny
+    rot = ours.model.rotary_emb
+    cos, sin = rot.table(300, torch.float32)
+    want_cos, want_sin = rot(torch.arange(300))
+    assert cos.shape[0] >= 300 and torch.equal(cos[:300], want_cos)
+    assert torch.equal(sin[:300], want_sin)
+
+
+def test_refusing_under_inference_mode_keeps_the_model_trainable(tiny):
+    """A re-fuse (here after deepcopy) first met inside ``torch.inference_mode`` must not turn
+    the parameters into inference tensors: the cache-free loss still backpropagates."""
+    _, ours = tiny
+    m = copy.deepcopy(ours)
+    with torch.inference_mode():
+        _greedy_logits(m, list(range(4, 20)), 1)
+    batch = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(5))
+    m.train_loss(batch).backward()
+    assert m.model.layers[0].self_attn.q_proj.weight.grad.abs().max() > 0
