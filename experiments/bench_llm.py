@@ -74,8 +74,9 @@ NOTES = {
     "ttft_s": "prefill + first token of a new session, median over questions; hot = blocks in "
     "the arena, warm = offload('warm'), cold = flushed directory reopened by KVCache.open "
     "(open time apart: details.ttft_s.cold_open_s), recompute = empty cache",
-    "active_capacity_tokens": "tokens written into open sessions until CacheFullError at "
-    "equal pool_bytes (details.active_capacity_tokens.source says whose function)",
+    "active_capacity_tokens": "tokens open, still-decodable sessions hold at equal pool_bytes "
+    "(experiments.kv_capacity), prompts fed in chunks as the scheduler's chunked prefill does "
+    "(details.active_capacity_tokens.one_shot: each prompt in one call)",
     "quality": "held-out stdlib source teacher-forced through the cache one block per "
     "forward_cached call, so earlier blocks are read back in storage precision; vs fp32",
 }
@@ -99,6 +100,7 @@ class Plan:
     ttft_question: int = 32
     capacity_pool_bytes: int = 64 << 20
     capacity_session_tokens: int = 512
+    capacity_chunk_tokens: int = 64
     quality_len: int = 512
     quality_windows: int = 4
     block_size: int = 16
@@ -275,13 +277,22 @@ def ttft_section(model: LlamaModel, text: list[int], plan: Plan,
 
 # == active capacity ======================================================================
 def capacity_section(model: LlamaModel, plan: Plan) -> tuple[dict, dict]:
+    """Sessions prefilled in chunks of ``capacity_chunk_tokens`` (as the scheduler's chunked
+    prefill feeds them); ``details.one_shot`` has each 512-token prompt in one
+    ``forward_cached`` -- whose whole prompt must fit the full-precision arena first."""
     c = model.cfg
-    toks = {d: int(active_capacity_tokens(d, plan.capacity_pool_bytes, num_layers=c.num_layers,
-                       num_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=plan.block_size,
-                       session_tokens=plan.capacity_session_tokens)) for d in CAPACITY}
+
+    def cap(d: str, chunk: int) -> int:
+        return int(active_capacity_tokens(
+            d, plan.capacity_pool_bytes, num_layers=c.num_layers, num_heads=c.num_kv_heads,
+            head_dim=c.head_dim, block_size=plan.block_size,
+            session_tokens=plan.capacity_session_tokens, chunk_tokens=chunk))
+    toks = {d: cap(d, plan.capacity_chunk_tokens) for d in CAPACITY}
+    one_shot = {d: cap(d, 0) for d in CAPACITY}
     log("active capacity tokens: " + ", ".join(f"{k} {v}" for k, v in toks.items()))
     return toks, {"ratio_vs_fp32": {d: _ratio(toks[d], toks["fp32"]) for d in CAPACITY},
-            "pool_bytes": plan.capacity_pool_bytes}
+                  "pool_bytes": plan.capacity_pool_bytes,
+                  "chunk_tokens": plan.capacity_chunk_tokens, "one_shot": one_shot}
 
 
 # == quality ==============================================================================
