@@ -98,25 +98,37 @@ class InstructSplit:
     heldout_modules: list[str]
 
 
-@lru_cache(maxsize=4)
-def split_pairs(num_shares: int, seed: int = 0) -> InstructSplit:
-    """Pairs of each node's module share and of the held-out modules (``node.corpus``'s
-    split), each list shuffled with ``seed``; a share without any pair is an error. Cached
-    per process: treat the result as read-only."""
-    split = split_corpus(num_shares, seed=seed)
+def _gather(mods: Sequence[str], seed: int) -> list[QAPair]:
+    """Every pair of ``mods``, shuffled by ``seed``."""
+    pairs = [p for m in mods for p in module_pairs(m)]
     g = torch.Generator().manual_seed(seed)
+    return [pairs[i] for i in torch.randperm(len(pairs), generator=g).tolist()]
 
-    def gather(mods: Sequence[str]) -> list[QAPair]:
-        pairs = [p for m in mods for p in module_pairs(m)]
-        return [pairs[i] for i in torch.randperm(len(pairs), generator=g).tolist()]
 
-    shares = [gather(m) for m in split.share_modules]
-    for i, s in enumerate(shares):
-        if not s:
-            raise ValueError(f"share {i} ({split.share_modules[i]}) has no docstring pairs; "
-                             f"use fewer nodes")
-    return InstructSplit(shares, gather(split.heldout_modules), split.share_modules,
-                         split.heldout_modules)
+@lru_cache(maxsize=16)
+def share_pairs(num_shares: int, seed: int, index: int) -> tuple[QAPair, ...]:
+    """Node ``index``'s pairs: its share of modules (``node.corpus``'s split), shuffled with
+    ``seed``; a share without any pair is an error. Parses that share's modules only."""
+    if not 0 <= index < num_shares:
+        raise ValueError(f"share index {index} not in [0, {num_shares})")
+    mods = split_corpus(num_shares, seed=seed).share_modules[index]
+    pairs = tuple(_gather(mods, seed * 1009 + index))
+    if not pairs:
+        raise ValueError(f"share {index} ({mods}) has no docstring pairs; use fewer nodes")
+    return pairs
+
+
+@lru_cache(maxsize=4)
+def heldout_pairs(seed: int = 0) -> tuple[QAPair, ...]:
+    """Pairs of the held-out modules (fixed whatever the number of nodes), shuffled by ``seed``."""
+    return tuple(_gather(split_corpus(1, seed=seed).heldout_modules, seed))
+
+
+def split_pairs(num_shares: int, seed: int = 0) -> InstructSplit:
+    """Every node's pairs and the held-out pairs (``share_pairs``, ``heldout_pairs``)."""
+    split = split_corpus(num_shares, seed=seed)
+    return InstructSplit([list(share_pairs(num_shares, seed, i)) for i in range(num_shares)],
+                         list(heldout_pairs(seed)), split.share_modules, split.heldout_modules)
 
 
 class ChatTemplate(Protocol):

@@ -194,11 +194,12 @@ class ChatTask:
     train_loader: DataLoader | None = None  # Opacus DP-SGD is offered for digits only
 
     def __post_init__(self) -> None:
-        split = qa.split_pairs(self.num_partitions, self.seed)
-        self.share, self.heldout = split.shares[self.partition_id], split.heldout
+        self.share = qa.share_pairs(self.num_partitions, self.seed, self.partition_id)
+        self.heldout = qa.heldout_pairs(self.seed)
         self.num_examples = len(self.share)
         start = self.partition_id * self.eval_examples % len(self.heldout)
         self.eval_pairs = (self.heldout * 2)[start:start + min(self.eval_examples, len(self.heldout))]
+        """This node's slice of the held-out pairs."""
         self.samples: list[dict[str, str]] = []
         """The last evaluation's greedy replies to the first held-out questions."""
         self.base_metric: float | None = None
