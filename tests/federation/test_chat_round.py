@@ -51,3 +51,30 @@ def test_one_real_smollm2_round_beats_the_base(one_thread) -> None:
     rec = results.rounds[0]
     assert rec.eval_metric < rec.base_metric, (rec.eval_metric, rec.base_metric)
     assert len(rec.samples) == 2 and all(s["reply"].strip() for s in rec.samples)
+
+
+def _eval_metrics(**extra):
+    from federation import messages, protocol
+
+    serve = {**dict.fromkeys(protocol.SERVE_COUNTS, 0), **dict.fromkeys(protocol.SERVE_AMOUNTS, 0.0)}
+    return messages.EvalMetrics(8, 3.2, 24.5, 0.1, 0.1, 1.0, 2, 0, 7, 0, serve=serve, **extra)
+
+
+def test_eval_reply_carries_base_metric_and_sample_replies(monkeypatch) -> None:
+    from flwr.app import ConfigRecord, Message, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from federation import messages
+
+    for attr in ("_run_id", "_node_id", "_task_id"):  # what a ServerApp process has set
+        monkeypatch.setattr(TaskIdentity, attr, 1)
+
+    sent = _eval_metrics(base_metric=38.3, samples=[("What does `a.b` do?", "It does b.")])
+    request = Message(RecordDict(), dst_node_id=1, message_type="evaluate.fedkv")
+    reply = messages.eval_reply(request, sent)
+    assert messages.parse_eval_reply(reply) == sent
+    plain = messages.parse_eval_reply(messages.eval_reply(request, _eval_metrics()))
+    assert plain.base_metric is None and plain.samples == []  # digits/lm replies: unchanged wire
+    reply.content[messages.SAMPLES] = ConfigRecord({"questions": ["q"], "replies": ["a", "b"]})
+    with pytest.raises(messages.BadReply, match="equal length"):
+        messages.parse_eval_reply(reply)
