@@ -106,12 +106,13 @@ def _gather(mods: Sequence[str], seed: int) -> list[QAPair]:
 
 
 @lru_cache(maxsize=16)
-def share_pairs(num_shares: int, seed: int, index: int) -> tuple[QAPair, ...]:
-    """Node ``index``'s pairs: its share of modules (``node.corpus``'s split), shuffled with
-    ``seed``; a share without any pair is an error. Parses that share's modules only."""
+def share_pairs(num_shares: int, seed: int, index: int, max_bytes: int | None = None) -> tuple[QAPair, ...]:
+    """Node ``index``'s pairs: its share of modules (``node.corpus``'s split of the whole
+    stdlib, or of ``max_bytes`` of whole modules), shuffled with ``seed``; a share without any
+    pair is an error. Parses that share's modules only."""
     if not 0 <= index < num_shares:
         raise ValueError(f"share index {index} not in [0, {num_shares})")
-    mods = split_corpus(num_shares, seed=seed).share_modules[index]
+    mods = split_corpus(num_shares, seed=seed, max_bytes=max_bytes).share_modules[index]
     pairs = tuple(_gather(mods, seed * 1009 + index))
     if not pairs:
         raise ValueError(f"share {index} ({mods}) has no docstring pairs; use fewer nodes")
@@ -119,16 +120,16 @@ def share_pairs(num_shares: int, seed: int, index: int) -> tuple[QAPair, ...]:
 
 
 @lru_cache(maxsize=4)
-def heldout_pairs(seed: int = 0) -> tuple[QAPair, ...]:
+def heldout_pairs(seed: int = 0, max_bytes: int | None = None) -> tuple[QAPair, ...]:
     """Pairs of the held-out modules (fixed whatever the number of nodes), shuffled by ``seed``."""
-    return tuple(_gather(split_corpus(1, seed=seed).heldout_modules, seed))
+    return tuple(_gather(split_corpus(1, seed=seed, max_bytes=max_bytes).heldout_modules, seed))
 
 
-def split_pairs(num_shares: int, seed: int = 0) -> InstructSplit:
+def split_pairs(num_shares: int, seed: int = 0, max_bytes: int | None = None) -> InstructSplit:
     """Every node's pairs and the held-out pairs (``share_pairs``, ``heldout_pairs``)."""
-    split = split_corpus(num_shares, seed=seed)
-    return InstructSplit([list(share_pairs(num_shares, seed, i)) for i in range(num_shares)],
-                         list(heldout_pairs(seed)), split.share_modules, split.heldout_modules)
+    split = split_corpus(num_shares, seed=seed, max_bytes=max_bytes)
+    return InstructSplit([list(share_pairs(num_shares, seed, i, max_bytes)) for i in range(num_shares)],
+                         list(heldout_pairs(seed, max_bytes)), split.share_modules, split.heldout_modules)
 
 
 class ChatTemplate(Protocol):

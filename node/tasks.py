@@ -126,6 +126,9 @@ CHAT_MODELS = ("smollm2", "tiny")
 TINY_CHAT = LlamaConfig(vocab_size=qa.ByteChatCodec.vocab_size, hidden_size=64, intermediate_size=128,
                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
 """The ``chat:tiny`` base: a random Llama (fixed public seed 0) over ``ByteChatCodec``'s 258 ids."""
+TINY_CHAT_CORPUS = 2 << 20
+"""``chat:tiny`` reads the pairs of 2 MB of whole stdlib modules (``node.corpus`` ``max_bytes``),
+not all 14 MB: a random 2-layer model learns no more from the rest, and tests stay fast."""
 _BASES: dict[str, tuple[LlamaModel, ChatCodec]] = {}
 """Base models loaded in this process: every chat node of a process shares one (frozen)."""
 
@@ -178,8 +181,9 @@ class ChatTask:
     steps_per_epoch: int = 3
     """AdamW steps per local epoch (the run's ``local-epochs`` multiplies it)."""
     batch_size: int = 4
-    max_len: int = 160
-    """Tokens per example (SmolLM2: ~62 on average; longer answers are cut)."""
+    max_len: int = 0
+    """Tokens per example, longer answers cut; 0: 160 for SmolLM2 (~62 on average), 384 for
+    ``tiny`` (its tokens are bytes: the templated prompt alone is ~130)."""
     eval_examples: int = 8
     """Held-out pairs each node scores per evaluation: node i the i-th slice of the held-out
     list (the same every round: comparable; 5 nodes score 40 different pairs)."""
@@ -187,6 +191,8 @@ class ChatTask:
     """Greedy replies to the first held-out questions, made by partition 0's node only."""
     sample_tokens: int = 32
     lora: LoraConfig = field(default_factory=LoraConfig)
+    max_bytes: int | None = None
+    """Cap on the stdlib modules the pairs come from (None: all; ``TINY_CHAT_CORPUS`` for tiny)."""
     name: str = "chat"
     metric: str = "perplexity"
     default_lr: float = 5e-3
@@ -194,8 +200,14 @@ class ChatTask:
     train_loader: DataLoader | None = None  # Opacus DP-SGD is offered for digits only
 
     def __post_init__(self) -> None:
-        self.share = qa.share_pairs(self.num_partitions, self.seed, self.partition_id)
-        self.heldout = qa.heldout_pairs(self.seed)
+        if self.chat_model not in CHAT_MODELS:
+            raise ValueError(f"unknown chat model {self.chat_model!r}; use one of {CHAT_MODELS}")
+        if self.max_len <= 0:
+            self.max_len = 384 if self.chat_model == "tiny" else 160
+        if self.max_bytes is None and self.chat_model == "tiny":
+            self.max_bytes = TINY_CHAT_CORPUS
+        self.share = qa.share_pairs(self.num_partitions, self.seed, self.partition_id, self.max_bytes)
+        self.heldout = qa.heldout_pairs(self.seed, self.max_bytes)
         self.num_examples = len(self.share)
         start = self.partition_id * self.eval_examples % len(self.heldout)
         self.eval_pairs = (self.heldout * 2)[start:start + min(self.eval_examples, len(self.heldout))]

@@ -10,6 +10,7 @@ import pytest
 
 from federation.local import InProcessGrid, run_local
 from node.instruct_data import heldout_pairs
+from node.tasks import TINY_CHAT_CORPUS
 
 CHAT_HE = {"task": "chat", "chat-model": "tiny", "he": True, "dp-mode": "distributed",
            "num-server-rounds": 2, "min-clients": 2, "seed": 42, "local-epochs": 1}
@@ -25,7 +26,7 @@ def test_chat_rounds_under_he_write_adapters_back_and_report_base_and_samples(on
         assert rec.num_clients == 2 and not rec.dropped
         assert rec.metric == "answer perplexity" and math.isfinite(rec.eval_metric)
         assert math.isfinite(rec.base_metric) and rec.base_metric != rec.eval_metric
-        assert [s["question"] for s in rec.samples] == [p.question for p in heldout_pairs(42)[:2]]
+        assert [s["question"] for s in rec.samples] == [p.question for p in heldout_pairs(42, TINY_CHAT_CORPUS)[:2]]
         assert all(isinstance(s["reply"], str) for s in rec.samples)
     finals = []
     for node_id in grid.node_ids:

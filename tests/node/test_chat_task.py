@@ -104,7 +104,7 @@ def test_evaluate_reports_answer_perplexity_base_and_samples(one_thread) -> None
 
 def test_unknown_chat_model_and_missing_real_model_say_what_to_do(tmp_path, monkeypatch) -> None:
     with pytest.raises(ValueError, match="unknown chat model"):
-        make_task("chat:nope", 0, 2, 42, 1.0).build_model(42)
+        make_task("chat:nope", 0, 2, 42, 1.0)
     monkeypatch.setenv("FEDKV_MODEL_DIR", str(tmp_path / "none"))
     with pytest.raises(FileNotFoundError, match="python -m node.models fetch"):
         build_model("chat", 42)

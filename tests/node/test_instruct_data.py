@@ -10,6 +10,7 @@ from node import instruct_data as qa
 from node.corpus import split_corpus
 
 CODEC = qa.ByteChatCodec()
+TINY = 2 << 20  # node.tasks.TINY_CHAT_CORPUS: the chat:tiny nodes' corpus, parsed once per process
 
 
 def test_first_paragraph_collapses_whitespace_and_drops_bad_lengths() -> None:
@@ -30,15 +31,15 @@ def test_module_pairs_come_from_public_docstrings() -> None:
 
 
 def test_shares_are_non_iid_by_module_disjoint_from_heldout_and_deterministic() -> None:
-    split = split_corpus(2, seed=42)
-    shares = [qa.share_pairs(2, 42, i) for i in range(2)]
-    held = qa.heldout_pairs(42)
+    split = split_corpus(2, seed=42, max_bytes=TINY)
+    shares = [qa.share_pairs(2, 42, i, TINY) for i in range(2)]
+    held = qa.heldout_pairs(42, TINY)
     for i, s in enumerate(shares):
         assert s and {p.module for p in s} <= set(split.share_modules[i])
     assert held and {p.module for p in held} <= set(split.heldout_modules)
     assert not {p.question for p in held} & {p.question for s in shares for p in s}
     qa.share_pairs.cache_clear()
-    assert qa.share_pairs(2, 42, 1) == shares[1]  # recomputed: the same pairs, same order
+    assert qa.share_pairs(2, 42, 1, TINY) == shares[1]  # recomputed: the same pairs, same order
     with pytest.raises(ValueError, match="share index"):
         qa.share_pairs(2, 42, 2)
 
