@@ -37,6 +37,10 @@ LM_MODEL = ModelConfig(n_layers=2, n_heads=2, d_model=64, context_len=128)
 
 
 class Task(Protocol):
+    """What a node trains and evaluates. A task may also set, in ``evaluate``, ``base_metric``
+    (the frozen base model's metric on the same data) and ``samples`` (``{"question",
+    "reply"}`` dicts): the evaluate handler sends them when present (``ChatTask`` does)."""
+
     name: str
     metric: str
     """Name of the evaluation metric: ``accuracy`` (higher is better) or ``perplexity``."""
