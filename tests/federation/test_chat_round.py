@@ -79,3 +79,16 @@ def test_eval_reply_carries_base_metric_and_sample_replies(monkeypatch) -> None:
     reply.content[messages.SAMPLES] = ConfigRecord({"questions": ["q"], "replies": ["a", "b"]})
     with pytest.raises(messages.BadReply, match="equal length"):
         messages.parse_eval_reply(reply)
+
+
+def test_chat_config_names_the_base_and_refuses_what_cannot_run() -> None:
+    from federation.config import ConfigError, RunConfig, task_id
+
+    assert RunConfig(task="chat").task_id == "chat:smollm2"
+    assert RunConfig(task="chat", chat_model="tiny").task_id == task_id({"task": "chat", "chat-model": "tiny"}) == "chat:tiny"
+    assert RunConfig(task="lm", chat_model="tiny").task_id == "lm"
+    for bad, why in (({"chat-model": "gpt"}, "chat-model must be one of"),
+                     ({"dp-mode": "flower-central", "he": False}, "task=chat does not run with dp-mode=flower-central"),
+                     ({"dp-sgd": True}, "dp-sgd=true needs task=digits")):
+        with pytest.raises(ConfigError, match=why):
+            RunConfig.from_run_config({"task": "chat", **bad})
