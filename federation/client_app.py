@@ -206,7 +206,8 @@ def evaluate(msg: Message, context: Context) -> Message:
     return messages.eval_reply(msg, messages.EvalMetrics(
         num_examples=n, eval_loss=loss, eval_metric=acc, **_phase_seconds(timer, protocol.NODE_EVAL_PHASES),
         version=node.version, node_source=source, pid=node_host.pid(), kv_on_disk=node_host.kv_on_disk(node, source),
-        serve=messages.serve_fields(serving)))
+        serve=messages.serve_fields(serving), base_metric=getattr(node.task, "base_metric", None),
+        samples=[(s["question"], s["reply"]) for s in getattr(node.task, "samples", [])]))
 
 
 # --- Flower's array protocol: the flower-central DP baseline --------------------------

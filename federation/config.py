@@ -5,7 +5,7 @@ Every key is checked before any round starts, and every problem is reported at o
 one ``ConfigError`` (a ``ValueError``): an unknown key (named, with the close known names),
 a value of the wrong type (``num-server-rounds=2.5``, ``he=2``, ``lr='fast'``), NaN or
 infinity for any float, a value out of range, and combinations the code cannot run
-(``dp-sgd=true`` with ``task=lm`` or with ``dp-mode=flower-central``,
+(``dp-sgd=true`` with ``task=lm``/``chat`` or with ``dp-mode=flower-central``,
 ``dp-mode=flower-central`` with ``he=true``, ...).
 
 Accepted spellings (the CLI gives TOML values, tests and scripts give Python ones):
@@ -32,7 +32,9 @@ from pathlib import Path
 from typing import Any
 
 DP_MODES = ("none", "local", "distributed", "flower-central")
-TASKS = ("digits", "lm")
+TASKS = ("digits", "lm", "chat")
+CHAT_MODELS = ("smollm2", "tiny")
+"""Bases of the chat task (``node.tasks.CHAT_MODELS``; kept literal: the config imports no torch)."""
 KV_DTYPES = ("fp32", "fp16", "int8", "int4")
 PACKINGS = ("packed", "none")
 CLIENT_SAMPLINGS = ("fixed", "poisson")
@@ -52,6 +54,7 @@ MAX_SERVE_SESSIONS = 64
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "task": TASKS,
+    "chat-model": CHAT_MODELS,
     "packing": PACKINGS,
     "ckks-preset": CKKS_PRESETS,
     "he-security": HE_SECURITIES,
@@ -84,10 +87,18 @@ class RunConfig:
     num_server_rounds: int = 5
     """Federated rounds (>= 1)."""
     task: str = "lm"
-    """digits | lm. ``lm``: the byte-level transformer (the node package's CacheNode) on the
+    """digits | lm | chat. ``lm``: the byte-level transformer (the node package's CacheNode) on the
     standard library's sources, one share of whole modules per node, metric perplexity;
     ``digits``: scikit-learn digits, a small MLP, Dirichlet non-IID split (flwr-datasets), metric
-    accuracy."""
+    accuracy; ``chat``: FFA-LoRA adapters (B only; A frozen from the public seed) on a frozen
+    chat model (``chat-model``) fine-tuned on question/answer pairs from each node's share of
+    stdlib docstrings, metric held-out answer perplexity (results: ``base_metric`` = the base
+    model's, ``samples`` = greedy replies to held-out questions)."""
+    chat_model: str = "smollm2"
+    """task=chat only: the frozen base. ``smollm2``: SmolLM2-135M-Instruct (``python -m
+    node.models fetch`` once; 184,320 adapter values at rank 8 on q_proj/v_proj); ``tiny``: a
+    seeded random 2-layer Llama over a byte-level ChatML codec (tests and CI: no download, no
+    meaningful replies)."""
     he: bool = True
     """CKKS aggregation (crypto/; the server holds only the public context). false = plaintext
     FedAvg through the plaintext codec, same messages, same signatures: updates are signed either
@@ -247,6 +258,11 @@ class RunConfig:
         return "flower-central" if self.dp_mode == "flower-central" else ("he" if self.he else "plain")
 
     @property
+    def task_id(self) -> str:
+        """The task as ``node.tasks`` names it: ``chat:<chat-model>`` for chat, else ``task``."""
+        return f"chat:{self.chat_model}" if self.task == "chat" else self.task
+
+    @property
     def kv_stale_versions(self) -> int:
         """Older model versions whose K/V stay servable (0 for ``invalidate``)."""
         return stale_versions(self.kv_stale_policy)
@@ -289,6 +305,13 @@ class RunConfig:
 
 
 _KEEP = re.compile(r"keep-([0-9]{1,3})")
+
+
+def task_id(run_config: Mapping[str, Any]) -> str:
+    """The task a node builds (``node.tasks.make_task``) from raw run-config values:
+    ``chat:<chat-model>`` for chat (``RunConfig.task_id``), else the task."""
+    task = str(run_config.get("task", "digits"))
+    return f"chat:{run_config.get('chat-model', 'smollm2')}" if task == "chat" else task
 
 
 def stale_versions(policy: str) -> int:
@@ -557,8 +580,11 @@ def _check_combinations(cfg: RunConfig, check: _Check) -> None:
           "adaptive-clipping needs dp-mode=distributed (fedkv's, under HE) or flower-central (Flower's wrapper)")
     check("adaptive-clipping he", lambda: not (cfg.adaptive_clipping and cfg.dp_mode == "distributed" and not cfg.he),
           "adaptive-clipping with dp-mode=distributed sums the clipped count under CKKS; set he=true")
-    check("dp-sgd task", lambda: not (cfg.dp_sgd and cfg.task == "lm"),
-          "dp-sgd=true needs task=digits (Opacus DP-SGD is not implemented for the lm task)")
+    check("dp-sgd task", lambda: not (cfg.dp_sgd and cfg.task in ("lm", "chat")),
+          f"dp-sgd=true needs task=digits (Opacus DP-SGD is not implemented for the {cfg.task} task)")
+    check("task dp-mode", lambda: not (cfg.task == "chat" and cfg.dp_mode == "flower-central"),
+          "task=chat does not run with dp-mode=flower-central (Flower's array protocol would ship "
+          "the whole base model); use dp-mode none, local or distributed")
     check("dp-sgd dp-mode", lambda: not (cfg.dp_sgd and cfg.dp_mode == "flower-central"),
           "dp-sgd=true does not run with dp-mode=flower-central (its array-protocol training has "
           "no DP-SGD); use dp-mode none, local or distributed")

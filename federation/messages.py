@@ -38,7 +38,10 @@ checked against the data before anything is allocated):
 5. Train (``parse_train_reply``): ArrayRecord ``update`` (as 4) + MetricRecord ``metrics``,
    see ``TRAIN_REQUIRED`` / ``TRAIN_OPTIONAL`` / ``TRAIN_NON_DP`` (required without DP, and
    absent under DP: private values outside the accounting).
-6. Evaluate (``parse_eval_reply``): MetricRecord ``metrics``, see ``EVAL_FIELDS``.
+6. Evaluate (``parse_eval_reply``): MetricRecord ``metrics``, see ``EVAL_FIELDS`` (and the
+   optional ``base-metric``), plus, optionally, ConfigRecord ``samples`` {``questions``,
+   ``replies``: list[str] of equal length <= 8, each <= 2,000 characters} (the chat task's
+   greedy replies to held-out questions).
 
 The server's requests that come with a round (7: ``round_request`` / ``read_round_request`` for
 train and evaluate, ``noise_request`` / ``read_noise_request``) are read by the node; the key
@@ -89,6 +92,8 @@ PROVISIONED = "provisioned"
 """ConfigRecord of a provision ack."""
 UPDATE_KEY = "update"
 """The Array inside the ``protocol.UPDATE`` ArrayRecord (noise-share and train replies)."""
+SAMPLES = "samples"
+"""Optional ConfigRecord of an evaluate reply: the chat task's sample replies."""
 
 # -- limits -----------------------------------------------------------------------------------
 MiB = 1 << 20
@@ -107,6 +112,8 @@ PID_MAX = 2**31 - 1
 MAX_KV_BLOCKS = 2**31 - 1
 PARTITIONS_MAX = 2**31 - 1
 MAX_NUM_VALUES = 2**40
+MAX_SAMPLES = 8
+MAX_SAMPLE_CHARS = 2000
 
 
 class NodeSource(IntEnum):
@@ -226,6 +233,11 @@ class EvalMetrics:
     serve: dict[str, float] = field(default_factory=dict)
     """``protocol.SERVE_COUNTS`` and ``SERVE_AMOUNTS`` by name (checked: counts are ints in
     range, amounts finite and >= 0)."""
+    base_metric: float | None = None
+    """The task's metric of the frozen base model on the same held-out data (chat task; None:
+    not applicable)."""
+    samples: list[tuple[str, str]] = field(default_factory=list)
+    """(question, greedy reply) pairs on held-out questions (chat task; empty: none)."""
 
 
 # -- 1. enroll -------------------------------------------------------------------------------------
@@ -444,6 +456,8 @@ def metric_fields(metrics: TrainMetrics | EvalMetrics) -> dict[str, int | float]
         value = getattr(metrics, f.name)
         if f.name == "serve":
             out.update(value)
+        elif f.name == "samples":
+            continue  # strings travel in the ``samples`` ConfigRecord (eval_reply)
         elif value is not None:
             out[f.name.replace("_", "-")] = int(value) if isinstance(value, int) else value  # bool, NodeSource
     return out
@@ -464,9 +478,13 @@ EVAL_FIELDS = protocol.EVAL_METRICS
 def parse_eval_reply(msg: Message) -> EvalMetrics:
     """MetricRecord ``metrics`` of an ``evaluate.fedkv`` reply."""
     M = protocol.METRICS
-    m = exact_records(msg, {M: MetricRecord})[M]
-    exact_fields(M, m, EVAL_FIELDS)
+    with_samples = isinstance(msg, Message) and SAMPLES in msg.content.keys()
+    recs = exact_records(msg, {M: MetricRecord, **({SAMPLES: ConfigRecord} if with_samples else {})})
+    m = recs[M]
+    exact_fields(M, m, EVAL_FIELDS, optional=("base-metric",))
     return EvalMetrics(
+        base_metric=as_float(f"{M}.base-metric", m["base-metric"], 0.0) if "base-metric" in m else None,
+        samples=_parse_samples(recs[SAMPLES]) if with_samples else [],
         num_examples=as_int(f"{M}.num-examples", m["num-examples"], 1, MAX_EXAMPLES),
         eval_loss=as_float(f"{M}.eval-loss", m["eval-loss"]),
         eval_metric=as_float(f"{M}.eval-metric", m["eval-metric"], 0.0),
@@ -485,7 +503,21 @@ def parse_eval_reply(msg: Message) -> EvalMetrics:
 
 def eval_reply(msg: Message, metrics: EvalMetrics) -> Message:
     """An ``evaluate.fedkv`` reply (read by ``parse_eval_reply``)."""
-    return Message(RecordDict({protocol.METRICS: MetricRecord(metric_fields(metrics))}), reply_to=msg)
+    records: dict[str, Any] = {protocol.METRICS: MetricRecord(metric_fields(metrics))}
+    if metrics.samples:
+        records[SAMPLES] = ConfigRecord({"questions": [q for q, _ in metrics.samples],
+                                         "replies": [r for _, r in metrics.samples]})
+    return Message(RecordDict(records), reply_to=msg)
+
+
+
+def _parse_samples(rec: ConfigRecord) -> list[tuple[str, str]]:
+    exact_fields(SAMPLES, rec, ("questions", "replies"))
+    qs, rs = rec["questions"], rec["replies"]
+    if not isinstance(qs, list) or not isinstance(rs, list) or len(qs) != len(rs) or len(qs) > MAX_SAMPLES:
+        raise BadReply(f"{SAMPLES}: questions and replies must be lists of equal length <= {MAX_SAMPLES}")
+    return [(as_str(f"{SAMPLES}.questions", q, MAX_SAMPLE_CHARS), as_str(f"{SAMPLES}.replies", r, MAX_SAMPLE_CHARS))
+            for q, r in zip(qs, rs)]
 
 
 def serve_fields(report: Any) -> dict[str, int | float]:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context
 
-from federation.config import stale_versions
+from federation.config import stale_versions, task_id
 from federation.messages import NodeSource
 from federation.node_store import NodeStore, ProvisioningError
 from node.cache_node import CacheNode, NodeSpec, model_layout
@@ -194,7 +194,7 @@ def spec_from_context(context: Context) -> NodeSpec:
     return NodeSpec(
         partition_id=ids["partition-id"],
         num_partitions=ids["num-partitions"],
-        task=str(rc.get("task", "digits")),
+        task=task_id(rc),
         seed=int(rc.get("seed", 42)),
         alpha=float(rc.get("alpha", 1.0)),
         kv_dtype=str(rc.get("kv-dtype", "fp32")),

@@ -57,7 +57,14 @@ class RoundRecord:
     train_loss: float = math.nan
     eval_loss: float = math.nan
     eval_metric: float = math.nan
-    """The task's metric on the nodes' held-out data: accuracy (digits) or perplexity (lm)."""
+    """The task's metric on the nodes' held-out data: accuracy (digits) or perplexity (lm,
+    chat: held-out answer perplexity)."""
+    base_metric: float = math.nan
+    """The same metric of the frozen base model on the same held-out data (chat: the "round 0"
+    the adapters are compared against; null for the other tasks)."""
+    samples: list[dict[str, str]] = field(default_factory=list)
+    """Chat task: ``{"question", "reply"}`` -- greedy replies (<= 32 tokens) of the round's
+    global model to held-out questions, from the node that serves partition 0."""
     metric: str = "accuracy"
     eval_clients: int = 0
     upload_bytes: dict[str, int] = field(default_factory=dict)
@@ -159,7 +166,7 @@ class RoundRecord:
         return f"trained {self.num_clients}/{self.sampled}{of}, {self.eval_clients} evaluated"
 
     def _quality(self) -> str:
-        fields_ = [(self.metric, self.eval_metric), ("eval loss", self.eval_loss),
+        fields_ = [(self.metric, self.eval_metric), ("base", self.base_metric), ("eval loss", self.eval_loss),
                    ("train loss", self.train_loss)]
         return " ".join(f"{name} {_num(v)}" for name, v in fields_ if _finite(v))
 
@@ -264,7 +271,7 @@ def serving_line(s: dict[str, Any]) -> str:
             f" invalidated {s['invalidated_blocks']} ppl {f(s['ppl'], '.1f')} (fresh {f(s['ppl_fresh'], '.1f')})")
 
 
-METRIC_NAMES = {"digits": "accuracy", "lm": "perplexity"}
+METRIC_NAMES = {"digits": "accuracy", "lm": "perplexity", "chat": "answer perplexity"}
 
 
 @dataclass

@@ -48,7 +48,7 @@ def run_rounds(grid: Any, cfg: RunConfig, run_id: int, results: RunResults, *, w
             on_round(rec)
         _claim(cfg, results)
         return
-    dim = wire_dim(cfg, model_layout(cfg.task, cfg.seed).size)  # + the clipped count under adaptive clipping
+    dim = wire_dim(cfg, model_layout(cfg.task_id, cfg.seed).size)  # + the clipped count under adaptive clipping
     keys = key_service(cfg, run_id, dim)
     results.provisioning = keys.stats
     strategy = OpaqueFedAvg(cfg, dim, keys, wait_for_nodes_s=wait_for_nodes_s)

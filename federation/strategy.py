@@ -541,6 +541,9 @@ class OpaqueFedAvg:
         rec.eval_clients = len(m)
         rec.eval_loss = weighted_mean([x.eval_loss for x in m], n)
         rec.eval_metric = weighted_mean([x.eval_metric for x in m], n)
+        based = [(x.base_metric, w) for x, w in zip(m, n) if x.base_metric is not None]
+        rec.base_metric = weighted_mean([b for b, _ in based], [w for _, w in based])
+        rec.samples = [{"question": q, "reply": r} for x in m for q, r in x.samples]
         rec.seconds["eval_decrypt"] = mean([x.decrypt_s for x in m])
         rec.seconds["eval_writeback"] = mean([x.writeback_s for x in m])
         rec.node_seconds["evaluate"] = _node_phase_sums(m, EVAL_PHASES)

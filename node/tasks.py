@@ -4,13 +4,17 @@
   metric = accuracy. Fast: what the privacy/accuracy sweeps use.
 * ``lm``: the byte-level TinyTransformer on the standard library's sources, one share of
   whole top-level modules per node (non-IID); metric = perplexity on the held-out modules.
+* ``chat``: FFA-LoRA adapters (``node.lora``) on a frozen Llama -- SmolLM2-135M-Instruct
+  (``chat`` = ``chat:smollm2``) or a seeded random tiny Llama with a byte-level ChatML codec
+  (``chat:tiny``, tests and CI) -- fine-tuned on docstring question/answer pairs of each node's
+  stdlib modules (``node.instruct_data``); metric = held-out answer perplexity.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -19,7 +23,11 @@ from torch.utils.data import DataLoader
 
 from crypto import Layout, flatten
 from node import digits
+from node import instruct_data as qa
+from node.chat import ChatCodec
 from node.corpus import split_corpus
+from node.llama import LlamaConfig, LlamaModel
+from node.lora import LoraConfig, LoraLlamaModel, adapt
 from node.lm import eval_loss, train_lm
 from node.model import ModelConfig, TinyTransformer
 from node.model_interface import CachedLM
@@ -29,6 +37,10 @@ LM_MODEL = ModelConfig(n_layers=2, n_heads=2, d_model=64, context_len=128)
 
 
 class Task(Protocol):
+    """What a node trains and evaluates. A task may also set, in ``evaluate``, ``base_metric``
+    (the frozen base model's metric on the same data) and ``samples`` (``{"question",
+    "reply"}`` dicts): the evaluate handler sends them when present (``ChatTask`` does)."""
+
     name: str
     metric: str
     """Name of the evaluation metric: ``accuracy`` (higher is better) or ``perplexity``."""
@@ -114,6 +126,161 @@ class LmTask:
         return loss, math.exp(loss), self.eval_windows * self.seq_len
 
 
+CHAT_MODELS = ("smollm2", "tiny")
+TINY_CHAT = LlamaConfig(vocab_size=qa.ByteChatCodec.vocab_size, hidden_size=64, intermediate_size=128,
+                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+"""The ``chat:tiny`` base: a random Llama (fixed public seed 0) over ``ByteChatCodec``'s 258 ids."""
+TINY_CHAT_CORPUS = 2 << 20
+"""``chat:tiny`` reads the pairs of 2 MB of whole stdlib modules (``node.corpus`` ``max_bytes``),
+not all 14 MB: a random 2-layer model learns no more from the rest, and tests stay fast."""
+_BASES: dict[str, tuple[LlamaModel, ChatCodec]] = {}
+"""Base models loaded in this process: every chat node of a process shares one (frozen)."""
+
+
+def chat_base(model: str) -> tuple[LlamaModel, ChatCodec]:
+    """The frozen base and its codec, loaded once per process. ``smollm2`` needs the converted
+    model (``python -m node.models fetch``: ``node.models.ModelMissingError`` says so)."""
+    if model not in CHAT_MODELS:
+        raise ValueError(f"unknown chat model {model!r}; use one of {CHAT_MODELS}")
+    if model not in _BASES:
+        if model == "tiny":
+            torch.manual_seed(0)
+            tiny = LlamaModel(TINY_CHAT)
+            with torch.no_grad():  # HF's initializer_range: logits of a sane scale (loss ~ ln 258)
+                for p in tiny.parameters():
+                    if p.dim() >= 2:
+                        p.normal_(0.0, 0.02)
+            _BASES[model] = (tiny.eval(), qa.ByteChatCodec())
+        else:
+            _BASES[model] = (LlamaModel.from_pretrained(), ChatCodec.from_dir())
+    return _BASES[model]
+
+
+def _chat_config(model: str) -> LlamaConfig:
+    """The base's geometry without its weights (the server sizes aggregates from it)."""
+    if model == "tiny":
+        return TINY_CHAT
+    import json
+
+    from node.models import FETCH_COMMAND, ModelMissingError, default_dir
+    path = default_dir() / "config.json"
+    if not path.is_file():
+        raise ModelMissingError(f"no converted model at {default_dir()}: run {FETCH_COMMAND}")
+    return LlamaConfig.from_hf(json.loads(path.read_text()))
+
+
+def chat_layout_model(model: str, seed: int) -> LoraLlamaModel:
+    """The adapted model on the ``meta`` device: shapes only, nothing loaded or allocated."""
+    with torch.device("meta"):
+        base = LlamaModel(_chat_config(model))
+    return adapt(base, LoraConfig(seed=seed))
+
+
+@dataclass
+class ChatTask:
+    partition_id: int
+    num_partitions: int
+    seed: int = 42
+    chat_model: str = "smollm2"
+    steps_per_epoch: int = 3
+    """AdamW steps per local epoch (the run's ``local-epochs`` multiplies it)."""
+    batch_size: int = 4
+    max_len: int = 0
+    """Tokens per example, longer answers cut; 0: 160 for SmolLM2 (~62 on average), 384 for
+    ``tiny`` (its tokens are bytes: the templated prompt alone is ~130)."""
+    eval_examples: int = 8
+    """Held-out pairs each node scores per evaluation: node i the i-th slice of the held-out
+    list (the same every round: comparable; 5 nodes score 40 different pairs)."""
+    sample_replies: int = 2
+    """Greedy replies to the first held-out questions, made by partition 0's node only."""
+    sample_tokens: int = 32
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    max_bytes: int | None = None
+    """Cap on the stdlib modules the pairs come from (None: all; ``TINY_CHAT_CORPUS`` for tiny)."""
+    name: str = "chat"
+    metric: str = "perplexity"
+    default_lr: float = 5e-3
+    """AdamW on the B matrices, fresh each round."""
+    train_loader: DataLoader | None = None  # Opacus DP-SGD is offered for digits only
+
+    def __post_init__(self) -> None:
+        if self.chat_model not in CHAT_MODELS:
+            raise ValueError(f"unknown chat model {self.chat_model!r}; use one of {CHAT_MODELS}")
+        if self.max_len <= 0:
+            self.max_len = 384 if self.chat_model == "tiny" else 160
+        if self.max_bytes is None and self.chat_model == "tiny":
+            self.max_bytes = TINY_CHAT_CORPUS
+        self.share = qa.share_pairs(self.num_partitions, self.seed, self.partition_id, self.max_bytes)
+        self.heldout = qa.heldout_pairs(self.seed, self.max_bytes)
+        self.num_examples = len(self.share)
+        start = self.partition_id * self.eval_examples % len(self.heldout)
+        self.eval_pairs = (self.heldout * 2)[start:start + min(self.eval_examples, len(self.heldout))]
+        """This node's slice of the held-out pairs."""
+        self.samples: list[dict[str, str]] = []
+        """The last evaluation's greedy replies to the first held-out questions."""
+        self.base_metric: float | None = None
+        """The frozen base model's perplexity on ``eval_pairs`` (computed once: it never
+        changes): the "round 0" the adapters are compared against."""
+
+    @property
+    def codec(self) -> ChatCodec:
+        return chat_base(self.chat_model)[1]
+
+    def build_model(self, seed: int) -> nn.Module:
+        """The shared base with this run's adapters (A from the public ``seed``, B zero)."""
+        return adapt(chat_base(self.chat_model)[0], LoraConfig(self.lora.rank, self.lora.alpha,
+                                                               self.lora.targets, seed))
+
+    def _pad(self) -> int:
+        tok = self.codec.tokenizer
+        pad = None if tok is None else (tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+        return 0 if pad is None else int(pad)
+
+    def train(self, model: nn.Module, epochs: int, lr: float, seed: int) -> tuple[float, int]:
+        """``epochs * steps_per_epoch`` AdamW steps on random batches of the share; the loss
+        counts answer tokens only."""
+        g = torch.Generator().manual_seed(seed)
+        params = list(model.trainable_parameters())
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        model.train()
+        losses = []
+        steps = epochs * self.steps_per_epoch
+        for _ in range(steps):
+            idx = torch.randint(0, len(self.share), (self.batch_size,), generator=g).tolist()
+            ids, labels = qa.batch(self.codec, [self.share[i] for i in idx], self.max_len, self._pad())
+            loss = qa.answer_loss(model, ids, labels)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            losses.append(loss.item())
+        model.eval()
+        return sum(losses) / max(1, len(losses)), steps * self.batch_size
+
+    def answer_loss(self, model: nn.Module) -> tuple[float, int]:
+        """Mean answer-token loss on ``eval_pairs`` and the number of answer tokens."""
+        total, count = 0.0, 0
+        model.eval()
+        with torch.no_grad():
+            for i in range(0, len(self.eval_pairs), 8):
+                ids, labels = qa.batch(self.codec, self.eval_pairs[i:i + 8], self.max_len, self._pad())
+                total += float(qa.answer_loss(model, ids, labels, reduction="sum"))
+                count += int((labels != qa.IGNORE).sum())
+        return total / count, count
+
+    def evaluate(self, model: nn.Module) -> tuple[float, float, int]:
+        """Answer-token loss and perplexity on ``eval_pairs``; the base model's once
+        (``base_metric``); partition 0 puts greedy replies to the first ``sample_replies``
+        held-out questions in ``samples``."""
+        if self.base_metric is None:
+            self.base_metric = math.exp(self.answer_loss(chat_base(self.chat_model)[0])[0])
+        loss, count = self.answer_loss(model)
+        self.samples = [{"question": p.question, "reply": qa.greedy_reply(
+            model, self.codec, p.question, self.sample_tokens)}
+            for p in (self.heldout[:self.sample_replies] if self.partition_id == 0 else [])]
+        return loss, math.exp(loss), count
+
+
 def lm_model(seed: int | None = None, config: ModelConfig = LM_MODEL) -> CachedLM:
     """The node's language model (the one place that names its class), initialised from
     ``seed`` (None: torch's global generator as it is, for a model loaded afterwards)."""
@@ -145,19 +312,29 @@ def load_parameters(model: nn.Module, state: Mapping[str, torch.Tensor], layout:
         raise KeyError(f"parameters the model does not have: {sorted(unexpected)}")
 
 
+def _chat_model_of(task: str) -> str | None:
+    """``chat`` -> ``smollm2``, ``chat:<model>`` -> ``<model>``; None for another task."""
+    name, _, model = task.partition(":")
+    return (model or "smollm2") if name == "chat" else None
+
+
 def build_model(task: str, seed: int) -> nn.Module:
     """The task's model with the run's seeded init, without loading any data (the server
-    sizes aggregates with it)."""
+    sizes aggregates with it; for ``chat`` the adapters on a ``meta``-device base: shapes only)."""
+    if (chat := _chat_model_of(task)) is not None:
+        return chat_layout_model(chat, seed)
     if task == "lm":
         return lm_model(seed)
     if task == "digits":
         return digits.make_model(seed)
-    raise ValueError(f"unknown task {task!r}; use 'digits' or 'lm'")
+    raise ValueError(f"unknown task {task!r}; use 'digits', 'lm', 'chat' or 'chat:tiny'")
 
 
 def make_task(name: str, partition_id: int, num_partitions: int, seed: int, alpha: float) -> Task:
+    if (chat := _chat_model_of(name)) is not None:
+        return ChatTask(partition_id, num_partitions, seed, chat_model=chat)
     if name == "digits":
         return DigitsTask(partition_id, num_partitions, seed, alpha)
     if name == "lm":
         return LmTask(partition_id, num_partitions, seed)
-    raise ValueError(f"unknown task {name!r}; use 'digits' or 'lm'")
+    raise ValueError(f"unknown task {name!r}; use 'digits', 'lm', 'chat' or 'chat:tiny'")

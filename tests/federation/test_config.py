@@ -149,7 +149,7 @@ def test_a_bad_value_does_not_cause_follow_up_complaints() -> None:
     # task does not parse: the dp-sgd/task combination is not judged on a guess
     with pytest.raises(ConfigError) as info:
         RunConfig.from_run_config({"task": 3, "dp-sgd": True})
-    assert info.value.problems == ["task must be one of ('digits', 'lm'), not 3"]
+    assert info.value.problems == ["task must be one of ('digits', 'lm', 'chat'), not 3"]
 
 
 @pytest.mark.parametrize(
