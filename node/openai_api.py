@@ -413,6 +413,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-dir", type=Path, default=None,
                    help="the converted SmolLM2 directory (default: node.models.default_dir())")
     p.add_argument("--seed", type=int, default=0, help="the byte model's initial weights")
+    p.add_argument("--lora-seed", type=int, default=None,
+                   help="smollm2: serve it with a chat task's FFA-LoRA adapters (node.lora), A "
+                        "drawn from this public seed -- the federated run's seed (run-config "
+                        "seed, 42 by default); B is zero until --cache-dir's node publishes its "
+                        "fine-tuned adapters")
     p.add_argument("--host", default="127.0.0.1",
                    help="loopback by default; another address only with --tls-cert and --tls-key")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 = any free port")
@@ -475,6 +480,9 @@ def main(argv: list[str] | None = None) -> int:
         model, codec = load_model(args.model, args.model_dir)
     except ModelError as e:
         raise SystemExit(f"--model {args.model}: {e}") from None
+    if args.lora_seed is not None:
+        from node.lora import LoraConfig, adapt
+        model = adapt(model, LoraConfig(seed=args.lora_seed))
     cache = KVCache(model.cache_config(pool_bytes=int(args.pool_mib * (1 << 20))))
     backend, hook = openai_follow.build_backend(args, model.eval(), cache, MODEL_IDS[args.model],
                                                 own_weights=args.model != "byte")

@@ -148,6 +148,8 @@ def build_backend(args: argparse.Namespace, model: CachedLM, cache: KVCache, mod
 def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.cache_dir is not None and args.backend != "scheduler":
         p.error("--cache-dir needs --backend scheduler (it swaps weights between steps)")
+    if args.lora_seed is not None and args.model != "smollm2":
+        p.error("--lora-seed adapts --model smollm2 (the chat task's base)")
     if min(args.max_running, args.token_budget) < 1 or args.wait_s <= 0:
         p.error("--max-running, --token-budget and --wait-s must be positive")
 

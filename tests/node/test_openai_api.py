@@ -524,3 +524,11 @@ def test_cli_serves_and_stops_cleanly_on_sigterm(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_cli_lora_seed_adapts_only_smollm2(capsys):
+    from node.openai_api import _args
+    assert _args(["--model", "smollm2", "--lora-seed", "42"]).lora_seed == 42
+    with pytest.raises(SystemExit):
+        _args(["--lora-seed", "42"])  # the byte model has no chat-task adapters
+    assert "--lora-seed adapts --model smollm2" in capsys.readouterr().err
