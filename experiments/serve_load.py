@@ -39,7 +39,7 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,7 @@ import torch
 from cache import KVCache
 from experiments.output import (add_common_args, make_run_dir, markdown_table, plot_lines,
                                 print_results_dir, write_csv, write_json)
-from node.generation import GenerationRequest
+from node.generation import GenerationRequest, TokenStream
 
 SYSTEMS = ("fedkv_scheduler", "fedkv_no_scheduler", "hf_sequential")
 CLIENTS = (1, 4, 16, 32)
@@ -123,17 +123,8 @@ class _Handle:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.model_version: int | None = 0
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-
-    def tokens(self, timeout: float | None = None) -> Iterator[int]:
-        while True:
-            try:
-                tok = self._q.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(f"no token within {timeout} s") from None
-            if tok is None:
-                return
-            yield tok
+        self.stream = TokenStream()
+        self.tokens = self.stream.tokens
 
     def cancel(self) -> None:
         self.finish_reason = self.finish_reason or "cancelled"
@@ -168,7 +159,7 @@ class HFSequentialBackend:
             if tok in request.stop_token_ids or h.finish_reason == "cancelled":
                 h.finish_reason = h.finish_reason or "stop"
                 return
-            h._q.put(tok)
+            h.stream.put(tok)
             out = self.model(torch.tensor([[tok]]), cache=past, use_cache=True)
         h.finish_reason = "length"
 
@@ -179,7 +170,7 @@ class HFSequentialBackend:
                 self._run(request, h)
             except Exception as e:  # a failed request ends its handle, never the loop
                 h.finish_reason, h.error = "error", type(e).__name__
-            h._q.put(None)
+            h.stream.end()
 
     def close(self) -> None:
         self._jobs.put(None)

@@ -10,6 +10,7 @@ and produces tokens as it runs; a consumer iterates a handle from its own thread
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -45,6 +46,36 @@ class GenerationRequest:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.seeds is not None and len(self.seeds) != self.n:
             raise ValueError(f"{len(self.seeds)} seeds for n={self.n} forks")
+
+
+_END = object()
+
+
+class TokenStream:
+    """One sample's tokens from the decoding thread to the consumer's (thread-safe): ``put``
+    each, ``end`` once; a handle's ``tokens`` is ``stream.tokens``."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+
+    def put(self, token: int) -> None:
+        self._queue.put(token)
+
+    def end(self) -> None:
+        self._queue.put(_END)
+
+    def tokens(self, timeout: float | None = None) -> Iterator[int]:
+        """The tokens as produced, ending after ``end``; ``TimeoutError`` after ``timeout``
+        seconds without one. Iterating again after the end returns at once."""
+        while True:
+            try:
+                item = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"no token within {timeout} s") from None
+            if item is _END:
+                self._queue.put(_END)
+                return
+            yield item
 
 
 class GenerationHandle(Protocol):

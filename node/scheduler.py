@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import queue
 import secrets
 import threading
 from collections.abc import Callable, Iterator
@@ -38,7 +37,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from cache import CacheFullError, KVCache
-from node.generation import GenerationRequest
+from node.generation import GenerationRequest, TokenStream
 from node.model_interface import CachedLM
 
 PREEMPT_MODES = ("swap", "recompute")
@@ -79,7 +78,6 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-_END = object()
 _ids = itertools.count()
 
 
@@ -110,7 +108,7 @@ class Sequence:
     resumed: int = 0
     cancel_requested: bool = False
     on_cancel: Callable[[], None] | None = None
-    _out: "queue.SimpleQueue" = field(default_factory=queue.SimpleQueue, repr=False)
+    _out: TokenStream = field(default_factory=TokenStream, repr=False)
 
     @property
     def prompt_tokens(self) -> int:
@@ -127,15 +125,7 @@ class Sequence:
 
     def tokens(self, timeout: float | None = None) -> Iterator[int]:
         """The generated tokens as produced; ``TimeoutError`` after ``timeout`` s of none."""
-        while True:
-            try:
-                item = self._out.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(f"no token of {self.request_id} within {timeout} s") from None
-            if item is _END:
-                self._out.put(_END)  # a later iteration ends at once too
-                return
-            yield item
+        return self._out.tokens(timeout)
 
     def cancel(self) -> None:
         """Ask the scheduler to stop this sample at the next step boundary."""
@@ -417,7 +407,7 @@ class Scheduler:
             self.cache.close_session(s.sid)
             s.sid = None
         s.status, s.finish_reason, s.error = Status.FINISHED, reason, error
-        s._out.put(_END)
+        s._out.end()
         return StepEvent(s, None, reason, self.cache.version)
 
     def fail_all(self, error: str) -> list[StepEvent]:

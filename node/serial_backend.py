@@ -31,11 +31,10 @@ import torch
 from cache import KVCache
 from cache.errors import CacheFullError
 from node.chat import Sampling
-from node.generation import GenerationRequest
+from node.generation import GenerationRequest, TokenStream
 from node.model_interface import CachedLM
 
 _log = logging.getLogger("fedkv.serial_backend")
-_END = object()
 _ids = itertools.count(1)
 
 
@@ -49,20 +48,12 @@ class SerialHandle:
     error: str | None = None
     model_version: int | None = None
     cached_prompt_tokens: int = 0
-    _queue: queue.Queue = field(default_factory=queue.Queue, repr=False)
+    _stream: TokenStream = field(default_factory=TokenStream, repr=False)
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def tokens(self, timeout: float | None = None) -> Iterator[int]:
         """The generated ids as produced; ``TimeoutError`` after ``timeout`` s without one."""
-        while True:
-            try:
-                item = self._queue.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(f"no token within {timeout} s") from None
-            if item is _END:
-                self._queue.put(_END)  # a second iteration ends at once too
-                return
-            yield item
+        return self._stream.tokens(timeout)
 
     def cancel(self) -> None:
         self._cancelled.set()
@@ -74,7 +65,7 @@ class SerialHandle:
     def _finish(self, reason: str, error: str | None = None) -> None:
         if self.finish_reason is None:
             self.error, self.finish_reason = error, reason
-            self._queue.put(_END)
+            self._stream.end()
 
 
 @dataclass
@@ -196,7 +187,7 @@ class SerialBackend:
         if token in request.stop_token_ids:
             h._finish("stop")
             return False
-        h._queue.put(token)
+        h._stream.put(token)
         f.produced += 1
         if f.produced >= request.max_tokens or self.cache.length(f.sid) >= self.model.context_len:
             h._finish("length")
