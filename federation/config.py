@@ -95,10 +95,8 @@ class RunConfig:
     stdlib docstrings, metric held-out answer perplexity (results: ``base_metric`` = the base
     model's, ``samples`` = greedy replies to held-out questions)."""
     chat_model: str = "smollm2"
-    """task=chat only: the frozen base. ``smollm2``: SmolLM2-135M-Instruct (``python -m
-    node.models fetch`` once; 184,320 adapter values at rank 8 on q_proj/v_proj); ``tiny``: a
-    seeded random 2-layer Llama over a byte-level ChatML codec (tests and CI: no download, no
-    meaningful replies)."""
+    """task=chat only: the frozen base. ``smollm2``: SmolLM2-135M-Instruct (``python -m node.models
+    fetch`` once); ``tiny``: a seeded random 2-layer Llama, byte-level ChatML (tests, CI)."""
     he: bool = True
     """CKKS aggregation (crypto/; the server holds only the public context). false = plaintext
     FedAvg through the plaintext codec, same messages, same signatures: updates are signed either
@@ -259,8 +257,8 @@ class RunConfig:
 
     @property
     def task_id(self) -> str:
-        """The task as ``node.tasks`` names it: ``chat:<chat-model>`` for chat, else ``task``."""
-        return f"chat:{self.chat_model}" if self.task == "chat" else self.task
+        """The task as ``node.tasks`` names it (the module's ``task_id``)."""
+        return task_id({"task": self.task, "chat-model": self.chat_model})
 
     @property
     def kv_stale_versions(self) -> int:
