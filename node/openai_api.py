@@ -403,7 +403,7 @@ DEFAULT_TOKEN_FILE = Path.home() / ".cache" / "fedkv" / "serve-token"
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
-    from node.serve import MODELS, POOL_MIB, SMOLLM2_POOL_MIB
+    from node.served_model import MODELS, POOL_MIB, SMOLLM2_POOL_MIB
     d = APIConfig()
     p = argparse.ArgumentParser(prog="python -m node.openai_api",
                                 description=__doc__.split("\n\n")[0])
@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from cache import KVCache
     from node.models import ModelError
-    from node.serve import load_model
+    from node.served_model import load_model
     from node.serve_auth import tls_context
     tls = tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
     tenants = _tenants(args.token_file)

@@ -134,7 +134,7 @@ def build_backend(args: argparse.Namespace, model: CachedLM, cache: KVCache, mod
     from node.serial_backend import SerialBackend
     follower = None
     if args.cache_dir is not None:
-        from node.serve import node_key
+        from node.served_model import node_key
         key = None if args.no_key else node_key(args.cache_dir, args.key_file, args.wait_s)
         follower = join_node(args.cache_dir, key, model, cache, mode=Mode(args.coherence),
                              wait_s=args.wait_s, own_weights=own_weights)

@@ -62,7 +62,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import secrets
 import signal
@@ -70,7 +69,6 @@ import socket
 import ssl
 import sys
 import threading
-import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from http import HTTPStatus
@@ -78,18 +76,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from cache import KVCache
 from cache.coherence import Mode
 from cache.errors import CacheFullError
-from crypto import PASSPHRASE_ENV, passphrase_from_env, read_secret_file
-from node.chat import Sampling
+from crypto import PASSPHRASE_ENV
 from node.model_interface import CachedLM
-from node.param_follower import ParamFollower
 from node.models import ModelError
+from node.param_follower import ParamFollower
 from node.serve_auth import (NoSuchSession, QuotaExceeded, SessionRegistry, Tenants, TokenFileError,
                              check_bind, default_token_file, ensure_token_file, tls_context)
+from node.served_model import MODELS, POOL_MIB, SMOLLM2_POOL_MIB, load_model, node_key
+from node.turn_options import TurnOptions, parse_turn
 from node.sessions import Sessions, UnknownSessionError
 from node.tasks import lm_model, parameter_layout
 
@@ -97,22 +94,10 @@ _log = logging.getLogger("fedkv.serve")
 LIVE_SUBDIR = "serve"
 """``python -m cache stats --dir <cache-dir>/serve`` reads (and ``set`` changes) this agent's cache."""
 MAX_BODY = 1 << 16
-MAX_NEW_TOKENS = 128
-DEFAULT_NEW_TOKENS = 16
-MAX_TEMPERATURE = 10.0
-MAX_STOP_STRINGS = 8
-MAX_STOP_CHARS = 64
-MAX_SEED = (1 << 63) - 1
-MODELS = ("byte", "smollm2")
-"""``--model``: the node's byte-level model (default, its parameters published by the
-trainer) or SmolLM2-135M-Instruct from ``--model-dir`` with its chat template."""
-SMOLLM2_POOL_MIB = 64.0
 MAX_SESSIONS = 16
 """Open sessions per tenant (``--max-sessions``)."""
 IDLE_EXPIRY_S = 600.0
 SOCKET_TIMEOUT_S = 10.0
-POOL_MIB = 8.0
-"""The byte model's default pool; SmolLM2 (46 KiB of K/V per token) gets ``SMOLLM2_POOL_MIB``."""
 _PREFIX_COUNTERS = ("prefix_lookups", "prefix_hit_blocks", "prefix_hit_tokens")
 
 
@@ -138,92 +123,6 @@ class TenantCounters:
     prefix_hit_blocks: int = 0
     """System-prompt blocks reused from the tenant's own earlier sessions (never another's)."""
     prefix_hit_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class TurnOptions:
-    """A turn's per-request options (``parse_turn`` validates them from the JSON body)."""
-
-    max_new_tokens: int = DEFAULT_NEW_TOKENS
-    temperature: float = 0.0
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    """None: the request's sampling generator is seeded from ``secrets`` (not repeatable)."""
-
-    def sampling(self, seed: int) -> Sampling:
-        """A fresh generator per attempt: a turn rolled back by a write-back and decoded
-        again draws the same numbers."""
-        g = torch.Generator()
-        g.manual_seed(seed)
-        return Sampling(self.temperature, self.top_p, g)
-
-
-TURN_FIELDS = ("text", "max_new_tokens", "max_tokens", "temperature", "top_p", "stop", "seed")
-
-
-def _int(body: dict, name: str, lo: int, hi: int) -> int | None:
-    v = body.get(name)
-    if v is None and name not in body:
-        return None
-    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {v!r}")
-    return v
-
-
-def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    if name not in body:
-        return default
-    v = body[name]
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) \
-            or not (lo < v if lo_open else lo <= v) or not v <= hi:
-        span = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
-        raise ValueError(f"{name} must be a finite number in {span}, got {v!r}")
-    return float(v)
-
-
-def parse_turn(body: dict) -> tuple[str, TurnOptions]:
-    """A turn's text and options from its JSON body, strictly: an unknown field, a wrong
-    type, NaN/Infinity or a value out of range is a ValueError/TypeError (400) naming the
-    field, raised before the session is touched."""
-    unknown = sorted(set(body) - set(TURN_FIELDS))
-    if unknown:
-        raise ValueError(f"unknown field(s) {unknown}; a turn takes {list(TURN_FIELDS)}")
-    text = body.get("text")
-    if not isinstance(text, str):
-        raise TypeError("'text' must be a string")
-    n = _int(body, "max_new_tokens", 0, MAX_NEW_TOKENS)
-    m = _int(body, "max_tokens", 0, MAX_NEW_TOKENS)
-    if n is not None and m is not None and n != m:
-        raise ValueError(f"max_tokens ({m}) and max_new_tokens ({n}) disagree; give one")
-    stop = body.get("stop", [])
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise TypeError("stop must be a list of strings")
-    if len(stop) > MAX_STOP_STRINGS or not all(0 < len(s) <= MAX_STOP_CHARS for s in stop):
-        raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings of 1 to "
-                         f"{MAX_STOP_CHARS} characters")
-    seed = _int(body, "seed", 0, MAX_SEED)
-    return text, TurnOptions(
-        max_new_tokens=m if m is not None else n if n is not None else DEFAULT_NEW_TOKENS,
-        temperature=_number(body, "temperature", 0.0, 0.0, MAX_TEMPERATURE),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        stop=tuple(stop), seed=seed)
-
-
-def load_model(name: str, model_dir: str | os.PathLike | None = None) -> tuple[CachedLM, Any]:
-    """(model, codec) for ``--model``: ``byte`` is ``(node.tasks.lm_model(), None)``;
-    ``smollm2`` is ``LlamaModel`` + ``ChatCodec`` read from ``model_dir`` (default
-    ``node.models.default_dir()``), a ``ModelMissingError`` naming the fetch command when
-    the directory holds no converted model."""
-    if name == "byte":
-        return lm_model(), None
-    if name != "smollm2":
-        raise ValueError(f"unknown model {name!r}; use one of {list(MODELS)}")
-    from node import models
-    from node.chat import ChatCodec
-    from node.llama import LlamaModel
-    d = Path(model_dir).expanduser() if model_dir is not None else models.default_dir()
-    return LlamaModel.from_pretrained(d).eval(), ChatCodec.from_dir(d)
 
 
 class ServingAgent:
@@ -610,20 +509,6 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     if args.max_sessions < 1 or args.idle_expiry_s <= 0 or args.socket_timeout <= 0 or args.pool_mib <= 0:
         p.error("--max-sessions, --idle-expiry-s, --socket-timeout and --pool-mib must be positive")
     return args
-
-
-def node_key(cache_dir: Path, key_file: Path | None, wait_s: float) -> bytes:
-    """The node's cache key (``key_file``, default ``kv-cache.key`` beside ``cache_dir``);
-    waits for it (the node's first ClientApp message makes it). Shared by every server that
-    follows a node (``node.serve``, ``node.openai_api``)."""
-    path = key_file or cache_dir.parent / "kv-cache.key"
-    deadline = time.monotonic() + wait_s
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"key file {path} did not appear within {wait_s} s "
-                             "(is the node running? --no-key for an unencrypted cache)")
-        time.sleep(0.2)
-    return read_secret_file(path, passphrase_from_env())
 
 
 def _key(args: argparse.Namespace) -> bytes | None:

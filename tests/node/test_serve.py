@@ -497,7 +497,7 @@ BAD_OPTIONS = [  # (body fields, the field the 400 must name)
 
 
 def test_parse_turn_is_strict_and_names_the_field():
-    from node.serve import DEFAULT_NEW_TOKENS, TurnOptions, parse_turn
+    from node.turn_options import DEFAULT_NEW_TOKENS, TurnOptions, parse_turn
     assert parse_turn({"text": "hi"}) == ("hi", TurnOptions(DEFAULT_NEW_TOKENS))
     assert parse_turn({"text": "", "max_new_tokens": 3})[1].max_new_tokens == 3  # the old field
     text, o = parse_turn({"text": "q", "max_tokens": 9, "max_new_tokens": 9, "temperature": 0.7,
@@ -610,7 +610,8 @@ def test_own_weights_serve_without_published_parameters_and_keep_unfit_ones_out(
     from cache.coherence import Mode
     from node import param_channel as pc
     from node.coherence import exclusive_params
-    from node.serve import ServingAgent, TurnOptions
+    from node.serve import ServingAgent
+    from node.turn_options import TurnOptions
     from node.tasks import lm_model
 
     model = lm_model(seed=3)
