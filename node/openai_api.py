@@ -454,16 +454,6 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _tenants(path: Path) -> Tenants:
-    from node.serve_auth import TokenFileError, ensure_token_file
-    try:
-        if ensure_token_file(path):
-            print(f"wrote a new bearer token to {path} (mode 0600)", flush=True)
-        return Tenants.from_file(path)
-    except (OSError, TokenFileError) as e:
-        raise SystemExit(f"token file: {e}") from e
-
-
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s openai_api %(message)s")
     args = _args(argv)
@@ -472,9 +462,9 @@ def main(argv: list[str] | None = None) -> int:
     from cache import KVCache
     from node.models import ModelError
     from node.served_model import load_model
-    from node.serve_auth import tls_context
+    from node.serve_auth import load_tenants, tls_context
     tls = tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
-    tenants = _tenants(args.token_file)
+    tenants = load_tenants(args.token_file, lambda line: print(line, flush=True))
     torch.manual_seed(args.seed)
     try:
         model, codec = load_model(args.model, args.model_dir)

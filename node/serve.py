@@ -83,8 +83,8 @@ from crypto import PASSPHRASE_ENV
 from node.model_interface import CachedLM
 from node.models import ModelError
 from node.param_follower import ParamFollower
-from node.serve_auth import (NoSuchSession, QuotaExceeded, SessionRegistry, Tenants, TokenFileError,
-                             check_bind, default_token_file, ensure_token_file, tls_context)
+from node.serve_auth import (NoSuchSession, QuotaExceeded, SessionRegistry, Tenants, check_bind,
+                             default_token_file, load_tenants, tls_context)
 from node.served_model import MODELS, POOL_MIB, SMOLLM2_POOL_MIB, load_model, node_key
 from node.turn_options import TurnOptions, parse_turn
 from node.sessions import Sessions, UnknownSessionError
@@ -515,21 +515,11 @@ def _key(args: argparse.Namespace) -> bytes | None:
     return None if args.no_key else node_key(args.cache_dir, args.key_file, args.wait_s)
 
 
-def _tenants(args: argparse.Namespace) -> Tenants:
-    path = args.token_file or default_token_file(args.cache_dir)
-    try:
-        if ensure_token_file(path):
-            _log.info("wrote a new bearer token to %s (mode 0600)", path)
-        return Tenants.from_file(path)
-    except (OSError, TokenFileError) as e:
-        raise SystemExit(f"token file: {e}") from e
-
-
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(message)s")
     args = _args(argv)
     tls = tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
-    tenants = _tenants(args)
+    tenants = load_tenants(args.token_file or default_token_file(args.cache_dir), _log.info)
     try:
         model, codec = load_model(args.model, args.model_dir)
     except ImportError as e:

@@ -247,3 +247,15 @@ def tls_context(cert: str | os.PathLike, key: str | os.PathLike) -> ssl.SSLConte
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.load_cert_chain(certfile=str(cert), keyfile=str(key))
     return ctx
+
+
+def load_tenants(path: str | os.PathLike, announce: Callable[[str], None]) -> Tenants:
+    """The tenants of the token file ``path``, written with one fresh token when missing
+    (``announce`` is told where, never the token); an unreadable or malformed file is a
+    ``SystemExit`` naming the problem. What every server's CLI does at start."""
+    try:
+        if ensure_token_file(path):
+            announce(f"wrote a new bearer token to {path} (mode 0600)")
+        return Tenants.from_file(path)
+    except (OSError, TokenFileError) as e:
+        raise SystemExit(f"token file: {e}") from e
