@@ -15,15 +15,14 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from cache.block_table import check_layer
 from cache.errors import ReservationError, ShapeMismatchError
+from cache.session_table import check_layer
 
 if TYPE_CHECKING:
-    from cache.block_table import BlockTable
     from cache.config import CacheConfig
     from cache.manager import BlockManager
+    from cache.session_table import BlockTable, SessionTable
     from cache.steps import ReadPlanner
-    from cache.session_table import SessionTable
     from cache.token_arena import TokenArena
 
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from cache.block_table import BlockTable
+    from cache.session_table import BlockTable
     from cache.manager import BlockManager
     from cache.token_arena import TokenArena
 

@@ -33,7 +33,6 @@ from cache.attention import Run
 from cache.batch import Batcher, BatchStep
 from cache.config import CacheConfig
 from cache.control import POLL_S
-from cache.block_table import check_layer
 from cache.errors import ConfigError
 from cache.latency import OpLatencies
 from cache.live import LivePlane, go_live, leave_live
@@ -42,7 +41,7 @@ from cache.policy import POLICIES, EvictionPolicy, make_policy
 from cache.prefetch import Prefetcher
 from cache.prefix import namespace_root
 from cache.pressure import Pressure
-from cache.session_table import SessionTable
+from cache.session_table import SessionTable, check_layer
 from cache.sparsity import SparsityPolicy
 from cache.steps import ReadPlanner, SessionSteps
 from cache.storage import BlockCosts, make_storage

@@ -19,14 +19,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from cache.block import Block
-from cache.block_table import BlockTable, end_of
 from cache.compaction import COMPACT_EVERY, compact
 from cache.errors import CacheFullError
+from cache.session_table import BlockTable, SessionTable, end_of
 
 if TYPE_CHECKING:
     from cache.config import CacheConfig
     from cache.manager import BlockManager
-    from cache.session_table import SessionTable
     from cache.token_arena import TokenArena
 
 

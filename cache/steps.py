@@ -24,15 +24,14 @@ import torch
 
 from cache.attention import Run
 from cache.block import Block
-from cache.block_table import BlockTable, check_layer, end_of
 from cache.errors import CacheFullError, ReservationError, ShapeMismatchError, TensorDTypeError
 from cache.prefetch import Prefetcher, make_prefetcher, prefetch_after_lookup
+from cache.session_table import BlockTable, SessionTable, check_layer, end_of
 
 if TYPE_CHECKING:
     from cache.config import CacheConfig
     from cache.manager import BlockManager
     from cache.pressure import Pressure
-    from cache.session_table import SessionTable
     from cache.token_arena import TokenArena
 
 

@@ -15,8 +15,6 @@ A codec per model family (issue 23, item 3):
   a session feeds are the tokens ``tokenizer.apply_chat_template`` gives for the whole
   conversation.
 
-``Sampling`` picks the next token from logits outside the model: greedy by default,
-temperature / top-p with an injected ``torch.Generator``.
 """
 
 from __future__ import annotations
@@ -24,50 +22,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 Message = dict[str, str]
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How a turn picks each token from the logits. ``temperature <= 0`` is greedy (argmax,
-    the default, exactly the old decode loop); otherwise softmax(logits / temperature)
-    restricted to the smallest set of tokens whose probability reaches ``top_p`` (nucleus),
-    drawn with ``generator`` (seed it for a repeatable sample)."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    generator: torch.Generator | None = field(default=None, compare=False)
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0
-
-    def pick(self, logits: torch.Tensor) -> int:
-        """The next token from ``logits`` ``[vocab]``."""
-        if self.greedy:
-            return int(logits.argmax())
-        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
-        if self.top_p < 1:
-            p, idx = probs.sort(descending=True)
-            # keep a token while the mass before it is below top_p (the first always stays)
-            keep = (p.cumsum(0) - p) < self.top_p
-            probs = torch.zeros_like(probs).scatter_(0, idx[keep], p[keep])
-        return int(torch.multinomial(probs, 1, generator=self.generator))
-
-
-GREEDY = Sampling()
 
 
 class ByteCodec:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from node.chat import GREEDY, Sampling
+from node.sessions import GREEDY, Sampling
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 """``stop``: an EOS/stop token id was produced (it is not yielded); ``length``: ``max_tokens``

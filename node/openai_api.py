@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from node import openai_follow
-from node.chat import Sampling
+from node.sessions import Sampling
 from node.generation import GenerationBackend, GenerationHandle, GenerationRequest
 from node.openai_protocol import (MAX_SEED, APIError, Params, PromptCodec, TextStream, bad,
                                   parse_chat, parse_completion)

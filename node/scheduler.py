@@ -87,7 +87,7 @@ class Sequence:
 
     request: GenerationRequest
     sampling: object
-    """``node.chat.Sampling`` with this sample's own generator."""
+    """``node.sessions.Sampling`` with this sample's own generator."""
     request_id: str
     arrival: int
     parent: "Sequence | None" = None

@@ -30,7 +30,7 @@ import torch
 
 from cache import KVCache
 from cache.errors import CacheFullError
-from node.chat import Sampling
+from node.sessions import Sampling
 from node.generation import GenerationRequest, TokenStream
 from node.model_interface import CachedLM
 

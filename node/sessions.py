@@ -28,7 +28,8 @@ and the assistant header, decodes until an EOS id, a stop string or ``max_new_to
 feeds the template's end of the assistant turn, so the session's tokens are
 ``tokenizer.apply_chat_template`` of the conversation. Token ids are still fed as they are.
 Without a codec (the byte model) nothing is templated and no token ends a reply. ``sampling``
-(``node.chat.Sampling``) is greedy unless asked otherwise; a stop string ends the reply before
+(``Sampling``: greedy, or temperature / top-p with an injected
+``torch.Generator``) is greedy unless asked otherwise; a stop string ends the reply before
 it (``TurnResult.text``) while the cache keeps every token that was fed.
 
 Ids are ``chat-<n>`` from a counter, so a closed id is told apart from one never issued without
@@ -46,10 +47,47 @@ from dataclasses import dataclass, field
 import torch
 
 from cache import KVCache
-from node.chat import GREEDY, ByteCodec, Message, Sampling
+from node.chat import ByteCodec, Message
 from node.model_interface import CachedLM
 
 _ID = re.compile(r"chat-(\d+)")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a turn picks each token from the logits. ``temperature <= 0`` is greedy (argmax,
+    the default, exactly the old decode loop); otherwise softmax(logits / temperature)
+    restricted to the smallest set of tokens whose probability reaches ``top_p`` (nucleus),
+    drawn with ``generator`` (seed it for a repeatable sample)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    generator: torch.Generator | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """The next token from ``logits`` ``[vocab]``."""
+        if self.greedy:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        if self.top_p < 1:
+            p, idx = probs.sort(descending=True)
+            # keep a token while the mass before it is below top_p (the first always stays)
+            keep = (p.cumsum(0) - p) < self.top_p
+            probs = torch.zeros_like(probs).scatter_(0, idx[keep], p[keep])
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+GREEDY = Sampling()
 
 
 class UnknownSessionError(KeyError):

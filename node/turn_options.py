@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from node.chat import Sampling
+from node.sessions import Sampling
 
 MAX_NEW_TOKENS = 128
 DEFAULT_NEW_TOKENS = 16

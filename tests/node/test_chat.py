@@ -15,7 +15,8 @@ import torch
 
 from cache import KVCache
 from node.cache_node import CacheNode, NodeSpec
-from node.chat import ByteCodec, Sampling
+from node.chat import ByteCodec
+from node.sessions import Sampling
 from node.sessions import Sessions
 from node.tasks import make_task
 

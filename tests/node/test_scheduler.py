@@ -19,7 +19,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  rule)
 
 from cache import KVCache
-from node.chat import Sampling
+from node.sessions import Sampling
 from node.generation import GenerationRequest
 from node.model import ModelConfig, TinyTransformer
 from node.scheduler import Scheduler, SchedulerConfig, Status

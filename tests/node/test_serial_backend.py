@@ -9,7 +9,7 @@ import torch
 
 from cache import KVCache
 from cache.errors import CacheFullError
-from node.chat import Sampling
+from node.sessions import Sampling
 from node.generation import GenerationRequest
 from node.serial_backend import SerialBackend
 from node.tasks import lm_model
