@@ -34,7 +34,6 @@ from cache.batch import Batcher, BatchStep
 from cache.config import CacheConfig
 from cache.control import POLL_S
 from cache.errors import ConfigError
-from cache.latency import OpLatencies
 from cache.live import LivePlane, go_live, leave_live
 from cache.manager import BlockManager
 from cache.policy import POLICIES, EvictionPolicy, make_policy
@@ -43,6 +42,7 @@ from cache.prefix import namespace_root
 from cache.pressure import Pressure
 from cache.session_table import SessionTable, check_layer
 from cache.sparsity import SparsityPolicy
+from cache.stats import OpLatencies, cache_stats
 from cache.steps import ReadPlanner, SessionSteps
 from cache.storage import BlockCosts, make_storage
 from cache.tensor_store import TensorStore
@@ -418,7 +418,7 @@ class KVCache:
         live plane's timer thread has read (in memory; the plane does the file work and
         publishes the snapshots: ``cache/live.py``).
 
-        Each timed operation (``cache.latency.OP_KINDS``) inlines its own timing (two
+        Each timed operation (``cache.stats.OP_KINDS``) inlines its own timing (two
         ``perf_counter_ns``, a ring append, this deadline check) instead of a decorator:
         a wrapper's extra frame doubled the cost per call on this machine, and decode runs
         ``num_layers + 1`` of them a step (``python -m cache overhead``)."""
@@ -449,7 +449,6 @@ class KVCache:
 
     # == figures (cache/stats.py, cache/storage.py) ==========================================
     def stats(self) -> dict:
-        from cache.stats import cache_stats
         return cache_stats(self)
 
     @property

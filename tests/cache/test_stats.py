@@ -5,7 +5,7 @@ import json
 import torch
 
 from cache import KVCache
-from cache.latency import OP_KINDS, OpLatencies
+from cache.stats import OP_KINDS, OpLatencies
 
 from tests.cache.conftest import feed, small_config
 
