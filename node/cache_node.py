@@ -17,6 +17,7 @@ stale, then they are recomputed from their tokens.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import secrets
 import time
@@ -30,7 +31,7 @@ from cache import CacheConfig, KVCache
 from crypto import Layout, dp_sgd_epsilon
 from node import digits
 from node import param_channel
-from node.coherence import exclusive_params
+from node.param_channel import exclusive_params
 from node.workload_pass import ServeReport, serve_workload
 from node.sessions import Sessions
 from node.workload import WorkloadConfig, find_trace, plan_turns
@@ -137,8 +138,12 @@ class CacheNode:
         self.dp_steps = 0
         self.dp_sample_rate = 0.0
         self.dp_sigma = 0.0
-        self.sessions = Sessions(self.model, self.cache)
-        """Open chat sessions as ``{session id: cache session id}``; closing removes one."""
+
+    @functools.cached_property
+    def sessions(self) -> Sessions:
+        """Open chat sessions as ``{session id: cache session id}``; closing removes one. Made
+        on first use: a node that only trains (digits) never holds a session table."""
+        return Sessions(self.model, self.cache)
 
     # -- parameters live in the cache ------------------------------------------------
     @property
@@ -150,7 +155,7 @@ class CacheNode:
     def _write_params(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Parameters at ``version`` into the cache and the model; K/V computed under any
         older version than the policy keeps are never served again (also after a restore).
-        The node's serving agents are invalidated first (``node.coherence``) and read the
+        The node's serving agents are invalidated first (``node.param_channel``) and read the
         parameters published beside the cache afterwards."""
         with exclusive_params(self.cache_dir) as invalidated:
             for name in self.layout.names:

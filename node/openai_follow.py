@@ -3,7 +3,7 @@
 
 Why the ACK comes only after the old weights are out of use (strong coherence,
 ``cache.coherence``): the trainer's write-back (``CacheNode._write_params`` under
-``node.coherence.exclusive_params``) takes ``param`` in M and writes only after every reader
+``node.param_channel.exclusive_params``) takes ``param`` in M and writes only after every reader
 ACKed its invalidation. The follower's ``poll`` is that ACK, and ``WeightFollower`` calls it
 only from the backend's ``between_steps`` hook, on the scheduler's loop thread: the one thread
 that runs forwards, between two steps. The same call then blocks in ``ParamFollower.load``

@@ -1,4 +1,5 @@
-"""The parameters a node's trainer publishes for the node's other agents (a serving process).
+"""The parameters a node's trainer publishes for the node's other agents (a serving process),
+and the coherence entry that orders the trainer's write-back against their reads.
 
 The cache directory's store takes one process at a time (``cache/segments.py`` flocks it), and
 a ClientApp holds it for a whole message; a serving process that opened it would make the
@@ -13,18 +14,30 @@ No rollback: a reader that serves version v passes ``at_least=v`` and an older f
 file of an earlier version put back: it is intact and opens with the key) is refused with
 ``ParamRollbackError``; the reader keeps what it serves. A key that is not 32 bytes is a
 ``PublishedParamsError`` before any file is touched.
+
+Who may read when (``exclusive_params``; the reader's side is ``node.param_follower``): the
+node's parameters are one coherence entry, ``param``, in a directory kept inside the node's
+cache directory (``cache.coherence_file``). A serving agent (``node.serve``) creates the
+directory and holds ``param`` shared; the trainer -- a ClientApp process per message in
+deployment -- takes ``param`` in M for each write-back, so in strong mode the write-back starts
+only after every server has dropped its K/V and ACKed, and servers read again only after it
+released. Without a serving agent there is no directory and a write-back costs nothing extra.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from safetensors.torch import load as st_load, save as st_save
+
+from cache.coherence import Mode
 
 FILE_NAME = "published-params.bin"
 _MAGIC = b"FKVP1"
@@ -106,3 +119,47 @@ def load(cache_dir: str | os.PathLike, key: bytes | None, *,
         return dict(st_load(body)), int(version)
     except Exception as e:  # safetensors raises its own error types for garbage
         raise PublishedParamsError(f"{path} holds no readable tensors ({type(e).__name__})") from None
+
+
+# -- who may read when: the coherence entry ``param`` --------------------------------------------
+
+COHERENCE_DIR = "coherence"
+PARAM_ENTRY = "param"
+
+
+def _open(where: Path, mode: Mode, timeout_s: float):
+    """The directory in the mode its serving agent created it with (``mode`` first)."""
+    from cache.coherence import CoherenceConfigError
+    from cache.coherence_file import FileDirectory
+
+    try:
+        return FileDirectory(where, mode=mode, timeout_s=timeout_s)
+    except CoherenceConfigError:
+        other = Mode.RELAXED if mode == Mode.STRONG else Mode.STRONG
+        return FileDirectory(where, mode=other, timeout_s=timeout_s)
+
+
+def directory_of(cache_dir: str | os.PathLike) -> Path:
+    return Path(cache_dir) / COHERENCE_DIR
+
+
+@contextmanager
+def exclusive_params(cache_dir: str | os.PathLike | None, mode: Mode = Mode.STRONG,
+                     timeout_s: float = 30.0) -> Iterator[int]:
+    """Hold ``param`` in M while the body writes the parameters back (yields the number of
+    other agents it had to invalidate; 0 and no directory when nobody serves)."""
+    where = directory_of(cache_dir) if cache_dir else None
+    if where is None or not where.exists():
+        yield 0
+        return
+    directory = _open(where, mode, timeout_s)
+    agent = directory.join("trainer")
+    try:
+        before = directory.stats().get("invalidations_sent", 0)
+        agent.acquire_write(PARAM_ENTRY)
+        try:
+            yield directory.stats().get("invalidations_sent", 0) - before
+        finally:
+            agent.release(PARAM_ENTRY)
+    finally:
+        agent.leave()

@@ -20,7 +20,7 @@ from cache.coherence import Mode
 from cache.coherence_file import FileDirectory
 from crypto import Layout
 from node import param_channel
-from node.coherence import COHERENCE_DIR, PARAM_ENTRY
+from node.param_channel import COHERENCE_DIR, PARAM_ENTRY
 from node.tasks import load_parameters
 
 _log = logging.getLogger("fedkv.serve")

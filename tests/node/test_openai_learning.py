@@ -25,7 +25,7 @@ openai = pytest.importorskip("openai")
 
 from cache import KVCache  # noqa: E402
 from node import param_channel  # noqa: E402
-from node.coherence import exclusive_params  # noqa: E402
+from node.param_channel import exclusive_params  # noqa: E402
 from node.openai_api import APIConfig, OpenAIServer  # noqa: E402
 from node.openai_follow import follow, join_node  # noqa: E402
 from node.openai_protocol import PromptCodec  # noqa: E402

@@ -67,7 +67,7 @@ def test_a_cache_key_of_the_wrong_length_is_a_specific_error(tmp_path):
 def test_the_serving_agent_refuses_an_older_parameter_file_and_keeps_the_newer(tmp_path):
     """Issue 20: the serving agent used to load whatever sealed file it found, an older one too."""
     from cache.coherence import Mode
-    from node.coherence import exclusive_params
+    from node.param_channel import exclusive_params
     from node.model import TinyTransformer
     from node.serve import ServingAgent
     from node.tasks import LM_MODEL

@@ -609,7 +609,7 @@ def test_own_weights_serve_without_published_parameters_and_keep_unfit_ones_out(
     weights it came with at once; a published file for another model is refused whole."""
     from cache.coherence import Mode
     from node import param_channel as pc
-    from node.coherence import exclusive_params
+    from node.param_channel import exclusive_params
     from node.serve import ServingAgent
     from node.turn_options import TurnOptions
     from node.tasks import lm_model
