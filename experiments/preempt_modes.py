@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from cache import KVCache
-from experiments.output import add_common_args, make_run_dir, markdown_table, print_results_dir
+from experiments.output import add_common_args, make_run_dir, markdown_table, print_results_dir, write_json
 from node.generation import GenerationRequest
 from node.scheduler import PREEMPT_MODES, Scheduler, SchedulerConfig
 from node.tasks import lm_model
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
     repeats = args.repeats or (2 if args.quick else 5)
     res = summarise(measure(setup, repeats, args.seed), setup, repeats)
     run_dir = make_run_dir(args.out, "preempt_modes")
-    (run_dir / "results.json").write_text(json.dumps(res, indent=2))
+    write_json(run_dir / "results.json", res)
     (run_dir / "summary.md").write_text(summary_md(res))
     print(summary_md(res))
     print_results_dir(run_dir)
