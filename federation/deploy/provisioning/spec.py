@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -51,7 +51,7 @@ class Project:
             raise ValueError(f"node names must be distinct and not {SERVER!r}: {list(self.nodes)}")
 
     @classmethod
-    def of(cls, num_nodes: int, **options: object) -> Project:
+    def of(cls, num_nodes: int, **options: Any) -> Project:
         """``num_nodes`` nodes named ``node-<i>``, partition ``i``."""
         if num_nodes < 1:
             raise ValueError("num_nodes must be >= 1")
