@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from federation.flwr_sandbox import flwr_sandbox
+from federation.deploy.flwr_sandbox import flwr_sandbox
 
 
 def _median(xs: list[float]) -> float:

@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from federation.flwr_sandbox import REPO, descendants, flwr_sandbox, superlink_pids
+from federation.deploy.flwr_sandbox import REPO, descendants, flwr_sandbox, superlink_pids
 
 
 @dataclass(frozen=True)

@@ -223,7 +223,7 @@ class RunConfig:
     """Seconds the server waits for replies per phase (late clients are left out),
     and for min-clients nodes to be connected before a round (> 0)."""
     server_kit: str = ""
-    """Absolute path of the server's provisioned startup kit (``python -m federation.provision``):
+    """Absolute path of the server's provisioned startup kit (``python -m federation.deploy.provision``):
     enrollment pinned to the kit's roster, the provisioner's CKKS key. "" = simulation: the nodes
     make the CKKS key (the lowest-id node) and peers are trusted on first use, bounded by the
     member set each node pins at its first key (docs/threat-model.md)."""
@@ -377,8 +377,8 @@ less is refused by that node at enrollment, with the reason in the results file.
 Examples, one per task:
 
 ```bash
-python -m federation.check -- flwr run . --stream --federation-config "num-supernodes=5 client-resources-num-cpus=1" --run-config "task='lm' kv-dtype='int8' num-server-rounds=3 results-dir='$PWD/results'"
-python -m federation.check -- flwr run . --stream --federation-config "num-supernodes=10 client-resources-num-cpus=1" --run-config "task='digits' dp-mode='distributed' noise-multiplier=0.5 num-server-rounds=10"
+python -m federation.deploy.check -- flwr run . --stream --federation-config "num-supernodes=5 client-resources-num-cpus=1" --run-config "task='lm' kv-dtype='int8' num-server-rounds=3 results-dir='$PWD/results'"
+python -m federation.deploy.check -- flwr run . --stream --federation-config "num-supernodes=10 client-resources-num-cpus=1" --run-config "task='digits' dp-mode='distributed' noise-multiplier=0.5 num-server-rounds=10"
 ```"""
 
 

@@ -1,11 +1,11 @@
 """The in-run key service: enrollment, key provisioning and rotation (server ``KeyService``, node
 handlers). The CKKS secret key is made by a node or a provisioner, never the server. (The offline
-provisioner that writes startup kits is ``federation.provision``.)
+provisioner that writes startup kits is ``federation.deploy.provision``.)
 
 Who makes the key (``key_origin`` in the results JSON)
 ------------------------------------------------------
 * **deployment** (``server-kit`` in the run config, ``kit-dir`` in each node config): the offline
-  provisioner (``python -m federation.provision``) made epoch 0 and wrote it into every node kit;
+  provisioner (``python -m federation.deploy.provision``) made epoch 0 and wrote it into every node kit;
   the server kit holds only the provisioner-signed public context. Identity keys are pinned: the
   server accepts an enroll reply only if its keys are the roster's for that name, and a node wraps
   or accepts keys only for and from roster members.

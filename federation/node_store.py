@@ -5,14 +5,14 @@ ServerApp (docs/flower-notes.md), so a secret kept there, or a key that unwraps 
 in the server's process. Node secrets therefore live in files only the node's processes open:
 
 * deployment: the node's provisioned kit (``--node-config "kit-dir='...'"``, see
-  ``federation.kit``) holds its identity keys, the epoch-0 CKKS secret context and the pinned
+  ``federation.startup_kit``) holds its identity keys, the epoch-0 CKKS secret context and the pinned
   roster; what a run adds (rotated keys) goes to ``<kit>/state/run-<run id>/``;
 * simulation: node config ``node-dir``, else ``$FEDKV_NODE_DIR``, else ``~/.fedkv/nodes``, then
   ``/run-<run id>/node-<node id>/``, made on first contact (identity keys, then the CKKS contexts
   the node receives or makes). ``federation.local.InProcessGrid`` gives its nodes a private
   temporary ``node-dir``, so in-process runs never meet each other's files. The node that makes
   a new ``run-<run id>`` prunes the root to the newest ``$FEDKV_KEEP_RUNS`` runs (default 3,
-  0 = keep all; never its own run); ``python -m federation.clean`` lists and removes runs.
+  0 = keep all; never its own run); ``python -m federation.deploy.clean`` lists and removes runs.
 
 Files are written by ``crypto.at_rest`` (atomic, mode 0600), sealed with
 ``$FEDKV_NODE_KEY_PASSPHRASE`` when it is set. ``context.state`` keeps nothing secret.
@@ -51,12 +51,12 @@ from crypto import (
     write_public_file, write_secret_file,
 )
 from crypto.errors import CryptoError, KeyUnwrapError
-from federation import clean
+from federation import run_retention
 
 if TYPE_CHECKING:
-    from federation.kit import NodeKit
+    from federation.startup_kit import NodeKit
 
-NODE_DIR_ENV = clean.NODE_DIR_ENV
+NODE_DIR_ENV = run_retention.NODE_DIR_ENV
 _log = logging.getLogger("fedkv.node_store")
 
 _CONTEXTS: OrderedDict[tuple[str, int], CkksContext] = OrderedDict()
@@ -152,7 +152,7 @@ def _hex_bytes(value: Any, size: int) -> bytes:
 
 
 def _kit(path: str) -> NodeKit:
-    from federation.kit import load_node_kit
+    from federation.startup_kit import load_node_kit
 
     kit = _KITS.get(path)
     if kit is None:
@@ -162,7 +162,7 @@ def _kit(path: str) -> NodeKit:
 
 def _new_run(base: Path, run: str) -> None:
     """Make ``base/run``; the one process that makes it (many nodes of a run race here) prunes
-    older runs under ``base`` (retention, ``federation.clean.prune``). Pruning never fails the
+    older runs under ``base`` (retention, ``federation.run_retention.prune``). Pruning never fails the
     node: what it cannot remove stays, with a warning."""
     base.mkdir(parents=True, exist_ok=True, mode=0o700)
     try:
@@ -170,8 +170,8 @@ def _new_run(base: Path, run: str) -> None:
     except FileExistsError:
         return
     try:
-        report = clean.prune(base, clean.keep_from_env(), current=run)
-    except (OSError, clean.CleanError) as err:
+        report = run_retention.prune(base, run_retention.keep_from_env(), current=run)
+    except (OSError, run_retention.CleanError) as err:
         _log.warning("node-dir retention skipped under %s: %s", base, err)
         return
     if report.removed:
@@ -194,7 +194,7 @@ class NodeStore:
         if kit_dir:
             return cls(Path(kit_dir) / "state" / run, node_id, _kit(kit_dir))
         node_dir = str(context.node_config.get("node-dir", "") or "")
-        base = Path(node_dir) if node_dir else clean.default_node_root()
+        base = Path(node_dir) if node_dir else run_retention.default_node_root()
         if not (base / run).is_dir():
             _new_run(base, run)
         return cls(base / run / f"node-{node_id}", node_id, None)
@@ -259,7 +259,7 @@ class NodeStore:
         cached = _CONTEXTS.get((str(self.root), epoch))
         if cached is not None:
             return cached
-        from federation.kit import KitError
+        from federation.startup_kit import KitError
 
         path = self.root / f"ckks-{epoch}.ctx"
         try:

@@ -31,7 +31,7 @@ def key_service(cfg: RunConfig, run_id: int, dim: int | None = None) -> KeyServi
     ``dim`` (the model size) resolves ``ckks-preset = "auto"`` for the keys nodes make."""
     kit = None
     if cfg.server_kit:
-        from federation.kit import load_server_kit
+        from federation.startup_kit import load_server_kit
 
         kit = load_server_kit(cfg.server_kit)
     preset = ckks_preset_for(cfg, dim) if cfg.he and dim is not None else None

@@ -40,7 +40,7 @@ def main(grid: Grid, context: Context) -> None:
     """Config errors and a stopped run (too few nodes, or ``max-rejected-rounds`` aggregates in a
     row refused by every node: ``RunStopped``) end with one clear line and a ``status`` in the
     results file, no traceback (``flwr run`` exits 0 whatever the ServerApp does: ``python -m
-    federation.check -- flwr run ...`` turns the status into an exit code).
+    federation.deploy.check -- flwr run ...`` turns the status into an exit code).
     Anything else is a bug: it is recorded, then raised so Flower marks the run failed."""
     try:
         cfg = RunConfig.from_run_config(context.run_config)

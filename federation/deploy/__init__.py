@@ -1,7 +1,14 @@
-"""A real multi-process Flower deployment on this machine: TLS, SuperNode auth, a crash.
+"""Deployment tools, apart from the app: provisioning, the multi-process demo, the operator commands.
+
+``python -m federation.deploy.provision`` writes startup kits (``federation.deploy.provisioning``);
+``federation.deploy.check`` checks a run config and gives ``flwr run`` an exit status;
+``federation.deploy.stop`` stops the SuperLink ``flwr run`` left running; ``federation.deploy.clean``
+lists and removes past runs' node directories. The app (``federation/``) imports none of them.
+
+The demo, a real multi-process Flower deployment on this machine (TLS, SuperNode auth, a crash):
 
 ``python -m federation.deploy demo --nodes 5 --rounds 3 --kill-one`` provisions startup kits
-(``federation.kit``), starts one ``flower-superlink`` (TLS + ``--enable-supernode-auth``) on a
+(``federation.deploy.provisioning``), starts one ``flower-superlink`` (TLS + ``--enable-supernode-auth``) on a
 free loopback port with a private FLWR_HOME and database, registers every node's auth key,
 shows that an unregistered key and a wrong root certificate are refused, starts N
 ``flower-supernode`` processes, runs the app with ``flwr run --stream`` and, with
@@ -32,13 +39,22 @@ by a veth pair to a bridge the command creates on the host (10.250.<k>.0/24, the
 bridge are removed at the end.
 """
 
-from federation.deploy.app_run import kill_plan, kill_round, run_app, run_config
-from federation.deploy.cli import demo_main, main, parse_args, summary, workdir_note
-from federation.deploy.demo import CONNECTION, Demo, RunOutcome, prepare
-from federation.deploy.netns import Netns
-from federation.deploy.processes import Tracker
+from importlib import import_module
+from typing import Any
 
-__all__ = [
-    "CONNECTION", "Demo", "Netns", "RunOutcome", "Tracker", "demo_main", "kill_plan", "kill_round", "main",
-    "parse_args", "prepare", "run_app", "run_config", "summary", "workdir_note",
-]
+_EXPORTS = {
+    "kill_plan": "app_run", "kill_round": "app_run", "run_app": "app_run", "run_config": "app_run",
+    "demo_main": "cli", "main": "cli", "parse_args": "cli", "summary": "cli", "workdir_note": "cli",
+    "CONNECTION": "demo", "Demo": "demo", "RunOutcome": "demo", "prepare": "demo",
+    "Netns": "netns", "Tracker": "processes",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """The demo's names, imported on first use: ``python -m federation.deploy.stop`` and
+    ``.clean`` start without importing the demo (crypto, the serving probe)."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{module}"), name)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from federation.deploy.demo import CONNECTION, Demo, RunOutcome, tail
 from federation.deploy.processes import VENV_BIN, say
-from federation.flwr_sandbox import make_app_dir
+from federation.deploy.flwr_sandbox import make_app_dir
 
 __all__ = ["kill_plan", "kill_round", "run_app", "run_config"]
 
@@ -23,7 +23,7 @@ def _app_dir(dest: Path, ref: str | None) -> Path:
     """The app folder ``flwr run`` builds: the working tree, or ``git archive <ref>``."""
     if ref is None:
         return make_app_dir(dest)
-    from federation.flwr_sandbox import PACKAGES, REPO
+    from federation.deploy.flwr_sandbox import PACKAGES, REPO
 
     dest.mkdir(parents=True)
     archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", ref, "pyproject.toml", *PACKAGES],

@@ -23,8 +23,8 @@ from federation.deploy.processes import interrupt, say
 from federation.deploy.superlink import (
     refusal_results, register_nodes, start_refusal_probes, start_superlink, start_supernodes,
 )
-from federation.flwr_sandbox import REPO
-from federation.serve_probe import ServeProbe
+from federation.deploy.flwr_sandbox import REPO
+from federation.deploy.serve_probe import ServeProbe
 
 __all__ = ["demo_main", "main", "parse_args", "summary", "workdir_note"]
 

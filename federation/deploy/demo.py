@@ -15,9 +15,9 @@ from pathlib import Path
 from crypto import PASSPHRASE_ENV
 from federation.deploy.netns import Netns
 from federation.deploy.processes import VENV_BIN, Tracker, say
-from federation.flwr_sandbox import free_port
-from federation.kit import write_kits
-from federation.serve_probe import ServeProbe
+from federation.deploy.flwr_sandbox import free_port
+from federation.deploy.provisioning import write_kits
+from federation.deploy.serve_probe import ServeProbe
 
 __all__ = ["CONNECTION", "Demo", "RunOutcome", "exited", "listening", "prepare", "tail", "wait_for"]
 

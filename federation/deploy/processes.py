@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from federation.flwr_sandbox import alive, descendants
+from federation.deploy.flwr_sandbox import alive, descendants
 
 __all__ = ["Tracker", "VENV_BIN", "interrupt", "net_ns", "say", "send_signal"]
 

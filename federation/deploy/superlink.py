@@ -13,8 +13,8 @@ from pathlib import Path
 
 from federation.deploy.demo import CONNECTION, Demo, exited, listening, tail, wait_for
 from federation.deploy.processes import VENV_BIN, net_ns, say
-from federation.flwr_sandbox import free_port
-from federation.kit import make_auth_key, make_tls
+from federation.deploy.flwr_sandbox import free_port
+from federation.deploy.provisioning import make_auth_key, make_tls
 
 __all__ = ["REFUSAL_MARKERS", "online_nodes", "refusal_results", "register_nodes", "start_refusal_probes",
            "start_superlink", "start_supernodes"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from federation import node_host
-from federation.flwr_sandbox import FlwrSandbox, flwr_sandbox
+from federation.deploy.flwr_sandbox import FlwrSandbox, flwr_sandbox
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from federation.flwr_sandbox import alive, flwr_sandbox
+from federation.deploy.flwr_sandbox import alive, flwr_sandbox
 from federation.results import SCHEMA
 
 

@@ -25,7 +25,7 @@ from crypto.binding import MANIFEST_MAGIC
 from crypto.errors import ContextMismatchError
 from federation import contribution, key_service, messages, protocol
 from federation.codec import CkksClientCodec
-from federation.kit import write_kits
+from federation.deploy.provisioning import write_kits
 from tests.federation.fakes import Federation, timeout_fault
 
 HE = {"he": True, "dp-mode": "distributed", "noise-multiplier": 0.05}

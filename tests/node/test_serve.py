@@ -445,7 +445,7 @@ def test_a_non_loopback_bind_is_refused_without_tls(tmp_path, capsys):
 def test_tls_on_loopback_and_a_token_file_written_on_first_start(start_agent, tmp_path):
     """With --tls-cert/--tls-key the agent speaks TLS only (>= 1.2); with no token file it
     writes one: 0600, in a 0700 directory, a bare token for the tenant ``default``."""
-    from federation.kit import make_tls
+    from federation.deploy.provisioning import make_tls
     ca, cert, key = make_tls(["127.0.0.1"])
     (tmp_path / "tls").mkdir(mode=0o700)
     for name, pem in (("ca.pem", ca), ("cert.pem", cert), ("key.pem", key)):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from federation.flwr_sandbox import REPO, alive
+from federation.deploy.flwr_sandbox import REPO, alive
 
 
 def _start_time(pid: int) -> int | None:
@@ -143,7 +143,7 @@ def test_the_serve_probe_authenticates_with_the_token_the_agent_wrote(tmp_path) 
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from federation.serve_probe import ServeProbe
+    from federation.deploy.serve_probe import ServeProbe
     from node.serve_auth import ensure_token_file, parse_tokens
 
     cache_dir = tmp_path / "serve-node-0" / "kv-cache"

@@ -1,4 +1,4 @@
-"""``python -m federation.provision --nodes N --out kits/``: write startup kits, say where each goes.
+"""``python -m federation.deploy.provision --nodes N --out kits/``: write startup kits, say where each goes.
 
 Run it on the provisioner's (offline) machine. It prints which folder belongs on which machine
 and the provisioner key fingerprint every party should compare out of band. The passphrase
@@ -15,11 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from crypto.context import PRESETS
-from federation.kit import KitError, fingerprint, load_server_kit, write_kits
+from federation.deploy.provisioning import write_kits
+from federation.startup_kit import KitError, fingerprint, load_server_kit
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m federation.provision", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m federation.deploy.provision", description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, required=True, help="number of nodes (partitions)")
     p.add_argument("--out", type=Path, required=True, help="empty folder to write the kits into")
     p.add_argument("--preset", default="fedkv-4096", choices=sorted(PRESETS), help="CKKS parameter preset")

@@ -1,48 +1,38 @@
-"""Startup kits: one folder per party, holding only what that party may know (NVFlare-style).
+"""Startup kits, the loading side: open and check a party's kit folder (NVFlare-style kits).
 
-``write_kits(out, n)`` plays the provisioner once, offline, and writes::
+A kit holds only what its party may know; ``python -m federation.deploy.provision``
+(``federation.deploy.provisioning``) writes them::
 
-    out/server/   ca.crt  server.crt  server.key(0600)  ckks-public.ctx  roster.json  roster.sig
-                  server.json  supernode-auth/node-<i>.pub
-    out/node-<i>/ ca.crt  supernode-auth.key(0600)  supernode-auth.pub  identity.key(0600)
-                  ckks-secret.ctx(0600)  roster.json  roster.sig  node-policy.json  node.json
+    server/   ca.crt  server.crt  server.key(0600)  ckks-public.ctx  roster.json  roster.sig
+              server.json  supernode-auth/node-<i>.pub
+    node-<i>/ ca.crt  supernode-auth.key(0600)  supernode-auth.pub  identity.key(0600)
+              ckks-secret.ctx(0600)  roster.json  roster.sig  node-policy.json  node.json
 
-Trust: the provisioner's Ed25519 key signs ``roster.json`` (``roster.sig``, over the exact file
-bytes) and the CKKS public context (``crypto.Dealer.signed_public_context`` format). Its raw
-verify key is pinned in ``node.json`` / ``server.json``; compare its fingerprint out of band
-(``python -m federation.provision`` prints it). The provisioner's signing key and the TLS CA's
-private key are discarded after provisioning: no kit holds them, so adding a node means
-provisioning a new federation.
-
-Secrets: ``identity.key`` and ``ckks-secret.ctx`` go through ``crypto.at_rest.write_secret_file``
-(mode 0600, sealed with the passphrase when one is given; without one each carries the key check
-value the provisioner computed when it made the kit, so a changed byte is a ``KitError`` naming
-the file: "<path>: key check failed: the file changed since it was written"). ``server.key`` (TLS) and
-``supernode-auth.key`` must stay in the plain formats Flower reads (PEM / OpenSSH), so they are
-written raw with mode 0600. The server kit holds the CKKS *public* context only.
+``load_node_kit`` / ``load_server_kit`` refuse a kit with a missing file (``KitError`` naming
+it), a secret others can read, a roster whose signature does not verify with the provisioner
+key pinned in ``node.json`` / ``server.json``, or a CKKS public context that is not the
+roster's. Secrets (``identity.key``, ``ckks-secret.ctx``) are read with
+``crypto.at_rest.read_secret_file``: a wrong passphrase or a changed byte is a ``KitError``
+naming the file ("<path>: key check failed: the file changed since it was written").
+``Roster`` and ``DEFAULT_POLICY`` are the formats both sides share.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import hashlib
-import ipaddress
 import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography import x509
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
-from cryptography.x509.oid import NameOID
 
-from crypto import Dealer, NodeKeys
-from crypto.at_rest import read_secret_file, write_public_file, write_secret_file
+from crypto import NodeKeys
+from crypto.at_rest import read_secret_file
 from crypto.errors import CryptoError
 
 __all__ = [
@@ -52,7 +42,6 @@ __all__ = [
     "NodeKit",
     "ServerKit",
     "DEFAULT_POLICY",
-    "write_kits",
     "load_node_kit",
     "load_server_kit",
     "fingerprint",
@@ -60,7 +49,6 @@ __all__ = [
 
 DEFAULT_POLICY: dict[str, object] = {"require-he": True, "min-noise-multiplier": 0.0}
 _SECRET_MODE_MASK = 0o077
-_CERT_DAYS = 365
 
 
 class KitError(RuntimeError):
@@ -285,161 +273,9 @@ def load_server_kit(path: str | os.PathLike) -> ServerKit:
     return ServerKit(folder, roster, signed, folder / "server.crt", folder / "server.key", folder / "ca.crt", auth)
 
 
-# --- writing ----------------------------------------------------------------------------------
-
-
-def _write_private_raw(path: Path, data: bytes) -> None:
-    """A private key in the plain format another program reads (Flower): new file, mode 0600."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-
-
 def _auth_public_of(private_path: Path) -> str:
     try:
         key = serialization.load_ssh_private_key(_read(private_path), None)
     except (ValueError, TypeError) as exc:
         raise KitError(f"{private_path} is not an OpenSSH private key") from exc
     return key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
-
-
-def make_auth_key() -> tuple[bytes, str]:
-    """A SuperNode auth key pair (EC P-384): (OpenSSH private key bytes, OpenSSH public text)."""
-    key = ec.generate_private_key(ec.SECP384R1())
-    priv = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
-    )
-    pub = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
-    return priv, pub.decode()
-
-
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _san(hosts: Sequence[str]) -> x509.SubjectAlternativeName:
-    names: list[x509.GeneralName] = []
-    for h in hosts:
-        try:
-            names.append(x509.IPAddress(ipaddress.ip_address(h)))
-        except ValueError:
-            names.append(x509.DNSName(h))
-    return x509.SubjectAlternativeName(names)
-
-
-def make_tls(hosts: Sequence[str], ca_name: str = "fedkv provisioner CA") -> tuple[bytes, bytes, bytes]:
-    """A fresh CA and a server certificate for ``hosts``: (ca.crt, server.crt, server.key) PEM.
-
-    The CA's private key is dropped on return: nobody can issue further certificates."""
-    now = dt.datetime.now(dt.timezone.utc)
-    ca_key = ec.generate_private_key(ec.SECP384R1())
-    ca = (
-        x509.CertificateBuilder().subject_name(_name(ca_name)).issuer_name(_name(ca_name))
-        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=_CERT_DAYS))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
-        .sign(ca_key, hashes.SHA384())
-    )
-    key = ec.generate_private_key(ec.SECP384R1())
-    cert = (
-        x509.CertificateBuilder().subject_name(_name(hosts[0] if hosts else "fedkv-superlink"))
-        .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=_CERT_DAYS))
-        .add_extension(_san(hosts), critical=False)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .sign(ca_key, hashes.SHA384())
-    )
-    pem = serialization.Encoding.PEM
-    key_pem = key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    return ca.public_bytes(pem), cert.public_bytes(pem), key_pem
-
-
-@dataclass
-class _NodeSecrets:
-    name: str
-    kx: X25519PrivateKey
-    sign: Ed25519PrivateKey
-    auth_private: bytes
-    entry: RosterEntry
-
-    def identity_blob(self) -> bytes:
-        """What identity.key holds (before sealing): both private keys, PKCS#8 PEM."""
-        pem, pkcs8, plain = serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        return json.dumps({
-            "name": self.name,
-            "kx": self.kx.private_bytes(pem, pkcs8, plain).decode(),
-            "sign": self.sign.private_bytes(pem, pkcs8, plain).decode(),
-        }).encode()
-
-
-def _make_node(i: int) -> _NodeSecrets:
-    name = f"node-{i}"
-    kx, sign = X25519PrivateKey.generate(), Ed25519PrivateKey.generate()
-    pub = NodeKeys(name, kx, sign).public
-    auth_priv, auth_pub = make_auth_key()
-    return _NodeSecrets(name, kx, sign, auth_priv, RosterEntry(name, i, pub.kx_public, pub.sign_public, auth_pub))
-
-
-def _write_roster(folder: Path, roster_json: bytes, sig: bytes) -> None:
-    write_public_file(folder / "roster.json", roster_json)
-    write_public_file(folder / "roster.sig", sig)
-
-
-def _write_server(folder: Path, tls: tuple[bytes, bytes, bytes], signed_pub: bytes,
-                  roster_json: bytes, sig: bytes, nodes: Sequence[_NodeSecrets], pinned: bytes) -> None:
-    ca, cert, key = tls
-    write_public_file(folder / "ca.crt", ca)
-    write_public_file(folder / "server.crt", cert)
-    _write_private_raw(folder / "server.key", key)
-    write_public_file(folder / "ckks-public.ctx", signed_pub)
-    _write_roster(folder, roster_json, sig)
-    write_public_file(folder / "server.json", json.dumps({"provisioner-key": pinned.hex()}, indent=2).encode())
-    for n in nodes:
-        write_public_file(folder / "supernode-auth" / f"{n.name}.pub", (n.entry.auth_public + "\n").encode())
-
-
-def _write_node(folder: Path, node: _NodeSecrets, num_nodes: int, ca: bytes, secret_ctx: bytes,
-                roster_json: bytes, sig: bytes, policy: Mapping, pinned: bytes, passphrase: bytes | None) -> None:
-    write_public_file(folder / "ca.crt", ca)
-    _write_private_raw(folder / "supernode-auth.key", node.auth_private)
-    write_public_file(folder / "supernode-auth.pub", (node.entry.auth_public + "\n").encode())
-    write_secret_file(folder / "identity.key", node.identity_blob(), passphrase)
-    write_secret_file(folder / "ckks-secret.ctx", secret_ctx, passphrase)
-    _write_roster(folder, roster_json, sig)
-    write_public_file(folder / "node-policy.json", json.dumps(dict(policy), indent=2, sort_keys=True).encode())
-    meta = {"name": node.name, "partition-id": node.entry.partition_id, "num-partitions": num_nodes,
-            "provisioner-key": pinned.hex()}
-    write_public_file(folder / "node.json", json.dumps(meta, indent=2).encode())
-
-
-def write_kits(out: Path, num_nodes: int, *, preset: str = "fedkv-4096", passphrase: bytes | None = None,
-               hosts: Sequence[str] = ("localhost", "127.0.0.1", "::1"),
-               policy: Mapping | None = None) -> dict[str, Path]:
-    """Provision a federation of ``num_nodes`` nodes into ``out``; returns {kit name: folder}.
-
-    ``out`` must not hold kits already (a second provisioning would mix two trust roots)."""
-    if num_nodes < 1:
-        raise ValueError("num_nodes must be >= 1")
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise KitError(f"{out} is not empty; provision into a fresh folder")
-    out.mkdir(parents=True, exist_ok=True, mode=0o700)
-    signer = Ed25519PrivateKey.generate()  # the provisioner's key: lives only in this call
-    dealer = Dealer(preset, signing_key=signer)
-    pinned = dealer.verify_key
-    nodes = [_make_node(i) for i in range(num_nodes)]
-    roster = Roster(tuple(n.entry for n in nodes), pinned, dealer.key_id, num_nodes)
-    roster_json = roster.to_json().encode()
-    sig = signer.sign(roster_json)
-    tls = make_tls(hosts)
-    secret_ctx = dealer.context.secret_bytes()
-    node_policy = {**DEFAULT_POLICY, **(policy or {})}
-    kits = {"server": out / "server"}
-    _write_server(kits["server"], tls, dealer.signed_public_context(), roster_json, sig, nodes, pinned)
-    for n in nodes:
-        kits[n.name] = out / n.name
-        _write_node(kits[n.name], n, num_nodes, tls[0], secret_ctx, roster_json, sig, node_policy, pinned, passphrase)
-    return kits

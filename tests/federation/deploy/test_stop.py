@@ -1,4 +1,4 @@
-"""python -m federation.stop: stops this FLWR_HOME's SuperLink and its descendants, by pid, only.
+"""python -m federation.deploy.stop: stops this FLWR_HOME's SuperLink and its descendants, by pid, only.
 
 The "SuperLink" here is a harmless dummy: a sleeping Python process whose command line carries
 what ``flwr run`` gives a real one (``flower-superlink ... --log-file $FLWR_HOME/local-superlink/...``),
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from federation.flwr_sandbox import alive, descendants, stop_pids
+from federation.deploy.flwr_sandbox import alive, descendants, stop_pids
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DUMMY = (
     "import subprocess, sys, time\n"
     "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
@@ -39,7 +39,7 @@ def _fake_superlink(flwr_home: Path) -> subprocess.Popen:
 
 
 def _stop_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "federation.stop", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "federation.deploy.stop", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
 
 

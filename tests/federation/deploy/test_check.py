@@ -1,4 +1,4 @@
-"""python -m federation.check: config errors before anything starts, and a run's exit status."""
+"""python -m federation.deploy.check: config errors before anything starts, and a run's exit status."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from federation.check import BAD_CONFIG, OK, RUN_FAILED, check, main, run_and_read_status
+from federation.deploy.check import BAD_CONFIG, OK, RUN_FAILED, check, main, run_and_read_status
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_the_default_config_is_ok(capsys) -> None:

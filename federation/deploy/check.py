@@ -1,7 +1,7 @@
 """Check a run's configuration before Flower starts anything, and give a run an exit status.
 
-    python -m federation.check --run-config "task='digits' num-rounds=2"
-    python -m federation.check -- flwr run . --stream --federation-config "num-supernodes=5"
+    python -m federation.deploy.check --run-config "task='digits' num-rounds=2"
+    python -m federation.deploy.check -- flwr run . --stream --federation-config "num-supernodes=5"
 
 The first form checks a ``--run-config`` string (and ``--federation-config``) against the app's
 ``[tool.flwr.app.config]`` and ``federation.config.RunConfig``: every problem on its own line,
@@ -150,7 +150,7 @@ def run_and_read_status(command: Sequence[str]) -> tuple[int, str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m federation.check", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m federation.deploy.check", description=__doc__.split("\n\n")[0],
                                 usage="%(prog)s [--run-config S] [--federation-config S] [--app DIR] "
                                       "| %(prog)s -- flwr run APP --stream [...]")
     p.add_argument("--run-config", "-c", action="append", default=[], help="as flwr run takes it")

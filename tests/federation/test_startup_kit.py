@@ -1,4 +1,4 @@
-"""Startup kits (federation.kit) and the provisioning CLI (federation.provision)."""
+"""Startup kits as the app loads them (``federation.startup_kit``), from kits ``write_kits`` makes."""
 
 from __future__ import annotations
 
@@ -16,15 +16,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from crypto import load_context, verify_public_context
 from crypto.errors import CryptoError
-from federation import provision
-from federation.kit import (
+from federation.deploy.provisioning import write_kits
+from federation.startup_kit import (
     NODE_SECRETS,
     SERVER_SECRETS,
     KitError,
     Roster,
     load_node_kit,
     load_server_kit,
-    write_kits,
 )
 
 
@@ -197,19 +196,6 @@ def test_flower_can_read_auth_keys_and_tls(kits) -> None:
     assert set(san.get_values_for_type(x509.IPAddress)) == {ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")}
     assert node.tls_root.read_bytes() == server.tls_root.read_bytes()
     assert not (kits["server"].parent / "provisioner").exists()  # no CA / signing key kept
-
-
-def test_provision_cli(tmp_path, capsys, monkeypatch) -> None:
-    monkeypatch.setenv("KIT_PASS", "s3cret")
-    out = tmp_path / "kits"
-    assert provision.main(["--nodes", "2", "--out", str(out), "--passphrase-env", "KIT_PASS",
-                           "--host", "link.example", "--host", "10.1.2.3"]) == 0
-    text = capsys.readouterr().out
-    assert f"{out / 'server'}/  -> the SuperLink machine" in text
-    assert f"{out / 'node-1'}/  -> node machine node-1 (partition 1)" in text
-    assert "fingerprint" in text and "s3cret" not in text
-    assert load_node_kit(out / "node-1").identity(b"s3cret").node_id == "node-1"
-    assert provision.main(["--nodes", "1", "--out", str(out)]) == 2  # not empty
 
 
 # --- issue 20: local secrets fail loudly, naming the file ----------------------------------------

@@ -1,13 +1,13 @@
 """Stop the local SuperLink that ``flwr run`` left running, and only that one.
 
-    python -m federation.stop [--flwr-home PATH] [--clean-nodes [--node-dir PATH]]
+    python -m federation.deploy.stop [--flwr-home PATH] [--clean-nodes [--node-dir PATH]]
 
 ``flwr run`` starts a detached ``flower-superlink`` (whose ``--log-file`` lies in
 ``$FLWR_HOME/local-superlink``) and Flower has no command to stop it. This finds the
 SuperLink process(es) of *this* FLWR_HOME (default ``$FLWR_HOME``, else ``~/.flwr``) by
 their command line, remembers all their descendants (superexec, flwr-simulation, Ray),
 stops the SuperLink by pid and then every descendant still alive, by pid
-(``federation.flwr_sandbox.stop_superlinks``). SuperLinks of other FLWR_HOMEs (a
+(``federation.deploy.flwr_sandbox.stop_superlinks``). SuperLinks of other FLWR_HOMEs (a
 colleague's, a test sandbox's) are left alone.
 
 Prints the pids it stopped. Exit status 0 when everything it found is gone (also when
@@ -15,10 +15,10 @@ nothing was running), 1 if a process survived SIGKILL.
 
 ``--clean-nodes`` then removes every run's node directories under the node root
 (``--node-dir``, else ``$FEDKV_NODE_DIR``, else ``~/.fedkv/nodes``): ``python -m
-federation.clean --all --force`` (forced: the runs' last writes are seconds old, and the
+federation.deploy.clean --all --force`` (forced: the runs' last writes are seconds old, and the
 SuperLink that made them has just stopped). Nothing is removed when a process survived.
 A root shared with a SuperLink of another FLWR_HOME still running would lose that run's
-files too: use ``federation.clean --keep``/``--run`` there.
+files too: use ``federation.deploy.clean --keep``/``--run`` there.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ import os
 import sys
 from pathlib import Path
 
-from federation import clean
-from federation.flwr_sandbox import descendants, stop_superlinks, superlink_pids
+from federation import run_retention
+from federation.deploy.clean import print_report
+from federation.deploy.flwr_sandbox import descendants, stop_superlinks, superlink_pids
 
 
 def default_flwr_home() -> Path:
@@ -69,7 +70,7 @@ def stop(flwr_home: Path) -> tuple[dict[int, list[int]], list[int]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m federation.stop",
+        prog="python -m federation.deploy.stop",
         description="Stop the local SuperLink(s) that `flwr run` started for this FLWR_HOME, "
         "and their descendants, by pid.",
     )
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--clean-nodes", action="store_true",
-        help="then remove every run's node directories (python -m federation.clean --all --force)",
+        help="then remove every run's node directories (python -m federation.deploy.clean --all --force)",
     )
     parser.add_argument(
         "--node-dir", type=Path, default=None,
@@ -104,18 +105,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def clean_nodes(node_dir: Path | None) -> int:
-    """``federation.clean --all --force`` on ``node_dir`` (default root when None)."""
-    root = Path(node_dir).expanduser() if node_dir is not None else clean.default_node_root()
+    """``federation.deploy.clean --all --force`` on ``node_dir`` (default root when None)."""
+    root = Path(node_dir).expanduser() if node_dir is not None else run_retention.default_node_root()
     if node_dir is None and not os.path.lexists(root):
         print(f"no node directories: {root} does not exist")
         return 0
     try:
-        report = clean.clean(root, active_s=0.0)
-    except (clean.CleanError, OSError) as err:
-        print(f"python -m federation.stop: error: {err}", file=sys.stderr)
+        report = run_retention.clean(root, active_s=0.0)
+    except (run_retention.CleanError, OSError) as err:
+        print(f"python -m federation.deploy.stop: error: {err}", file=sys.stderr)
         return 2
     print(f"node directories under {root}:")
-    clean.print_report(report)
+    print_report(report)
     return 0
 
 
