@@ -2,7 +2,7 @@
 server on the scheduler) beside one SuperNode.
 
 It shares node 0's cache directory (node-config ``cache-dir``) and key (``--cache-dir``), so
-each write-back by that node's ClientApp processes invalidates it (``node.coherence``) and it
+each write-back by that node's ClientApp processes invalidates it (``node.param_channel``) and it
 loads the published parameters between scheduler steps (``node.openai_follow``). A client
 thread streams one chat completion every ``interval_s`` with plain HTTP (no ``openai``
 import in product code) and records the model version of every chunk (its
