@@ -15,7 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from experiments import bench_llm, llm_contenders  # noqa: E402
-from node.llama import LlamaConfig, LlamaModel  # noqa: E402
+from tests.tiny_models import ours_from_hf, tiny_hf_llama  # noqa: E402
 
 TINY = bench_llm.Plan(contexts=(32, 64), decode_steps=2, repeats=2, batch_sessions=3,
                       batch_prefix=32, batch_question=8, batch_steps=4, ttft_prefix=32,
@@ -25,13 +25,8 @@ TINY = bench_llm.Plan(contexts=(32, 64), decode_steps=2, repeats=2, batch_sessio
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    cfg = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=100_000.0,
-        tie_word_embeddings=True, max_position_embeddings=512, pad_token_id=0)
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    ours = LlamaModel.from_state_dict(LlamaConfig.from_hf(cfg), hf.state_dict())
+    hf = tiny_hf_llama(initializer_range=0.02, attn_implementation=None, pad_token_id=0)
+    ours = ours_from_hf(hf)
     g = torch.Generator().manual_seed(1)
     text = torch.randint(1, 128, (400,), generator=g).tolist()
     heldout = torch.randint(1, 128, (100,), generator=g).tolist()

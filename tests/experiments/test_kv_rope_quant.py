@@ -8,15 +8,12 @@ transformers = pytest.importorskip("transformers")
 
 from cache.quant import BlockFormat  # noqa: E402
 from experiments.kv_rope_quant import forward_quantized, qdq  # noqa: E402
-from node.llama import LlamaConfig, LlamaModel  # noqa: E402
+from tests.tiny_models import SMALL, tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny(one_thread):
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10_000.0)
-    torch.manual_seed(0)
-    return LlamaModel(cfg).eval()
+    return tiny_llama(**SMALL, rope_theta=10_000.0)
 
 
 def test_fp32_simulation_is_the_models_forward(tiny):

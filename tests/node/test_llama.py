@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from cache import KVCache  # noqa: E402
 from node.llama import LlamaConfig, LlamaModel  # noqa: E402
+from tests.tiny_models import ours_from_hf, tiny_hf_llama  # noqa: E402
 
 TOL = 1e-4
 BLOCK = 8
@@ -25,19 +26,12 @@ BLOCK = 8
 
 @pytest.fixture(scope="module")
 def tiny(one_thread):
-    cfg = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=100_000.0,
-        tie_word_embeddings=True, max_position_embeddings=512, initializer_range=0.2,
-        attn_implementation="eager")
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf = tiny_hf_llama()
     with torch.no_grad():  # non-trivial norms, so a wrong weight would show
         for name, p in hf.named_parameters():
             if name.endswith("layernorm.weight") or name == "model.norm.weight":
                 p.copy_(1 + 0.3 * torch.randn_like(p))
-    ours = LlamaModel.from_state_dict(LlamaConfig.from_hf(cfg), hf.state_dict())
-    return hf, ours
+    return hf, ours_from_hf(hf)
 
 
 @torch.no_grad()

@@ -11,23 +11,18 @@ import pytest
 import torch
 
 from cache import KVCache
-from node.llama import LlamaConfig, LlamaModel
+from node.llama import LlamaModel
 from node.lora import LoraConfig, LoraLinear, adapt, public_a
 from node.tasks import parameter_layout
+from tests.tiny_models import tiny_config, tiny_llama
 
-CFG = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+TINY = dict(vocab_size=96, max_position_embeddings=256)
+CFG = tiny_config(**TINY)
 
 
 @pytest.fixture()
 def base(one_thread) -> LlamaModel:
-    torch.manual_seed(0)
-    m = LlamaModel(CFG)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.1)
-    return m.eval()
+    return tiny_llama(std=0.1, **TINY)
 
 
 def _ids(n: int = 20, seed: int = 1) -> torch.Tensor:

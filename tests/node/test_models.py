@@ -19,14 +19,13 @@ from node import models
 
 transformers = pytest.importorskip("transformers")
 
+from tests.tiny_models import SMALL, tiny_hf_llama  # noqa: E402
+
 
 def _tiny_model_dir(out: Path) -> dict[str, torch.Tensor]:
     """What ``convert`` leaves: safetensors + config.json of a tiny random Llama."""
-    cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(cfg)
+    hf = tiny_hf_llama(**SMALL, num_layers=1, rope_theta=10_000.0, max_position_embeddings=2048,
+                       initializer_range=0.02, attn_implementation=None)  # HF's defaults
     hf.save_pretrained(out)
     return hf.state_dict()
 

@@ -31,6 +31,7 @@ from node.scheduler_backend import ScheduledBackend  # noqa: E402
 from node.serial_backend import SerialBackend  # noqa: E402
 from node.serve_auth import Tenants  # noqa: E402
 from node.tasks import lm_model  # noqa: E402
+from tests.node.live_server import running  # noqa: E402
 
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789ab",
           "carol": "carol-token-0123456789"}
@@ -59,16 +60,10 @@ def _tiny_tokenizer():
 
 @pytest.fixture(scope="module")
 def llama_parts(one_thread):
-    from node.llama import LlamaConfig, LlamaModel
+    from tests.tiny_models import tiny_llama
     tok = _tiny_tokenizer()
-    torch.manual_seed(0)  # random weights (no HF model: its import alone takes seconds)
-    model = LlamaModel(LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=16, max_position_embeddings=256)).eval()
-    with torch.no_grad():  # HF's initializer_range 0.2: replies vary (the default init repeats)
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
+    # random weights (no HF model: its import alone takes seconds); std 0.2: replies vary
+    model = tiny_llama(std=0.2, vocab_size=len(tok), max_position_embeddings=256)
     return model, ChatCodec(tok)
 
 
@@ -79,19 +74,11 @@ def serving(model, codec, model_id: str, config: APIConfig = APIConfig(), wrap=l
     kind = {"serial": SerialBackend, "scheduler": ScheduledBackend}[backend]
     backend = wrap(kind(model, KVCache(model.cache_config(pool_bytes=pool_bytes)),
                         model_id=model_id))
-    server = thread = None
     try:
-        server = OpenAIServer(("127.0.0.1", 0), backend, PromptCodec(codec), TENANTS, config,
-                              context_len=model.context_len)
-        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02})
-        thread.start()
-        yield server
+        with running(OpenAIServer(("127.0.0.1", 0), backend, PromptCodec(codec), TENANTS, config,
+                                  context_len=model.context_len)) as server:
+            yield server
     finally:
-        if thread is not None:
-            server.shutdown()
-            thread.join()
-        if server is not None:
-            server.server_close()
         backend.close()
 
 

@@ -32,6 +32,7 @@ from node.openai_protocol import PromptCodec  # noqa: E402
 from node.scheduler_backend import ScheduledBackend  # noqa: E402
 from node.serve_auth import Tenants  # noqa: E402
 from node.tasks import federated_state, lm_model, parameter_layout  # noqa: E402
+from tests.node.live_server import running  # noqa: E402
 
 KEY = bytes(range(1, 33))
 TOKEN = "alice-token-0123456789"
@@ -89,20 +90,13 @@ def _serving(cache_dir, follow_node: bool, run: Run, initial: dict[str, torch.Te
     backend.scheduler.step = slow_step
     submit = backend.submit
     backend.submit = lambda r: run.handles.extend(hs := submit(r)) or hs
-    server = thread = None
     try:
         server = OpenAIServer(("127.0.0.1", 0), backend, PromptCodec(None), Tenants([("alice", TOKEN)]),
                               APIConfig(max_tokens=MAX_TOKENS), context_len=model.context_len)
         server.history = hook.history if hook else None
-        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02})
-        thread.start()
-        yield server
+        with running(server):
+            yield server
     finally:
-        if thread is not None:
-            server.shutdown()
-            thread.join()
-        if server is not None:
-            server.server_close()
         backend.close()
         if hook is not None:
             hook.close()

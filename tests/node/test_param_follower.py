@@ -9,23 +9,17 @@ import pytest
 import torch
 
 from node import param_channel
-from node.llama import LlamaConfig, LlamaModel
+from node.llama import LlamaModel
 from node.lora import LoraConfig, adapt
 from node.param_follower import ParamFollower
 from node.tasks import parameter_layout
+from tests.tiny_models import SMALL, tiny_llama
 
 KEY = bytes(range(32))
 
 
 def _tiny(seed: int = 0) -> LlamaModel:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=8)
-    m = LlamaModel(cfg)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.2)
-    return m.eval()
+    return tiny_llama(seed, std=0.2, norms_too=True, **SMALL)
 
 
 @pytest.fixture

@@ -46,16 +46,9 @@ def byte_model():
 
 @pytest.fixture(scope="module")
 def llama_model():
-    transformers = pytest.importorskip("transformers")
-    from node.llama import LlamaConfig, LlamaModel
-    cfg = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=100_000.0,
-        tie_word_embeddings=True, max_position_embeddings=512, initializer_range=0.2,
-        attn_implementation="eager")
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    return LlamaModel.from_state_dict(LlamaConfig.from_hf(cfg), hf.state_dict())
+    pytest.importorskip("transformers")
+    from tests.tiny_models import ours_from_hf, tiny_hf_llama
+    return ours_from_hf(tiny_hf_llama())
 
 
 @pytest.fixture(params=["byte", "llama"])

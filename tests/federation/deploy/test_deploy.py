@@ -140,11 +140,11 @@ def test_the_serve_probe_authenticates_with_the_token_the_agent_wrote(tmp_path) 
     """--serve's client reads the server's ``serve-token`` (beside the cache directory) and
     sends it on every request; here against a stand-in OpenAI server on loopback that insists
     on it, streaming chunks whose fingerprints span versions 1 and 2."""
-    import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from federation.deploy.serve_probe import ServeProbe
     from node.serve_auth import ensure_token_file, parse_tokens
+    from tests.node.live_server import running
 
     cache_dir = tmp_path / "serve-node-0" / "kv-cache"
     probe = ServeProbe(tmp_path, cache_dir, interval_s=0.05)
@@ -176,18 +176,13 @@ def test_the_serve_probe_authenticates_with_the_token_the_agent_wrote(tmp_path) 
             self._answer({"data": [{"version": 2}]} if self.path == "/v1/models"
                          else {"versions_seen": [0, 1, 2], "invalidations": 2})
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Agent)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with running(ThreadingHTTPServer(("127.0.0.1", 0), Agent)) as server:
         probe.ready.write_text(json.dumps({"port": server.server_address[1]}))
         probe._thread.start()  # the client only: no agent process
         deadline = time.monotonic() + 20
         while len(probe.versions) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
         probe.stop()
-    finally:
-        server.shutdown()
-        server.server_close()
     report = probe.report()
     assert report["errors"] == [] and report["replies"] >= 3, report
     assert report["versions_loaded"] == [0, 1, 2] and report["invalidations"] == 2
