@@ -193,12 +193,14 @@ class ThreadResult:
 
 def run_thread(worker: Worker, shared: SharedCache, write_frac: float, rng: random.Random,
                start: threading.Barrier, deadline: list[float], out: ThreadResult) -> None:
-    """Ops until the deadline; a read below the key's completed-write floor is stale."""
+    """Ops until the deadline, at least one (a thread the OS schedules only after a short
+    deadline still measures an op rather than a throughput of 0); a read below the key's
+    completed-write floor is stale."""
     keys, completed = shared.keys, shared.completed
     try:
         start.wait()
         stop = deadline[0]
-        while time.perf_counter() < stop:
+        while True:
             key = rng.choice(keys)
             if rng.random() < write_frac:
                 worker.write(key)
@@ -207,6 +209,8 @@ def run_thread(worker: Worker, shared: SharedCache, write_frac: float, rng: rand
                 if worker.read(key) < floor:
                     out.stale += 1
             out.ops += 1
+            if time.perf_counter() >= stop:
+                break
     except BaseException as exc:  # reported by measure_point
         out.error = exc
     finally:
