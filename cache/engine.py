@@ -176,9 +176,10 @@ class KVCache:
 
     def free_blocks(self) -> int:
         """Full-precision blocks an allocation can take now without preempting anyone: the
-        arena's free pages plus the cached blocks no session holds (evictable)."""
+        arena's free pages plus the arena pages it may reclaim (cached blocks no session
+        holds, read buffers of quantized blocks; ``BlockManager.reclaimable_fp_blocks``)."""
         a = self.arena
-        return a.free_pages * a.page // self.config.block_size + len(self.policy)
+        return a.free_pages * a.page // self.config.block_size + self.blocks.reclaimable_fp_blocks()
 
     # == writing ===========================================================================
     def reserve(self, sid: int, tokens: Iterable[int]) -> None:

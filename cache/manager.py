@@ -176,6 +176,13 @@ class BlockManager:
         if b.ref_count:
             self.generation += 1
 
+    def reclaimable_fp_blocks(self) -> int:
+        """Arena-resident blocks ``_fp_room`` can take back without losing a session's only
+        copy of anything: cached blocks no session holds, and read buffers of quantized
+        blocks (a quantized cached block outside the arena frees no arena page)."""
+        return sum(1 for b in self.blocks.values()
+                   if b.start is not None and (b.ref_count == 0 or b.qhandle is not None))
+
     def drop_read_buffer(self, b: Block) -> bool:
         """Drop the full-precision copy of a quantized block (its compact form stays)."""
         if b.start is None or b.qhandle is None:

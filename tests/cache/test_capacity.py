@@ -7,9 +7,10 @@ import torch
 
 from cache import KVCache
 from cache.attention import attend, attend_shared
+from cache.errors import CacheFullError
 from cache.quant import BlockFormat
 from experiments.kv_capacity import active_capacity_tokens
-from tests.cache.conftest import small_config
+from tests.cache.conftest import feed, small_config
 
 GEOMETRY = dict(num_layers=2, num_heads=2, head_dim=64)
 
@@ -129,3 +130,33 @@ def test_batched_decode_with_quantized_members_works_when_the_arena_is_tight(dty
         assert torch.allclose(tight, roomy, atol=1e-6)
     for tight, roomy in zip(*reads):
         assert torch.equal(tight, roomy)
+
+
+def _cache_with_history(kv_dtype: str, still_open: int) -> KVCache:
+    """Six sessions of 48 tokens fed in 8-token chunks (int8/int4: their older blocks
+    quantized); all but ``still_open`` closed, so their blocks are cached, no one holding them."""
+    kv = KVCache(small_config(kv_dtype=kv_dtype, pool_bytes=256 << 10))
+    B, sids = kv.config.block_size, []
+    for s in range(6):
+        sid = kv.open_session()
+        for chunk in range(6):
+            feed(kv, sid, [s * 1000 + chunk * 10 + i for i in range(2 * B)], seed=s * 10 + chunk)
+        sids.append(sid)
+    for sid in sids[still_open:]:
+        kv.close_session(sid)
+    return kv
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("still_open", [0, 2])
+def test_free_blocks_is_exactly_what_one_new_prompt_can_take(kv_dtype, still_open):
+    """``free_blocks`` (the scheduler's admission figure) counts arena pages: a quantized
+    cached block outside the arena frees none, a read buffer does. Before, int8/int4 counted
+    every cached block (113 where 89 fit, with nothing open)."""
+    n = _cache_with_history(kv_dtype, still_open).free_blocks()
+    B = small_config().block_size
+    fits = _cache_with_history(kv_dtype, still_open)
+    fits.reserve(fits.open_session(), list(range(90_000, 90_000 + n * B)))
+    over = _cache_with_history(kv_dtype, still_open)
+    with pytest.raises(CacheFullError):
+        over.reserve(over.open_session(), list(range(90_000, 90_000 + (n + 1) * B)))
