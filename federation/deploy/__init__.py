@@ -38,23 +38,3 @@ by a veth pair to a bridge the command creates on the host (10.250.<k>.0/24, the
 <k>); the SuperLink binds the bridge's address 10.250.<k>.1 only. Namespaces, veths and the
 bridge are removed at the end.
 """
-
-from importlib import import_module
-from typing import Any
-
-_EXPORTS = {
-    "kill_plan": "app_run", "kill_round": "app_run", "run_app": "app_run", "run_config": "app_run",
-    "demo_main": "cli", "main": "cli", "parse_args": "cli", "summary": "cli", "workdir_note": "cli",
-    "CONNECTION": "demo", "Demo": "demo", "RunOutcome": "demo", "prepare": "demo",
-    "Netns": "netns", "Tracker": "processes",
-}
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    """The demo's names, imported on first use: ``python -m federation.deploy.stop`` and
-    ``.clean`` start without importing the demo (crypto, the serving probe)."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(f"{__name__}.{module}"), name)

@@ -109,16 +109,17 @@ def test_deploy_demo_with_a_serving_agent_picks_up_every_version(tmp_path) -> No
 
 def test_kill_one_kills_in_the_round_before_the_last_and_says_so() -> None:
     from federation import deploy
+    from federation.deploy.app_run import kill_plan, kill_round
 
-    assert [deploy.kill_round(r) for r in (1, 2, 3, 5)] == [1, 1, 2, 4]
-    assert "partition 2 is SIGKILLed mid round 1 of 2" in deploy.kill_plan(3, 2)
-    assert "mid round 2 of 3" in deploy.kill_plan(5, 3)
+    assert [kill_round(r) for r in (1, 2, 3, 5)] == [1, 1, 2, 4]
+    assert "partition 2 is SIGKILLed mid round 1 of 2" in kill_plan(3, 2)
+    assert "mid round 2 of 3" in kill_plan(5, 3)
     doc = " ".join(deploy.__doc__.split())
     assert "round-2" not in doc and "round R-1 of R" in doc
 
 
 def test_the_kill_one_help_names_the_round_it_kills_in(capsys) -> None:
-    from federation.deploy import parse_args
+    from federation.deploy.cli import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["demo", "--help"])
@@ -128,7 +129,7 @@ def test_the_kill_one_help_names_the_round_it_kills_in(capsys) -> None:
 
 
 def test_the_last_line_says_where_the_logs_are_or_how_to_keep_them(tmp_path) -> None:
-    from federation.deploy import workdir_note
+    from federation.deploy.cli import workdir_note
 
     kept = workdir_note(tmp_path, removed=False)
     assert str(tmp_path) in kept and "logs/" in kept and "results/" in kept
