@@ -28,8 +28,7 @@ and the assistant header, decodes until an EOS id, a stop string or ``max_new_to
 feeds the template's end of the assistant turn, so the session's tokens are
 ``tokenizer.apply_chat_template`` of the conversation. Token ids are still fed as they are.
 Without a codec (the byte model) nothing is templated and no token ends a reply. ``sampling``
-(``Sampling``: greedy, or temperature / top-p with an injected
-``torch.Generator``) is greedy unless asked otherwise; a stop string ends the reply before
+(``Sampling``) is greedy unless asked for temperature / top-p; a stop string ends the reply before
 it (``TurnResult.text``) while the cache keeps every token that was fed.
 
 Ids are ``chat-<n>`` from a counter, so a closed id is told apart from one never issued without
