@@ -79,7 +79,10 @@ def fake_flwr_exe(tmp: Path) -> Path:
 
 
 def port_is_free(port: int) -> bool:
+    """A server could listen on it (SO_REUSEADDR, as servers bind: closed connections in
+    TIME_WAIT do not count)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:

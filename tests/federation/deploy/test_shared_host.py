@@ -129,6 +129,7 @@ def test_a_superlink_started_from_another_environment_is_refused(host, capsys, m
 def _flwr_superlink_cmd(flwr_home: Path, port: int, control_port: int) -> list[str]:
     """``flwr run``'s own command for a local SuperLink (flwr.cli.local_superlink, flwr 1.42)."""
     runtime = flwr_home / "local-superlink"
+    runtime.mkdir(parents=True, exist_ok=True)  # as flwr does before it starts one
     return [str(Path(sys.executable).parent / "flower-superlink"), "--insecure", "--simulation", "--isolation",
             "subprocess", "--control-api-address", f"127.0.0.1:{control_port}", "--host", "127.0.0.1",
             "--port", str(port), "--log-file", str(runtime / "superlink.log"), "--database",
