@@ -189,10 +189,11 @@ def evaluate(msg: Message, context: Context) -> Message:
     chat turn through the cache (the K/V the next process finds on disk)."""
     timer = PhaseTimer()
     cfg = _run_config(context)
+    req = messages.read_round_request(msg)
     with timer.phase("restore"):
         node, source = node_host.get_node(context)
     try:
-        catch_up(cfg, node, messages.read_round_request(msg), context, timer)
+        catch_up(cfg, node, req, context, timer)
         with timer.phase("eval"):
             loss, acc, n = node.evaluate()
         with timer.phase("serve"):  # chat sessions through the cache (their blocks persist)
@@ -203,11 +204,19 @@ def evaluate(msg: Message, context: Context) -> Message:
     except Exception:
         node_host.discard(context)
         raise
+    _mark_if_last(cfg, req.server_round, context)
     return messages.eval_reply(msg, messages.EvalMetrics(
         num_examples=n, eval_loss=loss, eval_metric=acc, **_phase_seconds(timer, protocol.NODE_EVAL_PHASES),
         version=node.version, node_source=source, pid=node_host.pid(), kv_on_disk=node_host.kv_on_disk(node, source),
         serve=messages.serve_fields(serving), base_metric=getattr(node.task, "base_metric", None),
         samples=[(s["question"], s["reply"]) for s in getattr(node.task, "samples", [])]))
+
+
+def _mark_if_last(cfg: RunConfig, server_round: int, context: Context) -> None:
+    """After the last round's evaluation (the final aggregate applied), mark the run completed:
+    retention then counts it among the completed runs (``federation.run_retention``)."""
+    if server_round >= cfg.num_server_rounds:
+        NodeStore.for_context(context).mark_completed()
 
 
 # --- Flower's array protocol: the flower-central DP baseline --------------------------
@@ -259,4 +268,7 @@ def evaluate_arrays(msg: Message, context: Context) -> Message:
     loss, acc, n = node.evaluate()
     # unit-weight: Flower's FedAvg checks its weight key in evaluate replies too
     metrics = MetricRecord({"num-examples": n, "unit-weight": 1, "eval-loss": loss, "eval-metric": acc})
+    config = msg.content.config_records.get("config")
+    if config is not None and "server-round" in config:
+        _mark_if_last(RunConfig.from_run_config(context.run_config), int(config["server-round"]), context)
     return Message(RecordDict({"metrics": metrics}), reply_to=msg)

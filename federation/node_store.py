@@ -11,8 +11,12 @@ in the server's process. Node secrets therefore live in files only the node's pr
   ``/run-<run id>/node-<node id>/``, made on first contact (identity keys, then the CKKS contexts
   the node receives or makes). ``federation.local.InProcessGrid`` gives its nodes a private
   temporary ``node-dir``, so in-process runs never meet each other's files. The node that makes
-  a new ``run-<run id>`` prunes the root to the newest ``$FEDKV_KEEP_RUNS`` runs (default 3,
-  0 = keep all; never its own run); ``python -m federation.deploy.clean`` lists and removes runs.
+  a new ``run-<run id>`` prunes the root to the newest ``$FEDKV_KEEP_RUNS`` completed runs and
+  as many others (default 3, 0 = keep all; never its own run, a pinned run or one in use:
+  ``federation.run_retention``); ``python -m federation.deploy.clean`` lists, pins and removes runs.
+  A node process holds a lease (``node.dir_lease``) on each run directory it works in for as long
+  as it lives, so a run in progress is never removed, and marks the run ``COMPLETED`` once it
+  has evaluated the last round (``mark_completed``).
 
 Files are written by ``crypto.at_rest`` (atomic, mode 0600), sealed with
 ``$FEDKV_NODE_KEY_PASSPHRASE`` when it is set. ``context.state`` keeps nothing secret.
@@ -37,6 +41,7 @@ import logging
 import os
 import re
 import tempfile
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -52,6 +57,7 @@ from crypto import (
 )
 from crypto.errors import CryptoError, KeyUnwrapError
 from federation import run_retention
+from node import dir_lease
 
 if TYPE_CHECKING:
     from federation.startup_kit import NodeKit
@@ -59,6 +65,9 @@ if TYPE_CHECKING:
 NODE_DIR_ENV = run_retention.NODE_DIR_ENV
 _log = logging.getLogger("fedkv.node_store")
 
+_RUN_LEASES: dict[str, dir_lease.Lease] = {}
+"""This process's lease on each run directory it worked in (kept until the process exits)."""
+_RUN_LEASES_LOCK = threading.Lock()
 _CONTEXTS: OrderedDict[tuple[str, int], CkksContext] = OrderedDict()
 """Per-process cache of loaded secret contexts (loading costs ~6 ms); gone with the process."""
 _KITS: dict[str, Any] = {}
@@ -169,14 +178,34 @@ def _new_run(base: Path, run: str) -> None:
         (base / run).mkdir(mode=0o700)
     except FileExistsError:
         return
+    _hold_run(base / run)  # before pruning: another node's retention must not take it meanwhile
     try:
         report = run_retention.prune(base, run_retention.keep_from_env(), current=run)
     except (OSError, run_retention.CleanError) as err:
         _log.warning("node-dir retention skipped under %s: %s", base, err)
         return
-    if report.removed:
-        _log.info("node-dir retention: removed %s (%d bytes) under %s",
-                  ", ".join(n for n, _ in report.removed), report.freed, base)
+    for name, size in report.removed:
+        _log.info("node-dir retention: removed %s (%s, %d bytes)", base / name, run_retention.human(size), size)
+    for line in run_retention.kept_lines(report):
+        _log.info("node-dir retention under %s: %s", base, line)
+
+
+def _hold_run(run_dir: Path) -> None:
+    """Hold this process's lease on ``run_dir`` (once per process and run; a run directory
+    that exists no more has its lease dropped, so a long-lived process does not pile up fds)."""
+    key = str(run_dir)
+    with _RUN_LEASES_LOCK:
+        held = _RUN_LEASES.get(key)
+        if held is not None and held.path.exists():
+            return
+        for other, lease in list(_RUN_LEASES.items()):
+            if not lease.path.exists():
+                lease.release()
+                del _RUN_LEASES[other]
+        try:
+            _RUN_LEASES[key] = dir_lease.take(run_dir, "flower.node")
+        except OSError as err:  # the node works on; retention falls back on its last write
+            _log.warning("no lease on %s: %s", run_dir, err)
 
 
 class NodeStore:
@@ -192,12 +221,29 @@ class NodeStore:
         node_id, run = str(context.node_id), f"run-{context.run_id}"
         kit_dir = str(context.node_config.get("kit-dir", "") or "")
         if kit_dir:
-            return cls(Path(kit_dir) / "state" / run, node_id, _kit(kit_dir))
+            state = Path(kit_dir) / "state" / run
+            if state.is_dir():
+                _hold_run(state)
+            return cls(state, node_id, _kit(kit_dir))
         node_dir = str(context.node_config.get("node-dir", "") or "")
         base = Path(node_dir) if node_dir else run_retention.default_node_root()
         if not (base / run).is_dir():
             _new_run(base, run)
+        _hold_run(base / run)
         return cls(base / run / f"node-{node_id}", node_id, None)
+
+    @property
+    def run_dir(self) -> Path:
+        """The run's directory: ``<kit>/state/run-<id>``, or ``<root>/run-<id>`` above the node's."""
+        return self.root if self.kit is not None else self.root.parent
+
+    def mark_completed(self) -> None:
+        """Mark the run completed (``federation.run_retention.COMPLETED``): retention counts it
+        among the completed runs, which failed attempts never push out. Idempotent."""
+        marker = self.run_dir / run_retention.COMPLETED
+        if not marker.exists():
+            self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            write_public_file(marker, f"completed: node {self.node_id} evaluated the last round\n".encode())
 
     @property
     def name(self) -> str:
