@@ -65,7 +65,8 @@ class AppliedLog:
         ``committed`` version (the one the cache holds) and those after it up to ``applied``;
         an entry at or above ``applied.version`` is one a failed message never committed."""
         base = self.at(committed)
-        keep = [e for e in self._entries() if e.version < applied.version and (base is None or e.version >= base.version)]
+        floor = base.version if base is not None else 0
+        keep = [e for e in self._entries() if floor <= e.version < applied.version]
         rows = [[e.version, e.round, e.epoch] for e in [*keep, applied]]
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         write_secret_file(self.path, json.dumps({"format": _FORMAT, "applied": rows}).encode())

@@ -151,14 +151,15 @@ def _open(cfg: RunConfig, context: Context, dim: int, blob: bytes, manifest: byt
     the aggregate was made in).
 
     Every check that can fail before decryption is public (run, a round later and a key epoch no
-    older than the last applied one's, distinct summands and digests, summand count, the MAC); after it, a failure can
-    only come from a summand a node tagged, and it gets the same answer. The MAC is checked on the
-    very ciphertexts that are then decrypted (loaded once). After decryption the mean must respect
-    the public bound (``crypto.aggregate_bound``, ``codec.mean_bound_for``): its header the
-    manifest's counts, its norm at most C plus the noise and rounding an honest round has with
-    probability 1 - 1e-9. A key holder that encrypted, tagged and signed an update beyond its
-    clipping ball (issue 20) is refused there, with the same answer: in mode packed the check
-    reads exact integer sums, nothing of the decryption noise."""
+    older than the last applied one's, distinct summands and digests, summand count, the MAC);
+    after it, a failure can only come from a summand a node tagged, and it gets the same answer.
+    The MAC is checked on the very ciphertexts that are then decrypted (loaded once). After
+    decryption the mean must respect the public bound (``crypto.aggregate_bound``,
+    ``codec.mean_bound_for``): its header the manifest's counts, its norm at most C plus the
+    noise and rounding an honest round has with probability 1 - 1e-9. A key holder that
+    encrypted, tagged and signed an update beyond its clipping ball (issue 20) is refused there,
+    with the same answer: in mode packed the check reads exact integer sums, nothing of the
+    decryption noise."""
     try:
         if not cfg.he:
             with timer.phase("decrypt"):
