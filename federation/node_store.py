@@ -23,7 +23,9 @@ Files are written by ``crypto.at_rest`` (atomic, mode 0600), sealed with
 
 The directory also keeps the node's signed replies to the tagged requests (train, noise share),
 one per round and kind (``answer_once``): a request repeated for a round gets the byte-identical
-reply, never a second MAC tag (``crypto.binding``, issue 20).
+reply, never a second MAC tag (``crypto.binding``, issue 20). Beside them, ``applied.json``
+(``federation.applied_log``): the round and key epoch of the aggregate that made each model
+version, so a replayed aggregate is refused across restarts too (issue 30).
 
 Damaged files fail loudly, naming the file: a secret file carries a key check value
 (``crypto.at_rest``: "<path>: key check failed: the file changed since it was written"), a CKKS

@@ -149,7 +149,9 @@ class CacheNode:
     @property
     def version(self) -> int:
         """Global aggregates applied so far (0 = the seeded initial model): the cache's one
-        model-version counter, which the stored parameters are tagged with."""
+        model-version counter, which the stored parameters are tagged with. On Flower's array
+        path (the flower-central baseline) ``set_weights`` and ``train_in_place`` move it too:
+        every change of the model's weights does, so no K/V of other weights is served."""
         return self.cache.version
 
     def _write_params(self, state: dict[str, torch.Tensor], version: int) -> None:
@@ -288,15 +290,20 @@ class CacheNode:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def set_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Load Flower's weights into the model (no write-back: ``param/`` stays); the cache
+        moves to a new model version, so K/V computed under other weights is never served."""
         self.model.load_state_dict(state)
+        self.cache.bump_version()
 
     def train_in_place(self, epochs: int, lr: float, server_round: int) -> tuple[float, int, float]:
-        """Train the current weights in place: (loss, n, seconds). Flower sends weights; the
-        node's version does not advance on this path, so the shuffle is seeded by the round."""
+        """Train the current weights in place: (loss, n, seconds); the cache then moves to a new
+        model version, as after ``set_weights``. The shuffle is seeded by the round (the version
+        counts weight changes on this path, not global models)."""
         t0 = time.perf_counter()
         lr = lr if lr > 0 else self.task.default_lr
         seed = self.spec.seed * 1_000_003 + self.spec.partition_id * 1009 + server_round
         loss, n = self.task.train(self.model, epochs, lr, seed)
+        self.cache.bump_version()
         return loss, n, time.perf_counter() - t0
 
     # -- evaluation and serving ---------------------------------------------------------
