@@ -119,6 +119,12 @@ class InProcessGrid:
         self.received.extend(replies)
         return replies
 
+    @staticmethod
+    def error_reason(ex: Exception) -> str:
+        """The reason an Error reply carries for a handler's exception (the short form; a test
+        swaps in Flower's own forms, which the strategy reads too)."""
+        return f"{type(ex).__name__}: {ex}"
+
     def deliver(self, msg: Message) -> Message:
         """Run the real ClientApp for one message, as the simulation engine does."""
         node = msg.metadata.dst_node_id
@@ -126,7 +132,7 @@ class InProcessGrid:
         try:
             reply = client_app.app(msg, ctx)
         except Exception as ex:  # the engine reports exceptions as Error replies
-            return Message(Error(code=1, reason=f"{type(ex).__name__}: {ex}"), reply_to=msg)
+            return Message(Error(code=1, reason=self.error_reason(ex)), reply_to=msg)
         self.contexts[node] = ctx
         return reply
 

@@ -274,7 +274,7 @@ class OpaqueFedAvg:
         if not self.cfg.he:
             return
         left = {d["node"] for d in rec.dropped if d["phase"] in ("train", "evaluate", "noise")
-                and not (rec.aggregate_discarded and d["reason"].endswith(protocol.AGGREGATE_REJECTED))}
+                and not (rec.aggregate_discarded and protocol.is_aggregate_refusal(d["reason"]))}
         gone = self.keys.depart(sorted(left))
         if gone:
             rec.departed = gone
@@ -522,7 +522,7 @@ class OpaqueFedAvg:
         if not self.cfg.he or not self.history:
             return
         accepted = any(x.version == len(self.history) for _, x in evaluated.ok)
-        refused = [d for d in evaluated.dropped if d["reason"].endswith(protocol.AGGREGATE_REJECTED)]
+        refused = [d for d in evaluated.dropped if protocol.is_aggregate_refusal(d["reason"])]
         if accepted or not refused:
             return
         self.history.pop()

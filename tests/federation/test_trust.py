@@ -821,6 +821,29 @@ def test_a_node_whose_every_update_is_refused_stops_the_run_after_k_rounds_with_
     assert all(node_host.peek_node(grid.contexts[n]).version == 0 for n in grid.node_ids)
 
 
+@pytest.mark.parametrize("engine", ["supernode", "simulation"])
+def test_refused_aggregates_are_discarded_in_the_error_text_flower_writes(monkeypatch, engine) -> None:
+    """Flower does not pass a ClientApp's exception text on as it is: a SuperNode writes
+    ``<class '...AggregateRejected'>:<'aggregate rejected'>`` and the simulation engine wraps it in
+    a ClientAppException first (flwr 1.42 ``run_clientapp.py``, ``vce_api.py``, ``ray_actor.py``).
+    The strategy read only the in-process form, so in a real run a refused round was never
+    discarded: nodes were counted as departed and the run went on with a model nobody took."""
+    from flwr.clientapp.client_app import ClientAppException
+
+    from federation.local import InProcessGrid
+
+    def flower_reason(ex: Exception) -> str:
+        if engine == "simulation":
+            ex = ClientAppException(str(ex))
+        return str(type(ex)) + ":<'" + str(ex) + "'>"  # flwr's own expression
+
+    monkeypatch.setattr(InProcessGrid, "error_reason", staticmethod(flower_reason))
+    _, results = _run_with_crafted({1}, 2)
+    assert results.status == "completed"
+    assert [r.aggregate_discarded for r in results.rounds] == [True, False]
+    assert results.rounds[0].departed in (None, [])
+
+
 def test_one_refused_round_then_honest_rounds_completes() -> None:
     _, results = _run_with_crafted({1}, 3)
     assert results.status == "completed"
