@@ -153,8 +153,9 @@ class RunConfig:
     this population"; ``python -m experiments.privacy_accuracy`` shows where client-level DP pays
     off."""
     clip_norm: float = 1.0
-    """L2 bound C on one update. Applied under DP, and under HE in every dp-mode (the
-    CKKS encoding needs a bounded range): > 0 then."""
+    """L2 bound C on one update, > 0. Every update is clipped to it, in every dp-mode and with
+    he=false too: the CKKS encoding needs a bounded range, and every node refuses a mean beyond
+    the public bound C implies (``crypto.aggregate_bound``)."""
     target_delta: float = 1e-5
     """delta of the reported epsilon, in (0, 1)."""
     colluding_nodes: int = 2
@@ -524,7 +525,8 @@ def _check_values(cfg: RunConfig, check: _Check) -> None:
     check("min-clients", lambda: cfg.min_clients >= 1, "min-clients must be >= 1")
     check("max-weight", lambda: cfg.max_weight > 0, "max-weight must be > 0")
     check("noise-multiplier", lambda: cfg.noise_multiplier >= 0, "noise-multiplier must be >= 0")
-    check("clip-norm", lambda: cfg.clip_norm >= 0, "clip-norm must be >= 0")
+    check("clip-norm", lambda: cfg.clip_norm > 0,
+          "clip-norm must be > 0 (every update is clipped to it; nodes refuse a mean beyond the bound it implies)")
     check("target-delta", lambda: 0.0 < cfg.target_delta < 1.0, "target-delta must be in (0, 1)")
     check("colluding-nodes", lambda: cfg.colluding_nodes >= 1, "colluding-nodes must be >= 1")
     check("fraction-train", lambda: 0.0 < cfg.fraction_train <= 1.0, "fraction-train must be in (0, 1]")
@@ -560,10 +562,6 @@ def _check_combinations(cfg: RunConfig, check: _Check) -> None:
     """Keys that constrain each other."""
     check("max-clients min-clients", lambda: cfg.max_clients >= max(cfg.min_clients, 1),
           "max-clients must be >= min-clients")
-    check("clip-norm dp-mode", lambda: cfg.dp_mode == "none" or cfg.clip_norm != 0,
-          "clip-norm must be > 0 when dp-mode is not none")
-    check("clip-norm he", lambda: not cfg.he or cfg.clip_norm != 0,
-          "clip-norm must be > 0 when he=true (updates are clipped to bound the CKKS encoding range)")
     check("he-security ckks-preset", lambda: cfg.he_security == "classical" or cfg.ckks_preset in ("auto",) + PQ_PRESETS,
           f"he-security post-quantum needs ckks-preset auto or one of {PQ_PRESETS}, not {cfg.ckks_preset!r}")
     check("rotate-every he", lambda: cfg.rotate_every == 0 or cfg.he,
