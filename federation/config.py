@@ -232,8 +232,8 @@ class RunConfig:
     """Also rotate the CKKS key every K rounds (>= 0); 0 = only when a node leaves (it always
     rotates when a node leaves a round)."""
     max_rejected_rounds: int = 3
-    """he=true: after this many rounds in a row whose aggregate every node refused (a key-holding
-    node's summand broke the public bound on the mean, or its tag or encrypted header: see the
+    """After this many rounds in a row whose aggregate every node refused (a node's summand broke
+    the public bound on the mean, or under HE a key holder's tag or encrypted header: see the
     threat model's "malicious node"; the server cannot tell whose), the run stops with ``status``
     "stopped: K rounds in a row had their aggregate refused by every node (...)" instead of going
     on without progress (>= 1). A refused round is discarded and the run goes on; an accepted one
@@ -373,7 +373,10 @@ _DOC_TAIL = """\
 Each node also holds a policy the run config cannot lower (node config, or `node-policy.json` in
 its kit): `require-he`, `min-noise-multiplier`, `min-clients`, e.g. `--node-config
 "partition-id=0 num-partitions=5 require-he=true min-noise-multiplier=0.5"`. A run that asks for
-less is refused by that node at enrollment, with the reason in the results file.
+less is refused by that node at enrollment, with the reason in the results file. `require-he` is on
+for every node with a kit (deployment) unless its `node-policy.json` says `"require-he": false`;
+without a kit (simulation, `flwr run .`) it is off and the run config decides, so `he=false`
+baselines run there.
 
 Examples, one per task:
 

@@ -199,3 +199,23 @@ def test_the_flower_central_handlers_refuse_a_run_below_the_node_policy() -> Non
                               "config": ConfigRecord({"server-round": 1, "clipping_norm": 1.0})})
         reply = fed.grid.deliver(Message(content, dst_node_id=100, message_type=mtype))
         assert reply.has_error() and "node policy requires he=true" in reply.error.reason, mtype
+
+
+@pytest.mark.parametrize(("overrides", "v"), [
+    ({}, 0.0),
+    ({"dp-mode": "local", "noise-multiplier": 0.5}, 3 * 0.5**2),
+    ({"dp-mode": "distributed", "noise-multiplier": 1.0}, 1.0),
+])
+def test_the_plaintext_bound_is_the_formula_with_no_rounding_term(overrides, v) -> None:
+    """B = (C + √v·(√d + √(2 ln 1/β)) / W)·(1 + 2^-20) for three updates at C = 1: v the run's
+    noise only (local: three updates' own, distributed: one sum's), nothing for rounding or CKKS."""
+    from crypto.aggregate_bound import BETA, PLAIN_RELATIVE_ERROR
+    from federation.codec import mean_bound_for
+    from federation.config import RunConfig
+
+    cfg = RunConfig.from_run_config({"task": "digits", **PLAIN, **overrides})
+    dim = 4810
+    bound = mean_bound_for(cfg, dim)
+    expected = (1.0 + math.sqrt(v) * (math.sqrt(dim) + math.sqrt(2 * math.log(1 / BETA))) / 3) * (1 + PLAIN_RELATIVE_ERROR)
+    assert bound.radius(3, 3, 3.0) == pytest.approx(expected, rel=1e-12)
+    assert bound.rounding_proxy == bound.carry_proxy == bound.ckks_error == 0.0
