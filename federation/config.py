@@ -153,9 +153,8 @@ class RunConfig:
     this population"; ``python -m experiments.privacy_accuracy`` shows where client-level DP pays
     off."""
     clip_norm: float = 1.0
-    """L2 bound C on one update, > 0. Every update is clipped to it, in every dp-mode and with
-    he=false too: the CKKS encoding needs a bounded range, and every node refuses a mean beyond
-    the public bound C implies (``crypto.aggregate_bound``)."""
+    """L2 bound C on one update, > 0: every update is clipped to it (CKKS needs a bounded range, and
+    every node, he=true or false, refuses a mean beyond the bound C implies: crypto.aggregate_bound)."""
     target_delta: float = 1e-5
     """delta of the reported epsilon, in (0, 1)."""
     colluding_nodes: int = 2

@@ -216,6 +216,7 @@ def test_the_plaintext_bound_is_the_formula_with_no_rounding_term(overrides, v) 
     cfg = RunConfig.from_run_config({"task": "digits", **PLAIN, **overrides})
     dim = 4810
     bound = mean_bound_for(cfg, dim)
-    expected = (1.0 + math.sqrt(v) * (math.sqrt(dim) + math.sqrt(2 * math.log(1 / BETA))) / 3) * (1 + PLAIN_RELATIVE_ERROR)
+    tail = math.sqrt(v) * (math.sqrt(dim) + math.sqrt(2 * math.log(1 / BETA)))
+    expected = (1.0 + tail / 3) * (1 + PLAIN_RELATIVE_ERROR)
     assert bound.radius(3, 3, 3.0) == pytest.approx(expected, rel=1e-12)
     assert bound.rounding_proxy == bound.carry_proxy == bound.ckks_error == 0.0
