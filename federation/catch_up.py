@@ -1,5 +1,6 @@
 """``catch_up``: a node applies the aggregates it is missing before it trains or evaluates, in
-one order: manifest checks -> MAC -> decrypt -> the public bound on the mean -> write-back.
+one order: manifest checks -> MAC -> decrypt -> the public bound on the mean -> write-back
+(he=false: decode -> the header's count and weight sum -> the same bound -> write-back).
 
 Any aggregate the node will not apply gets the one answer ``AggregateRejected`` (no detail, no
 numbers: what leaves a node must not depend on the secret key's decryption noise). Under

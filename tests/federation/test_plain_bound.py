@@ -90,6 +90,18 @@ def test_a_plaintext_mean_of_fewer_updates_than_min_clients_is_refused() -> None
     _refused_by_every_node(fed, _aggregate(fed.dim, [small]), manifest)
 
 
+def test_under_poisson_a_plaintext_count_beyond_the_population_is_refused() -> None:
+    """Under Poisson sampling the node rescales the mean by count / (q·N): a header claiming 1,000
+    updates of three nodes (weight 1,000, a mean of norm 1, inside B) would be applied ~300 times
+    over. No honest round holds more updates than there are partitions. (q = 1: every node is
+    drawn, so the honest round 1 is never skipped.)"""
+    fed = _one_round(**{"dp-mode": "distributed", "noise-multiplier": 1.0, "client-sampling": "poisson",
+                        "fraction-train": 1.0})
+    _, manifest = fed.strategy.history[-1]
+    unit = np.full(fed.dim, 1000.0 / math.sqrt(fed.dim), dtype="<f4")  # the sum: mean of norm 1
+    _refused_by_every_node(fed, _HEADER.pack(MAGIC, b"A", fed.dim, 1000.0, 1000) + unit.tobytes(), manifest)
+
+
 @pytest.mark.parametrize("overrides", [
     {},
     {"dp-mode": "local", "noise-multiplier": 0.5},
@@ -110,7 +122,8 @@ def test_an_honest_plaintext_mean_is_applied_by_every_node(overrides) -> None:
 
 @pytest.mark.parametrize("overrides", [
     {},
-    {"dp-mode": "distributed", "noise-multiplier": 1.0, "client-sampling": "poisson", "fraction-train": 0.8},
+    {"dp-mode": "distributed", "noise-multiplier": 1.0, "client-sampling": "poisson", "fraction-train": 0.8,
+     "sampler-seed": 7},
 ])
 def test_honest_plaintext_runs_complete_with_no_round_refused(overrides) -> None:
     """Whole he=false runs, every node training for real (the updates clipped to C): no round
@@ -118,6 +131,7 @@ def test_honest_plaintext_runs_complete_with_no_round_refused(overrides) -> None
     fed = Federation(3, **{**PLAIN, "num-server-rounds": 3, **overrides})
     recs = fed.run_all()
     assert [r.aggregate_discarded for r in recs] == [False] * 3
+    assert any(not r.sampling_skipped for r in recs)
     assert all(r.eval_clients >= 1 for r in recs if not r.sampling_skipped)
 
 
