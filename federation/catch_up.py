@@ -1,5 +1,6 @@
 """``catch_up``: a node applies the aggregates it is missing before it trains or evaluates, in
-one order: manifest checks -> MAC -> decrypt -> the public bound on the mean -> write-back.
+one order: manifest checks -> MAC -> decrypt -> the public bound on the mean -> write-back
+(he=false: decode -> the header's count and weight sum -> the same bound -> write-back).
 
 Any aggregate the node will not apply gets the one answer ``AggregateRejected`` (no detail, no
 numbers: what leaves a node must not depend on the secret key's decryption noise), except a
@@ -24,7 +25,7 @@ from crypto.dp.dither import dither_total
 from federation import key_service, messages, protocol
 from federation.applied_log import AppliedLog, AppliedRound
 from federation.codec import (
-    adaptive_clipping_for, make_client_codec, mean_bound_for, packing_for, plain_update_count, wire_dim,
+    PlainClientCodec, adaptive_clipping_for, mean_bound_for, packing_for, plain_update_count, wire_dim,
 )
 from federation.config import RunConfig
 from federation.contribution import node_codec
@@ -130,6 +131,8 @@ def fixed_denominator_scale(cfg: RunConfig, context: Context, dim: int, blob: by
     else:
         n_updates = plain_update_count(blob, dim)
     population = int(context.node_config["num-partitions"])
+    if n_updates > population:  # no honest round samples a node twice; the count scales the mean
+        raise AggregateRejected()
     return poisson_mean_scale(n_updates, cfg.fraction_train, population)
 
 
@@ -162,13 +165,11 @@ def _open(cfg: RunConfig, context: Context, dim: int, blob: bytes, manifest: byt
     decryption noise."""
     try:
         if not cfg.he:
-            with timer.phase("decrypt"):
-                return make_client_codec(False, dim).decode_mean(blob), (0, 0)
+            return _open_plain(cfg, context, dim, blob, timer), (0, 0)
         m = Manifest.from_bytes(manifest)
         updates = [e for e in m.entries if e.kind == CONTRIBUTION_UPDATE]
         distinct = len({(e.node_id, e.kind) for e in m.entries}) == len({e.digest for e in m.entries}) == len(m.entries)
-        floor = max(cfg.min_clients, key_service.node_policy(context).min_clients)
-        if m.run_id != int(context.run_id) or m.round < 1 or not distinct or len(updates) < floor:
+        if m.run_id != int(context.run_id) or m.round < 1 or not distinct or len(updates) < _floor(cfg, context):
             raise AggregateRejected()
         if _replayed(m, last, version):
             raise ReplayedAggregate()
@@ -192,3 +193,23 @@ def _open(cfg: RunConfig, context: Context, dim: int, blob: bytes, manifest: byt
         raise
     except Exception:  # noqa: BLE001 - one answer for every reason, chained to nothing
         raise AggregateRejected() from None
+
+
+def _floor(cfg: RunConfig, context: Context) -> int:
+    """The fewest updates an aggregate may hold: the run's min-clients or the node policy's."""
+    return max(cfg.min_clients, key_service.node_policy(context).min_clients)
+
+
+def _open_plain(cfg: RunConfig, context: Context, dim: int, blob: bytes, timer: PhaseTimer) -> np.ndarray:
+    """he=false: the plaintext mean, held to the same public bound as a decrypted one
+    (``codec.mean_bound_for``: C, the run's noise, no rounding). The server wrote the header
+    (weight sum, update count) as well as the sum, so both are checked: at least min-clients
+    updates, a weight sum an honest round of that count has, a finite mean of norm at most B.
+    Any failure raises; the caller turns it into the one ``AggregateRejected``."""
+    with timer.phase("decrypt"):
+        result = PlainClientCodec(dim).decode(blob)
+        bound = mean_bound_for(cfg, dim)
+        n = result.count
+        if n < _floor(cfg, context) or not bound.admits(result.mean, n, n, result.weight_sum / bound.max_weight, n):
+            raise AggregateRejected()  # beyond what an honest round makes: the server's, or an unclipped update
+        return result.mean.astype(np.float32)

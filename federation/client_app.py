@@ -19,7 +19,9 @@ Protocols, routed by message type:
 * ``train`` / ``evaluate`` (Flower's array protocol): used by the ``flower-central``
   baseline (Flower's FedAvg wrapped in DifferentialPrivacyClientSideFixedClipping);
   ``fixedclipping_mod`` is attached to ``train`` only (on ``ClientApp(mods=...)`` it
-  would break the evaluate replies).
+  would break the evaluate replies). The node loads the weights it is sent as they come, so
+  these handlers check the node policy too: a node that requires HE (every kit, by default)
+  refuses them.
 """
 
 from __future__ import annotations
@@ -232,8 +234,9 @@ def clipping_mod(msg: Message, context: Context, call_next: Any) -> Message:
 @app.train(mods=[clipping_mod])
 @node_host.releasing
 def train_arrays(msg: Message, context: Context) -> Message:
-    """Load the global weights, train, return weights (Flower's mod clips the update)."""
-    cfg = RunConfig.from_run_config(context.run_config)
+    """Load the global weights, train, return weights (Flower's mod clips the update); only a
+    run the node's policy allows (``require-he`` refuses this he=false path)."""
+    cfg = _run_config(context)
     node, source = node_host.get_node(context)
     arrays = msg.content.array_records["arrays"]
     node.set_weights(arrays.to_torch_state_dict())
@@ -262,7 +265,9 @@ def train_arrays(msg: Message, context: Context) -> Message:
 @app.evaluate()
 @node_host.releasing
 def evaluate_arrays(msg: Message, context: Context) -> Message:
-    """Evaluate Flower-sent global weights on the local held-out share."""
+    """Evaluate Flower-sent global weights on the local held-out share (as ``train_arrays``,
+    only a run the node's policy allows)."""
+    _run_config(context)
     node, _ = node_host.get_node(context)
     node.set_weights(msg.content.array_records["arrays"].to_torch_state_dict())
     loss, acc, n = node.evaluate()

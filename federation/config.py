@@ -153,8 +153,8 @@ class RunConfig:
     this population"; ``python -m experiments.privacy_accuracy`` shows where client-level DP pays
     off."""
     clip_norm: float = 1.0
-    """L2 bound C on one update. Applied under DP, and under HE in every dp-mode (the
-    CKKS encoding needs a bounded range): > 0 then."""
+    """L2 bound C on one update, > 0: every update is clipped to it (CKKS needs a bounded range, and
+    every node, he=true or false, refuses a mean beyond the bound C implies: crypto.aggregate_bound)."""
     target_delta: float = 1e-5
     """delta of the reported epsilon, in (0, 1)."""
     colluding_nodes: int = 2
@@ -231,8 +231,8 @@ class RunConfig:
     """Also rotate the CKKS key every K rounds (>= 0); 0 = only when a node leaves (it always
     rotates when a node leaves a round)."""
     max_rejected_rounds: int = 3
-    """he=true: after this many rounds in a row whose aggregate every node refused (a key-holding
-    node's summand broke the public bound on the mean, or its tag or encrypted header: see the
+    """After this many rounds in a row whose aggregate every node refused (a node's summand broke
+    the public bound on the mean, or under HE a key holder's tag or encrypted header: see the
     threat model's "malicious node"; the server cannot tell whose), the run stops with ``status``
     "stopped: K rounds in a row had their aggregate refused by every node (...)" instead of going
     on without progress (>= 1). A refused round is discarded and the run goes on; an accepted one
@@ -372,7 +372,10 @@ _DOC_TAIL = """\
 Each node also holds a policy the run config cannot lower (node config, or `node-policy.json` in
 its kit): `require-he`, `min-noise-multiplier`, `min-clients`, e.g. `--node-config
 "partition-id=0 num-partitions=5 require-he=true min-noise-multiplier=0.5"`. A run that asks for
-less is refused by that node at enrollment, with the reason in the results file.
+less is refused by that node at enrollment, with the reason in the results file. `require-he` is on
+for every node with a kit (deployment) unless its `node-policy.json` says `"require-he": false`;
+without a kit (simulation, `flwr run .`) it is off and the run config decides, so `he=false`
+baselines run there.
 
 Examples, one per task:
 
@@ -524,7 +527,8 @@ def _check_values(cfg: RunConfig, check: _Check) -> None:
     check("min-clients", lambda: cfg.min_clients >= 1, "min-clients must be >= 1")
     check("max-weight", lambda: cfg.max_weight > 0, "max-weight must be > 0")
     check("noise-multiplier", lambda: cfg.noise_multiplier >= 0, "noise-multiplier must be >= 0")
-    check("clip-norm", lambda: cfg.clip_norm >= 0, "clip-norm must be >= 0")
+    check("clip-norm", lambda: cfg.clip_norm > 0,
+          "clip-norm must be > 0 (every update is clipped to it; nodes refuse a mean beyond the bound it implies)")
     check("target-delta", lambda: 0.0 < cfg.target_delta < 1.0, "target-delta must be in (0, 1)")
     check("colluding-nodes", lambda: cfg.colluding_nodes >= 1, "colluding-nodes must be >= 1")
     check("fraction-train", lambda: 0.0 < cfg.fraction_train <= 1.0, "fraction-train must be in (0, 1]")
@@ -560,10 +564,6 @@ def _check_combinations(cfg: RunConfig, check: _Check) -> None:
     """Keys that constrain each other."""
     check("max-clients min-clients", lambda: cfg.max_clients >= max(cfg.min_clients, 1),
           "max-clients must be >= min-clients")
-    check("clip-norm dp-mode", lambda: cfg.dp_mode == "none" or cfg.clip_norm != 0,
-          "clip-norm must be > 0 when dp-mode is not none")
-    check("clip-norm he", lambda: not cfg.he or cfg.clip_norm != 0,
-          "clip-norm must be > 0 when he=true (updates are clipped to bound the CKKS encoding range)")
     check("he-security ckks-preset", lambda: cfg.he_security == "classical" or cfg.ckks_preset in ("auto",) + PQ_PRESETS,
           f"he-security post-quantum needs ckks-preset auto or one of {PQ_PRESETS}, not {cfg.ckks_preset!r}")
     check("rotate-every he", lambda: cfg.rotate_every == 0 or cfg.he,

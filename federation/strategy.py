@@ -175,8 +175,8 @@ class OpaqueFedAvg:
             raise AggregatesRefused(
                 f"{k} round{'s' if k > 1 else ''} in a row had their aggregate refused by every node (rounds "
                 f"{', '.join(map(str, self.refused_rounds))}; a node refuses an aggregate whose MAC, header or "
-                f"bound on the mean fails, so a summand came from a node that holds the key and misbehaves, "
-                f"and the server cannot tell which; the model stays at v{len(self.history)}; "
+                f"bound on the mean fails, so a summand came from a node that misbehaves (under HE, one that "
+                f"holds the key), and the server cannot tell which; the model stays at v{len(self.history)}; "
                 f"max-rejected-rounds={k})"
             )
 
@@ -514,12 +514,13 @@ class OpaqueFedAvg:
         return self.client_epsilon
 
     def discard_if_refused(self, evaluated: PhaseReplies, rec: RoundRecord) -> None:
-        """he=true: if no node accepted the round's aggregate and some refused it, drop it.
+        """If no node accepted the round's aggregate and some refused it, drop it.
 
         Which summand was bad cannot be found without showing a node two different sums (their
         difference would be a single update), so the round is discarded, not recomputed: every
-        node stays at the last accepted version, nothing of this round was decrypted."""
-        if not self.cfg.he or not self.history:
+        node stays at the last accepted version, nothing of this round was decrypted. With
+        he=false the same (a node refuses a plaintext mean beyond the public bound too)."""
+        if not self.history:
             return
         accepted = any(x.version == len(self.history) for _, x in evaluated.ok)
         refused = [d for d in evaluated.dropped if protocol.is_aggregate_refusal(d["reason"])]
