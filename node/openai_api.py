@@ -3,7 +3,7 @@
     python -m node.openai_api [--model byte|smollm2] [--model-dir DIR] [--port 8471]
         [--backend scheduler|serial] [--max-running 16] [--token-budget 256]
         [--preempt-mode swap|recompute] [--cache-dir DIR [--key-file F]] [--ready-file F]
-        [--token-file ~/.cache/fedkv/serve-token] [--pool-mib MiB] [--max-tokens 256]
+        [--token-file ~/.cache/fedkv/openai-<port>/serve-token] [--pool-mib MiB] [--max-tokens 256]
         [--max-concurrent 4] [--max-queue 16] [--request-timeout 60] [--request-deadline 300]
         [--socket-timeout 10]
         [--host 127.0.0.1 [--tls-cert C --tls-key K]]
@@ -39,6 +39,7 @@ those are not dependencies of the project.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import secrets
@@ -416,7 +417,6 @@ def _version_at(h: GenerationHandle, n: int) -> int | None:
 # -- the command line -----------------------------------------------------------------------------
 MODEL_IDS = {"byte": "fedkv-byte", "smollm2": "smollm2-135m-instruct"}
 DEFAULT_PORT = 8471
-DEFAULT_TOKEN_FILE = Path.home() / ".cache" / "fedkv" / "serve-token"
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -442,8 +442,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tls-key", type=Path, default=None)
     p.add_argument("--token-file", type=Path, default=None,
                    help="'tenant:token' lines (a bare token: tenant 'default'), mode 0600; "
-                        f"written with one fresh token when missing (default {DEFAULT_TOKEN_FILE}"
-                        "; serve-token beside --cache-dir)")
+                        "written with one fresh token when missing (default: serve-token beside "
+                        "--cache-dir, else this server's own ~/.cache/fedkv/openai-<port>/"
+                        "serve-token, <port> the bound one)")
     p.add_argument("--pool-mib", type=float, default=None,
                    help=f"KV pool (default {POOL_MIB:g}; {SMOLLM2_POOL_MIB:g} for smollm2)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
@@ -457,10 +458,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     openai_follow.add_arguments(p)
     args = p.parse_args(argv)
     openai_follow.check_arguments(p, args)
-    from node.serve_auth import check_bind, default_token_file
-    if args.token_file is None:
-        args.token_file = default_token_file(args.cache_dir) if args.cache_dir \
-            else DEFAULT_TOKEN_FILE
+    from node.serve_auth import check_bind
     try:
         check_bind(args.host, args.tls_cert, args.tls_key)
     except ValueError as e:
@@ -475,6 +473,17 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _token_file(args: argparse.Namespace, port: int) -> Path:
+    """``--token-file``, else ``serve-token`` beside ``--cache-dir`` (the node's), else the
+    server's own on ``port`` (the bound one): never one file shared by every server."""
+    from node.serve_auth import default_token_file, server_token_file
+    if args.token_file is not None:
+        return args.token_file
+    if args.cache_dir is not None:
+        return default_token_file(args.cache_dir)
+    return server_token_file(f"openai-{port}")
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s openai_api %(message)s")
     args = _args(argv)
@@ -483,9 +492,12 @@ def main(argv: list[str] | None = None) -> int:
     from cache import KVCache
     from node.models import ModelError
     from node.served_model import load_model
-    from node.serve_auth import load_tenants, tls_context
+    from node.serve_auth import Tenants, load_tenants, tls_context
     tls = tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
-    tenants = load_tenants(args.token_file, lambda line: print(line, flush=True))
+    announce = functools.partial(print, flush=True)
+    known = args.port or args.token_file or args.cache_dir  # else: the port bound below
+    token_file = _token_file(args, args.port) if known else None
+    tenants = load_tenants(token_file, announce) if token_file else Tenants(())
     torch.manual_seed(args.seed)
     try:
         model, codec = load_model(args.model, args.model_dir)
@@ -499,10 +511,16 @@ def main(argv: list[str] | None = None) -> int:
                                                 own_weights=args.model != "byte")
     config = APIConfig(args.max_tokens, args.max_concurrent, args.max_queue,
                        args.request_timeout, args.request_deadline, args.socket_timeout)
+    server: OpenAIServer | None = None
     try:
         server = OpenAIServer((args.host, args.port), backend, PromptCodec(codec), tenants,
                               config, context_len=model.context_len, tls=tls)
+        if token_file is None:  # --port 0: this server's own file, named by the bound port
+            token_file = _token_file(args, server.server_address[1])
+            server.tenants = load_tenants(token_file, announce)
     except BaseException:
+        if server is not None:
+            server.server_close()
         openai_follow.close(backend, hook)
         raise
     server.history = hook.history if hook else None
@@ -512,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ready_file:
         openai_follow.write_ready(args.ready_file, port, backend.version)
     print(f"serving {backend.model_id} ({args.backend}, version {backend.version}) at "
-          f"{'https' if tls else 'http'}://{host}:{port}/v1 (token file {args.token_file})",
+          f"{'https' if tls else 'http'}://{host}:{port}/v1 (token file {token_file})",
           flush=True)
     try:
         server.serve_forever(poll_interval=0.05)

@@ -231,7 +231,7 @@ class PromptCodec:
 
     def messages(self, messages: Sequence[dict[str, str]]) -> list[int]:
         if self.chat:
-            return self.codec.encode(self.codec.render(messages, generation_prompt=True))
+            return self.codec.prompt(messages)  # contents as text: no special token typed
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
         return list(text.encode("utf-8"))
 

@@ -566,11 +566,10 @@ def test_cli_serves_and_stops_cleanly_on_sigterm(tmp_path):
     import signal
     import subprocess
     import sys
-    tmp_path.chmod(0o700)
-    token_file = tmp_path / "token"
-    p = subprocess.Popen([sys.executable, "-m", "node.openai_api", "--port", "0", "--token-file",
-                          str(token_file)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    tmp_path.chmod(0o700)  # HOME: the default token file is the bound port's own
+    p = subprocess.Popen([sys.executable, "-m", "node.openai_api", "--port", "0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1", "HOME": str(tmp_path)})
     try:
         lines = []
         for line in p.stdout:
@@ -578,7 +577,12 @@ def test_cli_serves_and_stops_cleanly_on_sigterm(tmp_path):
             if line.startswith("serving"):
                 break
         url = line.split(" at ")[1].split()[0]
+        port = url.rsplit(":", 1)[1].split("/")[0]
+        token_file = tmp_path / ".cache" / "fedkv" / f"openai-{port}" / "serve-token"
+        assert f"(token file {token_file})" in line and f"wrote a new bearer token to {token_file}" \
+            in "".join(lines)
         assert token_file.stat().st_mode & 0o777 == 0o600
+        assert token_file.parent.stat().st_mode & 0o777 == 0o700
         c = openai.OpenAI(base_url=url, api_key=token_file.read_text().strip(), max_retries=0)
         assert [m.id for m in c.models.list().data] == ["fedkv-byte"]
         text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
