@@ -435,10 +435,12 @@ def test_a_request_past_its_deadline_ends_503_and_frees_its_slot(one_thread):
         with pytest.raises(openai.APIError, match="deadline"):  # the stream's last event
             list(c.completions.create(model="fedkv-byte", prompt="hi", max_tokens=120,
                                       stream=True))
-        (a, b), (c3,) = s.backend.handles[:2], s.backend.handles[2:]
-        assert all(h.cancelled and h.yielded < 400 for h in (a, b, c3))
+        wait = time.monotonic() + 20  # the stream's error event is read before its finally ran
+        while s._active["alice"] and time.monotonic() < wait:
+            time.sleep(0.01)
+        assert s._active["alice"] == 0 and len(s.backend.handles) == 3
+        assert all(h.cancelled and h.yielded < 400 for h in s.backend.handles)
         assert all(before < r.deadline <= time.monotonic() for r in s.backend.requests)
-        assert s._active["alice"] == 0
 
 
 class _Slow:
