@@ -27,6 +27,7 @@ A codec per model family (issue 23, item 3):
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -69,10 +70,15 @@ class ChatCodec:
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         if not self.eos_ids:
             raise ValueError("a chat codec needs at least one EOS id")
-        added = {str(t): int(i) for i, t in tokenizer.added_tokens_decoder.items()}
-        self._special_ids = added
-        self._specials = re.compile("(" + "|".join(
-            re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")") if added else None
+        self.special_ids: dict[str, int] = {
+            str(t): int(i) for i, t in tokenizer.added_tokens_decoder.items()}
+        """The tokenizer's added tokens (text -> id): read as such in the template's text only."""
+
+    @functools.cached_property
+    def _specials(self) -> re.Pattern[str] | None:
+        """Splits text at special-token strings, keeping them (longest first)."""
+        names = sorted(self.special_ids, key=len, reverse=True)
+        return re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
 
     @classmethod
     def from_dir(cls, directory: str | os.PathLike | None = None) -> "ChatCodec":
@@ -129,7 +135,7 @@ class ChatCodec:
                 if j % 2:
                     ids += self._plain("".join(run))
                     run = []
-                    ids.append(self._special_ids[part])
+                    ids.append(self.special_ids[part])
                 else:
                     run.append(part)
         return ids + self._plain("".join(run))
