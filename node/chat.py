@@ -116,6 +116,8 @@ class ChatCodec:
                       generation_prompt: bool) -> list[int]:
         """The ids of what rendering ``after`` adds to rendering ``before`` (a prefix of it),
         message contents tokenized as plain text (see the module docstring)."""
+        if not after:
+            return []  # nothing rendered (an empty system prompt)
         nonce = secrets.token_hex(8)
         marks = {f"\x00fedkv-{nonce}-{i}\x00": m["content"] for i, m in enumerate(after)}
         marked = [{**m, "content": k} for m, k in zip(after, marks)]
