@@ -519,3 +519,21 @@ def test_cli_lora_seed_adapts_only_smollm2(capsys):
     with pytest.raises(SystemExit):
         _args(["--lora-seed", "42"])  # the byte model has no chat-task adapters
     assert "--lora-seed adapts --model smollm2" in capsys.readouterr().err
+
+
+def test_a_lone_surrogate_or_a_deeply_nested_body_is_a_400_not_a_500(one_thread):
+    """Issue 30: a lone surrogate (json.loads keeps it; encoding the prompt failed later) and
+    100k nested arrays (RecursionError) were 500 "internal error"; both are 400s now."""
+    with serving(lm_model(seed=0).eval(), None, "fedkv-byte") as s:
+        url = f"http://127.0.0.1:{s.server_address[1]}/v1/chat/completions"
+        deep = b"[" * 100_000 + b"]" * 100_000
+        for data, says in ((b'{"model": "fedkv-byte", "max_tokens": 2, "messages": [{"role": "user", '
+                            b'"content": "hi \\ud800"}]}', "surrogate"),
+                           (b'{"model": "fedkv-byte", "max_tokens": 2, "messages": ' + deep + b"}", "nested")):
+            req = urllib.request.Request(url, data, {"Authorization": "Bearer " + TOKENS["bob"],
+                                                     "Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=30)
+            err = json.loads(e.value.read())["error"]
+            assert e.value.code == 400 and says in err["message"], (e.value.code, err)
+            assert err["type"] == "invalid_request_error"
