@@ -832,3 +832,41 @@ def test_max_rejected_rounds_sets_how_many_refused_rounds_in_a_row_stop_the_run(
     _, results = _run_with_crafted(None, 4, **{"max-rejected-rounds": 1})
     assert results.status.startswith("stopped: 1 round in a row had their aggregate refused by every node (rounds 1;")
     assert len(results.rounds) == 1
+
+
+# --- issue 30: the key-making node checks the CKKS preset against its own he-security ---------
+
+
+@pytest.mark.parametrize("classical", ["fedkv-4096", "fedkv-2048"])
+def test_a_post_quantum_node_refuses_to_make_a_classical_key(classical) -> None:
+    """The server names the preset in its keygen request; a node under he-security
+    post-quantum used to build whatever it named (a downgrade to a ring only the classical
+    column calls 128-bit). Now it refuses, and makes no key. (The 8192 rings lie within the
+    post-quantum column: log q 120 and 140 <= 202.)"""
+    fed = Federation(3, **HE, **{"num-server-rounds": 1, "he-security": "post-quantum"})
+    for n in (100, 101, 102):
+        key_service.node_keys(fed.grid.contexts[n], create=True)
+    keys = {n: key_service.node_keys(fed.grid.contexts[n]) for n in (100, 101, 102)}
+    req = _keygen(fed, [(n, keys[n], n - 100) for n in (100, 101, 102)], fresh=True, epochs=[0])
+    req.config_records[messages.KEYGEN]["preset"] = classical
+    reply = fed.grid.deliver(Message(req, dst_node_id=100, message_type=key_service.KEYGEN))
+    assert reply.has_error(), f"a post-quantum node made a {classical} key"
+    assert "post-quantum" in reply.error.reason and classical in reply.error.reason, reply.error.reason
+    store = key_service.NodeStore.for_context(fed.grid.contexts[100])
+    assert store.held() is None and store.epochs() == []
+
+
+def test_a_node_policy_he_security_floor_refuses_a_classical_run_and_key() -> None:
+    """The node's own floor (node config ``he-security=post-quantum``): a run config that says
+    classical is refused at enrollment: no node is keyed."""
+    fed = Federation(3, **HE, **{"num-server-rounds": 1})
+    for ctx in fed.grid.contexts.values():
+        ctx.node_config["he-security"] = "post-quantum"
+    reply = fed.grid.deliver(Message(RecordDict({messages.ENROLL_REQUEST: ConfigRecord({})}),
+                                     dst_node_id=100, message_type=key_service.ENROLL))
+    assert reply.has_error() and "he-security" in reply.error.reason, reply.error.reason
+    from federation.strategy import NotEnoughClients
+
+    with pytest.raises(NotEnoughClients, match="he-security=post-quantum"):
+        fed.run_all()
+    assert fed.keys.holders == set() and fed.keys.epoch == -1
