@@ -870,3 +870,67 @@ def test_a_node_policy_he_security_floor_refuses_a_classical_run_and_key() -> No
     with pytest.raises(NotEnoughClients, match="he-security=post-quantum"):
         fed.run_all()
     assert fed.keys.holders == set() and fed.keys.epoch == -1
+
+
+# --- issue 30: a node's identity and pinned member set hold across runs on its node dir --------
+
+
+def _sign_keys(fed: Federation) -> dict[int, bytes]:
+    """partition -> the identity (signing) key each node enrolled with."""
+    return {m.partition: m.pub.sign_public for m in fed.keys.members.values()}
+
+
+def test_two_runs_on_one_node_dir_keep_each_nodes_identity_and_pins(tmp_path) -> None:
+    """Two ``flwr run`` on one ``$FEDKV_NODE_DIR``: new run id, new node ids. The second run
+    used to make every node a new identity and pin its members afresh; now each node (a
+    partition of an N-partition federation) reuses its identity and pins, and the run works."""
+    d = str(tmp_path / "nodes")
+    first = Federation(3, **HE, **{"num-server-rounds": 1}, run_id=1, node_dir=d)
+    assert first.run_all()[0].num_clients == 3
+    second = Federation(3, **HE, **{"num-server-rounds": 1}, run_id=2, node_dir=d, first_node_id=200)
+    assert second.run_all()[0].num_clients == 3
+    assert _sign_keys(second) == _sign_keys(first)
+    # another federation shape on the same root is another set of nodes: it enrolls its own
+    other = Federation(2, **HE, **{"num-server-rounds": 1}, run_id=3, node_dir=d, first_node_id=300)
+    assert other.run_all()[0].num_clients == 2
+    assert set(_sign_keys(other).values()).isdisjoint(_sign_keys(first).values())
+
+
+def test_a_new_run_does_not_reopen_trust_on_first_use(tmp_path) -> None:
+    """Run 1 pinned the member set; at the first key of run 2 the server lists its own keys for
+    partition 2. Pins were per run, so this was a new first use and node 200 made the key for
+    the server; now the partition's keys pinned in run 1 hold, and nothing is made."""
+    d = str(tmp_path / "nodes")
+    Federation(3, **HE, **{"num-server-rounds": 1}, run_id=1, node_dir=d).run_all()
+    fed = Federation(3, **HE, **{"num-server-rounds": 1}, run_id=2, node_dir=d, first_node_id=200)
+    keys = {n: key_service.node_keys(fed.grid.contexts[n], create=True) for n in (200, 201, 202)}
+    attacker = NodeKeys.generate("999")
+    for members in ([(200, keys[200], 0), (201, keys[201], 1), (999, attacker, 2)],
+                    [(200, keys[200], 0), (201, keys[201], 1), (202, attacker, 2)],
+                    [(200, keys[200], 0), (999, keys[201], 2)]):  # a pinned key in another partition
+        msg = Message(_keygen(fed, members, fresh=True, epochs=[0]), dst_node_id=200,
+                      message_type=key_service.KEYGEN)
+        reply = fed.grid.deliver(msg)
+        assert reply.has_error(), f"node 200 made a key for {members}"
+        assert reply.error.reason.startswith("PeerKeyError: ") and "earlier run" in reply.error.reason, reply.error.reason
+    assert key_service.NodeStore.for_context(fed.grid.contexts[200]).held() is None
+    assert fed.run_all()[0].num_clients == 3  # the honest first key of run 2 follows
+
+
+@pytest.mark.parametrize("how", ["env", "node-config"])
+def test_re_enroll_is_the_operators_say_and_keeps_the_old_enrollment(tmp_path, monkeypatch, how) -> None:
+    """A new enrollment (new identity, pins forgotten) only when the operator sets
+    ``re-enroll`` (node config) or ``$FEDKV_RE_ENROLL``; the old one is moved aside, not deleted."""
+    root = tmp_path / "nodes"
+    first = Federation(3, **HE, **{"num-server-rounds": 1}, run_id=1, node_dir=str(root))
+    first.run_all()
+    second = Federation(3, **HE, **{"num-server-rounds": 1}, run_id=2, node_dir=str(root), first_node_id=200)
+    if how == "env":
+        monkeypatch.setenv("FEDKV_RE_ENROLL", "1")
+    else:
+        for ctx in second.grid.contexts.values():
+            ctx.node_config["re-enroll"] = "true"
+    assert second.run_all()[0].num_clients == 3
+    assert set(_sign_keys(second).values()).isdisjoint(_sign_keys(first).values())
+    kept = sorted(p.name for p in (root / "enrolled").iterdir())
+    assert len(kept) == 6 and sum(".replaced-" in n for n in kept) == 3, kept
