@@ -211,9 +211,10 @@ def handle_keygen(msg: Message, context: Context) -> Message:
     req = msg.content.config_records[messages.KEYGEN]
     store = NodeStore.for_context(context)
     keys = store.identity()
+    if int(req["fresh"]):  # before anything is pinned
+        _check_security(context, str(req["preset"]), "keygen")
     epoch, members = int(req["epoch"]), _members(req, store, context)
     if int(req["fresh"]):
-        _check_security(context, str(req["preset"]), "keygen")
         dealer = keys.dealer(str(req["preset"]), epoch=epoch, effective_round=int(req["effective-round"]))
         store.save_context(dealer.context, epoch)
         epochs = [epoch]
@@ -254,12 +255,12 @@ def handle_provision(msg: Message, context: Context) -> Message:
     req = msg.content.config_records[PROVISION_REQUEST]
     store = NodeStore.for_context(context)
     dealer_sign = bytes(req["dealer-sign"])
-    _check_dealer(context, store, req, dealer_sign)
-    keys = store.identity()
     pub_signed = protocol.array_to_bytes(msg.content.array_records[PUBLIC_CONTEXT][CTX])
     pub_bytes, pub_epoch, _ = verify_public_context(pub_signed, dealer_sign)
-    public = load_public_context(pub_bytes)
-    _check_security(context, public.params, "provision")
+    public = load_public_context(pub_bytes)  # refuses a secret context before parsing it
+    _check_security(context, public.params, "provision")  # before anything is pinned
+    _check_dealer(context, store, req, dealer_sign)
+    keys = store.identity()
     newest = None
     for key, arr in sorted(msg.content.array_records[BUNDLES].items()):
         bundle = WrappedKeyBundle.from_bytes(protocol.array_to_bytes(arr))

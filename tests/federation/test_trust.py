@@ -853,7 +853,28 @@ def test_a_post_quantum_node_refuses_to_make_a_classical_key(classical) -> None:
     assert reply.has_error(), f"a post-quantum node made a {classical} key"
     assert "post-quantum" in reply.error.reason and classical in reply.error.reason, reply.error.reason
     store = key_service.NodeStore.for_context(fed.grid.contexts[100])
-    assert store.held() is None and store.epochs() == []
+    assert store.held() is None and store.epochs() == [] and not (store.root / "pins.json").exists()
+
+
+def test_a_post_quantum_node_refuses_a_classical_key_another_member_made() -> None:
+    """Provision: node 100 (misconfigured, or the server's accomplice) made a fedkv-4096 key;
+    node 101 under he-security post-quantum used to take it and encrypt under it."""
+    fed = Federation(3, **HE, **{"num-server-rounds": 1, "he-security": "post-quantum"})
+    keys = {n: key_service.node_keys(fed.grid.contexts[n], create=True) for n in (100, 101, 102)}
+    dealer = keys[100].dealer("fedkv-4096", epoch=0, effective_round=1)
+    dealer.enroll(keys[101].public)
+    content = RecordDict({
+        messages.PROVISION_REQUEST: ConfigRecord({
+            "dealer-node": "100", "dealer-name": "", "dealer-sign": keys[100].public.sign_public,
+            "members": ["100", "101", "102"], "names": [""] * 3, "partitions": [0, 1, 2],
+            "kx": [keys[n].public.kx_public for n in (100, 101, 102)],
+            "sign": [keys[n].public.sign_public for n in (100, 101, 102)]}),
+        messages.BUNDLES: ArrayRecord({"e0": protocol.bytes_to_array(dealer.wrap_for("101").to_bytes())}),
+        messages.PUBLIC_CONTEXT: ArrayRecord({"ctx": protocol.bytes_to_array(dealer.signed_public_context())}),
+    })
+    reply = fed.grid.deliver(Message(content, dst_node_id=101, message_type=key_service.PROVISION))
+    assert reply.has_error() and reply.error.reason.startswith("DowngradeError: "), reply.error.reason
+    assert key_service.NodeStore.for_context(fed.grid.contexts[101]).held() is None
 
 
 def test_a_node_policy_he_security_floor_refuses_a_classical_run_and_key() -> None:
