@@ -50,6 +50,10 @@ class EnrollmentError(RuntimeError):
     """A file of the node's enrollment is damaged; the message names it."""
 
 
+def _is_keys(rec: Any) -> bool:
+    return isinstance(rec, dict) and set(rec) == {"sign", "kx"} and all(len(bytes.fromhex(v)) == 32 for v in rec.values())
+
+
 def _int(value: Any) -> int | None:
     try:
         return int(str(value).strip())
@@ -89,9 +93,9 @@ class Enrollment:
     def identity(self, node_id: str) -> NodeKeys:
         """This run's identity at the node's first contact: the enrolled one, or a new one
         (first run, or ``re-enroll``), renamed to ``node_id``."""
-        if self.re_enroll and self.path.exists():
-            aside = self.path.with_name(f"{self.path.name}.replaced-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}")
-            os.replace(self.path, aside)
+        if self.re_enroll and self.path.exists():  # moved aside, never deleted
+            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+            os.replace(self.path, self.path.with_name(f"{self.path.name}.replaced-{stamp}-{os.getpid()}"))
         with self._locked():
             path = self.path / "identity.key"
             if not path.exists():
@@ -105,8 +109,8 @@ class Enrollment:
 
     def pin(self, peers: Sequence[Any]) -> None:
         """Check ``peers`` (``node_store.Peer``) against the keys pinned per partition in any
-        earlier run and pin the new partitions; ``ValueError`` subclasses from the caller's
-        ``refuse`` (which names the file) when a peer does not fit, nothing pinned then."""
+        earlier run and pin the new partitions. ``Refused`` (naming the file) when a peer does
+        not fit, ``EnrollmentError`` for a damaged record; nothing is pinned then."""
         with self._locked():
             path = self.path / "members.json"
             pinned = self._members(path)
@@ -137,9 +141,7 @@ class Enrollment:
             if not isinstance(rec, dict) or rec.get("version") != MEMBERS_VERSION:
                 raise ValueError(f"not a version-{MEMBERS_VERSION} member record")
             parts = rec["partitions"]
-            if not isinstance(parts, dict) or not all(
-                    isinstance(k, dict) and set(k) == {"sign", "kx"} and all(len(bytes.fromhex(v)) == 32 for v in k.values())
-                    for k in parts.values()):
+            if not isinstance(parts, dict) or not all(_is_keys(k) for k in parts.values()):
                 raise ValueError("partitions is not an object of {sign, kx} 32-byte hex keys")
         except (OSError, KeyError, TypeError, ValueError) as err:
             raise EnrollmentError(f"{path}: malformed ({type(err).__name__}: {err}); refusing to trust "

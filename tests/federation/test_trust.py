@@ -14,7 +14,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -955,3 +957,24 @@ def test_re_enroll_is_the_operators_say_and_keeps_the_old_enrollment(tmp_path, m
     assert set(_sign_keys(second).values()).isdisjoint(_sign_keys(first).values())
     kept = sorted(p.name for p in (root / "enrolled").iterdir())
     assert len(kept) == 6 and sum(".replaced-" in n for n in kept) == 3, kept
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_two_real_flwr_runs_on_one_node_dir_reuse_the_enrollment(flwr_cli, tmp_path) -> None:
+    """The same through the real CLI: two ``flwr run`` (simulation: new run id, new node ids)
+    on one ``$FEDKV_NODE_DIR`` both complete, nobody refused, and the second run's nodes enroll
+    with the identities the first one made."""
+    root = Path(flwr_cli.env["FEDKV_NODE_DIR"])
+    config = {"num-server-rounds": 1, "task": "digits", "he": True, "dp-mode": "distributed",
+              "noise-multiplier": 0.01, "results-dir": str(tmp_path / "results")}
+    identities = []
+    for _ in range(2):
+        run = flwr_cli.run(num_supernodes=3, run_config=config)
+        assert run.returncode == 0 and run.results_path is not None, run.output[-4000:]
+        data = json.loads(run.results_path.read_text())
+        assert data["status"] == "completed" and data["provisioning"]["refused"] == 0, data["provisioning"]
+        assert data["rounds"][0]["num_clients"] == 3
+        identities.append({p.name: (p / "identity.key").read_bytes() for p in (root / "enrolled").iterdir()})
+    assert sorted(identities[0]) == ["n3-p0", "n3-p1", "n3-p2"] and identities[1] == identities[0]
+    assert len([p for p in root.iterdir() if p.name.startswith("run-")]) == 2
