@@ -3,8 +3,8 @@
 The run config is written by whoever submits the run, i.e. the server side. A node that only
 took part under encryption and noise must not be talked out of them by ``--run-config
 "he=false"``. Its floors come from its node config (``--node-config "require-he=true
-min-noise-multiplier=0.5"``) and, in deployment, from the ``node-policy.json`` of its kit; the
-stricter of the two wins. A run that asks for less is refused before the node does anything, on
+min-noise-multiplier=0.5 he-security='post-quantum'"``) and, in deployment, from the
+``node-policy.json`` of its kit; the stricter of the two wins. A run that asks for less is refused before the node does anything, on
 every path (the fedkv handlers and Flower's array handlers of the flower-central baseline).
 
 Defaults, one rule: a node with a kit (deployment) starts from ``KIT_DEFAULTS``, so
@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from federation.config import RunConfig
+from federation.config import HE_SECURITIES, RunConfig
 
 DP_STRENGTH = {"none": 0, "flower-central": 0, "local": 1, "distributed": 1}
 
@@ -39,6 +39,13 @@ def _bool(value: Any) -> bool:
     return bool(value)
 
 
+def _security(value: Any) -> str:
+    text = str(value).strip().lower()
+    if text not in HE_SECURITIES:
+        raise ValueError(f"he-security {str(value)[:30]!r} is not one of {list(HE_SECURITIES)}")
+    return text
+
+
 @dataclass(frozen=True)
 class NodePolicy:
     require_he: bool = False
@@ -48,6 +55,9 @@ class NodePolicy:
     """Refuse runs whose noise multiplier is lower (and, when > 0, runs without client DP)."""
     min_clients: int = 1
     """Refuse to decrypt an aggregate of fewer updates than this (a small sum says more about each)."""
+    he_security: str = "classical"
+    """``post-quantum``: refuse runs under he-security classical, and (``federation.key_service``)
+    refuse to make or take a CKKS key outside the HE standard's post-quantum column."""
 
     @classmethod
     def of(cls, node_config: Mapping[str, Any], kit_policy: Mapping[str, Any] | None = None) -> NodePolicy:
@@ -61,6 +71,8 @@ class NodePolicy:
                 require_he=any(_bool(s.get("require-he", False)) for s in sources),
                 min_noise_multiplier=max(float(s.get("min-noise-multiplier", 0.0)) for s in sources),
                 min_clients=max(int(s.get("min-clients", 1)) for s in sources),
+                he_security=max((_security(s.get("he-security", "classical")) for s in sources),
+                                key=HE_SECURITIES.index),
             )
         except (TypeError, ValueError) as err:
             raise PolicyError(f"bad node policy value: {err}") from None
@@ -77,5 +89,7 @@ class NodePolicy:
                     f"node policy requires noise-multiplier >= {self.min_noise_multiplier:g}; "
                     f"this run asks for {cfg.noise_multiplier:g}"
                 )
+        if cfg.he and self.he_security == "post-quantum" and cfg.he_security != "post-quantum":
+            raise PolicyError(f"node policy requires he-security=post-quantum; this run asks for {cfg.he_security}")
         if cfg.min_clients < self.min_clients:
             raise PolicyError(f"node policy requires min-clients >= {self.min_clients}; this run has {cfg.min_clients}")

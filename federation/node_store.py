@@ -9,8 +9,9 @@ in the server's process. Node secrets therefore live in files only the node's pr
   roster; what a run adds (rotated keys) goes to ``<kit>/state/run-<run id>/``;
 * simulation: node config ``node-dir``, else ``$FEDKV_NODE_DIR``, else ``~/.fedkv/nodes``, then
   ``/run-<run id>/node-<node id>/``, made on first contact (identity keys, then the CKKS contexts
-  the node receives or makes). ``federation.local.InProcessGrid`` gives its nodes a private
-  temporary ``node-dir``, so in-process runs never meet each other's files. The node that makes
+  the node receives or makes); the identity and the member set pinned across runs live in
+  ``/enrolled/n<N>-p<P>/`` (``federation.enrollment``). ``federation.local.InProcessGrid`` gives
+  its nodes a private temporary ``node-dir``, so in-process runs never meet each other's files. The node that makes
   a new ``run-<run id>`` prunes the root to the newest ``$FEDKV_KEEP_RUNS`` completed runs and
   as many others (default 3, 0 = keep all; never its own run, a pinned run or one in use:
   ``federation.run_retention``); ``python -m federation.deploy.clean`` lists, pins and removes runs.
@@ -59,6 +60,7 @@ from crypto import (
 )
 from crypto.errors import CryptoError, KeyUnwrapError
 from federation import run_retention
+from federation.enrollment import Enrollment, EnrollmentError, Refused
 from node import dir_lease
 
 if TYPE_CHECKING:
@@ -213,10 +215,13 @@ def _hold_run(run_dir: Path) -> None:
 class NodeStore:
     """Identity keys and CKKS contexts (by key epoch) of one node in one run."""
 
-    def __init__(self, root: Path, node_id: str, kit: NodeKit | None = None) -> None:
+    def __init__(self, root: Path, node_id: str, kit: NodeKit | None = None,
+                 enrollment: Enrollment | None = None) -> None:
         self.root = Path(root)
         self.node_id = node_id
         self.kit = kit
+        self.enrollment = enrollment
+        """Without a kit: the node's identity and pins across runs (``federation.enrollment``)."""
 
     @classmethod
     def for_context(cls, context: Any) -> NodeStore:
@@ -232,7 +237,7 @@ class NodeStore:
         if not (base / run).is_dir():
             _new_run(base, run)
         _hold_run(base / run)
-        return cls(base / run / f"node-{node_id}", node_id, None)
+        return cls(base / run / f"node-{node_id}", node_id, None, Enrollment.of(base, context.node_config))
 
     @property
     def run_dir(self) -> Path:
@@ -260,7 +265,10 @@ class NodeStore:
         if not path.exists():
             if not create:
                 raise ProvisioningError("node has no keys: it was not enrolled in this run")
-            keys = NodeKeys.generate(self.node_id)
+            try:
+                keys = self.enrollment.identity(self.node_id) if self.enrollment else NodeKeys.generate(self.node_id)
+            except EnrollmentError as err:
+                raise NodeFileError(str(err)) from None
             write_secret_file(path, keys.private_pem(), passphrase_from_env())
             return keys
         try:
@@ -533,6 +541,13 @@ class NodeStore:
                                      f"{owners[p.partition]!r}; refusing")
             else:
                 added[p.node_id] = {"partition": p.partition, "sign": p.sign_public.hex(), "kx": p.kx_public.hex()}
+        if self.enrollment is not None:  # the partitions' keys pinned in earlier runs
+            try:
+                self.enrollment.pin(peers)
+            except EnrollmentError as err:
+                raise NodeFileError(str(err)) from None
+            except Refused as err:
+                raise PeerKeyError(str(err)) from None
         if added or pinned_n is None:
             record = {"version": PINS_VERSION, "num-partitions": num_partitions, "members": {**pins, **added}}
             write_public_file(path, json.dumps(record, sort_keys=True).encode())

@@ -33,7 +33,6 @@ import os
 import re
 import secrets
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 Message = dict[str, str]
@@ -83,16 +82,15 @@ class ChatCodec:
     @classmethod
     def from_dir(cls, directory: str | os.PathLike | None = None) -> "ChatCodec":
         """The tokenizer of a converted model directory (``node.models``; default its
-        ``default_dir()``), EOS ids from the tokenizer and ``generation_config.json``."""
-        from transformers import AutoTokenizer
-
-        from node.models import default_dir
-        d = Path(directory).expanduser() if directory is not None else default_dir()
-        tok = AutoTokenizer.from_pretrained(d)
+        ``default_dir()``), EOS ids from the tokenizer and ``generation_config.json``: read
+        from the files the pinned manifest lists, verified (``node.models.small_files``), never
+        from whatever else the directory holds."""
+        from node import models
+        files = models.small_files(directory)
+        tok = models.tokenizer_from(files)
         eos = {tok.eos_token_id} - {None}
-        gen = d / "generation_config.json"
-        if gen.is_file():
-            e = json.loads(gen.read_text()).get("eos_token_id")
+        if "generation_config.json" in files:
+            e = json.loads(files["generation_config.json"]).get("eos_token_id")
             eos |= set(e if isinstance(e, list) else [e]) - {None}
         return cls(tok, sorted(eos))
 

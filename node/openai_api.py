@@ -62,6 +62,7 @@ from node.sessions import Sampling
 from node.generation import GenerationBackend, GenerationHandle, GenerationRequest
 from node.openai_protocol import (MAX_SEED, APIError, Params, PromptCodec, TextStream, bad,
                                   parse_chat, parse_completion)
+from node.request_json import BadJSON, decode_object
 from node.serve_auth import Tenants
 
 _log = logging.getLogger("fedkv.openai_api")
@@ -214,12 +215,9 @@ class _Handler(BaseHTTPRequestHandler):
             raise bad(None, "the body must be a JSON object of 1 to "
                             f"{self.server.config.max_body} bytes")
         try:
-            body = json.loads(self.rfile.read(n))
-        except ValueError as e:
-            raise bad(None, f"the body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise bad(None, "the body must be a JSON object")
-        return body
+            return decode_object(self.rfile.read(n))
+        except BadJSON as e:
+            raise bad(None, str(e)) from None
 
     # -- routes ------------------------------------------------------------------------------
     def do_GET(self) -> None:

@@ -47,7 +47,9 @@ def test_a_new_run_prunes_to_keep_runs_but_never_itself(tmp_path, monkeypatch) -
 
     stage_run(root, "run-0", 5 * HOUR)
     _store(root, 4, node_id=101)  # the run exists: another node of it prunes nothing
-    assert names(root) == {"run-0", "run-3", "run-4"}
+    assert names(root) == {"enrolled", "run-0", "run-3", "run-4"}  # the node's lasting identity is no run
+    _store(root, 5)  # a new run prunes runs, never the enrollment
+    assert names(root) == {"enrolled", "run-4", "run-5"}
 
 
 def test_prune_spares_the_current_run_even_when_it_is_the_oldest(tmp_path) -> None:
@@ -76,7 +78,7 @@ def test_a_bad_keep_runs_value_prunes_nothing_and_the_node_still_works(tmp_path,
     root = tmp_path / "nodes"
     stage_run(root, "run-1", HOUR)
     _store(root, 2).identity(create=True)
-    assert names(root) == {"run-1", "run-2"}
+    assert names(root) == {"enrolled", "run-1", "run-2"}
     assert "FEDKV_KEEP_RUNS='two' is not an integer" in caplog.text
 
 

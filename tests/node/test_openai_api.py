@@ -624,3 +624,21 @@ def test_the_default_token_file_is_the_servers_own(tmp_path, monkeypatch):
     assert _token_file(_args(["--token-file", str(own)]), 8471) == own
     assert ensure_token_file(a) and ensure_token_file(b) and a.read_text() != b.read_text()
     assert a.stat().st_mode & 0o777 == 0o600 and a.parent.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_lone_surrogate_or_a_deeply_nested_body_is_a_400_not_a_500(one_thread):
+    """Issue 30: a lone surrogate (json.loads keeps it; encoding the prompt failed later) and
+    100k nested arrays (RecursionError) were 500 "internal error"; both are 400s now."""
+    with serving(lm_model(seed=0).eval(), None, "fedkv-byte") as s:
+        url = f"http://127.0.0.1:{s.server_address[1]}/v1/chat/completions"
+        deep = b"[" * 100_000 + b"]" * 100_000
+        for data, says in ((b'{"model": "fedkv-byte", "max_tokens": 2, "messages": [{"role": "user", '
+                            b'"content": "hi \\ud800"}]}', "surrogate"),
+                           (b'{"model": "fedkv-byte", "max_tokens": 2, "messages": ' + deep + b"}", "nested")):
+            req = urllib.request.Request(url, data, {"Authorization": "Bearer " + TOKENS["bob"],
+                                                     "Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=30)
+            err = json.loads(e.value.read())["error"]
+            assert e.value.code == 400 and says in err["message"], (e.value.code, err)
+            assert err["type"] == "invalid_request_error"
