@@ -74,7 +74,7 @@ def _round_pld(sigma: float, q: float, others: int, lo: int, hi: int | None, h: 
         keep = {math.ceil(math.log1p(-q) / h): 1 - q}
         boundary = atoms(keep, q, {math.ceil(-math.log1p(-q) / h): 1.0}, 0.0)
     else:
-        boundary = atoms({}, 1.0, {}, 1.0)
+        boundary = atoms({0: 0.0}, 1.0, {0: 0.0}, 1.0)  # the target alone decides: all +∞ (``_epsilon`` says ∞ first)
     nothing = atoms({0: 1.0}, 0.0, {0: 1.0}, 0.0)
     gaussian = pld_lib.from_gaussian_mechanism(sigma, sampling_prob=q, value_discretization_interval=h)
     rest = inner + outside
@@ -123,6 +123,11 @@ class WindowedPoissonAccountant:
 
     def _epsilon(self, target_in: bool) -> float:
         """The pair where the run's N nodes hold the target (n = N − 1 others) or not (n = N)."""
+        spared = 1.0  # P(no round's +∞ loss): each round's is q·P(m on the edge), either way
+        for (_, q, population), count in self._rounds.items():
+            spared *= (1 - q * window_masses(population - (1 if target_in else 0), q, self.lo, self.hi)[1]) ** count
+        if 1 - spared > self.delta:  # δ(ε) is at least that mass at every ε
+            return math.inf
         h = _discretization(min(sigma for sigma, _, _ in self._rounds))  # one grid: PLDs compose on it
         composed = None
         for (sigma, q, population), count in sorted(self._rounds.items()):

@@ -89,6 +89,12 @@ def test_a_poisson_window_that_never_binds_costs_nothing_and_one_that_does_is_ch
     assert ledger_eps(1000, 230, None, 2) == math.inf
     assert ledger_eps(1000, 1, 260, 2) == math.inf  # max-clients 260 (P(m = 260) ~ 0.02) the same way
     assert gaussian * 1.02 < ledger_eps(60, 2, None, 30) < gaussian * 1.2
+    everyone = WindowedPoissonAccountant(1e-5, 2)
+    everyone.step(2.0, 1.0, 2)  # q = 1, 2 nodes, min-clients 2: the round goes ahead only with the target
+    assert everyone.epsilon() == math.inf
+    everyone = WindowedPoissonAccountant(1e-5, 2)
+    everyone.step(2.0, 1.0, 10, rounds=3)  # q = 1, 10 nodes: the plain Gaussian (μ = 0.5·√3)
+    assert everyone.epsilon() == pytest.approx(_poisson_pld(2.0, 1.0, 3), rel=1e-3)
     inner, edge, outside = window_masses(59, 0.25, 2, None)
     assert edge == pytest.approx(59 * 0.25 * 0.75**58) and inner + edge + outside == pytest.approx(1.0)
     with pytest.raises(ValueError, match="min-clients"):
