@@ -176,11 +176,11 @@ class RunConfig:
     probability fraction-train and the mean divides by the fixed expected count q·N (DP-FedAvg;
     not rounded, it may be fractional); ε under add-or-remove-one at q = fraction-train itself,
     the probability the sampler draws each node with, never a rounded q·N/N; a draw outside
-    [min-clients, max-clients] skips the round, which trains nobody but is charged as a full
-    release at σ and q (conservative: an upper bound on what it spent;
-    ``tests/federation/test_client_accounting.py::test_skipped_poisson_round_stays_charged``)).
-    ``federation.sampling``. Both accounted with Flower 1.42's ``RdpAccountant``
-    (``federation/client_accounting.py``); every round reports ε per observer
+    [min-clients, max-clients] skips the round; third parties see the skip, which depends on
+    whether a node is there, so every Poisson round is charged with it (dp-accounting's PLD,
+    ``federation/poisson_window.py``, docs/privacy.md; ε is ∞ where the window binds often,
+    e.g. 10 nodes, q 0.25, min-clients 2)). ``federation.sampling``. Fixed is accounted with
+    Flower 1.42's ``RdpAccountant`` (``federation/client_accounting.py``); every round reports ε per observer
     (``epsilon_client`` against third parties, amplified; ``epsilon_server``, ``epsilon_node``,
     ``epsilon_colluding`` without amplification: ``federation/privacy_ledger.py``)."""
     adaptive_clipping: bool = False

@@ -509,8 +509,7 @@ class OpaqueFedAvg:
         if self.cfg.dp_mode not in ("local", "distributed"):
             return math.nan
         run = RoundCharge(self.cfg, self.sampler, self.saturation_delta, self.packing, self.dim)
-        self.ledger, self.client_epsilon = charge_round(run, self.ledger, self.client_epsilon, rec, release,
-                                                        len(self._topup_by_node))
+        self.ledger, self.client_epsilon = charge_round(run, self.ledger, rec, release, len(self._topup_by_node))
         return self.client_epsilon
 
     def discard_if_refused(self, evaluated: PhaseReplies, rec: RoundRecord) -> None:
