@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -86,6 +87,15 @@ def _sleeper(argv_tail: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", *argv_tail])
 
 
+def _wait_for_exec(pid: int, marker: str, limit_s: float = 60.0) -> None:
+    """Until the child has exec'd its script (before that /proc shows the forked parent's
+    command line: the check would fail on that, not on what it tests); bounded."""
+    deadline = time.monotonic() + limit_s
+    while marker not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+        assert time.monotonic() < deadline, f"pid {pid} never ran {marker}"
+        time.sleep(0.01)
+
+
 def test_a_live_record_is_reused_only_while_it_is_what_fedkv_started(tmp_path, now, listening) -> None:
     """The recorded process must carry fedkv's command line and hold its port."""
     home = tmp_path / "home"
@@ -93,6 +103,7 @@ def test_a_live_record_is_reused_only_while_it_is_what_fedkv_started(tmp_path, n
     exe = executable(Path(now.executable), "import time; time.sleep(600)")
     proc = subprocess.Popen([str(exe), "--port", str(listening), "--log-file", str(log)])
     try:
+        _wait_for_exec(proc.pid, str(exe))
         record = link.Record(proc.pid, start_time(proc.pid) or 0, os.getuid(), listening, 1, now)
         link._write_record(home, record)
         # the port is held by this test process, not by the recorded one
