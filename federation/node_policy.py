@@ -9,6 +9,7 @@ stricter of the two wins. A run that asks for less is refused before the node do
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,8 @@ class NodePolicy:
     """Refuse runs whose noise multiplier is lower (and, when > 0, runs without client DP)."""
     min_clients: int = 1
     """Refuse to decrypt an aggregate of fewer updates than this (a small sum says more about each)."""
+    max_serve_gate_tolerance: float = math.inf
+    """Refuse runs whose ``serve-gate-tolerance`` is higher (a looser gate before serving)."""
 
     @classmethod
     def of(cls, node_config: Mapping[str, Any], kit_policy: Mapping[str, Any] | None = None) -> NodePolicy:
@@ -46,6 +49,7 @@ class NodePolicy:
                 require_he=any(_bool(s.get("require-he", False)) for s in sources),
                 min_noise_multiplier=max(float(s.get("min-noise-multiplier", 0.0)) for s in sources),
                 min_clients=max(int(s.get("min-clients", 1)) for s in sources),
+                max_serve_gate_tolerance=min(float(s.get("max-serve-gate-tolerance", math.inf)) for s in sources),
             )
         except (TypeError, ValueError) as err:
             raise PolicyError(f"bad node policy value: {err}") from None
@@ -62,5 +66,8 @@ class NodePolicy:
                     f"node policy requires noise-multiplier >= {self.min_noise_multiplier:g}; "
                     f"this run asks for {cfg.noise_multiplier:g}"
                 )
+        if cfg.serve_gate_tolerance > self.max_serve_gate_tolerance:
+            raise PolicyError(f"node policy requires serve-gate-tolerance <= {self.max_serve_gate_tolerance:g}; "
+                              f"this run asks for {cfg.serve_gate_tolerance:g}")
         if cfg.min_clients < self.min_clients:
             raise PolicyError(f"node policy requires min-clients >= {self.min_clients}; this run has {cfg.min_clients}")
