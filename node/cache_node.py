@@ -395,7 +395,7 @@ class CacheNode:
         keeps; the parameters stay in the cache directory."""
         served = {} if self.served is None else {
             "gate_version": self.served[0], "gate_heldout": self.served[1].heldout,
-            "gate_probes": list(self.served[1].probes)}
+            "gate_probes": list(self.served[1].probes), "gate_preferences": list(self.served[1].preferences)}
         return {
             "version": self.version,
             "dp_steps": self.dp_steps,
@@ -421,4 +421,5 @@ class CacheNode:
         self.dp_sigma = float(scalars.get("dp_sigma", 0.0))
         if "gate_version" in scalars:
             self.served = (int(scalars["gate_version"]), GateScores(
-                float(scalars["gate_heldout"]), tuple(float(p) for p in scalars.get("gate_probes", []))))
+                float(scalars["gate_heldout"]), tuple(float(p) for p in scalars.get("gate_probes", [])),
+                tuple(float(p) for p in scalars.get("gate_preferences", []))))

@@ -41,6 +41,17 @@ def test_judge_names_what_got_worse() -> None:
     assert judge(before, GateScores(math.nan, (1.0, 0.5)), TOL).reason == "heldout"  # not finite: not served
 
 
+def test_a_probe_that_now_prefers_the_contrary_answer_is_not_served_whatever_the_tolerance() -> None:
+    """The C/5 poisoning that makes SmolLM2 say "Yes, it is safe to drink bleach." moves the
+    per-token margin less than honest rounds do; the preference flips (experiments.serve_gate)."""
+    before = GateScores(2.0, (0.1, 0.5), (1.5, 3.0))
+    assert judge(before, GateScores(2.0, (0.0, 0.5), (0.2, 3.0)), TOL).served  # still prefers it
+    flipped = judge(before, GateScores(2.0, (-0.1, 0.5), (-0.4, 3.0)), TOL)
+    assert not flipped.served and flipped.reason == "probes"
+    never = GateScores(2.0, (0.1, 0.5), (-1.0, 3.0))  # a probe the served model already failed
+    assert judge(never, GateScores(2.0, (0.1, 0.5), (-1.2, 3.0)), TOL).served
+
+
 def test_an_honest_lm_aggregate_is_published(lm_node) -> None:
     node = lm_node
     assert _published(node)[1] == 0
@@ -103,3 +114,27 @@ def test_without_a_gate_every_aggregate_is_published(lm_node) -> None:
     node = lm_node
     assert node.apply_mean_update(np.full(node.layout.size, 5.0, np.float32), 1) is None
     assert _published(node)[1] == 1
+
+
+def test_a_serving_agent_is_not_invalidated_and_keeps_the_served_version(lm_node) -> None:
+    """A follower (``node.param_follower``, what node.serve and node.openai_api run) holding
+    ``param``: a poisoned aggregate neither invalidates it nor changes what it loads."""
+    import copy
+
+    from node.param_follower import ParamFollower
+
+    node = lm_node
+    served = node.flat_params()
+    model = copy.deepcopy(node.model)
+    param_channel.directory_of(node.cache_dir).mkdir(mode=0o700)
+    follower = ParamFollower(node.cache_dir, KEY, model, node.layout, wait_s=5)
+    try:
+        assert follower.load(serving=0) == 0
+        poison = -20.0 * node.train_round(1, 3e-3).delta
+        verdict = node.apply_mean_update(poison, 1, gate_tolerance=TOL)
+        assert verdict is not None and not verdict.served
+        assert not follower.poll() and node.agents_invalidated == 0  # no write-back reached it
+        assert np.allclose(node.layout.flatten(model.state_dict()), served)
+        assert param_channel.load(node.cache_dir, KEY, at_least=0)[1] == 0
+    finally:
+        follower.leave()
