@@ -247,8 +247,9 @@ class RunConfig:
     serve_gate_tolerance: float = 0.5
     """The gate before serving (``node.serve_gate``), nats, >= 0: a node keeps an aggregate unserved
     (trains on from it; its serving agents keep the last served version) when its held-out loss rose
-    by more than this over the served version's, or a chat probe's margin (log-likelihood per token,
-    expected minus contrary answer) fell by more; node-config ``max-serve-gate-tolerance`` caps it."""
+    by more than this over the served version's, a chat probe's margin (log-likelihood per token,
+    expected minus contrary answer) fell by more, or a probe's preferred answer flipped to the
+    contrary one; node-config ``max-serve-gate-tolerance`` caps it (docs/threat-model.md)."""
     kv_stale_policy: str = "invalidate"
     """What a write-back does to cached K/V: ``invalidate`` (all older K/V unservable: never
     serve K/V of an older model version) or ``keep-<k>`` (serve K/V of up to k older versions;
