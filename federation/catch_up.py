@@ -1,6 +1,7 @@
 """``catch_up``: a node applies the aggregates it is missing before it trains or evaluates, in
-one order: manifest checks -> MAC -> decrypt -> the public bound on the mean -> write-back
-(he=false: decode -> the header's count and weight sum -> the same bound -> write-back).
+one order: manifest checks -> MAC -> decrypt -> the public bound on the mean -> write-back ->
+the gate before serving (``node.serve_gate``: published to the serving agents or kept unserved)
+(he=false: decode -> the header's count and weight sum -> the same bound -> write-back -> gate).
 
 Any aggregate the node will not apply gets the one answer ``AggregateRejected`` (no detail, no
 numbers: what leaves a node must not depend on the secret key's decryption noise), except a
@@ -77,8 +78,8 @@ def catch_up(cfg: RunConfig, node: CacheNode, req: messages.RoundRequest, contex
         mean, made = _open(cfg, context, dim, blob, manifest, timer, last, version)
         scale = fixed_denominator_scale(cfg, context, dim, blob, manifest)
         mean = _adapt(cfg, norms, mean, scale, manifest) if norms else mean * scale
-        with timer.phase("writeback"):
-            node.apply_mean_update(mean, version)
+        with timer.phase("writeback"):  # and the gate before serving (node.serve_gate)
+            node.apply_mean_update(mean, version, gate_tolerance=cfg.serve_gate_tolerance)
             if applied is not None:  # before the commit: a restart must not reopen this round
                 last = AppliedRound(version, *made)
                 applied.note(last, committed)

@@ -35,7 +35,7 @@ from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
 
 from crypto import CONTRIBUTION_NOISE, CONTRIBUTION_UPDATE
-from federation import key_service, messages, node_host, protocol
+from federation import gate_report, key_service, messages, node_host, protocol
 from federation.catch_up import catch_up
 from federation.codec import uses_error_feedback, wire_dim, wire_noise
 from federation.config import RunConfig
@@ -211,7 +211,8 @@ def evaluate(msg: Message, context: Context) -> Message:
         num_examples=n, eval_loss=loss, eval_metric=acc, **_phase_seconds(timer, protocol.NODE_EVAL_PHASES),
         version=node.version, node_source=source, pid=node_host.pid(), kv_on_disk=node_host.kv_on_disk(node, source),
         serve=messages.serve_fields(serving), base_metric=getattr(node.task, "base_metric", None),
-        samples=[(s["question"], s["reply"]) for s in getattr(node.task, "samples", [])]))
+        samples=[(s["question"], s["reply"]) for s in getattr(node.task, "samples", [])],
+        gate=gate_report.node_fields(node.last_gate, node.version)))
 
 
 def _mark_if_last(cfg: RunConfig, server_round: int, context: Context) -> None:

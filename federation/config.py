@@ -244,6 +244,12 @@ class RunConfig:
     (``$FEDKV_SERVE_TRACE``; ``node.workload``). The round line and results show prefix and tier
     hit rates, tokens/s, K/V recomputed because of the write-back, blocks invalidated,
     perplexity."""
+    serve_gate_tolerance: float = 0.5
+    """The gate before serving (``node.serve_gate``), nats, >= 0: a node keeps an aggregate unserved
+    (trains on from it; its serving agents keep the last served version) when its held-out loss rose
+    by more than this over the served version's, a chat probe's margin (log-likelihood per token,
+    expected minus contrary answer) fell by more, or a probe's preferred answer flipped to the
+    contrary one; node-config ``max-serve-gate-tolerance`` caps it (docs/threat-model.md)."""
     kv_stale_policy: str = "invalidate"
     """What a write-back does to cached K/V: ``invalidate`` (all older K/V unservable: never
     serve K/V of an older model version) or ``keep-<k>`` (serve K/V of up to k older versions;
@@ -346,11 +352,8 @@ def known_keys() -> list[str]:
 
 
 def results_dir_of(run_config: Mapping[str, Any]) -> str:
-    """The results-dir of a raw run config if it is a usable string, else "results".
-
-    For writing a ``status: failed: <reason>`` results file when the config itself does
-    not parse (``RunConfig.from_run_config`` raised): never raises.
-    """
+    """The results-dir of a raw run config if it is a usable string, else "results": where a
+    ``status: failed: <reason>`` file goes when the config does not parse. Never raises."""
     try:
         value = run_config.get("results-dir", DEFAULT_RESULTS_DIR)
     except Exception:  # not a mapping at all
@@ -358,7 +361,6 @@ def results_dir_of(run_config: Mapping[str, Any]) -> str:
     if isinstance(value, str) and value.strip() and "\0" not in value:
         return value
     return DEFAULT_RESULTS_DIR
-
 
 
 # -- docs/configuration.md: generated from RunConfig, so every default has one source ------------
@@ -370,7 +372,7 @@ pyproject.toml has the same defaults)."""
 
 _DOC_TAIL = """\
 Each node also holds a policy the run config cannot lower (node config, or `node-policy.json` in
-its kit): `require-he`, `min-noise-multiplier`, `min-clients`, `he-security` (`post-quantum`:
+its kit): `require-he`, `min-noise-multiplier`, `min-clients`, `max-serve-gate-tolerance`, `he-security` (`post-quantum`:
 refuse classical runs and any CKKS key outside the post-quantum column), e.g. `--node-config
 "partition-id=0 num-partitions=5 require-he=true min-noise-multiplier=0.5"`. A run that asks for
 less is refused by that node at enrollment, with the reason in the results file. `require-he` is on
@@ -496,11 +498,8 @@ def _number(value: Any) -> float | None:
 
 
 def _is_stale_policy(policy: str) -> bool:
-    try:
-        stale_versions(policy)
-        return True
-    except ValueError:
-        return False
+    """Whether ``stale_versions`` takes ``policy``."""
+    return policy == "invalidate" or bool((m := _KEEP.fullmatch(policy)) and int(m.group(1)) >= 1)
 
 
 def _range_problems(cfg: RunConfig, bad: set[str]) -> list[str]:
@@ -553,6 +552,7 @@ def _check_values(cfg: RunConfig, check: _Check) -> None:
     check("max-rejected-rounds", lambda: cfg.max_rejected_rounds >= 1, "max-rejected-rounds must be >= 1")
     check("serve-sessions", lambda: 0 <= cfg.serve_sessions <= MAX_SERVE_SESSIONS,
           f"serve-sessions must be in [0, {MAX_SERVE_SESSIONS}]")
+    check("serve-gate-tolerance", lambda: cfg.serve_gate_tolerance >= 0, "serve-gate-tolerance must be >= 0")
     check("kv-stale-policy", lambda: _is_stale_policy(cfg.kv_stale_policy),
           f"kv-stale-policy must be 'invalidate' or 'keep-<k>' (k >= 1), not {cfg.kv_stale_policy!r}")
     check("clip-norm-lr", lambda: math.isfinite(cfg.clip_norm_lr) and cfg.clip_norm_lr >= 0,

@@ -38,10 +38,10 @@ checked against the data before anything is allocated):
 5. Train (``parse_train_reply``): ArrayRecord ``update`` (as 4) + MetricRecord ``metrics``,
    see ``TRAIN_REQUIRED`` / ``TRAIN_OPTIONAL`` / ``TRAIN_NON_DP`` (required without DP, and
    absent under DP: private values outside the accounting).
-6. Evaluate (``parse_eval_reply``): MetricRecord ``metrics``, see ``EVAL_FIELDS`` (and the
-   optional ``base-metric``), plus, optionally, ConfigRecord ``samples`` {``questions``,
-   ``replies``: list[str] of equal length <= 8, each <= 2,000 characters} (the chat task's
-   greedy replies to held-out questions).
+6. Evaluate (``parse_eval_reply``): MetricRecord ``metrics``, see ``EVAL_FIELDS`` (optional:
+   ``base-metric``, ``gate_report.GATE_FIELDS``), plus, optionally, ConfigRecord ``samples``
+   {``questions``, ``replies``: list[str] of equal length <= 8, each <= 2,000 characters} (the
+   chat task's greedy replies to held-out questions).
 
 The server's requests that come with a round (7: ``round_request`` / ``read_round_request`` for
 train and evaluate, ``noise_request`` / ``read_noise_request``) are read by the node; the key
@@ -57,7 +57,7 @@ from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from federation import protocol
+from federation import gate_report, protocol
 from federation.wire_checks import (
     MAX_SECONDS, UNEXPECTED, BadReply, array_bytes, as_bytes, as_flag, as_float, as_int, as_seconds, as_str,
     exact_fields, exact_records, guard, kind_of, safe_reason, show,
@@ -238,6 +238,8 @@ class EvalMetrics:
     not applicable)."""
     samples: list[tuple[str, str]] = field(default_factory=list)
     """(question, greedy reply) pairs on held-out questions (chat task; empty: none)."""
+    gate: dict[str, float] = field(default_factory=dict)
+    """The gate before serving on the aggregate applied (``federation.gate_report``; {}: none)."""
 
 
 # -- 1. enroll -------------------------------------------------------------------------------------
@@ -454,7 +456,7 @@ def metric_fields(metrics: TrainMetrics | EvalMetrics) -> dict[str, int | float]
     out: dict[str, int | float] = {}
     for f in fields(metrics):
         value = getattr(metrics, f.name)
-        if f.name == "serve":
+        if f.name in ("serve", "gate"):
             out.update(value)
         elif f.name == "samples":
             continue  # strings travel in the ``samples`` ConfigRecord (eval_reply)
@@ -481,8 +483,8 @@ def parse_eval_reply(msg: Message) -> EvalMetrics:
     with_samples = isinstance(msg, Message) and SAMPLES in msg.content.keys()
     recs = exact_records(msg, {M: MetricRecord, **({SAMPLES: ConfigRecord} if with_samples else {})})
     m = recs[M]
-    exact_fields(M, m, EVAL_FIELDS, optional=("base-metric",))
-    return EvalMetrics(
+    exact_fields(M, m, EVAL_FIELDS, optional=("base-metric", *gate_report.GATE_FIELDS))
+    return EvalMetrics(gate=gate_report.parse(m, M),
         base_metric=as_float(f"{M}.base-metric", m["base-metric"], 0.0) if "base-metric" in m else None,
         samples=_parse_samples(recs[SAMPLES]) if with_samples else [],
         num_examples=as_int(f"{M}.num-examples", m["num-examples"], 1, MAX_EXAMPLES),
@@ -508,7 +510,6 @@ def eval_reply(msg: Message, metrics: EvalMetrics) -> Message:
         records[SAMPLES] = ConfigRecord({"questions": [q for q, _ in metrics.samples],
                                          "replies": [r for _, r in metrics.samples]})
     return Message(RecordDict(records), reply_to=msg)
-
 
 
 def _parse_samples(rec: ConfigRecord) -> list[tuple[str, str]]:

@@ -15,6 +15,7 @@ node-policy.json; a node without a kit (simulation, ``flwr run .``, tests) start
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,8 @@ class NodePolicy:
     he_security: str = "classical"
     """``post-quantum``: refuse runs under he-security classical, and (``federation.key_service``)
     refuse to make or take a CKKS key outside the HE standard's post-quantum column."""
+    max_serve_gate_tolerance: float = math.inf
+    """Refuse runs whose ``serve-gate-tolerance`` is higher (a looser gate before serving)."""
 
     @classmethod
     def of(cls, node_config: Mapping[str, Any], kit_policy: Mapping[str, Any] | None = None) -> NodePolicy:
@@ -73,6 +76,7 @@ class NodePolicy:
                 min_clients=max(int(s.get("min-clients", 1)) for s in sources),
                 he_security=max((_security(s.get("he-security", "classical")) for s in sources),
                                 key=HE_SECURITIES.index),
+                max_serve_gate_tolerance=min(float(s.get("max-serve-gate-tolerance", math.inf)) for s in sources),
             )
         except (TypeError, ValueError) as err:
             raise PolicyError(f"bad node policy value: {err}") from None
@@ -91,5 +95,8 @@ class NodePolicy:
                 )
         if cfg.he and self.he_security == "post-quantum" and cfg.he_security != "post-quantum":
             raise PolicyError(f"node policy requires he-security=post-quantum; this run asks for {cfg.he_security}")
+        if cfg.serve_gate_tolerance > self.max_serve_gate_tolerance:
+            raise PolicyError(f"node policy requires serve-gate-tolerance <= {self.max_serve_gate_tolerance:g}; "
+                              f"this run asks for {cfg.serve_gate_tolerance:g}")
         if cfg.min_clients < self.min_clients:
             raise PolicyError(f"node policy requires min-clients >= {self.min_clients}; this run has {cfg.min_clients}")

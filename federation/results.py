@@ -30,9 +30,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from federation.gate_report import line as gate_line
 
-SCHEMA = 6
-"""6 replaced ``epsilon_client_no_amplification`` by ε per observer (``epsilon_server``,
+SCHEMA = 7
+"""7 added the round field ``gate`` (the gate before serving).
+6 replaced ``epsilon_client_no_amplification`` by ε per observer (``epsilon_server``,
 ``epsilon_node``, ``epsilon_colluding`` with ``colluding_nodes``) and added the key holders'
 rounding fields and ``delta_total_key_holders``.
 5 added the round fields ``saturation_delta`` and ``delta_total`` (δ of what runs).
@@ -151,13 +153,20 @@ class RoundRecord:
     """No node accepted this round's aggregate (a summand's tag did not match: a node signed a
     ciphertext it did not tag); the round is discarded and the next one starts from the last
     accepted version."""
+    gate: dict[str, Any] = field(default_factory=dict)
+    """The gate before serving over the nodes that evaluated (``federation.gate_report``):
+    ``served`` (every one published this round's model to its serving agents), ``nodes``,
+    ``unserved_nodes``, ``reason`` (heldout | probes | heldout+probes), the mean held-out loss
+    under the served and the new version (``heldout_before`` / ``_after``) and, for chat, the
+    margin of the probe that fell most (``probe_before`` / ``_after``). A node that kept the
+    model unserved trains on from it and serves its last served version. {}: no node reported."""
 
     def summary(self, num_rounds: int) -> str:
         """The round line a person reads: a field without a value is left out, never ``nan``;
         ``per node`` figures are means over the nodes that replied, the rest are the round's."""
         parts = [f"round {self.round}/{num_rounds}", _seconds(self.seconds.get("round")),
                  self._nodes(), self._quality(), self._privacy(), self._traffic(),
-                 self._phases(), self._dropped()]
+                 self._phases(), self._dropped(), gate_line(self.gate)]
         return " · ".join(p for p in parts if p) + serving_line(self.serving)
 
     def _nodes(self) -> str:

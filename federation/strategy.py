@@ -57,7 +57,7 @@ from crypto import CONTRIBUTION_UPDATE, Manifest, ManifestEntry, SignedUpdate
 from crypto import last_modulus, tag_problem, update_header_problem
 from federation.privacy_ledger import PrivacyLedger, RoundCharge, RoundRelease, charge_round
 from crypto.errors import SignatureError
-from federation import messages, protocol
+from federation import gate_report, messages, protocol
 from federation.messages import NodeSource
 from federation.codec import Aggregator, make_aggregator, packing_for, run_saturation_delta
 from federation.config import RunConfig
@@ -544,6 +544,7 @@ class OpaqueFedAvg:
         based = [(x.base_metric, w) for x, w in zip(m, n) if x.base_metric is not None]
         rec.base_metric = weighted_mean([b for b, _ in based], [w for _, w in based])
         rec.samples = [{"question": q, "reply": r} for x in m for q, r in x.samples]
+        rec.gate = gate_report.summarize([x.gate for x in m])
         rec.seconds["eval_decrypt"] = mean([x.decrypt_s for x in m])
         rec.seconds["eval_writeback"] = mean([x.writeback_s for x in m])
         rec.node_seconds["evaluate"] = _node_phase_sums(m, EVAL_PHASES)

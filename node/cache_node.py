@@ -30,8 +30,9 @@ import torch
 from cache import CacheConfig, KVCache
 from crypto import Layout, dp_sgd_epsilon
 from node import digits
-from node import param_channel
+from node import param_channel, serve_gate
 from node.param_channel import exclusive_params
+from node.serve_gate import GateScores, GateVerdict
 from node.workload_pass import ServeReport, serve_workload
 from node.sessions import Sessions
 from node.workload import WorkloadConfig, find_trace, plan_turns
@@ -138,6 +139,11 @@ class CacheNode:
         self.dp_steps = 0
         self.dp_sample_rate = 0.0
         self.dp_sigma = 0.0
+        self.served: tuple[int, GateScores] | None = None
+        """(version, scores) of what the node's serving agents serve (``node.serve_gate``);
+        None until the first gated write-back, which takes the version the node is at."""
+        self.last_gate: tuple[int, GateVerdict] | None = None
+        """The gate's verdict on the last aggregate applied, with its version."""
 
     @functools.cached_property
     def sessions(self) -> Sessions:
@@ -154,18 +160,26 @@ class CacheNode:
         every change of the model's weights does, so no K/V of other weights is served."""
         return self.cache.version
 
-    def _write_params(self, state: dict[str, torch.Tensor], version: int) -> None:
+    def _write_params(self, state: dict[str, torch.Tensor], version: int, publish: bool = True) -> None:
         """Parameters at ``version`` into the cache and the model; K/V computed under any
         older version than the policy keeps are never served again (also after a restore).
-        The node's serving agents are invalidated first (``node.param_channel``) and read the
-        parameters published beside the cache afterwards."""
-        with exclusive_params(self.cache_dir) as invalidated:
+        With ``publish`` the node's serving agents are invalidated first (``node.param_channel``)
+        and read the parameters published beside the cache afterwards; without, they keep
+        serving what they have (an aggregate the gate kept unserved)."""
+        with exclusive_params(self.cache_dir if publish else None) as invalidated:
             for name in self.layout.names:
                 self.cache.put_tensor(f"param/{name}", state[name], version=version)
             load_parameters(self.model, state, self.layout)
             self.cache.set_version(version)
-            if self.cache_dir:
+            if self.cache_dir and publish:
                 param_channel.publish(self.cache_dir, self._cache_key, self.params(), version)
+        self.agents_invalidated += invalidated
+
+    def _publish(self) -> None:
+        """Publish the parameters the node holds to its serving agents (``node.param_channel``)."""
+        with exclusive_params(self.cache_dir) as invalidated:
+            if self.cache_dir:
+                param_channel.publish(self.cache_dir, self._cache_key, self.params(), self.version)
         self.agents_invalidated += invalidated
 
     def _load_cached_params(self) -> bool:
@@ -210,9 +224,13 @@ class CacheNode:
         return self.layout.flatten(self.params()).astype(np.float32)
 
     # -- write-back ---------------------------------------------------------------
-    def apply_mean_update(self, mean_delta: np.ndarray, version: int) -> None:
+    def apply_mean_update(self, mean_delta: np.ndarray, version: int,
+                          gate_tolerance: float | None = None) -> GateVerdict | None:
         """params <- params + mean delta at ``version`` (exactly the next one); stale K/V
-        becomes unreachable."""
+        becomes unreachable. With ``gate_tolerance`` the new parameters pass the gate before
+        serving (``node.serve_gate``): served (published) only when they are not markedly worse
+        than the served ones; otherwise the node trains on from them and its serving agents keep
+        the served version. Returns the gate's verdict (None without a gate)."""
         if version != self.version + 1:
             raise ValueError(f"aggregate v{version} does not follow node's v{self.version}")
         mean_delta = np.asarray(mean_delta)
@@ -222,8 +240,26 @@ class CacheNode:
             )
         if not np.all(np.isfinite(mean_delta)):
             raise ValueError("aggregate contains NaN/Inf; refusing to write it back")
-        new = self.flat_params().astype(np.float64) + mean_delta
-        self._write_params(self.layout.unflatten(new.astype(np.float32), as_torch=True), version)
+        new = self.layout.unflatten((self.flat_params().astype(np.float64) + mean_delta).astype(np.float32),
+                                    as_torch=True)
+        if gate_tolerance is None:
+            self._write_params(new, version)
+            return None
+        before = self._served_scores()
+        self._write_params(new, version, publish=False)
+        verdict = serve_gate.judge(before, serve_gate.scores(self.task, self.model), gate_tolerance)
+        if verdict.served:
+            self._publish()
+            self.served = (version, verdict.after)
+        self.last_gate = (version, verdict)
+        return verdict
+
+    def _served_scores(self) -> GateScores:
+        """The gate's baseline: the scores of the served version (the model the node is at when
+        it has not gated yet: a fresh node serves what it holds)."""
+        if self.served is None:
+            self.served = (self.version, serve_gate.scores(self.task, self.model))
+        return self.served[1]
 
     # -- local training ------------------------------------------------------------
     def train_round(self, epochs: int, lr: float, dp: DpConfig = DpConfig()) -> TrainOutcome:
@@ -360,17 +396,22 @@ class CacheNode:
         self.model.eval()
 
     # -- state between objects and processes ---------------------------------------------
-    def scalars(self) -> dict[str, int | float]:
-        """The node's public scalars (model version, DP-SGD accounting): what ``context.state``
+    def scalars(self) -> dict[str, int | float | list[float]]:
+        """The node's public scalars (model version, DP-SGD accounting, the served version and
+        its gate scores, computed on public held-out data and probes): what ``context.state``
         keeps; the parameters stay in the cache directory."""
+        served = {} if self.served is None else {
+            "gate_version": self.served[0], "gate_heldout": self.served[1].heldout,
+            "gate_probes": list(self.served[1].probes), "gate_preferences": list(self.served[1].preferences)}
         return {
             "version": self.version,
             "dp_steps": self.dp_steps,
             "dp_sample_rate": self.dp_sample_rate,
             "dp_sigma": self.dp_sigma,
+            **served,
         }
 
-    def to_state(self) -> tuple[np.ndarray, dict[str, int | float]]:
+    def to_state(self) -> tuple[np.ndarray, dict[str, int | float | list[float]]]:
         """(flat params, scalars): a node without a cache directory copied into another."""
         return self.flat_params(), self.scalars()
 
@@ -385,3 +426,7 @@ class CacheNode:
         self.dp_steps = int(scalars.get("dp_steps", 0))
         self.dp_sample_rate = float(scalars.get("dp_sample_rate", 0.0))
         self.dp_sigma = float(scalars.get("dp_sigma", 0.0))
+        if "gate_version" in scalars:
+            self.served = (int(scalars["gate_version"]), GateScores(
+                float(scalars["gate_heldout"]), tuple(float(p) for p in scalars.get("gate_probes", [])),
+                tuple(float(p) for p in scalars.get("gate_preferences", []))))

@@ -231,7 +231,8 @@ class ChatTask:
         return adapt(chat_base(self.chat_model)[0], LoraConfig(self.lora.rank, self.lora.alpha,
                                                                self.lora.targets, seed))
 
-    def _pad(self) -> int:
+    def pad_id(self) -> int:
+        """The id that pads a batch (the tokenizer's pad, else its EOS, else 0)."""
         tok = self.codec.tokenizer
         pad = None if tok is None else (tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
         return 0 if pad is None else int(pad)
@@ -247,7 +248,7 @@ class ChatTask:
         steps = epochs * self.steps_per_epoch
         for _ in range(steps):
             idx = torch.randint(0, len(self.share), (self.batch_size,), generator=g).tolist()
-            ids, labels = qa.batch(self.codec, [self.share[i] for i in idx], self.max_len, self._pad())
+            ids, labels = qa.batch(self.codec, [self.share[i] for i in idx], self.max_len, self.pad_id())
             loss = qa.answer_loss(model, ids, labels)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -263,7 +264,7 @@ class ChatTask:
         model.eval()
         with torch.no_grad():
             for i in range(0, len(self.eval_pairs), 8):
-                ids, labels = qa.batch(self.codec, self.eval_pairs[i:i + 8], self.max_len, self._pad())
+                ids, labels = qa.batch(self.codec, self.eval_pairs[i:i + 8], self.max_len, self.pad_id())
                 total += float(qa.answer_loss(model, ids, labels, reduction="sum"))
                 count += int((labels != qa.IGNORE).sum())
         return total / count, count
