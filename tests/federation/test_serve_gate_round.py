@@ -20,14 +20,15 @@ RUN = {"task": "digits", "he": False, "dp-mode": "none", "num-server-rounds": 2,
 
 
 def _poison_the_second_aggregate(monkeypatch) -> None:
-    """The aggregate that makes v2 comes out of decryption as -30 x itself (inside any norm bound
-    a run could set: a scaled honest mean), as a poisoning key holder could make it."""
+    """The aggregate that makes v2 comes out of decryption as -300 x itself (a scaled honest mean:
+    updates are clipped to C = 1, so a norm of at most 300, inside the bound a run with a large
+    clip-norm admits), as a poisoning key holder could make it."""
     opened = catch_up._open
     seen: dict[bytes, int] = {}
 
-    def poisoned(cfg, context, dim, blob, manifest, timer):
-        mean, made_in = opened(cfg, context, dim, blob, manifest, timer)
-        return (mean * -30.0 if seen.setdefault(blob, len(seen)) == 1 else mean), made_in
+    def poisoned(cfg, context, dim, blob, manifest, timer, *replay_state):
+        mean, made_in = opened(cfg, context, dim, blob, manifest, timer, *replay_state)
+        return (mean * -300.0 if seen.setdefault(blob, len(seen)) == 1 else mean), made_in
 
     monkeypatch.setattr(catch_up, "_open", poisoned)
 
