@@ -132,7 +132,9 @@ def _train(cfg: RunConfig, req: messages.RoundRequest, context: Context,
 def _dp_sgd_config(cfg: RunConfig, clip_norm: float) -> DpConfig:
     """What DP-SGD inside the node's training (``CacheNode.train_round``) needs."""
     return DpConfig(clip_norm=clip_norm, noise_multiplier=wire_noise(cfg)[1], dp_sgd=cfg.dp_sgd,
-                    target_delta=cfg.target_delta)
+                    target_delta=cfg.target_delta, target_epsilon=cfg.dp_sgd_epsilon,
+                    planned_rounds=cfg.num_server_rounds, expected_batch=cfg.dp_sgd_batch,
+                    example_clip=cfg.dp_sgd_clip)
 
 
 def _train_metrics(cfg: RunConfig, out: TrainOutcome, made: Contribution, node: CacheNode, source: NodeSource,

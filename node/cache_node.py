@@ -32,6 +32,7 @@ from crypto import Layout, dp_sgd_epsilon
 from node import digits
 from node import param_channel
 from node.param_channel import exclusive_params
+from node.dp_sgd import ExampleDp
 from node.workload_pass import ServeReport, serve_workload
 from node.sessions import Sessions
 from node.workload import WorkloadConfig, find_trace, plan_turns
@@ -68,16 +69,26 @@ def os_entropy_torch_generator() -> torch.Generator:
 
 @dataclass(frozen=True)
 class DpConfig:
-    """Sample-level privacy inside local training: per-sample DP-SGD (Opacus). The update-level
-    mechanism (clip, noise share) is not the node's: ``federation.contribution.make_contribution``."""
+    """Example-level privacy inside local training: per-example DP-SGD (digits: Opacus; lm and
+    chat: ``node.dp_sgd``). The update-level mechanism (clip, noise share) is not the node's:
+    ``federation.contribution.make_contribution``."""
 
     clip_norm: float = 0.0
-    """Opacus' per-sample bound (1.0 when 0)."""
+    """Per-example bound C (1.0 when 0)."""
     noise_multiplier: float = 0.0
-    """Opacus' sigma."""
+    """σ of DP-SGD (digits; lm/chat when ``target_epsilon`` is 0)."""
     dp_sgd: bool = False
-    """Per-sample DP-SGD with Opacus during local training (digits)."""
+    """Per-example DP-SGD during local training."""
     target_delta: float = 1e-5
+    target_epsilon: float = 0.0
+    """lm/chat: σ is the smallest that keeps ``planned_rounds`` rounds of steps within
+    (target_epsilon, target_delta) (Opacus' make_private_with_epsilon); 0: ``noise_multiplier``."""
+    planned_rounds: int = 1
+    """Rounds the node may train in (the run's rounds): the budget ``target_epsilon`` spans."""
+    expected_batch: int = 64
+    """lm/chat: the Poisson batch's expected size (q = expected_batch / examples)."""
+    example_clip: float = 1.0
+    """lm/chat: the per-example bound C (digits: ``clip_norm``, as before)."""
 
 
 @dataclass
@@ -250,11 +261,12 @@ class CacheNode:
         return TrainOutcome(delta, loss, n, float(np.linalg.norm(delta)), train_s, eps)
 
     def _train_dp_sgd(self, epochs: int, lr: float, dp: DpConfig) -> tuple[float, int, float]:
-        """Per-sample DP-SGD with Opacus on a copy; epsilon from all steps so far (RDP)."""
+        """Per-example DP-SGD: Opacus on a copy (digits), ``node.dp_sgd`` for the language
+        tasks; ε from all steps so far (RDP)."""
         from opacus import PrivacyEngine
 
         if self.task.train_loader is None:
-            raise ValueError(f"dp-sgd is available for the digits task, not {self.task.name!r}")
+            return self._train_example_dp(epochs, lr, dp)
         work = copy.deepcopy(self.model).train()
         opt = torch.optim.SGD(work.parameters(), lr=lr)
         # without a generator, Opacus would draw its noise from torch's global generator and its
@@ -282,6 +294,18 @@ class CacheNode:
         self.dp_sigma = dp.noise_multiplier
         eps = dp_sgd_epsilon(self.dp_sigma, self.dp_sample_rate, self.dp_steps, dp.target_delta)
         return loss, self.task.num_examples, eps
+
+    def _train_example_dp(self, epochs: int, lr: float, dp: DpConfig) -> tuple[float, int, float]:
+        """Example-level DP-SGD of the language tasks (``node.dp_sgd``); ε over every step this
+        node has taken (σ and q are fixed for a run: one self-composed sampled Gaussian)."""
+        n, steps = self.task.num_examples, self.task.private_steps(epochs)
+        mech = (ExampleDp.for_target(dp.target_epsilon, dp.target_delta, n, steps * dp.planned_rounds,
+                                     dp.example_clip, dp.expected_batch)
+                if dp.target_epsilon > 0 else ExampleDp(dp.noise_multiplier, dp.example_clip, dp.expected_batch))
+        loss = self.task.train_private(self.model, epochs, lr, mech, os_entropy_torch_generator())
+        self.dp_steps += steps
+        self.dp_sample_rate, self.dp_sigma = mech.sample_rate(n), mech.noise_multiplier
+        return loss, n, mech.epsilon(n, self.dp_steps, dp.target_delta)
 
     # -- Flower's array protocol (the flower-central baseline) --------------------------
     def get_weights(self) -> dict[str, torch.Tensor]:
