@@ -134,18 +134,20 @@ class RunConfig:
     sum, which the server cannot read, carries sigma·C) | flower-central (Flower's
     ``DifferentialPrivacyClientSideFixedClipping``, client-side fixed clipping: a trusted-server
     baseline; needs he=false)."""
-    dp_sgd: bool = False
-    """Example-level DP-SGD in each node's local training (independent of dp-mode; not with
-    dp-mode=flower-central, whose array-protocol training does not run it): digits through
-    Opacus at sigma = noise-multiplier; lm and chat through ``node.dp_sgd`` (Poisson batches,
-    per-example clipping at dp-sgd-clip, noise sized for dp-sgd-epsilon). Reported per round
-    as ``epsilon_sample`` (unit: one training example, against everyone)."""
+    dp_sgd: bool = True
+    """Example-level DP-SGD in each node's local training, independent of dp-mode (not with
+    dp-mode=flower-central, whose array-protocol training does not run it): digits through Opacus,
+    lm and chat through ``node.dp_sgd`` (Poisson batches, per-example clipping, Gaussian noise).
+    Each record a node trains on is then protected at dp-sgd-epsilon against everyone: the
+    server, the other nodes, whoever uses the model. Reported per round as ``epsilon_sample``.
+    false: the client-level mechanism alone (the figures before example-level DP)."""
     dp_sgd_epsilon: float = 8.0
-    """lm/chat with dp-sgd: the example-level epsilon (at target-delta) a node may spend over
-    num-server-rounds rounds; each node picks the smallest sigma that keeps it (Opacus'
+    """The example-level epsilon (at target-delta) a node may spend over num-server-rounds
+    rounds; each node picks the smallest sigma that keeps it (Opacus'
     ``make_private_with_epsilon`` search, RDP). 0: sigma = noise-multiplier."""
-    dp_sgd_batch: int = 64
-    """lm/chat with dp-sgd: the expected Poisson batch (sample rate = batch / the node's examples)."""
+    dp_sgd_batch: int = 0
+    """lm/chat: DP-SGD's expected Poisson batch (sample rate = batch / the node's examples);
+    0: the task's (lm 256, chat 8)."""
     dp_sgd_clip: float = 1.0
     """lm/chat with dp-sgd: the per-example gradient bound."""
     noise_multiplier: float = 0.02
@@ -466,7 +468,7 @@ def _check_values(cfg: RunConfig, check: _Check) -> None:
     check("noise-multiplier", lambda: cfg.noise_multiplier >= 0, "noise-multiplier must be >= 0")
     check("clip-norm", lambda: cfg.clip_norm >= 0, "clip-norm must be >= 0")
     check("dp-sgd-epsilon", lambda: cfg.dp_sgd_epsilon >= 0, "dp-sgd-epsilon must be >= 0 (0: sigma = noise-multiplier)")
-    check("dp-sgd-batch", lambda: cfg.dp_sgd_batch >= 1, "dp-sgd-batch must be >= 1")
+    check("dp-sgd-batch", lambda: cfg.dp_sgd_batch >= 0, "dp-sgd-batch must be >= 0 (0: the task's)")
     check("dp-sgd-clip", lambda: cfg.dp_sgd_clip > 0, "dp-sgd-clip must be > 0")
     check("target-delta", lambda: 0.0 < cfg.target_delta < 1.0, "target-delta must be in (0, 1)")
     check("colluding-nodes", lambda: cfg.colluding_nodes >= 1, "colluding-nodes must be >= 1")

@@ -172,6 +172,9 @@ class RoundRecord:
 
     def _privacy(self) -> str:
         out = []
+        if _finite(self.epsilon_sample):  # example-level DP-SGD: the unit first, named
+            delta = f" δ {_num(self.delta)}" if _finite(self.delta) else ""
+            out.append(f"ε {_num(self.epsilon_sample)}{delta} per training example (vs everyone) ·")
         if _finite(self.epsilon_client):
             out.append(f"ε {_num(self.epsilon_client)}")
             others = [("server", self.epsilon_server), ("a node", self.epsilon_node),
@@ -181,8 +184,6 @@ class RoundRecord:
                      if not math.isnan(e) and not (who == "server" and e == self.epsilon_client)]
             if shown:
                 out.append(f"(vs {', '.join(shown)})")
-        if _finite(self.epsilon_sample):
-            out.append(f"sample ε {_num(self.epsilon_sample)}")
         if _finite(self.delta_total):
             # δ + (1 + e^ε)·δ_sat reaches 1 once ε is large: no (ε, δ) guarantee is left
             out.append(f"δ {_num(self.delta_total)}" if self.delta_total < 1

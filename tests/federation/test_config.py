@@ -101,7 +101,7 @@ def test_every_float_rejects_nan_and_inf(key, value) -> None:
         ({"rotate-every": -1}, "rotate-every must be >= 0"),
         ({"rotate-every": 1.5}, "rotate-every=1.5 is not an integer"),
         ({"max-rejected-rounds": 0}, "max-rejected-rounds must be >= 1"),
-        ({"dp-sgd": True, "task": "lm", "dp-sgd-batch": 0}, "dp-sgd-batch must be >= 1"),
+        ({"dp-sgd": True, "task": "lm", "dp-sgd-batch": -1}, "dp-sgd-batch must be >= 0"),
         ({"dp-sgd-clip": 0.0}, "dp-sgd-clip must be > 0"),
         ({"dp-sgd-epsilon": -1.0}, "dp-sgd-epsilon must be >= 0"),
         ({"dp-sgd": True, "task": "digits", "dp-mode": "flower-central", "he": False},
