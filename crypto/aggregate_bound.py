@@ -81,6 +81,20 @@ What the bound does not stop: a node that holds the key can still put the mean a
 B (its own update may have norm up to about n·B instead of C), and a refused aggregate does not
 show which summand was bad (the round is discarded). Range proofs would; TenSEAL has none.
 
+With he=false (the plaintext codec) the same check runs with the plaintext's terms: every update
+is clipped to C (dp-mode none too), carries the same DP noise, and is neither saturated nor
+rounded to a grid nor encrypted, so v = s² (no rounding, no carry, no CKKS error) and E always
+holds; what remains is float32 on the wire (the update, the sum and the mean each cast once),
+a relative error of a few 2^-24 on the norm, allowed for by ``relative_error``:
+
+    ‖mean‖ <= B = (C + √(s²) · (√d + √(2·ln(1/β))) / W) · (1 + 2^-20).
+
+The header is the server's own (weight sum, update count): the weight check is the same (W = n
+under DP, n/max-weight <= W <= n otherwise), with n the header's count, which the caller holds
+to at least min-clients. There a refusal means the server, or a node that skipped its clipping,
+sent a mean no honest round makes; within B the server, which sees every update, can still
+steer the model (its ``he=false`` row in docs/threat-model.md).
+
 What leaves a node does not depend on the secret key's decryption noise: in mode "packed" the
 check runs on exact integer sums (the noise was rounded away before), and an aggregate reaches
 it only after the MAC, so it is a sum of tagged summands, which only key holders can make.
@@ -95,10 +109,14 @@ import numpy as np
 
 from crypto.errors import ParameterError
 
-__all__ = ["BETA", "MeanBound", "norm_tail"]
+__all__ = ["BETA", "PLAIN_RELATIVE_ERROR", "MeanBound", "norm_tail"]
 
 BETA = 1e-9
 """The probability with which the bound may refuse an honest round (on the event E above)."""
+
+PLAIN_RELATIVE_ERROR = 2.0**-20
+"""he=false: B's relative slack for float32 on the wire (the clipped update, the weight pre-scale,
+the sum and the mean each round once, a relative 2^-24 each; 16 ulps leave room)."""
 
 _HEADER_TOLERANCE = 1e-6
 """|W - n| and W's floor, relative to n: exact in mode packed (fixed-point weights); mode none
@@ -140,6 +158,9 @@ class MeanBound:
     """Per coordinate and update, the error-feedback carry's proxy (step²/4; 0 without feedback)."""
     ckks_error: float = 0.0
     """Per coordinate of the sum, CKKS' approximation error in mode none (0 when packed)."""
+    relative_error: float = 0.0
+    """Relative slack on B for float32 wire values (he=false: ``PLAIN_RELATIVE_ERROR``; 0 under
+    HE, whose rounding the proxies above hold)."""
     unit_weights: bool = True
     """DP: every update has weight 1 and a noise reply 0, so W must be n."""
     max_weight: float = 1.0
@@ -152,7 +173,8 @@ class MeanBound:
     def __post_init__(self) -> None:
         if not (isinstance(self.dim, int) and self.dim >= 1):
             raise ParameterError(f"dim must be an int >= 1, not {self.dim!r}")
-        for name in ("update_noise_var", "shared_noise_var", "rounding_proxy", "carry_proxy", "ckks_error"):
+        for name in ("update_noise_var", "shared_noise_var", "rounding_proxy", "carry_proxy", "ckks_error",
+                     "relative_error"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ParameterError(f"{name} must be finite and >= 0, not {value!r}")
@@ -170,8 +192,9 @@ class MeanBound:
         return norm_tail(v, self.dim, self.beta) + self.ckks_error * math.sqrt(self.dim)
 
     def radius(self, n_updates: int, n_summands: int, weight_sum: float) -> float:
-        """B = C + allowance / W, with W the normalized weight sum (Σ weight / max-weight)."""
-        return self.clip_norm + self.allowance(n_updates, n_summands) / weight_sum
+        """B = (C + allowance / W)·(1 + relative error), with W the normalized weight sum
+        (Σ weight / max-weight)."""
+        return (self.clip_norm + self.allowance(n_updates, n_summands) / weight_sum) * (1.0 + self.relative_error)
 
     def header_matches(self, n_updates: int, n_summands: int, weight_sum: float, contributions: int) -> bool:
         """Whether the decrypted weight sum W (normalized) and count k can be the manifest's:

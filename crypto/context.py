@@ -143,6 +143,13 @@ PQ_LOG_Q_BOUND: dict[int, int] = {2048: 51, 4096: 101, 8192: 202}
 """The HE standard's post-quantum 128-bit bound on log q per N (SEAL enforces the classical one)."""
 
 
+def is_post_quantum(params: CkksParams) -> bool:
+    """Whether ``params`` lie within the HE standard's post-quantum 128-bit column (log q at
+    most ``PQ_LOG_Q_BOUND`` for its ring; a ring the table lacks is not)."""
+    bound = PQ_LOG_Q_BOUND.get(params.poly_modulus_degree)
+    return bound is not None and sum(params.coeff_mod_bit_sizes) <= bound
+
+
 # --- where secret contexts exist ------------------------------------------------------------------
 # The claim "the ServerApp process never creates or deserializes a secret context" is checked, not
 # assumed: every creation and every deserialization of a context holding the secret key is recorded

@@ -46,6 +46,11 @@ N = k = 10 (q = 1), one round, σ = 2, δ = 1e-3, 200,000 trials. Exact ε of th
 would say 2.36; the 95 % lower bound is 2.60–2.72 (seeds 0–2), above 2.36 and below 3.54 (point estimate 3.13–3.16).
 The x vs absent pair at the same settings bounds 1.09–1.19: it would not have caught it. About 5 s
 per audit here (the sampler's draws, one Python call per trial and round).
+
+What it cannot catch: no scores of n trials give more than ``audit_ceiling(n, K)`` ≈
+ln n − ln ln(4K/0.05) (K thresholds scanned; each result carries it as ``epsilon_ceiling``). At
+docs/privacy.md's ε = 8 points (100 clients, 12 rounds, 1,000 trials, seed 0) the ceiling is
+4.7 and the bound 0.60 (fixed) / 1.22 (Poisson): the 1.5× under-reporter's 5.33 goes uncaught.
 """
 
 from __future__ import annotations
@@ -58,8 +63,8 @@ from scipy import stats
 
 from crypto import clip_update, gaussian_noise
 
-__all__ = ["AuditConfig", "AuditInputError", "AuditResult", "gaussian_pair_epsilon", "run_canary_audit",
-           "audit_scores", "EPSILON_CAP", "PAIRS"]
+__all__ = ["AuditConfig", "AuditInputError", "AuditResult", "audit_ceiling", "gaussian_pair_epsilon",
+           "run_canary_audit", "audit_scores", "EPSILON_CAP", "PAIRS"]
 
 EPSILON_CAP = 50.0
 """Estimates are capped here (the two fitted Gaussians are then practically disjoint)."""
@@ -115,6 +120,9 @@ class AuditResult:
     """One-sided Clopper–Pearson lower bound at ``confidence`` (0 = the scores prove nothing)."""
     confidence: float = 0.95
     pair: str = "negated"
+    epsilon_ceiling: float = math.inf
+    """The most ``epsilon_lower`` could have been with these trials and thresholds, whatever the
+    scores (``audit_ceiling``): an accountant's ε above it cannot be refuted by this audit."""
 
     def fails(self, accountant_epsilon: float) -> bool:
         """True when the lower bound proves more ε than the accountant reports (a bug)."""
@@ -214,6 +222,20 @@ def gaussian_pair_epsilon(mu0: float, s0: float, mu1: float, s1: float, delta: f
     return hi
 
 
+def audit_ceiling(trials: int, thresholds: int = 1, delta: float = 0.0, confidence: float = 0.95) -> float:
+    """The largest ``epsilon_lower`` any scores of ``trials`` per world can give when the bound
+    scans ``thresholds`` thresholds: the two worlds perfectly apart, TPR n/n and FPR 0/n. Each
+    Clopper–Pearson bound is at level a = (1 − confidence)/(4K) (``experiments.lira``: α split
+    over the thresholds of both tests), so TPR >= p and FPR <= 1 − p with p = a^(1/n), and the
+    ceiling is ln((p − δ)/(1 − p)) ≈ ln n − ln ln(1/a) = ln n − ln ln(4K/(1 − confidence)).
+    It grows like ln n: a larger ε is out of reach of n trials, whatever the mechanism."""
+    if trials < 1 or thresholds < 1 or not 0 < confidence < 1 or not 0 <= delta < 1:
+        raise AuditInputError("need trials >= 1, thresholds >= 1, confidence in (0, 1), delta in [0, 1)")
+    each = (1 - confidence) / (4 * thresholds)
+    p = math.exp(math.log(each) / trials)
+    return math.log((p - delta) / -math.expm1(math.log(each) / trials)) if p > delta else 0.0
+
+
 def run_canary_audit(cfg: AuditConfig) -> AuditResult:
     """Point estimate and lower bound of ``cfg``'s client-level ε (see the module docstring)."""
     from experiments.lira import epsilon_lower_bound
@@ -229,5 +251,6 @@ def run_canary_audit(cfg: AuditConfig) -> AuditResult:
     scores = np.round(np.r_[a, b] / step)
     labels = np.r_[np.ones(a.size, bool), np.zeros(b.size, bool)]
     lower = epsilon_lower_bound(labels, scores, cfg.delta, alpha=(1 - cfg.confidence) / 2)
+    ceiling = audit_ceiling(cfg.trials, np.unique(scores).size, cfg.delta, cfg.confidence)
     return AuditResult(eps, mean_a, mean_b, s_b, cfg.trials, float(min(lower, EPSILON_CAP)), cfg.confidence,
-                       _pair(cfg))
+                       _pair(cfg), ceiling)

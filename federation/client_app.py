@@ -19,7 +19,9 @@ Protocols, routed by message type:
 * ``train`` / ``evaluate`` (Flower's array protocol): used by the ``flower-central``
   baseline (Flower's FedAvg wrapped in DifferentialPrivacyClientSideFixedClipping);
   ``fixedclipping_mod`` is attached to ``train`` only (on ``ClientApp(mods=...)`` it
-  would break the evaluate replies).
+  would break the evaluate replies). The node loads the weights it is sent as they come, so
+  these handlers check the node policy too: a node that requires HE (every kit, by default)
+  refuses them.
 """
 
 from __future__ import annotations
@@ -191,10 +193,11 @@ def evaluate(msg: Message, context: Context) -> Message:
     chat turn through the cache (the K/V the next process finds on disk)."""
     timer = PhaseTimer()
     cfg = _run_config(context)
+    req = messages.read_round_request(msg)
     with timer.phase("restore"):
         node, source = node_host.get_node(context)
     try:
-        catch_up(cfg, node, messages.read_round_request(msg), context, timer)
+        catch_up(cfg, node, req, context, timer)
         with timer.phase("eval"):
             loss, acc, n = node.evaluate()
         with timer.phase("serve"):  # chat sessions through the cache (their blocks persist)
@@ -205,11 +208,19 @@ def evaluate(msg: Message, context: Context) -> Message:
     except Exception:
         node_host.discard(context)
         raise
+    _mark_if_last(cfg, req.server_round, context)
     return messages.eval_reply(msg, messages.EvalMetrics(
         num_examples=n, eval_loss=loss, eval_metric=acc, **_phase_seconds(timer, protocol.NODE_EVAL_PHASES),
         version=node.version, node_source=source, pid=node_host.pid(), kv_on_disk=node_host.kv_on_disk(node, source),
         serve=messages.serve_fields(serving), base_metric=getattr(node.task, "base_metric", None),
         samples=[(s["question"], s["reply"]) for s in getattr(node.task, "samples", [])]))
+
+
+def _mark_if_last(cfg: RunConfig, server_round: int, context: Context) -> None:
+    """After the last round's evaluation (the final aggregate applied), mark the run completed:
+    retention then counts it among the completed runs (``federation.run_retention``)."""
+    if server_round >= cfg.num_server_rounds:
+        NodeStore.for_context(context).mark_completed()
 
 
 # --- Flower's array protocol: the flower-central DP baseline --------------------------
@@ -225,18 +236,19 @@ def clipping_mod(msg: Message, context: Context, call_next: Any) -> Message:
 @app.train(mods=[clipping_mod])
 @node_host.releasing
 def train_arrays(msg: Message, context: Context) -> Message:
-    """Load the global weights, train, return weights (Flower's mod clips the update)."""
-    cfg = RunConfig.from_run_config(context.run_config)
+    """Load the global weights, train, return weights (Flower's mod clips the update); only a
+    run the node's policy allows (``require-he`` refuses this he=false path)."""
+    cfg = _run_config(context)
     node, source = node_host.get_node(context)
     arrays = msg.content.array_records["arrays"]
     node.set_weights(arrays.to_torch_state_dict())
     before = np.concatenate([a.ravel() for a in arrays.to_numpy_ndarrays()])
     server_round = int(msg.content.config_records["config"]["server-round"])
-    loss, n, train_s = node.train_in_place(cfg.local_epochs, cfg.lr, server_round)
+    clip = float(msg.content.config_records["config"].get("clipping_norm", 0.0))
+    loss, n, train_s, eps = node.train_in_place(cfg.local_epochs, cfg.lr, server_round, _dp_sgd_config(cfg, clip))
     reply_arrays = ArrayRecord(node.get_weights())
     after = np.concatenate([a.ravel() for a in reply_arrays.to_numpy_ndarrays()])
     norm = float(np.linalg.norm(after - before))
-    clip = float(msg.content.config_records["config"].get("clipping_norm", 0.0))
     metrics = {
         "num-examples": n,
         "unit-weight": 1,  # flower_central.UNIT_WEIGHT: FedAvg with uniform weights
@@ -247,6 +259,7 @@ def train_arrays(msg: Message, context: Context) -> Message:
         "delta-norm": norm,
         "node-source": source,
         "pid": node_host.pid(),
+        **({"epsilon-sample": eps} if cfg.dp_sgd else {}),
     }
     content = RecordDict({"arrays": reply_arrays, "metrics": MetricRecord(metrics)})
     return Message(content, reply_to=msg)
@@ -255,10 +268,15 @@ def train_arrays(msg: Message, context: Context) -> Message:
 @app.evaluate()
 @node_host.releasing
 def evaluate_arrays(msg: Message, context: Context) -> Message:
-    """Evaluate Flower-sent global weights on the local held-out share."""
+    """Evaluate Flower-sent global weights on the local held-out share (as ``train_arrays``,
+    only a run the node's policy allows)."""
+    _run_config(context)
     node, _ = node_host.get_node(context)
     node.set_weights(msg.content.array_records["arrays"].to_torch_state_dict())
     loss, acc, n = node.evaluate()
     # unit-weight: Flower's FedAvg checks its weight key in evaluate replies too
     metrics = MetricRecord({"num-examples": n, "unit-weight": 1, "eval-loss": loss, "eval-metric": acc})
+    config = msg.content.config_records.get("config")
+    if config is not None and "server-round" in config:
+        _mark_if_last(RunConfig.from_run_config(context.run_config), int(config["server-round"]), context)
     return Message(RecordDict({"metrics": metrics}), reply_to=msg)

@@ -94,10 +94,32 @@ class PlainClientCodec:
         return _HEADER.pack(MAGIC, _UPDATE, self.dim, float(weight), 1) + payload.tobytes()
 
     def decode_mean(self, blob: bytes) -> np.ndarray:
-        dim, total_w, _count, payload = _parse(blob, _AGGREGATE, self.dim, MAX_BYTES_DEFAULT)
-        if total_w <= 0:
-            raise CodecError("aggregate has no weight")
-        return (payload.astype(np.float64) / total_w).astype(np.float32)
+        return self.decode(blob).mean.astype(np.float32)
+
+    def decode(self, blob: bytes) -> PlainAggregate:
+        """``decode_mean`` with the header the server wrote (weight sum, update count), for the
+        node's bound on the mean (``crypto.MeanBound.admits``). A weight sum that is not finite
+        and > 0, or a mean that is not finite, is refused here."""
+        _dim, total_w, count, payload = _parse(blob, _AGGREGATE, self.dim, MAX_BYTES_DEFAULT)
+        if not (math.isfinite(total_w) and total_w > 0):
+            raise CodecError("aggregate weight sum must be finite and > 0")
+        with np.errstate(over="ignore"):
+            mean = payload / total_w
+        if not np.all(np.isfinite(mean)):
+            raise CodecError("aggregate mean contains NaN/Inf")
+        return PlainAggregate(mean, float(total_w), int(count))
+
+
+@dataclass(frozen=True)
+class PlainAggregate:
+    """A decoded plaintext aggregate: what its header claims, as the server wrote it."""
+
+    mean: np.ndarray
+    """Σ wᵢ·Δᵢ / Σ wᵢ, float64."""
+    weight_sum: float
+    """Σ wᵢ in weight units (example counts with dp-mode none, 1 per update under DP)."""
+    count: int
+    """Updates summed (the server's top-up noise shares are not counted)."""
 
 
 @dataclass

@@ -5,8 +5,7 @@ Every key is checked before any round starts, and every problem is reported at o
 one ``ConfigError`` (a ``ValueError``): an unknown key (named, with the close known names),
 a value of the wrong type (``num-server-rounds=2.5``, ``he=2``, ``lr='fast'``), NaN or
 infinity for any float, a value out of range, and combinations the code cannot run
-(``dp-sgd=true`` with ``task=lm``/``chat`` or with ``dp-mode=flower-central``,
-``dp-mode=flower-central`` with ``he=true``, ...).
+(``dp-mode=flower-central`` with ``he=true``, ...).
 
 Accepted spellings (the CLI gives TOML values, tests and scripts give Python ones):
 
@@ -135,8 +134,7 @@ class RunConfig:
     ``DifferentialPrivacyClientSideFixedClipping``, client-side fixed clipping: a trusted-server
     baseline; needs he=false)."""
     dp_sgd: bool = True
-    """Example-level DP-SGD in each node's local training, independent of dp-mode (not with
-    dp-mode=flower-central, whose array-protocol training does not run it): digits through Opacus,
+    """Example-level DP-SGD in each node's local training, whatever the dp-mode: digits through Opacus,
     lm and chat through ``node.dp_sgd`` (Poisson batches, per-example clipping, Gaussian noise).
     Each record a node trains on is then protected at dp-sgd-epsilon against everyone: the
     server, the other nodes, whoever uses the model. Reported per round as ``epsilon_sample``.
@@ -162,8 +160,8 @@ class RunConfig:
     this population"; ``python -m experiments.privacy_accuracy`` shows where client-level DP pays
     off."""
     clip_norm: float = 1.0
-    """L2 bound C on one update. Applied under DP, and under HE in every dp-mode (the
-    CKKS encoding needs a bounded range): > 0 then."""
+    """L2 bound C on one update, > 0: every update is clipped to it (CKKS needs a bounded range, and
+    every node, he=true or false, refuses a mean beyond the bound C implies: crypto.aggregate_bound)."""
     target_delta: float = 1e-5
     """delta of the reported epsilon, in (0, 1)."""
     colluding_nodes: int = 2
@@ -185,11 +183,11 @@ class RunConfig:
     probability fraction-train and the mean divides by the fixed expected count q·N (DP-FedAvg;
     not rounded, it may be fractional); ε under add-or-remove-one at q = fraction-train itself,
     the probability the sampler draws each node with, never a rounded q·N/N; a draw outside
-    [min-clients, max-clients] skips the round, which trains nobody but is charged as a full
-    release at σ and q (conservative: an upper bound on what it spent;
-    ``tests/federation/test_client_accounting.py::test_skipped_poisson_round_stays_charged``)).
-    ``federation.sampling``. Both accounted with Flower 1.42's ``RdpAccountant``
-    (``federation/client_accounting.py``); every round reports ε per observer
+    [min-clients, max-clients] skips the round; third parties see the skip, which depends on
+    whether a node is there, so every Poisson round is charged with it (dp-accounting's PLD,
+    ``federation/poisson_window.py``, docs/privacy.md; ε is ∞ where the window binds often,
+    e.g. 10 nodes, q 0.25, min-clients 2)). ``federation.sampling``. Fixed is accounted with
+    Flower 1.42's ``RdpAccountant`` (``federation/client_accounting.py``); every round reports ε per observer
     (``epsilon_client`` against third parties, amplified; ``epsilon_server``, ``epsilon_node``,
     ``epsilon_colluding`` without amplification: ``federation/privacy_ledger.py``)."""
     adaptive_clipping: bool = False
@@ -240,8 +238,8 @@ class RunConfig:
     """Also rotate the CKKS key every K rounds (>= 0); 0 = only when a node leaves (it always
     rotates when a node leaves a round)."""
     max_rejected_rounds: int = 3
-    """he=true: after this many rounds in a row whose aggregate every node refused (a key-holding
-    node's summand broke the public bound on the mean, or its tag or encrypted header: see the
+    """After this many rounds in a row whose aggregate every node refused (a node's summand broke
+    the public bound on the mean, or under HE a key holder's tag or encrypted header: see the
     threat model's "malicious node"; the server cannot tell whose), the run stops with ``status``
     "stopped: K rounds in a row had their aggregate refused by every node (...)" instead of going
     on without progress (>= 1). A refused round is discarded and the run goes on; an accepted one
@@ -466,7 +464,8 @@ def _check_values(cfg: RunConfig, check: _Check) -> None:
     check("min-clients", lambda: cfg.min_clients >= 1, "min-clients must be >= 1")
     check("max-weight", lambda: cfg.max_weight > 0, "max-weight must be > 0")
     check("noise-multiplier", lambda: cfg.noise_multiplier >= 0, "noise-multiplier must be >= 0")
-    check("clip-norm", lambda: cfg.clip_norm >= 0, "clip-norm must be >= 0")
+    check("clip-norm", lambda: cfg.clip_norm > 0,
+          "clip-norm must be > 0 (every update is clipped to it; nodes refuse a mean beyond the bound it implies)")
     check("dp-sgd-epsilon", lambda: cfg.dp_sgd_epsilon >= 0, "dp-sgd-epsilon must be >= 0 (0: sigma = noise-multiplier)")
     check("dp-sgd-batch", lambda: cfg.dp_sgd_batch >= 0, "dp-sgd-batch must be >= 0 (0: the task's)")
     check("dp-sgd-clip", lambda: cfg.dp_sgd_clip > 0, "dp-sgd-clip must be > 0")
@@ -505,10 +504,6 @@ def _check_combinations(cfg: RunConfig, check: _Check) -> None:
     """Keys that constrain each other."""
     check("max-clients min-clients", lambda: cfg.max_clients >= max(cfg.min_clients, 1),
           "max-clients must be >= min-clients")
-    check("clip-norm dp-mode", lambda: cfg.dp_mode == "none" or cfg.clip_norm != 0,
-          "clip-norm must be > 0 when dp-mode is not none")
-    check("clip-norm he", lambda: not cfg.he or cfg.clip_norm != 0,
-          "clip-norm must be > 0 when he=true (updates are clipped to bound the CKKS encoding range)")
     check("he-security ckks-preset", lambda: cfg.he_security == "classical" or cfg.ckks_preset in ("auto",) + PQ_PRESETS,
           f"he-security post-quantum needs ckks-preset auto or one of {PQ_PRESETS}, not {cfg.ckks_preset!r}")
     check("rotate-every he", lambda: cfg.rotate_every == 0 or cfg.he,
@@ -526,6 +521,3 @@ def _check_combinations(cfg: RunConfig, check: _Check) -> None:
     check("task dp-mode", lambda: not (cfg.task == "chat" and cfg.dp_mode == "flower-central"),
           "task=chat does not run with dp-mode=flower-central (Flower's array protocol would ship "
           "the whole base model); use dp-mode none, local or distributed")
-    check("dp-sgd dp-mode", lambda: not (cfg.dp_sgd and cfg.dp_mode == "flower-central"),
-          "dp-sgd=true does not run with dp-mode=flower-central (its array-protocol training has "
-          "no DP-SGD); use dp-mode none, local or distributed")

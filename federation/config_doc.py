@@ -26,9 +26,15 @@ pyproject.toml has the same defaults)."""
 
 _DOC_TAIL = """\
 Each node also holds a policy the run config cannot lower (node config, or `node-policy.json` in
-its kit): `require-he`, `min-noise-multiplier`, `min-clients`, e.g. `--node-config
+its kit): `require-he`, `min-noise-multiplier`, `min-clients`, `he-security` (`post-quantum`:
+refuse classical runs and any CKKS key outside the post-quantum column), e.g. `--node-config
 "partition-id=0 num-partitions=5 require-he=true min-noise-multiplier=0.5"`. A run that asks for
-less is refused by that node at enrollment, with the reason in the results file.
+less is refused by that node at enrollment, with the reason in the results file. `require-he` is on
+for every node with a kit (deployment) unless its `node-policy.json` says `"require-he": false`;
+without a kit (simulation, `flwr run .`) it is off and the run config decides, so `he=false`
+baselines run there. Without kits a node keeps its identity and the member set it pinned
+across runs (`<node-dir>/enrolled/`); node config `re-enroll=true` (or `$FEDKV_RE_ENROLL=1`) makes a run a new enrollment
+(docs/threat-model.md).
 
 Examples, one per task:
 

@@ -6,9 +6,10 @@ The whole mechanism, in order, all of it here: the node only trains and hands ov
 update (``node.cache_node.CacheNode.train_round``; DP-SGD's per-sample clipping and noise, when
 on, happen inside that training):
 
-1. **clip** the update to the round's norm C (dp-mode local/distributed; he=true with dp-mode
-   none too, with the run's ``clip-norm``, because the CKKS encoding needs a bounded range,
-   ``federation.codec.packing_for``);
+1. **clip** the update to the round's norm C (dp-mode local/distributed; dp-mode none too, with
+   the run's ``clip-norm``: the CKKS encoding needs a bounded range, ``federation.codec.packing_for``,
+   and every node refuses a mean beyond the bound C implies, ``crypto.aggregate_bound``, he=false
+   included);
 2. **noise share** (dp-mode local/distributed): the node's Gaussian share (σC/√k distributed,
    σC local) drawn from ``rng``, in float64 so the encoder's dither sees the noisy value
    unrounded (steps 1 and 2: ``crypto.dp.privacy.clip_and_noise``);
@@ -154,7 +155,7 @@ def make_contribution(cfg: RunConfig, delta: np.ndarray, *, num_examples: int, c
             delta, clipped = clip_and_noise(delta, cfg.dp_mode, clip_norm, wire_noise(cfg)[1], num_sampled, rng)
         else:
             delta, clipped = np.asarray(delta, dtype=np.float32), False
-            if cfg.he and cfg.dp_mode == "none":  # 1. (no noise: only the encoding's bounded range)
+            if cfg.dp_mode == "none":  # 1. (no noise: the encoding's range and the nodes' bound on the mean)
                 res = clip_update(delta, cfg.clip_norm)
                 delta, clipped = np.asarray(res.clipped, dtype=np.float32), res.was_clipped
         if adaptive_clipping_for(cfg) is not None:  # 3. (dp-mode distributed only: never with 1.)

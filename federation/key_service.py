@@ -65,6 +65,7 @@ from crypto import (
     unwrap_bundle,
     verify_public_context,
 )
+from crypto.context import PQ_LOG_Q_BOUND, PRESETS, CkksParams, is_post_quantum
 from crypto.errors import CryptoError
 from federation import messages, protocol
 from federation.messages import BUNDLES, CTX, ENROLL_REQUEST, PROVISION_REQUEST, PUBLIC_CONTEXT
@@ -72,7 +73,7 @@ from federation.config import RunConfig
 from federation.node_store import MemberSetError, NodeStore, Peer, PeerKeyError, ProvisioningError
 from federation.node_policy import NodePolicy
 
-__all__ = ["ENROLL", "KEYGEN", "PROVISION", "KeyService", "AdmitReport", "MemberSetError", "PeerKeyError",
+__all__ = ["ENROLL", "KEYGEN", "PROVISION", "KeyService", "AdmitReport", "DowngradeError", "MemberSetError", "PeerKeyError",
            "ProvisioningError", "node_keys", "node_policy", "secret_context", "sign"]
 
 ENROLL = "query.fedkv_enroll"
@@ -183,12 +184,35 @@ def _members(req: ConfigRecord, store: NodeStore, context: Context) -> list[tupl
     return [(pub, name) for pub, name, _ in members]
 
 
+class DowngradeError(ProvisioningError):
+    """A CKKS key below this node's he-security (a classical ring for a post-quantum node)."""
+
+
+def _check_security(context: Context, preset: str | CkksParams, what: str) -> None:
+    """Refuse a CKKS ring outside the node's he-security: the stricter of the run config's (as
+    this node reads it) and its own policy's (node config / kit ``he-security``). The server
+    names the preset in its keygen request; the node does not take its word for it."""
+    cfg = RunConfig.from_run_config(context.run_config)
+    required = "post-quantum" if "post-quantum" in (cfg.he_security, node_policy(context).he_security) else "classical"
+    if isinstance(preset, str):
+        if preset not in PRESETS:
+            raise ProvisioningError(f"{what}: unknown CKKS preset {preset[:40]!r}; refusing")
+        preset = PRESETS[preset]
+    if required == "post-quantum" and not is_post_quantum(preset):
+        raise DowngradeError(
+            f"{what}: the CKKS preset {preset.name!r} (log q {sum(preset.coeff_mod_bit_sizes)} at N="
+            f"{preset.poly_modulus_degree}) is below this node's he-security post-quantum (log q <= "
+            f"{PQ_LOG_Q_BOUND.get(preset.poly_modulus_degree, 0)}); refusing: no key is made or taken")
+
+
 def handle_keygen(msg: Message, context: Context) -> Message:
     """``query.fedkv_keygen``: make (fresh) or re-wrap CKKS keys for the listed members."""
     node_policy(context).check(RunConfig.from_run_config(context.run_config))
     req = msg.content.config_records[messages.KEYGEN]
     store = NodeStore.for_context(context)
     keys = store.identity()
+    if int(req["fresh"]):  # before anything is pinned
+        _check_security(context, str(req["preset"]), "keygen")
     epoch, members = int(req["epoch"]), _members(req, store, context)
     if int(req["fresh"]):
         dealer = keys.dealer(str(req["preset"]), epoch=epoch, effective_round=int(req["effective-round"]))
@@ -199,6 +223,7 @@ def handle_keygen(msg: Message, context: Context) -> Message:
     packs: dict[str, list[bytes]] = {pub.node_id: [] for pub, _ in members}
     dealer = None
     for e in epochs:
+        _check_security(context, store.context(e).params, f"keygen (epoch {e})")
         dealer = keys.dealer(store.context(e).params, context=store.context(e), epoch=e)
         for pub, _ in members:
             dealer.enroll(pub)
@@ -230,11 +255,12 @@ def handle_provision(msg: Message, context: Context) -> Message:
     req = msg.content.config_records[PROVISION_REQUEST]
     store = NodeStore.for_context(context)
     dealer_sign = bytes(req["dealer-sign"])
-    _check_dealer(context, store, req, dealer_sign)
-    keys = store.identity()
     pub_signed = protocol.array_to_bytes(msg.content.array_records[PUBLIC_CONTEXT][CTX])
     pub_bytes, pub_epoch, _ = verify_public_context(pub_signed, dealer_sign)
-    public = load_public_context(pub_bytes)
+    public = load_public_context(pub_bytes)  # refuses a secret context before parsing it
+    _check_security(context, public.params, "provision")  # before anything is pinned
+    _check_dealer(context, store, req, dealer_sign)
+    keys = store.identity()
     newest = None
     for key, arr in sorted(msg.content.array_records[BUNDLES].items()):
         bundle = WrappedKeyBundle.from_bytes(protocol.array_to_bytes(arr))

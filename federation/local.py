@@ -75,19 +75,26 @@ def make_context(node_id: int, partition_id: int, num_partitions: int, run_confi
 
 
 class InProcessGrid:
-    """Flower ``Grid`` stand-in: nodes ``100 .. 100+num_nodes-1`` = partitions ``0 .. n-1``."""
+    """Flower ``Grid`` stand-in: nodes ``100 .. 100+num_nodes-1`` (from ``first_node_id``) =
+    partitions ``0 .. n-1``."""
 
-    def __init__(self, num_nodes: int, run_config: Mapping[str, Any], run_id: int = 1) -> None:
+    def __init__(self, num_nodes: int, run_config: Mapping[str, Any], run_id: int = 1, *,
+                 node_dir: str | None = None, first_node_id: int = FIRST_NODE_ID) -> None:
+        """``node_dir``: the nodes' root, kept (a second grid on it is a second run of the same
+        nodes, as two ``flwr run`` on one ``$FEDKV_NODE_DIR``); default a private temporary one,
+        removed with the grid. ``first_node_id``: Flower gives each run new node ids."""
         if num_nodes < 1:
             raise ValueError("num_nodes must be >= 1")
         set_server_identity(run_id)
         self.run_id = run_id
         self.run_config = dict(run_config)
-        self.node_dir = tempfile.mkdtemp(prefix="fedkv-grid-")
-        """The nodes' key files (private to this grid; removed with it)."""
-        weakref.finalize(self, shutil.rmtree, self.node_dir, True)
+        if node_dir is None:
+            node_dir = tempfile.mkdtemp(prefix="fedkv-grid-")
+            weakref.finalize(self, shutil.rmtree, node_dir, True)
+        self.node_dir = str(node_dir)
+        """The nodes' key files (``node-dir`` of every node)."""
         self.contexts: dict[int, Context] = {
-            FIRST_NODE_ID + i: make_context(FIRST_NODE_ID + i, i, num_nodes, run_config, run_id, self.node_dir)
+            first_node_id + i: make_context(first_node_id + i, i, num_nodes, run_config, run_id, self.node_dir)
             for i in range(num_nodes)
         }
         self.faults: dict[tuple[int, str], Fault] = {}
@@ -119,6 +126,12 @@ class InProcessGrid:
         self.received.extend(replies)
         return replies
 
+    @staticmethod
+    def error_reason(ex: Exception) -> str:
+        """The reason an Error reply carries for a handler's exception (the short form; a test
+        swaps in Flower's own forms, which the strategy reads too)."""
+        return f"{type(ex).__name__}: {ex}"
+
     def deliver(self, msg: Message) -> Message:
         """Run the real ClientApp for one message, as the simulation engine does."""
         node = msg.metadata.dst_node_id
@@ -126,7 +139,7 @@ class InProcessGrid:
         try:
             reply = client_app.app(msg, ctx)
         except Exception as ex:  # the engine reports exceptions as Error replies
-            return Message(Error(code=1, reason=f"{type(ex).__name__}: {ex}"), reply_to=msg)
+            return Message(Error(code=1, reason=self.error_reason(ex)), reply_to=msg)
         self.contexts[node] = ctx
         return reply
 

@@ -9,7 +9,8 @@ What persists where (``NodeRuntime``; measured, see docs/flower-notes.md):
 * **context.state** (``fedkv.meta``): public scalars only -- the version, DP-SGD accounting and a
   generation counter. In simulation it lives in the ServerApp's process, so nothing secret.
 * **The node directory** (``federation.node_store``): keys, CKKS contexts, the error-feedback
-  residual, the adaptive clip-norm history and the kept replies -- no parameters.
+  residual, the adaptive clip-norm history, the kept replies and the record of the aggregates
+  applied (``federation.applied_log``) -- no parameters.
 * **published-params.bin** beside the cache (``node.param_channel``): a sealed copy for the
   node's serving agent, which cannot open the store while a ClientApp holds it; never read back.
 * **Process memory**: a reuse cache of built nodes (a Ray actor in simulation, shared by all

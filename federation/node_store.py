@@ -9,17 +9,24 @@ in the server's process. Node secrets therefore live in files only the node's pr
   roster; what a run adds (rotated keys) goes to ``<kit>/state/run-<run id>/``;
 * simulation: node config ``node-dir``, else ``$FEDKV_NODE_DIR``, else ``~/.fedkv/nodes``, then
   ``/run-<run id>/node-<node id>/``, made on first contact (identity keys, then the CKKS contexts
-  the node receives or makes). ``federation.local.InProcessGrid`` gives its nodes a private
-  temporary ``node-dir``, so in-process runs never meet each other's files. The node that makes
-  a new ``run-<run id>`` prunes the root to the newest ``$FEDKV_KEEP_RUNS`` runs (default 3,
-  0 = keep all; never its own run); ``python -m federation.deploy.clean`` lists and removes runs.
+  the node receives or makes); the identity and the member set pinned across runs live in
+  ``/enrolled/n<N>-p<P>/`` (``federation.enrollment``). ``federation.local.InProcessGrid`` gives
+  its nodes a private temporary ``node-dir``, so in-process runs never meet each other's files. The node that makes
+  a new ``run-<run id>`` prunes the root to the newest ``$FEDKV_KEEP_RUNS`` completed runs and
+  as many others (default 3, 0 = keep all; never its own run, a pinned run or one in use:
+  ``federation.run_retention``); ``python -m federation.deploy.clean`` lists, pins and removes runs.
+  A node process holds a lease (``node.dir_lease``) on each run directory it works in for as long
+  as it lives, so a run in progress is never removed, and marks the run ``COMPLETED`` once it
+  has evaluated the last round (``mark_completed``).
 
 Files are written by ``crypto.at_rest`` (atomic, mode 0600), sealed with
 ``$FEDKV_NODE_KEY_PASSPHRASE`` when it is set. ``context.state`` keeps nothing secret.
 
 The directory also keeps the node's signed replies to the tagged requests (train, noise share),
 one per round and kind (``answer_once``): a request repeated for a round gets the byte-identical
-reply, never a second MAC tag (``crypto.binding``, issue 20).
+reply, never a second MAC tag (``crypto.binding``, issue 20). Beside them, ``applied.json``
+(``federation.applied_log``): the round and key epoch of the aggregate that made each model
+version, so a replayed aggregate is refused across restarts too (issue 30).
 
 Damaged files fail loudly, naming the file: a secret file carries a key check value
 (``crypto.at_rest``: "<path>: key check failed: the file changed since it was written"), a CKKS
@@ -37,6 +44,7 @@ import logging
 import os
 import re
 import tempfile
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -52,6 +60,8 @@ from crypto import (
 )
 from crypto.errors import CryptoError, KeyUnwrapError
 from federation import run_retention
+from federation.enrollment import Enrollment, EnrollmentError, Refused
+from node import dir_lease
 
 if TYPE_CHECKING:
     from federation.startup_kit import NodeKit
@@ -59,6 +69,9 @@ if TYPE_CHECKING:
 NODE_DIR_ENV = run_retention.NODE_DIR_ENV
 _log = logging.getLogger("fedkv.node_store")
 
+_RUN_LEASES: dict[str, dir_lease.Lease] = {}
+"""This process's lease on each run directory it worked in (kept until the process exits)."""
+_RUN_LEASES_LOCK = threading.Lock()
 _CONTEXTS: OrderedDict[tuple[str, int], CkksContext] = OrderedDict()
 """Per-process cache of loaded secret contexts (loading costs ~6 ms); gone with the process."""
 _KITS: dict[str, Any] = {}
@@ -169,35 +182,75 @@ def _new_run(base: Path, run: str) -> None:
         (base / run).mkdir(mode=0o700)
     except FileExistsError:
         return
+    _hold_run(base / run)  # before pruning: another node's retention must not take it meanwhile
     try:
         report = run_retention.prune(base, run_retention.keep_from_env(), current=run)
     except (OSError, run_retention.CleanError) as err:
         _log.warning("node-dir retention skipped under %s: %s", base, err)
         return
-    if report.removed:
-        _log.info("node-dir retention: removed %s (%d bytes) under %s",
-                  ", ".join(n for n, _ in report.removed), report.freed, base)
+    for name, size in report.removed:
+        _log.info("node-dir retention: removed %s (%s, %d bytes)", base / name, run_retention.human(size), size)
+    for line in run_retention.kept_lines(report):
+        _log.info("node-dir retention under %s: %s", base, line)
+
+
+def _hold_run(run_dir: Path) -> None:
+    """Hold this process's lease on ``run_dir`` (once per process and run; a run directory
+    that exists no more has its lease dropped, so a long-lived process does not pile up fds)."""
+    key = str(run_dir)
+    with _RUN_LEASES_LOCK:
+        held = _RUN_LEASES.get(key)
+        if held is not None and held.path.exists():
+            return
+        for other, lease in list(_RUN_LEASES.items()):
+            if not lease.path.exists():
+                lease.release()
+                del _RUN_LEASES[other]
+        try:
+            _RUN_LEASES[key] = dir_lease.take(run_dir, "flower.node")
+        except OSError as err:  # the node works on; retention falls back on its last write
+            _log.warning("no lease on %s: %s", run_dir, err)
 
 
 class NodeStore:
     """Identity keys and CKKS contexts (by key epoch) of one node in one run."""
 
-    def __init__(self, root: Path, node_id: str, kit: NodeKit | None = None) -> None:
+    def __init__(self, root: Path, node_id: str, kit: NodeKit | None = None,
+                 enrollment: Enrollment | None = None) -> None:
         self.root = Path(root)
         self.node_id = node_id
         self.kit = kit
+        self.enrollment = enrollment
+        """Without a kit: the node's identity and pins across runs (``federation.enrollment``)."""
 
     @classmethod
     def for_context(cls, context: Any) -> NodeStore:
         node_id, run = str(context.node_id), f"run-{context.run_id}"
         kit_dir = str(context.node_config.get("kit-dir", "") or "")
         if kit_dir:
-            return cls(Path(kit_dir) / "state" / run, node_id, _kit(kit_dir))
+            state = Path(kit_dir) / "state" / run
+            if state.is_dir():
+                _hold_run(state)
+            return cls(state, node_id, _kit(kit_dir))
         node_dir = str(context.node_config.get("node-dir", "") or "")
         base = Path(node_dir) if node_dir else run_retention.default_node_root()
         if not (base / run).is_dir():
             _new_run(base, run)
-        return cls(base / run / f"node-{node_id}", node_id, None)
+        _hold_run(base / run)
+        return cls(base / run / f"node-{node_id}", node_id, None, Enrollment.of(base, context.node_config))
+
+    @property
+    def run_dir(self) -> Path:
+        """The run's directory: ``<kit>/state/run-<id>``, or ``<root>/run-<id>`` above the node's."""
+        return self.root if self.kit is not None else self.root.parent
+
+    def mark_completed(self) -> None:
+        """Mark the run completed (``federation.run_retention.COMPLETED``): retention counts it
+        among the completed runs, which failed attempts never push out. Idempotent."""
+        marker = self.run_dir / run_retention.COMPLETED
+        if not marker.exists():
+            self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            write_public_file(marker, f"completed: node {self.node_id} evaluated the last round\n".encode())
 
     @property
     def name(self) -> str:
@@ -212,7 +265,10 @@ class NodeStore:
         if not path.exists():
             if not create:
                 raise ProvisioningError("node has no keys: it was not enrolled in this run")
-            keys = NodeKeys.generate(self.node_id)
+            try:
+                keys = self.enrollment.identity(self.node_id) if self.enrollment else NodeKeys.generate(self.node_id)
+            except EnrollmentError as err:
+                raise NodeFileError(str(err)) from None
             write_secret_file(path, keys.private_pem(), passphrase_from_env())
             return keys
         try:
@@ -485,6 +541,13 @@ class NodeStore:
                                      f"{owners[p.partition]!r}; refusing")
             else:
                 added[p.node_id] = {"partition": p.partition, "sign": p.sign_public.hex(), "kx": p.kx_public.hex()}
+        if self.enrollment is not None:  # the partitions' keys pinned in earlier runs
+            try:
+                self.enrollment.pin(peers)
+            except EnrollmentError as err:
+                raise NodeFileError(str(err)) from None
+            except Refused as err:
+                raise PeerKeyError(str(err)) from None
         if added or pinned_n is None:
             record = {"version": PINS_VERSION, "num-partitions": num_partitions, "members": {**pins, **added}}
             write_public_file(path, json.dumps(record, sort_keys=True).encode())

@@ -264,9 +264,19 @@ def epsilon_figure(rows: list[dict[str, Any]]) -> Figure | None:
     values = [v for ys in curves.values() for v in ys if math.isfinite(v)]
     if min(values) > 0 and max(values) / min(values) > 100:
         ax.set_yscale("log")
-    delta = next((r["delta"] for r in rows if r.get("delta") is not None), None)
+    delta = run_delta(rows)
     ax.set(ylabel="ε", title="ε so far per round" + (f" (δ = {delta:g})" if delta is not None else ""))
     return fig
+
+
+def run_delta(rows: list[dict[str, Any]]) -> float | None:
+    """The run's δ: the last round's ``delta_total`` (δ + (1 + e^ε)·δ_sat, the largest so far),
+    not the target ``delta``, which only results that predate ``delta_total`` fall back to."""
+    for key in ("delta_total", "delta"):
+        found = [v for v in (r.get(key) for r in rows) if v is not None and _is_number(v) and math.isfinite(v)]
+        if found:
+            return found[-1]
+    return None
 
 
 def bytes_figure(rows: list[dict[str, Any]]) -> Figure | None:

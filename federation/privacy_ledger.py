@@ -4,7 +4,9 @@ they do not know (SPEC, crypto: every reported ε says against whom it holds).
 One round releases a noisy sum of clipped updates. Four observers see it differently:
 
 * ``third_party`` — sees released models only and not who was sampled: the sampler's
-  amplification applies (``ClientAccountant.epsilon``). This is ``epsilon_client``.
+  amplification applies (``ClientAccountant.epsilon``; Poisson: ``WindowedPoissonAccountant``,
+  which also charges the skip a third party sees when a draw falls outside [min-clients,
+  max-clients]). This is ``epsilon_client``.
 * ``server`` — draws the sample, so no amplification. With he=true it sees only ciphertexts
   and, at most, the released models: the plain Gaussian at the release's σ. With he=false and
   dp-mode distributed it sees every update carrying only its own share: σ/√k.
@@ -45,6 +47,7 @@ from typing import Any
 from flwr.common import log
 
 from federation.client_accounting import ClientAccountant, GaussianAccountant
+from federation.poisson_window import WindowedPoissonAccountant
 
 __all__ = ["OBSERVERS", "RoundCharge", "RoundRelease", "charge_round", "observer_sigmas", "PrivacyLedger",
            "rounding_delta"]
@@ -59,7 +62,8 @@ class RoundRelease:
     ``sampled`` k; ``shares_by_node``: noise shares each contributing node made (1 for its own
     update plus the top-up shares it made; dp-mode distributed with he=true); ``server_shares``:
     shares the server drew itself (he=false top-up); ``skipped``: a Poisson draw outside
-    [min, max]-clients released nothing (charged anyway: conservative)."""
+    [min, max]-clients released nothing but the skip, which third parties see (charged as the
+    same windowed Poisson round as any other: ``federation.poisson_window``)."""
 
     sampled: int
     shares_by_node: dict[int, int] = field(default_factory=dict)
@@ -103,7 +107,9 @@ class PrivacyLedger:
     """One accountant per observer; ``record(release, sigma)`` composes one round for each.
 
     ``sampling`` and ``population`` are the client sampler's (``ClientAccountant``); only the
-    third party's figure is amplified. ``colluding`` is t."""
+    third party's figure is amplified. ``colluding`` is t. ``min_clients`` / ``max_clients``
+    (None = unbounded) are a Poisson sampler's window: a draw outside it is skipped, and third
+    parties are charged for seeing that (``WindowedPoissonAccountant``)."""
 
     sampling: str
     population: int
@@ -111,27 +117,36 @@ class PrivacyLedger:
     dp_mode: str
     he: bool
     colluding: int = 2
-    _third_party: ClientAccountant = field(init=False, repr=False)
+    min_clients: int = 1
+    max_clients: int | None = None
+    _third_party: ClientAccountant | WindowedPoissonAccountant = field(init=False, repr=False)
     _plain: dict[str, GaussianAccountant] = field(init=False, repr=False)
     _void: set[str] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
-        self._third_party = ClientAccountant(self.sampling, self.population, self.delta)
+        self._third_party = (WindowedPoissonAccountant(self.delta, self.min_clients, self.max_clients)
+                             if self.sampling == "poisson"
+                             else ClientAccountant(self.sampling, self.population, self.delta))
         self._plain = {name: GaussianAccountant(self.population, self.delta, self.sampling)
                        for name in OBSERVERS[1:]}
 
     def record(self, release: RoundRelease, sigma: float, *, sample_size: int | None = None,
-               sample_rate: float | None = None) -> None:
+               sample_rate: float | None = None, population: int | None = None) -> None:
         """Compose one release for every observer; the third party's event is the sampler's:
-        ``sample_rate`` q (poisson) or ``sample_size`` k of ``population`` (fixed)."""
+        ``sample_rate`` q of the round's ``population`` (poisson; default the ledger's) or
+        ``sample_size`` k of ``population`` (fixed)."""
         sigmas = observer_sigmas(self.dp_mode, self.he, sigma, release, self.colluding)
         for name, s in sigmas.items():
             if s <= 0 or name in self._void:
                 self._void.add(name)
-            elif name == "third_party":
-                self._third_party.step(s, sample_size, sample_rate=sample_rate)
-            else:
+            elif name != "third_party":
                 self._plain[name].step(s)
+            elif isinstance(self._third_party, WindowedPoissonAccountant):
+                if sample_rate is None:
+                    raise ValueError("a Poisson round is charged at the sampler's q: pass sample_rate")
+                self._third_party.step(s, sample_rate, population or self.population)
+            else:
+                self._third_party.step(s, sample_size, sample_rate=sample_rate)
 
     def epsilons(self) -> dict[str, float]:
         """ε per observer so far at ``delta`` (∞ once an observer knew all of a round's noise)."""
@@ -154,20 +169,21 @@ class RoundCharge:
     dim: int
 
 
-def charge_round(run: RoundCharge, ledger: PrivacyLedger | None, prior_epsilon: float, rec: Any,
-                 release: RoundRelease, topup_summands: int) -> tuple[PrivacyLedger | None, float]:
+def charge_round(run: RoundCharge, ledger: PrivacyLedger | None, rec: Any, release: RoundRelease,
+                 topup_summands: int) -> tuple[PrivacyLedger | None, float]:
     """Charge one round's release (dp-mode local/distributed): fill ``rec``'s ε per observer and
     δ figures; return the ledger (made at the first charged round, for that round's population:
     Flower's accountant fixes N) and the third parties' ε so far (``epsilon_client``).
 
-    Poisson is charged at the sampler's own q (fraction-train), not at a rounded q·N / N. A
-    skipped Poisson round (a draw outside [min-clients, max-clients]: nobody trains) is charged
-    as a full release at σ: it released nothing, so over-counting is safe."""
+    Poisson is charged at the sampler's own q (fraction-train), not at a rounded q·N / N, and
+    every Poisson round, skipped (a draw outside [min-clients, max-clients]: nobody trains, and
+    third parties see that) or not, as the same windowed mechanism
+    (``federation.poisson_window``)."""
     from crypto import delta_total
 
     cfg = run.cfg
     rec.colluding_nodes = cfg.colluding_nodes
-    ledger, eps = _epsilons_after(run, ledger, prior_epsilon, rec, release)
+    ledger, eps = _epsilons_after(run, ledger, rec, release)
     rec.epsilon_server, rec.epsilon_node, rec.epsilon_colluding = eps["server"], eps["node"], eps["colluding"]
     rec.saturation_delta = run.saturation_delta
     rec.delta_total = delta_total(cfg.target_delta, eps["third_party"], run.saturation_delta)
@@ -177,18 +193,20 @@ def charge_round(run: RoundCharge, ledger: PrivacyLedger | None, prior_epsilon: 
     return ledger, eps["third_party"]
 
 
-def _epsilons_after(run: RoundCharge, ledger: PrivacyLedger | None, prior_epsilon: float, rec: Any,
+def _epsilons_after(run: RoundCharge, ledger: PrivacyLedger | None, rec: Any,
                     release: RoundRelease) -> tuple[PrivacyLedger | None, dict[str, float]]:
-    """The ledger's ε per observer after this round's release."""
+    """The ledger's ε per observer after this round's release. Each observer is followed on its
+    own: the third parties' ε can be ∞ (a Poisson window that binds often) while the others'
+    are finite."""
     cfg, sampler = run.cfg, run.sampler
     sigma = cfg.noise_multiplier
-    if sigma <= 0 or math.isinf(prior_epsilon):
+    if sigma <= 0:
         return ledger, dict.fromkeys(OBSERVERS, math.inf)
     if ledger is None:
         ledger = PrivacyLedger(sampler.method, rec.population, cfg.target_delta, cfg.dp_mode, cfg.he,
-                               cfg.colluding_nodes)
+                               cfg.colluding_nodes, sampler.min_clients, sampler.max_clients)
     if sampler.method == "poisson":  # the probability the sampler draws each node with
-        ledger.record(release, sigma, sample_rate=sampler.fraction)
+        ledger.record(release, sigma, sample_rate=sampler.fraction, population=rec.population)
     else:
         ledger.record(release, sigma, sample_size=_event_size(sampler, ledger, rec))
     return ledger, ledger.epsilons()

@@ -118,6 +118,14 @@ def error_text(reply: object, limit: int = 200) -> str:
     return reason if len(reason) <= limit else reason[:limit] + "..."
 
 
+def is_aggregate_refusal(reason: str) -> bool:
+    """Whether a dropped reply's reason is a node refusing the aggregate, in each form an error
+    reaches the server: Flower writes a ClientApp's exception as ``<class '...'>:<'text'>``
+    (SuperNode; the simulation engine after wrapping it in a ClientAppException), the
+    in-process grid as ``Name: text``."""
+    return reason.removesuffix("'>").endswith(AGGREGATE_REJECTED)
+
+
 def pack_blobs(blobs: list[bytes]) -> bytes:
     """Several byte strings as one (4-byte big-endian length before each)."""
     return b"".join(len(b).to_bytes(4, "big") + b for b in blobs)

@@ -116,7 +116,8 @@ class RoundRecord:
     """The key holders' δ for rounding they can see through (they hold the dither key)."""
     sampling_skipped: bool = False
     """client-sampling=poisson: the draw fell outside [min-clients, max-clients] and the round
-    trained nobody (still charged to the accountant: conservative)."""
+    trained nobody (charged like any Poisson round: third parties see the skip,
+    ``federation.poisson_window``)."""
     epsilon_sample: float = math.nan
     """Largest sample-level DP-SGD ε so far over the nodes (dp-sgd=true)."""
     delta: float = math.nan

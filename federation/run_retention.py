@@ -7,13 +7,27 @@ simulation node makes the directory of a new run it calls ``prune`` with ``$FEDK
 (default 3, 0 = keep all), sparing its own run, so runs do not pile up. The operator's command
 over the same functions is ``python -m federation.deploy.clean``.
 
+What is kept (issue 30: retention once deleted the fine-tuned node a server was serving):
+
+* the newest N *completed* runs, and apart from them the newest N others (failed, stopped or
+  still running), so failed attempts never push a completed run out. A run is completed when
+  its ``COMPLETED`` marker exists: a node writes it once it has evaluated the last round
+  (``NodeStore.mark_completed``), i.e. after the final aggregate was applied;
+* any run in use by a live process: a lease (``node.dir_lease``) anywhere in its tree, held by a
+  serving process on its cache directory (``node.param_follower``) or by a node process on the
+  run directory for as long as that process lives (``NodeStore.for_context``); a lease of a dead
+  process is stale and pins nothing. Never overridden, not even by ``--force``;
+* a pinned run (a ``PINNED`` file in the run directory; ``clean --pin ID``): never removed, not
+  even by ``--all``, and not counted;
+* a run written in the last ``ACTIVE_S`` seconds (it may be live), unless forced.
+
 Safety: only entries named exactly ``run-<digits>`` directly under the root are touched; a
 symlink of that name is unlinked, never followed (its target stays), and ``shutil.rmtree``
 does not follow symlinks inside a run. Newest = latest write: the newest mtime of the run
 directory and its direct entries (each node directory's mtime moves with every file the node
-writes). A run written in the last ``ACTIVE_S`` seconds may be live (another SuperLink can share
-the root), so it is kept unless forced (``active_s=0``). Removing what another process is
-removing at the same time is not an error.
+writes). Removing what another process is removing at the same time is not an error. A
+serving process that starts on a run in the instant between the lease check and the removal
+is not seen; a run this old is not one a serving process is expected to start on.
 """
 
 from __future__ import annotations
@@ -26,11 +40,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from node.dir_lease import Holder, holders
+
 NODE_DIR_ENV = "FEDKV_NODE_DIR"
 KEEP_ENV = "FEDKV_KEEP_RUNS"
 DEFAULT_KEEP = 3
 ACTIVE_S = 300.0
 """A run written this recently may still be live: kept unless forced."""
+COMPLETED = "COMPLETED"
+"""Marker file in a run directory: the run completed (a node evaluated its last round)."""
+PINNED = "PINNED"
+"""Marker file in a run directory: the user pinned the run; retention never removes it."""
 _RUN_NAME = re.compile(r"run-[0-9]+")
 
 
@@ -58,11 +78,22 @@ def is_run_name(name: str) -> bool:
     return _RUN_NAME.fullmatch(name) is not None
 
 
+def human(n: float) -> str:
+    """Bytes for a person: ``512 B``, ``3.5 MB`` (powers of 1000)."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError  # unreachable
+
+
 @dataclass(frozen=True)
 class Run:
     path: Path
     last_write: float
     is_link: bool
+    completed: bool = False
+    pinned: bool = False
 
     @property
     def name(self) -> str:
@@ -79,6 +110,10 @@ class Report:
     """(run name, bytes) removed, or that would be removed under dry_run."""
     active: list[tuple[str, float]] = field(default_factory=list)
     """(run name, seconds since its last write) kept because it may be live."""
+    in_use: list[tuple[str, list[Holder]]] = field(default_factory=list)
+    """(run name, the live leases under it) kept because a live process uses it."""
+    pinned: list[str] = field(default_factory=list)
+    """Runs selected (``--run``, ``--all``) but kept because they are pinned."""
 
     @property
     def freed(self) -> int:
@@ -92,6 +127,8 @@ def _last_write(path: Path, st: os.stat_result) -> float:
         return newest
     with os.scandir(path) as it:
         for entry in it:
+            if entry.name == PINNED:
+                continue
             try:
                 newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
             except FileNotFoundError:
@@ -121,7 +158,9 @@ def runs(root: Path) -> list[Run]:
                 st = os.lstat(path)
                 if not (stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode)):
                     continue
-                found.append(Run(path, _last_write(path, st), stat.S_ISLNK(st.st_mode)))
+                found.append(Run(path, _last_write(path, st), stat.S_ISLNK(st.st_mode),
+                                 completed=os.path.lexists(path / COMPLETED),
+                                 pinned=os.path.lexists(path / PINNED)))
             except (FileNotFoundError, NotADirectoryError):
                 continue
     return sorted(found, key=lambda r: (r.last_write, r.number), reverse=True)
@@ -171,22 +210,44 @@ def remove(run: Run) -> int:
     return size
 
 
+def in_use(run: Run) -> list[Holder]:
+    """The live leases under a run (none for a symlinked run: only the link is removed)."""
+    return [] if run.is_link else holders(run.path)
+
+
+def select(everything: list[Run], keep: int) -> list[Run]:
+    """Runs past the newest ``keep`` completed ones and past the newest ``keep`` others;
+    pinned runs are not counted (nor selected)."""
+    unpinned = [r for r in everything if not r.pinned]
+    done = [r for r in unpinned if r.completed]
+    others = [r for r in unpinned if not r.completed]
+    return sorted(done[keep:] + others[keep:], key=everything.index)
+
+
 def clean(root: Path, *, keep: int | None = None, run: str | None = None, spare: tuple[str, ...] = (),
           active_s: float = ACTIVE_S, dry_run: bool = False, now: float | None = None) -> Report:
-    """Remove runs under ``root``: the one named ``run``, else all but the newest ``keep``
-    (``keep=None``: all). Runs named in ``spare`` are never removed; runs written in the last
-    ``active_s`` seconds are kept and reported. The command and the retention hook both end here."""
+    """Remove runs under ``root``: the one named ``run``, else those ``select`` picks for
+    ``keep`` (``keep=None``: all). Never removed: runs named in ``spare``, pinned runs, runs a
+    live process holds a lease in; runs written in the last ``active_s`` seconds are kept and
+    reported. The command and the retention hook both end here."""
     everything = runs(root)
     if run is not None:
         chosen = [r for r in everything if r.name == run]
         if not chosen:
             raise CleanError(f"no {run} under {root}")
     else:
-        chosen = everything[keep:] if keep is not None else everything
+        chosen = select(everything, keep) if keep is not None else everything
     now = time.time() if now is None else now
     report = Report()
     for r in chosen:
         if r.name in spare:
+            continue
+        if r.pinned:
+            report.pinned.append(r.name)
+            continue
+        live = in_use(r)
+        if live:
+            report.in_use.append((r.name, live))
             continue
         age = now - r.last_write
         if age < active_s:
@@ -196,8 +257,37 @@ def clean(root: Path, *, keep: int | None = None, run: str | None = None, spare:
     return report
 
 
+def pin(root: Path, run: str, pinned: bool = True) -> bool:
+    """Pin (or unpin) ``run`` under ``root``; True when that changed something."""
+    path = check_root(root) / run
+    if not path.is_dir():
+        raise CleanError(f"no {run} under {root}")
+    marker = path / PINNED
+    if pinned == os.path.lexists(marker):
+        return False
+    st = os.stat(path)
+    if pinned:
+        marker.write_text("pinned: retention (FEDKV_KEEP_RUNS, federation.deploy.clean) never removes this run\n")
+    else:
+        marker.unlink()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # pinning is not a write: the run keeps its age
+    return True
+
+
+def kept_lines(report: Report) -> list[str]:
+    """One line per run kept although selected: why, and what would remove it."""
+    lines = [f"kept {name}: in use by {', '.join(h.describe() for h in live)}; stop it to let the run go"
+             for name, live in report.in_use]
+    lines += [f"kept {name}: pinned (python -m federation.deploy.clean --unpin {name} lets it go)"
+              for name in report.pinned]
+    lines += [f"kept {name}: written {age:.0f} s ago, it may be live; --force removes it"
+              for name, age in report.active]
+    return lines
+
+
 def prune(root: Path, keep: int, *, current: str) -> Report:
-    """Retention for a new run: keep the newest ``keep`` runs (0 = all) and always ``current``."""
+    """Retention for a new run: keep the newest ``keep`` completed runs and the newest ``keep``
+    others (0 = all), and always ``current``, pinned runs and runs in use."""
     if keep <= 0:
         return Report()
     return clean(root, keep=keep, spare=(current,))

@@ -34,6 +34,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from crypto import NodeKeys
 from crypto.at_rest import read_secret_file
 from crypto.errors import CryptoError
+from federation.node_policy import KIT_DEFAULTS
 
 __all__ = [
     "KitError",
@@ -47,7 +48,8 @@ __all__ = [
     "fingerprint",
 ]
 
-DEFAULT_POLICY: dict[str, object] = {"require-he": True, "min-noise-multiplier": 0.0}
+DEFAULT_POLICY: dict[str, object] = dict(KIT_DEFAULTS)
+"""What node-policy.json holds where the project sets nothing (``federation.node_policy``)."""
 _SECRET_MODE_MASK = 0o077
 
 

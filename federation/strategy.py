@@ -175,8 +175,8 @@ class OpaqueFedAvg:
             raise AggregatesRefused(
                 f"{k} round{'s' if k > 1 else ''} in a row had their aggregate refused by every node (rounds "
                 f"{', '.join(map(str, self.refused_rounds))}; a node refuses an aggregate whose MAC, header or "
-                f"bound on the mean fails, so a summand came from a node that holds the key and misbehaves, "
-                f"and the server cannot tell which; the model stays at v{len(self.history)}; "
+                f"bound on the mean fails, so a summand came from a node that misbehaves (under HE, one that "
+                f"holds the key), and the server cannot tell which; the model stays at v{len(self.history)}; "
                 f"max-rejected-rounds={k})"
             )
 
@@ -274,7 +274,7 @@ class OpaqueFedAvg:
         if not self.cfg.he:
             return
         left = {d["node"] for d in rec.dropped if d["phase"] in ("train", "evaluate", "noise")
-                and not (rec.aggregate_discarded and d["reason"].endswith(protocol.AGGREGATE_REJECTED))}
+                and not (rec.aggregate_discarded and protocol.is_aggregate_refusal(d["reason"]))}
         gone = self.keys.depart(sorted(left))
         if gone:
             rec.departed = gone
@@ -509,20 +509,20 @@ class OpaqueFedAvg:
         if self.cfg.dp_mode not in ("local", "distributed"):
             return math.nan
         run = RoundCharge(self.cfg, self.sampler, self.saturation_delta, self.packing, self.dim)
-        self.ledger, self.client_epsilon = charge_round(run, self.ledger, self.client_epsilon, rec, release,
-                                                        len(self._topup_by_node))
+        self.ledger, self.client_epsilon = charge_round(run, self.ledger, rec, release, len(self._topup_by_node))
         return self.client_epsilon
 
     def discard_if_refused(self, evaluated: PhaseReplies, rec: RoundRecord) -> None:
-        """he=true: if no node accepted the round's aggregate and some refused it, drop it.
+        """If no node accepted the round's aggregate and some refused it, drop it.
 
         Which summand was bad cannot be found without showing a node two different sums (their
         difference would be a single update), so the round is discarded, not recomputed: every
-        node stays at the last accepted version, nothing of this round was decrypted."""
-        if not self.cfg.he or not self.history:
+        node stays at the last accepted version, nothing of this round was decrypted. With
+        he=false the same (a node refuses a plaintext mean beyond the public bound too)."""
+        if not self.history:
             return
         accepted = any(x.version == len(self.history) for _, x in evaluated.ok)
-        refused = [d for d in evaluated.dropped if d["reason"].endswith(protocol.AGGREGATE_REJECTED)]
+        refused = [d for d in evaluated.dropped if protocol.is_aggregate_refusal(d["reason"])]
         if accepted or not refused:
             return
         self.history.pop()

@@ -161,7 +161,9 @@ class CacheNode:
     @property
     def version(self) -> int:
         """Global aggregates applied so far (0 = the seeded initial model): the cache's one
-        model-version counter, which the stored parameters are tagged with."""
+        model-version counter, which the stored parameters are tagged with. On Flower's array
+        path (the flower-central baseline) ``set_weights`` and ``train_in_place`` move it too:
+        every change of the model's weights does, so no K/V of other weights is served."""
         return self.cache.version
 
     def _write_params(self, state: dict[str, torch.Tensor], version: int) -> None:
@@ -323,7 +325,10 @@ class CacheNode:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def set_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Load Flower's weights into the model (no write-back: ``param/`` stays); the cache
+        moves to a new model version, so K/V computed under other weights is never served."""
         self.model.load_state_dict(state)
+        self.cache.bump_version()
 
     def train_in_place(self, epochs: int, lr: float, server_round: int,
                        dp: DpConfig = DpConfig()) -> tuple[float, int, float, float]:

@@ -11,16 +11,18 @@ and produces tokens as it runs; a consumer iterates a handle from its own thread
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from node.sessions import GREEDY, Sampling
 
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
+FINISH_REASONS = ("stop", "length", "cancelled", "timeout", "error")
 """``stop``: an EOS/stop token id was produced (it is not yielded); ``length``: ``max_tokens``
-reached; ``cancelled``: the consumer called ``cancel``; ``error``: the backend failed the
-request (``GenerationHandle.error`` says why; nothing secret-dependent)."""
+reached; ``cancelled``: the consumer called ``cancel``; ``timeout``: the request's
+``deadline`` passed first (checked between decode steps and prefill chunks); ``error``: the
+backend failed the request (``GenerationHandle.error`` says why; nothing secret-dependent)."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,13 @@ class GenerationRequest:
     n: int = 1
     seeds: tuple[int, ...] | None = field(default=None)
     """One sampling seed per fork (``len == n``); None: each fork draws its own from the OS."""
+    deadline: float | None = None
+    """A ``time.monotonic()`` instant: past it the backend finishes every fork ``timeout``
+    at its next step boundary and frees its blocks. None: no deadline."""
+
+    def expired(self) -> bool:
+        """The deadline has passed (never, without one)."""
+        return self.deadline is not None and time.monotonic() >= self.deadline
 
     def __post_init__(self) -> None:
         if not self.prompt:

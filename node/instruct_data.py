@@ -195,10 +195,15 @@ class ByteChatCodec(ChatCodec):
     vocab_size = 258
     pad_id = 0
     _SPECIAL = re.compile(r"(<\|im_start\|>|<\|im_end\|>)")
+    special_ids = {"<|im_start|>": START, "<|im_end|>": END}
 
     def __init__(self) -> None:
         self.tokenizer = None
         self.eos_ids = frozenset({self.END})
+
+    def _plain(self, text: str) -> list[int]:
+        """Message content: its UTF-8 bytes, special-token text included (``ChatCodec.prompt``)."""
+        return list(text.encode("utf-8"))
 
     def conversation_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
         return self.encode(self.render(messages))

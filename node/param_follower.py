@@ -6,12 +6,18 @@ One follower per serving process, whatever serves (the session agent ``node.serv
 OpenAI-compatible server ``node.openai_api``): it says *that* new weights are due (``poll``)
 and loads them (``load``); when to swap -- between tokens, between scheduler steps -- and what
 to do with K/V computed under the old ones is the server's call.
+
+While it follows, the process holds a lease on the cache directory (``node.dir_lease``): the
+run's retention (``federation.run_retention``) never removes a directory a live server serves
+from, however old its run (issue 30). ``leave`` releases it; a killed process's lease is stale.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,11 +25,18 @@ from pathlib import Path
 from cache.coherence import Mode
 from cache.coherence_file import FileDirectory
 from crypto import Layout
-from node import param_channel
+from node import dir_lease, param_channel
 from node.param_channel import COHERENCE_DIR, PARAM_ENTRY
 from node.tasks import load_parameters
 
 _log = logging.getLogger("fedkv.serve")
+
+
+def _lease_purpose() -> str:
+    """``serving.<main module>`` (``serving.node.openai_api``): retention names who holds a run."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name = spec.name if spec is not None else ""
+    return f"serving.{name}" if re.fullmatch(r"[a-z0-9_.]{1,30}", name) else "serving"
 
 
 @dataclass
@@ -49,9 +62,15 @@ class ParamFollower:
         self.cache_dir, self.key = Path(cache_dir), key
         self.model, self.layout, self.own_weights = model, layout, own_weights
         self.counters = FollowerCounters()
-        self.directory = FileDirectory(self.cache_dir / COHERENCE_DIR, mode=mode,
-                                       timeout_s=timeout_s)
-        self.agent = self.directory.join(agent_name)
+        self.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.lease = dir_lease.take(self.cache_dir, _lease_purpose())
+        try:
+            self.directory = FileDirectory(self.cache_dir / COHERENCE_DIR, mode=mode,
+                                           timeout_s=timeout_s)
+            self.agent = self.directory.join(agent_name)
+        except BaseException:
+            self.lease.release()
+            raise
         self.wait_s = wait_s
 
     def poll(self) -> bool:
@@ -107,4 +126,7 @@ class ParamFollower:
         return True
 
     def leave(self) -> None:
-        self.agent.leave()
+        try:
+            self.agent.leave()
+        finally:
+            self.lease.release()

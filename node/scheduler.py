@@ -1,7 +1,8 @@
 """Continuous batching over the paged KV cache, in the nano-vllm / vLLM shape.
 
 A ``Scheduler`` keeps a waiting queue and a running set; ``step()`` is schedule -> run ->
-postprocess. *Schedule* applies cancellations and a pending weight update, then admits waiting
+postprocess. *Schedule* applies cancellations (and finishes ``timeout`` the sequences whose
+request's deadline has passed), then a pending weight update, then admits waiting
 sequences while the pool has blocks for them, longest cached prefix first (as SGLang does;
 the probe walks the cache's prefix index without touching it). *Run* is one batched decode
 forward (``model.forward_batch``) over every running sequence past its prefill, then prefill
@@ -238,8 +239,10 @@ class Scheduler:
         return events
 
     def _apply_cancellations(self) -> list[StepEvent]:
-        return [self._finish(s, "cancelled") for s in self.waiting + self.running
-                if s.cancel_requested]
+        """Cancelled sequences, and those past their request's deadline (``timeout``)."""
+        return [self._finish(s, "cancelled" if s.cancel_requested else "timeout")
+                for s in self.waiting + self.running
+                if s.cancel_requested or s.request.expired()]
 
     def _apply_update(self) -> None:
         with self._lock:

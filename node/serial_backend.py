@@ -5,7 +5,8 @@ session in the request's tenant namespace (prefix blocks are shared only within 
 prefills the prompt with ``model.prefill`` (a cached prefix is reused, not computed), forks
 the session ``n - 1`` times (the forks share the prompt's blocks copy-on-write) and decodes the
 forks round-robin, one ``forward_cached`` token at a time, until each meets a stop id,
-``max_tokens``, the model's context or a ``cancel``. Each fork samples with its own
+``max_tokens``, the model's context, a ``cancel`` or the request's deadline (checked before the
+prefill and before every token: ``timeout``). Each fork samples with its own
 ``torch.Generator``, seeded from the request's seed or ``secrets``. A full KV pool
 (``CacheFullError``) finishes the request's unfinished handles with ``error`` and frees its
 sessions; the worker goes on with the next request. It is the baseline the continuous-batching
@@ -151,9 +152,9 @@ class SerialBackend:
 
     def _prefill(self, request: GenerationRequest, handles: list[SerialHandle],
                  sids: list[int]) -> list[_Fork]:
-        if request.max_tokens == 0:
+        if request.max_tokens == 0 or request.expired():
             for h in handles:
-                h._finish("length")
+                h._finish("timeout" if request.expired() else "length")
             return []
         counters = self.cache.blocks.counters
         hits = counters["prefix_hit_tokens"]
@@ -178,8 +179,8 @@ class SerialBackend:
     def _step(self, request: GenerationRequest, f: _Fork) -> bool:
         """One token of fork ``f``; False once it finished."""
         h = f.handle
-        if h.cancelled or self._closed.is_set():
-            h._finish("cancelled")
+        if h.cancelled or self._closed.is_set() or request.expired():
+            h._finish("cancelled" if h.cancelled or self._closed.is_set() else "timeout")
             return False
         token = f.sampling.pick(f.logits)
         if h.model_version is None:

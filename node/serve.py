@@ -83,6 +83,7 @@ from crypto import PASSPHRASE_ENV
 from node.model_interface import CachedLM
 from node.models import ModelError
 from node.param_follower import ParamFollower
+from node.request_json import decode_object
 from node.serve_auth import (NoSuchSession, QuotaExceeded, SessionRegistry, Tenants, check_bind,
                              default_token_file, load_tenants, tls_context)
 from node.served_model import MODELS, POOL_MIB, SMOLLM2_POOL_MIB, load_model, node_key
@@ -353,10 +354,7 @@ class _Handler(BaseHTTPRequestHandler):
         n = int(self.headers.get("Content-Length") or 0)
         if not 0 <= n <= MAX_BODY:
             raise ValueError(f"body of {n} bytes (at most {MAX_BODY})")
-        body = json.loads(self.rfile.read(n) or b"{}")
-        if not isinstance(body, dict):
-            raise ValueError("body must be a JSON object")
-        return body
+        return decode_object(self.rfile.read(n) or b"{}")  # BadJSON: a ValueError, so a 400
 
     def _guarded(self, fn) -> None:
         try:

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TOKEN_FILE_NAME = "serve-token"
-"""Default token file, beside the node's cache directory (like ``kv-cache.key``)."""
+"""Default token file, beside the node's cache directory (like ``kv-cache.key``), or in the
+server's own directory (``server_token_file``): never one file for every server."""
 DEFAULT_TENANT = "default"
 _TENANT = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _TOKEN = re.compile(r"[A-Za-z0-9_.~+/=-]{16,512}")
@@ -57,6 +58,15 @@ class NoSuchSession(KeyError):
 def default_token_file(cache_dir: str | os.PathLike) -> Path:
     """``<cache-dir>/../serve-token``."""
     return Path(os.path.abspath(cache_dir)).parent / TOKEN_FILE_NAME
+
+
+def server_token_file(name: str) -> Path:
+    """``~/.cache/fedkv/<name>/serve-token``: a server's own token file when it has no cache
+    directory (``name`` says which server, e.g. ``openai-8471``); ``ensure_token_file`` makes
+    the directory 0700. A token opens only its own server, not every one of the account."""
+    if not _TENANT.fullmatch(name):
+        raise ValueError(f"a server name matches {_TENANT.pattern}, got {name!r}")
+    return Path.home() / ".cache" / "fedkv" / name / TOKEN_FILE_NAME
 
 
 def _check_private(path: Path) -> None:

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 import torch
 
 from node.sessions import Sampling
+from node.stop_text import MAX_STOP_CHARS
 
 MAX_NEW_TOKENS = 128
 DEFAULT_NEW_TOKENS = 16
 MAX_TEMPERATURE = 10.0
 MAX_STOP_STRINGS = 8
-MAX_STOP_CHARS = 64
 MAX_SEED = (1 << 63) - 1
 
 

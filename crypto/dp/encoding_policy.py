@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from crypto.aggregate_bound import MeanBound
+from crypto.aggregate_bound import PLAIN_RELATIVE_ERROR, MeanBound
 from crypto.dp.adaptive_clipping import AdaptiveClipping
 from crypto.dp.saturation import dp_clip_range, saturation_budget, saturation_delta
 from crypto.errors import ParameterError
@@ -197,14 +197,27 @@ def wire_clip_norm(p: EncodingParams) -> float:
 
 
 def mean_bound_for(p: EncodingParams, dim: int, real_scale_bits: int = 40) -> MeanBound:
-    """The public bound a decrypted mean must respect (``crypto.aggregate_bound``), for he=true:
+    """The public bound a decoded mean must respect (``crypto.aggregate_bound``). he=true:
     C = ``wire_clip_norm``; noise (σC)² per update (local) or per sum (distributed) with (C, σ) of
     ``wire_noise``; rounding step²/12 per summand with a dither, step²/4 with stochastic
     rounding, plus step²/4 per update for the error-feedback carry; in mode none CKKS' error
-    2^-(real_scale_bits - 20) (``real_scale_bits`` of the node's CKKS parameters) instead."""
-    packing = packing_for(p, dim)
+    2^-(real_scale_bits - 20) (``real_scale_bits`` of the node's CKKS parameters) instead.
+    he=false: the same C, noise and weights, no rounding or CKKS term, float32's relative slack
+    (``crypto.aggregate_bound``, "With he=false")."""
     c, sigma = wire_noise(p)
     noise_var = (sigma * c) ** 2
+    if not p.he:
+        return MeanBound(
+            dim=dim,
+            clip_norm=wire_clip_norm(p),
+            update_noise_var=noise_var if p.dp_mode == "local" else 0.0,
+            shared_noise_var=noise_var if p.dp_mode == "distributed" else 0.0,
+            relative_error=PLAIN_RELATIVE_ERROR,
+            unit_weights=p.dp_mode != "none",
+            max_weight=client_max_weight(p),
+            max_clients=p.max_clients,
+        )
+    packing = packing_for(p, dim)
     packed = packing.mode == "packed"
     step2 = packing.step**2 if packed else 0.0
     return MeanBound(

@@ -1,9 +1,11 @@
 """Deployment tools, apart from the app: provisioning, the multi-process demo, the operator commands.
 
 ``python -m federation.deploy.provision`` writes startup kits (``federation.deploy.provisioning``);
-``federation.deploy.check`` checks a run config and gives ``flwr run`` an exit status;
-``federation.deploy.stop`` stops the SuperLink ``flwr run`` left running; ``federation.deploy.clean``
-lists and removes past runs' node directories. The app (``federation/``) imports none of them.
+``federation.deploy.check`` checks a run config, hands a local ``flwr run`` only to a SuperLink
+this FLWR_HOME started (``federation.deploy.local_superlink``; ``federation.deploy.port_owner``
+says who holds a port) and gives ``flwr run`` an exit status; ``federation.deploy.stop`` stops
+that SuperLink by pid; ``federation.deploy.clean`` lists and removes past runs' node
+directories. The app (``federation/``) imports none of them.
 
 The demo, a real multi-process Flower deployment on this machine (TLS, SuperNode auth, a crash):
 

@@ -13,6 +13,15 @@ The second form checks the configuration of the ``flwr run`` command after ``--`
 (its output passes through), reads the ``status`` of the results file the ServerApp names in
 its ``FEDKV_RESULTS <path>`` line and exits 0 only for a completed run: ``flwr run --stream``
 exits 0 whatever happened to the run.
+
+When the run goes to a local simulation SuperLink (``:local:``, Flower's default connection),
+the run is handed only to a SuperLink that this FLWR_HOME's fedkv started: it is started on
+free ports with this environment's ``flower-superlink`` and recorded by pid, or the recorded
+one is reused after checking it is still that process (``federation.deploy.local_superlink``);
+``flwr run`` gets its ports. A SuperLink of another user or FLWR_HOME answering on Flower's
+default port is never used, and one it could not avoid (a taken
+``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT``) is refused: exit 2, nothing started.
+``python -m federation.deploy.stop`` stops it by pid.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from federation.config import ConfigError, RunConfig, config_lines, unknown_key
+from federation.deploy import local_superlink
+from federation.deploy.local_superlink import LinkSettings, LocalSuperLinkError
 
 OK, RUN_FAILED, BAD_CONFIG = 0, 1, 2
 RESULTS_LINE = re.compile(r"FEDKV_RESULTS (\S+)")
@@ -41,6 +52,8 @@ FEDERATION_KEYS = {
 """Flower 1.42's ``SimulationConfig`` fields, as ``--federation-config`` spells them."""
 FLOWER_DEFAULT_CPUS_PER_NODE = 2.0
 """Flower's default ``client-resources-num-cpus`` (``flwr.supercore.constant``)."""
+LINK = LinkSettings()
+"""How the local SuperLink of a wrapped run is started (tests swap in a stand-in executable)."""
 
 
 @dataclass
@@ -110,24 +123,52 @@ def _check_federation(federation: dict[str, Any], out: Checked) -> None:
 
 
 # -- the wrapped flwr run ----------------------------------------------------------------------
-def flwr_run_parts(command: Sequence[str]) -> tuple[Path, list[str], list[str], bool]:
-    """(app dir, --run-config values, --federation-config values, --stream) of ``flwr run ...``."""
+@dataclass(frozen=True)
+class FlwrRun:
+    """What a wrapped ``flwr run`` command asks for."""
+
+    app: Path
+    run_config: list[str]
+    federation_config: list[str]
+    stream: bool
+    connection: str | None
+    """The SuperLink connection named after the app (None: the default one)."""
+
+
+def flwr_run_parts(command: Sequence[str]) -> FlwrRun:
+    """The parts of ``flwr run [APP] [CONNECTION] ...`` that the check reads."""
     if len(command) < 2 or Path(command[0]).name != "flwr" or command[1] != "run":
         raise ConfigError([f"expected a 'flwr run ...' command after --, got {' '.join(command)!r}"])
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("app", nargs="?", default=".")
+    p.add_argument("connection", nargs="?", default=None)
     p.add_argument("--run-config", "-c", action="append", default=[])
     p.add_argument("--federation-config", action="append", default=[])
     p.add_argument("--stream", action="store_true")
     args, _ = p.parse_known_args(list(command[2:]))
-    return Path(args.app), args.run_config, args.federation_config, args.stream
+    return FlwrRun(Path(args.app), args.run_config, args.federation_config, args.stream, args.connection)
 
 
-def run_and_read_status(command: Sequence[str]) -> tuple[int, str]:
-    """Run ``command`` with its output passing through; (exit code, last line to print)."""
+def superlink_env(connection: str | None, settings: LinkSettings) -> dict[str, str]:
+    """Start or verify this FLWR_HOME's own local SuperLink when the run goes to a local one, say
+    which, and return the variables that point ``flwr run`` at it ({} for a remote SuperLink)."""
+    address = local_superlink.local_address(connection)
+    if address is None:
+        return {}
+    home = local_superlink.default_flwr_home()
+    record, started = local_superlink.ensure(home, address == ":local-in-memory:", settings)
+    print(f"fedkv: local SuperLink pid {record.pid} on 127.0.0.1:{record.http_port} "
+          f"({'started' if started else 'reused'}; FLWR_HOME={home}; stop it with "
+          "python -m federation.deploy.stop)", flush=True)
+    return local_superlink.flwr_env(record)
+
+
+def run_and_read_status(command: Sequence[str], env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run ``command`` (with ``env`` added to ours) with its output passing through;
+    (exit code, last line to print)."""
     results: list[str] = []
     with subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          bufsize=1) as proc:
+                          bufsize=1, env={**os.environ, **(env or {})}) as proc:
         try:
             for line in proc.stdout:  # type: ignore[union-attr]
                 sys.stdout.write(line)
@@ -165,10 +206,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     try:
         if command:
-            app, run_cfg, fed_cfg, stream = flwr_run_parts(command)
-            if not stream:
+            wrapped = flwr_run_parts(command)
+            if not wrapped.stream:
                 raise ConfigError(["add --stream to the flwr run command: without it flwr run returns "
                                    "before the run ends and its outcome cannot be read"])
+            app, run_cfg, fed_cfg = wrapped.app, wrapped.run_config, wrapped.federation_config
         else:
             app, run_cfg, fed_cfg = Path(args.app), args.run_config, args.federation_config
     except ConfigError as err:
@@ -178,7 +220,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _report(checked)
     for note in checked.notes:
         print(f"fedkv: note: {note}", flush=True)
-    code, last = run_and_read_status(command)
+    try:
+        env = superlink_env(wrapped.connection, LINK)
+    except LocalSuperLinkError as err:
+        print(f"fedkv: local SuperLink refused: {err}", file=sys.stderr)
+        return BAD_CONFIG
+    code, last = run_and_read_status(command, env)
     print(last, flush=True)
     return code
 

@@ -1,17 +1,22 @@
-"""List and remove the node directories of past runs (they are never removed otherwise).
+"""List, pin and remove the node directories of past runs.
 
-    python -m federation.deploy.clean [--node-dir PATH | --kit PATH]            # list runs, size, last write
+    python -m federation.deploy.clean [--node-dir PATH | --kit PATH]            # list runs, size, state
     python -m federation.deploy.clean --run ID | --all | --keep N [--dry-run] [--force]
+    python -m federation.deploy.clean --pin ID | --unpin ID
 
 The runs live in ``<root>/run-<run id>/`` (root: ``$FEDKV_NODE_DIR``, else ``~/.fedkv/nodes``)
 or, for a deployment kit, in ``<kit>/state/run-<run id>/`` (``--kit PATH``); what counts as a run,
-which is newest and what is kept live are ``federation.run_retention``'s rules, the same the
-nodes apply in every round (``$FEDKV_KEEP_RUNS``). ``--run ID`` removes one run, ``--all`` every
-run, ``--keep N`` all but the newest N (N >= 1: the newest run is never removed by ``--keep``;
-``--all`` says so explicitly). A run written in the last ``ACTIVE_S`` seconds may be live, so it
-is kept unless ``--force`` (``federation.deploy.stop --clean-nodes`` forces: it has just stopped
-the SuperLink). Errors are one line on stderr, exit status 2; exit status 1 when a selected run
-was kept because it is active.
+which is newest, completed, pinned or in use, and what is kept are ``federation.run_retention``'s
+rules, the same the nodes apply when a run starts (``$FEDKV_KEEP_RUNS``). ``--run ID`` removes one
+run, ``--all`` every run, ``--keep N`` all but the newest N completed runs and the newest N others
+(N >= 1: the newest run is never removed by ``--keep``; ``--all`` says so explicitly). A pinned
+run (``--pin ID``: a ``PINNED`` file in it) is never removed, not even by ``--all``, until
+``--unpin ID``; a run a live process holds a lease in (a server serving from its cache
+directory, a node of a run in progress) is never removed, not even with ``--force``. A run
+written in the last ``ACTIVE_S`` seconds may be live, so it is kept unless ``--force``
+(``federation.deploy.stop --clean-nodes`` forces: it has just stopped the SuperLink). Errors are
+one line on stderr, exit status 2; exit status 1 when a selected run was kept (pinned, in use or
+active).
 """
 
 from __future__ import annotations
@@ -22,15 +27,12 @@ import sys
 import time
 from pathlib import Path
 
-from federation.run_retention import ACTIVE_S, CleanError, Report, check_root, clean, default_node_root, runs, size_of
+from federation.run_retention import (
+    ACTIVE_S, CleanError, Report, Run, check_root, clean, default_node_root, human, in_use, kept_lines, pin, runs,
+    size_of,
+)
 
-
-def human(n: int) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError  # unreachable
+__all__ = ["human", "main", "print_report"]
 
 
 def print_report(report: Report, *, dry_run: bool = False, out=None) -> None:
@@ -38,8 +40,8 @@ def print_report(report: Report, *, dry_run: bool = False, out=None) -> None:
     verb = "would remove" if dry_run else "removed"
     for name, size in report.removed:
         print(f"{verb} {name} ({human(size)})", file=out)
-    for name, age in report.active:
-        print(f"kept {name}: written {age:.0f} s ago, it may be live; --force removes it", file=out)
+    for line in kept_lines(report):
+        print(line, file=out)
     print(f"{'would free' if dry_run else 'freed'} {human(report.freed)} ({report.freed} bytes)", file=out)
 
 
@@ -49,8 +51,38 @@ def _list(root: Path) -> None:
     print(f"{root}: {len(found)} run(s), {human(sum(sizes))} ({sum(sizes)} bytes); newest first")
     for r, size in zip(found, sizes):
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.last_write))
-        link = "  (a symlink: only the link is removed)" if r.is_link else ""
-        print(f"  {r.name:<24} {human(size):>10}  last write {when}{link}")
+        print(f"  {r.name:<24} {human(size):>10}  last write {when}  {_state(r)}")
+
+
+def _state(run: Run) -> str:
+    """What retention makes of a run: completed or not, pinned, in use by whom, a symlink."""
+    parts = ["completed" if run.completed else "not completed"]
+    if run.pinned:
+        parts.append("pinned")
+    live = in_use(run)
+    if live:
+        parts.append("in use by " + ", ".join(h.describe() for h in live))
+    if run.is_link:
+        parts.append("a symlink: only the link is removed")
+    return "; ".join(parts)
+
+
+def _run_name(value: str, flag: str) -> str:
+    digits = value[4:] if value.startswith("run-") else value
+    if not (digits.isascii() and digits.isdigit()):
+        raise CleanError(f"{flag} {value!r}: a run id is digits (e.g. 5 or run-5)")
+    return f"run-{digits}"
+
+
+def _pin(root: Path, args: argparse.Namespace) -> int:
+    pinned = args.pin is not None
+    name = _run_name(args.pin if pinned else args.unpin, "--pin" if pinned else "--unpin")
+    changed = pin(root, name, pinned)
+    if pinned:
+        print(f"{name} {'is now' if changed else 'was already'} pinned: retention never removes it, --unpin lets it go")
+    else:
+        print(f"{name} {'is no longer' if changed else 'was not'} pinned")
+    return 0
 
 
 def _root(args: argparse.Namespace) -> tuple[Path, bool]:
@@ -80,26 +112,27 @@ def main(argv: list[str] | None = None) -> int:
     what.add_argument("--run", default=None, metavar="ID", help="remove run ID (its run-ID directory)")
     what.add_argument("--all", action="store_true", help="remove every run")
     what.add_argument("--keep", type=int, default=None, metavar="N",
-                      help="keep the newest N runs (N >= 1), remove the rest")
+                      help="keep the newest N completed runs and the newest N others (N >= 1), remove the rest")
+    what.add_argument("--pin", default=None, metavar="ID",
+                      help="pin run ID (a PINNED file in it): never removed, not counted by --keep/FEDKV_KEEP_RUNS")
+    what.add_argument("--unpin", default=None, metavar="ID", help="unpin run ID")
     parser.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
     parser.add_argument("--force", action="store_true",
                         help=f"also remove runs written in the last {ACTIVE_S:.0f} s (they may be live)")
     args = parser.parse_args(argv)
     try:
         root, given = _root(args)
-        if not given and not os.path.lexists(root):
+        pinning = args.pin is not None or args.unpin is not None
+        if not given and not pinning and not os.path.lexists(root):
             print(f"{root}: no runs (it does not exist)")
             return 0
         check_root(root)
+        if pinning:
+            return _pin(root, args)
         if not (args.run is not None or args.all or args.keep is not None):
             _list(root)
             return 0
-        run = None
-        if args.run is not None:
-            digits = args.run[4:] if args.run.startswith("run-") else args.run
-            if not (digits.isascii() and digits.isdigit()):
-                raise CleanError(f"--run {args.run!r}: a run id is digits (e.g. 5 or run-5)")
-            run = f"run-{digits}"
+        run = _run_name(args.run, "--run") if args.run is not None else None
         if args.keep is not None and args.keep < 1:
             raise CleanError("--keep N needs N >= 1 (the newest run is kept); --all removes every run")
         report = clean(root, keep=args.keep, run=run, active_s=0.0 if args.force else ACTIVE_S,
@@ -108,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m federation.deploy.clean: error: {err}", file=sys.stderr)
         return 2
     print_report(report, dry_run=args.dry_run)
-    return 1 if report.active else 0
+    return 1 if report.active or report.in_use or report.pinned else 0
 
 
 if __name__ == "__main__":

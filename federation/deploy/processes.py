@@ -14,7 +14,7 @@ from pathlib import Path
 
 from federation.deploy.flwr_sandbox import alive, descendants
 
-__all__ = ["Tracker", "VENV_BIN", "interrupt", "net_ns", "say", "send_signal"]
+__all__ = ["Tracker", "VENV_BIN", "interrupt", "net_ns", "say", "send_signal", "start_time"]
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -23,7 +23,9 @@ def say(msg: str) -> None:
     print(f"[deploy {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def _start_time(pid: int) -> int | None:
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (None if gone): with the pid, it
+    names one process (a pid alone can be recycled)."""
     try:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
     except (OSError, IndexError, ValueError):
@@ -71,7 +73,7 @@ class Tracker:
             return proc.wait()
 
     def _remember(self, pid: int) -> None:
-        st = _start_time(pid)
+        st = start_time(pid)
         if st is not None:
             self.seen.setdefault(pid, st)
 
@@ -91,7 +93,7 @@ class Tracker:
             self.scan()
 
     def _is_ours(self, pid: int) -> bool:
-        return alive(pid) and _start_time(pid) == self.seen.get(pid)
+        return alive(pid) and start_time(pid) == self.seen.get(pid)
 
     def family(self, name: str) -> list[int]:
         root = self.roots[name].pid

@@ -1,14 +1,20 @@
-"""Stop the local SuperLink that ``flwr run`` left running, and only that one.
+"""Stop the local SuperLink that a run of this FLWR_HOME left running, and only that one.
 
     python -m federation.deploy.stop [--flwr-home PATH] [--clean-nodes [--node-dir PATH]]
 
-``flwr run`` starts a detached ``flower-superlink`` (whose ``--log-file`` lies in
-``$FLWR_HOME/local-superlink``) and Flower has no command to stop it. This finds the
-SuperLink process(es) of *this* FLWR_HOME (default ``$FLWR_HOME``, else ``~/.flwr``) by
-their command line, remembers all their descendants (superexec, flwr-simulation, Ray),
-stops the SuperLink by pid and then every descendant still alive, by pid
-(``federation.deploy.flwr_sandbox.stop_superlinks``). SuperLinks of other FLWR_HOMEs (a
-colleague's, a test sandbox's) are left alone.
+Flower has no command to stop the detached local ``flower-superlink``. This stops, in
+*this* FLWR_HOME (default ``$FLWR_HOME``, else ``~/.flwr``):
+
+- the SuperLink ``federation.deploy.check`` started and recorded in
+  ``$FLWR_HOME/local-superlink/fedkv-superlink.json``, by its pid, while that pid is still the
+  recorded process (same start time, this user);
+- any ``flower-superlink`` of this user that a plain ``flwr run`` started for this FLWR_HOME
+  (its ``--log-file`` lies in ``$FLWR_HOME/local-superlink``; ``flwr run`` records no pid).
+
+For each it remembers all descendants (superexec, flwr-simulation, Ray), stops the SuperLink
+by pid and then every descendant still alive, by pid. SuperLinks of other FLWR_HOMEs or users
+(a colleague's on Flower's default port, a test sandbox's) are left alone, and named when
+nothing of ours runs.
 
 Prints the pids it stopped. Exit status 0 when everything it found is gone (also when
 nothing was running), 1 if a process survived SIGKILL.
@@ -29,14 +35,11 @@ import sys
 from pathlib import Path
 
 from federation import run_retention
+from federation.deploy import local_superlink as link
 from federation.deploy.clean import print_report
-from federation.deploy.flwr_sandbox import descendants, stop_superlinks, superlink_pids
-
-
-def default_flwr_home() -> Path:
-    """``$FLWR_HOME`` if set, else ``~/.flwr`` (where ``flwr`` keeps its config and SuperLink)."""
-    env = os.environ.get("FLWR_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".flwr"
+from federation.deploy.flwr_sandbox import alive, descendants, stop_pids
+from federation.deploy.local_superlink import default_flwr_home
+from federation.deploy.port_owner import describe, listeners
 
 
 def _homes(flwr_home: Path) -> list[Path]:
@@ -51,21 +54,40 @@ def _homes(flwr_home: Path) -> list[Path]:
     return out
 
 
+def _ours(flwr_home: Path) -> tuple[dict[int, list[int]], link.Record | None]:
+    """{SuperLink pid: its descendants} of this FLWR_HOME, and its record (None if none)."""
+    record = link.load_record(Path(os.path.abspath(Path(flwr_home).expanduser())))
+    found: dict[int, list[int]] = {}
+    if record is not None and link.running(record):
+        found[record.pid] = descendants(record.pid)
+    for home in _homes(flwr_home):
+        for pid in link.own_superlink_pids(home):
+            found.setdefault(pid, descendants(pid))
+    return found, record
+
+
 def stop(flwr_home: Path) -> tuple[dict[int, list[int]], list[int]]:
-    """Stop this FLWR_HOME's SuperLink(s) and their descendants.
+    """Stop this FLWR_HOME's SuperLink(s) and their descendants, by pid.
 
     Returns ({superlink pid: [descendant pids]}, survivors).
     """
-    found: dict[int, list[int]] = {}
+    found, record = _ours(flwr_home)
     survivors: list[int] = []
-    for home in _homes(flwr_home):
-        links = [p for p in superlink_pids(home) if p not in found]
-        if not links:
-            continue
-        for link in links:
-            found[link] = descendants(link)
-        survivors += stop_superlinks(home)
+    for pid, family in found.items():
+        stop_pids([pid])
+        stop_pids([p for p in family if alive(p)])
+        survivors += [p for p in [pid, *family] if alive(p)]
+    if record is not None and not link.running(record):
+        link.forget_record(Path(os.path.abspath(Path(flwr_home).expanduser())), record)
     return found, sorted(set(survivors))
+
+
+def _not_ours_note() -> str:
+    """Who holds the port a plain ``flwr run`` would use, when that is not this FLWR_HOME's."""
+    port = os.environ.get(link.HTTP_PORT_ENV, "").strip()
+    port_n = int(port) if port.isdigit() else link.FLOWER_DEFAULT_HTTP_PORT
+    holders = listeners(port_n)
+    return f" (127.0.0.1:{port_n} is held by {describe(holders)}: not this FLWR_HOME's, left alone)" if holders else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--flwr-home", type=Path, default=None,
-        help="FLWR_HOME of the `flwr run` to clean up (default: $FLWR_HOME, else ~/.flwr)",
+        help="FLWR_HOME of the run to clean up (default: $FLWR_HOME, else ~/.flwr)",
     )
     parser.add_argument(
         "--clean-nodes", action="store_true",
@@ -92,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     home = args.flwr_home if args.flwr_home is not None else default_flwr_home()
     found, survivors = stop(home)
     if not found:
-        print(f"no local SuperLink running for FLWR_HOME={home}")
+        print(f"no local SuperLink running for FLWR_HOME={home}{_not_ours_note()}")
     for link, family in found.items():
         kids = ", ".join(map(str, family)) if family else "none"
         print(f"stopped SuperLink pid {link} (FLWR_HOME={home}); descendants stopped: {kids}")

@@ -17,7 +17,7 @@ from federation.deploy.flwr_sandbox import free_port
 from federation.deploy.provisioning import make_auth_key, make_tls
 
 __all__ = ["REFUSAL_MARKERS", "online_nodes", "refusal_results", "register_nodes", "start_refusal_probes",
-           "start_superlink", "start_supernodes"]
+           "start_superlink", "start_supernodes", "supernode_cmd"]
 
 
 def start_superlink(demo: Demo) -> None:
@@ -81,14 +81,19 @@ def _supernode_cmd(demo: Demo, i: int | None, root_ca: Path, auth_key: Path, nod
     return demo.netns.wrap(i, cmd) if (demo.netns and i is not None) else cmd
 
 
+def supernode_cmd(demo: Demo, i: int) -> list[str]:
+    """The command line of SuperNode ``i`` (partition i, its kit); the same one restarts it."""
+    kit = demo.kits[f"node-{i}"]
+    cfg = f"partition-id={i} num-partitions={demo.nodes} kit-dir='{kit}'"
+    if demo.serve is not None and i == 0:
+        cfg += f" cache-dir='{demo.serve.cache_dir}'"
+    return _supernode_cmd(demo, i, kit / "ca.crt", kit / "supernode-auth.key", cfg)
+
+
 def start_supernodes(demo: Demo) -> None:
     for i in range(demo.nodes):
-        kit = demo.kits[f"node-{i}"]
-        cfg = f"partition-id={i} num-partitions={demo.nodes} kit-dir='{kit}'"
-        if demo.serve is not None and i == 0:
-            cfg += f" cache-dir='{demo.serve.cache_dir}'"
-        cmd = _supernode_cmd(demo, i, kit / "ca.crt", kit / "supernode-auth.key", cfg)
-        demo.procs.start(f"supernode-{i}", cmd, demo.logs / f"supernode-{i}.log", {**demo.env, **demo.node_env})
+        demo.procs.start(f"supernode-{i}", supernode_cmd(demo, i), demo.logs / f"supernode-{i}.log",
+                         {**demo.env, **demo.node_env})
     def ids_in_logs() -> set[int]:
         found = set()
         for i in range(demo.nodes):

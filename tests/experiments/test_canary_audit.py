@@ -11,7 +11,8 @@ import math
 import pytest
 from scipy import optimize, stats
 
-from experiments.canary_audit import EPSILON_CAP, AuditConfig, AuditInputError, gaussian_pair_epsilon, run_canary_audit
+from experiments.canary_audit import (EPSILON_CAP, AuditConfig, AuditInputError, audit_ceiling, gaussian_pair_epsilon,
+                                     run_canary_audit)
 
 
 def _gdp_epsilon(mu: float, delta: float) -> float:
@@ -91,6 +92,7 @@ def test_lower_bound_is_sound_and_catches_a_1_5x_under_report(seed: int) -> None
     assert res.confidence == 0.95 and res.pair == "negated"
     assert mutant.epsilon() < res.epsilon_lower < exact < acc.epsilon()  # caught, and sound
     assert res.fails(mutant.epsilon()) and not res.fails(acc.epsilon())
+    assert res.epsilon_lower <= res.epsilon_ceiling
     point = {"mode": "distributed", "population": cfg.population, "target_epsilon": 4.0,
              "audit_epsilon": res.epsilon, "canary_eps_lower": res.epsilon_lower, "lira_epsilon_lb_max": math.nan}
     flagged = pa.audit_failures([{**point, "epsilon_accountant": mutant.epsilon()}])
@@ -99,6 +101,44 @@ def test_lower_bound_is_sound_and_catches_a_1_5x_under_report(seed: int) -> None
     # the old probe (canary vs absent) at the same settings would not have caught the mutant
     old = run_canary_audit(dataclasses.replace(cfg, pair="absent"))
     assert old.epsilon_lower < mutant.epsilon()
+
+
+def test_ceiling_is_what_perfectly_separated_worlds_prove() -> None:
+    """Issue 31 item 6: no audit of n trials proves more than audit_ceiling(n, K) ≈
+    ln n − ln ln(4K/0.05). Without noise and with q = 1 the worlds are two point masses (K = 2
+    thresholds) and the lower bound is exactly that ceiling. docs/privacy.md's figures."""
+    res = run_canary_audit(AuditConfig(dim=50, population=4, fraction=1.0, rounds=1, sigma=0.0, trials=200))
+    assert res.epsilon_lower == pytest.approx(res.epsilon_ceiling, rel=1e-9)
+    assert res.epsilon_ceiling == pytest.approx(audit_ceiling(200, 2, 1e-5), rel=1e-12)
+    for n, k in [(10**3, 1), (10**3, 275), (10**6, 275)]:
+        assert audit_ceiling(n, k) == pytest.approx(math.log(n) - math.log(math.log(4 * k / 0.05)), abs=0.01)
+    figures = [round(audit_ceiling(n, k, 1e-5), 1) for n, k in [(10**3, 1), (10**3, 275), (10**6, 1), (10**6, 275)]]
+    assert figures == [5.4, 4.6, 12.3, 11.5]
+    assert audit_ceiling(MUTATION.trials, 2 * MUTATION.trials, MUTATION.delta) > 9  # the test's point: no obstacle
+    with pytest.raises(AuditInputError, match="thresholds"):
+        audit_ceiling(10, 0)
+
+
+# docs/privacy.md's ε = 8 points: 100 clients, 32 a round, 12 rounds, δ 1e-5, the audit's 1,000 trials
+EPS8 = {"fixed": 3.039, "poisson": 1.069}
+
+
+@pytest.mark.parametrize("sampling", ["fixed", "poisson"])
+def test_at_the_documented_eps_8_points_the_audit_cannot_catch_a_1_5x_under_report(sampling: str) -> None:
+    """The mutation test at the points docs/privacy.md reports: the accountant says 8.0, the
+    mutant 5.33. The audit's lower bound is 0.60 (fixed) / 1.22 (Poisson), and no scores of
+    1,000 trials could have given more than its ceiling (4.7 at its 122 / 133 thresholds): the
+    mutant goes uncaught, and the audit says nothing about any ε above 4.7 there."""
+    cfg = AuditConfig(dim=100, population=100, fraction=0.32, sampling=sampling, rounds=12, sigma=EPS8[sampling],
+                      trials=1000, seed=0)
+    acc = _accountant(cfg, 32)
+    mutant = UnderReporting(acc)
+    assert acc.epsilon() == pytest.approx(8.0, abs=0.01) and mutant.epsilon() == pytest.approx(5.33, abs=0.01)
+    res = run_canary_audit(cfg)
+    assert res.epsilon_lower < res.epsilon_ceiling < mutant.epsilon()
+    assert round(res.epsilon_ceiling, 1) == 4.7  # docs/privacy.md
+    assert not res.fails(mutant.epsilon()) and not res.fails(acc.epsilon())
+    assert round(res.epsilon_lower, 2) == {"fixed": 0.60, "poisson": 1.22}[sampling]
 
 
 def test_bad_input() -> None:

@@ -73,7 +73,8 @@ BASE_CONFIG = {"num-server-rounds": 2, "min-clients": 2, "seed": 42, "task": "di
 class Federation:
     """What ``server_app.main`` wires together, exposed for inspection by tests."""
 
-    def __init__(self, num_nodes: int = 3, **overrides: object) -> None:
+    def __init__(self, num_nodes: int = 3, *, run_id: int = 1, node_dir: str | None = None,
+                 first_node_id: int = 100, **overrides: object) -> None:
         from federation.config import RunConfig
         from federation.run import key_service
         from federation.strategy import OpaqueFedAvg
@@ -82,7 +83,7 @@ class Federation:
         self.run_config = {**BASE_CONFIG, **overrides}
         self.cfg = RunConfig.from_run_config(self.run_config)
         self.dim = model_layout(self.cfg.task, self.cfg.seed).size
-        self.grid = FakeGrid(num_nodes, self.run_config)
+        self.grid = FakeGrid(num_nodes, self.run_config, run_id, node_dir=node_dir, first_node_id=first_node_id)
         self.keys = key_service(self.cfg, self.grid.run_id, self.dim)
         self.strategy = OpaqueFedAvg(self.cfg, self.dim, self.keys, wait_for_nodes_s=0.0)
 

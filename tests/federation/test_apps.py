@@ -34,7 +34,8 @@ def test_server_main_writes_results_json(tmp_path, capsys) -> None:
     assert data["provisioning"]["enrolled"] == 3 and data["provisioning"]["provisioned"] == 0
     assert data["config"]["results-dir"] == str(tmp_path)
     r = data["rounds"][1]
-    assert r["num_clients"] == 3 and r["clipped_fraction"] == 0.0
+    # he=false with dp-mode none clips too (issue 30.5): digits' updates (norm ~5) all exceed C = 1
+    assert r["num_clients"] == 3 and r["clipped_fraction"] == 1.0
     assert set(r["seconds"]) >= {"train", "encrypt", "aggregate", "decrypt", "writeback", "train_phase"}
 
 

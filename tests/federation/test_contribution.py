@@ -62,9 +62,14 @@ def test_clip_then_noise_share_of_the_placement(mode, std):
     assert np.std(seen - raw) == pytest.approx(std, rel=0.05)
 
 
-def test_without_dp_the_update_is_not_touched():
+def test_without_dp_the_update_is_only_clipped():
+    """dp-mode none, he=false: no noise, but clipped to clip-norm (issue 30.5: every node bounds
+    the plaintext mean by it); an update inside the ball goes out untouched."""
     cfg = RunConfig(task="digits", he=False, dp_mode="none", clip_norm=1.0)
     raw = _raw_update(3.0)
     made, seen = _contribute(cfg, raw, seed=0)
-    assert not made.clipped and seen.dtype == np.float32
-    assert np.array_equal(seen, raw.astype(np.float32))
+    assert made.clipped and seen.dtype == np.float32
+    np.testing.assert_allclose(seen, (raw / 3.0).astype(np.float32), rtol=1e-6, atol=1e-7)
+    inside = _raw_update(0.5)
+    made, seen = _contribute(cfg, inside, seed=0)
+    assert not made.clipped and np.array_equal(seen, inside.astype(np.float32))

@@ -572,5 +572,5 @@ def test_keyservice_exposes_public_material_only() -> None:
 
 
 def test_he_config_requires_clipping() -> None:
-    with pytest.raises(ValueError, match="clip-norm must be > 0 when he=true"):
+    with pytest.raises(ValueError, match="clip-norm must be > 0"):
         RunConfig.from_run_config({**BASE_CONFIG, **HE, "clip-norm": 0.0})

@@ -159,3 +159,30 @@ def test_a_damaged_pins_json_is_a_specific_error_naming_it(tmp_path, damage) -> 
     peer = NodeKeys.generate("100").public
     with pytest.raises(ProvisioningError, match=re.escape(str(path))):
         store.pin_members([Peer("100", 0, peer.sign_public, peer.kx_public)], 3)
+
+
+MEMBERS = {
+    "truncated": b'{"version": 1, "partitions": {"0": {"sig',
+    "not JSON": b"\x00\xffnot json",
+    "a list": b"[]",
+    "a key of the wrong size": json.dumps({"version": 1, "partitions": {"0": {"sign": "ab", "kx": "cd"}}}).encode(),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(MEMBERS))
+def test_a_damaged_members_json_is_a_specific_error_naming_it(tmp_path, damage) -> None:
+    """The member set pinned across runs (federation.enrollment) fails like pins.json: named,
+    nothing trusted."""
+    from crypto import NodeKeys
+    from federation.enrollment import Enrollment
+    from federation.node_store import Peer
+
+    enrollment = Enrollment.of(tmp_path, {"partition-id": 0, "num-partitions": 3})
+    store = NodeStore(tmp_path / "run-1" / "node-n1", "n1", None, enrollment)
+    path = enrollment.path / "members.json"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(MEMBERS[damage])
+    peer = NodeKeys.generate("100").public
+    with pytest.raises(ProvisioningError, match=re.escape(str(path))):
+        store.pin_members([Peer("100", 0, peer.sign_public, peer.kx_public)], 3)
+    assert not (store.root / "pins.json").exists()

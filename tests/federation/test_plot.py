@@ -146,6 +146,21 @@ def test_epsilon_axis_is_linear_within_two_decades(run_file: Path) -> None:
     assert plot.epsilon_figure(table).axes[0].get_yscale() == "linear"
 
 
+def test_epsilon_title_gives_the_runs_delta_total_not_target_delta(tmp_path: Path) -> None:
+    """Issue 31 item 6: the title said δ = 1e-05 (``delta``, the target) where the run's δ is
+    ``delta_total`` (δ + (1 + e^ε)·δ_sat, the results' own figure): the last round's, the
+    largest so far; ``delta`` only for results that predate ``delta_total``."""
+    rounds = [_round(r) for r in (1, 2, 3)]
+    for rec, total in zip(rounds, (1.2e-5, 2.5e-5, 3.7e-5)):
+        rec.delta_total = total
+    table = plot.rounds_table(json.loads(_write(tmp_path, rounds).read_text()))
+    title = plot.epsilon_figure(table).axes[0].get_title()
+    assert "δ = 3.7e-05" in title and "1e-05" not in title, title
+    for row in table:
+        row.pop("delta_total")
+    assert "δ = 1e-05" in plot.epsilon_figure(table).axes[0].get_title()
+
+
 def test_a_run_without_dp_skips_the_epsilon_plot_with_a_note(tmp_path: Path, capsys) -> None:
     path = _write(tmp_path, [_round(r, dp=False) for r in (1, 2, 3)])
     assert plot.main([str(path)]) == 0

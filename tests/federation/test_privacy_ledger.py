@@ -62,3 +62,42 @@ def test_rounding_delta_needs_a_share_of_about_one_step() -> None:
     assert rounding_delta(1.0, 1) == pytest.approx(math.exp(-2 * math.pi**2), rel=1e-6)
     assert rounding_delta(2.0, 10**6) < 1e-20
     assert rounding_delta(0.2, 100) == 1.0 and rounding_delta(0.0, 1) == 1.0
+
+
+def _poisson_pld(sigma: float, q: float, rounds: int, delta: float = 1e-5) -> float:
+    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+
+    pld = pld_lib.from_gaussian_mechanism(sigma, sampling_prob=q, value_discretization_interval=1e-4)
+    return pld.self_compose(rounds).get_epsilon_for_delta(delta)
+
+
+def test_a_poisson_window_that_never_binds_costs_nothing_and_one_that_does_is_charged() -> None:
+    """``federation.poisson_window``: 1000 nodes, q 0.25, min-clients 1 (a draw of none: 0.75^999)
+    is the Poisson-subsampled Gaussian; min-clients 230 (P(m = 229) ~ 9e-3) puts q·6e-3 of
+    +∞ loss a round into δ, far above 1e-5, so ε is ∞; 60 nodes, min-clients 2 (P(m = 1) ~ 8e-7)
+    costs a little: above the Gaussian, finite."""
+    from federation.poisson_window import WindowedPoissonAccountant, window_masses
+
+    def ledger_eps(population: int, lo: int, hi: int | None, rounds: int) -> float:
+        ledger = PrivacyLedger("poisson", population, 1e-5, "distributed", True, 1, lo, hi)
+        for _ in range(rounds):
+            ledger.record(RoundRelease(3, {n: 1 for n in range(3)}), 5.0, sample_rate=0.25)
+        return ledger.epsilons()["third_party"]
+
+    gaussian = _poisson_pld(5.0, 0.25, 30)
+    assert ledger_eps(1000, 1, None, 30) == pytest.approx(gaussian, rel=1e-3)
+    assert ledger_eps(1000, 230, None, 2) == math.inf
+    assert ledger_eps(1000, 1, 260, 2) == math.inf  # max-clients 260 (P(m = 260) ~ 0.02) the same way
+    assert gaussian * 1.02 < ledger_eps(60, 2, None, 30) < gaussian * 1.2
+    everyone = WindowedPoissonAccountant(1e-5, 2)
+    everyone.step(2.0, 1.0, 2)  # q = 1, 2 nodes, min-clients 2: the round goes ahead only with the target
+    assert everyone.epsilon() == math.inf
+    everyone = WindowedPoissonAccountant(1e-5, 2)
+    everyone.step(2.0, 1.0, 10, rounds=3)  # q = 1, 10 nodes: the plain Gaussian (μ = 0.5·√3)
+    assert everyone.epsilon() == pytest.approx(_poisson_pld(2.0, 1.0, 3), rel=1e-3)
+    inner, edge, outside = window_masses(59, 0.25, 2, None)
+    assert edge == pytest.approx(59 * 0.25 * 0.75**58) and inner + edge + outside == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="min-clients"):
+        WindowedPoissonAccountant(1e-5, 3, 2)
+    with pytest.raises(ValueError, match="sample_rate"):
+        PrivacyLedger("poisson", 10, 1e-5, "distributed", True).record(RoundRelease(1, {0: 1}), 1.0, sample_size=1)

@@ -1,13 +1,28 @@
 """Retention (``federation.run_retention``): the FEDKV_KEEP_RUNS hook of the node store, and
-``prune`` from two processes at once. Real directories, staged mtimes."""
+``prune`` from two processes at once. Real directories, staged mtimes.
+
+Issue 30: retention deleted the model being served (failed attempts pushed completed runs out,
+a served cache directory was removed): completed runs are counted apart from the others, a run
+in use by a live process (a serving process's lease, a node of a run in progress) or pinned is
+kept, and each removal is logged with its folder and size."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import pytest
+
 from federation import run_retention  # stdlib only: the spawned pruners below import this module fast
-from tests.federation.run_dirs import HOUR, names, stage_run
+from tests.federation.run_dirs import HOUR, age, names, stage_run
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 # -- retention: the node store prunes when it makes a new run's directory ---------------
@@ -32,7 +47,9 @@ def test_a_new_run_prunes_to_keep_runs_but_never_itself(tmp_path, monkeypatch) -
 
     stage_run(root, "run-0", 5 * HOUR)
     _store(root, 4, node_id=101)  # the run exists: another node of it prunes nothing
-    assert names(root) == {"run-0", "run-3", "run-4"}
+    assert names(root) == {"enrolled", "run-0", "run-3", "run-4"}  # the node's lasting identity is no run
+    _store(root, 5)  # a new run prunes runs, never the enrollment
+    assert names(root) == {"enrolled", "run-4", "run-5"}
 
 
 def test_prune_spares_the_current_run_even_when_it_is_the_oldest(tmp_path) -> None:
@@ -61,7 +78,7 @@ def test_a_bad_keep_runs_value_prunes_nothing_and_the_node_still_works(tmp_path,
     root = tmp_path / "nodes"
     stage_run(root, "run-1", HOUR)
     _store(root, 2).identity(create=True)
-    assert names(root) == {"run-1", "run-2"}
+    assert names(root) == {"enrolled", "run-1", "run-2"}
     assert "FEDKV_KEEP_RUNS='two' is not an integer" in caplog.text
 
 
@@ -103,3 +120,134 @@ def test_two_processes_pruning_at_once_do_not_fail(tmp_path) -> None:
     assert names(root) == {"run-999"}
     removed = set(results[0][1]) | set(results[1][1])
     assert removed == {f"run-{i}" for i in range(1, 41)}  # each run reported by the process(es) that removed it
+
+
+# -- issue 30: what a user may still need is kept --------------------------------------
+def test_failed_attempts_do_not_push_completed_runs_out(tmp_path, monkeypatch) -> None:
+    """Three completed runs, then failed attempts: the completed runs all stay; the failed
+    ones are counted apart (their own newest FEDKV_KEEP_RUNS are kept)."""
+    monkeypatch.setenv("FEDKV_KEEP_RUNS", "3")
+    root = tmp_path / "nodes"
+    for i, age_h in ((1, 9), (2, 8), (3, 7)):
+        stage_run(root, f"run-{i}", age_h * HOUR, completed=True)
+    for i, age_h in ((4, 4), (5, 3), (6, 2)):
+        stage_run(root, f"run-{i}", age_h * HOUR)  # failed: no COMPLETED marker
+    _store(root, 7)
+    assert names(root) == {"run-1", "run-2", "run-3", "run-5", "run-6", "run-7"}
+
+
+def test_a_node_marks_its_run_completed_after_the_last_rounds_evaluation(tmp_path) -> None:
+    from federation.local import InProcessGrid, run_local
+
+    cfg = {"task": "digits", "he": False, "dp-mode": "none", "num-server-rounds": 2, "min-clients": 2, "seed": 42}
+    grid = InProcessGrid(2, cfg)
+    marker = Path(grid.node_dir) / f"run-{grid.run_id}" / run_retention.COMPLETED
+    seen: list[bool] = []
+    results = run_local(cfg, 2, grid=grid, on_round=lambda rec: seen.append(marker.exists()))
+    assert results.status == "completed"
+    assert seen == [False, True]  # written in the last round's evaluation, not before
+    assert [r.name for r in run_retention.runs(marker.parent.parent) if r.completed] == [marker.parent.name]
+
+
+def test_a_run_in_progress_is_kept_however_long_it_was_idle(tmp_path, monkeypatch) -> None:
+    """A node of run 1 is still working in this process (a long training step writes nothing
+    for an hour): its run is not removed although it is neither completed nor recent."""
+    monkeypatch.setenv("FEDKV_KEEP_RUNS", "1")
+    root = tmp_path / "nodes"
+    _store(root, 1).identity(create=True)
+    age(root / "run-1", HOUR)
+    stage_run(root, "run-2", 2 * HOUR)
+    _store(root, 3)
+    assert names(root) == {"run-1", "run-3"}
+
+
+def test_a_pinned_run_is_never_removed_and_not_counted(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("FEDKV_KEEP_RUNS", "1")
+    root = tmp_path / "nodes"
+    stage_run(root, "run-1", 9 * HOUR, completed=True, pinned=True)
+    stage_run(root, "run-2", 8 * HOUR, pinned=True)  # a failed run the user wants to look into
+    stage_run(root, "run-3", 7 * HOUR, completed=True)
+    stage_run(root, "run-4", 6 * HOUR, completed=True)
+    _store(root, 5)
+    assert names(root) == {"run-1", "run-2", "run-4", "run-5"}
+    report = run_retention.clean(root, active_s=0)  # --all --force: the pinned runs still stay
+    assert [n for n, _ in report.removed] == ["run-4"] and sorted(report.pinned) == ["run-1", "run-2"]
+    assert names(root) == {"run-1", "run-2", "run-5"}  # run-5: its node (this process) holds it
+
+
+def test_the_log_names_each_removed_folder_and_its_size(tmp_path, monkeypatch, caplog) -> None:
+    monkeypatch.setenv("FEDKV_KEEP_RUNS", "1")
+    caplog.set_level(logging.INFO, logger="fedkv.node_store")
+    root = tmp_path / "nodes"
+    stage_run(root, "run-1", 2 * HOUR, size=1500)
+    stage_run(root, "run-2", HOUR, size=250_000, nodes=3)
+    _store(root, 3)
+    assert names(root) == {"run-3"}
+    assert f"removed {root / 'run-1'} (3.0 kB, 3000 bytes)" in caplog.text
+    assert f"removed {root / 'run-2'} (750.0 kB, 750000 bytes)" in caplog.text
+
+
+# -- a serving process holds its cache directory: a real ``python -m node.openai_api`` ----
+KEY = bytes(range(1, 33))
+
+
+def _serving(node_dir: Path, ready: Path) -> subprocess.Popen:
+    """``python -m node.openai_api --cache-dir <node_dir>/kv-cache`` over the parameters a
+    ``CacheNode`` (the run's trainer, now gone) left there; returns once it serves."""
+    from crypto import write_secret_file
+    from node.cache_node import CacheNode, NodeSpec
+
+    node_dir.mkdir(mode=0o700)
+    write_secret_file(node_dir / "kv-cache.key", KEY)
+    (node_dir / "serve-token").write_text("alice:alice-token-0123456789\n")
+    (node_dir / "serve-token").chmod(0o600)
+    CacheNode(NodeSpec(0, 5, "lm"), cache_dir=node_dir / "kv-cache", cache_key=KEY).release()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "node.openai_api", "--cache-dir", str(node_dir / "kv-cache"), "--port", "0",
+         "--ready-file", str(ready), "--wait-s", "30"], cwd=REPO, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _stop(proc)
+            pytest.fail(f"node.openai_api did not start: {proc.stderr.read().decode()[-2000:]}")
+        time.sleep(0.05)
+    return proc
+
+
+def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if proc.stderr is not None:
+        proc.stderr.close()
+
+
+def test_a_run_served_by_a_live_process_is_kept_until_that_process_is_gone(tmp_path, monkeypatch, caplog) -> None:
+    """The red team's case: an OpenAI server serves run 1's fine-tuned node from its cache
+    directory; newer runs would push run 1 out. It stays while the server lives; once the
+    server is killed (-9: its lease file stays, unlocked) the stale lease pins nothing."""
+    monkeypatch.setenv("FEDKV_KEEP_RUNS", "1")
+    caplog.set_level(logging.INFO, logger="fedkv.node_store")
+    root = tmp_path / "nodes"
+    run1 = stage_run(root, "run-1", 0, completed=True)
+    proc = _serving(run1 / "node-100", tmp_path / "ready.json")
+    try:
+        age(run1, 5 * HOUR)
+        age(run1 / "node-100", 5 * HOUR)
+        stage_run(root, "run-2", 4 * HOUR, completed=True)
+        stage_run(root, "run-3", 3 * HOUR, completed=True)
+        _store(root, 4)
+        assert names(root) == {"run-1", "run-3", "run-4"}
+        assert (run1 / "node-100" / "kv-cache").is_dir()
+        assert f"kept run-1: in use by pid {proc.pid} (serving" in caplog.text
+        assert proc.poll() is None  # it still serves
+    finally:
+        _stop(proc, signal.SIGKILL)
+    assert list((run1 / "node-100" / "kv-cache").glob("*.lease"))  # left behind by the killed server
+    _store(root, 5)
+    assert "run-1" not in names(root)

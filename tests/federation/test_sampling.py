@@ -89,7 +89,7 @@ def test_poisson_aggregate_is_divided_by_the_expected_count() -> None:
 
 
 def test_runs_account_for_their_sampler() -> None:
-    """ε is Flower's accountant for the configured sampler: amplified for third parties (they see
+    """ε is the configured sampler's accountant: amplified for third parties (they see
     the released sum, σ), not for the server (he=false distributed: it sees each update with
     its share, σ/√k); a seeded sampler repeats its draws (experiments), and flower-central uses
     the fixed sampler's accountant (the server, which sees updates in clear: ∞)."""
@@ -102,13 +102,16 @@ def test_runs_account_for_their_sampler() -> None:
         runs = [run_local({**base, "client-sampling": sampling}, 6) for _ in range(2)]
         assert [r.sampled for r in runs[0].rounds] == [r.sampled for r in runs[1].rounds]
         last = runs[0].rounds[-1]
-        assert 0 < last.epsilon_client <= last.epsilon_server < np.inf
         ref, server = ClientAccountant(sampling, 6, 1e-5), GaussianAccountant(6, 1e-5, sampling)
         for r in runs[0].rounds:
-            ref.step(2.0, 3 if sampling == "poisson" else r.sampled)
+            ref.step(2.0, r.sampled)
             server.step(2.0 / np.sqrt(r.sampled))
-        assert last.epsilon_client == pytest.approx(ref.epsilon())
-        assert last.epsilon_server == pytest.approx(server.epsilon())
+        assert last.epsilon_server == pytest.approx(server.epsilon()) and last.epsilon_server < np.inf
+        if sampling == "fixed":
+            assert 0 < last.epsilon_client <= last.epsilon_server
+            assert last.epsilon_client == pytest.approx(ref.epsilon())
+        else:  # no other node drawn with 0.5^5: the skip bit gives a node away with 0.5·0.5^5 > δ
+            assert last.epsilon_client == np.inf  # a round (federation.poisson_window)
     central = run_local({**base, "dp-mode": "flower-central", "client-sampling": "fixed"}, 6)
     ref = ClientAccountant("fixed", 6, 1e-5)
     ref.step(2.0, 3, 3)

@@ -14,7 +14,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -821,6 +823,29 @@ def test_a_node_whose_every_update_is_refused_stops_the_run_after_k_rounds_with_
     assert all(node_host.peek_node(grid.contexts[n]).version == 0 for n in grid.node_ids)
 
 
+@pytest.mark.parametrize("engine", ["supernode", "simulation"])
+def test_refused_aggregates_are_discarded_in_the_error_text_flower_writes(monkeypatch, engine) -> None:
+    """Flower does not pass a ClientApp's exception text on as it is: a SuperNode writes
+    ``<class '...AggregateRejected'>:<'aggregate rejected'>`` and the simulation engine wraps it in
+    a ClientAppException first (flwr 1.42 ``run_clientapp.py``, ``vce_api.py``, ``ray_actor.py``).
+    The strategy read only the in-process form, so in a real run a refused round was never
+    discarded: nodes were counted as departed and the run went on with a model nobody took."""
+    from flwr.clientapp.client_app import ClientAppException
+
+    from federation.local import InProcessGrid
+
+    def flower_reason(ex: Exception) -> str:
+        if engine == "simulation":
+            ex = ClientAppException(str(ex))
+        return str(type(ex)) + ":<'" + str(ex) + "'>"  # flwr's own expression
+
+    monkeypatch.setattr(InProcessGrid, "error_reason", staticmethod(flower_reason))
+    _, results = _run_with_crafted({1}, 2)
+    assert results.status == "completed"
+    assert [r.aggregate_discarded for r in results.rounds] == [True, False]
+    assert results.rounds[0].departed in (None, [])
+
+
 def test_one_refused_round_then_honest_rounds_completes() -> None:
     _, results = _run_with_crafted({1}, 3)
     assert results.status == "completed"
@@ -832,3 +857,147 @@ def test_max_rejected_rounds_sets_how_many_refused_rounds_in_a_row_stop_the_run(
     _, results = _run_with_crafted(None, 4, **{"max-rejected-rounds": 1})
     assert results.status.startswith("stopped: 1 round in a row had their aggregate refused by every node (rounds 1;")
     assert len(results.rounds) == 1
+
+
+# --- issue 30: the key-making node checks the CKKS preset against its own he-security ---------
+
+
+@pytest.mark.parametrize("classical", ["fedkv-4096", "fedkv-2048"])
+def test_a_post_quantum_node_refuses_to_make_a_classical_key(classical) -> None:
+    """The server names the preset in its keygen request; a node under he-security
+    post-quantum used to build whatever it named (a downgrade to a ring only the classical
+    column calls 128-bit). Now it refuses, and makes no key. (The 8192 rings lie within the
+    post-quantum column: log q 120 and 140 <= 202.)"""
+    fed = Federation(3, **HE, **{"num-server-rounds": 1, "he-security": "post-quantum"})
+    for n in (100, 101, 102):
+        key_service.node_keys(fed.grid.contexts[n], create=True)
+    keys = {n: key_service.node_keys(fed.grid.contexts[n]) for n in (100, 101, 102)}
+    req = _keygen(fed, [(n, keys[n], n - 100) for n in (100, 101, 102)], fresh=True, epochs=[0])
+    req.config_records[messages.KEYGEN]["preset"] = classical
+    reply = fed.grid.deliver(Message(req, dst_node_id=100, message_type=key_service.KEYGEN))
+    assert reply.has_error(), f"a post-quantum node made a {classical} key"
+    assert "post-quantum" in reply.error.reason and classical in reply.error.reason, reply.error.reason
+    store = key_service.NodeStore.for_context(fed.grid.contexts[100])
+    assert store.held() is None and store.epochs() == [] and not (store.root / "pins.json").exists()
+
+
+def test_a_post_quantum_node_refuses_a_classical_key_another_member_made() -> None:
+    """Provision: node 100 (misconfigured, or the server's accomplice) made a fedkv-4096 key;
+    node 101 under he-security post-quantum used to take it and encrypt under it."""
+    fed = Federation(3, **HE, **{"num-server-rounds": 1, "he-security": "post-quantum"})
+    keys = {n: key_service.node_keys(fed.grid.contexts[n], create=True) for n in (100, 101, 102)}
+    dealer = keys[100].dealer("fedkv-4096", epoch=0, effective_round=1)
+    dealer.enroll(keys[101].public)
+    content = RecordDict({
+        messages.PROVISION_REQUEST: ConfigRecord({
+            "dealer-node": "100", "dealer-name": "", "dealer-sign": keys[100].public.sign_public,
+            "members": ["100", "101", "102"], "names": [""] * 3, "partitions": [0, 1, 2],
+            "kx": [keys[n].public.kx_public for n in (100, 101, 102)],
+            "sign": [keys[n].public.sign_public for n in (100, 101, 102)]}),
+        messages.BUNDLES: ArrayRecord({"e0": protocol.bytes_to_array(dealer.wrap_for("101").to_bytes())}),
+        messages.PUBLIC_CONTEXT: ArrayRecord({"ctx": protocol.bytes_to_array(dealer.signed_public_context())}),
+    })
+    reply = fed.grid.deliver(Message(content, dst_node_id=101, message_type=key_service.PROVISION))
+    assert reply.has_error() and reply.error.reason.startswith("DowngradeError: "), reply.error.reason
+    assert key_service.NodeStore.for_context(fed.grid.contexts[101]).held() is None
+
+
+def test_a_node_policy_he_security_floor_refuses_a_classical_run_and_key() -> None:
+    """The node's own floor (node config ``he-security=post-quantum``): a run config that says
+    classical is refused at enrollment: no node is keyed."""
+    fed = Federation(3, **HE, **{"num-server-rounds": 1})
+    for ctx in fed.grid.contexts.values():
+        ctx.node_config["he-security"] = "post-quantum"
+    reply = fed.grid.deliver(Message(RecordDict({messages.ENROLL_REQUEST: ConfigRecord({})}),
+                                     dst_node_id=100, message_type=key_service.ENROLL))
+    assert reply.has_error() and "he-security" in reply.error.reason, reply.error.reason
+    from federation.strategy import NotEnoughClients
+
+    with pytest.raises(NotEnoughClients, match="he-security=post-quantum"):
+        fed.run_all()
+    assert fed.keys.holders == set() and fed.keys.epoch == -1
+
+
+# --- issue 30: a node's identity and pinned member set hold across runs on its node dir --------
+
+
+def _sign_keys(fed: Federation) -> dict[int, bytes]:
+    """partition -> the identity (signing) key each node enrolled with."""
+    return {m.partition: m.pub.sign_public for m in fed.keys.members.values()}
+
+
+def test_two_runs_on_one_node_dir_keep_each_nodes_identity_and_pins(tmp_path) -> None:
+    """Two ``flwr run`` on one ``$FEDKV_NODE_DIR``: new run id, new node ids. The second run
+    used to make every node a new identity and pin its members afresh; now each node (a
+    partition of an N-partition federation) reuses its identity and pins, and the run works."""
+    d = str(tmp_path / "nodes")
+    first = Federation(3, **HE, **{"num-server-rounds": 1}, run_id=1, node_dir=d)
+    assert first.run_all()[0].num_clients == 3
+    second = Federation(3, **HE, **{"num-server-rounds": 1}, run_id=2, node_dir=d, first_node_id=200)
+    assert second.run_all()[0].num_clients == 3
+    assert _sign_keys(second) == _sign_keys(first)
+    # another federation shape on the same root is another set of nodes: it enrolls its own
+    other = Federation(2, **HE, **{"num-server-rounds": 1}, run_id=3, node_dir=d, first_node_id=300)
+    assert other.run_all()[0].num_clients == 2
+    assert set(_sign_keys(other).values()).isdisjoint(_sign_keys(first).values())
+
+
+def test_a_new_run_does_not_reopen_trust_on_first_use(tmp_path) -> None:
+    """Run 1 pinned the member set; at the first key of run 2 the server lists its own keys for
+    partition 2. Pins were per run, so this was a new first use and node 200 made the key for
+    the server; now the partition's keys pinned in run 1 hold, and nothing is made."""
+    d = str(tmp_path / "nodes")
+    Federation(3, **HE, **{"num-server-rounds": 1}, run_id=1, node_dir=d).run_all()
+    fed = Federation(3, **HE, **{"num-server-rounds": 1}, run_id=2, node_dir=d, first_node_id=200)
+    keys = {n: key_service.node_keys(fed.grid.contexts[n], create=True) for n in (200, 201, 202)}
+    attacker = NodeKeys.generate("999")
+    for members in ([(200, keys[200], 0), (201, keys[201], 1), (999, attacker, 2)],
+                    [(200, keys[200], 0), (201, keys[201], 1), (202, attacker, 2)],
+                    [(200, keys[200], 0), (999, keys[201], 2)]):  # a pinned key in another partition
+        msg = Message(_keygen(fed, members, fresh=True, epochs=[0]), dst_node_id=200,
+                      message_type=key_service.KEYGEN)
+        reply = fed.grid.deliver(msg)
+        assert reply.has_error(), f"node 200 made a key for {members}"
+        assert reply.error.reason.startswith("PeerKeyError: ") and "earlier run" in reply.error.reason, reply.error.reason
+    assert key_service.NodeStore.for_context(fed.grid.contexts[200]).held() is None
+    assert fed.run_all()[0].num_clients == 3  # the honest first key of run 2 follows
+
+
+@pytest.mark.parametrize("how", ["env", "node-config"])
+def test_re_enroll_is_the_operators_say_and_keeps_the_old_enrollment(tmp_path, monkeypatch, how) -> None:
+    """A new enrollment (new identity, pins forgotten) only when the operator sets
+    ``re-enroll`` (node config) or ``$FEDKV_RE_ENROLL``; the old one is moved aside, not deleted."""
+    root = tmp_path / "nodes"
+    first = Federation(3, **HE, **{"num-server-rounds": 1}, run_id=1, node_dir=str(root))
+    first.run_all()
+    second = Federation(3, **HE, **{"num-server-rounds": 1}, run_id=2, node_dir=str(root), first_node_id=200)
+    if how == "env":
+        monkeypatch.setenv("FEDKV_RE_ENROLL", "1")
+    else:
+        for ctx in second.grid.contexts.values():
+            ctx.node_config["re-enroll"] = "true"
+    assert second.run_all()[0].num_clients == 3
+    assert set(_sign_keys(second).values()).isdisjoint(_sign_keys(first).values())
+    kept = sorted(p.name for p in (root / "enrolled").iterdir())
+    assert len(kept) == 6 and sum(".replaced-" in n for n in kept) == 3, kept
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_two_real_flwr_runs_on_one_node_dir_reuse_the_enrollment(flwr_cli, tmp_path) -> None:
+    """The same through the real CLI: two ``flwr run`` (simulation: new run id, new node ids)
+    on one ``$FEDKV_NODE_DIR`` both complete, nobody refused, and the second run's nodes enroll
+    with the identities the first one made."""
+    root = Path(flwr_cli.env["FEDKV_NODE_DIR"])
+    config = {"num-server-rounds": 1, "task": "digits", "he": True, "dp-mode": "distributed",
+              "noise-multiplier": 0.01, "results-dir": str(tmp_path / "results")}
+    identities = []
+    for _ in range(2):
+        run = flwr_cli.run(num_supernodes=3, run_config=config)
+        assert run.returncode == 0 and run.results_path is not None, run.output[-4000:]
+        data = json.loads(run.results_path.read_text())
+        assert data["status"] == "completed" and data["provisioning"]["refused"] == 0, data["provisioning"]
+        assert data["rounds"][0]["num_clients"] == 3
+        identities.append({p.name: (p / "identity.key").read_bytes() for p in (root / "enrolled").iterdir()})
+    assert sorted(identities[0]) == ["n3-p0", "n3-p1", "n3-p2"] and identities[1] == identities[0]
+    assert len([p for p in root.iterdir() if p.name.startswith("run-")]) == 2

@@ -39,12 +39,42 @@ def _fake_wheel(path: Path, gguf: bytes | None = b"GGUF fake payload") -> Path:
 
 
 @pytest.fixture
-def model_dir(tmp_path: Path, one_thread) -> Path:
+def model_dir(tmp_path: Path, one_thread, monkeypatch) -> Path:
+    """A tiny converted model whose manifest the test pins (as an operator would, with
+    ``$FEDKV_MODEL_FILES_SHA256``): the package's pin is SmolLM2's."""
     d = tmp_path / "model"
     d.mkdir()
     _tiny_model_dir(d)
-    models.write_manifest(d, {"package": "fake", "wheel_sha256": "ab" * 32})
+    m = models.write_manifest(d, {"package": "fake", "wheel_sha256": "ab" * 32})
+    monkeypatch.setenv(models.PIN_ENV, models.files_digest(m["files"]))
     return d
+
+
+def _tiny_tokenizer(out: Path) -> None:
+    """A byte-level BPE of ~300 tokens with ChatML specials, saved the way ``convert`` saves
+    SmolLM2's (tokenizer.json, tokenizer_config.json, chat_template.jinja)."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+    from tokenizers import models as tok_models
+    tok = Tokenizer(tok_models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["hello there, the quick brown fox"] * 10, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                                bos_token="<|im_start|>")
+    fast.chat_template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+    fast.save_pretrained(out)
+
+
+@pytest.fixture
+def chat_model_dir(model_dir: Path, monkeypatch) -> Path:
+    """``model_dir`` with a tokenizer and generation_config.json, pinned again."""
+    _tiny_tokenizer(model_dir)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    m = models.write_manifest(model_dir, {"package": "fake", "wheel_sha256": "ab" * 32})
+    monkeypatch.setenv(models.PIN_ENV, models.files_digest(m["files"]))
+    return model_dir
 
 
 def test_licence_is_stated() -> None:
@@ -139,6 +169,13 @@ def test_fetch_converts_once_into_a_private_directory(tmp_path, monkeypatch, one
 
     monkeypatch.setattr(models, "convert", fake_convert)
     target = tmp_path / "home" / ".cache" / "fedkv" / "m"
+    with pytest.raises(models.ModelCorruptError, match=f"not the pinned {models.PINNED_FILES_SHA256}"):
+        models.fetch(target, wheel=wheel, log=lambda _: None)  # not the pinned conversion
+    assert not target.exists() and [p.name for p in target.parent.iterdir()] == []
+    (tmp_path / "ref").mkdir()
+    _tiny_model_dir(tmp_path / "ref")  # the same conversion again: the digest to pin
+    monkeypatch.setenv(models.PIN_ENV, models.files_digest(models.write_manifest(tmp_path / "ref", {})["files"]))
+    calls.clear()
     assert models.fetch(target, wheel=wheel, log=lambda _: None) == target
     assert calls == [b"gguf bytes"]
     for d in (target, target.parent, target.parent.parent):
@@ -160,3 +197,75 @@ def test_info_command(tmp_path, model_dir, capsys) -> None:
     assert "license: Apache-2.0" in out and "present: False" in out
     assert models.main(["info", "--dir", str(model_dir), "--verify"]) == 0
     assert "verified: True" in capsys.readouterr().out
+
+
+# -- issue 30: the directory is verified whole, and the manifest is pinned --------------------
+def test_an_unlisted_file_in_the_model_dir_is_refused(model_dir) -> None:
+    """The tokenizer loader reads every file of the directory: an unlisted
+    special_tokens_map.json changed SmolLM2's EOS while every listed file still verified."""
+    (model_dir / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    with pytest.raises(models.ModelCorruptError, match=r"special_tokens_map\.json is not listed"):
+        models.load(model_dir)
+    with pytest.raises(models.ModelCorruptError, match="not listed"):
+        models.verify(model_dir, hashes=False)
+    (model_dir / "special_tokens_map.json").unlink()
+    (model_dir / "sub").mkdir()
+    (model_dir / "sub" / "added_tokens.json").write_text("{}")
+    with pytest.raises(models.ModelCorruptError, match=r"sub/added_tokens\.json is not listed"):
+        models.load(model_dir)
+
+
+def test_a_rewritten_manifest_is_refused_naming_it(model_dir) -> None:
+    """The manifest certified itself: whoever altered a file could write a matching manifest.
+    Its files table is pinned outside the directory now (the package's constant, or
+    ``$FEDKV_MODEL_FILES_SHA256``)."""
+    f = model_dir / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-5] ^= 0xFF
+    f.write_bytes(bytes(data))
+    models.write_manifest(model_dir, {"package": "fake", "wheel_sha256": "ab" * 32})
+    with pytest.raises(models.ModelCorruptError, match=r"fedkv-model\.json.*not the pinned"):
+        models.load(model_dir)
+    with pytest.raises(models.ModelCorruptError, match=r"fedkv-model\.json.*not the pinned"):
+        models.verify(model_dir, hashes=False)
+
+
+def test_the_package_pin_is_smollm2s_and_refuses_another_manifest(model_dir, monkeypatch) -> None:
+    monkeypatch.delenv(models.PIN_ENV)
+    with pytest.raises(models.ModelCorruptError, match=models.PINNED_FILES_SHA256):
+        models.load(model_dir)
+
+
+def test_the_tokenizer_reads_only_the_verified_files(chat_model_dir) -> None:
+    """ChatCodec.from_dir read the directory with no check at all; LoadedModel.tokenizer()
+    read it again, after verification. Both read the manifest's files, verified, now."""
+    from node.chat import ChatCodec
+
+    d = chat_model_dir
+    codec = ChatCodec.from_dir(d)
+    eos = codec.tokenizer.eos_token_id
+    assert codec.tokenizer.eos_token == "<|im_end|>" and codec.eos_ids == frozenset({eos, 2})
+    loaded = models.load(d)
+    (d / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    with pytest.raises(models.ModelCorruptError, match="special_tokens_map.json is not listed"):
+        ChatCodec.from_dir(d)
+    assert loaded.tokenizer().eos_token == "<|im_end|>"  # what was verified, not what is there now
+    assert loaded.hf_config().num_key_value_heads == 2
+    (d / "special_tokens_map.json").unlink()
+    cfg = d / "tokenizer_config.json"
+    cfg.write_text(cfg.read_text().replace("<|im_end|>", "<|endoftext|>"))
+    with pytest.raises(models.ModelCorruptError, match="tokenizer_config.json (does not match|has)"):
+        ChatCodec.from_dir(d)
+    assert loaded.tokenizer().eos_token == "<|im_end|>"
+
+
+def test_the_real_conversion_is_the_pinned_one(monkeypatch) -> None:
+    """The pin is the files table of ``fetch``'s conversion here (deterministic: two
+    conversions gave the same bytes); the real directory verifies against it."""
+    monkeypatch.delenv(models.PIN_ENV, raising=False)
+    try:
+        m = models.read_manifest()
+    except models.ModelMissingError:
+        pytest.skip("SmolLM2 not fetched: python -m node.models fetch")
+    assert models.files_digest(m["files"]) == models.PINNED_FILES_SHA256
+    models.verify(hashes=False)

@@ -636,3 +636,32 @@ def test_own_weights_serve_without_published_parameters_and_keep_unfit_ones_out(
         assert all(torch.equal(agent.model.state_dict()[n], fitting[n]) for n in fitting)
     finally:
         agent.close()
+
+
+def _raw_post(agent: Agent, path: str, data: bytes) -> tuple[int, dict]:
+    """POST ``data`` as it is (no json.dumps: it could not write a lone surrogate as such)."""
+    conn = http.client.HTTPConnection("127.0.0.1", agent.port, timeout=30)
+    try:
+        conn.request("POST", path, data, {"Authorization": f"Bearer {agent.tokens['alice']}",
+                                          "Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def test_a_lone_surrogate_or_a_deeply_nested_body_is_a_400_not_a_500(served):
+    """Issue 30: ``"\\ud800"`` parses (json.loads keeps lone surrogates) and failed later when
+    encoded; 30k nested arrays raised RecursionError: both were 500 "internal error"."""
+    _, agent = served
+    sid = agent.call("/v1/sessions", {"system": "s"})["session"]
+    deep = b'{"text": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"
+    got = []
+    for path, data, says in (("/v1/sessions", b'{"system": "a\\ud800b"}', "surrogate"),
+                             (f"/v1/sessions/{sid}", b'{"text": "\\udfff"}', "surrogate"),
+                             (f"/v1/sessions/{sid}", b'{"text": "x", "\\ud800": 1}', "surrogate"),
+                             (f"/v1/sessions/{sid}", deep, "nested")):
+        got.append((data[:30], *_raw_post(agent, path, data)))
+    assert all(status == 400 and says in answer["error"] for (_, status, answer), says
+               in zip(got, ("surrogate",) * 3 + ("nested",))), got
+    assert agent.call(f"/v1/sessions/{sid}", {"text": "hi", "max_new_tokens": 2})["version"] == 0

@@ -10,9 +10,26 @@ from pathlib import Path
 
 import pytest
 
+from federation.deploy import check as check_mod
 from federation.deploy.check import BAD_CONFIG, OK, RUN_FAILED, check, main, run_and_read_status
+from federation.deploy.local_superlink import LinkSettings
+from tests.federation.deploy import link_fakes
 
 REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(autouse=True)
+def _own_flwr_home(tmp_path, monkeypatch):
+    """A wrapped run starts its local SuperLink: here a stand-in, in a FLWR_HOME of the test's
+    own, stopped by its recorded pid afterwards."""
+    home = tmp_path / "flwr-home"
+    monkeypatch.setenv("FLWR_HOME", str(home))
+    for var in ("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", "FLWR_LOCAL_CONTROL_API_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    exe = link_fakes.fake_superlink_exe(tmp_path / "link")
+    monkeypatch.setattr(check_mod, "LINK", LinkSettings(executable=exe, start_timeout_s=120))
+    yield
+    link_fakes.stop_all([], [home])
 
 
 def test_the_default_config_is_ok(capsys) -> None:

@@ -161,6 +161,61 @@ def test_kit_state_runs(tmp_path, capsys) -> None:
     assert "is not a node kit" in capsys.readouterr().err
 
 
+# -- issue 30: completed runs counted apart, pinned runs, runs in use --------------------------
+def test_keep_counts_completed_runs_apart_from_the_others(tmp_path, capsys) -> None:
+    root = tmp_path / "nodes"
+    stage_run(root, "run-1", 5 * HOUR, completed=True)
+    stage_run(root, "run-2", 4 * HOUR, completed=True)
+    stage_run(root, "run-3", 3 * HOUR)  # failed attempts, newer than every completed run
+    stage_run(root, "run-4", 2 * HOUR)
+    assert clean.main(["--node-dir", str(root), "--keep", "1"]) == 0
+    assert names(root) == {"run-2", "run-4"}  # the newest completed one and the newest other
+    out = capsys.readouterr().out
+    assert "removed run-1 (2.0 kB)" in out and "removed run-3 (2.0 kB)" in out
+
+
+def test_a_pinned_run_survives_all_until_unpinned(tmp_path, capsys) -> None:
+    root = tmp_path / "nodes"
+    stage_run(root, "run-1", 2 * HOUR, completed=True)
+    stage_run(root, "run-2", HOUR)
+    assert clean.main(["--node-dir", str(root), "--pin", "1"]) == 0
+    assert (root / "run-1" / "PINNED").is_file()
+    assert clean.main(["--node-dir", str(root), "--pin", "run-1"]) == 0  # idempotent
+    assert clean.main(["--node-dir", str(root), "--all", "--force"]) == 1
+    assert names(root) == {"run-1"}
+    out = capsys.readouterr().out
+    assert "run-1 is now pinned" in out and "run-1 was already pinned" in out
+    assert "kept run-1: pinned (python -m federation.deploy.clean --unpin run-1 lets it go)" in out
+    assert clean.main(["--node-dir", str(root), "--run", "1"]) == 1 and names(root) == {"run-1"}
+    assert clean.main(["--node-dir", str(root), "--unpin", "1"]) == 0
+    assert clean.main(["--node-dir", str(root), "--all"]) == 0
+    assert names(root) == set()
+    assert clean.main(["--node-dir", str(root), "--pin", "7"]) == 2
+    assert "no run-7 under" in capsys.readouterr().err
+
+
+def test_a_run_in_use_is_listed_as_such_and_kept_even_when_forced(tmp_path, capsys) -> None:
+    from node import dir_lease
+
+    root = tmp_path / "nodes"
+    stage_run(root, "run-1", 2 * HOUR, completed=True, pinned=True)
+    run2 = stage_run(root, "run-2", HOUR)
+    lease = dir_lease.take(run2 / "node-0", "serving.test")  # this process serves from it
+    try:
+        assert clean.main(["--node-dir", str(root)]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert out[1].split()[0] == "run-2" and out[1].endswith(f"not completed; in use by pid {os.getpid()} (serving.test)")
+        assert out[2].split()[0] == "run-1" and out[2].endswith("completed; pinned")
+        assert clean.main(["--node-dir", str(root), "--all", "--force"]) == 1
+        assert names(root) == {"run-1", "run-2"}
+        assert f"kept run-2: in use by pid {os.getpid()} (serving.test)" in capsys.readouterr().out
+    finally:
+        lease.release()
+    assert not list(run2.rglob("*.lease"))
+    assert clean.main(["--node-dir", str(root), "--all", "--force"]) == 1  # the pinned run stays
+    assert names(root) == {"run-1"}
+
+
 # -- python -m federation.deploy.stop --clean-nodes --------------------------------------------
 def test_stop_clean_nodes_without_a_superlink_still_cleans(tmp_path) -> None:
     flwr_home, root = tmp_path / "flwr-home", tmp_path / "nodes"
@@ -178,6 +233,11 @@ def test_stop_clean_nodes_without_a_superlink_still_cleans(tmp_path) -> None:
     res = _cli("federation.deploy.stop", "--flwr-home", str(flwr_home), "--clean-nodes", env={"FEDKV_NODE_DIR": str(root)})
     assert res.returncode == 0 and "removed run-3" in res.stdout
     assert names(root) == {"notes"}
+
+    stage_run(root, "run-4", HOUR, pinned=True)  # issue 30: a pinned run survives --clean-nodes
+    res = _cli("federation.deploy.stop", "--flwr-home", str(flwr_home), "--clean-nodes", "--node-dir", str(root))
+    assert res.returncode == 0 and "kept run-4: pinned" in res.stdout
+    assert names(root) == {"notes", "run-4"}
 
 
 def test_stop_without_clean_nodes_leaves_node_dirs_and_a_bad_root_is_exit_2(tmp_path) -> None:

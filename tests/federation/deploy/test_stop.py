@@ -80,3 +80,30 @@ def test_nothing_running_exits_zero(tmp_path) -> None:
     done = _stop_cli("--flwr-home", str(tmp_path / "empty"))
     assert done.returncode == 0
     assert "no local SuperLink running" in done.stdout
+
+
+def test_a_home_whose_path_ends_another_homes_path_is_not_ours(tmp_path, cleanup) -> None:
+    """The SuperLink of /x/nest/<ours> logs to a path that *contains* ours/local-superlink: not ours."""
+    ours = tmp_path / "ours"
+    theirs = Path(f"{tmp_path}/nest{ours}")
+    other = _fake_superlink(theirs)
+    cleanup += [other.pid, *descendants(other.pid)]
+
+    done = _stop_cli("--flwr-home", str(ours))
+    assert done.returncode == 0 and "no local SuperLink running" in done.stdout, done.stdout
+    assert alive(other.pid)
+
+
+def test_another_users_or_homes_superlink_is_named_when_none_of_ours_runs(tmp_path, cleanup) -> None:
+    """Stop's answer on a shared host: the port a plain flwr run would use is someone else's."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        env = {**os.environ, "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(port)}
+        done = _stop_cli("--flwr-home", str(tmp_path / "empty"), env=env)
+    assert done.returncode == 0
+    assert f"127.0.0.1:{port} is held by pid {os.getpid()} of user" in done.stdout
+    assert "not this FLWR_HOME's, left alone" in done.stdout
