@@ -173,11 +173,12 @@ class RoundRecord:
 
     def _privacy(self) -> str:
         out = []
-        if _finite(self.epsilon_sample):  # example-level DP-SGD: the unit first, named
-            delta = f" δ {_num(self.delta)}" if _finite(self.delta) else ""
-            out.append(f"ε {_num(self.epsilon_sample)}{delta} per training example (vs everyone) ·")
+        if _finite(self.epsilon_sample):  # example-level DP-SGD: the unit first, each named
+            delta = f"δ {_num(self.delta)}, " if _finite(self.delta) else ""
+            out.append(f"ε {_num(self.epsilon_sample)} per training example ({delta}vs everyone) ·")
         if _finite(self.epsilon_client):
-            out.append(f"ε {_num(self.epsilon_client)}")
+            unit = "per node's update ε" if _finite(self.epsilon_sample) else "ε"
+            out.append(f"{unit} {_num(self.epsilon_client)}")
             others = [("server", self.epsilon_server), ("a node", self.epsilon_node),
                       (f"{self.colluding_nodes} nodes", self.epsilon_colluding)]
             # each observer named once: the server only where it differs from third parties

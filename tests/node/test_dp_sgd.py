@@ -116,3 +116,28 @@ def test_a_language_node_trains_with_dp_sgd_and_reports_its_example_epsilon(task
     steps = 3 * node.task.private_steps(1)
     assert eps[2] == pytest.approx(ExampleDp(node.dp_sigma, 1.0, 8).epsilon(node.task.num_examples, steps, 1e-5))
     assert eps[2] > 7.0  # the whole planned budget is used: sigma is no larger than it needs
+
+
+def test_the_main_jobs_example_epsilon_is_at_most_8_against_dp_accounting() -> None:
+    """The README's main job (pyproject defaults: lm, 5 nodes, dp-sgd on): every node's σ, sized
+    from its own example count, keeps the whole run within ε 8 at δ 1e-5 per training example,
+    recomputed with dp-accounting's RDP for the sampled Gaussian that runs (Poisson at q)."""
+    pytest.importorskip("dp_accounting")
+    from dp_accounting import dp_event
+    from dp_accounting.rdp import RdpAccountant
+
+    from federation.config import RunConfig
+    from node.tasks import LmTask
+
+    cfg = RunConfig()
+    assert cfg.task == "lm" and cfg.dp_sgd and cfg.dp_sgd_epsilon == 8.0 and cfg.target_delta == 1e-5
+    for partition in range(5):
+        task = LmTask(partition, 5)
+        steps = task.private_steps(cfg.local_epochs) * cfg.num_server_rounds
+        dp = ExampleDp.for_target(cfg.dp_sgd_epsilon, cfg.target_delta, task.num_examples, steps,
+                                  cfg.dp_sgd_clip, cfg.dp_sgd_batch or task.dp_batch)
+        acct = RdpAccountant()
+        acct.compose(dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(
+            dp.sample_rate(task.num_examples), dp_event.GaussianDpEvent(dp.noise_multiplier)), steps))
+        reported = dp.epsilon(task.num_examples, steps, cfg.target_delta)
+        assert reported <= 8.0 and acct.get_epsilon(cfg.target_delta) <= 8.0 * 1.05, partition
