@@ -83,8 +83,8 @@ def _claim(cfg: RunConfig, results: RunResults) -> None:
     results.privacy_claim = privacy_claim(eps, cfg.dp_mode, delta=delta)
     if cfg.dp_sgd:  # a node's ε only grows: the largest any round reported
         spent = [r.epsilon_sample for r in results.rounds if not math.isnan(r.epsilon_sample)]
-        example = privacy_claim(max(spent, default=math.inf), "local", delta=cfg.target_delta, level="sample")
-        results.privacy_claim = f"{example} per training example; per node's update: {results.privacy_claim}"
+        example = privacy_claim(max(spent, default=math.inf), "local", delta=cfg.target_delta, level="example")
+        results.privacy_claim = f"{example}: each training example; each node's update: {results.privacy_claim}"
     if cfg.dp_mode != "none" or cfg.dp_sgd:
         log(WARNING if results.privacy_claim.startswith(NO_MEANINGFUL_EPSILON) else INFO,
             "fedkv privacy: %s", results.privacy_claim)

@@ -278,19 +278,21 @@ _DP_MODES = ("none", "local", "distributed", "flower-central")
 
 
 def privacy_claim(
-    epsilon: float, dp_mode: str, *, delta: float | None = None, level: Literal["client", "sample"] = "client"
+    epsilon: float, dp_mode: str, *, delta: float | None = None,
+    level: Literal["client", "sample", "example"] = "client"
 ) -> str:
     """The short, honest label of what a run's DP amounts to.
 
     * dp_mode "none" (client level): ``"none: no DP"``;
     * ε <= `MEANINGFUL_EPSILON`: ``"client-level (ε=2.31, δ)"``, or with `delta`
-      ``"client-level (ε=2.31, δ=1e-05)"`` (`level="sample"` for DP-SGD inside the nodes);
+      ``"client-level (ε=2.31, δ=1e-05)"`` (`level="sample"` or ``"example"`` for DP-SGD inside
+      the nodes);
     * ε > `MEANINGFUL_EPSILON`, ε = ∞ or ε not accounted (NaN): exactly `NO_MEANINGFUL_EPSILON`.
     """
     if dp_mode not in _DP_MODES:
         raise ParameterError(f"dp_mode must be one of {_DP_MODES}, not {dp_mode!r}")
-    if level not in ("client", "sample"):
-        raise ParameterError(f"level must be 'client' or 'sample', not {level!r}")
+    if level not in ("client", "sample", "example"):
+        raise ParameterError(f"level must be 'client', 'sample' or 'example', not {level!r}")
     if dp_mode == "none" and level == "client":
         return "none: no DP"
     epsilon = float(epsilon)
