@@ -134,7 +134,9 @@ def _train(cfg: RunConfig, req: messages.RoundRequest, context: Context,
 def _dp_sgd_config(cfg: RunConfig, clip_norm: float) -> DpConfig:
     """What DP-SGD inside the node's training (``CacheNode.train_round``) needs."""
     return DpConfig(clip_norm=clip_norm, noise_multiplier=wire_noise(cfg)[1], dp_sgd=cfg.dp_sgd,
-                    target_delta=cfg.target_delta)
+                    target_delta=cfg.target_delta, target_epsilon=cfg.dp_sgd_epsilon,
+                    planned_rounds=cfg.num_server_rounds, expected_batch=cfg.dp_sgd_batch,
+                    example_clip=cfg.dp_sgd_clip)
 
 
 def _train_metrics(cfg: RunConfig, out: TrainOutcome, made: Contribution, node: CacheNode, source: NodeSource,
@@ -243,11 +245,11 @@ def train_arrays(msg: Message, context: Context) -> Message:
     node.set_weights(arrays.to_torch_state_dict())
     before = np.concatenate([a.ravel() for a in arrays.to_numpy_ndarrays()])
     server_round = int(msg.content.config_records["config"]["server-round"])
-    loss, n, train_s = node.train_in_place(cfg.local_epochs, cfg.lr, server_round)
+    clip = float(msg.content.config_records["config"].get("clipping_norm", 0.0))
+    loss, n, train_s, eps = node.train_in_place(cfg.local_epochs, cfg.lr, server_round, _dp_sgd_config(cfg, clip))
     reply_arrays = ArrayRecord(node.get_weights())
     after = np.concatenate([a.ravel() for a in reply_arrays.to_numpy_ndarrays()])
     norm = float(np.linalg.norm(after - before))
-    clip = float(msg.content.config_records["config"].get("clipping_norm", 0.0))
     metrics = {
         "num-examples": n,
         "unit-weight": 1,  # flower_central.UNIT_WEIGHT: FedAvg with uniform weights
@@ -258,6 +260,7 @@ def train_arrays(msg: Message, context: Context) -> Message:
         "delta-norm": norm,
         "node-source": source,
         "pid": node_host.pid(),
+        **({"epsilon-sample": eps} if cfg.dp_sgd else {}),
     }
     content = RecordDict({"arrays": reply_arrays, "metrics": MetricRecord(metrics)})
     return Message(content, reply_to=msg)

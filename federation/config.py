@@ -5,8 +5,7 @@ Every key is checked before any round starts, and every problem is reported at o
 one ``ConfigError`` (a ``ValueError``): an unknown key (named, with the close known names),
 a value of the wrong type (``num-server-rounds=2.5``, ``he=2``, ``lr='fast'``), NaN or
 infinity for any float, a value out of range, and combinations the code cannot run
-(``dp-sgd=true`` with ``task=lm``/``chat`` or with ``dp-mode=flower-central``,
-``dp-mode=flower-central`` with ``he=true``, ...).
+(``dp-mode=flower-central`` with ``he=true``, ...).
 
 Accepted spellings (the CLI gives TOML values, tests and scripts give Python ones):
 
@@ -18,17 +17,13 @@ Accepted spellings (the CLI gives TOML values, tests and scripts give Python one
 
 from __future__ import annotations
 
-import ast
 import difflib
-import inspect
 import math
 import numbers
 import os
 import re
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 from typing import Any
 
 DP_MODES = ("none", "local", "distributed", "flower-central")
@@ -138,9 +133,21 @@ class RunConfig:
     sum, which the server cannot read, carries sigma·C) | flower-central (Flower's
     ``DifferentialPrivacyClientSideFixedClipping``, client-side fixed clipping: a trusted-server
     baseline; needs he=false)."""
-    dp_sgd: bool = False
-    """Opacus per-sample DP-SGD in local training (independent of dp-mode; task=digits, and
-    not with dp-mode=flower-central, whose array-protocol training does not run it)."""
+    dp_sgd: bool = True
+    """Example-level DP-SGD in each node's local training, whatever the dp-mode: digits through Opacus,
+    lm and chat through ``node.dp_sgd`` (Poisson batches, per-example clipping, Gaussian noise).
+    Each record a node trains on is then protected at dp-sgd-epsilon against everyone: the
+    server, the other nodes, whoever uses the model. Reported per round as ``epsilon_sample``.
+    false: the client-level mechanism alone (the figures before example-level DP)."""
+    dp_sgd_epsilon: float = 8.0
+    """The example-level epsilon (at target-delta) a node may spend over num-server-rounds
+    rounds; each node picks the smallest sigma that keeps it (Opacus'
+    ``make_private_with_epsilon`` search, RDP). 0: sigma = noise-multiplier."""
+    dp_sgd_batch: int = 0
+    """lm/chat: DP-SGD's expected Poisson batch (sample rate = batch / the node's examples);
+    0: the task's (lm 256, chat 8)."""
+    dp_sgd_clip: float = 1.0
+    """lm/chat with dp-sgd: the per-example gradient bound."""
     noise_multiplier: float = 0.02
     """sigma (>= 0). With 5 nodes no sigma buys a useful client-level epsilon without wrecking
     the model: the default shows the mechanism: the run reports the epsilon it spends (27,612
@@ -275,7 +282,7 @@ class RunConfig:
         problems: list[str] = []
         bad: set[str] = set()
         for f in fields(self):
-            key = _key(f.name)
+            key = key_name(f.name)
             value, problem = _coerce(getattr(self, f.name), type(f.default), key)
             if problem is not None:
                 problems.append(problem)
@@ -292,7 +299,7 @@ class RunConfig:
 
         Raises ``ConfigError`` naming every unknown key and every bad value.
         """
-        known = {_key(f.name): f.name for f in fields(RunConfig)}
+        known = {key_name(f.name): f.name for f in fields(RunConfig)}
         problems = [unknown_key(k, known) for k in run_config if k not in known]
         kwargs = {known[k]: v for k, v in run_config.items() if k in known}
         try:
@@ -305,7 +312,7 @@ class RunConfig:
 
     def as_dict(self) -> dict[str, Any]:
         """Dash-separated keys, as they appear in pyproject (for results files)."""
-        return {_key(k): v for k, v in asdict(self).items()}
+        return {key_name(k): v for k, v in asdict(self).items()}
 
 
 _KEEP = re.compile(r"keep-([0-9]{1,3})")
@@ -335,7 +342,7 @@ def config_lines(cfg: RunConfig, width: int = 100) -> list[str]:
     dp = "no DP" if cfg.dp_mode == "none" else f"dp-mode {cfg.dp_mode} σ {cfg.noise_multiplier:g} C {cfg.clip_norm:g}"
     head = f"task {cfg.task} · {cfg.num_server_rounds} rounds · mode {cfg.mode} · {dp}"
     defaults = RunConfig()
-    changed = [f"{_key(f.name)}={getattr(cfg, f.name)!r}" for f in fields(cfg)
+    changed = [f"{key_name(f.name)}={getattr(cfg, f.name)!r}" for f in fields(cfg)
                if getattr(cfg, f.name) != getattr(defaults, f.name)]
     lines, line = [head], "changed from the defaults:" if changed else "every other key at its default"
     for item in changed:
@@ -348,7 +355,7 @@ def config_lines(cfg: RunConfig, width: int = 100) -> list[str]:
 
 def known_keys() -> list[str]:
     """Every run-config key, dash-separated, in declaration order."""
-    return [_key(f.name) for f in fields(RunConfig)]
+    return [key_name(f.name) for f in fields(RunConfig)]
 
 
 def results_dir_of(run_config: Mapping[str, Any]) -> str:
@@ -363,82 +370,10 @@ def results_dir_of(run_config: Mapping[str, Any]) -> str:
     return DEFAULT_RESULTS_DIR
 
 
-# -- docs/configuration.md: generated from RunConfig, so every default has one source ------------
-_DOC_INTRO = """\
-Every key below lives in `[tool.flwr.app.config]` of `pyproject.toml` (the defaults are the main
-job) and can be overridden per run with `--run-config "key=value ..."`. The defaults and meanings
-are `RunConfig`'s in `federation/config.py` (`tests/federation/test_config.py` checks that
-pyproject.toml has the same defaults)."""
-
-_DOC_TAIL = """\
-Each node also holds a policy the run config cannot lower (node config, or `node-policy.json` in
-its kit): `require-he`, `min-noise-multiplier`, `min-clients`, `max-serve-gate-tolerance`, `he-security` (`post-quantum`:
-refuse classical runs and any CKKS key outside the post-quantum column), e.g. `--node-config
-"partition-id=0 num-partitions=5 require-he=true min-noise-multiplier=0.5"`. A run that asks for
-less is refused by that node at enrollment, with the reason in the results file. `require-he` is on
-for every node with a kit (deployment) unless its `node-policy.json` says `"require-he": false`;
-without a kit (simulation, `flwr run .`) it is off and the run config decides, so `he=false`
-baselines run there. Without kits a node keeps its identity and the member set it pinned
-across runs (`<node-dir>/enrolled/`); node config `re-enroll=true` (or `$FEDKV_RE_ENROLL=1`) makes a run a new enrollment
-(docs/threat-model.md).
-
-Examples, one per task:
-
-```bash
-python -m federation.deploy.check -- flwr run . --stream --federation-config "num-supernodes=5 client-resources-num-cpus=1" --run-config "task='lm' kv-dtype='int8' num-server-rounds=3 results-dir='$PWD/results'"
-python -m federation.deploy.check -- flwr run . --stream --federation-config "num-supernodes=10 client-resources-num-cpus=1" --run-config "task='digits' dp-mode='distributed' noise-multiplier=0.5 num-server-rounds=10"
-```"""
-
-
-def field_docs(source: str | None = None) -> dict[str, str]:
-    """RunConfig's attribute docstrings (the string right after each field) by field name, read
-    from this module's source with ``ast`` (Python keeps no attribute docstrings at runtime)."""
-    tree = ast.parse(source if source is not None else Path(__file__).read_text(encoding="utf-8"))
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RunConfig")
-    docs: dict[str, str] = {}
-    for node, after in zip(cls.body, cls.body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)):
-            docs[node.target.id] = inspect.cleandoc(after.value.value)
-    return docs
-
-
-def _md(text: str) -> str:
-    """A docstring as one markdown table cell: one line, ``code`` as `code`, pipes escaped."""
-    return re.sub(r"``([^`]+)``", r"`\1`", " ".join(text.split())).replace("|", "\\|")
-
-
-def _md_default(value: Any) -> str:
-    if isinstance(value, bool):
-        return "`true`" if value else "`false`"
-    return f"`{value}`" if value != "" else '`""`'
-
-
-def markdown() -> str:
-    """docs/configuration.md: every run-config key with its default and its field docstring
-    (``python -m federation.config --markdown > docs/configuration.md``)."""
-    docs = field_docs()
-    missing = [f.name for f in fields(RunConfig) if f.name not in docs]
-    if missing:
-        raise ValueError(f"RunConfig fields without a docstring: {missing}")
-    module_doc = inspect.cleandoc(ast.get_docstring(ast.parse(Path(__file__).read_text(encoding="utf-8"))) or "")
-    checks = re.sub(r"``([^`]+)``", r"`\1`", module_doc.split("\n\n", 1)[1])
-    rows = [f"| `{_key(f.name)}` | {_md_default(f.default)} | {_md(docs[f.name])} |" for f in fields(RunConfig)]
-    return "\n".join([
-        "# Run configuration", "",
-        "<!-- Generated by `python -m federation.config --markdown > docs/configuration.md` from",
-        "     RunConfig's fields and their docstrings in federation/config.py: edit those, not this file",
-        "     (tests/federation/test_config_doc.py fails when the two differ). -->", "",
-        _DOC_INTRO, "",
-        "| key | default | meaning |", "|---|---|---|", *rows, "",
-        _DOC_TAIL, "",
-        "## How values are checked", "",
-        checks, "",
-    ])
 
 # -- internals ------------------------------------------------------------------------------
-def _key(name: str) -> str:
+def key_name(name: str) -> str:
+    """A field's run-config key (dashes for underscores)."""
     return name.replace("_", "-")
 
 
@@ -531,6 +466,9 @@ def _check_values(cfg: RunConfig, check: _Check) -> None:
     check("noise-multiplier", lambda: cfg.noise_multiplier >= 0, "noise-multiplier must be >= 0")
     check("clip-norm", lambda: cfg.clip_norm > 0,
           "clip-norm must be > 0 (every update is clipped to it; nodes refuse a mean beyond the bound it implies)")
+    check("dp-sgd-epsilon", lambda: cfg.dp_sgd_epsilon >= 0, "dp-sgd-epsilon must be >= 0 (0: sigma = noise-multiplier)")
+    check("dp-sgd-batch", lambda: cfg.dp_sgd_batch >= 0, "dp-sgd-batch must be >= 0 (0: the task's)")
+    check("dp-sgd-clip", lambda: cfg.dp_sgd_clip > 0, "dp-sgd-clip must be > 0")
     check("target-delta", lambda: 0.0 < cfg.target_delta < 1.0, "target-delta must be in (0, 1)")
     check("colluding-nodes", lambda: cfg.colluding_nodes >= 1, "colluding-nodes must be >= 1")
     check("fraction-train", lambda: 0.0 < cfg.fraction_train <= 1.0, "fraction-train must be in (0, 1]")
@@ -581,23 +519,6 @@ def _check_combinations(cfg: RunConfig, check: _Check) -> None:
           "adaptive-clipping needs dp-mode=distributed (fedkv's, under HE) or flower-central (Flower's wrapper)")
     check("adaptive-clipping he", lambda: not (cfg.adaptive_clipping and cfg.dp_mode == "distributed" and not cfg.he),
           "adaptive-clipping with dp-mode=distributed sums the clipped count under CKKS; set he=true")
-    check("dp-sgd task", lambda: not (cfg.dp_sgd and cfg.task in ("lm", "chat")),
-          f"dp-sgd=true needs task=digits (Opacus DP-SGD is not implemented for the {cfg.task} task)")
     check("task dp-mode", lambda: not (cfg.task == "chat" and cfg.dp_mode == "flower-central"),
           "task=chat does not run with dp-mode=flower-central (Flower's array protocol would ship "
           "the whole base model); use dp-mode none, local or distributed")
-    check("dp-sgd dp-mode", lambda: not (cfg.dp_sgd and cfg.dp_mode == "flower-central"),
-          "dp-sgd=true does not run with dp-mode=flower-central (its array-protocol training has "
-          "no DP-SGD); use dp-mode none, local or distributed")
-
-
-def _main(argv: Sequence[str]) -> int:
-    if list(argv) != ["--markdown"]:
-        print("usage: python -m federation.config --markdown > docs/configuration.md", file=sys.stderr)
-        return 2
-    sys.stdout.write(markdown())
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main(sys.argv[1:]))

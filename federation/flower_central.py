@@ -51,6 +51,9 @@ def _train_metrics(records: list[RecordDict], weight_key: str) -> MetricRecord:
             "clipped": mean([float(x["clipped"]) for x in m]),
             "upload-bytes": mean([float(x["upload-bytes"]) for x in m]),
             "train-s": mean([float(x["train-s"]) for x in m]),
+            # DP-SGD: the largest example-level ε any node reported (each node's own budget)
+            **({"epsilon-sample": max(float(x["epsilon-sample"]) for x in m)}
+               if m and all("epsilon-sample" in x for x in m) else {}),
         }
     )
 
@@ -158,6 +161,7 @@ def run_flower_central(grid: Grid, cfg: RunConfig, results: RunResults) -> None:
         rec = RoundRecord(round=rnd, sampled=num_sampled, metric=METRIC_NAMES[cfg.task])
         rec.num_clients = int(tr.get("num-clients", 0))
         rec.train_loss = float(tr.get("train-loss", math.nan))
+        rec.epsilon_sample = float(tr.get("epsilon-sample", math.nan))
         rec.clipped_fraction = float(tr.get("clipped", math.nan))
         rec.upload_bytes_mean = float(tr.get("upload-bytes", math.nan))
         rec.seconds["train"] = float(tr.get("train-s", math.nan))

@@ -182,8 +182,12 @@ class RoundRecord:
 
     def _privacy(self) -> str:
         out = []
+        if _finite(self.epsilon_sample):  # example-level DP-SGD: the unit first, each named
+            delta = f"δ {_num(self.delta)}, " if _finite(self.delta) else ""
+            out.append(f"ε {_num(self.epsilon_sample)} per training example ({delta}vs everyone) ·")
         if _finite(self.epsilon_client):
-            out.append(f"ε {_num(self.epsilon_client)}")
+            unit = "per node's update ε" if _finite(self.epsilon_sample) else "ε"
+            out.append(f"{unit} {_num(self.epsilon_client)}")
             others = [("server", self.epsilon_server), ("a node", self.epsilon_node),
                       (f"{self.colluding_nodes} nodes", self.epsilon_colluding)]
             # each observer named once: the server only where it differs from third parties
@@ -191,8 +195,6 @@ class RoundRecord:
                      if not math.isnan(e) and not (who == "server" and e == self.epsilon_client)]
             if shown:
                 out.append(f"(vs {', '.join(shown)})")
-        if _finite(self.epsilon_sample):
-            out.append(f"sample ε {_num(self.epsilon_sample)}")
         if _finite(self.delta_total):
             # δ + (1 + e^ε)·δ_sat reaches 1 once ε is large: no (ε, δ) guarantee is left
             out.append(f"δ {_num(self.delta_total)}" if self.delta_total < 1

@@ -17,6 +17,7 @@ from typing import Any
 from flwr.common import log
 
 from crypto import privacy_claim
+from crypto.dp.privacy import NO_MEANINGFUL_EPSILON
 from federation.codec import ckks_preset_for, wire_dim
 from federation.config import RunConfig
 from federation.flower_central import run_flower_central
@@ -71,6 +72,8 @@ def run_rounds(grid: Any, cfg: RunConfig, run_id: int, results: RunResults, *, w
 
 
 def _claim(cfg: RunConfig, results: RunResults) -> None:
+    """``privacy_claim``: per training example first under DP-SGD (the unit a few organisations
+    can protect at a meaningful ε), then per node's update (client level)."""
     eps = results.rounds[-1].epsilon_client if results.rounds else math.nan
     if cfg.dp_mode in ("local", "distributed", "flower-central") and not math.isfinite(eps):
         eps = math.inf
@@ -78,5 +81,10 @@ def _claim(cfg: RunConfig, results: RunResults) -> None:
     delta = results.rounds[-1].delta_total if results.rounds else math.nan
     delta = delta if math.isfinite(delta) and 0 < delta < 1 else cfg.target_delta
     results.privacy_claim = privacy_claim(eps, cfg.dp_mode, delta=delta)
-    if cfg.dp_mode != "none":
-        log(INFO if "no meaningful" not in results.privacy_claim else WARNING, "fedkv privacy: %s", results.privacy_claim)
+    if cfg.dp_sgd:  # a node's ε only grows: the largest any round reported
+        spent = [r.epsilon_sample for r in results.rounds if not math.isnan(r.epsilon_sample)]
+        example = privacy_claim(max(spent, default=math.inf), "local", delta=cfg.target_delta, level="example")
+        results.privacy_claim = f"{example}: each training example; each node's update: {results.privacy_claim}"
+    if cfg.dp_mode != "none" or cfg.dp_sgd:
+        log(WARNING if results.privacy_claim.startswith(NO_MEANINGFUL_EPSILON) else INFO,
+            "fedkv privacy: %s", results.privacy_claim)

@@ -28,10 +28,11 @@ import numpy as np
 import torch
 
 from cache import CacheConfig, KVCache
-from crypto import Layout, dp_sgd_epsilon
+from crypto import Layout, dp_sgd_epsilon, dp_sgd_noise_multiplier
 from node import digits
 from node import param_channel, serve_gate
 from node.param_channel import exclusive_params
+from node.dp_sgd import ExampleDp
 from node.serve_gate import GateScores, GateVerdict
 from node.workload_pass import ServeReport, serve_workload
 from node.sessions import Sessions
@@ -69,16 +70,27 @@ def os_entropy_torch_generator() -> torch.Generator:
 
 @dataclass(frozen=True)
 class DpConfig:
-    """Sample-level privacy inside local training: per-sample DP-SGD (Opacus). The update-level
-    mechanism (clip, noise share) is not the node's: ``federation.contribution.make_contribution``."""
+    """Example-level privacy inside local training: per-example DP-SGD (digits: Opacus; lm and
+    chat: ``node.dp_sgd``). The update-level mechanism (clip, noise share) is not the node's:
+    ``federation.contribution.make_contribution``."""
 
     clip_norm: float = 0.0
-    """Opacus' per-sample bound (1.0 when 0)."""
+    """Per-example bound C (1.0 when 0)."""
     noise_multiplier: float = 0.0
-    """Opacus' sigma."""
+    """σ of DP-SGD when ``target_epsilon`` is 0."""
     dp_sgd: bool = False
-    """Per-sample DP-SGD with Opacus during local training (digits)."""
+    """Per-example DP-SGD during local training."""
     target_delta: float = 1e-5
+    target_epsilon: float = 0.0
+    """σ is the smallest that keeps ``planned_rounds`` rounds of steps within
+    (target_epsilon, target_delta) (Opacus' make_private_with_epsilon); 0: ``noise_multiplier``."""
+    planned_rounds: int = 1
+    """Rounds the node may train in (the run's rounds): the budget ``target_epsilon`` spans."""
+    expected_batch: int = 0
+    """lm/chat: the Poisson batch's expected size (q = expected_batch / examples); 0: the
+    task's ``dp_batch``."""
+    example_clip: float = 1.0
+    """lm/chat: the per-example bound C (digits: ``clip_norm``, as before)."""
 
 
 @dataclass
@@ -288,11 +300,12 @@ class CacheNode:
         return TrainOutcome(delta, loss, n, float(np.linalg.norm(delta)), train_s, eps)
 
     def _train_dp_sgd(self, epochs: int, lr: float, dp: DpConfig) -> tuple[float, int, float]:
-        """Per-sample DP-SGD with Opacus on a copy; epsilon from all steps so far (RDP)."""
+        """Per-example DP-SGD: Opacus on a copy (digits), ``node.dp_sgd`` for the language
+        tasks; ε from all steps so far (RDP)."""
         from opacus import PrivacyEngine
 
         if self.task.train_loader is None:
-            raise ValueError(f"dp-sgd is available for the digits task, not {self.task.name!r}")
+            return self._train_example_dp(epochs, lr, dp)
         work = copy.deepcopy(self.model).train()
         opt = torch.optim.SGD(work.parameters(), lr=lr)
         # without a generator, Opacus would draw its noise from torch's global generator and its
@@ -309,7 +322,7 @@ class CacheNode:
             module=work,
             optimizer=opt,
             data_loader=loader,
-            noise_multiplier=dp.noise_multiplier,
+            noise_multiplier=self._digits_sigma(dp, len(loader), epochs),
             max_grad_norm=dp.clip_norm if dp.clip_norm > 0 else 1.0,
             noise_generator=fresh,
         )
@@ -317,9 +330,31 @@ class CacheNode:
         self.model.load_state_dict(pmodel._module.state_dict())
         self.dp_steps += len(ploader) * epochs  # the accountant counts expected steps
         self.dp_sample_rate = 1.0 / len(ploader)
-        self.dp_sigma = dp.noise_multiplier
+        self.dp_sigma = self._digits_sigma(dp, len(loader), epochs)
         eps = dp_sgd_epsilon(self.dp_sigma, self.dp_sample_rate, self.dp_steps, dp.target_delta)
         return loss, self.task.num_examples, eps
+
+    @staticmethod
+    def _digits_sigma(dp: DpConfig, batches: int, epochs: int) -> float:
+        """Opacus' σ: sized for ``target_epsilon`` over the planned rounds (its Poisson loader
+        samples at q = 1 / batches), else ``noise_multiplier``."""
+        if dp.target_epsilon <= 0:
+            return dp.noise_multiplier
+        return dp_sgd_noise_multiplier(dp.target_epsilon, dp.target_delta, 1.0 / batches,
+                                       batches * epochs * dp.planned_rounds)
+
+    def _train_example_dp(self, epochs: int, lr: float, dp: DpConfig) -> tuple[float, int, float]:
+        """Example-level DP-SGD of the language tasks (``node.dp_sgd``); ε over every step this
+        node has taken (σ and q are fixed for a run: one self-composed sampled Gaussian)."""
+        n, steps = self.task.num_examples, self.task.private_steps(epochs)
+        batch = dp.expected_batch or self.task.dp_batch
+        mech = (ExampleDp.for_target(dp.target_epsilon, dp.target_delta, n, steps * dp.planned_rounds,
+                                     dp.example_clip, batch)
+                if dp.target_epsilon > 0 else ExampleDp(dp.noise_multiplier, dp.example_clip, batch))
+        loss = self.task.train_private(self.model, epochs, lr, mech, os_entropy_torch_generator())
+        self.dp_steps += steps
+        self.dp_sample_rate, self.dp_sigma = mech.sample_rate(n), mech.noise_multiplier
+        return loss, n, mech.epsilon(n, self.dp_steps, dp.target_delta)
 
     # -- Flower's array protocol (the flower-central baseline) --------------------------
     def get_weights(self) -> dict[str, torch.Tensor]:
@@ -331,16 +366,22 @@ class CacheNode:
         self.model.load_state_dict(state)
         self.cache.bump_version()
 
-    def train_in_place(self, epochs: int, lr: float, server_round: int) -> tuple[float, int, float]:
-        """Train the current weights in place: (loss, n, seconds); the cache then moves to a new
-        model version, as after ``set_weights``. The shuffle is seeded by the round (the version
-        counts weight changes on this path, not global models)."""
+    def train_in_place(self, epochs: int, lr: float, server_round: int,
+                       dp: DpConfig = DpConfig()) -> tuple[float, int, float, float]:
+        """Train the current weights in place (with ``dp.dp_sgd``: DP-SGD, as ``train_round``):
+        (loss, n, seconds, ε per example or NaN). Flower sends weights; the shuffle is seeded by
+        the round. The weights changed, so the cache's version moves: K/V computed under the
+        old ones is not served again."""
         t0 = time.perf_counter()
         lr = lr if lr > 0 else self.task.default_lr
         seed = self.spec.seed * 1_000_003 + self.spec.partition_id * 1009 + server_round
-        loss, n = self.task.train(self.model, epochs, lr, seed)
+        eps = float("nan")
+        if dp.dp_sgd:
+            loss, n, eps = self._train_dp_sgd(epochs, lr, dp)
+        else:
+            loss, n = self.task.train(self.model, epochs, lr, seed)
         self.cache.bump_version()
-        return loss, n, time.perf_counter() - t0
+        return loss, n, time.perf_counter() - t0, eps
 
     # -- evaluation and serving ---------------------------------------------------------
     def evaluate(self) -> tuple[float, float, int]:

@@ -82,6 +82,7 @@ retired: issue 21.)
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
@@ -249,7 +250,11 @@ def dp_sgd_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delt
         return math.inf
     acct = RDPAccountant()
     acct.history = [(float(noise_multiplier), float(sample_rate), int(steps))]
-    return float(acct.get_epsilon(delta))
+    with warnings.catch_warnings():
+        # "optimal order is the largest alpha": larger orders could tighten the bound; this one is
+        # still an upper bound on ε, so the warning says nothing a reader of ε must act on
+        warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+        return float(acct.get_epsilon(delta))
 
 
 def dp_sgd_noise_multiplier(target_eps: float, delta: float, sample_rate: float, steps: int) -> float:
@@ -259,8 +264,10 @@ def dp_sgd_noise_multiplier(target_eps: float, delta: float, sample_rate: float,
 
     if not (target_eps > 0 and math.isfinite(target_eps)):
         raise ParameterError(f"target ε must be finite and > 0, not {target_eps}")
-    return float(get_noise_multiplier(target_epsilon=target_eps, target_delta=delta, sample_rate=sample_rate,
-                                      steps=steps, accountant="rdp"))
+    with warnings.catch_warnings():  # as in dp_sgd_epsilon
+        warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+        return float(get_noise_multiplier(target_epsilon=target_eps, target_delta=delta,
+                                          sample_rate=sample_rate, steps=steps, accountant="rdp"))
 
 
 # -- what a run may claim -------------------------------------------------------------------------
@@ -271,19 +278,21 @@ _DP_MODES = ("none", "local", "distributed", "flower-central")
 
 
 def privacy_claim(
-    epsilon: float, dp_mode: str, *, delta: float | None = None, level: Literal["client", "sample"] = "client"
+    epsilon: float, dp_mode: str, *, delta: float | None = None,
+    level: Literal["client", "sample", "example"] = "client"
 ) -> str:
     """The short, honest label of what a run's DP amounts to.
 
     * dp_mode "none" (client level): ``"none: no DP"``;
     * ε <= `MEANINGFUL_EPSILON`: ``"client-level (ε=2.31, δ)"``, or with `delta`
-      ``"client-level (ε=2.31, δ=1e-05)"`` (`level="sample"` for DP-SGD inside the nodes);
+      ``"client-level (ε=2.31, δ=1e-05)"`` (`level="sample"` or ``"example"`` for DP-SGD inside
+      the nodes);
     * ε > `MEANINGFUL_EPSILON`, ε = ∞ or ε not accounted (NaN): exactly `NO_MEANINGFUL_EPSILON`.
     """
     if dp_mode not in _DP_MODES:
         raise ParameterError(f"dp_mode must be one of {_DP_MODES}, not {dp_mode!r}")
-    if level not in ("client", "sample"):
-        raise ParameterError(f"level must be 'client' or 'sample', not {level!r}")
+    if level not in ("client", "sample", "example"):
+        raise ParameterError(f"level must be 'client', 'sample' or 'example', not {level!r}")
     if dp_mode == "none" and level == "client":
         return "none: no DP"
     epsilon = float(epsilon)

@@ -66,7 +66,7 @@ def payload_fault(grid: FakeGrid, mutate: Callable[[bytes, Message, Context], by
 # -- a whole in-process federation: FakeGrid + KeyService + OpaqueFedAvg ---------------------
 
 BASE_CONFIG = {"num-server-rounds": 2, "min-clients": 2, "seed": 42, "task": "digits",
-               "he": False, "dp-mode": "none"}
+               "he": False, "dp-mode": "none", "dp-sgd": False}
 """Test defaults: digits, plaintext, no DP (the pyproject default job is lm + HE + DP)."""
 
 

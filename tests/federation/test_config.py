@@ -102,9 +102,9 @@ def test_every_float_rejects_nan_and_inf(key, value) -> None:
         ({"rotate-every": -1}, "rotate-every must be >= 0"),
         ({"rotate-every": 1.5}, "rotate-every=1.5 is not an integer"),
         ({"max-rejected-rounds": 0}, "max-rejected-rounds must be >= 1"),
-        ({"dp-sgd": True, "task": "lm"}, "dp-sgd=true needs task=digits"),
-        ({"dp-sgd": True, "task": "digits", "dp-mode": "flower-central", "he": False},
-         "dp-sgd=true does not run with dp-mode=flower-central"),
+        ({"dp-sgd": True, "task": "lm", "dp-sgd-batch": -1}, "dp-sgd-batch must be >= 0"),
+        ({"dp-sgd-clip": 0.0}, "dp-sgd-clip must be > 0"),
+        ({"dp-sgd-epsilon": -1.0}, "dp-sgd-epsilon must be >= 0"),
     ],
 )
 def test_bad_values_are_rejected(override, match) -> None:

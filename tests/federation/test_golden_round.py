@@ -58,7 +58,7 @@ SIG = 10
 """Significant digits written to the golden file."""
 
 RUN_CONFIG = {
-    "task": "digits", "he": True, "dp-mode": "none", "num-server-rounds": 2, "min-clients": 2,
+    "task": "digits", "he": True, "dp-mode": "none", "dp-sgd": False, "num-server-rounds": 2, "min-clients": 2,
     "seed": 42, "sampler-seed": 0,
 }
 NUM_NODES = 2

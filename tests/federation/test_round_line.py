@@ -61,3 +61,10 @@ def test_without_dp_the_training_fields_show() -> None:
 def test_a_skipped_poisson_round_says_so() -> None:
     line = RoundRecord(round=1, population=10, sampling_skipped=True).summary(2)
     assert "no training" in line and "of 10 nodes" in line and "nan" not in line
+
+
+def test_example_level_dp_names_its_unit_before_the_client_level_figures() -> None:
+    line = _dp_round(epsilon_sample=7.99, delta=1e-5, epsilon_client=27_612.3, epsilon_server=27_612.3,
+                     delta_total=1.0).summary(5)
+    assert ("ε 7.99 per training example (δ 1e-05, vs everyone) · per node's update ε 27,612 "
+            "δ 1 (no guarantee at this ε)") in line
