@@ -257,7 +257,9 @@ def run_config_for(args: argparse.Namespace, mode: str, population: int, cpr: in
     elif mode in FLOWER_MODES:
         rc.update({"he": False, "dp-mode": "flower-central", "adaptive-clipping": mode == "flower-adaptive"})
     elif mode == "dp-sgd":
-        rc.update({"he": True, "dp-mode": "none", "dp-sgd": True, "max-weight": max_weight})
+        # sigma is the sweep's (dp-sgd-epsilon 0), the per-example bound the sweep's clip-norm
+        rc.update({"he": True, "dp-mode": "none", "dp-sgd": True, "max-weight": max_weight,
+                   "dp-sgd-epsilon": 0.0, "dp-sgd-clip": args.clip_norm})
     else:
         raise ValueError(mode)
     return rc

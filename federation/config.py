@@ -147,7 +147,7 @@ class RunConfig:
     """lm/chat: DP-SGD's expected Poisson batch (sample rate = batch / the node's examples);
     0: the task's (lm 256, chat 8)."""
     dp_sgd_clip: float = 1.0
-    """lm/chat with dp-sgd: the per-example gradient bound."""
+    """With dp-sgd: the per-example gradient bound (clip-norm bounds the node's whole update)."""
     noise_multiplier: float = 0.02
     """sigma (>= 0). With 5 nodes no sigma buys a useful client-level epsilon without wrecking
     the model: the default shows the mechanism: the run reports the epsilon it spends (27,612

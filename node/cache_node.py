@@ -75,7 +75,7 @@ class DpConfig:
     ``federation.contribution.make_contribution``."""
 
     clip_norm: float = 0.0
-    """Per-example bound C (1.0 when 0)."""
+    """The client-level bound of the node's update (the federation's; not used by DP-SGD)."""
     noise_multiplier: float = 0.0
     """σ of DP-SGD when ``target_epsilon`` is 0."""
     dp_sgd: bool = False
@@ -90,7 +90,7 @@ class DpConfig:
     """lm/chat: the Poisson batch's expected size (q = expected_batch / examples); 0: the
     task's ``dp_batch``."""
     example_clip: float = 1.0
-    """lm/chat: the per-example bound C (digits: ``clip_norm``, as before)."""
+    """The per-example bound C of DP-SGD (``clip_norm`` is the bound of the node's whole update)."""
 
 
 @dataclass
@@ -323,7 +323,7 @@ class CacheNode:
             optimizer=opt,
             data_loader=loader,
             noise_multiplier=self._digits_sigma(dp, len(loader), epochs),
-            max_grad_norm=dp.clip_norm if dp.clip_norm > 0 else 1.0,
+            max_grad_norm=dp.example_clip,
             noise_generator=fresh,
         )
         loss = digits.run_epochs(pmodel, ploader, popt, epochs)

@@ -293,7 +293,7 @@ class ChatTask:
                       generator: torch.Generator) -> float:
         """Example-level DP-SGD (``node.dp_sgd``) on the trained adapters; one example = one
         question/answer pair of the share (its answer-token loss). The mean batch loss."""
-        pad = self._pad()
+        pad = self.pad_id()
 
         def example_loss(i: int) -> torch.Tensor:
             return qa.answer_loss(model, *qa.batch(self.codec, [self.share[i]], self.max_len, pad))

@@ -87,8 +87,8 @@ def test_chat_config_names_the_base_and_refuses_what_cannot_run() -> None:
     assert RunConfig(task="chat").task_id == "chat:smollm2"
     assert RunConfig(task="chat", chat_model="tiny").task_id == task_id({"task": "chat", "chat-model": "tiny"}) == "chat:tiny"
     assert RunConfig(task="lm", chat_model="tiny").task_id == "lm"
+    assert RunConfig.from_run_config({"task": "chat", "dp-sgd": True}).dp_sgd  # node.dp_sgd trains chat too
     for bad, why in (({"chat-model": "gpt"}, "chat-model must be one of"),
-                     ({"dp-mode": "flower-central", "he": False}, "task=chat does not run with dp-mode=flower-central"),
-                     ({"dp-sgd": True}, "dp-sgd=true needs task=digits")):
+                     ({"dp-mode": "flower-central", "he": False}, "task=chat does not run with dp-mode=flower-central")):
         with pytest.raises(ConfigError, match=why):
             RunConfig.from_run_config({"task": "chat", **bad})
