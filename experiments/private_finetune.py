@@ -35,8 +35,11 @@ EPSILONS = ("1", "3", "8", "inf")
 """The ε keys of the results (``inf``: no DP-SGD)."""
 QUICK = dict(chat_model="tiny", nodes=3, rounds=1, steps=2, batch=4, eval_examples=2)
 """``--quick``: the random 2-layer ``chat:tiny``, one round of two steps (every output, tests)."""
-EXAMPLE_S = {"smollm2": 1.0, "tiny": 0.1}
-"""Rough seconds per example forward+backward on 2 shared cores (the estimate's basis)."""
+EXAMPLE_S = {"smollm2": 1.75, "tiny": 0.1}
+"""Seconds per DP-SGD example (forward + backward) on 2 free cores. SmolLM2: one point (5 nodes x
+2 rounds x 3 steps x batch 12 = 360 examples) took ~3 CPU-s per example on the shared machine,
+two threads; the ordinary batched training of ε = ∞ measured at ~2/3 of that per example."""
+NON_PRIVATE_SHARE = 0.66
 
 
 def _finite(x: float | None) -> float | None:
@@ -136,12 +139,14 @@ def _plan(seeds: Sequence[int], epsilons: Sequence[str]) -> list[tuple[str, floa
     return [(m, float(e), s) for s in seeds for m in METHODS for e in epsilons]
 
 
-def _estimate(cfg: PointConfig, todo: int, bases: int) -> None:
+def _estimate(cfg: PointConfig, todo: list[tuple[str, float, int]], bases: int) -> None:
     examples = cfg.nodes * cfg.rounds * cfg.epochs * cfg.steps * cfg.batch
-    per_point = examples * EXAMPLE_S[cfg.chat_model] + 60 * (cfg.chat_model == "smollm2")
-    print_estimate(todo * per_point + bases * 30, f"{todo} points to run, each {cfg.nodes} nodes x {cfg.rounds} "
+    smol = cfg.chat_model == "smollm2"
+    seconds = sum(examples * EXAMPLE_S[cfg.chat_model] * (1.0 if math.isfinite(e) else NON_PRIVATE_SHARE)
+                  + 60 * smol for _, e, _ in todo) + bases * (150 if smol else 5)
+    print_estimate(seconds, f"{len(todo)} points to run, each {cfg.nodes} nodes x {cfg.rounds} "
                    f"rounds x {cfg.epochs * cfg.steps} steps x batch {cfg.batch} at ~{EXAMPLE_S[cfg.chat_model]} s "
-                   "per example backward on 2 cores, plus loading and evaluation")
+                   "per example backward on 2 free cores, plus loading and evaluation")
 
 
 def _outputs(run_dir: Path, out: dict, points: list[dict]) -> None:
@@ -216,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
     pdir = run_dir / "points"
     plan = [pt for pt in _plan(seeds, eps) if pt[0] in methods]
     todo = [pt for pt in plan if not (pdir / point_name(*pt)).is_file()]
-    _estimate(cfg, len(todo), sum(not (pdir / f"base-seed{s}.json").is_file() for s in seeds))
+    _estimate(cfg, todo, sum(not (pdir / f"base-seed{s}.json").is_file() for s in seeds))
     bases = [_load_or_run(pdir / f"base-seed{s}.json", lambda s=s: base_point(cfg, s)) for s in seeds]
     points = [_load_or_run(pdir / point_name(*pt), lambda pt=pt: run_point(cfg, *pt))
               for pt in progress(plan, desc="private_finetune")]
