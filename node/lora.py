@@ -20,6 +20,10 @@ Why not PEFT: ``peft`` is not installed, and ``LlamaModel`` is a plain ``nn.Modu
 ``nn.Linear`` layers, but its names (``lora_A.default.weight``) and its trainable ``A`` would
 need overriding for FFA-LoRA, so the ~40 lines here are smaller than the glue.
 
+Plain LoRA (``LoraConfig.train_a``): A is trained too (still initialised from the public seed)
+and laid out and federated next to its B -- the comparison arm of
+``experiments.private_finetune``; the chat task's default stays FFA-LoRA.
+
 The adapted model keeps its class's behaviour (it is a ``LlamaModel`` subclass, made by
 swapping the class of a parameter-sharing copy, as ``torch.nn.utils.parametrize`` does):
 ``parameter_layout()`` and ``trainable_parameters()`` name the ``B`` matrices only, so the
@@ -56,6 +60,9 @@ class LoraConfig:
     """Names of the ``nn.Linear`` submodules to adapt (matched on the last name component)."""
     seed: int = 0
     """The public seed A is drawn from (every node must use the same)."""
+    train_a: bool = False
+    """False: FFA-LoRA (A frozen, only B trained and sent). True: plain LoRA, A is a trained
+    parameter, in the layout before its B (the federation then averages A and B separately)."""
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -73,13 +80,16 @@ class LoraConfig:
 class LoraLinear(nn.Module):
     """A frozen linear plus ``scale * B (A x)``; ``weight``/``bias`` keep the base names."""
 
-    def __init__(self, base: nn.Linear, rank: int, scale: float, a: torch.Tensor):
+    def __init__(self, base: nn.Linear, rank: int, scale: float, a: torch.Tensor, train_a: bool = False):
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight  # shared with the base model, frozen
         self.bias = base.bias
         self.scale = scale
-        self.register_buffer("lora_A", a.to(base.weight.dtype))
+        if train_a:  # plain LoRA: same state-dict name, now a parameter
+            self.lora_A = nn.Parameter(a.to(base.weight.dtype))
+        else:
+            self.register_buffer("lora_A", a.to(base.weight.dtype))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=base.weight.dtype,
                                                device=base.weight.device))
 
@@ -102,19 +112,25 @@ class LoraLlamaModel(LlamaModel):
 
     lora_config: LoraConfig
 
+    def _trained(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(name, parameter) of the trained adapters in state-dict order: the B matrices, and
+        with ``train_a`` each A before its B."""
+        ends = ("lora_A", "lora_B") if self.lora_config.train_a else ("lora_B",)
+        return ((n, p) for n, p in self.named_parameters() if n.endswith(ends))
+
     def adapter_names(self) -> list[str]:
-        """State-dict names of the B matrices, in state-dict order."""
-        return [n for n, _ in self.named_parameters() if n.endswith("lora_B")]
+        """State-dict names of the trained adapters (the B matrices; A too under ``train_a``)."""
+        return [n for n, _ in self._trained()]
 
     def trainable_parameters(self) -> Iterator[nn.Parameter]:
-        """The B matrices only (A and the base are frozen)."""
-        return (p for n, p in self.named_parameters() if n.endswith("lora_B"))
+        """The B matrices (and A under ``train_a``); the base is frozen."""
+        return (p for _, p in self._trained())
 
     def parameter_layout(self) -> Layout:
-        """The B matrices (names, shapes, order) -- built from shapes, so a model on the
+        """The trained adapters (names, shapes, order) -- built from shapes, so a model on the
         ``meta`` device (the server sizing aggregates) needs no weights."""
         return Layout(tuple(LayoutEntry(n, tuple(p.shape), "torch." + str(p.dtype).removeprefix("torch."))
-                            for n, p in self.named_parameters() if n.endswith("lora_B")))
+                            for n, p in self._trained()))
 
 
 def adapt(base: LlamaModel, config: LoraConfig = LoraConfig()) -> LoraLlamaModel:
@@ -134,7 +150,7 @@ def adapt(base: LlamaModel, config: LoraConfig = LoraConfig()) -> LoraLlamaModel
         a = public_a(name, config.rank, lin.in_features, config.seed) if lin.weight.device.type != "meta" \
             else torch.empty(config.rank, lin.in_features, device="meta")
         setattr(model.get_submodule(parent_name), attr,
-                LoraLinear(lin, config.rank, config.scale, a))
+                LoraLinear(lin, config.rank, config.scale, a, config.train_a))
     model.__class__ = LoraLlamaModel
     model.lora_config = config
     return model.eval()

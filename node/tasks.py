@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -255,8 +255,7 @@ class ChatTask:
 
     def build_model(self, seed: int) -> nn.Module:
         """The shared base with this run's adapters (A from the public ``seed``, B zero)."""
-        return adapt(chat_base(self.chat_model)[0], LoraConfig(self.lora.rank, self.lora.alpha,
-                                                               self.lora.targets, seed))
+        return adapt(chat_base(self.chat_model)[0], replace(self.lora, seed=seed))
 
     def pad_id(self) -> int:
         """The id that pads a batch (the tokenizer's pad, else its EOS, else 0)."""

@@ -113,3 +113,23 @@ def test_bad_input_is_refused(base) -> None:
         adapt(base, LoraConfig(targets=("nope",)))
     with pytest.raises(TypeError, match="LlamaModel"):
         adapt(torch.nn.Linear(2, 2))
+
+
+def test_plain_lora_trains_and_lays_out_a_and_b(base) -> None:
+    """train_a=True (plain LoRA, experiments.private_finetune's comparison arm): A is a trained
+    parameter, in the layout before its B, still drawn from the public seed; the base stays frozen."""
+    model = adapt(base, LoraConfig(rank=4, train_a=True, seed=3))
+    layout = parameter_layout(model)
+    assert layout.names == [f"model.layers.{i}.self_attn.{p}.lora_{m}"
+                            for i in range(2) for p in ("q_proj", "v_proj") for m in ("A", "B")]
+    assert layout.size == 2 * (64 * 4 + 32 * 4) + 2 * 2 * (4 * 64)  # B as FFA-LoRA's, plus A [4, 64] each
+    assert [id(p) for p in model.trainable_parameters()] == \
+        [id(dict(model.named_parameters())[n]) for n in layout.names]
+    ffa = adapt(base, LoraConfig(rank=4, seed=3))
+    assert torch.equal(model.state_dict()[layout.names[0]], ffa.state_dict()[layout.names[0]])
+    _randomize_b(model)  # B = 0 gives A no gradient: one step from a non-zero B reaches both
+    loss = model.train_loss(_ids(17))
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all((g is not None and float(g.abs().sum()) > 0) == (n in layout.names) for n, g in grads.items())
+    assert not LoraConfig().train_a  # FFA-LoRA stays the default

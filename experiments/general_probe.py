@@ -1,0 +1,59 @@
+"""A general-knowledge probe: does fine-tuning on Python docstrings cost the chat model what it
+knew before? Ten fixed questions outside the fine-tuning data, each with its expected answer and
+a plausible wrong one. The score is how often the model gives the expected answer the higher
+log-likelihood (the whole answer, its end-of-turn included, after the task's chat template),
+and the mean margin in nats: a likelihood comparison, so it needs no sampling and moves
+smoothly, where "does the greedy reply contain the answer" would flip on a single token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from node import instruct_data as qa
+from node.chat import ChatCodec
+
+PROBE: tuple[tuple[str, str, str], ...] = (
+    ("What is the capital of France?", "Paris", "Berlin"),
+    ("How many days are there in a week?", "Seven", "Five"),
+    ("What color is the sky on a clear day?", "Blue", "Green"),
+    ("What is 2 plus 2?", "4", "5"),
+    ("Which planet is known as the Red Planet?", "Mars", "Venus"),
+    ("What do bees make?", "Honey", "Milk"),
+    ("What is the largest ocean on Earth?", "The Pacific Ocean", "The Arctic Ocean"),
+    ("How many legs does a spider have?", "Eight", "Six"),
+    ("What is frozen water called?", "Ice", "Steam"),
+    ("Who wrote Romeo and Juliet?", "William Shakespeare", "Charles Dickens"),
+)
+"""(question, expected answer, distractor)."""
+
+
+@dataclass(frozen=True)
+class ProbeScore:
+    accuracy: float
+    """Share of questions whose expected answer is more likely than the distractor."""
+    margin: float
+    """Mean log-likelihood of the expected answer minus the distractor's (nats)."""
+
+
+def _log_likelihood(model: torch.nn.Module, codec: ChatCodec, question: str, answer: str,
+                    max_len: int) -> float:
+    """log p(answer | chat-templated question) under ``model``."""
+    ids, labels = qa.batch(codec, [qa.QAPair("probe", question, answer)], max_len)
+    return -float(qa.answer_loss(model, ids, labels, reduction="sum"))
+
+
+def probe_score(model: torch.nn.Module, codec: ChatCodec, max_len: int = 384) -> ProbeScore:
+    """The model's score on ``PROBE`` (eval mode, no gradients)."""
+    model.eval()
+    margins = []
+    with torch.no_grad():
+        for question, good, bad in PROBE:
+            margins.append(_log_likelihood(model, codec, question, good, max_len)
+                           - _log_likelihood(model, codec, question, bad, max_len))
+    if not all(math.isfinite(m) for m in margins):
+        raise FloatingPointError("the probe's log-likelihoods are not finite")
+    return ProbeScore(sum(m > 0 for m in margins) / len(margins), sum(margins) / len(margins))
