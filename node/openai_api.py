@@ -363,6 +363,8 @@ class _Completion:
                 self._used[i] = len(ts.ids)
                 self._chunk(handles, i, {} if self.chat else "", self._reason(h, ts), usage)
         except APIError as e:  # headers are sent: the error is the stream's last event
+            for h in handles:  # freed before the client learns: its slots are free when it retries
+                h.cancel()
             self.h._event(e.body())
             return
         if self.p.include_usage:
