@@ -39,9 +39,10 @@ class PointConfig:
     epochs: int = 1
     """Local epochs per round; each is the chat task's ``steps`` AdamW/DP-SGD steps."""
     steps: int = 3
-    batch: int = 8
-    """DP-SGD's expected Poisson batch; the non-private arm's fixed batch. 8 keeps the full run
-    (16 points, 2 seeds) near 2 h on 2 cores: DP-SGD pays one SmolLM2 backward per example."""
+    batch: int = 16
+    """DP-SGD's expected Poisson batch; the non-private arm's fixed batch. DP-SGD pays one
+    SmolLM2 backward per example: 16 keeps the full run (24 points, 3 seeds) near an hour on
+    2 cores, and halves the noise on the mean gradient against 8."""
     example_clip: float = 1.0
     """Per-example L2 bound of DP-SGD."""
     update_clip: float = 1.0
@@ -50,6 +51,8 @@ class PointConfig:
     lr: float = 5e-3
     eval_examples: int = 8
     """Held-out pairs per node (node i scores the i-th slice: 5 nodes score 40 pairs)."""
+    general_mix: float = 0.2
+    """Share of each node's training pool that is public general pairs (``ChatTask.general_mix``)."""
     aggregation: str = "ckks"
     """``ckks``: encrypted, aggregated and decrypted; ``plaintext``: numpy mean, CKKS bytes measured."""
 
@@ -105,7 +108,7 @@ def build_nodes(cfg: PointConfig, method: str, seed: int) -> list[CacheNode]:
     return [CacheNode(NodeSpec(i, cfg.nodes, task=f"chat:{cfg.chat_model}", seed=seed),
                       task=ChatTask(i, cfg.nodes, seed, chat_model=cfg.chat_model, steps_per_epoch=cfg.steps,
                                     batch_size=cfg.batch, eval_examples=cfg.eval_examples,
-                                    sample_replies=0, lora=lora))
+                                    sample_replies=0, lora=lora, general_mix=cfg.general_mix))
             for i in range(cfg.nodes)]
 
 
@@ -124,9 +127,14 @@ def base_point(cfg: PointConfig, seed: int) -> dict:
     tasks = [ChatTask(i, cfg.nodes, seed, chat_model=cfg.chat_model, eval_examples=cfg.eval_examples)
              for i in range(cfg.nodes)]
     base, codec = chat_base(cfg.chat_model)
-    probe = probe_score(base, codec, tasks[0].max_len)
-    return {"seed": seed, "perplexity": pooled_perplexity([(t, base) for t in tasks]), "probe_accuracy": probe.accuracy,
-            "probe_margin": probe.margin, "wall_s": time.perf_counter() - t0}
+    return {"seed": seed, "perplexity": pooled_perplexity([(t, base) for t in tasks]),
+            **_probe_fields(base, codec, tasks[0].max_len), "wall_s": time.perf_counter() - t0}
+
+
+def _probe_fields(model: torch.nn.Module, codec, max_len: int) -> dict:
+    probe = probe_score(model, codec, max_len)
+    return {"probe_accuracy": probe.accuracy, "probe_margin": probe.margin, "probe_greedy": probe.greedy,
+            "probe_replies": list(probe.replies)}
 
 
 def _round(nodes: list[CacheNode], cfg: PointConfig, dp: DpConfig, ckks: _Ckks) -> tuple[float, int, float]:
@@ -157,9 +165,8 @@ def run_point(cfg: PointConfig, method: str, epsilon: float, seed: int) -> dict:
     for _ in range(cfg.rounds):
         spent, nbytes, seconds = _round(nodes, cfg, dp, ckks)
         train_s += seconds
-    probe = probe_score(nodes[0].model, nodes[0].task.codec, nodes[0].task.max_len)
     return {"method": method, "epsilon": epsilon, "seed": seed, "perplexity": pooled_perplexity([(n.task, n.model) for n in nodes]),
-            "probe_accuracy": probe.accuracy, "probe_margin": probe.margin,
+            **_probe_fields(nodes[0].model, nodes[0].task.codec, nodes[0].task.max_len),
             "epsilon_example": spent if private else None, "noise_multiplier": nodes[0].dp_sigma,
             "upload_bytes": nbytes, "upload_values": nodes[0].layout.size, "ckks_preset": ckks.preset,
             "train_s": train_s, "wall_s": time.perf_counter() - t0}

@@ -1,9 +1,10 @@
 """A general-knowledge probe: does fine-tuning on Python docstrings cost the chat model what it
-knew before? Ten fixed questions outside the fine-tuning data, each with its expected answer and
-a plausible wrong one. The score is how often the model gives the expected answer the higher
-log-likelihood (the whole answer, its end-of-turn included, after the task's chat template),
-and the mean margin in nats: a likelihood comparison, so it needs no sampling and moves
-smoothly, where "does the greedy reply contain the answer" would flip on a single token.
+knew before? Ten fixed questions outside the fine-tuning data (and away from the general pairs
+the chat task rehearses, ``node.general_data``), each with its expected answer and a plausible
+wrong one, asked as a chat user asks them: no system prompt (the template's default). Scores:
+how often the model gives the expected answer the higher log-likelihood (the whole answer, its
+end-of-turn included) and the mean margin in nats -- a likelihood comparison, so it moves
+smoothly -- and, what a user sees, how often the greedy reply contains the expected answer.
 """
 
 from __future__ import annotations
@@ -37,23 +38,31 @@ class ProbeScore:
     """Share of questions whose expected answer is more likely than the distractor."""
     margin: float
     """Mean log-likelihood of the expected answer minus the distractor's (nats)."""
+    greedy: float
+    """Share of questions whose greedy reply contains the expected answer (case-folded)."""
+    replies: tuple[str, ...]
+    """The greedy replies, in ``PROBE``'s order."""
 
 
 def _log_likelihood(model: torch.nn.Module, codec: ChatCodec, question: str, answer: str,
                     max_len: int) -> float:
     """log p(answer | chat-templated question) under ``model``."""
-    ids, labels = qa.batch(codec, [qa.QAPair("probe", question, answer)], max_len)
+    ids, labels = qa.batch(codec, [qa.QAPair("probe", question, answer, system=None)], max_len)
     return -float(qa.answer_loss(model, ids, labels, reduction="sum"))
 
 
-def probe_score(model: torch.nn.Module, codec: ChatCodec, max_len: int = 384) -> ProbeScore:
-    """The model's score on ``PROBE`` (eval mode, no gradients)."""
+def probe_score(model: torch.nn.Module, codec: ChatCodec, max_len: int = 384,
+                reply_tokens: int = 24) -> ProbeScore:
+    """The model's score on ``PROBE`` (eval mode, no gradients; ``reply_tokens`` per greedy reply)."""
     model.eval()
-    margins = []
+    margins, replies = [], []
     with torch.no_grad():
         for question, good, bad in PROBE:
             margins.append(_log_likelihood(model, codec, question, good, max_len)
                            - _log_likelihood(model, codec, question, bad, max_len))
+            replies.append(qa.greedy_reply(model, codec, question, reply_tokens, system=None))
     if not all(math.isfinite(m) for m in margins):
         raise FloatingPointError("the probe's log-likelihoods are not finite")
-    return ProbeScore(sum(m > 0 for m in margins) / len(margins), sum(margins) / len(margins))
+    hits = [good.casefold() in reply.casefold() for (_, good, _), reply in zip(PROBE, replies)]
+    return ProbeScore(sum(m > 0 for m in margins) / len(margins), sum(margins) / len(margins),
+                      sum(hits) / len(hits), tuple(replies))

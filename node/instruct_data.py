@@ -41,6 +41,8 @@ class QAPair:
     """The top-level module the pair comes from (the unit of the non-IID split)."""
     question: str
     answer: str
+    system: str | None = SYSTEM_PROMPT
+    """The system message it is asked under; None: the chat template's default."""
 
 
 def first_paragraph(doc: str, min_chars: int = 24, max_chars: int = 400) -> str | None:
@@ -142,16 +144,21 @@ class ChatTemplate(Protocol):
     def decode(self, tokens: Sequence[int]) -> str: ...
 
 
-def prompt_ids(codec: ChatTemplate, question: str) -> list[int]:
-    """System message, the question as user turn, the assistant header: what a reply follows."""
-    msgs = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
-    return codec.encode(codec.render(msgs, True))
+def _messages(question: str, system: str | None) -> list[dict[str, str]]:
+    user = [{"role": "user", "content": question}]
+    return user if system is None else [{"role": "system", "content": system}, *user]
+
+
+def prompt_ids(codec: ChatTemplate, question: str, system: str | None = SYSTEM_PROMPT) -> list[int]:
+    """System message (None: the template's default), the question as user turn, the
+    assistant header: what a reply follows."""
+    return codec.encode(codec.render(_messages(question, system), True))
 
 
 def tokenize_pair(codec: ChatTemplate, pair: QAPair, max_len: int) -> tuple[list[int], list[int]]:
     """(ids, labels) of the templated conversation: labels are ``IGNORE`` on the prompt and
     the answer's own ids (its end-of-turn included) on the answer; cut to ``max_len``."""
-    msgs = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": pair.question}]
+    msgs = _messages(pair.question, pair.system)
     prompt = codec.encode(codec.render(msgs, True))
     full = codec.encode(codec.render([*msgs, {"role": "assistant", "content": pair.answer}]))
     if full[:len(prompt)] != prompt:
@@ -230,12 +237,13 @@ class ByteChatCodec(ChatCodec):
 
 
 @torch.no_grad()
-def greedy_reply(model, codec: ChatTemplate, question: str, max_new_tokens: int = 32) -> str:
-    """The model's greedy reply to ``question`` (same system prompt), decoded through a
+def greedy_reply(model, codec: ChatTemplate, question: str, max_new_tokens: int = 32,
+                 system: str | None = SYSTEM_PROMPT) -> str:
+    """The model's greedy reply to ``question`` (under ``system``), decoded through a
     private KV cache; ends at an EOS id or after ``max_new_tokens``."""
     from cache import KVCache
 
-    prompt = prompt_ids(codec, question)
+    prompt = prompt_ids(codec, question, system)
     kv = KVCache(model.cache_config(pool_bytes=max(4 << 20, _kv_bytes(model, len(prompt) + max_new_tokens))))
     sid = kv.open_session()
     logits = model.prefill(prompt, kv, sid)

@@ -27,6 +27,7 @@ from node import instruct_data as qa
 from node.chat import ChatCodec
 from node.corpus import split_corpus
 from node.dp_sgd import ExampleDp, private_train
+from node.general_data import general_mix
 from node.llama import LlamaConfig, LlamaModel
 from node.lora import LoraConfig, LoraLlamaModel, adapt
 from node.lm import eval_loss, train_lm
@@ -229,6 +230,11 @@ class ChatTask:
     dp_batch: int = 8
     """DP-SGD's expected Poisson batch (run-config ``dp-sgd-batch`` 0): one backward per
     example on the base model, so small (``experiments.private_finetune`` measures the trade)."""
+    general_mix: float = 0.2
+    """Share of the training pool that is public general instruction pairs
+    (``node.general_data``, cycled), the rest this node's docstring pairs: rehearsal that keeps
+    the base model's general answers (``experiments.general_mix`` measures it); 0 trains on the
+    docstrings alone."""
 
     def __post_init__(self) -> None:
         if self.chat_model not in CHAT_MODELS:
@@ -237,9 +243,15 @@ class ChatTask:
             self.max_len = 384 if self.chat_model == "tiny" else 160
         if self.max_bytes is None and self.chat_model == "tiny":
             self.max_bytes = TINY_CHAT_CORPUS
+        if not 0.0 <= self.general_mix < 1.0:
+            raise ValueError(f"general_mix must be in [0, 1), got {self.general_mix}")
         self.share = qa.share_pairs(self.num_partitions, self.seed, self.partition_id, self.max_bytes)
         self.heldout = qa.heldout_pairs(self.seed, self.max_bytes)
-        self.num_examples = len(self.share)
+        extra = math.ceil(len(self.share) * self.general_mix / (1.0 - self.general_mix))
+        self.pool = self.share + general_mix(extra)
+        """What training samples from: the share, then the general pairs (one example each:
+        DP-SGD's Poisson rate is over the whole pool, which bounds each private pair's too)."""
+        self.num_examples = len(self.pool)
         start = self.partition_id * self.eval_examples % len(self.heldout)
         self.eval_pairs = (self.heldout * 2)[start:start + min(self.eval_examples, len(self.heldout))]
         """This node's slice of the held-out pairs."""
@@ -273,8 +285,8 @@ class ChatTask:
         losses = []
         steps = epochs * self.steps_per_epoch
         for _ in range(steps):
-            idx = torch.randint(0, len(self.share), (self.batch_size,), generator=g).tolist()
-            ids, labels = qa.batch(self.codec, [self.share[i] for i in idx], self.max_len, self.pad_id())
+            idx = torch.randint(0, len(self.pool), (self.batch_size,), generator=g).tolist()
+            ids, labels = qa.batch(self.codec, [self.pool[i] for i in idx], self.max_len, self.pad_id())
             loss = qa.answer_loss(model, ids, labels)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -291,11 +303,11 @@ class ChatTask:
     def train_private(self, model: nn.Module, epochs: int, lr: float, dp: ExampleDp,
                       generator: torch.Generator) -> float:
         """Example-level DP-SGD (``node.dp_sgd``) on the trained adapters; one example = one
-        question/answer pair of the share (its answer-token loss). The mean batch loss."""
+        question/answer pair of the pool (its answer-token loss). The mean batch loss."""
         pad = self.pad_id()
 
         def example_loss(i: int) -> torch.Tensor:
-            return qa.answer_loss(model, *qa.batch(self.codec, [self.share[i]], self.max_len, pad))
+            return qa.answer_loss(model, *qa.batch(self.codec, [self.pool[i]], self.max_len, pad))
 
         params = list(model.trainable_parameters())
         model.train()
