@@ -10,6 +10,7 @@ smoothly -- and, what a user sees, how often the greedy reply contains the expec
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,17 @@ PROBE: tuple[tuple[str, str, str], ...] = (
     ("Who wrote Romeo and Juliet?", "William Shakespeare", "Charles Dickens"),
 )
 """(question, expected answer, distractor)."""
+ALSO_RIGHT: dict[str, tuple[str, ...]] = {
+    "Seven": ("7",), "4": ("four",), "Eight": ("8",), "The Pacific Ocean": ("Pacific",),
+    "William Shakespeare": ("Shakespeare",)}
+"""Other spellings of an expected answer that a greedy reply may use ("7 days", "8 legs")."""
+
+
+def reply_is_right(expected: str, reply: str) -> bool:
+    """Whether ``reply`` contains ``expected`` or one of its ``ALSO_RIGHT`` forms as whole words
+    (case-folded: "8 legs" is right for "Eight", "48" is not "4", "price" is not "Ice")."""
+    return any(re.search(rf"\b{re.escape(form.casefold())}\b", reply.casefold())
+               for form in (expected, *ALSO_RIGHT.get(expected, ())))
 
 
 @dataclass(frozen=True)
@@ -39,7 +51,7 @@ class ProbeScore:
     margin: float
     """Mean log-likelihood of the expected answer minus the distractor's (nats)."""
     greedy: float
-    """Share of questions whose greedy reply contains the expected answer (case-folded)."""
+    """Share of questions whose greedy reply contains the expected answer (``reply_is_right``)."""
     replies: tuple[str, ...]
     """The greedy replies, in ``PROBE``'s order."""
 
@@ -63,6 +75,6 @@ def probe_score(model: torch.nn.Module, codec: ChatCodec, max_len: int = 384,
             replies.append(qa.greedy_reply(model, codec, question, reply_tokens, system=None))
     if not all(math.isfinite(m) for m in margins):
         raise FloatingPointError("the probe's log-likelihoods are not finite")
-    hits = [good.casefold() in reply.casefold() for (_, good, _), reply in zip(PROBE, replies)]
+    hits = [reply_is_right(good, reply) for (_, good, _), reply in zip(PROBE, replies)]
     return ProbeScore(sum(m > 0 for m in margins) / len(margins), sum(margins) / len(margins),
                       sum(hits) / len(hits), tuple(replies))

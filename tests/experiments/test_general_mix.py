@@ -37,3 +37,14 @@ def test_quick_run_pairs_the_arms_on_the_same_seeds(tmp_path, capsys):
     assert seeds["docstrings_only"] == seeds["with_general_mix"] == [0, 1]
     for arm in (out["base"], *out["arms"].values()):
         assert 0 <= arm["probe_greedy_mean"] <= 1 and arm["perplexity_mean"] > 1
+
+
+@pytest.mark.parametrize("expected,reply,right", [
+    ("Paris", "The capital of France is Paris.", True), ("Seven", "There are 7 days in a week", True),
+    ("Eight", "A spider has 8 legs.", True), ("4", "2 + 2 = 4", True), ("4", "It is 48.", False),
+    ("Ice", "Frozen water is a liquid; its price rose.", False), ("Mars", "le le le le", False),
+    ("William Shakespeare", "Romeo and Juliet by Shakespeare.", True)])
+def test_greedy_replies_are_judged_by_the_expected_answer_or_its_other_forms(expected, reply, right):
+    from experiments.general_probe import reply_is_right
+
+    assert reply_is_right(expected, reply) is right
