@@ -18,7 +18,7 @@ split, the sampler and the noise), σ, the measured norm of the clipped mean upd
 signal), and the noise-to-signal ratio σ·C·√d / (k·‖signal‖). ``populations`` adds, without
 training, σ and the same ratio for other populations at the ε = 8 point (k = N / 10).
 
-    python -m experiments.client_dp_population            # N 1000, k 100, 30 rounds, 2 seeds
+    python -m experiments.client_dp_population            # N 1000, k 100, 20 rounds, 2 seeds
     python -m experiments.client_dp_population --quick    # N 100, k 20, 3 rounds (tests)
 """
 
@@ -47,8 +47,8 @@ class PopulationConfig:
     population: int = 1000
     per_round: int = 100
     """k: the expected clients per round (q = k / N)."""
-    rounds: int = 30
-    local_steps: int = 4
+    rounds: int = 20
+    local_steps: int = 2
     batch: int = 8
     seq_len: int = LmTask.seq_len
     lr: float = LmTask.default_lr
