@@ -32,8 +32,10 @@ from typing import Any
 
 from federation.gate_report import line as gate_line
 
-SCHEMA = 7
-"""7 added the round field ``gate`` (the gate before serving).
+SCHEMA = 8
+"""8 added ``epsilon_example`` per round (the name of the unit: = ``epsilon_sample``) and per run
+(the last round's, with its ``delta``), as ``experiments.private_finetune`` reports it.
+7 added the round field ``gate`` (the gate before serving).
 6 replaced ``epsilon_client_no_amplification`` by ε per observer (``epsilon_server``,
 ``epsilon_node``, ``epsilon_colluding`` with ``colluding_nodes``) and added the key holders'
 rounding fields and ``delta_total_key_holders``.
@@ -322,6 +324,11 @@ class RunResults:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["schema"] = SCHEMA
+        for r in d["rounds"]:
+            r["epsilon_example"] = r["epsilon_sample"]
+        last = self.rounds[-1] if self.rounds else None
+        d["epsilon_example"] = last.epsilon_sample if last else math.nan
+        d["delta"] = last.delta if last else math.nan
         d["wall_s"] = self.finished_at - self.started_at
         return _nan_to_none(d)
 

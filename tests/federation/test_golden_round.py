@@ -69,12 +69,13 @@ ROUND_FIELDS = (
     "eval_metric", "metric", "eval_clients", "clipped_fraction", "saturated_fraction", "weight_capped",
     "noise_shares_added", "epsilon_client", "epsilon_server", "epsilon_node", "epsilon_colluding",
     "colluding_nodes", "rounding_share_steps", "rounding_delta", "delta_total_key_holders", "sampling_skipped",
-    "epsilon_sample", "delta", "saturation_delta", "delta_total", "node_sources", "kv_blocks_on_disk",
+    "epsilon_sample", "epsilon_example", "delta", "saturation_delta", "delta_total", "node_sources", "kv_blocks_on_disk",
     "serving", "key_epoch", "key_rotated", "departed", "aggregate_discarded", "gate",
 )
 """Round fields compared by value; ``seconds`` / ``server_seconds`` / ``node_seconds`` /
 ``upload_bytes`` are compared by their keys only, ``pids`` / ``*_bytes`` values not at all."""
-RUN_FIELDS = ("schema", "status", "mode", "config", "encoding", "key_origin", "key_rotations", "privacy_claim")
+RUN_FIELDS = ("schema", "status", "mode", "config", "encoding", "key_origin", "key_rotations", "privacy_claim",
+              "epsilon_example", "delta")
 
 
 def golden_view(results: dict[str, Any]) -> dict[str, Any]:

@@ -68,3 +68,13 @@ def test_example_level_dp_names_its_unit_before_the_client_level_figures() -> No
                      delta_total=1.0).summary(5)
     assert ("ε 7.99 per training example (δ 1e-05, vs everyone) · per node's update ε 27,612 "
             "δ 1 (no guarantee at this ε)") in line
+
+
+def test_results_json_names_the_example_level_epsilon_per_round_and_per_run():
+    from federation.results import RunResults
+
+    rounds = [RoundRecord(round=1, epsilon_sample=6.27, delta=1e-5), RoundRecord(round=2, epsilon_sample=8.0, delta=1e-5)]
+    d = RunResults(config={}, mode="he", rounds=rounds).to_dict()
+    assert [r["epsilon_example"] for r in d["rounds"]] == [6.27, 8.0]
+    assert d["epsilon_example"] == 8.0 and d["delta"] == 1e-5
+    assert RunResults(config={}, mode="he").to_dict()["epsilon_example"] is None
