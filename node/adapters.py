@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as st_load, save as st_save
 
+from crypto.errors import CryptoError
 from node.llama import LlamaConfig, LlamaModel
 from node.lora import LoraConfig, LoraLinear, LoraLlamaModel, adapt, public_a
 
@@ -398,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         print(_export(args) if args.command == "export" else _import(args), flush=True)
-    except (AdapterError, ValueError, OSError) as e:
+    except (AdapterError, ValueError, OSError, CryptoError) as e:  # a wrong passphrase too
         print(f"python -m node.adapters {args.command}: {e}", file=sys.stderr)
         return 2
     return 0
