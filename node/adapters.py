@@ -169,7 +169,8 @@ def write_dir(files: dict[str, bytes], out: str | os.PathLike, force: bool = Fal
         raise AdapterError(f"{out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise AdapterError(f"{out} is not empty; refusing to overwrite it (--force replaces it)")
-    out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for parent in reversed(out.absolute().parents):  # every folder it makes: 0700
+        parent.mkdir(exist_ok=True, mode=0o700)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))  # 0700
     old = None
     try:
@@ -297,6 +298,13 @@ def load_into(base: LlamaModel, adapter: Adapter) -> LoraLlamaModel:
             if name.endswith(_ENDS):
                 t.copy_(adapter.state[name])
     return model
+
+
+def from_model(model: LoraLlamaModel, version: int | None = None, base_model: str = "") -> Adapter:
+    """The adapters a live adapted model holds (every A and B, copied off the model)."""
+    state = {n: t.detach().to(torch.float32).clone() for n, t in model.state_dict().items()
+             if n.endswith(_ENDS)}
+    return Adapter(model.lora_config, state, base_model, version)
 
 
 # -- from a node's cache directory --------------------------------------------------------------
