@@ -57,8 +57,8 @@ def test_ffa_a_is_the_public_seed_a():
 
 
 def test_files_are_peft_named_private_and_scaled_as_fedkv(tmp_path):
-    out = adapters.write_adapter(_tiny_adapter(), tmp_path / "sub" / "ad")
-    assert _mode(out) == 0o700
+    out = adapters.write_adapter(_tiny_adapter(), tmp_path / "a" / "b" / "ad")
+    assert {_mode(out), _mode(out.parent), _mode(out.parent.parent)} == {0o700}  # and what it made
     assert {p.name: _mode(p) for p in out.iterdir()} == {
         "adapter_config.json": 0o600, "adapter_model.safetensors": 0o600, "fedkv-adapter.json": 0o600}
     keys = load_file(out / "adapter_model.safetensors").keys()
@@ -68,7 +68,7 @@ def test_files_are_peft_named_private_and_scaled_as_fedkv(tmp_path):
     assert cfg["peft_type"] == "LORA" and cfg["task_type"] == "CAUSAL_LM"
     assert cfg["lora_alpha"] / cfg["r"] == LoraConfig().scale and not cfg["use_rslora"]
     assert (cfg["bias"], cfg["lora_dropout"], cfg["fan_in_fan_out"]) == ("none", 0.0, False)
-    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temp left
+    assert [p.name for p in out.parent.iterdir()] == ["ad"]  # no temporary left
 
 
 def test_load_into_sets_the_model_exactly(tmp_path):
