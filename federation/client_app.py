@@ -27,6 +27,7 @@ Protocols, routed by message type:
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import numpy as np
@@ -48,6 +49,7 @@ from node.cache_node import CacheNode, DpConfig, TrainOutcome
 from node.workload import WorkloadConfig
 
 configure_logging()  # each log line once (Opacus adds a root handler on import)
+_log = logging.getLogger("fedkv.client_app")
 app = ClientApp()
 
 
@@ -208,7 +210,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     except Exception:
         node_host.discard(context)
         raise
-    _mark_if_last(cfg, req.server_round, context)
+    _mark_if_last(cfg, req.server_round, context, node)
     return messages.eval_reply(msg, messages.EvalMetrics(
         num_examples=n, eval_loss=loss, eval_metric=acc, **_phase_seconds(timer, protocol.NODE_EVAL_PHASES),
         version=node.version, node_source=source, pid=node_host.pid(), kv_on_disk=node_host.kv_on_disk(node, source),
@@ -217,11 +219,38 @@ def evaluate(msg: Message, context: Context) -> Message:
         gate=gate_report.node_fields(node.last_gate, node.version)))
 
 
-def _mark_if_last(cfg: RunConfig, server_round: int, context: Context) -> None:
+def _mark_if_last(cfg: RunConfig, server_round: int, context: Context, node: Any) -> None:
     """After the last round's evaluation (the final aggregate applied), mark the run completed:
-    retention then counts it among the completed runs (``federation.run_retention``)."""
+    retention then counts it among the completed runs (``federation.run_retention``); a LoRA
+    model's adapters are kept outside the run directories (``_keep_adapters``)."""
     if server_round >= cfg.num_server_rounds:
-        NodeStore.for_context(context).mark_completed()
+        store = NodeStore.for_context(context)
+        store.mark_completed()
+        _keep_adapters(store, node)
+
+
+def _keep_adapters(store: NodeStore, node: Any) -> None:
+    """The node's final adapters as a PEFT adapter in ``store.adapters_dir``: retention removes
+    old runs' state, never the model a run fine-tuned. Writing them never fails the round
+    (the run is complete; the adapters stay in the node's cache until retention)."""
+    from node import adapters
+    from node.lora import LoraLlamaModel
+    if not isinstance(node.model, LoraLlamaModel):
+        return
+    chat_model = getattr(node.task, "chat_model", "")
+    base = "fedkv-chat-tiny" if chat_model == "tiny" else _smollm2_dir()
+    try:
+        out = adapters.write_adapter(adapters.from_model(node.model, node.version, base),
+                                     store.adapters_dir, force=True)  # this run's own folder
+    except (OSError, adapters.AdapterError) as err:
+        _log.warning("final adapters not kept in %s: %s", store.adapters_dir, err)
+        return
+    _log.info("final adapters (model version %d) kept in %s", node.version, out)
+
+
+def _smollm2_dir() -> str:
+    from node.models import default_dir
+    return str(default_dir().resolve())
 
 
 # --- Flower's array protocol: the flower-central DP baseline --------------------------

@@ -253,6 +253,13 @@ class NodeStore:
             write_public_file(marker, f"completed: node {self.node_id} evaluated the last round\n".encode())
 
     @property
+    def adapters_dir(self) -> Path:
+        """Where the node keeps its run's final adapters (``node.adapters``): ``adapters/run-<id>/
+        node-<id>`` beside the run directories, which retention never touches (it removes
+        ``run-<digits>`` entries only), so the fine-tuned model outlives its run's state."""
+        return self.run_dir.parent / "adapters" / self.run_dir.name / f"node-{self.node_id}"
+
+    @property
     def name(self) -> str:
         """The kit's name of this node ("" without a kit)."""
         return self.kit.name if self.kit is not None else ""

@@ -3,6 +3,7 @@
     python -m node.openai_api [--model byte|smollm2] [--model-dir DIR] [--port 8471]
         [--backend scheduler|serial] [--max-running 16] [--token-budget 256]
         [--preempt-mode swap|recompute] [--cache-dir DIR [--key-file F]] [--ready-file F]
+        [--lora-seed N | --adapter PEFT_DIR]
         [--token-file ~/.cache/fedkv/openai-<port>/serve-token] [--pool-mib MiB] [--max-tokens 256]
         [--max-concurrent 4] [--max-queue 16] [--request-timeout 60] [--request-deadline 300]
         [--socket-timeout 10]
@@ -435,6 +436,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                         "drawn from this public seed -- the federated run's seed (run-config "
                         "seed, 42 by default); B is zero until --cache-dir's node publishes its "
                         "fine-tuned adapters")
+    p.add_argument("--adapter", type=Path, default=None,
+                   help="smollm2: serve the LoRA adapters of this PEFT adapter directory "
+                        "(node.adapters export writes one) instead of a seed and a node's")
     p.add_argument("--host", default="127.0.0.1",
                    help="loopback by default; another address only with --tls-cert and --tls-key")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 = any free port")
@@ -484,6 +488,21 @@ def _token_file(args: argparse.Namespace, port: int) -> Path:
     return server_token_file(f"openai-{port}")
 
 
+def _adapted(args: argparse.Namespace, model):
+    """The model with ``--lora-seed``'s adapters (B from ``--cache-dir``'s node) or
+    ``--adapter``'s (a PEFT directory, ``node.adapters``), else as it is."""
+    if args.lora_seed is not None:
+        from node.lora import LoraConfig, adapt
+        return adapt(model, LoraConfig(seed=args.lora_seed))
+    if args.adapter is not None:
+        from node.adapters import AdapterError, load_into, read_adapter
+        try:
+            return load_into(model, read_adapter(args.adapter, model.cfg))
+        except AdapterError as e:
+            raise SystemExit(f"--adapter {args.adapter}: {e}") from None
+    return model
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s openai_api %(message)s")
     args = _args(argv)
@@ -503,9 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         model, codec = load_model(args.model, args.model_dir)
     except ModelError as e:
         raise SystemExit(f"--model {args.model}: {e}") from None
-    if args.lora_seed is not None:
-        from node.lora import LoraConfig, adapt
-        model = adapt(model, LoraConfig(seed=args.lora_seed))
+    model = _adapted(args, model)
     cache = KVCache(model.cache_config(pool_bytes=int(args.pool_mib * (1 << 20))))
     backend, hook = openai_follow.build_backend(args, model.eval(), cache, MODEL_IDS[args.model],
                                                 own_weights=args.model != "byte")

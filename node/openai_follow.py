@@ -150,6 +150,10 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         p.error("--cache-dir needs --backend scheduler (it swaps weights between steps)")
     if args.lora_seed is not None and args.model != "smollm2":
         p.error("--lora-seed adapts --model smollm2 (the chat task's base)")
+    if args.adapter is not None and args.model != "smollm2":
+        p.error("--adapter adapts --model smollm2 (a LoRA adapter of the chat task's base)")
+    if args.adapter is not None and (args.lora_seed is not None or args.cache_dir is not None):
+        p.error("--adapter serves that file's adapters alone: not with --lora-seed or --cache-dir")
     if min(args.max_running, args.token_budget) < 1 or args.wait_s <= 0:
         p.error("--max-running, --token-budget and --wait-s must be positive")
 

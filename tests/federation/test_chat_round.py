@@ -36,6 +36,26 @@ def test_chat_rounds_under_he_write_adapters_back_and_report_base_and_samples(on
         finals.append(node.flat_params())
     assert np.any(finals[0])  # the adapters moved from zero
     np.testing.assert_allclose(finals[1], finals[0], rtol=0, atol=1e-6)  # one global model
+    _kept_adapters_are_the_final_model(grid)
+
+
+def _kept_adapters_are_the_final_model(grid: InProcessGrid) -> None:
+    """Each node kept its final adapters as a PEFT adapter outside the run's directory, where
+    retention (``run-<digits>`` entries only) never reaches them."""
+    import stat
+    from pathlib import Path
+
+    import torch
+
+    from node.adapters import read_adapter
+    from node.tasks import TINY_CHAT
+
+    for node_id in grid.node_ids:
+        kept = Path(grid.node_dir) / "adapters" / f"run-{grid.run_id}" / f"node-{node_id}"
+        adapter = read_adapter(kept, TINY_CHAT)
+        assert adapter.version == 2 and stat.S_IMODE(kept.stat().st_mode) == 0o700
+        model = grid.node(node_id).model.state_dict()
+        assert all(torch.equal(t, model[n]) for n, t in adapter.state.items())
 
 
 @pytest.mark.slow

@@ -149,6 +149,24 @@ def test_a_node_marks_its_run_completed_after_the_last_rounds_evaluation(tmp_pat
     assert [r.name for r in run_retention.runs(marker.parent.parent) if r.completed] == [marker.parent.name]
 
 
+def test_a_runs_kept_adapters_outlive_its_removal(tmp_path, monkeypatch) -> None:
+    """A node keeps its final adapters in ``adapters/run-<id>/node-<id>`` beside the runs
+    (``NodeStore.adapters_dir``): retention removes the run's state, never them."""
+    monkeypatch.setenv("FEDKV_KEEP_RUNS", "1")
+    from federation.node_store import NodeStore
+
+    root = tmp_path / "nodes"
+    store = NodeStore(root / "run-1" / "node-100", "100")  # no lease: run 1's process ended
+    assert store.adapters_dir == root / "adapters" / "run-1" / "node-100"
+    store.adapters_dir.mkdir(parents=True)
+    (store.adapters_dir / "adapter_model.safetensors").write_bytes(b"kept")
+    stage_run(root, "run-1", 3 * HOUR, completed=True)
+    stage_run(root, "run-2", 2 * HOUR, completed=True)
+    _store(root, 3)
+    assert names(root) == {"run-2", "run-3", "adapters"}
+    assert (store.adapters_dir / "adapter_model.safetensors").read_bytes() == b"kept"
+
+
 def test_a_run_in_progress_is_kept_however_long_it_was_idle(tmp_path, monkeypatch) -> None:
     """A node of run 1 is still working in this process (a long training step writes nothing
     for an hour): its run is not removed although it is neither completed nor recent."""

@@ -606,6 +606,38 @@ def test_cli_lora_seed_adapts_only_smollm2(capsys):
     assert "--lora-seed adapts --model smollm2" in capsys.readouterr().err
 
 
+def test_cli_adapter_serves_a_peft_directory_alone(tmp_path, capsys):
+    """``--adapter DIR`` (node.adapters): only on smollm2, not with a seed or a node to follow
+    (their B would land on the file's A)."""
+    from node.openai_api import _args
+    d = str(tmp_path)
+    assert _args(["--model", "smollm2", "--adapter", d]).adapter == tmp_path
+    for extra in (["--lora-seed", "42"], ["--cache-dir", d, "--no-key"]):
+        with pytest.raises(SystemExit):
+            _args(["--model", "smollm2", "--adapter", d, *extra])
+        assert "--adapter serves that file's adapters alone" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _args(["--adapter", d])
+    assert "--adapter adapts --model smollm2" in capsys.readouterr().err
+
+
+def test_adapter_flag_loads_the_file_into_the_model(tmp_path):
+    from node import adapters
+    from node.llama import LlamaModel
+    from node.lora import LoraConfig
+    from node.openai_api import _adapted, _args
+    from node.tasks import TINY_CHAT
+    config = LoraConfig(seed=3)
+    state = {n: torch.randn(shape) for n, shape in adapters.adapter_shapes(TINY_CHAT, config).items()}
+    adapters.write_adapter(adapters.Adapter(config, state), tmp_path / "ad")
+    args = _args(["--model", "smollm2", "--adapter", str(tmp_path / "ad")])
+    model = _adapted(args, LlamaModel(TINY_CHAT))
+    assert all(torch.equal(model.state_dict()[n], t) for n, t in state.items())
+    (tmp_path / "ad" / "adapter_model.safetensors").write_bytes(b"cut")
+    with pytest.raises(SystemExit, match="--adapter .*truncated or corrupt"):
+        _adapted(args, LlamaModel(TINY_CHAT))
+
+
 def test_the_default_token_file_is_the_servers_own(tmp_path, monkeypatch):
     """Issue 30: not one ``~/.cache/fedkv/serve-token`` for every server of the account: by
     default a server's tokens are its port's (``~/.cache/fedkv/openai-<port>/serve-token``, the
