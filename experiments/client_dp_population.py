@@ -14,7 +14,8 @@ The sum is computed in plaintext: CKKS would add only its encoding error, and 10
 round are what make the federated run slow, not what it measures.
 
 Reported per ε: held-out perplexity (mean and 95 % CI over paired seeds: a seed fixes the
-split, the sampler and the noise), σ, the measured norm of the clipped mean update (the
+initialisation, the sampler, the noise and the evaluation windows) and its ratio to the same
+seed's ε = ∞ run (mean and CI of the paired ratios), σ, the measured norm of the clipped mean update (the
 signal), and the noise-to-signal ratio σ·C·√d / (k·‖signal‖). ``populations`` adds, without
 training, σ and the same ratio for other populations at the ε = 8 point (k = N / 10).
 
@@ -143,6 +144,12 @@ def epsilon_key(epsilon: float) -> str:
     return "inf" if math.isinf(epsilon) else f"{epsilon:g}"
 
 
+def _paired_ratios(points: list[dict], pts: list[dict]) -> list[float]:
+    """Each point's perplexity over the same seed's ε = ∞ point (the seeds differ more than DP does)."""
+    free = {p["seed"]: p["perplexity"] for p in points if p["epsilon"] == "inf"}
+    return [p["perplexity"] / free[p["seed"]] for p in pts if p["seed"] in free]
+
+
 def summarise(points: list[dict]) -> dict:
     """Per ε key: perplexity mean and CI over seeds, σ, ε spent, noise-to-signal (mean over seeds)."""
     by_eps = {}
@@ -152,7 +159,11 @@ def summarise(points: list[dict]) -> dict:
             continue
         m, lo, hi = mean_ci([p["perplexity"] for p in pts])
         ratios = [p["noise_to_signal"] for p in pts if p["noise_to_signal"] is not None]
+        paired = _paired_ratios(points, pts)
+        r_m, r_lo, r_hi = mean_ci(paired)
         by_eps[e] = {
+            "perplexity_ratio_mean": r_m if paired else None,
+            "perplexity_ratio_ci95": [r_lo, r_hi] if math.isfinite(r_lo) else [None, None],
             "perplexity_mean": m, "perplexity_ci95": [lo, hi] if math.isfinite(lo) else [None, None],
             "noise_multiplier": pts[0]["noise_multiplier"], "epsilon_spent": pts[0]["epsilon_spent"],
             "noise_to_signal": sum(ratios) / len(ratios) if ratios else None, "seeds": [p["seed"] for p in pts]}
@@ -188,7 +199,8 @@ def main(argv: list[str] | None = None) -> dict:
     run_dir = make_run_dir(args.out, "client_dp_population")
     write_json(run_dir / "results.json", out | {"points": points})
     print(json.dumps(out, indent=1) if args.json else "\n".join(
-        f"ε {e:>3s}: perplexity {v['perplexity_mean']:.3f}, σ {v['noise_multiplier']:.3f}" for e, v in out["by_epsilon"].items()))
+        f"ε {e:>3s}: perplexity {v['perplexity_mean']:.3f} ({v['perplexity_ratio_mean']:.3f}x non-private, paired), "
+        f"σ {v['noise_multiplier']:.3f}" for e, v in out["by_epsilon"].items()))
     print_results_dir(run_dir)
     return out
 

@@ -56,6 +56,9 @@ def test_summary_keys_and_population_table():
     out = cdp.summarise(pts)
     assert list(out) == ["8", "inf"] and out["8"]["perplexity_mean"] == pytest.approx(10.5)
     assert out["8"]["noise_to_signal"] == pytest.approx(2.5) and out["8"]["seeds"] == [0, 1]
+    assert out["8"]["perplexity_ratio_mean"] == pytest.approx(1.0) and out["inf"]["perplexity_ratio_mean"] == 1.0
+    pts[0]["perplexity"] = 20.0  # ε 8, seed 0: twice its own ε = ∞ point
+    assert cdp.summarise(pts)["8"]["perplexity_ratio_mean"] == pytest.approx(1.5)
     rows = cdp.population_table(TINY, dim=10_000, signal=0.5)
     ratios = [r["noise_to_signal"] for r in rows]
     assert ratios == sorted(ratios, reverse=True) and rows[-1]["population"] == 1_000_000
