@@ -1,4 +1,5 @@
-"""Load benchmark of the node as an LLM server: N concurrent clients against three backends (four with vLLM).
+"""Load benchmark of the node as an LLM server: N concurrent clients against three backends
+(four with vLLM).
 
     python -m experiments.serve_load [--quick] [--json] [--models smollm2,tiny] [--clients 1,4,16,32]
         [--vllm-python <venv>/bin/python]
