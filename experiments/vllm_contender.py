@@ -215,8 +215,8 @@ class VllmBackend:
                         raise ValueError("the stream ended without a finish_reason")
                     return finish
                 chunk = json.loads(data)
-                if "error" in chunk:
-                    raise ValueError(f"server error: {str(chunk['error'])[:200]}")
+                if "error" in chunk or chunk.get("object") == "error":
+                    raise ValueError(f"server error: {str(chunk.get('error', chunk))[:200]}")
                 for tok in _new_tokens(chunk, counted):
                     h.stream.put(tok)
                     counted += 1
@@ -238,8 +238,8 @@ def _new_tokens(chunk: dict[str, Any], counted: int) -> list[int]:
     """The token ids a chunk adds: its choice's ``token_ids``, else as many ``-1`` as its
     running ``usage.completion_tokens`` exceeds ``counted`` (the count, without ids)."""
     choices = chunk.get("choices") or ()
-    ids = [int(t) for c in choices for t in (c.get("token_ids") or ())]
-    if ids or any("token_ids" in c for c in choices):
-        return ids
+    given = [c["token_ids"] for c in choices if c.get("token_ids") is not None]
+    if given:  # (vLLM writes ``"token_ids": null`` when they were not asked for)
+        return [int(t) for ids in given for t in ids]
     usage = chunk.get("usage") or {}
     return [-1] * max(0, int(usage.get("completion_tokens", counted)) - counted)

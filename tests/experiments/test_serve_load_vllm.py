@@ -43,9 +43,8 @@ class _Fake(BaseHTTPRequestHandler):
         mode = self.server.mode
 
         def ch(ids, finish=None, usage=None, with_ids=True):
-            c = {"index": 0, "text": "x" * len(ids), "finish_reason": finish}
-            if with_ids:
-                c["token_ids"] = ids
+            c = {"index": 0, "text": "x" * len(ids), "finish_reason": finish,
+                 "token_ids": ids if with_ids else None}  # vLLM writes null when not asked
             return {"choices": [c], **({"usage": usage} if usage else {})}
         if mode == "merged":  # 6 tokens in 3 chunks, then the usage-only chunk
             self._sse([ch([11, 12]), ch([13]), ch([14, 15, 16], "length"),
@@ -63,6 +62,8 @@ class _Fake(BaseHTTPRequestHandler):
             self.close_connection = True
         elif mode == "error_chunk":
             self._sse([ch([1]), {"error": {"message": "engine died", "code": 500}}])
+        elif mode == "error_object":  # the older ErrorResponse shape
+            self._sse([ch([1]), {"object": "error", "message": "engine died", "code": 500}])
         elif mode == "no_finish":
             self._sse([ch([1])])
 
@@ -112,7 +113,7 @@ def test_without_ids_the_running_usage_count_is_used(fake):
     assert rec.tokens == 5 and not rec.dropped
 
 
-@pytest.mark.parametrize("mode", ["500", "cut", "error_chunk", "no_finish"])
+@pytest.mark.parametrize("mode", ["500", "cut", "error_chunk", "error_object", "no_finish"])
 def test_a_failed_request_is_dropped_not_raised(fake, mode):
     fake.mode = mode
     b = _backend(fake)
