@@ -46,7 +46,10 @@ class _Fake(BaseHTTPRequestHandler):
             c = {"index": 0, "text": "x" * len(ids), "finish_reason": finish,
                  "token_ids": ids if with_ids else None}  # vLLM writes null when not asked
             return {"choices": [c], **({"usage": usage} if usage else {})}
-        if mode == "merged":  # 6 tokens in 3 chunks, then the usage-only chunk
+        if mode == "max_tokens":  # what ignore_eos asks for: max_tokens ids, one a chunk
+            n = body["max_tokens"]
+            self._sse([ch([7], "length" if k == n - 1 else None) for k in range(n)])
+        elif mode == "merged":  # 6 tokens in 3 chunks, then the usage-only chunk
             self._sse([ch([11, 12]), ch([13]), ch([14, 15, 16], "length"),
                        {"choices": [], "usage": {"completion_tokens": 6}}])
         elif mode == "usage":  # no ids: the running count only
@@ -210,6 +213,23 @@ def test_a_server_that_exits_fails_the_start_and_leaves_nothing(tmp_path, monkey
     finally:
         if (tmp_path / "child.pid").is_file():
             _reap(int((tmp_path / "child.pid").read_text()))
+
+
+def test_vllm_runs_in_every_cell_in_the_rotation(fake, one_thread):
+    fake.mode = "max_tokens"
+    url = f"http://127.0.0.1:{fake.server_address[1]}"
+    server = type("S", (), {"url": url, "name": "tiny", "settings": vc.VllmSettings()})()
+    served = sl.load_served("tiny", seed=0)
+    res, rows = sl.run_model(served, [1, 2], sl.LoadConfig(requests_per_client=1, max_new=4,
+                                                           max_prompt=48, think_s=0),
+                             seed=0, trace=None, vllm=server)
+    firsts = [r["system"] for r in rows if r["repeat"] == 0][::4]
+    assert firsts == ["fedkv_scheduler", "fedkv_no_scheduler"]  # a rotation over four systems
+    for cell in res["by_clients"].values():
+        assert cell[sl.VLLM]["dtype"] == "bfloat16" and cell[sl.VLLM]["tokens_per_s"] > 0
+    got = {r["system"]: r for r in rows if r["clients"] == 2}
+    assert got[sl.VLLM]["dropped"] == 0
+    assert len(fake.bodies) == 4 + 4 and all(b["ignore_eos"] for b in fake.bodies)
 
 
 def test_serve_load_without_vllm_reports_the_skip(tmp_path, one_thread, capsys):
