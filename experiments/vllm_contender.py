@@ -24,6 +24,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -60,13 +61,20 @@ def unavailable(python: str | None, timeout_s: float = 300.0) -> str | None:
         return f"{python} is not an executable"
     try:
         done = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True,
-                              timeout=timeout_s)
+                              timeout=timeout_s, env=own_env())
     except subprocess.TimeoutExpired:
         return f"{python} -c 'import vllm' took over {timeout_s:.0f} s"
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["?"])[-1]
         return f"{python} cannot import vllm: {last[:200]}"
     return None
+
+
+def own_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without ``PYTHONPATH`` (fedkv's packages must not shadow
+    anything in vLLM's venv), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return {**env, **(extra or {})}
 
 
 def free_port() -> int:
@@ -80,7 +88,8 @@ class VllmServer:
     ``close`` (also on a failed start) kills that group by its id."""
 
     def __init__(self, python: str, model_dir: Path, log: Path, name: str,
-                 settings: VllmSettings = VllmSettings()):
+                 settings: VllmSettings = VllmSettings(),
+                 extra_env: Mapping[str, str] | None = None):
         self.name, self.settings, self.log = name, settings, log
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -88,9 +97,10 @@ class VllmServer:
                "--served-model-name", name, "--host", "127.0.0.1", "--port", str(self.port),
                "--dtype", settings.dtype, "--max-model-len", str(settings.max_model_len),
                "--no-enable-log-requests"]
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": settings.threads_bind,
-               "OMP_NUM_THREADS": str(settings.omp_threads),
-               "VLLM_CPU_KVCACHE_SPACE": str(settings.kvcache_space_gib)}
+        env = own_env({"VLLM_CPU_OMP_THREADS_BIND": settings.threads_bind,
+                       "OMP_NUM_THREADS": str(settings.omp_threads),
+                       "VLLM_CPU_KVCACHE_SPACE": str(settings.kvcache_space_gib),
+                       **(extra_env or {})})
         t0 = time.perf_counter()
         with open(log, "ab") as fh:
             self.proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,

@@ -137,6 +137,12 @@ def test_nothing_listening_is_dropped_not_raised():
         b.close()
 
 
+def test_vllm_never_sees_fedkv_on_its_path(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/fedkv/tree")
+    env = vc.own_env({"X": "1"})
+    assert "PYTHONPATH" not in env and env["X"] == "1"
+
+
 def test_unavailable_says_why():
     assert "no vLLM python" in vc.unavailable(None)
     assert "not an executable" in vc.unavailable("/nonexistent/python")
@@ -188,11 +194,10 @@ def _alive(pid: int) -> bool:
         return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def test_the_server_and_its_children_are_stopped_by_process_group(tmp_path, monkeypatch):
+def test_the_server_and_its_children_are_stopped_by_process_group(tmp_path):
     _fake_vllm(tmp_path, serve=True)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     server = vc.VllmServer(sys.executable, tmp_path, tmp_path / "v.log", "m",
-                           vc.VllmSettings(start_timeout_s=60))
+                           vc.VllmSettings(start_timeout_s=60), {"PYTHONPATH": str(tmp_path)})
     child = int((tmp_path / "child.pid").read_text())
     try:
         assert server.report()["start_s"] >= 0 and _alive(server.proc.pid) and _alive(child)
@@ -202,13 +207,12 @@ def test_the_server_and_its_children_are_stopped_by_process_group(tmp_path, monk
         _reap(child)
 
 
-def test_a_server_that_exits_fails_the_start_and_leaves_nothing(tmp_path, monkeypatch):
+def test_a_server_that_exits_fails_the_start_and_leaves_nothing(tmp_path):
     _fake_vllm(tmp_path, serve=False)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     try:
         with pytest.raises(RuntimeError, match="exited with 3"):
             vc.VllmServer(sys.executable, tmp_path, tmp_path / "v.log", "m",
-                          vc.VllmSettings(start_timeout_s=60))
+                          vc.VllmSettings(start_timeout_s=60), {"PYTHONPATH": str(tmp_path)})
         assert _gone(int((tmp_path / "child.pid").read_text()))
     finally:
         if (tmp_path / "child.pid").is_file():
