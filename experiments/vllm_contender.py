@@ -172,7 +172,8 @@ class VllmBackend:
 
     def __init__(self, url: str, model_id: str, clients: int, timeout_s: float = 600.0):
         self.url, self.model_id, self.version = url, model_id, 0
-        n = max(clients, 1)
+        n = 2 * max(clients, 1)  # a client's next request may start before its last one's
+        # stream is closed (its tokens are all read by then): no waiting for a connection
         self._http = httpx.Client(base_url=url, timeout=httpx.Timeout(timeout_s, connect=10.0),
                                   limits=httpx.Limits(max_connections=n,
                                                       max_keepalive_connections=n))
