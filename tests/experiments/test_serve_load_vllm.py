@@ -201,6 +201,7 @@ def test_the_server_and_its_children_are_stopped_by_process_group(tmp_path):
     child = int((tmp_path / "child.pid").read_text())
     try:
         assert server.report()["start_s"] >= 0 and _alive(server.proc.pid) and _alive(child)
+        assert server.report()["version"] == "unknown"  # the fake is no installed distribution
         server.close()
         assert server.proc.poll() is not None and _gone(child)
     finally:
