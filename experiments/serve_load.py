@@ -1,6 +1,8 @@
-"""Load benchmark of the node as an LLM server: N concurrent clients against three backends.
+"""Load benchmark of the node as an LLM server: N concurrent clients against three backends
+(four with vLLM).
 
     python -m experiments.serve_load [--quick] [--json] [--models smollm2,tiny] [--clients 1,4,16,32]
+        [--vllm-python <venv>/bin/python]
 
 Every backend is a ``node.generation.GenerationBackend`` and the same client threads drive
 them, so the figures compare decoders, not harnesses:
@@ -10,7 +12,11 @@ them, so the figures compare decoders, not harnesses:
 * ``fedkv_no_scheduler`` -- ``node.serial_backend.SerialBackend``: the same model and cache,
   one request at a time;
 * ``hf_sequential`` -- Hugging Face ``LlamaForCausalLM`` with its ``DynamicCache`` on the same
-  weights, one request at a time (``generate``'s loop, stepped by hand so tokens stream).
+  weights, one request at a time (``generate``'s loop, stepped by hand so tokens stream);
+* ``vllm_cpu`` (optional, ``--vllm-python``) -- vLLM's CPU build serving the same weights
+  from its own venv, streamed over its OpenAI HTTP API (``experiments.vllm_contender``); one
+  server per model, started before the model's cells (its start-up seconds are reported).
+  Without a python that imports vLLM it is skipped and the JSON says why.
 
 Each client waits an exponential think time (Poisson arrivals per client), sends a request,
 reads its tokens as they stream and repeats. Request lengths come from the Mooncake
@@ -53,6 +59,8 @@ from experiments.output import (add_common_args, make_run_dir, markdown_table, p
 from node.generation import GenerationRequest, TokenStream
 
 SYSTEMS = ("fedkv_scheduler", "fedkv_no_scheduler", "hf_sequential")
+VLLM = "vllm_cpu"
+"""The optional contender: vLLM's CPU build in its own venv (``experiments.vllm_contender``)."""
 CLIENTS = (1, 4, 16, 32)
 MODELS = ("smollm2", "tiny")
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / \
@@ -287,7 +295,11 @@ def pool_tokens(requests: Sequence[Req], clients: int, cfg: LoadConfig, block: i
     return offered, max(math.ceil(cfg.pool_share * offered), floor)
 
 
-def make_backend(system: str, served: Served, pool: int, clients: int) -> Any:
+def make_backend(system: str, served: Served, pool: int, clients: int, vllm: Any = None) -> Any:
+    """A fresh backend of ``system``; ``vllm_cpu`` needs the running server ``vllm``."""
+    if system == VLLM:
+        from experiments.vllm_contender import VllmBackend
+        return VllmBackend(vllm.url, vllm.name, clients)
     if system == "hf_sequential":
         return HFSequentialBackend(served.hf, served.name)
     per_token = fp32_bytes_per_token(served.model)
@@ -316,11 +328,12 @@ def backend_counters(backend: Any) -> dict[str, float]:
 
 # -- the run ---------------------------------------------------------------------------------
 def run_model(served: Served, clients_list: Sequence[int], cfg: LoadConfig, seed: int,
-              trace: Path | None) -> tuple[dict, list[dict]]:
-    """One model's ``by_clients`` table and its CSV rows."""
+              trace: Path | None, vllm: Any = None) -> tuple[dict, list[dict]]:
+    """One model's ``by_clients`` table and its CSV rows; ``vllm``: a running
+    ``experiments.vllm_contender.VllmServer`` of the same weights (adds ``vllm_cpu``)."""
+    systems = SYSTEMS + ((VLLM,) if vllm is not None else ())
     by_clients: dict[str, dict] = {}
     rows: list[dict] = []
-    totals = {"dropped_requests": 0, "preempted": 0, "resumed": 0}
     block = served.model.cache_config().block_size
 
     def workload(clients: int) -> list[Req]:
@@ -331,31 +344,43 @@ def run_model(served: Served, clients_list: Sequence[int], cfg: LoadConfig, seed
     _, pool = pool_tokens(workload(top), top, cfg, block)  # one pool for every client count
     for i, clients in enumerate(clients_list):
         reqs = workload(clients)
-        offered = round(clients * statistics.fmean(len(r.prompt) + r.max_tokens for r in reqs))
-        cell: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
+        cell: dict[str, list[dict]] = {s: [] for s in systems}
         for rep in range(cfg.repeats):
-            order = SYSTEMS[(i + rep) % 3:] + SYSTEMS[:(i + rep) % 3]  # rotated: no fixed slot
-            for system in order:
-                backend = make_backend(system, served, pool, clients)
-                try:
-                    records, wall = drive(backend, reqs, clients, cfg, seed + rep)
-                    counters = backend_counters(backend)
-                finally:
-                    backend.close()
-                dropped = sum(r.dropped for r in records)
-                cell[system].append(summarize(records, wall))
+            k = (i + rep) % len(systems)
+            for system in systems[k:] + systems[:k]:  # rotated: no fixed slot
+                backend = make_backend(system, served, pool, clients, vllm)
+                row = _run_cell(backend, reqs, clients, cfg, seed + rep)
+                cell[system].append({m: row[m] for m in METRICS})
                 rows.append({"model": served.name, "clients": clients, "system": system,
-                             "repeat": rep, "requests": len(records), "dropped": dropped,
-                             "offered_tokens": offered, "pool_tokens": pool,
-                             **cell[system][-1], **counters})
-                if system == "fedkv_scheduler":
-                    totals["dropped_requests"] += dropped
-                    totals["preempted"] += counters["preempted"]
-                    totals["resumed"] += counters["resumed"]
-        by_clients[str(clients)] = {s: {m: statistics.median(x[m] for x in cell[s])
-                                        for m in METRICS} for s in SYSTEMS}
+                             "repeat": rep, "pool_tokens": pool, **row})
+        by_clients[str(clients)] = {s: {**{m: statistics.median(x[m] for x in cell[s])
+                                           for m in METRICS}, "dtype": system_dtype(s, vllm)}
+                                    for s in systems}
+    sched = [r for r in rows if r["system"] == "fedkv_scheduler"]
+    totals = {k: sum(r[k] for r in sched) for k in ("preempted", "resumed")}
     offered = max(r["offered_tokens"] for r in rows)
-    return {"by_clients": by_clients, **totals, "overcommit": offered / pool}, rows
+    return {"by_clients": by_clients, "dropped_requests": sum(r["dropped"] for r in sched),
+            **totals, "overcommit": offered / pool,
+            "settings": {"fedkv": {"dtype": "float32", "kv_dtype": "fp32", "pool_tokens": pool,
+                                   "max_running": "clients", "block_size": block}}}, rows
+
+
+def _run_cell(backend: Any, reqs: Sequence[Req], clients: int, cfg: LoadConfig,
+              seed: int) -> dict[str, Any]:
+    """One backend under one load (closed after it): its figures, drops and counters."""
+    try:
+        records, wall = drive(backend, reqs, clients, cfg, seed)
+        counters = backend_counters(backend)
+    finally:
+        backend.close()
+    offered = round(clients * statistics.fmean(len(r.prompt) + r.max_tokens for r in reqs))
+    return {"requests": len(records), "dropped": sum(r.dropped for r in records),
+            "offered_tokens": offered, **summarize(records, wall), **counters}
+
+
+def system_dtype(system: str, vllm: Any = None) -> str:
+    """The weights' dtype a system computes in."""
+    return vllm.settings.dtype if system == VLLM and vllm is not None else "float32"
 
 
 def targets(result: dict) -> list[str]:
@@ -371,6 +396,11 @@ def targets(result: dict) -> list[str]:
         out += [f"{'PASS' if v >= t else 'MISS'} {name}: {v:.2f}x" for name, v, t in checks]
         r = s["ttft_p99_s"] / s["ttft_p50_s"]
         out.append(f"{'PASS' if r <= 3 else 'MISS'} p99 TTFT <= 3x p50: {r:.2f}x")
+        v = c.get(VLLM, {})
+        if "tokens_per_s" in v:  # a figure to set beside the others, no target
+            out.append(f"FIGURE scheduler ({s['dtype']}) vs vLLM CPU ({v['dtype']}): "
+                       f"{s['tokens_per_s'] / v['tokens_per_s']:.2f}x its tokens/s, "
+                       f"p50 TTFT {s['ttft_p50_s']:.2f} vs {v['ttft_p50_s']:.2f} s")
     for name, m in result["model"].items():
         out.append(f"{'PASS' if m['dropped_requests'] == 0 else 'MISS'} {name}: "
                    f"{m['dropped_requests']} dropped at overcommit {m['overcommit']:.2f}")
@@ -389,9 +419,10 @@ def _plot(out: Path, result: dict) -> None:
     series = {}
     for name, m in result["model"].items():
         xs = [int(c) for c in m["by_clients"]]
-        for s in SYSTEMS:
-            series[f"{name} {s}"] = (xs, [m["by_clients"][c][s]["tokens_per_s"]
-                                          for c in m["by_clients"]])
+        for s in SYSTEMS + (VLLM,):
+            if all("tokens_per_s" in m["by_clients"][c].get(s, {}) for c in m["by_clients"]):
+                series[f"{name} {s}"] = (xs, [m["by_clients"][c][s]["tokens_per_s"]
+                                              for c in m["by_clients"]])
     plot_lines(out / "serve_load.png", series, xlabel="concurrent clients",
                ylabel="output tokens/s", title="serve_load: throughput")
 
@@ -406,6 +437,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--trace", default=str(TRACE), help="Mooncake conversation trace (.jsonl)")
     p.add_argument("--model-dir", default=None)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--vllm-python", default=os.environ.get("FEDKV_VLLM_PYTHON"),
+                   help="python of a venv with vLLM's CPU build: adds the vllm_cpu contender "
+                        "(default $FEDKV_VLLM_PYTHON; absent: skipped)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = LoadConfig(requests_per_client=1 if args.quick else 2,
@@ -416,11 +450,17 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict[str, Any] = {"model": {}, "workload": "mooncake" if trace else "synthetic",
                               "config": {**cfg.__dict__, "threads": args.threads}}
     rows: list[dict] = []
+    out = make_run_dir(args.out, "serve_load")
     for name in args.models.split(","):
         served = load_served(name, args.seed, args.model_dir)
-        result["model"][name], r = run_model(served, clients, cfg, args.seed, trace)
+        vllm, info = start_vllm(name, args.vllm_python, args.model_dir, args.threads, out)
+        try:
+            result["model"][name], r = run_model(served, clients, cfg, args.seed, trace, vllm)
+        finally:
+            if vllm is not None:
+                vllm.close()
+        _note_vllm(result["model"][name], info)
         rows += r
-    out = make_run_dir(args.out, "serve_load")
     write_csv(out / "serve_load.csv", rows)
     _plot(out, result)
     (out / "summary.md").write_text(summary_md(result, rows))
@@ -430,6 +470,37 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         print(json.dumps(result))
     return result
+
+
+def start_vllm(name: str, python: str | None, model_dir: str | None, threads: int,
+               out: Path) -> tuple[Any, dict[str, Any]]:
+    """vLLM's server of model ``name`` (once per model, not per cell) and what the JSON says
+    of it: its settings and start-up seconds, or ``{"skipped": why}`` (never an error)."""
+    from experiments import vllm_contender as vc
+    why = vc.unavailable(python)
+    if why is None and name != "smollm2":
+        why = f"vLLM serves a model directory; {name!r} exists only in memory"
+    if why is not None:
+        print(f"serve_load: {VLLM} skipped for {name}: {why}")
+        return None, {"skipped": why}
+    from node import models
+    d = Path(model_dir).expanduser() if model_dir else models.default_dir()
+    settings = vc.VllmSettings(omp_threads=threads)
+    try:
+        server = vc.VllmServer(python, d, out / f"vllm-{name}.log", name, settings)
+    except (RuntimeError, TimeoutError, OSError) as e:
+        print(f"serve_load: {VLLM} skipped for {name}: {e}")
+        return None, {"skipped": str(e)}
+    print(f"serve_load: {VLLM} serving {name} after {server.start_s:.0f} s")
+    return server, server.report()
+
+
+def _note_vllm(model: dict, info: dict[str, Any]) -> None:
+    """vLLM's settings under the model's; a skip also in every cell, where its figures go."""
+    model["settings"][VLLM] = info
+    if "skipped" in info:
+        for cell in model["by_clients"].values():
+            cell[VLLM] = dict(info)
 
 
 if __name__ == "__main__":
