@@ -6,20 +6,22 @@
         [--lora-seed N | --adapter PEFT_DIR]
         [--token-file ~/.cache/fedkv/openai-<port>/serve-token] [--pool-mib MiB] [--max-tokens 256]
         [--max-concurrent 4] [--max-queue 16] [--request-timeout 60] [--request-deadline 300]
-        [--socket-timeout 10]
+        [--socket-timeout 10] [--metrics-auth] [--log-level INFO]
         [--host 127.0.0.1 [--tls-cert C --tls-key K]]
 
 Endpoints: ``GET /v1/models`` (and ``/v1/models/<id>``), ``POST /v1/chat/completions``,
 ``POST /v1/completions`` -- streamed (``"stream": true``: server-sent events ``data: {chunk}``
 ending ``data: [DONE]``; ``stream_options.include_usage`` adds a last chunk with the usage) or
 not -- and ``GET /v1/stats``, fedkv's own: the caller's tenant's counters and nobody else's.
+``GET /health``, ``GET /metrics`` (no token unless ``--metrics-auth``) and one INFO log line per
+request: ``node.serve_metrics``.
 Parameters: ``temperature`` [0, 2] (0: greedy), ``top_p``, ``max_tokens``, ``stop`` (up to 4
 strings, cut on the detokenized text; never leaked while streaming), ``n`` (forks sharing the
 prompt's KV blocks copy-on-write), ``seed`` (choice ``i`` samples with ``seed + i``). Checks
 and shapes are ``node.openai_protocol``'s; errors are ``{"error": {message, type, param, code}}``.
 
 As ``node.serve`` requires of a serving agent on a shared host (``node.serve_auth``): every
-request needs ``Authorization: Bearer <token>`` (401 otherwise); the tenant of the token is the
+other request needs ``Authorization: Bearer <token>`` (401 otherwise); the token's tenant is the
 request's prefix-sharing namespace, so a tenant never hits (nor sees a counter of) another's
 cached prompt; each tenant has at most ``max_concurrent`` requests in flight (429) and the
 server at most ``max_queue`` (503 with ``Retry-After``); a request that gets no token within
@@ -33,8 +35,7 @@ Backends: ``node.scheduler``'s continuous batching (default) or one request at a
 restart under the new version, ``/v1/models`` and every chunk's ``system_fingerprint``
 (``fedkv-v<version>``) say which version computed it.
 
-The standard library's ``http.server`` (threads, like ``node.serve``), not FastAPI/uvicorn:
-those are not dependencies of the project.
+The standard library's ``http.server`` (threads, like ``node.serve``), not FastAPI/uvicorn.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from node.openai_protocol import (MAX_SEED, APIError, Params, PromptCodec, TextS
                                   parse_chat, parse_completion)
 from node.request_json import BadJSON, decode_object
 from node.serve_auth import Tenants
+from node.serve_metrics import CONTENT_TYPE, RequestRecord, ServeMetrics, health
 
 _log = logging.getLogger("fedkv.openai_api")
 
@@ -88,6 +90,8 @@ class APIConfig:
     socket_timeout_s: float = 10.0
     """Seconds a connection may stall a read or a write."""
     max_body: int = 1 << 20
+    metrics_auth: bool = False
+    """``GET /metrics`` needs a tenant's token too (off: as vLLM; it shows no tenant or token)."""
 
 
 @dataclass
@@ -124,6 +128,7 @@ class OpenAIServer(ThreadingHTTPServer):
         self.stats: defaultdict[str, TenantStats] = defaultdict(TenantStats)
         self.history: Callable[[], dict] | None = None
         """The followed node's model history (``WeightFollower.history``), shown to all."""
+        self.metrics = ServeMetrics(backend)  # this server's own registry; the request log
         self._active: defaultdict[str, int] = defaultdict(int)
         self._lock = threading.Lock()
         if tls is not None:  # the handshake happens on the connection's thread
@@ -167,8 +172,14 @@ class _Handler(BaseHTTPRequestHandler):
     server: OpenAIServer
     server_version, sys_version = "fedkv-openai", ""
 
+    record: RequestRecord
+
     def log_message(self, fmt: str, *args) -> None:
         _log.debug(fmt, *args)
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        self.record.status = code
+        super().send_response(code, message)
 
     def setup(self) -> None:
         self.timeout = self.server.config.socket_timeout_s
@@ -178,9 +189,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- replies ---------------------------------------------------------------------------
     def _json(self, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(body).encode()
+        self._send(status, json.dumps(body).encode(), "application/json", headers)
+
+    def _send(self, status: int, data: bytes, kind: str, headers: dict | None = None) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(data)))
         for k, v in (headers or {}).items():
             self.send_header(k, v)
@@ -198,8 +211,10 @@ class _Handler(BaseHTTPRequestHandler):
             if tenant is None:
                 self.close_connection = True  # the body is not read
                 raise _unauthorized()
+            self.record.tenant = tenant
             fn(tenant)
         except APIError as e:
+            self.record.error = e.code
             self._json(e.status, e.body(), e.headers)
         except OSError:
             raise  # the connection itself: nothing to answer on
@@ -222,24 +237,33 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- routes ------------------------------------------------------------------------------
     def do_GET(self) -> None:
-        def get(tenant: str) -> None:
-            models = self.server.models()
-            if self.path == "/v1/models":
-                self._json(200, {"object": "list", "data": models})
-            elif self.path.startswith("/v1/models/"):
-                found = [m for m in models if m["id"] == self.path.removeprefix("/v1/models/")]
-                if not found:
-                    raise APIError(404, "no such model", "model", "model_not_found")
-                self._json(200, found[0])
-            elif self.path == "/v1/stats":
-                with self.server._lock:
-                    own = asdict(self.server.stats[tenant])
-                history = self.server.history() if self.server.history else {}
-                self._json(200, {"tenant": tenant, "model": self.server.backend.model_id,
-                                 "version": self.server.backend.version, **history, **own})
+        with self.server.metrics.request(RequestRecord(self.command, self.path)) as self.record:
+            if self.path == "/health":  # a probe: no token, nothing secret
+                self._json(*health(self.server.backend))
+            elif self.path == "/metrics" and not self.server.config.metrics_auth:
+                self._send(200, self.server.metrics.render(), CONTENT_TYPE)
             else:
-                raise APIError(404, f"no such path {self.path}", None, "not_found")
-        self._guarded(get)
+                self._guarded(self._get)
+
+    def _get(self, tenant: str) -> None:
+        models = self.server.models()
+        if self.path == "/v1/models":
+            self._json(200, {"object": "list", "data": models})
+        elif self.path.startswith("/v1/models/"):
+            found = [m for m in models if m["id"] == self.path.removeprefix("/v1/models/")]
+            if not found:
+                raise APIError(404, "no such model", "model", "model_not_found")
+            self._json(200, found[0])
+        elif self.path == "/v1/stats":
+            with self.server._lock:
+                own = asdict(self.server.stats[tenant])
+            history = self.server.history() if self.server.history else {}
+            self._json(200, {"tenant": tenant, "model": self.server.backend.model_id,
+                             "version": self.server.backend.version, **history, **own})
+        elif self.path == "/metrics":  # --metrics-auth: any tenant's token
+            self._send(200, self.server.metrics.render(), CONTENT_TYPE)
+        else:
+            raise APIError(404, f"no such path {self.path}", None, "not_found")
 
     def do_POST(self) -> None:
         def post(tenant: str) -> None:
@@ -252,7 +276,8 @@ class _Handler(BaseHTTPRequestHandler):
                 _Completion(self, tenant, p, chat=False).run(s.codec.text(p.prompt))
             else:
                 raise APIError(404, f"no such path {self.path}", None, "not_found")
-        self._guarded(post)
+        with self.server.metrics.request(RequestRecord(self.command, self.path)) as self.record:
+            self._guarded(post)
 
 
 class _Completion:
@@ -302,6 +327,7 @@ class _Completion:
         """The choice's text deltas; afterwards ``_reason`` says why it ended."""
         try:
             for token in h.tokens(timeout=self.server.config.request_timeout_s):
+                self.h.record.token()
                 if time.monotonic() >= self.deadline:  # tokens keep coming, but time is up
                     raise self._past_deadline()
                 if delta := ts.push(token):
@@ -364,6 +390,7 @@ class _Completion:
                 self._used[i] = len(ts.ids)
                 self._chunk(handles, i, {} if self.chat else "", self._reason(h, ts), usage)
         except APIError as e:  # headers are sent: the error is the stream's last event
+            self.h.record.error = e.code
             for h in handles:  # freed before the client learns: its slots are free when it retries
                 h.cancel()
             self.h._event(e.body())
@@ -405,6 +432,8 @@ class _Completion:
             st.prompt_tokens += handles[0].prompt_tokens
             st.cached_prompt_tokens += handles[0].cached_prompt_tokens
             st.completion_tokens += sum(used)
+        self.h.record.prompt_tokens = handles[0].prompt_tokens
+        self.h.record.generated_tokens = sum(used)
 
 
 def _version_at(h: GenerationHandle, n: int) -> int | None:
@@ -417,6 +446,7 @@ def _version_at(h: GenerationHandle, n: int) -> int | None:
 
 # -- the command line -----------------------------------------------------------------------------
 MODEL_IDS = {"byte": "fedkv-byte", "smollm2": "smollm2-135m-instruct"}
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 DEFAULT_PORT = 8471
 
 
@@ -459,6 +489,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--request-deadline", type=float, default=d.request_deadline_s,
                    help="seconds a request may take in all (then 503 timeout, its slot freed)")
     p.add_argument("--socket-timeout", type=float, default=d.socket_timeout_s)
+    p.add_argument("--metrics-auth", action="store_true",
+                   help="GET /metrics needs a tenant's token (default: none, as vLLM)")
+    p.add_argument("--log-level", default="INFO", choices=LOG_LEVELS,
+                   help="the server's log level (INFO: one line per request)")
     openai_follow.add_arguments(p)
     args = p.parse_args(argv)
     openai_follow.check_arguments(p, args)
@@ -504,8 +538,8 @@ def _adapted(args: argparse.Namespace, model):
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s openai_api %(message)s")
     args = _args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s openai_api %(message)s")
     import torch
 
     from cache import KVCache
@@ -527,7 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     backend, hook = openai_follow.build_backend(args, model.eval(), cache, MODEL_IDS[args.model],
                                                 own_weights=args.model != "byte")
     config = APIConfig(args.max_tokens, args.max_concurrent, args.max_queue,
-                       args.request_timeout, args.request_deadline, args.socket_timeout)
+                       args.request_timeout, args.request_deadline, args.socket_timeout,
+                       metrics_auth=args.metrics_auth)
     server: OpenAIServer | None = None
     try:
         server = OpenAIServer((args.host, args.port), backend, PromptCodec(codec), tenants,

@@ -18,6 +18,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from cache import KVCache
 from node.generation import GenerationRequest
@@ -51,6 +52,15 @@ class ScheduledBackend:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def gauges(self) -> dict[str, Any]:
+        """A read-only glance for ``/metrics`` from any thread: requests waiting (queued here
+        or in the scheduler) and running, preemptions so far, prefix-cache block hits per tier
+        (``KVCache.stats``, a snapshot safe beside the loop)."""
+        s = self.scheduler
+        return {"waiting": self._inbox.qsize() + len(s.waiting), "running": len(s.running),
+                "preemptions": s.counters["preemptions"],
+                "tier_hits": dict(s.cache.stats()["tier_hits"])}
 
     def submit(self, request: GenerationRequest) -> list[Sequence]:
         """One handle per fork; ``ValueError`` for a request the model or pool can never take."""

@@ -26,6 +26,7 @@ import secrets
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -92,6 +93,17 @@ class SerialBackend:
     @property
     def version(self) -> int:
         return self.cache.version
+
+    @property
+    def alive(self) -> bool:
+        """The worker thread runs (``/health``)."""
+        return self._worker.is_alive()
+
+    def gauges(self) -> dict[str, Any]:
+        """A read-only glance for ``/metrics``: requests queued behind the one decoding,
+        prefix-cache block hits per tier (``KVCache.stats``, a snapshot safe beside the worker)."""
+        return {"waiting": self._requests.qsize(),
+                "tier_hits": dict(self.cache.stats()["tier_hits"])}
 
     def submit(self, request: GenerationRequest) -> list[SerialHandle]:
         """One handle per fork, queued; ``ValueError`` when the prompt exceeds the context,
