@@ -17,12 +17,13 @@ import urllib.request
 
 import pytest
 
-pytest.importorskip("openai")
+openai = pytest.importorskip("openai")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
 from node.openai_api import APIConfig  # noqa: E402
-from tests.node.test_openai_api import (MESSAGES, TOKENS, client, llama_parts,  # noqa: E402,F401
-                                        serving)
+from node.tasks import lm_model  # noqa: E402
+from tests.node.test_openai_api import (MESSAGES, TOKENS, _Silent, client,  # noqa: E402
+                                        llama_parts, serving)  # noqa: F401 -- a fixture
 
 
 def _get(server, path: str, token: str | None = None) -> tuple[int, bytes, dict]:
@@ -80,9 +81,13 @@ def test_health_needs_no_token_and_tells_no_secret(llama_server):
         assert tenant.encode() not in body and token.encode() not in body
 
 
-def test_health_is_503_once_the_backend_stopped(llama_server):
-    llama_server.backend.close()
-    status, body, _ = _get(llama_server, "/health")
+@pytest.mark.parametrize("backend", ["scheduler", "serial"])
+def test_health_is_503_once_the_backend_stopped(llama_parts, one_thread, backend):  # noqa: F811
+    model, codec = llama_parts
+    with serving(model, codec, "tiny-llama", backend=backend) as s:
+        assert _get(s, "/health")[0] == 200
+        s.backend.close()
+        status, body, _ = _get(s, "/health")
     got = json.loads(body)
     assert status == 503 and got["status"] == "unavailable" and got["model_loaded"] is False
     assert got["reason"]
@@ -161,3 +166,57 @@ def test_one_log_line_per_request_with_status_and_no_token(llama_server, caplog)
         for tenant_name, token in TOKENS.items():
             assert token not in line and tenant_name not in line
         assert "wrong-token" not in line
+
+
+def test_a_streamed_request_counts_its_usage_and_ttft(llama_server):
+    before = _samples(llama_server)
+    chunks = list(client(llama_server).chat.completions.create(
+        model="tiny-llama", messages=MESSAGES, max_tokens=5, stream=True,
+        stream_options={"include_usage": True}))
+    usage = chunks[-1].usage
+
+    def settled():
+        s = _samples(llama_server)
+        return s if _value(s, "fedkv_requests_total", route=CHAT, code="200") > \
+            _value(before, "fedkv_requests_total", route=CHAT, code="200") else None
+    after = _wait_for(settled, "the streamed request counted")
+
+    def delta(name: str) -> float:
+        return _value(after, name) - _value(before, name)
+    assert delta("fedkv_prompt_tokens_total") == usage.prompt_tokens
+    assert delta("fedkv_generation_tokens_total") == usage.completion_tokens
+    assert delta("fedkv_time_to_first_token_seconds_count") == 1
+
+
+def test_timeouts_and_rejections_are_logged(one_thread, caplog):
+    caplog.set_level(logging.INFO, logger="fedkv")
+    config = APIConfig(request_timeout_s=0.2)
+    with serving(lm_model(seed=0).eval(), None, "fedkv-byte", config, wrap=_Silent) as s:
+        c = client(s)
+        with pytest.raises(openai.InternalServerError):
+            c.completions.create(model="fedkv-byte", prompt="hi")
+        with pytest.raises(openai.APIError, match="timed out"):  # the stream's last event
+            list(c.chat.completions.create(model="fedkv-byte", messages=MESSAGES, stream=True))
+        with pytest.raises(openai.BadRequestError):
+            c.completions.create(model="fedkv-byte", prompt="hi", temperature=5)
+
+        def lines():
+            got = [rec.getMessage() for rec in caplog.records if rec.name == "fedkv.requests"]
+            return got if len(got) >= 3 else None
+        got = _wait_for(lines, "three request log lines")
+    assert len(got) == 3
+    assert sum("route=/v1/completions" in g and "status=503 error=timeout" in g
+               for g in got) == 1
+    assert sum(f"route={CHAT}" in g and "status=200 error=timeout" in g for g in got) == 1
+    assert sum("status=400 error=invalid_value" in g for g in got) == 1
+
+
+def test_cli_metrics_and_log_flags(capsys):
+    from node.openai_api import _args
+    a = _args([])
+    assert (a.metrics_auth, a.log_level) == (False, "INFO")
+    a = _args(["--metrics-auth", "--log-level", "WARNING"])
+    assert (a.metrics_auth, a.log_level) == (True, "WARNING")
+    with pytest.raises(SystemExit):
+        _args(["--log-level", "LOUD"])
+    assert "--log-level" in capsys.readouterr().err
