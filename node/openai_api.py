@@ -172,13 +172,14 @@ class _Handler(BaseHTTPRequestHandler):
     server: OpenAIServer
     server_version, sys_version = "fedkv-openai", ""
 
-    record: RequestRecord
+    record: RequestRecord | None = None  # None: http.server answers (501, a bad request line)
 
     def log_message(self, fmt: str, *args) -> None:
         _log.debug(fmt, *args)
 
     def send_response(self, code: int, message: str | None = None) -> None:
-        self.record.status = code
+        if self.record is not None:
+            self.record.status = code
         super().send_response(code, message)
 
     def setup(self) -> None:

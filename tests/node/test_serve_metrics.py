@@ -220,3 +220,16 @@ def test_cli_metrics_and_log_flags(capsys):
     with pytest.raises(SystemExit):
         _args(["--log-level", "LOUD"])
     assert "--log-level" in capsys.readouterr().err
+
+
+def test_a_method_or_request_line_the_server_refuses_still_gets_its_answer(llama_server):
+    """``http.server`` answers an unknown method (501) or a bad request line (400) itself,
+    before any route runs: recording the status must not break those replies."""
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", llama_server.server_address[1], timeout=30)
+    try:
+        conn.request("PUT", "/v1/models")
+        assert conn.getresponse().status == 501
+    finally:
+        conn.close()
+    assert _get(llama_server, "/health")[0] == 200
