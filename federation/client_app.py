@@ -308,5 +308,5 @@ def evaluate_arrays(msg: Message, context: Context) -> Message:
     metrics = MetricRecord({"num-examples": n, "unit-weight": 1, "eval-loss": loss, "eval-metric": acc})
     config = msg.content.config_records.get("config")
     if config is not None and "server-round" in config:
-        _mark_if_last(RunConfig.from_run_config(context.run_config), int(config["server-round"]), context)
+        _mark_if_last(RunConfig.from_run_config(context.run_config), int(config["server-round"]), context, node)
     return Message(RecordDict({"metrics": metrics}), reply_to=msg)

@@ -25,6 +25,7 @@ import csv
 import importlib.util
 import json
 import math
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -85,9 +86,16 @@ def _parse_json(path: Path, text: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        cut = e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated string")
+        cut = _ends_mid_value(text[e.pos:].strip()) or e.msg.startswith("Unterminated string")
         what = "truncated JSON (ends before the document does)" if cut else "not JSON"
         raise ResultsError(f"{path}: {what}: {e.msg} at line {e.lineno} column {e.colno}") from None
+
+
+def _ends_mid_value(rest: str) -> bool:
+    """Whether what the decoder stopped at is nothing, or the start of a literal or the tail of
+    a number ("1e" of "1e-05", "nu" of "null"): the file was cut there, not written wrong."""
+    return not rest or any(w.startswith(rest) for w in ("null", "true", "false")) \
+        or re.fullmatch(r"[-+.eE0-9]+", rest) is not None
 
 
 def check_results(results: Any) -> None:

@@ -255,6 +255,7 @@ def test_empty_file(tmp_path: Path, capsys) -> None:
 
 @pytest.mark.parametrize("cut", [0.5, 0.9, -3])
 def test_truncated_json(run_file: Path, capsys, cut: float) -> None:
+    """Cut anywhere -- here at half, 90 % (which fell inside a float's exponent), 3 bytes short."""
     text = run_file.read_text()
     run_file.write_text(text[: int(len(text) * cut)] if cut > 0 else text[:cut])
     assert _bad(run_file, capsys).startswith(f"error: {run_file}: truncated JSON")
@@ -315,3 +316,16 @@ def test_a_round_that_is_not_an_object(run_file: Path, capsys) -> None:
 def test_plot_run_raises_results_error(tmp_path: Path) -> None:
     with pytest.raises(plot.ResultsError, match="no such file"):
         plot.plot_run(tmp_path / "nope.json")
+
+
+@pytest.mark.parametrize("tail", ['{"delta": 1e', '{"delta": 1e-', '{"a": nu', '{"a": tr', '{"a": 1.'])
+def test_a_file_cut_inside_a_value_is_truncated_not_malformed(tmp_path: Path, capsys, tail: str) -> None:
+    path = tmp_path / "r.json"
+    path.write_text(tail)
+    assert _bad(path, capsys).startswith(f"error: {path}: truncated JSON")
+
+
+def test_a_wrong_token_mid_file_is_still_not_json(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "r.json"
+    path.write_text('{"a": 1 "b": 2}')
+    assert _bad(path, capsys).startswith(f"error: {path}: not JSON")
