@@ -92,6 +92,7 @@ def test_tiny_sweep_writes_every_output(tmp_path: Path) -> None:
     assert pa.read_rows(run_dir / "runs.csv")[0]["population"] == 8
 
 
+@pytest.mark.slow  # end-to-end (40-125 s): .ci/run runs it in its slow step
 def test_quick_mode_as_the_issue_names_it(tmp_path: Path) -> None:
     """The acceptance command itself, ``--quick``: 2 seeds and it says so, every mode of the quick
     set, the columns, and no audit above its accountant (LiRA at the dp-sgd points included)."""

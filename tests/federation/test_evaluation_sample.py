@@ -37,6 +37,7 @@ def test_config_refuses_a_negative_cap_and_a_bad_fraction() -> None:
     assert RunConfig.from_run_config({"max-evaluate-clients": 0}).max_evaluate_clients == 0
 
 
+@pytest.mark.slow  # end-to-end (40-125 s): .ci/run runs it in its slow step
 def test_a_capped_run_evaluates_a_fresh_sample_each_round_and_every_node_catches_up() -> None:
     cfg = {**DIGITS, "max-evaluate-clients": 2, "num-server-rounds": 4}
     grid = InProcessGrid(6, cfg)

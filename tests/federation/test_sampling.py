@@ -88,6 +88,7 @@ def test_poisson_aggregate_is_divided_by_the_expected_count() -> None:
     assert fixed_denominator_scale(fixed, ctx, dim, blob, b"") == 1.0
 
 
+@pytest.mark.slow  # end-to-end (40-125 s): .ci/run runs it in its slow step
 def test_runs_account_for_their_sampler() -> None:
     """ε is the configured sampler's accountant: amplified for third parties (they see
     the released sum, σ), not for the server (he=false distributed: it sees each update with

@@ -44,6 +44,7 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
+@pytest.mark.slow  # end-to-end (40-125 s): .ci/run runs it in its slow step
 @pytest.mark.timeout(600)
 def test_deploy_demo_survives_a_killed_supernode(tmp_path) -> None:
     work = tmp_path / "demo"
