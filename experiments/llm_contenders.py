@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from cache import KVCache
+from node.generation import TokenStream
 from node.llama import LlamaModel
 
 
@@ -190,3 +191,18 @@ def interleave(steppers: dict[str, Stepper], segments: int, steps: int, label: s
         log(f"  {label} segment {rep + 1}: " + ", ".join(f"{n} {samples[n][-1]:.2f}"
                                                        for n in names))
     return samples
+
+
+class StreamHandle:
+    """A contender's ``node.generation.GenerationHandle``: its tokens stream as they come."""
+
+    def __init__(self, rid: str, prompt_tokens: int):
+        self.request_id, self.prompt_tokens, self.cached_prompt_tokens = rid, prompt_tokens, 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.model_version: int | None = 0
+        self.stream = TokenStream()
+        self.tokens = self.stream.tokens
+
+    def cancel(self) -> None:
+        self.finish_reason = self.finish_reason or "cancelled"

@@ -56,7 +56,8 @@ import torch
 from cache import KVCache
 from experiments.output import (add_common_args, make_run_dir, markdown_table, plot_lines,
                                 print_results_dir, write_csv, write_json)
-from node.generation import GenerationRequest, TokenStream
+from experiments.llm_contenders import StreamHandle
+from node.generation import GenerationRequest
 
 SYSTEMS = ("fedkv_scheduler", "fedkv_no_scheduler", "hf_sequential")
 VLLM = "vllm_cpu"
@@ -125,17 +126,6 @@ def synthetic_requests(n: int, cfg: LoadConfig, vocab: int, seed: int) -> list[R
 
 
 # -- the HF baseline behind the same contract ------------------------------------------------
-class _Handle:
-    def __init__(self, rid: str, prompt_tokens: int):
-        self.request_id, self.prompt_tokens, self.cached_prompt_tokens = rid, prompt_tokens, 0
-        self.finish_reason: str | None = None
-        self.error: str | None = None
-        self.model_version: int | None = 0
-        self.stream = TokenStream()
-        self.tokens = self.stream.tokens
-
-    def cancel(self) -> None:
-        self.finish_reason = self.finish_reason or "cancelled"
 
 
 class HFSequentialBackend:
@@ -149,16 +139,16 @@ class HFSequentialBackend:
         self._thread = threading.Thread(target=self._loop, name="hf-sequential", daemon=True)
         self._thread.start()
 
-    def submit(self, request: GenerationRequest) -> list[_Handle]:
+    def submit(self, request: GenerationRequest) -> list[StreamHandle]:
         if request.n != 1 or not request.sampling.greedy:
             raise ValueError("the HF baseline decodes one greedy sample per request")
         self._n += 1
-        h = _Handle(f"hf-{self._n}", len(request.prompt))
+        h = StreamHandle(f"hf-{self._n}", len(request.prompt))
         self._jobs.put((request, h))
         return [h]
 
     @torch.inference_mode()
-    def _run(self, request: GenerationRequest, h: _Handle) -> None:
+    def _run(self, request: GenerationRequest, h: StreamHandle) -> None:
         from transformers import DynamicCache
         past = DynamicCache()
         out = self.model(torch.tensor([request.prompt]), cache=past, use_cache=True)

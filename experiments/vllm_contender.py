@@ -31,7 +31,8 @@ from typing import Any
 
 import httpx
 
-from node.generation import GenerationRequest, TokenStream
+from experiments.llm_contenders import StreamHandle
+from node.generation import GenerationRequest
 
 ENV_PYTHON = "FEDKV_VLLM_PYTHON"
 
@@ -160,16 +161,11 @@ class VllmServer:
         self.close()
 
 
-class _HttpHandle:
-    """One streamed completion (``node.generation.GenerationHandle``)."""
+class _HttpHandle(StreamHandle):
+    """One streamed completion; ``cancel`` tells its thread to close the stream."""
 
     def __init__(self, rid: str, prompt_tokens: int):
-        self.request_id, self.prompt_tokens, self.cached_prompt_tokens = rid, prompt_tokens, 0
-        self.finish_reason: str | None = None
-        self.error: str | None = None
-        self.model_version: int | None = 0
-        self.stream = TokenStream()
-        self.tokens = self.stream.tokens
+        super().__init__(rid, prompt_tokens)
         self.cancelled = threading.Event()
 
     def cancel(self) -> None:
