@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from experiments.output import add_common_args, make_run_dir, print_results_dir, progress, write_json
-from experiments.privacy_accuracy import mean_ci
+from experiments.privacy_accuracy import mean_ci_json
 from federation.client_accounting import ClientAccountant, sigma_for_epsilon
 from node.corpus import split_corpus
 from node.lm import eval_loss, train_lm
@@ -72,7 +72,7 @@ def client_slices(data: bytes, population: int, seq_len: int) -> list[bytes]:
 
 
 def _flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach()
 
 
 def _load_flat(model: torch.nn.Module, flat: torch.Tensor) -> None:
@@ -157,14 +157,13 @@ def summarise(points: list[dict]) -> dict:
         pts = [p for p in points if p["epsilon"] == e]
         if not pts:
             continue
-        m, lo, hi = mean_ci([p["perplexity"] for p in pts])
+        m, ci = mean_ci_json([p["perplexity"] for p in pts])
         ratios = [p["noise_to_signal"] for p in pts if p["noise_to_signal"] is not None]
         paired = _paired_ratios(points, pts)
-        r_m, r_lo, r_hi = mean_ci(paired)
+        r_m, r_ci = mean_ci_json(paired)
         by_eps[e] = {
-            "perplexity_ratio_mean": r_m if paired else None,
-            "perplexity_ratio_ci95": [r_lo, r_hi] if math.isfinite(r_lo) else [None, None],
-            "perplexity_mean": m, "perplexity_ci95": [lo, hi] if math.isfinite(lo) else [None, None],
+            "perplexity_ratio_mean": r_m if paired else None, "perplexity_ratio_ci95": r_ci,
+            "perplexity_mean": m, "perplexity_ci95": ci,
             "noise_multiplier": pts[0]["noise_multiplier"], "epsilon_spent": pts[0]["epsilon_spent"],
             "noise_to_signal": sum(ratios) / len(ratios) if ratios else None, "seeds": [p["seed"] for p in pts]}
     return by_eps

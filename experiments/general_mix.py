@@ -13,12 +13,13 @@ held-out docstring perplexity (the task the fine-tuning is for). Each point is
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 
 from experiments.finetune_points import PointConfig, base_point, run_point
 from experiments.output import add_common_args, make_run_dir, print_results_dir, progress, write_json
-from experiments.privacy_accuracy import mean_ci
+from experiments.privacy_accuracy import mean_ci, mean_ci_json
 from node.tasks import ChatTask
 
 QUICK = dict(chat_model="tiny", nodes=3, rounds=1, steps=2, batch=4, eval_examples=2)
@@ -28,9 +29,7 @@ KEYS = ("perplexity", "probe_accuracy", "probe_margin", "probe_greedy")
 def _arm(points: list[dict]) -> dict:
     out: dict = {}
     for k in KEYS:
-        m, lo, hi = mean_ci([p[k] for p in points])
-        out[f"{k}_mean"] = m
-        out[f"{k}_ci95"] = [lo if math.isfinite(lo) else None, hi if math.isfinite(hi) else None]
+        out[f"{k}_mean"], out[f"{k}_ci95"] = mean_ci_json([p[k] for p in points])
     out["first_replies"] = [p["probe_replies"][0] for p in points]
     return out
 
@@ -69,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
     run_dir = make_run_dir(args.out, "general_mix")
     write_json(run_dir / "results.json", out | {"points": points, "bases": bases})
     if args.json:
-        print(__import__("json").dumps(out, indent=1))
+        print(json.dumps(out, indent=1))
     for name, arm in [("base", out["base"]), *out["arms"].items()]:
         print(f"{name:17s} probe {arm['probe_accuracy_mean']:.2f} (greedy {arm['probe_greedy_mean']:.2f}), "
               f"held-out perplexity {arm['perplexity_mean']:.2f}; 'capital of France?' -> {arm['first_replies'][0]!r}")

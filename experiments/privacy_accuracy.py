@@ -467,6 +467,13 @@ def mean_ci(values: Sequence[float], level: float = 0.95) -> tuple[float, float,
     return m, m - half, m + half
 
 
+def mean_ci_json(values: Sequence[float], level: float = 0.95) -> tuple[float, list[float | None]]:
+    """``mean_ci`` for a results JSON: (mean, [low, high]) with None where the interval is not
+    defined (fewer than two finite values: JSON has no NaN)."""
+    m, lo, hi = mean_ci(values, level)
+    return m, [x if math.isfinite(x) else None for x in (lo, hi)]
+
+
 def audit_sigma(mode: str, sigma: float, cpr: int) -> float:
     """Noise multiplier the *sum* carries: σ (distributed, flower-central), √k·σ (local)."""
     return sigma * math.sqrt(cpr) if mode == "local" else sigma

@@ -29,7 +29,7 @@ from pathlib import Path
 from experiments.finetune_points import METHODS, PointConfig, base_point, run_point
 from experiments.output import (add_common_args, make_run_dir, markdown_table, plot_lines, print_estimate,
                                 print_results_dir, progress, write_csv, write_json)
-from experiments.privacy_accuracy import mean_ci
+from experiments.privacy_accuracy import mean_ci, mean_ci_json
 
 EPSILONS = ("1", "3", "8", "inf")
 """The ε keys of the results (``inf``: no DP-SGD)."""
@@ -47,11 +47,6 @@ def _finite(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def _ci(values: Sequence[float]) -> tuple[float, list[float | None]]:
-    m, lo, hi = mean_ci(values)
-    return m, [_finite(lo), _finite(hi)]
-
-
 def gain_kept(base: float, private: float, non_private: float) -> float:
     """(base − private) / (base − non-private): 1 = DP kept all of the fine-tuning's perplexity
     gain, 0 = none, < 0 = worse than the base; NaN when fine-tuning gained nothing."""
@@ -60,7 +55,7 @@ def gain_kept(base: float, private: float, non_private: float) -> float:
 
 
 def _epsilon_entry(pts: list[dict], base_ppl: float, np_ppl: float, delta: float) -> dict:
-    ppl, ci = _ci([p["perplexity"] for p in pts])
+    ppl, ci = mean_ci_json([p["perplexity"] for p in pts])
     spent = [p["epsilon_example"] for p in pts if p["epsilon_example"] is not None]
     return {"perplexity_mean": _finite(ppl), "perplexity_ci95": ci,
             "gain_kept": _finite(gain_kept(base_ppl, ppl, np_ppl)),
@@ -76,7 +71,7 @@ def summarise(points: Sequence[dict], bases: Sequence[dict], delta: float) -> di
     """The results' ``base``, ``non_private`` and ``by_method`` from the point results (each
     ``run_point``'s / ``base_point``'s dict; ``epsilon`` inf = no DP). Means over seeds;
     ``gain_kept`` from the means against the same method's ε = ∞."""
-    base_ppl, base_ci = _ci([b["perplexity"] for b in bases])
+    base_ppl, base_ci = mean_ci_json([b["perplexity"] for b in bases])
     by_method: dict[str, dict] = {}
     for method in METHODS:
         mine = [p for p in points if p["method"] == method]

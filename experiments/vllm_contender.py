@@ -20,7 +20,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -32,6 +31,7 @@ from typing import Any
 import httpx
 
 from experiments.llm_contenders import StreamHandle
+from federation.deploy.flwr_sandbox import free_port
 from node.generation import GenerationRequest
 
 ENV_PYTHON = "FEDKV_VLLM_PYTHON"
@@ -85,12 +85,6 @@ def own_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     anything in vLLM's venv), plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return {**env, **(extra or {})}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class VllmServer:

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as st_load, save as st_save
 
+from cache.segments.directory import fsync_dir
 from crypto.errors import CryptoError
 from node.llama import LlamaConfig, LlamaModel
 from node.lora import LoraConfig, LoraLinear, LoraLlamaModel, adapt, public_a
@@ -152,14 +153,6 @@ def _write_file(path: Path, data: bytes) -> None:
         os.fsync(fh.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_dir(files: dict[str, bytes], out: str | os.PathLike, force: bool = False) -> Path:
     """``files`` as the directory ``out`` (0700, files 0600), atomically: built in a temporary
     sibling, renamed into place. An existing non-empty ``out`` is replaced only with ``force``
@@ -176,12 +169,12 @@ def write_dir(files: dict[str, bytes], out: str | os.PathLike, force: bool = Fal
     try:
         for name, data in files.items():
             _write_file(tmp / name, data)
-        _fsync_dir(tmp)
+        fsync_dir(str(tmp))
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
             os.replace(out, old)  # an empty directory is replaced by a rename
         os.replace(tmp, out)
-        _fsync_dir(out.parent)
+        fsync_dir(str(out.parent))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
