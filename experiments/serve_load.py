@@ -20,8 +20,8 @@ them, so the figures compare decoders, not harnesses:
 
 Each client waits an exponential think time (Poisson arrivals per client), sends a request,
 reads its tokens as they stream and repeats. Request lengths come from the Mooncake
-conversation trace when ``../shared/data/traces`` (or ``--trace``) has it: lengths divided by
-``scale`` (a 7,000-token prompt is minutes of prefill on two cores), each trace hash id a fixed
+conversation trace when ``--trace`` names one (default: ``node.workload.find_trace``, i.e.
+``$FEDKV_SERVE_TRACE``): lengths divided by ``scale`` (a 7,000-token prompt is minutes of prefill on two cores), each trace hash id a fixed
 block of ``block_tokens`` tokens, so requests that share hash ids share a prompt prefix as in
 the trace; otherwise synthetic lengths with a shared system prefix. Greedy decoding throughout.
 Per cell (model x clients x backend): output tokens/s over the cell's wall time, TTFT and
@@ -58,14 +58,13 @@ from experiments.output import (add_common_args, make_run_dir, markdown_table, p
                                 print_results_dir, write_csv, write_json)
 from experiments.llm_contenders import StreamHandle
 from node.generation import GenerationRequest
+from node.workload import find_trace
 
 SYSTEMS = ("fedkv_scheduler", "fedkv_no_scheduler", "hf_sequential")
 VLLM = "vllm_cpu"
 """The optional contender: vLLM's CPU build in its own venv (``experiments.vllm_contender``)."""
 CLIENTS = (1, 4, 16, 32)
 MODELS = ("smollm2", "tiny")
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / \
-    "mooncake_conversation_trace.jsonl"
 METRICS = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
 
 
@@ -126,8 +125,6 @@ def synthetic_requests(n: int, cfg: LoadConfig, vocab: int, seed: int) -> list[R
 
 
 # -- the HF baseline behind the same contract ------------------------------------------------
-
-
 class HFSequentialBackend:
     """HF ``LlamaForCausalLM`` + ``DynamicCache``, one request at a time on one thread, greedy
     (the baseline: what serving with ``generate`` does)."""
@@ -424,7 +421,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--clients", default=",".join(map(str, CLIENTS)))
     p.add_argument("--repeats", type=int, default=None, help="per cell (1 quick, 3 otherwise)")
-    p.add_argument("--trace", default=str(TRACE), help="Mooncake conversation trace (.jsonl)")
+    p.add_argument("--trace", default=str(find_trace() or ""),
+                   help="Mooncake conversation trace (.jsonl; default $FEDKV_SERVE_TRACE, as "
+                        "node.workload finds it; none: synthetic lengths)")
     p.add_argument("--model-dir", default=None)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--vllm-python", default=os.environ.get("FEDKV_VLLM_PYTHON"),

@@ -88,7 +88,8 @@ class RequestRecord:
 
 def tenant_hash(tenant: str | None) -> str:
     """8 hex digits naming a tenant in logs (``-`` for none): stable across restarts, so an
-    operator can follow one, while the log holds no name and never a token."""
+    operator can follow one. A pseudonym, not a secret: the log spells no name and never a
+    token, but whoever guesses a tenant's name can confirm it (the names are the operator's)."""
     return "-" if tenant is None else hashlib.sha256(tenant.encode()).hexdigest()[:8]
 
 
