@@ -16,10 +16,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from node.sessions import GREEDY, Sampling
+from node.sampling import GREEDY, SamplingParams, Token
 
 FINISH_REASONS = ("stop", "length", "cancelled", "timeout", "error")
-"""``stop``: an EOS/stop token id was produced (it is not yielded); ``length``: ``max_tokens``
+"""``stop``: an EOS/stop token id was produced (it is not yielded) or the request's grammar
+allows no further token (its constrained output is complete); ``length``: ``max_tokens``
 reached; ``cancelled``: the consumer called ``cancel``; ``timeout``: the request's
 ``deadline`` passed first (checked between decode steps and prefill chunks); ``error``: the
 backend failed the request (``GenerationHandle.error`` says why; nothing secret-dependent)."""
@@ -32,7 +33,9 @@ class GenerationRequest:
 
     prompt: tuple[int, ...]
     max_tokens: int
-    sampling: Sampling = GREEDY
+    sampling: SamplingParams = GREEDY
+    """How each token is picked (``node.sampling``); a ``node.sessions.Sampling`` is taken as
+    its temperature and top_p."""
     stop_token_ids: frozenset[int] = frozenset()
     tenant: str = "default"
     n: int = 1
@@ -47,6 +50,7 @@ class GenerationRequest:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "sampling", SamplingParams.of(self.sampling))
         if not self.prompt:
             raise ValueError("a generation request needs at least one prompt token")
         if self.max_tokens < 0:
@@ -67,7 +71,7 @@ class TokenStream:
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
 
-    def put(self, token: int) -> None:
+    def put(self, token: Token | int) -> None:
         self._queue.put(token)
 
     def end(self) -> None:
@@ -105,7 +109,8 @@ class GenerationHandle(Protocol):
 
     def tokens(self, timeout: float | None = None) -> Iterator[int]:
         """The generated token ids as they are produced, ending when the sample finishes;
-        ``TimeoutError`` when no token arrives within ``timeout`` seconds."""
+        ``TimeoutError`` when no token arrives within ``timeout`` seconds. Each is a
+        ``node.sampling.Token`` (an ``int``) with its logprobs when the request asked."""
         ...
 
     def cancel(self) -> None:

@@ -30,16 +30,16 @@ from __future__ import annotations
 
 import enum
 import itertools
-import secrets
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from cache import CacheFullError, KVCache
 from node.generation import GenerationRequest, TokenStream
 from node.model_interface import CachedLM
+from node.sampling import Sampler
 
 PREEMPT_MODES = ("swap", "recompute")
 
@@ -87,8 +87,8 @@ class Sequence:
     """One sample of a request; also its ``node.generation.GenerationHandle``."""
 
     request: GenerationRequest
-    sampling: object
-    """``node.sessions.Sampling`` with this sample's own generator."""
+    sampling: Sampler
+    """This sample's token picker (``node.sampling``): its own generator and penalty state."""
     request_id: str
     arrival: int
     parent: "Sequence | None" = None
@@ -145,12 +145,10 @@ class StepEvent:
     version: int
 
 
-def _sampler(request: GenerationRequest, i: int):
-    """The request's sampling with fork ``i``'s own generator (seeded, else from the OS)."""
-    if request.sampling.greedy:
-        return request.sampling
-    seed = request.seeds[i] if request.seeds is not None else secrets.randbits(63)
-    return replace(request.sampling, generator=torch.Generator().manual_seed(seed))
+def _sampler(request: GenerationRequest, i: int) -> Sampler:
+    """Fork ``i``'s picker: the request's params, its own generator (seeded, else from the OS)."""
+    return Sampler(request.sampling, request.prompt,
+                   request.seeds[i] if request.seeds is not None else None)
 
 
 class Scheduler:
@@ -387,9 +385,10 @@ class Scheduler:
             events.extend(self._accept(c, c.sampling.pick(logits)))
         return events
 
-    def _accept(self, s: Sequence, token: int) -> list[StepEvent]:
+    def _accept(self, s: Sequence, token: int | None) -> list[StepEvent]:
+        """Stream ``token`` (None: the grammar allows none, its output is complete: stop)."""
         version = self.cache.version
-        if token in s.request.stop_token_ids:
+        if token is None or token in s.request.stop_token_ids:
             return [self._finish(s, "stop")]
         s.generated.append(token)
         s.token_versions.append(version)

@@ -7,7 +7,8 @@ the session ``n - 1`` times (the forks share the prompt's blocks copy-on-write) 
 forks round-robin, one ``forward_cached`` token at a time, until each meets a stop id,
 ``max_tokens``, the model's context, a ``cancel`` or the request's deadline (checked before the
 prefill and before every token: ``timeout``). Each fork samples with its own
-``torch.Generator``, seeded from the request's seed or ``secrets``. A full KV pool
+``torch.Generator``, seeded from the request's seed or ``secrets``, and its own
+``node.sampling.Sampler`` (penalties, logprobs, grammar). A full KV pool
 (``CacheFullError``) finishes the request's unfinished handles with ``error`` and frees its
 sessions; the worker goes on with the next request. It is the baseline the continuous-batching
 scheduler (``node.scheduler``) is measured against, and a backend the OpenAI server
@@ -22,7 +23,6 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
-import secrets
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,9 +32,9 @@ import torch
 
 from cache import KVCache
 from cache.errors import CacheFullError
-from node.sessions import Sampling
 from node.generation import GenerationRequest, TokenStream
 from node.model_interface import CachedLM
+from node.sampling import Sampler
 
 _log = logging.getLogger("fedkv.serial_backend")
 _ids = itertools.count(1)
@@ -74,7 +74,7 @@ class SerialHandle:
 class _Fork:
     handle: SerialHandle
     sid: int
-    sampling: Sampling
+    sampling: Sampler
     logits: torch.Tensor
     produced: int = 0
 
@@ -177,10 +177,8 @@ class SerialBackend:
         forks = []
         for i, (h, sid) in enumerate(zip(handles, sids)):
             h.cached_prompt_tokens = cached
-            seed = request.seeds[i] if request.seeds is not None else secrets.randbits(63)
-            g = torch.Generator().manual_seed(seed)
-            sampling = Sampling(request.sampling.temperature, request.sampling.top_p, g)
-            forks.append(_Fork(h, sid, sampling, logits))
+            seed = request.seeds[i] if request.seeds is not None else None
+            forks.append(_Fork(h, sid, Sampler(request.sampling, request.prompt, seed), logits))
         return forks
 
     def _decode(self, request: GenerationRequest, forks: list[_Fork]) -> None:
@@ -194,10 +192,10 @@ class SerialBackend:
         if h.cancelled or self._closed.is_set() or request.expired():
             h._finish("cancelled" if h.cancelled or self._closed.is_set() else "timeout")
             return False
-        token = f.sampling.pick(f.logits)
+        token = f.sampling.pick(f.logits)  # None: the grammar's output is complete
         if h.model_version is None:
             h.model_version = self.cache.version
-        if token in request.stop_token_ids:
+        if token is None or token in request.stop_token_ids:
             h._finish("stop")
             return False
         h._stream.put(token)
