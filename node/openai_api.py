@@ -16,9 +16,9 @@ not -- and ``GET /v1/stats``, fedkv's own: the caller's tenant's counters and no
 ``GET /health``, ``GET /metrics`` (no token unless ``--metrics-auth``) and one INFO log line per
 request: ``node.serve_metrics``.
 Parameters: ``temperature`` [0, 2] (0: greedy), ``top_p``, ``max_tokens``, ``stop`` (up to 4
-strings, cut on the detokenized text; never leaked while streaming), ``n`` (forks sharing the
-prompt's KV blocks copy-on-write), ``seed`` (choice ``i`` samples with ``seed + i``). Checks
-and shapes are ``node.openai_protocol``'s; errors are ``{"error": {message, type, param, code}}``.
+strings, cut on the text; never leaked while streaming), ``n`` (forks sharing the prompt's KV
+blocks copy-on-write), ``seed`` (choice ``i``: ``seed + i``), ``node.sampling_fields``' (logprobs,
+top_k, min_p, penalties, response_format); errors are ``{"error": {message, type, param, code}}``.
 
 As ``node.serve`` requires of a serving agent on a shared host (``node.serve_auth``): every
 other request needs ``Authorization: Bearer <token>`` (401 otherwise); the token's tenant is the
@@ -60,11 +60,11 @@ from pathlib import Path
 from typing import Any
 
 from node import openai_follow
-from node.sessions import Sampling
 from node.generation import GenerationBackend, GenerationHandle, GenerationRequest
 from node.openai_protocol import (MAX_SEED, APIError, Params, PromptCodec, TextStream, bad,
                                   parse_chat, parse_completion)
 from node.request_json import BadJSON, decode_object
+from node.sampling_fields import LogprobsWriter
 from node.serve_auth import Tenants
 from node.serve_metrics import CONTENT_TYPE, RequestRecord, ServeMetrics, health
 
@@ -305,7 +305,7 @@ class _Completion:
         seeds = None if seed is None else tuple((seed + i) & MAX_SEED for i in range(n))
         return GenerationRequest(
             tuple(prompt), min(room, self.server.config.max_tokens) if asked is None else asked,
-            Sampling(self.p.temperature, self.p.top_p), stop_token_ids=self.server.codec.eos_ids,
+            self.server.codec.sampling(self.p), stop_token_ids=self.server.codec.eos_ids,
             tenant=self.tenant, n=n, seeds=seeds, deadline=self.deadline)
 
     def run(self, prompt: list[int]) -> None:
@@ -358,6 +358,7 @@ class _Completion:
     def _streams(self, handles: list[GenerationHandle]) -> list[TextStream]:
         streams = [TextStream(self.server.codec.decode, self.p.stop) for _ in handles]
         self._used = [0] * len(handles)
+        self._lp = LogprobsWriter.for_streams(streams, self.p.sampling, self.chat, self.server.codec)
         return streams
 
     def _whole(self, handles: list[GenerationHandle]) -> None:
@@ -366,10 +367,9 @@ class _Completion:
             text = "".join(self._choice(h, ts))
             self._used[i] = len(ts.ids)
             body = {"message": {"role": "assistant", "content": text}} if self.chat else \
-                {"text": text, "logprobs": None}
-            choices.append({"index": i, **body, "finish_reason": self._reason(h, ts)})
-            if self.chat:
-                choices[-1]["logprobs"] = None
+                {"text": text}
+            choices.append({"index": i, **body, "logprobs": self._lp[i].take(len(ts.ids)),
+                            "finish_reason": self._reason(h, ts)})
         self.h._json(200, {**self._head(self._newest(handles), chunk=False), "choices": choices,
                            "usage": self._usage(handles)})
 
@@ -402,7 +402,7 @@ class _Completion:
         self.h._event("[DONE]")
 
     def _chunk(self, handles, i: int, delta: dict | str, reason: str | None, usage: dict) -> None:
-        body = {"delta" if self.chat else "text": delta, "logprobs": None}
+        body = {"delta" if self.chat else "text": delta, "logprobs": self._lp[i].take(self._used[i])}
         self.h._event({**self._head(_version_at(handles[i], self._used[i]), chunk=True), **usage,
                        "choices": [{"index": i, **body, "finish_reason": reason}]})
 

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from node import sampling_fields, structured_output
+from node.sampling import SamplingParams
 from node.stop_text import MAX_STOP_CHARS, StopScan
 
 MAX_STOP = 4
@@ -36,14 +38,13 @@ MAX_SEED = (1 << 63) - 1
 MAX_TEMPERATURE = 2.0
 IGNORED = frozenset({"user", "metadata", "store", "service_tier"})
 """OpenAI fields that change nothing about the reply: accepted and ignored."""
-_NOOP = {"frequency_penalty": 0, "presence_penalty": 0, "logprobs": (False, None),
-         "logit_bias": ({}, None), "echo": False, "best_of": 1, "suffix": None,
+_NOOP = {"logit_bias": ({}, None), "echo": False, "best_of": 1, "suffix": None,
          "parallel_tool_calls": (True, False, None)}
 """OpenAI fields accepted only at the value that disables them (what we do anyway)."""
 _CHAT_FIELDS = {"messages", "model", "max_tokens", "max_completion_tokens", "n", "seed", "stop",
-                "stream", "stream_options", "temperature", "top_p"}
+                "stream", "stream_options", "temperature", "top_p"} | sampling_fields.FIELDS
 _TEXT_FIELDS = {"prompt", "model", "max_tokens", "n", "seed", "stop", "stream", "stream_options",
-                "temperature", "top_p"}
+                "temperature", "top_p"} | (sampling_fields.FIELDS - {"top_logprobs"})
 ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -82,6 +83,9 @@ class Params:
     seed: int | None = None
     stream: bool = False
     include_usage: bool = False
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    """All sampling options (``node.sampling_fields``), temperature and top_p included."""
+    response_format: structured_output.ResponseFormat | None = None
 
 
 # -- field checks -------------------------------------------------------------------------------
@@ -138,7 +142,8 @@ def _check_fields(body: dict, supported: set[str]) -> None:
                             f"{sorted(supported)}", refused[0], "unsupported_parameter")
 
 
-def _common(body: dict, model_id: str, max_cap: int, max_tokens_name: str = "max_tokens") -> dict:
+def _common(body: dict, model_id: str, max_cap: int, max_tokens_name: str = "max_tokens",
+            chat: bool = True) -> dict:
     model = body.get("model")
     if not isinstance(model, str):
         raise bad("model", "'model' must be a string naming the model (GET /v1/models)")
@@ -153,11 +158,16 @@ def _common(body: dict, model_id: str, max_cap: int, max_tokens_name: str = "max
         if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
             raise bad("stream_options", "'stream_options' takes {'include_usage': bool}")
     seed = _int(body, "seed", -MAX_SEED - 1, MAX_SEED)
-    return dict(max_tokens=_int(body, max_tokens_name, 0, max_cap),
-                temperature=_float(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE, False),
-                top_p=_float(body, "top_p", 1.0, 0.0, 1.0, True),
-                n=_int(body, "n", 1, MAX_N) or 1, stop=_stop(body), seed=seed, stream=stream,
-                include_usage=_bool(opts or {}, "include_usage"))
+    temperature = _float(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE, False)
+    top_p = _float(body, "top_p", 1.0, 0.0, 1.0, True)
+    try:
+        sampling, fmt = sampling_fields.parse_sampling(body, chat, temperature, top_p)
+    except structured_output.FormatError as e:
+        raise bad(e.param, str(e)) from None
+    return dict(max_tokens=_int(body, max_tokens_name, 0, max_cap), temperature=temperature,
+                top_p=top_p, n=_int(body, "n", 1, MAX_N) or 1, stop=_stop(body), seed=seed,
+                stream=stream, include_usage=_bool(opts or {}, "include_usage"),
+                sampling=sampling, response_format=fmt)
 
 
 def parse_chat(body: dict, model_id: str, max_cap: int) -> Params:
@@ -212,7 +222,7 @@ def parse_completion(body: dict, model_id: str, max_cap: int) -> Params:
     if not (isinstance(prompt, str) or is_ids) or not prompt:
         raise bad("prompt", "'prompt' must be a non-empty string or list of token ids (one "
                             "prompt per request)")
-    common = _common(body, model_id, max_cap)
+    common = _common(body, model_id, max_cap, chat=False)
     if common["max_tokens"] is None:
         common["max_tokens"] = min(16, max_cap)
     return Params(prompt=prompt, **common)
@@ -228,6 +238,27 @@ class PromptCodec:
         self.codec = codec
         self.eos_ids: frozenset[int] = frozenset(getattr(codec, "eos_ids", ()))
         self.vocab_size = 256 if not self.chat else vocab_size or len(codec.tokenizer)
+        self._grammars = structured_output.CompilerCache(
+            lambda: structured_output.GrammarCompiler.for_hf(self.codec.tokenizer, self.vocab_size)
+            if self.chat else structured_output.GrammarCompiler.for_bytes(self.vocab_size))
+
+    def sampling(self, p: Params) -> SamplingParams:
+        """``p``'s sampling with its ``response_format`` compiled for this vocabulary (400 when
+        the schema cannot be used or the grammar library is absent)."""
+        if p.response_format is None:
+            return p.sampling
+        try:
+            return replace(p.sampling, grammar=self._grammars.get().compile(p.response_format))
+        except structured_output.FormatError as e:
+            raise bad(e.param, str(e)) from None
+        except structured_output.StructuredOutputUnavailable as e:
+            raise APIError(400, str(e), "response_format", "unsupported_parameter") from None
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (``logprobs``' ``bytes``)."""
+        if not self.chat:
+            return bytes([token])
+        return sampling_fields.token_bytes(self.codec.tokenizer, token)
 
     def messages(self, messages: Sequence[dict[str, str]]) -> list[int]:
         if self.chat:

@@ -251,7 +251,7 @@ def test_wrong_key_is_401(byte_server):
 @pytest.mark.parametrize("kw, param", [
     ({"temperature": "hot"}, "temperature"), ({"temperature": 3}, "temperature"),
     ({"top_p": 0}, "top_p"), ({"max_tokens": -1}, "max_tokens"), ({"n": 0}, "n"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"logprobs": True}, "logprobs"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"logprobs": "yes"}, "logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0]"),
     ({"extra_body": {"frobnicate": 1}}, "frobnicate"), ({"max_tokens": 10_000}, "max_tokens"),
