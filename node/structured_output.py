@@ -78,6 +78,7 @@ def parse_response_format(v: Any) -> ResponseFormat | None:
 def _llguidance():
     try:
         import llguidance
+        import llguidance.hf
     except ImportError:
         raise StructuredOutputUnavailable(
             "response_format needs the grammar library llguidance, not installed on this "
@@ -108,9 +109,7 @@ class GrammarCompiler:
     @classmethod
     def for_hf(cls, hf_tokenizer: Any, vocab_size: int | None = None) -> "GrammarCompiler":
         """A Hugging Face fast tokenizer's vocabulary (its EOS ends a complete output)."""
-        _llguidance()
-        import llguidance.hf
-        return cls(llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size))
+        return cls(_llguidance().hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size))
 
     @classmethod
     def for_bytes(cls, vocab_size: int = 256) -> "GrammarCompiler":
