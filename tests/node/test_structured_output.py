@@ -112,6 +112,20 @@ def test_response_format_with_a_tokenizer_model(llama_parts):
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
 
 
+def test_without_the_library_response_format_is_a_clear_400(byte_server, monkeypatch):
+    real = builtins.__import__
+
+    def no_llguidance(name, *a, **kw):
+        if name.startswith("llguidance"):
+            raise ImportError(name)
+        return real(name, *a, **kw)
+    monkeypatch.setattr(builtins, "__import__", no_llguidance)
+    with pytest.raises(openai.BadRequestError) as e:
+        client(byte_server).chat.completions.create(model="fedkv-byte", messages=SHORT,
+                                                    response_format=JSON_SCHEMA)
+    assert e.value.body["param"] == "response_format" and "pip install" in e.value.body["message"]
+
+
 def test_chat_logprobs_come_back_in_the_clients_objects(byte_server):
     r = client(byte_server).chat.completions.create(
         model="fedkv-byte", messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True,
@@ -169,3 +183,28 @@ def test_penalties_and_top_k_change_the_reply(byte_server):
                                       extra_body={"repetition_penalty": 2.0, "top_k": 5,
                                                   "min_p": 0.05}, **kw)
     assert penal.choices[0].message.content != plain
+
+
+@pytest.mark.slow
+def test_smollm2_answers_in_the_schema_with_logprobs(one_thread):
+    from node import models
+    from node.chat import ChatCodec
+    from node.llama import LlamaModel
+    d = models.default_dir()
+    if not (d / "model.safetensors").is_file():
+        pytest.skip("python -m node.models fetch has not been run")
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "is_capital": {"type": "boolean"}},
+              "required": ["city", "is_capital"], "additionalProperties": False}
+    with serving(LlamaModel.from_pretrained(d).eval(), ChatCodec.from_dir(d), "smollm2",
+                 pool_bytes=64 << 20, backend="scheduler") as s:
+        r = client(s, timeout=600).chat.completions.create(
+            model="smollm2", max_tokens=40, temperature=0, logprobs=True, top_logprobs=2,
+            messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    choice = r.choices[0]
+    jsonschema.validate(json.loads(choice.message.content), schema)
+    assert choice.finish_reason == "stop"
+    spelled = b"".join(bytes(t.bytes) for t in choice.logprobs.content).decode()
+    assert spelled == choice.message.content and all(len(t.top_logprobs) == 2
+                                                     for t in choice.logprobs.content)
