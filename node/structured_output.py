@@ -151,6 +151,8 @@ class Matcher:
 
     def __init__(self, matcher: Any, n_vocab: int):
         self._m = matcher
+        self.failed = False
+        """The grammar refused a token (llguidance's limits): the sample stops, nothing else."""
         self._bitmask = torch.full(((n_vocab + 31) // 32,), -1, dtype=torch.int32)
 
     def allowed(self, vocab: int) -> torch.Tensor:
@@ -164,14 +166,17 @@ class Matcher:
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor | None:
         """``logits`` with what the grammar forbids at -inf; None when it allows none."""
-        allowed = self.allowed(logits.shape[-1])
-        if not bool(allowed.any()):
+        allowed = None if self.failed else self.allowed(logits.shape[-1])
+        if allowed is None or not bool(allowed.any()):
             return None
         return logits.float().masked_fill(~allowed, float("-inf"))
 
     def accept(self, token: int) -> None:
+        """Advance past ``token``; a refusal (it was allowed, so only a parser limit) marks the
+        matcher ``failed`` rather than raising on the decode thread, where it would fail every
+        request of the step."""
         if not self._m.consume_token(int(token)):
-            raise RuntimeError(f"the grammar refused a token it allowed ({self._m.get_error()})")
+            self.failed = True
 
 
 class CompilerCache:

@@ -208,3 +208,10 @@ def test_smollm2_answers_in_the_schema_with_logprobs(one_thread):
     spelled = b"".join(bytes(t.bytes) for t in choice.logprobs.content).decode()
     assert spelled == choice.message.content and all(len(t.top_logprobs) == 2
                                                      for t in choice.logprobs.content)
+
+
+def test_a_refused_token_stops_the_sample_instead_of_raising():
+    grammar = so.GrammarCompiler.for_bytes(256).compile(so.parse_response_format(JSON_SCHEMA))
+    m = grammar.matcher()
+    m.accept(ord("x"))  # not JSON: refused
+    assert m.failed and m.mask(torch.zeros(256)) is None
