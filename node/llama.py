@@ -43,7 +43,8 @@ from torch import nn
 from cache import CacheConfig, KVCache
 from cache.attention import attend, attend_shared
 from crypto import Layout, flatten
-from node.model import attend_sparse
+from node.model import attend_session, attend_step
+from node.model_interface import MixedBatch
 
 
 @dataclass(frozen=True)
@@ -256,22 +257,26 @@ class Attention(nn.Module):
                        cache: KVCache, sid: int, layer: int) -> torch.Tensor:
         """x: [T, hidden] of the T new tokens -> [T, hidden]."""
         q, k, v = self._qkv(x, cos, sin)
-        runs = cache.append_and_read(sid, layer, k, v)
-        policy = cache.sparsity(sid)
-        if policy is None:
-            return self._out(attend(q, runs))  # grouped: [kv_heads, G, T, D]
-        return self._out(attend_sparse(q, runs, cache, sid, layer, policy))
+        return self._out(attend_session(q, k, v, cache, sid, layer))
 
     def forward_batch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       cache: KVCache, step, layer: int) -> torch.Tensor:
         """x: [B, hidden], one new token of each of the step's B sessions (row b rotated to
         its own session's position) -> [B, hidden]."""
         q, k, v = self._qkv(x, cos, sin)  # q [Hk, G, B, D]; k, v [Hk, B, D]
-        prefix, tk, tv, valid = cache.append_and_read_batch(step, layer, k, v)
-        if tk.dtype != q.dtype:  # an fp16 cache
-            prefix = [(a.to(q.dtype), b.to(q.dtype)) for a, b in prefix]
-            tk, tv = tk.to(q.dtype), tv.to(q.dtype)
-        return self._out(attend_shared(q, prefix, tk, tv, valid))
+        return self._out(attend_step(q, k, v, cache, step, layer))
+
+    def forward_mixed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      cache: KVCache, batch: MixedBatch, layer: int) -> torch.Tensor:
+        """x: [N, hidden], a :class:`MixedBatch`'s packed rows: one q/k/v matmul for all of
+        them, attention per row group (the decode step, then each chunk's session)."""
+        q, k, v = self._qkv(x, cos, sin)
+        B, parts = len(batch.decode_tokens), []
+        if B:
+            parts.append(attend_step(q[..., :B, :], k[:, :B], v[:, :B], cache, batch.step, layer))
+        for sid, a, b in batch.spans():
+            parts.append(attend_session(q[..., a:b, :], k[:, a:b], v[:, a:b], cache, sid, layer))
+        return self._out(torch.cat(parts, dim=-2))
 
 
 class MLP(nn.Module):
@@ -456,6 +461,19 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache, step, i, how="forward_batch")
         return self.lm_head(self.model.norm(x))
+
+    @torch.no_grad()
+    def forward_mixed(self, batch: MixedBatch, cache: KVCache) -> torch.Tensor:
+        """One scheduler step in one pass through the weights: the decode rows and prefill
+        chunks of ``batch`` packed (each row at its own session's position); logits of each
+        decode row and of each chunk's last token (``node.model_interface.MixedBatch``)."""
+        positions = batch.positions(cache)
+        self._check_len(int(positions.max()) + 1)
+        cos, sin = self._rope(positions)
+        x = self.model.embed_tokens(torch.tensor(batch.tokens(), dtype=torch.long))
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, cache, batch, i, how="forward_mixed")
+        return self.lm_head(self.model.norm(x[batch.output_rows()]))
 
     @torch.no_grad()
     def prefill(self, prompt: Sequence[int], cache: KVCache, sid: int) -> torch.Tensor:

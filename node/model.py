@@ -18,6 +18,7 @@ from torch import nn
 from cache import CacheConfig, KVCache
 from cache.attention import attend, attend_shared
 from crypto import Layout, flatten
+from node.model_interface import MixedBatch
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,28 @@ def attend_sparse(q: torch.Tensor, runs, cache: KVCache, sid: int, layer: int,
     return a
 
 
+def attend_session(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                   sid: int, layer: int) -> torch.Tensor:
+    """Write one session's new K/V in ``layer`` and attend its context (what its sparsity
+    policy keeps, if it has one): q [heads, T, D] or grouped [kv_heads, G, T, D] -> the same shape."""
+    runs = cache.append_and_read(sid, layer, k, v)
+    policy = cache.sparsity(sid)
+    if policy is None:
+        return attend(q, runs)
+    return attend_sparse(q, runs, cache, sid, layer, policy)
+
+
+def attend_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, step,
+                layer: int) -> torch.Tensor:
+    """Write a batched decode step's K/V in ``layer`` and attend each row's context, a shared
+    prefix once for all: q [heads, B, D] or grouped [kv_heads, G, B, D] -> the same shape."""
+    prefix, tk, tv, valid = cache.append_and_read_batch(step, layer, k, v)
+    if tk.dtype != q.dtype:  # an fp16 cache
+        prefix = [(a.to(q.dtype), b.to(q.dtype)) for a, b in prefix]
+        tk, tv = tk.to(q.dtype), tv.to(q.dtype)
+    return attend_shared(q, prefix, tk, tv, valid)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -92,33 +115,29 @@ class Block(nn.Module):
         x = x + self.proj(a.transpose(-3, -2).flatten(-2))
         return x + self.mlp(self.ln2(x))
 
-    def forward_cached(
-        self, x: torch.Tensor, cache: KVCache, sid: int, layer: int
-    ) -> torch.Tensor:
+    def forward_cached(self, x: torch.Tensor, cache: KVCache, sid: int, layer: int) -> torch.Tensor:
         """x: [T, d_model] for the T new tokens; attention over everything the cache holds."""
         q, k, v = self._qkv(x)  # [H, T, D]
-        runs = cache.append_and_read(sid, layer, k, v)  # views of the context, no gather
-        policy = cache.sparsity(sid)
-        if policy is None:
-            a = attend(q, runs)  # causal over the T new positions
-        else:
-            a = self._attend_sparse(q, runs, cache, sid, layer, policy)
-        x = x + self.proj(a.transpose(0, 1).flatten(-2))
-        return x + self.mlp(self.ln2(x))
-
-
-    @staticmethod
-    def _attend_sparse(q, runs, cache: KVCache, sid: int, layer: int, policy) -> torch.Tensor:
-        return attend_sparse(q, runs, cache, sid, layer, policy)
+        return self._residual(x, attend_session(q, k, v, cache, sid, layer))
 
     def forward_batch(self, x: torch.Tensor, cache: KVCache, step, layer: int) -> torch.Tensor:
         """x: [B, d_model], one new token of each of the step's B sessions."""
         q, k, v = self._qkv(x)  # [H, B, D]
-        prefix, tk, tv, valid = cache.append_and_read_batch(step, layer, k, v)
-        if tk.dtype != q.dtype:  # an fp16 cache
-            prefix = [(a.to(q.dtype), b.to(q.dtype)) for a, b in prefix]
-            tk, tv = tk.to(q.dtype), tv.to(q.dtype)
-        a = attend_shared(q, prefix, tk, tv, valid)
+        return self._residual(x, attend_step(q, k, v, cache, step, layer))
+
+    def forward_mixed(self, x: torch.Tensor, cache: KVCache, batch: MixedBatch,
+                      layer: int) -> torch.Tensor:
+        """x: [N, d_model], a :class:`MixedBatch`'s packed rows (``node.llama``'s form)."""
+        q, k, v = self._qkv(x)
+        B, parts = len(batch.decode_tokens), []
+        if B:
+            parts.append(attend_step(q[:, :B], k[:, :B], v[:, :B], cache, batch.step, layer))
+        for sid, a, b in batch.spans():
+            parts.append(attend_session(q[:, a:b], k[:, a:b], v[:, a:b], cache, sid, layer))
+        return self._residual(x, torch.cat(parts, dim=-2))
+
+    def _residual(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """Attention output a [H, T, D] projected, then the MLP, both residual."""
         x = x + self.proj(a.transpose(0, 1).flatten(-2))
         return x + self.mlp(self.ln2(x))
 
@@ -200,6 +219,17 @@ class TinyTransformer(nn.Module):
         for i, blk in enumerate(self.blocks):
             x = blk.forward_batch(x, cache, step, i)
         return self.head(self.ln_f(x))
+
+    @torch.no_grad()
+    def forward_mixed(self, batch: MixedBatch, cache: KVCache) -> torch.Tensor:
+        """One scheduler step's decode rows and prefill chunks in one forward
+        (``node.model_interface.MixedBatch``); logits of the rows a step samples from."""
+        positions = batch.positions(cache)
+        self._check_len(int(positions.max()) + 1)
+        x = self.tok(torch.tensor(batch.tokens(), dtype=torch.long)) + self.pos(positions)
+        for i, blk in enumerate(self.blocks):
+            x = blk.forward_mixed(x, cache, batch, i)
+        return self.head(self.ln_f(x[batch.output_rows()]))
 
     @torch.no_grad()
     def prefill(self, prompt: list[int], cache: KVCache, sid: int) -> torch.Tensor:

@@ -21,6 +21,11 @@ The cache side of the contract, as the tiny model honours it:
   distinct sessions, ``cache.begin_batch(sids, tokens)`` then per layer
   ``cache.append_and_read_batch(step, layer, k, v)`` and ``cache.attention.attend_shared``
   (a prefix the sessions share is attended once). Returns logits ``[B, vocab]``.
+* **mixed forward** -- ``forward_mixed(batch, cache)``: one scheduler step in one pass through
+  the weights (a :class:`MixedBatch`: decode rows already in a ``cache.begin_batch`` step,
+  prefill chunks already ``cache.reserve``-d), rows packed ``[decode..., chunk 1..., ...]``;
+  attention splits per row group as above. Returns logits ``[B + chunks, vocab]``: each
+  decode row's, then each chunk's last token's (the output projection runs for those only).
 * **prefill** -- ``prefill(prompt, cache, sid)`` into an empty session: the cached prefix is
   taken (``cache.match_prefix``) and only the rest computed. Returns the last token's logits.
 * **train step** -- ``train_loss(batch)``: the differentiable next-token loss (mean
@@ -41,12 +46,51 @@ causal forward ``[B, T] -> [B, T, vocab]`` that evaluation and scoring use. Like
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from cache import CacheConfig, KVCache
+from cache.batch import BatchStep
 from crypto import Layout
+
+
+@dataclass(frozen=True)
+class MixedBatch:
+    """One scheduler step's rows, their cache slots reserved before the forward (allocation
+    is the scheduler's, so a full pool preempts before anything is computed): ``step`` is
+    ``cache.begin_batch`` of the decode rows (``None`` without any), ``chunks`` the prefill
+    chunks ``(sid, tokens)``, each ``cache.reserve``-d."""
+
+    step: BatchStep | None
+    decode_tokens: tuple[int, ...]
+    chunks: tuple[tuple[int, tuple[int, ...]], ...]
+
+    def tokens(self) -> list[int]:
+        """Every row's token: the decode rows, then each chunk's."""
+        return [*self.decode_tokens, *(t for _, toks in self.chunks for t in toks)]
+
+    def spans(self) -> list[tuple[int, int, int]]:
+        """``(sid, first row, end row)`` of each chunk in the packed rows."""
+        out, a = [], len(self.decode_tokens)
+        for sid, toks in self.chunks:
+            out.append((sid, a, a + len(toks)))
+            a += len(toks)
+        return out
+
+    def positions(self, cache: KVCache) -> torch.Tensor:
+        """Each row's position: a session's rows start at its length in ``cache``."""
+        sids = self.step.sids if self.step is not None else []
+        pos = [torch.tensor([cache.length(s) for s in sids], dtype=torch.long)]
+        pos += [torch.arange(cache.length(sid), cache.length(sid) + len(toks))
+                for sid, toks in self.chunks]
+        return torch.cat(pos)
+
+    def output_rows(self) -> torch.Tensor:
+        """The rows whose logits a step samples from: every decode row, each chunk's last."""
+        return torch.tensor([*range(len(self.decode_tokens)), *(b - 1 for _, _, b in self.spans())],
+                            dtype=torch.long)
 
 
 @runtime_checkable
@@ -75,6 +119,11 @@ class CachedLM(Protocol):
                       sids: Sequence[int]) -> torch.Tensor:
         """One decode step of distinct sessions ``sids`` (token i to ``sids[i]``); logits
         ``[B, vocab]``."""
+        ...
+
+    def forward_mixed(self, batch: MixedBatch, cache: KVCache) -> torch.Tensor:
+        """One step's decode rows and prefill chunks in one forward; logits
+        ``[len(batch.decode_tokens) + len(batch.chunks), vocab]``."""
         ...
 
     def prefill(self, prompt: Sequence[int], cache: KVCache, sid: int) -> torch.Tensor:

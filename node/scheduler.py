@@ -2,14 +2,14 @@
 
 A ``Scheduler`` keeps a waiting queue and a running set; ``step()`` is schedule -> run ->
 postprocess. *Schedule* applies cancellations (and finishes ``timeout`` the sequences whose
-request's deadline has passed), then a pending weight update, then admits waiting
-sequences while the pool has blocks for them, longest cached prefix first (as SGLang does;
-the probe walks the cache's prefix index without touching it). *Run* is one batched decode
-forward (``model.forward_batch``) over every running sequence past its prefill, then prefill
-chunks (``model.forward_cached``) under what is left of ``token_budget``: chunked prefill, so a
-long prompt never stalls the others' decoding. It is not one fused forward: the model
-contract has no mixed decode/prefill entry point, so a step is one batched decode forward
-plus one forward per prefill chunk. *Postprocess* samples, streams, and retires finished
+request's deadline has passed), then a pending weight update, then admits waiting sequences
+while the pool has blocks for them, longest cached prefix first (as SGLang does; the probe
+walks the cache's prefix index without touching it). *Run* is one forward
+(``model.forward_mixed``) over every running sequence past its prefill (a decode row) and the
+prefill chunks that fit what is left of ``token_budget`` (chunked prefill, so a long prompt
+never stalls the others' decoding; several waiting prompts prefill in the same step), packed so
+each weight matrix is read once per step, not once per chunk; the output projection runs only
+for the rows a step samples from. *Postprocess* samples, streams, and retires finished
 sequences (their full blocks stay as prefix-cache entries).
 
 Block bookkeeping stays the cache's: the scheduler never counts blocks itself beyond the
@@ -38,7 +38,7 @@ import torch
 
 from cache import CacheFullError, KVCache
 from node.generation import GenerationRequest, TokenStream
-from node.model_interface import CachedLM
+from node.model_interface import CachedLM, MixedBatch
 from node.sampling import Sampler
 
 PREEMPT_MODES = ("swap", "recompute")
@@ -161,7 +161,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.counters = dict.fromkeys(
             ("steps", "preemptions", "resumes", "resume_cached_tokens", "resume_computed_tokens",
-             "prefill_chunks", "decode_rows", "restarts"), 0)
+             "prefill_chunks", "decode_rows", "forwards", "restarts"), 0)
         self._update: tuple[Callable[[CachedLM], None], int | None] | None = None
         self._lock = threading.Lock()  # guards ``_update`` only: set from any thread
 
@@ -223,15 +223,16 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
-        """Schedule (cancellations, weight update, admission), run (a batched decode forward,
-        then prefill chunks under the token budget), postprocess (sample, stream, retire)."""
+        """Schedule (cancellations, weight update, admission), run (one forward of the decode
+        rows and the prefill chunks under the token budget), postprocess (sample, stream,
+        retire)."""
         self.counters["steps"] += 1
         events = self._apply_cancellations()
         self._apply_update()
         self._admit()
         decode, chunks = self._plan()
         with torch.no_grad():
-            results = self._run_decode(decode) + self._run_prefill(chunks)
+            results = self._run(decode, chunks)
         for seq, logits in results:
             events.extend(self._postprocess(seq, logits))
         return events
@@ -313,40 +314,51 @@ class Scheduler:
                 budget -= n
         return decode, chunks
 
-    def _run_decode(self, rows: list[Sequence]) -> list[tuple[Sequence, torch.Tensor]]:
-        while rows:
+    def _run(self, decode: list[Sequence], chunks: list[tuple[Sequence, int]]):
+        """The step's rows in one forward (``model.forward_mixed``): slots first, so a full pool
+        preempts before anything is computed; then (sequence, logits) of each decode row and
+        of each chunk that completes its prompt (a partial chunk's logits are not sampled)."""
+        batch, decode, chunks = self._reserve(decode, chunks)
+        if batch is None:
+            return []
+        logits = self.model.forward_mixed(batch, self.cache)
+        self.counters["forwards"] += 1
+        self.counters["decode_rows"] += len(decode)
+        self.counters["prefill_chunks"] += len(chunks)
+        out = []
+        for (s, n), row in zip([(s, 1) for s in decode] + chunks, logits):
+            s.computed += n
+            if s.computed == len(s.context):
+                out.append((s, row))
+        return out
+
+    def _reserve(self, decode: list[Sequence], chunks: list[tuple[Sequence, int]]):
+        """Slots for the step: the decode rows' batch step, then each chunk's reservation. Out
+        of blocks, the newest running sequence (decode rows) or the newest whose chunk is not
+        reserved yet (chunks, this one last) is preempted and the step goes on without it."""
+        step = None
+        while decode:
             try:
-                logits = self.model.forward_batch([s.context[-1] for s in rows], self.cache,
-                                                  [s.sid for s in rows])
+                step = self.cache.begin_batch([s.sid for s in decode], [s.context[-1] for s in decode])
+                break
             except CacheFullError:
                 victim = self._preempt_newest()
-                rows = [s for s in rows if s is not victim]
-                continue
-            self.counters["decode_rows"] += len(rows)
-            for s in rows:
-                s.computed += 1
-            return list(zip(rows, logits))
-        return []
-
-    def _run_prefill(self, chunks: list[tuple[Sequence, int]]):
-        """One ``forward_cached`` per chunk. Out of blocks, the newest sequence whose chunk
-        has not run yet is preempted (this one last): a row that already decoded or
-        prefilled this step keeps its result."""
-        out = []
+                decode = [s for s in decode if s is not victim]
+                chunks = [(c, n) for c, n in chunks if c is not victim]
+        done: list[tuple[Sequence, int]] = []
         for i, (s, n) in enumerate(chunks):
             while s.status is Status.RUNNING:
                 try:
-                    logits = self.model.forward_cached(s.context[s.computed : s.computed + n],
-                                                       self.cache, s.sid)
+                    self.cache.reserve(s.sid, s.context[s.computed : s.computed + n])
+                    done.append((s, n))
+                    break
                 except CacheFullError:
                     self._preempt_newest([c for c, _ in chunks[i:] if c.status is Status.RUNNING])
-                    continue
-                self.counters["prefill_chunks"] += 1
-                s.computed += n
-                if s.computed == len(s.context):
-                    out.append((s, logits[-1]))
-                break
-        return out
+        if step is None and not done:
+            return None, [], []
+        batch = MixedBatch(step, tuple(s.context[-1] for s in decode),
+                           tuple((s.sid, tuple(s.context[s.computed : s.computed + n])) for s, n in done))
+        return batch, decode, done
 
     # -- preemption and retiring -------------------------------------------------------------
     def _preempt_newest(self, among: list[Sequence] | None = None) -> Sequence:

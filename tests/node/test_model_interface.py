@@ -41,6 +41,9 @@ class Wrapped:
     def forward_batch(self, tokens, cache, sids):
         return self.inner.forward_batch(tokens, cache, sids)
 
+    def forward_mixed(self, batch, cache):
+        return self.inner.forward_mixed(batch, cache)
+
     def prefill(self, prompt, cache, sid):
         return self.inner.prefill(prompt, cache, sid)
 

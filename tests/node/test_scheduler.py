@@ -364,7 +364,8 @@ TestSchedulerMachine.settings = settings(max_examples=25, stateful_step_count=15
 
 
 class _Broken:
-    """A model whose batched decode fails: the backend must fail the requests, not hang."""
+    """A model whose steps with a decode row fail: the backend must fail the requests, not
+    hang."""
 
     def __init__(self, model):
         self._m = model
@@ -372,8 +373,10 @@ class _Broken:
     def __getattr__(self, name):
         return getattr(self._m, name)
 
-    def forward_batch(self, *a, **k):
-        raise RuntimeError("boom")
+    def forward_mixed(self, batch, cache):
+        if batch.decode_tokens:
+            raise RuntimeError("boom")
+        return self._m.forward_mixed(batch, cache)
 
 
 def test_a_failing_step_fails_its_requests_and_the_backend_goes_on(byte_model):
@@ -381,7 +384,7 @@ def test_a_failing_step_fails_its_requests_and_the_backend_goes_on(byte_model):
     backend = ScheduledBackend(_Broken(byte_model), kv)
     try:
         h = backend.submit(GenerationRequest((1, 2, 3), 4))[0]
-        # the first token comes from the prefill (forward_cached); the decode step then fails
+        # the first token comes from the prefill; the step that decodes then fails
         assert list(h.tokens(timeout=30)) == _alone(byte_model, [1, 2, 3], 1)
         assert h.finish_reason == "error" and "RuntimeError" in h.error
         assert backend.alive and kv.sessions() == []
