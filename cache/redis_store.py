@@ -355,7 +355,7 @@ class RedisStore:
         return out
 
     def stats(self) -> dict:
-        return {"bytes_on_disk": 0, "remote": self.remote_stats()}
+        return {"bytes_on_disk": 0, "live_bytes": 0, "remote": self.remote_stats()}
 
     def close(self) -> None:
         """Write what is queued (bounded by ``commit``), stop the writer, close the client."""
