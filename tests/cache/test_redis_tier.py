@@ -269,3 +269,30 @@ def test_records_only_kv_blocks_and_say_why_a_key_is_needed(redis_server):
     store.commit()
     assert list(redis_server.client().scan_iter()) == []  # a shared tier holds K/V only
     store.close()
+
+
+def test_the_nodes_disk_answers_first_and_redis_only_what_the_disk_lacks(tmp_path, redis_server):
+    from cache.chained_store import ChainedStore
+    from cache.persist import open_store
+    from cache.redis_store import RedisOptions, RedisStore
+
+    def chained(name):
+        remote = RedisStore(RedisOptions(url=redis_server.url, namespace=NS,
+                                         socket_timeout_s=0.2, retry_after_s=0.0), KEY)
+        return KVCache(small_config(block_size=8),
+                       store=ChainedStore(open_store(tmp_path / name, KEY, None), remote))
+
+    a = chained("a")
+    compute(a)
+    assert a.offload("cold") == 5
+    before = commands(redis_server)
+    assert hit(a)[1] == 40
+    assert commands(redis_server).get("mget", 0) == before.get("mget", 0)  # the disk had all
+    assert a.stats()["tier_hits"]["cold"] == 5
+    b = chained("b")  # another process: its own disk is empty, Redis has the blocks
+    assert hit(b)[1] == 40 and b.stats()["tier_hits"]["redis"] == 5
+    redis_server.kill()
+    c = chained("a2")
+    assert hit(c)[1] == 0  # Redis gone, nothing on this disk: recomputed, no error
+    a.offload("cold")
+    assert hit(a)[1] == 40  # a still serves (hot, or its own disk)
