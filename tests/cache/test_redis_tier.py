@@ -296,3 +296,15 @@ def test_the_nodes_disk_answers_first_and_redis_only_what_the_disk_lacks(tmp_pat
     assert hit(c)[1] == 0  # Redis gone, nothing on this disk: recomputed, no error
     a.offload("cold")
     assert hit(a)[1] == 40  # a still serves (hot, or its own disk)
+
+
+def test_a_unix_socket_url_works(tmp_path):
+    sock = tmp_path / "r.sock"
+    gen = running_redis(tmp_path, "--unixsocket", str(sock), "--unixsocketperm", "700")
+    server = next(gen)
+    try:
+        url = f"unix://{sock}?db=0&password={server.password}"
+        compute(cache(url))
+        assert hit(cache(url))[1] == 40
+    finally:
+        gen.close()
