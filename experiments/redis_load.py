@@ -127,7 +127,8 @@ def _client(port: int, model: str, c: int, stop_at: list[float], log: list) -> N
             complete(port, _model_id(model), f"{PREFIX[model]}client {c} asks {k}")
             log.append((t, True, ""))
         except Exception as e:  # noqa: BLE001 -- counted, the load goes on
-            log.append((t, False, type(e).__name__))
+            body = e.read().decode(errors="replace")[:200] if hasattr(e, "read") else str(e)[:200]
+            log.append((t, False, f"{type(e).__name__} {getattr(e, 'code', '')}: {body}"))
         k += 1
 
 
@@ -136,7 +137,9 @@ def restart_section(tmp: Path, model: str, load_s: float, clients: int = 16) -> 
     proc = None
     log: list[tuple[float, bool, str]] = []
     try:
-        proc, port = start(tmp, "restart", model, server.url, "--max-concurrent", str(clients),
+        # 2x the clients: a client's next request may arrive before the server counted its
+        # previous one out (a 429 of the harness, not of Redis)
+        proc, port = start(tmp, "restart", model, server.url, "--max-concurrent", str(2 * clients),
                            "--max-queue", str(4 * clients), "--request-timeout", "300",
                            "--request-deadline", "600")
         stop_at = [time.monotonic() + 1e9]
@@ -155,6 +158,10 @@ def restart_section(tmp: Path, model: str, load_s: float, clients: int = 16) -> 
         for t in threads:
             t.join()
         hits = hit_blocks(port)
+        calls = {k.removeprefix("cmdstat_"): v["calls"]
+                 for k, v in server.client().info("commandstats").items()}
+        after = {"mget": calls.get("mget", 0), "set": calls.get("set", 0),
+                 "keys": server.client().dbsize()}
     finally:
         if proc is not None:
             stop(proc)
@@ -165,4 +172,4 @@ def restart_section(tmp: Path, model: str, load_s: float, clients: int = 16) -> 
             "redis.restart": {"clients": clients, "requests": len(log), "errors": sorted(set(failed)),
                               "requests_while_down": phase(killed, restarted),
                               "requests_after_restart": phase(restarted, float("inf")),
-                              "hits_by_tier": hits}}
+                              "hits_by_tier": hits, "redis_after_restart": after}}
