@@ -119,12 +119,17 @@ def second_process_section(tmp: Path, model: str, quick: bool) -> dict[str, Any]
             "redis.second_process": {"requests_each": n, "hits_first": hits1, "hits_second": hits2}}
 
 
-def _client(port: int, model: str, c: int, stop_at: list[float], log: list) -> None:
+def _client(ports: list[int], model: str, c: int, stop_at: list[float], log: list) -> None:
+    """Client ``c``: question ``k // 2`` to one process, then the same to the other (a Redis
+    hit there while Redis is up, a recompute while it is down)."""
     k = 0
     while time.monotonic() < stop_at[0]:
         t = time.monotonic()
+        q = k // 2
+        words = " ".join(f"w{c}x{q}y{i}" for i in range(6 if model == "byte" else 12))
+        prompt = f"client {c} question {q}: {words}" + ("" if model == "byte" else PREFIX[model])
         try:
-            complete(port, _model_id(model), f"{PREFIX[model]}client {c} asks {k}")
+            complete(ports[(c + k) % 2], _model_id(model), prompt)
             log.append((t, True, ""))
         except Exception as e:  # noqa: BLE001 -- counted, the load goes on
             body = e.read().decode(errors="replace")[:200] if hasattr(e, "read") else str(e)[:200]
@@ -132,44 +137,59 @@ def _client(port: int, model: str, c: int, stop_at: list[float], log: list) -> N
         k += 1
 
 
+def _redis_calls(server: RedisServer) -> dict[str, int]:
+    calls = {k.removeprefix("cmdstat_"): v["calls"]
+             for k, v in server.client().info("commandstats").items()}
+    return {"mget": calls.get("mget", 0), "set": calls.get("set", 0),
+            "keys": server.client().dbsize()}
+
+
+def _load(ports: list[int], model: str, server: RedisServer, load_s: float, clients: int,
+          log: list) -> dict[str, float]:
+    """The load, Redis killed at a third of it and restarted at two thirds; the times."""
+    stop_at = [time.monotonic() + 1e9]
+    threads = [threading.Thread(target=_client, args=(ports, model, c, stop_at, log))
+               for c in range(clients)]
+    for t in threads:
+        t.start()
+    time.sleep(load_s / 3)
+    killed = time.monotonic()
+    server.kill()
+    time.sleep(load_s / 3)
+    server.start()
+    restarted = time.monotonic()
+    time.sleep(load_s / 3)
+    stop_at[0] = time.monotonic()
+    for t in threads:
+        t.join()
+    return {"killed": killed, "restarted": restarted}
+
+
 def restart_section(tmp: Path, model: str, load_s: float, clients: int = 16) -> dict[str, Any]:
+    """``clients`` clients over two server processes while Redis is killed and restarted."""
     server = _redis(tmp, "restart")
-    proc = None
+    procs: list = []
     log: list[tuple[float, bool, str]] = []
     try:
         # 2x the clients: a client's next request may arrive before the server counted its
         # previous one out (a 429 of the harness, not of Redis)
-        proc, port = start(tmp, "restart", model, server.url, "--max-concurrent", str(2 * clients),
-                           "--max-queue", str(4 * clients), "--request-timeout", "300",
-                           "--request-deadline", "600")
-        stop_at = [time.monotonic() + 1e9]
-        threads = [threading.Thread(target=_client, args=(port, model, c, stop_at, log))
-                   for c in range(clients)]
-        for t in threads:
-            t.start()
-        time.sleep(load_s / 3)
-        killed = time.monotonic()
-        server.kill()
-        time.sleep(load_s / 3)
-        server.start()
-        restarted = time.monotonic()
-        time.sleep(load_s / 3)
-        stop_at[0] = time.monotonic()
-        for t in threads:
-            t.join()
-        hits = hit_blocks(port)
-        calls = {k.removeprefix("cmdstat_"): v["calls"]
-                 for k, v in server.client().info("commandstats").items()}
-        after = {"mget": calls.get("mget", 0), "set": calls.get("set", 0),
-                 "keys": server.client().dbsize()}
+        flags = ("--max-concurrent", str(2 * clients), "--max-queue", str(4 * clients),
+                 "--request-timeout", "300", "--request-deadline", "600")
+        procs = [start(tmp, f"restart{i}", model, server.url, *flags) for i in range(2)]
+        ports = [port for _, port in procs]
+        at = _load(ports, model, server, load_s, clients, log)
+        hits = [hit_blocks(p) for p in ports]
+        after = _redis_calls(server)
     finally:
-        if proc is not None:
+        for proc, _ in procs:
             stop(proc)
         server.stop()
-    failed = [e for _, ok, e in log if not ok]
-    phase = lambda t0, t1: sum(1 for t, _, _ in log if t0 <= t < t1)  # noqa: E731
+    failed = [(t, e) for t, ok, e in log if not ok]
+    when = lambda t: "before" if t < at["killed"] else "down" if t < at["restarted"] else "after"  # noqa: E731
     return {"redis.failed_requests_during_restart": len(failed),
-            "redis.restart": {"clients": clients, "requests": len(log), "errors": sorted(set(failed)),
-                              "requests_while_down": phase(killed, restarted),
-                              "requests_after_restart": phase(restarted, float("inf")),
-                              "hits_by_tier": hits, "redis_after_restart": after}}
+            "redis.restart": {
+                "clients": clients, "processes": 2, "requests": len(log),
+                "requests_by_phase": {p: sum(1 for t, _, _ in log if when(t) == p)
+                                      for p in ("before", "down", "after")},
+                "failures": sorted({f"{when(t)}: {e}" for t, e in failed}),
+                "hits_by_tier": hits, "redis_commands_after_restart": after}}

@@ -119,6 +119,21 @@ def _settled(server, want: int) -> int:
     return r.dbsize()
 
 
+def _nothing_names(server, prompt: str) -> None:
+    """No Redis key or value holds 8 bytes of the prompt, as text or as the byte model's token
+    ids packed in 32 or 64 bits."""
+    from array import array
+    r = server.client()
+    blobs = [b for k in r.scan_iter() for b in (k, r.get(k))]
+    text = prompt.encode()
+    for fmt in ("i", "q"):
+        ids = array(fmt, list(text)).tobytes()
+        n = 4 * array(fmt).itemsize
+        windows = {ids[i:i + n] for i in range(0, len(ids) - n, array(fmt).itemsize)}
+        windows |= {text[i:i + 8] for i in range(len(text) - 8)}
+        assert not any(w in b for w in windows for b in blobs)
+
+
 @pytest.mark.slow
 def test_two_server_processes_share_a_prefix_through_redis(tmp_path, redis_server):
     from crypto import write_secret_file
@@ -134,6 +149,7 @@ def test_two_server_processes_share_a_prefix_through_redis(tmp_path, redis_serve
         assert _redis_hits(ports[1]) == 0
         _complete(ports[1])
         assert _redis_hits(ports[1]) == 6  # the second process restored them, not recomputed
+        _nothing_names(redis_server, PROMPT)
     finally:
         for proc, _ in procs:
             proc.terminate()
