@@ -271,6 +271,26 @@ class BlockManager:
         b.last_access = self.clock
         return b
 
+    def prefetch_chain(self, parent: bytes, tokens: list[int]) -> None:
+        """Before ``lookup`` walks the full blocks of ``tokens``: with a shared cold store,
+        fetch every chained hash the walk may ask for (each servable version) in one batch."""
+        if self.tiers is None or not self.tiers.shared:
+            return
+        B, keys = self.arena.B, []
+        for version in range(self.version, max(-1, self.version - self.keep_versions - 1), -1):
+            h = parent
+            for i in range((len(tokens) - 1) // B):
+                h = block_hash(h, tokens[i * B : (i + 1) * B], version)
+                if h not in self.index:
+                    keys.append(h)
+        if keys:
+            self.tiers.prefetch(keys)
+
+    def publish(self, b: Block) -> None:
+        """A block just hashed: written through to a shared cold store (when there is one)."""
+        if self.tiers is not None and self.tiers.shared and b.hash is not None:
+            self.tiers.publish(b.hash, self.entry(b))
+
     def peek(self, parent: bytes, tokens: list[int]) -> bytes | None:
         """The hash ``lookup`` would find ``tokens`` under in the hot or warm tier (current
         version only), without promoting, placing or counting anything; None if absent."""

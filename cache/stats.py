@@ -140,9 +140,14 @@ def _tier_stats(kv: "StatsSource", hot_bytes: float) -> dict:
         return {"tier_hits": {"hot": kv.blocks.counters["prefix_hit_blocks"]},
                 "tier_bytes": {"hot": hot_bytes}}
     s = t.stats
-    hot = kv.blocks.counters["prefix_hit_blocks"] - s.warm_hits - s.cold_hits
+    hot = kv.blocks.counters["prefix_hit_blocks"] - s.warm_hits - s.cold_hits - s.remote_hits
+    hits = {"hot": hot, "warm": s.warm_hits, "cold": s.cold_hits}
+    remote = getattr(t.cold, "remote_stats", None)
+    if remote is not None:  # a shared (Redis) tier: its hits apart, its faults in "remote"
+        hits["redis"] = s.remote_hits
     return {
-        "tier_hits": {"hot": hot, "warm": s.warm_hits, "cold": s.cold_hits},
+        "tier_hits": hits,
+        **({"remote": {**remote(), "unavailable": s.cold_unavailable}} if remote else {}),
         "tier_misses": s.misses,
         "swaps_in": s.swaps_in,
         "swaps_out": {"warm": s.swaps_out_warm, "cold": s.swaps_out_cold},

@@ -138,6 +138,7 @@ class SessionSteps:
         B, m = self.config.block_size, self.blocks
         m.counters["prefix_lookups"] += 1
         parent = t.root
+        m.prefetch_chain(parent, toks)
         for i in range((len(toks) - 1) // B):
             b = m.lookup(parent, toks[i * B : (i + 1) * B],
                          end_of(t.blocks[-1], B) if t.blocks else None)
@@ -246,22 +247,28 @@ class SessionSteps:
         B, m = self.config.block_size, self.blocks
         start, t.length = t.length, t.length + t.pending
         t.pending, t.written, t.write_at = 0, set(), None
+        new = []
         for bi in range(start // B, t.blocks_needed(t.length)):
             b = t.blocks[bi]
             b.tokens, b.last_access, b.dirty = t.tokens[bi * B : min((bi + 1) * B, t.length)], m.clock, True
-            if len(b.tokens) == B and b.hash is None:
-                self._register(t, bi)
+            if len(b.tokens) == B and b.hash is None and self._register(t, bi):
+                new.append(t.blocks[bi])
         if m.qpool is not None:
             self.pressure.quantize_old(t)
+        for b in new:  # after quantizing: a shared store gets the compact form when there is one
+            m.publish(b)
 
-    def _register(self, t: BlockTable, bi: int) -> None:
+    def _register(self, t: BlockTable, bi: int) -> bool:
+        """Hash the full block ``bi``; True when it is new content (not a dedup hit)."""
         prev = t.blocks[bi - 1] if bi else None
         parent = t.root if bi == 0 else (prev.hash if prev is not None else None)
         if parent is None:  # an earlier block is unhashed (forked chain) or dropped
-            return
-        kept = self.blocks.register(t.blocks[bi], parent)
-        if kept is not t.blocks[bi]:
+            return False
+        mine = t.blocks[bi]
+        kept = self.blocks.register(mine, parent)
+        if kept is not mine:
             t.blocks[bi] = kept
             t.runs = None
         if self.prefetcher is not None and kept.hash is not None:
             self.prefetcher.observe(kept.hash)  # a new block: learn the chain into it
+        return kept is mine and kept.hash is not None

@@ -89,6 +89,10 @@ class TierStats:
     dropped: int = 0
     cold_corrupt: int = 0
     cold_write_failures: int = 0
+    remote_hits: int = 0
+    """Cold hits served by a shared store (the Redis tier), not counted in ``cold_hits``."""
+    cold_unavailable: int = 0
+    """Lookups the cold store could not answer (a Redis tier down or slow): misses."""
 
 
 @dataclass
@@ -153,18 +157,43 @@ class Tiers:
             self.stats.warm_hits += 1
             self.stats.swaps_in += 1
             return entry
-        if self.cold is not None and key in self.cold and key not in self.bad:
+        if self.cold is not None and key not in self.bad and key in self.cold:
             try:
                 entry = TierEntry.from_record(self.cold.get(key), self.cold.meta(key), self.clock())
+            except OSError:  # a shared store unreachable now: a miss, the key not marked bad
+                self.stats.cold_unavailable += 1
+                self.stats.misses += 1
+                return None
             except Exception as e:  # noqa: BLE001 -- a corrupt record is dropped, recomputed
                 self._drop_corrupt(key, e)
                 self.stats.misses += 1
                 return None
-            self.stats.cold_hits += 1  # the cold copy stays: the block comes back clean
+            if getattr(self.cold, "last_remote", False):
+                self.stats.remote_hits += 1
+            else:
+                self.stats.cold_hits += 1  # the cold copy stays: the block comes back clean
             self.stats.swaps_in += 1
             return entry
         self.stats.misses += 1
         return None
+
+    @property
+    def shared(self) -> bool:
+        """The cold store is shared with other processes (the Redis tier): blocks are written
+        through when computed and prefix walks read it in one batch."""
+        return bool(getattr(self.cold, "shared", False))
+
+    def prefetch(self, keys: list[bytes]) -> None:
+        """Before a prefix walk: fetch the blocks of ``keys`` not in warm from a shared
+        store in one batched read (the walk's ``take`` calls then read that batch)."""
+        if self.shared:
+            self.cold.prefetch([k for k in keys if k not in self.warm and k not in self.bad])
+
+    def publish(self, key: bytes, entry: TierEntry) -> None:
+        """Write a block just computed through to a shared store (queued there, off the
+        request path), so another process finds it before this one ever evicts it."""
+        if self.shared:
+            self.cold.publish(key, *entry.to_record())
 
     def _drop_corrupt(self, key: bytes, err: Exception) -> None:
         self.stats.cold_corrupt += 1

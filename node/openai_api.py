@@ -59,7 +59,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from node import openai_follow
+from node import openai_follow, serving_cache
 from node.generation import GenerationBackend, GenerationHandle, GenerationRequest
 from node.openai_protocol import (MAX_SEED, APIError, Params, PromptCodec, TextStream, bad,
                                   parse_chat, parse_completion)
@@ -495,6 +495,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log-level", default="INFO", choices=LOG_LEVELS,
                    help="the server's log level (INFO: one line per request)")
     openai_follow.add_arguments(p)
+    serving_cache.add_cli_args(p)  # --kv-*: warm, disk and Redis tiers of the serving cache
     args = p.parse_args(argv)
     openai_follow.check_arguments(p, args)
     from node.serve_auth import check_bind
@@ -543,7 +544,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s openai_api %(message)s")
     import torch
 
-    from cache import KVCache
     from node.models import ModelError
     from node.served_model import load_model
     from node.serve_auth import Tenants, load_tenants, tls_context
@@ -558,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     except ModelError as e:
         raise SystemExit(f"--model {args.model}: {e}") from None
     model = _adapted(args, model)
-    cache = KVCache(model.cache_config(pool_bytes=int(args.pool_mib * (1 << 20))))
+    cache = serving_cache.from_args(args, model, MODEL_IDS[args.model])
     backend, hook = openai_follow.build_backend(args, model.eval(), cache, MODEL_IDS[args.model],
                                                 own_weights=args.model != "byte")
     config = APIConfig(args.max_tokens, args.max_concurrent, args.max_queue,
