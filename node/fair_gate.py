@@ -7,8 +7,8 @@ Three limits, in this order:
 * the server holds at most ``max_queue`` in all: one more is refused with 503;
 * of the admitted requests, at most ``slots`` sequences (a request of ``n`` choices is ``n``)
   are handed to the backend at once (its ``max_running``); the others wait here, and a freed
-  slot goes to the waiting tenant that holds the fewest slots, first come first served within
-  a tenant. So tenant A's 16 queued requests do not starve tenant B: B's first request takes
+  slot goes to the waiting tenant that holds the fewest slots, among those the one granted
+  longest ago (round robin), first come first served within a tenant. So tenant A's 16 queued requests do not starve tenant B: B's first request takes
   the next free slot ahead of all of A's that wait. (The backend's own queue is FIFO: without
   this gate B would wait behind every one of A's.)
 
@@ -53,6 +53,8 @@ class FairGate:
         self.free = slots
         self._waiting: defaultdict[str, deque[_Waiter]] = defaultdict(deque)
         self._order = itertools.count()
+        self._granted: dict[str, int] = {}
+        """Each tenant's last grant (an ``_order`` tick): the round robin's tie-break."""
 
     def admit(self, tenant: str) -> None:
         """Count one request of ``tenant`` in flight, or raise ``Refused``."""
@@ -93,13 +95,15 @@ class FairGate:
     def _take(self, tenant: str, need: int) -> None:
         self.free -= need
         self.held[tenant] += need
+        self._granted[tenant] = next(self._order)
 
     def _grant(self) -> None:
         while True:
-            queued = [(self.held[t], q[0].order, t) for t, q in self._waiting.items() if q]
+            queued = [(self.held[t], self._granted.get(t, -1), q[0].order, t)
+                      for t, q in self._waiting.items() if q]
             if not queued:
                 return
-            _, _, t = min(queued)  # fewest slots held, then oldest
+            t = min(queued)[-1]  # fewest slots held, then granted longest ago
             w = self._waiting[t][0]
             if w.need > self.free:
                 return  # it waits for more to free: later ones do not overtake it

@@ -54,7 +54,7 @@ from typing import Any
 from node import openai_follow, server_cli
 from node.generation import GenerationBackend
 from node.openai_protocol import PromptCodec
-from node.openai_routes import APIConfig, OpenAIState, TenantStats
+from node.openai_state import APIConfig, OpenAIState, TenantStats
 from node.serve_auth import Tenants
 from node.served_models import ServedModels, parse_lora_module
 from node.server_app import build_app

@@ -14,7 +14,7 @@ import json
 import secrets
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -23,10 +23,8 @@ from starlette.types import Receive, Scope, Send
 from node.generation import GenerationHandle, GenerationRequest
 from node.openai_protocol import MAX_SEED, APIError, Params, TextStream, bad
 from node.serve_metrics import RequestRecord
+from node.openai_state import OpenAIState
 from node.sessions import Sampling
-
-if TYPE_CHECKING:
-    from node.openai_routes import OpenAIState
 
 
 def context_error(context_len: int, prompt: int, asked: int | None, param: str) -> APIError:
