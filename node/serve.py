@@ -3,8 +3,8 @@ processes train and write back.
 
     python -m node.serve --cache-dir DIR [--key-file DIR/../kv-cache.key] [--port 8470]
         [--token-file DIR/../serve-token] [--max-sessions 16] [--idle-expiry-s 600]
-        [--socket-timeout 10] [--pool-mib 8] [--host 127.0.0.1 [--tls-cert C --tls-key K]]
-        [--model byte|smollm2 [--model-dir DIR]]
+        [--socket-timeout 10] [--pool-mib MiB] [--max-context N] [--log-level INFO]
+        [--host 127.0.0.1 [--tls-cert C --tls-key K]] [--model byte|smollm2 [--model-dir DIR]]
 
 ``--model smollm2`` serves SmolLM2-135M-Instruct (``node.llama.LlamaModel`` and
 ``node.chat.ChatCodec`` read from ``--model-dir``, default ``node.models.default_dir()``; absent:
@@ -34,9 +34,11 @@ idle for ``--idle-expiry-s`` is closed and its blocks freed. A full KV pool answ
 ``{"error"}`` and leaves the session as it was before the request. Each tenant's sessions
 share system-prompt blocks only with each other (the tenant is the prefix namespace of the
 block hashes), so a tenant sees no prefix hit -- counter or latency -- on another's prompt.
-Connections are served on threads with a socket timeout (``--socket-timeout``): an idle or
-slow client never blocks another; the model and cache are used by one request at a time, never
-while a request body is being read. The agent binds loopback; another ``--host`` is refused
+The HTTP side is the session router of the node's one ASGI app (``node.session_routes``,
+``node.server_app``; this module's ``main`` is ``node.server_cli``'s): one event loop holds
+every connection, a request head or body not sent within ``--socket-timeout`` is cut, so an idle
+or slow client never blocks another; the model and cache are used by one request at a time, on
+a worker thread, never while a request body is being read. The agent binds loopback; another ``--host`` is refused
 unless ``--tls-cert`` and ``--tls-key`` are given (TLS 1.2 or newer).
 
 Endpoints (JSON): ``POST /v1/sessions`` ``{"system": str}`` -> ``{"session"}``;
@@ -87,11 +89,9 @@ from node.tasks import lm_model, parameter_layout
 _log = logging.getLogger("fedkv.serve")
 LIVE_SUBDIR = "serve"
 """``python -m cache stats --dir <cache-dir>/serve`` reads (and ``set`` changes) this agent's cache."""
-MAX_BODY = 1 << 16
 MAX_SESSIONS = 16
 """Open sessions per tenant (``--max-sessions``)."""
 IDLE_EXPIRY_S = 600.0
-SOCKET_TIMEOUT_S = 10.0
 _PREFIX_COUNTERS = ("prefix_lookups", "prefix_hit_blocks", "prefix_hit_tokens")
 
 
