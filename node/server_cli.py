@@ -113,7 +113,12 @@ def setup_logging(level: str, name: str) -> None:
 def serve(app: Any, args: argparse.Namespace, on_ready, closing) -> None:
     """Serve ``app`` on ``--host``/``--port`` (TLS with ``--tls-cert``) until SIGTERM or
     SIGINT; ``on_ready(port, tls)`` once bound, ``closing()`` however it ends."""
+    import signal
+    import sys
     from node.server_http import LiveServer, ServerLimits
+    # uvicorn stops cleanly on SIGTERM, then raises it again for the handler it found: this
+    # one unwinds to the ``finally`` below and exits 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     server = None
     try:
         server = LiveServer(app, (args.host, args.port),
