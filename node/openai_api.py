@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         token_file = _token_file(args, port)  # --port 0: named by the bound port
         app.state.tenants = state.tenants = load_tenants(token_file, announce)
         if args.ready_file:
-            openai_follow.write_ready(args.ready_file, port, backend.version)
+            server_cli.write_ready(args.ready_file, port, backend.version)
         host = f"[{args.host}]" if ":" in args.host else args.host
         announce(f"serving {', '.join(models.names())} ({args.backend}, version "
                  f"{backend.version}, context {context}) at {'https' if tls else 'http'}://"

@@ -345,8 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                          pool_bytes=server_cli.pool_bytes(args, model),
                          max_sessions=args.max_sessions, idle_expiry_s=args.idle_expiry_s,
                          model=model, codec=codec, own_weights=args.model != "byte")
-    app = build_app(sessions=agent, tenants=tenants)
-    app.state.body_timeout_s = args.socket_timeout
+    app = build_app(sessions=agent, tenants=tenants, body_timeout_s=args.socket_timeout)
 
     def ready(port: int, tls: bool) -> None:
         if args.ready_file:

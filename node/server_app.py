@@ -112,15 +112,19 @@ def _lifespan(sessions: Any):
     return lifespan
 
 
-def build_app(openai: Any = None, sessions: Any = None, tenants: Any = None) -> FastAPI:
+def build_app(openai: Any = None, sessions: Any = None, tenants: Any = None,
+              body_timeout_s: float = 10.0) -> FastAPI:
     """The app: ``openai`` an ``OpenAIState``, ``sessions`` a ``ServingAgent``; ``tenants``
-    defaults to ``openai.tenants`` (reassigning ``app.state.tenants`` takes effect at once)."""
+    defaults to ``openai.tenants`` (reassigning ``app.state.tenants`` takes effect at once);
+    ``body_timeout_s``: the session API's body deadline (the OpenAI routes' is their
+    config's ``socket_timeout_s``)."""
     from node import openai_routes, session_routes
     if openai is None and sessions is None:
         raise ValueError("an app serves the OpenAI routes, the session API, or both")
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None,
                   lifespan=_lifespan(sessions))
     app.state.openai, app.state.sessions = openai, sessions
+    app.state.body_timeout_s = body_timeout_s
     app.state.tenants = tenants if tenants is not None else openai.tenants
     public = openai_routes.public(openai.config.metrics_auth) if openai else (lambda p: False)
 

@@ -35,8 +35,7 @@ def _agent(request: Request) -> Any:
 
 
 async def _body(request: Request) -> dict:
-    timeout = getattr(request.app.state, "body_timeout_s", 10.0)
-    return await read_json(request, MAX_BODY, timeout, empty=b"{}")
+    return await read_json(request, MAX_BODY, request.app.state.body_timeout_s, empty=b"{}")
 
 
 async def _guarded(fn: Callable[[], Any]) -> JSONResponse:
