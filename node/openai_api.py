@@ -4,7 +4,7 @@
         [--backend scheduler|serial] [--max-running 16] [--token-budget 256]
         [--preempt-mode swap|recompute] [--cache-dir DIR [--key-file F]] [--ready-file F]
         [--lora-seed N | --adapter PEFT_DIR]
-        [--token-file ~/.cache/fedkv/openai-<port>/serve-token] [--pool-mib MiB] [--max-tokens 256]
+        [--token-file ~/.cache/fedkv/openai-<port>/serve-token] [--pool-mib MiB] [--max-tokens N]
         [--max-concurrent 16] [--max-queue 64] [--request-timeout 60] [--request-deadline 300]
         [--max-context 4096] [--lora-modules NAME=PEFT_DIR ...]
         [--socket-timeout 10] [--metrics-auth] [--log-level INFO]
