@@ -4,8 +4,9 @@
         [--backend scheduler|serial] [--max-running 16] [--token-budget 256]
         [--preempt-mode swap|recompute] [--cache-dir DIR [--key-file F]] [--ready-file F]
         [--lora-seed N | --adapter PEFT_DIR]
-        [--token-file ~/.cache/fedkv/openai-<port>/serve-token] [--pool-mib MiB] [--max-tokens 256]
-        [--max-concurrent 4] [--max-queue 16] [--request-timeout 60] [--request-deadline 300]
+        [--token-file ~/.cache/fedkv/openai-<port>/serve-token] [--pool-mib MiB] [--max-tokens N]
+        [--max-concurrent 16] [--max-queue 64] [--request-timeout 60] [--request-deadline 300]
+        [--max-context 4096] [--lora-modules NAME=PEFT_DIR ...]
         [--socket-timeout 10] [--metrics-auth] [--log-level INFO]
         [--host 127.0.0.1 [--tls-cert C --tls-key K]]
 
@@ -16,18 +17,21 @@ not -- and ``GET /v1/stats``, fedkv's own: the caller's tenant's counters and no
 ``GET /health``, ``GET /metrics`` (no token unless ``--metrics-auth``) and one INFO log line per
 request: ``node.serve_metrics``.
 Parameters: ``temperature`` [0, 2] (0: greedy), ``top_p``, ``max_tokens``, ``stop`` (up to 4
-strings, cut on the text; never leaked while streaming), ``n`` (forks sharing the prompt's KV
-blocks copy-on-write), ``seed`` (choice ``i``: ``seed + i``), ``node.sampling_fields``' (logprobs,
-top_k, min_p, penalties, response_format); errors are ``{"error": {message, type, param, code}}``.
+strings, cut on the detokenized text; never leaked while streaming), ``n`` (forks sharing the
+prompt's KV blocks copy-on-write), ``seed`` (choice ``i`` samples with ``seed + i``),
+``node.sampling_fields``' (logprobs, top_k, min_p, penalties, response_format). Checks and
+shapes are ``node.openai_protocol``'s; errors are ``{"error": {message, type, param, code}}``.
 
 As ``node.serve`` requires of a serving agent on a shared host (``node.serve_auth``): every
 other request needs ``Authorization: Bearer <token>`` (401 otherwise); the token's tenant is the
 request's prefix-sharing namespace, so a tenant never hits (nor sees a counter of) another's
 cached prompt; each tenant has at most ``max_concurrent`` requests in flight (429) and the
-server at most ``max_queue`` (503 with ``Retry-After``); a request that gets no token within
+server at most ``max_queue`` (503 with ``Retry-After``), the backend's slots going to tenants
+fairly (``node.fair_gate``); a request that gets no token within
 ``request_timeout_s``, or still runs ``request_deadline_s`` after its admission (checked by the
 backend between steps and here between tokens), is cancelled (503 ``timeout``); sockets time
-out; it binds loopback unless TLS.
+out; it binds loopback unless TLS. ``--lora-modules name=PEFT_DIR`` serves adapters beside
+the base, each picked by a request's ``model`` (``node.served_models``).
 
 Backends: ``node.scheduler``'s continuous batching (default) or one request at a time
 (``serial``, the baseline). With ``--cache-dir`` the server follows a node's trainer
@@ -35,432 +39,83 @@ Backends: ``node.scheduler``'s continuous batching (default) or one request at a
 restart under the new version, ``/v1/models`` and every chunk's ``system_fingerprint``
 (``fedkv-v<version>``) say which version computed it.
 
-The standard library's ``http.server`` (threads, like ``node.serve``), not FastAPI/uvicorn.
+One ASGI app (``node.server_app``: FastAPI on uvicorn) serves the routes
+(``node.openai_routes``; a request's life: ``node.openai_completion``); this module is the
+command line (``node.server_cli``) and ``OpenAIServer``, the app on a live socket.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import json
 import logging
-import secrets
-import signal
-import socket
-import ssl
 import sys
-import threading
-import time
-from collections import defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from node import openai_follow, serving_cache
-from node.generation import GenerationBackend, GenerationHandle, GenerationRequest
-from node.openai_protocol import (MAX_SEED, APIError, Params, PromptCodec, TextStream, bad,
-                                  parse_chat, parse_completion)
-from node.request_json import BadJSON, decode_object
-from node.sampling_fields import LogprobsWriter
+from node import openai_follow, server_cli, serving_cache
+from node.generation import GenerationBackend
+from node.openai_protocol import PromptCodec
+from node.openai_state import APIConfig, OpenAIState, TenantStats
 from node.serve_auth import Tenants
-from node.serve_metrics import CONTENT_TYPE, RequestRecord, ServeMetrics, health
+from node.served_models import ServedModels, parse_lora_module
+from node.server_app import build_app
+from node.server_http import LiveServer, ServerLimits
 
+__all__ = ["APIConfig", "OpenAIServer", "TenantStats", "main"]
 _log = logging.getLogger("fedkv.openai_api")
-
-
-@dataclass(frozen=True)
-class APIConfig:
-    """The server's limits."""
-
-    max_tokens: int = 256
-    """The most tokens one choice may generate (a larger ``max_tokens`` is a 400)."""
-    max_concurrent: int = 4
-    """Requests one tenant may have in flight; more get 429."""
-    max_queue: int = 16
-    """Requests the server takes in flight in all; more get 503 with ``Retry-After``."""
-    request_timeout_s: float = 60.0
-    """Seconds a request may wait for its next token before it is cancelled (503)."""
-    request_deadline_s: float = 300.0
-    """Seconds a request may take in all, from its admission to its last token: past it the
-    backend stops decoding it between steps, the server between tokens, and the reply ends
-    with a 503 ``timeout`` (a stream: its last event); its slot and KV blocks are freed."""
-    socket_timeout_s: float = 10.0
-    """Seconds a connection may stall a read or a write."""
-    max_body: int = 1 << 20
-    metrics_auth: bool = False
-    """``GET /metrics`` needs a tenant's token too (off: as vLLM; it shows no tenant or token)."""
-
-
-@dataclass
-class TenantStats:
-    """One tenant's own counters (``GET /v1/stats`` shows the caller's only)."""
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    """Prompt tokens taken from the tenant's own prefix cache."""
-    completion_tokens: int = 0
-    rate_limited: int = 0
-    refused_busy: int = 0
-
-
-def _unauthorized() -> APIError:
-    return APIError(401, "invalid or missing API key (Authorization: Bearer <token>)", None,
-                    "invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="fedkv"'})
-
-
-class OpenAIServer(ThreadingHTTPServer):
-    """A thread per connection; the backend decodes, this server checks, admits and shapes."""
-
-    daemon_threads = True
-    block_on_close = False
-
-    def __init__(self, address: tuple[str, int], backend: GenerationBackend, codec: PromptCodec,
-                 tenants: Tenants, config: APIConfig = APIConfig(), *,
-                 context_len: int, tls: ssl.SSLContext | None = None):
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        super().__init__(address, _Handler)
-        self.backend, self.codec, self.tenants, self.config = backend, codec, tenants, config
-        self.context_len, self.created = context_len, int(time.time())
-        self.stats: defaultdict[str, TenantStats] = defaultdict(TenantStats)
-        self.history: Callable[[], dict] | None = None
-        """The followed node's model history (``WeightFollower.history``), shown to all."""
-        self.metrics = ServeMetrics(backend)  # this server's own registry; the request log
-        self._active: defaultdict[str, int] = defaultdict(int)
-        self._lock = threading.Lock()
-        if tls is not None:  # the handshake happens on the connection's thread
-            self.socket = tls.wrap_socket(self.socket, server_side=True,
-                                          do_handshake_on_connect=False)
-
-    @contextmanager
-    def admit(self, tenant: str) -> Iterator[None]:
-        """Hold one of ``tenant``'s in-flight slots, or refuse: 429 over its quota, 503 when
-        the server holds ``max_queue`` requests."""
-        with self._lock:
-            if self._active[tenant] >= self.config.max_concurrent:
-                self.stats[tenant].rate_limited += 1
-                raise APIError(429, f"too many requests in flight for this API key (at most "
-                                    f"{self.config.max_concurrent})", None, "rate_limit_exceeded",
-                               "rate_limit_error", {"Retry-After": "1"})
-            if sum(self._active.values()) >= self.config.max_queue:
-                self.stats[tenant].refused_busy += 1
-                raise APIError(503, "the server is at capacity; retry later", None, "overloaded",
-                               "server_error", {"Retry-After": "1"})
-            self._active[tenant] += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._active[tenant] -= 1
-
-    def models(self) -> list[dict[str, Any]]:
-        return [{"id": self.backend.model_id, "object": "model", "created": self.created,
-                 "owned_by": "fedkv", "version": self.backend.version}]
-
-    def handle_error(self, request, client_address) -> None:
-        e = sys.exc_info()[1]
-        if isinstance(e, (OSError, ssl.SSLError)):  # a client that hung up or timed out
-            _log.debug("connection from %s: %s: %s", client_address, type(e).__name__, e)
-        else:
-            _log.exception("error serving %s", client_address)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: OpenAIServer
-    server_version, sys_version = "fedkv-openai", ""
-
-    record: RequestRecord | None = None  # None: http.server answers (501, a bad request line)
-
-    def log_message(self, fmt: str, *args) -> None:
-        _log.debug(fmt, *args)
-
-    def send_response(self, code: int, message: str | None = None) -> None:
-        if self.record is not None:
-            self.record.status = code
-        super().send_response(code, message)
-
-    def setup(self) -> None:
-        self.timeout = self.server.config.socket_timeout_s
-        super().setup()
-        if isinstance(self.connection, ssl.SSLSocket):
-            self.connection.do_handshake()
-
-    # -- replies ---------------------------------------------------------------------------
-    def _json(self, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
-        self._send(status, json.dumps(body).encode(), "application/json", headers)
-
-    def _send(self, status: int, data: bytes, kind: str, headers: dict | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(data)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _event(self, data: dict | str) -> None:
-        payload = data if isinstance(data, str) else json.dumps(data)
-        self.wfile.write(f"data: {payload}\n\n".encode())
-
-    def _guarded(self, fn) -> None:
-        """``fn(tenant)`` after authentication; an ``APIError`` becomes its JSON reply."""
-        try:
-            tenant = self.server.tenants.authenticate(self.headers.get("Authorization"))
-            if tenant is None:
-                self.close_connection = True  # the body is not read
-                raise _unauthorized()
-            self.record.tenant = tenant
-            fn(tenant)
-        except APIError as e:
-            self.record.error = e.code
-            self._json(e.status, e.body(), e.headers)
-        except OSError:
-            raise  # the connection itself: nothing to answer on
-        except Exception:
-            _log.exception("%s %s failed", self.command, self.path)
-            self._json(500, APIError(500, "internal error", type="server_error").body())
-
-    def _body(self) -> dict:
-        try:
-            n = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            raise bad(None, "Content-Length must be an integer") from None
-        if not 0 < n <= self.server.config.max_body:
-            raise bad(None, "the body must be a JSON object of 1 to "
-                            f"{self.server.config.max_body} bytes")
-        try:
-            return decode_object(self.rfile.read(n))
-        except BadJSON as e:
-            raise bad(None, str(e)) from None
-
-    # -- routes ------------------------------------------------------------------------------
-    def do_GET(self) -> None:
-        with self.server.metrics.request(RequestRecord(self.command, self.path)) as self.record:
-            if self.path == "/health":  # a probe: no token, nothing secret
-                self._json(*health(self.server.backend))
-            elif self.path == "/metrics" and not self.server.config.metrics_auth:
-                self._send(200, self.server.metrics.render(), CONTENT_TYPE)
-            else:
-                self._guarded(self._get)
-
-    def _get(self, tenant: str) -> None:
-        models = self.server.models()
-        if self.path == "/v1/models":
-            self._json(200, {"object": "list", "data": models})
-        elif self.path.startswith("/v1/models/"):
-            found = [m for m in models if m["id"] == self.path.removeprefix("/v1/models/")]
-            if not found:
-                raise APIError(404, "no such model", "model", "model_not_found")
-            self._json(200, found[0])
-        elif self.path == "/v1/stats":
-            with self.server._lock:
-                own = asdict(self.server.stats[tenant])
-            history = self.server.history() if self.server.history else {}
-            self._json(200, {"tenant": tenant, "model": self.server.backend.model_id,
-                             "version": self.server.backend.version, **history, **own})
-        elif self.path == "/metrics":  # --metrics-auth: any tenant's token
-            self._send(200, self.server.metrics.render(), CONTENT_TYPE)
-        else:
-            raise APIError(404, f"no such path {self.path}", None, "not_found")
-
-    def do_POST(self) -> None:
-        def post(tenant: str) -> None:
-            s = self.server
-            if self.path == "/v1/chat/completions":
-                p = parse_chat(self._body(), s.backend.model_id, s.config.max_tokens)
-                _Completion(self, tenant, p, chat=True).run(s.codec.messages(p.prompt))
-            elif self.path == "/v1/completions":
-                p = parse_completion(self._body(), s.backend.model_id, s.config.max_tokens)
-                _Completion(self, tenant, p, chat=False).run(s.codec.text(p.prompt))
-            else:
-                raise APIError(404, f"no such path {self.path}", None, "not_found")
-        with self.server.metrics.request(RequestRecord(self.command, self.path)) as self.record:
-            self._guarded(post)
-
-
-class _Completion:
-    """One request from its prompt ids to its reply (streamed or whole)."""
-
-    def __init__(self, handler: _Handler, tenant: str, params: Params, chat: bool):
-        self.h, self.tenant, self.p, self.chat = handler, tenant, params, chat
-        self.server = handler.server
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
-        self.created = int(time.time())
-        self._used: list[int] = []
-        """Tokens each choice consumed (the usage's completion tokens)."""
-        self.deadline = time.monotonic() + self.server.config.request_deadline_s
-
-    def _request(self, prompt: list[int]) -> GenerationRequest:
-        """The backend's request; 400 when the prompt and ``max_tokens`` overflow the context."""
-        room, asked = self.server.context_len - len(prompt), self.p.max_tokens
-        if room < 1 or (asked is not None and asked > room):
-            raise APIError(400, f"this model's maximum context length is {self.server.context_len} "
-                                f"tokens; the prompt has {len(prompt)} and max_tokens asks for "
-                                f"{asked or 1}", "messages" if self.chat else "prompt",
-                           "context_length_exceeded")
-        n, seed = self.p.n, self.p.seed
-        seeds = None if seed is None else tuple((seed + i) & MAX_SEED for i in range(n))
-        return GenerationRequest(
-            tuple(prompt), min(room, self.server.config.max_tokens) if asked is None else asked,
-            self.server.codec.sampling(self.p), stop_token_ids=self.server.codec.eos_ids,
-            tenant=self.tenant, n=n, seeds=seeds, deadline=self.deadline)
-
-    def run(self, prompt: list[int]) -> None:
-        request = self._request(prompt)
-        with self.server.admit(self.tenant):
-            try:
-                handles = self.server.backend.submit(request)
-            except ValueError as e:
-                raise bad("messages" if self.chat else "prompt", str(e)) from None
-            except RuntimeError as e:  # closing
-                raise APIError(503, str(e), None, "unavailable", "server_error") from None
-            try:
-                (self._stream if self.p.stream else self._whole)(handles)
-            finally:
-                for h in handles:
-                    h.cancel()  # a no-op once finished; frees a client's abandoned forks
-                self._account(handles, self._used)
-
-    def _choice(self, h: GenerationHandle, ts: TextStream) -> Iterator[str]:
-        """The choice's text deltas; afterwards ``_reason`` says why it ended."""
-        try:
-            for token in h.tokens(timeout=self.server.config.request_timeout_s):
-                self.h.record.token()
-                if time.monotonic() >= self.deadline:  # tokens keep coming, but time is up
-                    raise self._past_deadline()
-                if delta := ts.push(token):
-                    yield delta
-                if ts.stopped:
-                    h.cancel()  # the text ended at a stop string: its fork need not go on
-                    return
-        except TimeoutError:
-            raise APIError(503, "generation timed out", None, "timeout", "server_error") from None
-        if h.finish_reason == "timeout":
-            raise self._past_deadline()
-        if h.finish_reason not in ("stop", "length"):
-            raise APIError(503, f"generation failed: {h.error or h.finish_reason}", None,
-                           "generation_failed", "server_error", {"Retry-After": "1"})
-        if tail := ts.finish():
-            yield tail
-
-    def _past_deadline(self) -> APIError:
-        return APIError(503, f"the request ran past its deadline "
-                             f"({self.server.config.request_deadline_s:g} s)", None, "timeout",
-                        "server_error")
-
-    @staticmethod
-    def _reason(h: GenerationHandle, ts: TextStream) -> str:
-        return "stop" if ts.stopped or h.finish_reason == "stop" else "length"
-
-    def _streams(self, handles: list[GenerationHandle]) -> list[TextStream]:
-        streams = [TextStream(self.server.codec.decode, self.p.stop) for _ in handles]
-        self._used = [0] * len(handles)
-        self._lp = LogprobsWriter.for_streams(streams, self.p.sampling, self.chat, self.server.codec)
-        return streams
-
-    def _whole(self, handles: list[GenerationHandle]) -> None:
-        streams, choices = self._streams(handles), []
-        for i, (h, ts) in enumerate(zip(handles, streams)):
-            text = "".join(self._choice(h, ts))
-            self._used[i] = len(ts.ids)
-            body = {"message": {"role": "assistant", "content": text}} if self.chat else \
-                {"text": text}
-            choices.append({"index": i, **body, "logprobs": self._lp[i].take(len(ts.ids)),
-                            "finish_reason": self._reason(h, ts)})
-        self.h._json(200, {**self._head(self._newest(handles), chunk=False), "choices": choices,
-                           "usage": self._usage(handles)})
-
-    def _stream(self, handles: list[GenerationHandle]) -> None:
-        streams = self._streams(handles)
-        self.h.send_response(200)
-        self.h.send_header("Content-Type", "text/event-stream")
-        self.h.send_header("Cache-Control", "no-cache")
-        self.h.end_headers()
-        self.h.close_connection = True  # the stream ends when the connection does
-        usage = {"usage": None} if self.p.include_usage else {}
-        try:
-            for i, (h, ts) in enumerate(zip(handles, streams)):
-                if self.chat:
-                    self._chunk(handles, i, {"role": "assistant", "content": ""}, None, usage)
-                for delta in self._choice(h, ts):
-                    self._used[i] = len(ts.ids)
-                    self._chunk(handles, i, {"content": delta} if self.chat else delta, None, usage)
-                self._used[i] = len(ts.ids)
-                self._chunk(handles, i, {} if self.chat else "", self._reason(h, ts), usage)
-        except APIError as e:  # headers are sent: the error is the stream's last event
-            self.h.record.error = e.code
-            for h in handles:  # freed before the client learns: its slots are free when it retries
-                h.cancel()
-            self.h._event(e.body())
-            return
-        if self.p.include_usage:
-            self.h._event({**self._head(self._newest(handles), chunk=True), "choices": [],
-                           "usage": self._usage(handles)})
-        self.h._event("[DONE]")
-
-    def _chunk(self, handles, i: int, delta: dict | str, reason: str | None, usage: dict) -> None:
-        body = {"delta" if self.chat else "text": delta, "logprobs": self._lp[i].take(self._used[i])}
-        self.h._event({**self._head(_version_at(handles[i], self._used[i]), chunk=True), **usage,
-                       "choices": [{"index": i, **body, "finish_reason": reason}]})
-
-    def _newest(self, handles: list[GenerationHandle]) -> int | None:
-        """The newest version among the tokens sent (the whole reply's fingerprint)."""
-        return max((v for h, n in zip(handles, self._used) if (v := _version_at(h, n)) is not None),
-                   default=None)
-
-    def _head(self, version: int | None, chunk: bool) -> dict[str, Any]:
-        """``version``: the model version of the tokens in the object (None: none yet)."""
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat \
-            else "text_completion"
-        if version is None:
-            version = self.server.backend.version
-        return {"id": self.id, "object": kind, "created": self.created,
-                "model": self.server.backend.model_id,
-                "system_fingerprint": f"fedkv-v{version}"}
-
-    def _usage(self, handles: list[GenerationHandle]) -> dict[str, Any]:
-        prompt, done = handles[0].prompt_tokens, sum(self._used)
-        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
-                "prompt_tokens_details": {"cached_tokens": handles[0].cached_prompt_tokens}}
-
-    def _account(self, handles: list[GenerationHandle], used: list[int]) -> None:
-        with self.server._lock:
-            st = self.server.stats[self.tenant]
-            st.requests += 1
-            st.prompt_tokens += handles[0].prompt_tokens
-            st.cached_prompt_tokens += handles[0].cached_prompt_tokens
-            st.completion_tokens += sum(used)
-        self.h.record.prompt_tokens = handles[0].prompt_tokens
-        self.h.record.generated_tokens = sum(used)
-
-
-def _version_at(h: GenerationHandle, n: int) -> int | None:
-    """The version of ``h``'s ``n``-th token (the last one a chunk holds): a backend that
-    restarts running requests under new weights lists each token's (``token_versions``,
-    appended before the token is queued); the serial one has one per request."""
-    versions = getattr(h, "token_versions", None)
-    return versions[n - 1] if versions and 0 < n <= len(versions) else h.model_version
-
-
-# -- the command line -----------------------------------------------------------------------------
 MODEL_IDS = {"byte": "fedkv-byte", "smollm2": "smollm2-135m-instruct"}
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_LEVELS = server_cli.LOG_LEVELS
 DEFAULT_PORT = 8471
 
 
+class OpenAIServer(LiveServer):
+    """The OpenAI routes on a live socket: ``backend`` (and ``models``' adapters) behind
+    ``build_app``; ``serve_forever``/``shutdown``/``server_close`` as a ``socketserver``."""
+
+    def __init__(self, address: tuple[str, int], backend: GenerationBackend, codec: PromptCodec,
+                 tenants: Tenants, config: APIConfig = APIConfig(), *, context_len: int,
+                 tls_cert: Path | None = None, tls_key: Path | None = None,
+                 models: ServedModels | None = None):
+        models = models or ServedModels(backend.model_id, backend)
+        self.state = OpenAIState(models, codec, tenants, config, context_len)
+        super().__init__(build_app(self.state), address,
+                         ServerLimits(config.socket_timeout_s, config.max_body),
+                         tls_cert=tls_cert, tls_key=tls_key)
+        self.backend, self.codec, self.config = backend, codec, config
+
+    @property
+    def tenants(self) -> Tenants:
+        return self.app.state.tenants
+
+    @tenants.setter
+    def tenants(self, tenants: Tenants) -> None:
+        self.app.state.tenants = self.state.tenants = tenants
+
+    @property
+    def history(self):
+        return self.state.history
+
+    @history.setter
+    def history(self, fn) -> None:
+        self.state.history = fn
+
+    @property
+    def stats(self):
+        return self.state.stats
+
+    @property
+    def _active(self):
+        """Requests in flight per tenant (``node.fair_gate``)."""
+        return self.state.gate.active
+
+
+# -- the command line -----------------------------------------------------------------------------
 def _args(argv: list[str] | None) -> argparse.Namespace:
-    from node.served_model import MODELS, POOL_MIB, SMOLLM2_POOL_MIB
     d = APIConfig()
     p = argparse.ArgumentParser(prog="python -m node.openai_api",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=MODELS, default="byte",
-                   help="byte: the node's byte-level model (random weights, seed --seed: for "
-                        "plumbing); smollm2: SmolLM2-135M-Instruct from --model-dir")
-    p.add_argument("--model-dir", type=Path, default=None,
-                   help="the converted SmolLM2 directory (default: node.models.default_dir())")
+    server_cli.common_arguments(p, DEFAULT_PORT)
     p.add_argument("--seed", type=int, default=0, help="the byte model's initial weights")
     p.add_argument("--lora-seed", type=int, default=None,
                    help="smollm2: serve it with a chat task's FFA-LoRA adapters (node.lora), A "
@@ -470,46 +125,35 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--adapter", type=Path, default=None,
                    help="smollm2: serve the LoRA adapters of this PEFT adapter directory "
                         "(node.adapters export writes one) instead of a seed and a node's")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="loopback by default; another address only with --tls-cert and --tls-key")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 = any free port")
-    p.add_argument("--tls-cert", type=Path, default=None)
-    p.add_argument("--tls-key", type=Path, default=None)
-    p.add_argument("--token-file", type=Path, default=None,
-                   help="'tenant:token' lines (a bare token: tenant 'default'), mode 0600; "
-                        "written with one fresh token when missing (default: serve-token beside "
-                        "--cache-dir, else this server's own ~/.cache/fedkv/openai-<port>/"
-                        "serve-token, <port> the bound one)")
-    p.add_argument("--pool-mib", type=float, default=None,
-                   help=f"KV pool (default {POOL_MIB:g}; {SMOLLM2_POOL_MIB:g} for smollm2)")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    p.add_argument("--max-concurrent", type=int, default=d.max_concurrent)
-    p.add_argument("--max-queue", type=int, default=d.max_queue)
+    p.add_argument("--lora-modules", action="append", default=[], metavar="NAME=PEFT_DIR",
+                   help="smollm2: also serve this PEFT adapter as model NAME (repeatable, as "
+                        "vLLM); it shares the base's weights, has its own KV pool")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="the most tokens a reply may ask for (default: the context)")
+    p.add_argument("--max-concurrent", type=int, default=d.max_concurrent,
+                   help="requests one tenant may have in flight (then 429)")
+    p.add_argument("--max-queue", type=int, default=d.max_queue,
+                   help="requests the server holds in flight in all (then 503)")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
                    help="seconds a request may wait for its next token")
     p.add_argument("--request-deadline", type=float, default=d.request_deadline_s,
                    help="seconds a request may take in all (then 503 timeout, its slot freed)")
-    p.add_argument("--socket-timeout", type=float, default=d.socket_timeout_s)
     p.add_argument("--metrics-auth", action="store_true",
                    help="GET /metrics needs a tenant's token (default: none, as vLLM)")
-    p.add_argument("--log-level", default="INFO", choices=LOG_LEVELS,
-                   help="the server's log level (INFO: one line per request)")
     openai_follow.add_arguments(p)
     serving_cache.add_cli_args(p)  # --kv-*: warm, disk and Redis tiers of the serving cache
     args = p.parse_args(argv)
     openai_follow.check_arguments(p, args)
-    from node.serve_auth import check_bind
+    server_cli.check_common(p, args)
     try:
-        check_bind(args.host, args.tls_cert, args.tls_key)
+        args.lora_modules = [parse_lora_module(m) for m in args.lora_modules]
     except ValueError as e:
         p.error(str(e))
-    if args.pool_mib is None:
-        args.pool_mib = SMOLLM2_POOL_MIB if args.model == "smollm2" else POOL_MIB
-    if min(args.max_tokens, args.max_concurrent, args.max_queue) < 1 or \
-            min(args.pool_mib, args.request_timeout, args.request_deadline,
-                args.socket_timeout) <= 0:
-        p.error("--max-tokens, --max-concurrent, --max-queue, --pool-mib and the timeouts must "
-                "be positive")
+    if args.lora_modules and args.model != "smollm2":
+        p.error("--lora-modules adapts --model smollm2")
+    if min(args.max_concurrent, args.max_queue, args.max_tokens or 1) < 1 or \
+            min(args.request_timeout, args.request_deadline) <= 0:
+        p.error("--max-tokens, --max-concurrent, --max-queue and the timeouts must be positive")
     return args
 
 
@@ -531,68 +175,83 @@ def _adapted(args: argparse.Namespace, model):
         from node.lora import LoraConfig, adapt
         return adapt(model, LoraConfig(seed=args.lora_seed))
     if args.adapter is not None:
-        from node.adapters import AdapterError, load_into, read_adapter
-        try:
-            return load_into(model, read_adapter(args.adapter, model.cfg))
-        except AdapterError as e:
-            raise SystemExit(f"--adapter {args.adapter}: {e}") from None
+        return _load_adapter(model, args.adapter, "--adapter")
     return model
+
+
+def _load_adapter(base, path: Path | str, flag: str):
+    from node.adapters import AdapterError, load_into, read_adapter
+    try:
+        return load_into(base, read_adapter(path, base.cfg))
+    except AdapterError as e:
+        raise SystemExit(f"{flag} {path}: {e}") from None
+
+
+def build_cache(args: argparse.Namespace, model: Any, pool_bytes: int, model_id: str,
+                adapter: bool = False):
+    """The KV cache a served model decodes into, with the ``--kv-*`` tiers
+    (``node.serving_cache``); an adapter's has no disk tier of its own (one segment store
+    belongs to one cache) but shares Redis, in its own namespace."""
+    options = serving_cache.options_from_args(args, pool_bytes)
+    if adapter:
+        options = replace(options, cold_dir=None, namespace=f"{options.namespace}@{model_id}")
+    return serving_cache.build_serving_cache(options, model, model_id)
+
+
+def _backends(args: argparse.Namespace, base, pool_bytes: int):
+    """(ServedModels, hook): the base (``--lora-seed``/``--adapter``/``--cache-dir``) and
+    every ``--lora-modules`` adapter, each with its own cache and backend."""
+    from node.scheduler import SchedulerConfig
+    from node.scheduler_backend import ScheduledBackend
+    model = _adapted(args, base)
+    cache = build_cache(args, model, pool_bytes, MODEL_IDS[args.model])
+    backend, hook = openai_follow.build_backend(args, model.eval(), cache,
+                                                MODEL_IDS[args.model],
+                                                own_weights=args.model != "byte")
+    models = ServedModels(backend.model_id, backend)
+    try:
+        for name, path in args.lora_modules:
+            adapted = _load_adapter(base, path, "--lora-modules").eval()
+            models.adapters[name] = ScheduledBackend(
+                adapted, build_cache(args, adapted, pool_bytes, name, adapter=True), SchedulerConfig(
+                    args.max_running, args.token_budget, args.preempt_mode), model_id=name)
+            models.sources[name] = str(path)
+    except BaseException:
+        models.close(lambda b: openai_follow.close(b, hook))
+        raise
+    return models, hook
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s openai_api %(message)s")
-    import torch
-
-    from node.models import ModelError
-    from node.served_model import load_model
-    from node.serve_auth import Tenants, load_tenants, tls_context
-    tls = tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
-    announce = functools.partial(print, flush=True)
-    known = args.port or args.token_file or args.cache_dir  # else: the port bound below
-    token_file = _token_file(args, args.port) if known else None
-    tenants = load_tenants(token_file, announce) if token_file else Tenants(())
-    torch.manual_seed(args.seed)
-    try:
-        model, codec = load_model(args.model, args.model_dir)
-    except ModelError as e:
-        raise SystemExit(f"--model {args.model}: {e}") from None
-    model = _adapted(args, model)
-    cache = serving_cache.from_args(args, model, MODEL_IDS[args.model])
-    backend, hook = openai_follow.build_backend(args, model.eval(), cache, MODEL_IDS[args.model],
-                                                own_weights=args.model != "byte")
+    server_cli.setup_logging(args.log_level, "openai_api")
+    from node.serve_auth import load_tenants
+    announce = server_cli.announce
+    base, codec = server_cli.load_served(args, args.seed)
+    context = server_cli.context_len(base, args.max_context)
+    models, hook = _backends(args, base, server_cli.pool_bytes(args, base))
     config = APIConfig(args.max_tokens, args.max_concurrent, args.max_queue,
                        args.request_timeout, args.request_deadline, args.socket_timeout,
                        metrics_auth=args.metrics_auth)
-    server: OpenAIServer | None = None
-    try:
-        server = OpenAIServer((args.host, args.port), backend, PromptCodec(codec), tenants,
-                              config, context_len=model.context_len, tls=tls)
-        if token_file is None:  # --port 0: this server's own file, named by the bound port
-            token_file = _token_file(args, server.server_address[1])
-            server.tenants = load_tenants(token_file, announce)
-    except BaseException:
-        if server is not None:
-            server.server_close()
-        openai_follow.close(backend, hook)
-        raise
-    server.history = hook.history if hook else None
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwinds serve_forever: finally below
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    port = server.server_address[1]
-    if args.ready_file:
-        openai_follow.write_ready(args.ready_file, port, backend.version)
-    print(f"serving {backend.model_id} ({args.backend}, version {backend.version}) at "
-          f"{'https' if tls else 'http'}://{host}:{port}/v1 (token file {token_file})",
-          flush=True)
-    try:
-        server.serve_forever(poll_interval=0.05)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-        openai_follow.close(backend, hook)
-        print("stopped: server and backend closed", flush=True)
+    state = OpenAIState(models, PromptCodec(codec), Tenants(()), config, context)
+    state.history = hook.history if hook else None
+    app = build_app(state)
+    backend = models.backend
+
+    def ready(port: int, tls: bool) -> None:
+        token_file = _token_file(args, port)  # --port 0: named by the bound port
+        app.state.tenants = state.tenants = load_tenants(token_file, announce)
+        if args.ready_file:
+            server_cli.write_ready(args.ready_file, port, backend.version)
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        announce(f"serving {', '.join(models.names())} ({args.backend}, version "
+                 f"{backend.version}, context {context}) at {'https' if tls else 'http'}://"
+                 f"{host}:{port}/v1 (token file {token_file})")
+
+    def closing() -> None:
+        models.close(lambda b: openai_follow.close(b, hook))
+        announce("stopped: server and backend closed")
+    server_cli.serve(app, args, ready, closing)
     return 0
 
 

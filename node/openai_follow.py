@@ -21,7 +21,6 @@ server's chunks carry theirs as ``system_fingerprint: fedkv-v<version>``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 from pathlib import Path
@@ -163,10 +162,3 @@ def close(backend, hook: WeightFollower | None) -> None:
     backend.close()
     if hook is not None:
         hook.close()
-
-
-def write_ready(path: Path, port: int, version: int) -> None:
-    """``--ready-file``: {pid, port, version}, atomically (a reader never sees half of it)."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "port": port, "version": version}))
-    tmp.replace(path)

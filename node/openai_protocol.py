@@ -23,7 +23,7 @@ Kept apart from the HTTP server so each reads at once; nothing here touches a so
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -86,6 +86,8 @@ class Params:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     """All sampling options (``node.sampling_fields``), temperature and top_p included."""
     response_format: structured_output.ResponseFormat | None = None
+    model: str = ""
+    """The served model the request named (the base or an adapter: ``node.served_models``)."""
 
 
 # -- field checks -------------------------------------------------------------------------------
@@ -142,14 +144,21 @@ def _check_fields(body: dict, supported: set[str]) -> None:
                             f"{sorted(supported)}", refused[0], "unsupported_parameter")
 
 
-def _common(body: dict, model_id: str, max_cap: int, max_tokens_name: str = "max_tokens",
-            chat: bool = True) -> dict:
+def _model(body: dict, model_ids: str | Collection[str]) -> str:
+    """The served model the body names (404 ``model_not_found`` for another)."""
+    ids = (model_ids,) if isinstance(model_ids, str) else tuple(model_ids)
     model = body.get("model")
     if not isinstance(model, str):
         raise bad("model", "'model' must be a string naming the model (GET /v1/models)")
-    if model != model_id:
-        raise APIError(404, f"the model '{model}' does not exist; this server serves "
-                            f"'{model_id}'", "model", "model_not_found")
+    if model not in ids:
+        raise APIError(404, f"the model '{model[:100]}' does not exist; this server serves "
+                            f"{', '.join(repr(i) for i in ids)}", "model", "model_not_found")
+    return model
+
+
+def _common(body: dict, model_ids: str | Collection[str], max_cap: int,
+            max_tokens_name: str = "max_tokens", chat: bool = True) -> dict:
+    model = _model(body, model_ids)
     stream = _bool(body, "stream")
     opts = body.get("stream_options")
     if opts is not None:
@@ -167,10 +176,10 @@ def _common(body: dict, model_id: str, max_cap: int, max_tokens_name: str = "max
     return dict(max_tokens=_int(body, max_tokens_name, 0, max_cap), temperature=temperature,
                 top_p=top_p, n=_int(body, "n", 1, MAX_N) or 1, stop=_stop(body), seed=seed,
                 stream=stream, include_usage=_bool(opts or {}, "include_usage"),
-                sampling=sampling, response_format=fmt)
+                sampling=sampling, response_format=fmt, model=model)
 
 
-def parse_chat(body: dict, model_id: str, max_cap: int) -> Params:
+def parse_chat(body: dict, model_id: str | Collection[str], max_cap: int) -> Params:
     """A ``/v1/chat/completions`` body, checked (``APIError`` 400/404 otherwise)."""
     _check_fields(body, _CHAT_FIELDS)
     name = "max_tokens"
@@ -211,7 +220,7 @@ def _content(c: object, p: str) -> str:
                               "(this model reads text only)")
 
 
-def parse_completion(body: dict, model_id: str, max_cap: int) -> Params:
+def parse_completion(body: dict, model_id: str | Collection[str], max_cap: int) -> Params:
     """A ``/v1/completions`` body, checked; ``max_tokens`` defaults to 16 as OpenAI's does."""
     _check_fields(body, _TEXT_FIELDS)
     prompt = body.get("prompt")

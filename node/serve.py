@@ -3,8 +3,8 @@ processes train and write back.
 
     python -m node.serve --cache-dir DIR [--key-file DIR/../kv-cache.key] [--port 8470]
         [--token-file DIR/../serve-token] [--max-sessions 16] [--idle-expiry-s 600]
-        [--socket-timeout 10] [--pool-mib 8] [--host 127.0.0.1 [--tls-cert C --tls-key K]]
-        [--model byte|smollm2 [--model-dir DIR]]
+        [--socket-timeout 10] [--pool-mib MiB] [--max-context N] [--log-level INFO]
+        [--host 127.0.0.1 [--tls-cert C --tls-key K]] [--model byte|smollm2 [--model-dir DIR]]
 
 ``--model smollm2`` serves SmolLM2-135M-Instruct (``node.llama.LlamaModel`` and
 ``node.chat.ChatCodec`` read from ``--model-dir``, default ``node.models.default_dir()``; absent:
@@ -34,9 +34,11 @@ idle for ``--idle-expiry-s`` is closed and its blocks freed. A full KV pool answ
 ``{"error"}`` and leaves the session as it was before the request. Each tenant's sessions
 share system-prompt blocks only with each other (the tenant is the prefix namespace of the
 block hashes), so a tenant sees no prefix hit -- counter or latency -- on another's prompt.
-Connections are served on threads with a socket timeout (``--socket-timeout``): an idle or
-slow client never blocks another; the model and cache are used by one request at a time, never
-while a request body is being read. The agent binds loopback; another ``--host`` is refused
+The HTTP side is the session router of the node's one ASGI app (``node.session_routes``,
+``node.server_app``; this module's ``main`` is ``node.server_cli``'s): one event loop holds
+every connection, a request head or body not sent within ``--socket-timeout`` is cut, so an idle
+or slow client never blocks another; the model and cache are used by one request at a time, on
+a worker thread, never while a request body is being read. The agent binds loopback; another ``--host`` is refused
 unless ``--tls-cert`` and ``--tls-key`` are given (TLS 1.2 or newer).
 
 Endpoints (JSON): ``POST /v1/sessions`` ``{"system": str}`` -> ``{"session"}``;
@@ -60,19 +62,13 @@ live) and ``python -m cache set KEY VALUE --dir <cache-dir>/serve``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import secrets
-import signal
-import socket
-import ssl
 import sys
 import threading
 from collections import defaultdict
 from dataclasses import asdict, dataclass
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -81,24 +77,21 @@ from cache.coherence import Mode
 from cache.errors import CacheFullError
 from crypto import PASSPHRASE_ENV
 from node.model_interface import CachedLM
-from node.models import ModelError
+from node import server_cli
 from node.param_follower import ParamFollower
-from node.request_json import decode_object
-from node.serve_auth import (NoSuchSession, QuotaExceeded, SessionRegistry, Tenants, check_bind,
-                             default_token_file, load_tenants, tls_context)
-from node.served_model import MODELS, POOL_MIB, SMOLLM2_POOL_MIB, load_model, node_key
-from node.turn_options import TurnOptions, parse_turn
-from node.sessions import Sessions, UnknownSessionError
+from node.serve_auth import SessionRegistry, default_token_file, load_tenants
+from node.served_model import POOL_MIB, node_key
+from node.server_app import build_app
+from node.turn_options import TurnOptions
+from node.sessions import Sessions
 from node.tasks import lm_model, parameter_layout
 
 _log = logging.getLogger("fedkv.serve")
 LIVE_SUBDIR = "serve"
 """``python -m cache stats --dir <cache-dir>/serve`` reads (and ``set`` changes) this agent's cache."""
-MAX_BODY = 1 << 16
 MAX_SESSIONS = 16
 """Open sessions per tenant (``--max-sessions``)."""
 IDLE_EXPIRY_S = 600.0
-SOCKET_TIMEOUT_S = 10.0
 _PREFIX_COUNTERS = ("prefix_lookups", "prefix_hit_blocks", "prefix_hit_tokens")
 
 
@@ -314,180 +307,17 @@ class ServingAgent:
         self.follower.leave()
 
 
-_UNAUTHORIZED = {"error": "unauthorized"}
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: ServeHTTPServer
-    server_version, sys_version = "fedkv-serve", ""  # the Server header names no versions
-
-    def log_message(self, fmt: str, *args) -> None:  # requests go to the logger, not stderr
-        _log.debug(fmt, *args)
-
-    def setup(self) -> None:
-        self.timeout = self.server.socket_timeout  # every read and write of this connection
-        super().setup()
-        if isinstance(self.connection, ssl.SSLSocket):
-            self.connection.do_handshake()  # here, on this thread, under the timeout
-
-    def _reply(self, status: HTTPStatus, body: dict, headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _tenant(self) -> str | None:
-        """The caller's tenant; None after answering 401 (nothing read, nothing revealed)."""
-        tenant = self.server.tenants.authenticate(self.headers.get("Authorization"))
-        if tenant is None:
-            self.close_connection = True  # an unread body is not read: the connection ends
-            self._reply(HTTPStatus.UNAUTHORIZED, _UNAUTHORIZED,
-                        {"WWW-Authenticate": 'Bearer realm="fedkv-serve"'})
-        return tenant
-
-    def _body(self) -> dict:
-        """The JSON body, read before the model is taken (a slow sender holds only its thread)."""
-        n = int(self.headers.get("Content-Length") or 0)
-        if not 0 <= n <= MAX_BODY:
-            raise ValueError(f"body of {n} bytes (at most {MAX_BODY})")
-        return decode_object(self.rfile.read(n) or b"{}")  # BadJSON: a ValueError, so a 400
-
-    def _guarded(self, fn) -> None:
-        try:
-            self._reply(HTTPStatus.OK, fn())
-        except (NoSuchSession, UnknownSessionError):
-            self._reply(HTTPStatus.NOT_FOUND, {"error": str(NoSuchSession())})
-        except QuotaExceeded as e:
-            self._reply(HTTPStatus.TOO_MANY_REQUESTS, {"error": str(e)})
-        except CacheFullError:
-            self._reply(HTTPStatus.SERVICE_UNAVAILABLE,
-                        {"error": "the KV cache is full: no free block for this request; the "
-                                  "session is as it was before it. Retry later, or close "
-                                  "sessions (DELETE /v1/sessions/<id>)"},
-                        {"Retry-After": "1"})
-        except (ValueError, TypeError) as e:  # json errors are ValueErrors
-            self._reply(HTTPStatus.BAD_REQUEST, {"error": f"{type(e).__name__}: {e}"})
-        except OSError:
-            raise  # the connection itself (a timeout reading the body): nothing to answer on
-        except Exception:
-            _log.exception("request %s %s failed", self.command, self.path)
-            self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": "internal error"})
-
-    def _session_id(self) -> str | None:
-        sid = self.path.removeprefix("/v1/sessions/")
-        return sid if sid != self.path and sid and "/" not in sid else None
-
-    def _no_path(self) -> None:
-        self._reply(HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path}"})
-
-    def do_GET(self) -> None:
-        if (tenant := self._tenant()) is None:
-            return
-        a = self.server.agent
-        if self.path == "/v1/stats":
-            self._guarded(lambda: a.stats(tenant))
-        elif (sid := self._session_id()) is not None:
-            self._guarded(lambda: a.read(tenant, sid))
-        else:
-            self._no_path()
-
-    def do_POST(self) -> None:
-        if (tenant := self._tenant()) is None:
-            return
-        a = self.server.agent
-        if self.path == "/v1/sessions":
-            self._guarded(lambda: {"session": a.create(tenant, _text(self._body(), "system", ""))})
-        elif (sid := self._session_id()) is not None:
-            def turn() -> dict:
-                text, options = parse_turn(self._body())  # all checked before the model is taken
-                return a.send(tenant, sid, text, options)
-            self._guarded(turn)
-        else:
-            self._no_path()
-
-    def do_DELETE(self) -> None:
-        if (tenant := self._tenant()) is None:
-            return
-        if (sid := self._session_id()) is None:
-            return self._no_path()
-
-        def close() -> dict:
-            self.server.agent.close_session(tenant, sid)
-            return {"closed": sid}
-        self._guarded(close)
-
-
-def _text(body: dict, name: str, default: str | None = None) -> bytes:
-    value = body.get(name, default)
-    if not isinstance(value, str):
-        raise TypeError(f"{name!r} must be a string")
-    return value.encode("utf-8")
-
-
-class ServeHTTPServer(ThreadingHTTPServer):
-    """A thread per connection (daemon threads; each socket read and write bounded by
-    ``socket_timeout``), the agent used by one request at a time; between requests the main
-    loop lets the agent ACK invalidations and expire idle sessions."""
-
-    daemon_threads = True
-    block_on_close = False
-
-    def __init__(self, address: tuple[str, int], agent: ServingAgent, tenants: Tenants, *,
-                 socket_timeout: float = SOCKET_TIMEOUT_S, tls: ssl.SSLContext | None = None):
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        super().__init__(address, _Handler)
-        self.agent, self.tenants, self.socket_timeout = agent, tenants, socket_timeout
-        if tls is not None:  # the handshake happens on the connection's thread (_Handler.setup)
-            self.socket = tls.wrap_socket(self.socket, server_side=True,
-                                          do_handshake_on_connect=False)
-
-    def service_actions(self) -> None:
-        self.agent.idle(blocking=False)
-
-    def handle_error(self, request, client_address) -> None:
-        """A client that timed out, hung up or failed the TLS handshake: logged, not printed."""
-        e = sys.exc_info()[1]
-        if isinstance(e, (OSError, ssl.SSLError)):
-            _log.debug("connection from %s: %s: %s", client_address, type(e).__name__, e)
-        else:
-            _log.exception("error serving %s", client_address)
-
-
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m node.serve", description=__doc__.split("\n\n")[0])
+    server_cli.common_arguments(p, 8470)
     p.add_argument("--cache-dir", required=True, type=Path, help="the node's cache directory")
     p.add_argument("--key-file", type=Path, default=None,
                    help="the node's sealed cache key (default: kv-cache.key beside --cache-dir; "
                         f"passphrase in ${PASSPHRASE_ENV})")
-    p.add_argument("--token-file", type=Path, default=None,
-                   help="bearer tokens, one 'tenant:token' (or bare token: tenant 'default') a line, "
-                        "mode 0600; written with one fresh token on first start (default: "
-                        "serve-token beside --cache-dir)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="loopback by default; another address only with --tls-cert and --tls-key")
-    p.add_argument("--port", type=int, default=8470, help="0 = any free port")
-    p.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate (chain): serve TLS")
-    p.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
     p.add_argument("--max-sessions", type=int, default=MAX_SESSIONS,
                    help="open sessions per tenant; more get 429")
     p.add_argument("--idle-expiry-s", type=float, default=IDLE_EXPIRY_S,
                    help="a session idle this long is closed and its blocks freed")
-    p.add_argument("--socket-timeout", type=float, default=SOCKET_TIMEOUT_S,
-                   help="seconds a connection may stay silent (or stall a read) before it is dropped")
-    p.add_argument("--pool-mib", type=float, default=None,
-                   help=f"the agent's KV pool (MiB; default {POOL_MIB:g}, {SMOLLM2_POOL_MIB:g} "
-                        "for smollm2)")
-    p.add_argument("--model", choices=MODELS, default="byte",
-                   help="byte: the node's byte-level model, parameters published by the trainer "
-                        "(default); smollm2: SmolLM2-135M-Instruct from --model-dir with its chat "
-                        "template, EOS and stop strings")
-    p.add_argument("--model-dir", type=Path, default=None,
-                   help="the converted SmolLM2 directory (default: $FEDKV_MODEL_DIR, else "
-                        "~/.cache/fedkv/models/smollm2-135m-instruct; python -m node.models fetch)")
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write {pid, port, version} here once serving")
     p.add_argument("--coherence", type=int, choices=[1, 2], default=2,
@@ -496,16 +326,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--wait-s", type=float, default=600.0,
                    help="how long to wait for the node's key and first parameters")
     args = p.parse_args(argv)
-    try:
-        check_bind(args.host, args.tls_cert, args.tls_key)
-    except ValueError as e:
-        p.error(str(e))
-    if args.model_dir is not None and args.model != "smollm2":
-        p.error("--model-dir is for --model smollm2")
-    if args.pool_mib is None:
-        args.pool_mib = SMOLLM2_POOL_MIB if args.model == "smollm2" else POOL_MIB
-    if args.max_sessions < 1 or args.idle_expiry_s <= 0 or args.socket_timeout <= 0 or args.pool_mib <= 0:
-        p.error("--max-sessions, --idle-expiry-s, --socket-timeout and --pool-mib must be positive")
+    server_cli.check_common(p, args)
+    if args.max_sessions < 1 or args.idle_expiry_s <= 0:
+        p.error("--max-sessions and --idle-expiry-s must be positive")
     return args
 
 
@@ -514,35 +337,23 @@ def _key(args: argparse.Namespace) -> bytes | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(message)s")
     args = _args(argv)
-    tls = tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
+    server_cli.setup_logging(args.log_level, "serve")
     tenants = load_tenants(args.token_file or default_token_file(args.cache_dir), _log.info)
-    try:
-        model, codec = load_model(args.model, args.model_dir)
-    except ImportError as e:
-        raise SystemExit(f"--model {args.model} needs the llm extra (pip install -e '.[llm]'): {e}")
-    except ModelError as e:  # names the fix: python -m node.models fetch (--force)
-        raise SystemExit(f"--model {args.model}: {e}") from None
+    model, codec = server_cli.load_served(args)
     agent = ServingAgent(args.cache_dir, _key(args), mode=Mode(args.coherence), wait_s=args.wait_s,
-                         pool_bytes=int(args.pool_mib * (1 << 20)), max_sessions=args.max_sessions,
-                         idle_expiry_s=args.idle_expiry_s, model=model, codec=codec,
-                         own_weights=args.model != "byte")
-    server = ServeHTTPServer((args.host, args.port), agent, tenants,
-                             socket_timeout=args.socket_timeout, tls=tls)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    port = server.server_address[1]
-    if args.ready_file:
-        tmp = args.ready_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"pid": os.getpid(), "port": port, "version": agent.version}))
-        tmp.replace(args.ready_file)
-    _log.info("pid %d serving %s (%s) on %s://%s:%d for %d tenant(s)", os.getpid(), args.cache_dir,
-              args.model, "https" if tls else "http", args.host, port, len(tenants.names))
-    try:
-        server.serve_forever(poll_interval=0.02)
-    finally:
-        server.server_close()
-        agent.close()
+                         pool_bytes=server_cli.pool_bytes(args, model),
+                         max_sessions=args.max_sessions, idle_expiry_s=args.idle_expiry_s,
+                         model=model, codec=codec, own_weights=args.model != "byte")
+    app = build_app(sessions=agent, tenants=tenants, body_timeout_s=args.socket_timeout)
+
+    def ready(port: int, tls: bool) -> None:
+        if args.ready_file:
+            server_cli.write_ready(args.ready_file, port, agent.version)
+        _log.info("pid %d serving %s (%s) on %s://%s:%d for %d tenant(s)", os.getpid(),
+                  args.cache_dir, args.model, "https" if tls else "http", args.host, port,
+                  len(tenants.names))
+    server_cli.serve(app, args, ready, agent.close)
     return 0
 
 

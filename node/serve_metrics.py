@@ -1,6 +1,6 @@
 """What a serving process tells its operator: ``/health``, Prometheus ``/metrics`` and one log
-line per request -- independent of the HTTP stack, so the handler of ``node.openai_api`` (the
-standard library's ``http.server`` today) only fills a ``RequestRecord`` and hands it over.
+line per request -- independent of the HTTP stack, so the OpenAI routes (``node.openai_routes``
+on ``node.server_app``'s ASGI app) only fill a ``RequestRecord`` and hand it over.
 
 Metrics live in a per-server ``CollectorRegistry`` (two servers in one process never clash).
 Nothing carries a tenant's name or token: the log line names a tenant by the first 8 hex

@@ -14,6 +14,7 @@ import logging
 import time
 import urllib.error
 import urllib.request
+from typing import Any
 
 import pytest
 
@@ -26,15 +27,15 @@ from tests.node.test_openai_api import (MESSAGES, TOKENS, _Silent, client,  # no
                                         llama_parts, serving)  # noqa: F401 -- a fixture
 
 
-def _get(server, path: str, token: str | None = None) -> tuple[int, bytes, dict]:
+def _get(server, path: str, token: str | None = None) -> tuple[int, bytes, Any]:
     req = urllib.request.Request(f"http://127.0.0.1:{server.server_address[1]}{path}")
     if token is not None:
         req.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, r.read(), dict(r.headers)
+            return r.status, r.read(), r.headers  # case-insensitive (uvicorn sends lower-case names)
     except urllib.error.HTTPError as e:
-        return e.code, e.read(), dict(e.headers)
+        return e.code, e.read(), e.headers
 
 
 def _samples(server) -> dict[tuple[str, tuple], float]:
@@ -223,13 +224,20 @@ def test_cli_metrics_and_log_flags(capsys):
 
 
 def test_a_method_or_request_line_the_server_refuses_still_gets_its_answer(llama_server):
-    """``http.server`` answers an unknown method (501) or a bad request line (400) itself,
-    before any route runs: recording the status must not break those replies."""
+    """An unknown method (401 without a token: auth comes before routing; 405 with one) or a
+    bad request line (400, uvicorn's own answer) before any route runs: recording the status
+    must not break those replies."""
     import http.client
-    conn = http.client.HTTPConnection("127.0.0.1", llama_server.server_address[1], timeout=30)
-    try:
-        conn.request("PUT", "/v1/models")
-        assert conn.getresponse().status == 501
-    finally:
-        conn.close()
+    import socket
+    port = llama_server.server_address[1]
+    for headers, status in (({}, 401), ({"Authorization": f"Bearer {TOKENS['alice']}"}, 405)):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            conn.request("PUT", "/v1/models", headers=headers)
+            assert conn.getresponse().status == status
+        finally:
+            conn.close()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"NOT A REQUEST LINE\r\n\r\n")
+        assert s.recv(1024).startswith(b"HTTP/1.1 400")
     assert _get(llama_server, "/health")[0] == 200
