@@ -137,11 +137,15 @@ def test_one_client_streams_16_requests_queued_and_another_tenant_is_not_starved
             time.sleep(0.005)
         bob = threading.Thread(target=_stream, args=(s, "bob", done))
         bob.start()
+        while s._active["bob"] < 1 and bob.is_alive():  # admitted: alice's that ended already
+            time.sleep(0.001)                           # ended before bob could compete
+        ended_first = len(done)
         for t in (*alice, bob):
             t.join(120)
     assert sorted(done) == sorted([("alice", True)] * 16 + [("bob", True)]), done
-    before_bob = [t for t, _ in done].index("bob")
-    assert before_bob <= 6, done  # FIFO would put bob after (nearly) all 16
+    after_bob_came = [t for t, _ in done].index("bob") - ended_first
+    # the two running, then bob beside one of them (FIFO: after every queued one of alice's)
+    assert after_bob_came <= 4, (ended_first, done)
 
 
 def test_the_fair_gate_grants_the_tenant_holding_fewest_slots():
