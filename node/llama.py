@@ -336,11 +336,17 @@ class LlamaModel(nn.Module):
 
     def relayout(self) -> None:
         """Redo the decode layout of the weights (:class:`Fused`, :func:`transpose_storage`)
-        after something replaced their storage (a dtype change); values are unchanged."""
+        after something replaced their storage (a dtype change); values are unchanged. A
+        reduced-precision head stays row-major: bf16's one-row GEMM measured ~2-3x faster on
+        that layout than on the column-major one (the opposite of fp32)."""
         for layer in self.model.layers:
             layer.self_attn.relayout()
             layer.mlp.relayout()
-        transpose_storage(self.lm_head.weight)
+        head = getattr(self.lm_head, "weight", None)  # an int8 head has codes, no weight
+        if isinstance(head, nn.Parameter) and head.dtype == torch.float32:
+            transpose_storage(head)
+        elif isinstance(head, nn.Parameter):
+            head.data = head.detach().contiguous()
 
     @classmethod
     def from_state_dict(cls, cfg: LlamaConfig, state: Mapping[str, torch.Tensor],
@@ -363,12 +369,16 @@ class LlamaModel(nn.Module):
         return m
 
     @classmethod
-    def from_pretrained(cls, directory=None, *, verify_hashes: bool = True) -> "LlamaModel":
-        """The converted model of ``node.models`` (default: SmolLM2-135M-Instruct)."""
-        from node import models
+    def from_pretrained(cls, directory=None, *, verify_hashes: bool = True,
+                        dtype: str = "float32") -> "LlamaModel":
+        """The converted model of ``node.models`` (default: SmolLM2-135M-Instruct) in the
+        format ``dtype`` names (``node.precision.DTYPES``: float32, bfloat16, int8)."""
+        from node import models, precision
 
+        precision.check(dtype)
         loaded = models.load(directory, verify_hashes=verify_hashes)
-        return cls.from_state_dict(LlamaConfig.from_hf(loaded.config), loaded.state_dict)
+        model = cls.from_state_dict(LlamaConfig.from_hf(loaded.config), loaded.state_dict)
+        return precision.convert(model, dtype)
 
     # -- CachedLM (node.model_interface) ----------------------------------------------------
     @property
