@@ -452,7 +452,7 @@ DEFAULT_PORT = 8471
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
-    from node.served_model import MODELS, POOL_MIB, SMOLLM2_POOL_MIB
+    from node.served_model import DTYPE_ARGUMENT, MODELS, POOL_MIB, SMOLLM2_POOL_MIB
     d = APIConfig()
     p = argparse.ArgumentParser(prog="python -m node.openai_api",
                                 description=__doc__.split("\n\n")[0])
@@ -461,6 +461,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                         "plumbing); smollm2: SmolLM2-135M-Instruct from --model-dir")
     p.add_argument("--model-dir", type=Path, default=None,
                    help="the converted SmolLM2 directory (default: node.models.default_dir())")
+    p.add_argument("--dtype", **DTYPE_ARGUMENT)
     p.add_argument("--seed", type=int, default=0, help="the byte model's initial weights")
     p.add_argument("--lora-seed", type=int, default=None,
                    help="smollm2: serve it with a chat task's FFA-LoRA adapters (node.lora), A "
@@ -554,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     tenants = load_tenants(token_file, announce) if token_file else Tenants(())
     torch.manual_seed(args.seed)
     try:
-        model, codec = load_model(args.model, args.model_dir)
+        model, codec = load_model(args.model, args.model_dir, args.dtype)
     except ModelError as e:
         raise SystemExit(f"--model {args.model}: {e}") from None
     model = _adapted(args, model)
@@ -583,8 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ready_file:
         openai_follow.write_ready(args.ready_file, port, backend.version)
     print(f"serving {backend.model_id} ({args.backend}, version {backend.version}) at "
-          f"{'https' if tls else 'http'}://{host}:{port}/v1 (token file {token_file})",
-          flush=True)
+          f"{'https' if tls else 'http'}://{host}:{port}/v1 (token file {token_file})", flush=True)
     try:
         server.serve_forever(poll_interval=0.05)
     except KeyboardInterrupt:

@@ -86,7 +86,8 @@ from node.param_follower import ParamFollower
 from node.request_json import decode_object
 from node.serve_auth import (NoSuchSession, QuotaExceeded, SessionRegistry, Tenants, check_bind,
                              default_token_file, load_tenants, tls_context)
-from node.served_model import MODELS, POOL_MIB, SMOLLM2_POOL_MIB, load_model, node_key
+from node.served_model import (DTYPE_ARGUMENT, MODELS, POOL_MIB, SMOLLM2_POOL_MIB, load_model,
+                                node_key)
 from node.turn_options import TurnOptions, parse_turn
 from node.sessions import Sessions, UnknownSessionError
 from node.tasks import lm_model, parameter_layout
@@ -488,6 +489,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-dir", type=Path, default=None,
                    help="the converted SmolLM2 directory (default: $FEDKV_MODEL_DIR, else "
                         "~/.cache/fedkv/models/smollm2-135m-instruct; python -m node.models fetch)")
+    p.add_argument("--dtype", **DTYPE_ARGUMENT)
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write {pid, port, version} here once serving")
     p.add_argument("--coherence", type=int, choices=[1, 2], default=2,
@@ -519,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     tls = tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
     tenants = load_tenants(args.token_file or default_token_file(args.cache_dir), _log.info)
     try:
-        model, codec = load_model(args.model, args.model_dir)
+        model, codec = load_model(args.model, args.model_dir, args.dtype)
     except ImportError as e:
         raise SystemExit(f"--model {args.model} needs the llm extra (pip install -e '.[llm]'): {e}")
     except ModelError as e:  # names the fix: python -m node.models fetch (--force)
