@@ -120,6 +120,15 @@ def _fresh(m: LlamaModel, prompt: list[int]):
     return kv, sid
 
 
+def test_lora_refuses_an_int8_model_and_adapts_a_bf16_one(one_thread):
+    from node.lora import adapt
+    with pytest.raises(ValueError, match="--dtype int8"):
+        adapt(_model("int8"))
+    m = adapt(_model("bfloat16"))
+    _, steps, _ = _greedy(m, list(range(3, 13)), 2)
+    assert steps.dtype == torch.bfloat16 and torch.isfinite(steps.float()).all()
+
+
 def test_the_byte_model_is_served_in_fp32_only():
     from node.models import ModelError
     from node.served_model import load_model
