@@ -3,11 +3,13 @@ turns a loaded fp32 ``node.llama.LlamaModel`` into one.
 
 * ``float32`` -- the reference (the converted weights as they are);
 * ``bfloat16`` -- weights and activations bf16: prefill GEMMs run on the CPU's bf16 units
-  (oneDNN/AMX through torch: a 512x576 @ 576x1536 GEMM measured 5-7x faster than fp32 here),
-  half the weight bytes a decode step reads;
+  (oneDNN/AMX through torch: a 512x576 @ 576x1536 GEMM measured 7-18x faster than fp32 here),
+  half the weight bytes a decode step reads (but torch's one-row bf16 GEMM is no faster than
+  fp32's here: bf16 decodes at 0.7-0.85x fp32; docs/real-llm.md);
 * ``int8`` -- weight-only int8 (:class:`Int8Linear`: symmetric per-output-channel scales,
-  bf16 activations), a quarter of the fp32 bytes. Serving only: its linears hold int8
-  buffers, not HF's parameters, so it is not trained, published or wrapped by adapters.
+  bf16 activations), a quarter of the fp32 bytes: the faster decode (1.0-1.4x fp32). Serving
+  only: its linears hold int8 buffers, not HF's parameters, so it is not trained, published
+  or wrapped by adapters.
 
 The KV cache is not involved: it stores K/V in its own ``kv_dtype`` (fp32 blocks by default)
 and casts on the way in and out (bf16 -> fp32 -> bf16 is exact), so every cache format works
