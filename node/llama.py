@@ -404,6 +404,11 @@ class LlamaModel(nn.Module):
         cos, sin = self.model.rotary_emb.table(start + n, self.model.embed_tokens.weight.dtype)
         return cos[start : start + n], sin[start : start + n]
 
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The output head's logits in fp32 whatever the weights' format (``node.precision``):
+        sampling, log-probabilities and losses downstream see one dtype."""
+        return self.lm_head(self.model.norm(x)).float()
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Cache-free causal forward: idx [B, T] -> logits [B, T, vocab] (training, scoring)."""
         T = idx.shape[-1]
@@ -412,7 +417,7 @@ class LlamaModel(nn.Module):
         x = self.model.embed_tokens(idx)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
-        return self.lm_head(self.model.norm(x))
+        return self._logits(x)
 
     def train_loss(self, batch: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of ``batch`` [B, T + 1] (cache-free forward)."""
@@ -449,7 +454,7 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, cache, sid, i, how="forward_cached")
         if last_only:
             x = x[-1:]
-        return self.lm_head(self.model.norm(x))
+        return self._logits(x)
 
     @torch.no_grad()
     def forward_batch(self, tokens: Sequence[int], cache: KVCache,
@@ -465,7 +470,7 @@ class LlamaModel(nn.Module):
         x = self.model.embed_tokens(torch.as_tensor(list(tokens), dtype=torch.long))
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache, step, i, how="forward_batch")
-        return self.lm_head(self.model.norm(x))
+        return self._logits(x)
 
     @torch.no_grad()
     def prefill(self, prompt: Sequence[int], cache: KVCache, sid: int) -> torch.Tensor:

@@ -85,6 +85,17 @@ def test_reduced_formats_stay_near_fp32(one_thread, dtype, rel):
     assert 0 < err < rel
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_logits_come_back_in_fp32_whatever_the_weights(one_thread, dtype):
+    """Sampling, log-probabilities and losses downstream see one dtype."""
+    m = _model(dtype)
+    first, steps, _ = _greedy(m, list(range(3, 13)), 2)
+    kv, sid = _fresh(m, list(range(3, 13)))
+    batch = m.forward_batch([5], kv, [sid])
+    assert {first.dtype, steps.dtype, batch.dtype, m(torch.tensor([[1, 2, 3]])).dtype} == {
+        torch.float32}
+
+
 def test_int8_linear_is_its_dequantized_weight_for_decode_and_prefill_rows(one_thread):
     torch.manual_seed(0)
     w = torch.randn(96, 64)
@@ -126,7 +137,7 @@ def test_lora_refuses_an_int8_model_and_adapts_a_bf16_one(one_thread):
         adapt(_model("int8"))
     m = adapt(_model("bfloat16"))
     _, steps, _ = _greedy(m, list(range(3, 13)), 2)
-    assert steps.dtype == torch.bfloat16 and torch.isfinite(steps.float()).all()
+    assert steps.dtype == torch.float32 and torch.isfinite(steps).all()
 
 
 def test_the_byte_model_is_served_in_fp32_only():
