@@ -29,6 +29,14 @@ PASS/MISS, also printed), ``notes`` (how each section measures) and ``config``.
 * ``active_capacity_tokens`` -- tokens that fit in open sessions at equal ``pool_bytes``.
 * ``quality`` -- held-out text teacher-forced through the cache in chunks of one block (each
   chunk reads earlier chunks' K/V back in the cache's storage dtype), fp16/int8/int4 vs fp32.
+
+``--weight-dtypes bfloat16,int8`` (default) also runs fedkv's model in those weight formats
+(``node.precision``; ``experiments.llm_dtypes``): ``decode_tokens_per_s.<ctx>.fedkv_bf16`` and
+``.fedkv_int8_weights`` in the same interleaved segments as fp32 (each prefilled by its own
+model into its own fp32-block cache), ``ratio_vs_fp32``; ``quality.bf16`` and
+``quality.int8_weights`` (Δppl, top-1 vs fp32 weights, fp32 cache); in ``details``: prefill
+ms of the prompt per format (interleaved), the read bandwidth of one core and each format's
+fraction of its ceiling (decode tokens/s x weight bytes per step / bandwidth).
 """
 
 from __future__ import annotations
@@ -53,7 +61,9 @@ from experiments.kv_capacity import active_capacity_tokens
 from experiments.llm_contenders import (FedkvSessions, bytes_per_token, copy_session,
                                         fedkv_cache, hf_sessions, interleave, prefilled)
 from experiments.output import make_run_dir, markdown_table, plot_lines, write_csv, write_json
+from experiments import llm_dtypes
 from node.llama import LlamaModel
+from node.precision import weight_bytes_per_token
 
 DECODE = ("fedkv_fp32", "fedkv_int8", "fedkv_int4", "hf_dynamic_cache")
 BATCHED = ("fedkv_batched", "fedkv_sequential", "hf_batched")
@@ -144,11 +154,13 @@ def _windows(text: list[int], n: int, length: int, start: int) -> list[list[int]
 
 
 # == decode ===============================================================================
-def decode_section(model: LlamaModel, hf: Any, text: list[int],
-                   plan: Plan) -> tuple[dict, dict]:
-    """Greedy decode tokens/s at each context, fedkv fp32/int8/int4 vs HF DynamicCache."""
+def decode_section(model: LlamaModel, hf: Any, text: list[int], plan: Plan,
+                   variants: dict[str, LlamaModel] | None = None) -> tuple[dict, dict]:
+    """Greedy decode tokens/s at each context, fedkv fp32/int8/int4 vs HF DynamicCache, and
+    fedkv's weight-format ``variants`` (``experiments.llm_dtypes``) in the same rotation."""
+    variants = variants or {}
     out: dict[str, Any] = {}
-    info: dict[str, Any] = {}
+    info: dict[str, Any] = {"read_bandwidth_gbs": llm_dtypes.read_bandwidth_gbs()}
     extra = plan.decode_steps * plan.repeats + 2
     for ctx in plan.contexts:
         prompt = text[:ctx]
@@ -159,6 +171,7 @@ def decode_section(model: LlamaModel, hf: Any, text: list[int],
         st: dict[str, Any] = {f"fedkv_{d}": FedkvSessions(model, kv, sids, logits)
                               for d, (kv, sids) in zip(DTYPES, caches)}
         st["hf_dynamic_cache"] = hf_sessions(hf, [prompt], plan.hf_prefill, *caches[0], logits)
+        st.update(llm_dtypes.variant_sessions(variants, prompt, extra, plan.block_size))
         log(f"decode {ctx}: prefills {time.perf_counter() - t0:.1f}s")
         samples = interleave(st, plan.repeats, plan.decode_steps, f"decode {ctx}", log)
         med = {k: _median(v) for k, v in samples.items()}
@@ -168,8 +181,25 @@ def decode_section(model: LlamaModel, hf: Any, text: list[int],
                                          for k in DECODE[:3]}}
         info[str(ctx)] = {"samples": samples, "greedy_tokens_agree_fp32_vs_hf":
                           sum(x == y for x, y in zip(a, b)) / len(a)}
+        if variants:
+            out[str(ctx)]["ratio_vs_fp32"] = {k: _ratio(med[k], med["fedkv_fp32"])
+                                              for k in variants}
+            info[str(ctx)].update(_variant_details(model, variants, prompt, med, plan,
+                                                   info["read_bandwidth_gbs"]))
         del st
     return out, info
+
+
+def _variant_details(model: LlamaModel, variants: dict[str, LlamaModel], prompt: list[int],
+                     med: dict[str, float], plan: Plan, gbs: float) -> dict[str, Any]:
+    """Prefill ms of the prompt (interleaved, medians) and each format's fraction of the
+    memory-bandwidth ceiling at its measured decode rate."""
+    models = {"fedkv_fp32": model, **variants}
+    pre = llm_dtypes.prefill_ms(models, prompt, plan.repeats, plan.block_size)
+    log("  prefill ms: " + ", ".join(f"{k} {_median(v):.0f}" for k, v in pre.items()))
+    return {"prefill_ms": {k: _median(v) for k, v in pre.items()}, "prefill_ms_samples": pre,
+            "bandwidth_ceiling_fraction": {k: llm_dtypes.ceiling_fraction(med[k], m, gbs)
+                                           for k, m in models.items()}}
 
 
 # == batched ==============================================================================
@@ -308,7 +338,8 @@ def _teacher_forced(model: LlamaModel, kv: KVCache, window: list[int],
     return F.log_softmax(logits.float(), -1), torch.tensor(window[1: len(logits) + 1])
 
 
-def quality_section(model: LlamaModel, heldout: list[int], plan: Plan) -> tuple[dict, dict]:
+def quality_section(model: LlamaModel, heldout: list[int], plan: Plan,
+                    variants: dict[str, LlamaModel] | None = None) -> tuple[dict, dict]:
     wins = _windows(heldout, plan.quality_windows, plan.quality_len, 0)
     res = {}
     for dtype in ("fp32",) + QUALITY:
@@ -325,6 +356,15 @@ def quality_section(model: LlamaModel, heldout: list[int], plan: Plan) -> tuple[
         out[d] = {"ppl_delta": math.exp(nll) - math.exp(base_nll),
                   "top1_agreement": float((lp.argmax(-1) == base_lp.argmax(-1)).float().mean())}
         info[d] = {"ppl": math.exp(nll), "quantized_blocks": nq}
+    if variants:
+        def score(m: LlamaModel) -> tuple[torch.Tensor, float]:
+            kv = fedkv_cache(m, plan.quality_len, "fp32", plan.block_size)
+            lps, tgts = zip(*(_teacher_forced(m, kv, w, plan.block_size) for w in wins))
+            lp, tgt = torch.cat(lps), torch.cat(tgts)
+            return lp, float(-lp.gather(1, tgt[:, None]).mean())
+        more, more_info = llm_dtypes.quality((base_lp, base_nll), variants, score)
+        out.update(more)
+        info.update(more_info, fp32_weight_bytes_per_token=weight_bytes_per_token(model))
     return out, info
 
 
@@ -351,17 +391,19 @@ def target_checks(r: dict) -> list[tuple[str, float, str, bool]]:
 
 
 def run_all(model: LlamaModel, hf: Any, text: list[int], heldout: list[int], plan: Plan,
-            threads: int) -> dict:
-    """Every section, in one process, same weights and thread count."""
+            threads: int, weight_dtypes: tuple[str, ...] = ()) -> dict:
+    """Every section, in one process, same weights and thread count; fedkv's model also in
+    each of ``weight_dtypes`` (``node.precision``) in the decode and quality sections."""
     torch.set_num_threads(threads)
+    variants = llm_dtypes.variant_models(model, weight_dtypes)
     r: dict[str, Any] = {"details": {}}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_llm_") as work:
-        for key, fn in (("decode_tokens_per_s", lambda: decode_section(model, hf, text, plan)),
+        for key, fn in (("decode_tokens_per_s", lambda: decode_section(model, hf, text, plan, variants)),
                         ("batched", lambda: batched_section(model, hf, text, plan)),
                         ("ttft_s", lambda: ttft_section(model, text, plan, work)),
                         ("active_capacity_tokens", lambda: capacity_section(model, plan)),
-                        ("quality", lambda: quality_section(model, heldout, plan))):
+                        ("quality", lambda: quality_section(model, heldout, plan, variants))):
             t = time.perf_counter()
             r[key], r["details"][key] = fn()
             r["details"][key]["seconds"] = time.perf_counter() - t
@@ -369,6 +411,7 @@ def run_all(model: LlamaModel, hf: Any, text: list[int], heldout: list[int], pla
     r["notes"] = NOTES
     r["targets"] = {w: {"value": v, "target": t, "pass": ok} for w, v, t, ok in target_checks(r)}
     r["config"] = {"threads": threads, "plan": asdict(plan), "torch": torch.__version__,
+                   "weight_dtypes": list(weight_dtypes),
                    "hf_decode": "model called step by step with its DynamicCache (not generate)",
                    "seconds": time.perf_counter() - t0}
     return r
@@ -431,6 +474,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object last (the progress lines go to stderr)")
     p.add_argument("--threads", type=int, default=1, help="torch threads for both (default 1)")
+    p.add_argument("--weight-dtypes", default="bfloat16,int8",
+                   help="fedkv weight formats measured beside fp32 (node.precision; "
+                        "comma-separated, '' for none; default bfloat16,int8)")
     p.add_argument("--model-dir", default=None,
                    help="converted model directory (default: node.models.default_dir())")
     p.add_argument("--out", default="results",
@@ -443,6 +489,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.threads < 1:
         raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+    weights = tuple(d for d in args.weight_dtypes.split(",") if d)
+    if not set(weights) <= set(llm_dtypes.KEYS):
+        raise SystemExit(f"--weight-dtypes {args.weight_dtypes!r}: use some of "
+                         f"{','.join(llm_dtypes.KEYS)}")
     _QUIET = args.json
     from node.models import ModelError
 
@@ -452,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_llm: the real model is missing or unreadable ({e}); run "
               f"`python -m node.models fetch` first", file=sys.stderr)
         return 2
-    r = run_all(ours, hf, text, heldout, QUICK if args.quick else Plan(), args.threads)
+    r = run_all(ours, hf, text, heldout, QUICK if args.quick else Plan(), args.threads, weights)
     for line in summary_lines(r):
         log(line)
     log(f"results: {write_outputs(r, args.out).resolve()}")

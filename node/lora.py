@@ -138,6 +138,9 @@ def adapt(base: LlamaModel, config: LoraConfig = LoraConfig()) -> LoraLlamaModel
     apart from its parameters' ``requires_grad`` (set False: the base is never trained)."""
     if not isinstance(base, LlamaModel):
         raise TypeError(f"adapt needs a node.llama.LlamaModel, got {type(base).__name__}")
+    if getattr(base, "dtype_name", "float32") == "int8":
+        raise ValueError("a weight-only int8 model (--dtype int8) holds int8 codes, not the "
+                         "float weights LoRA adapts; use --dtype float32 or bfloat16")
     for p in base.parameters():
         p.requires_grad_(False)
     model = copy.deepcopy(base, memo={id(p): p for p in base.parameters()})

@@ -11,6 +11,10 @@ from typing import Any
 
 from crypto import passphrase_from_env, read_secret_file
 from node.model_interface import CachedLM
+from node.models import ModelError
+from node.precision import DEFAULT as DEFAULT_DTYPE
+from node.precision import DTYPES
+from node.precision import check as check_dtype
 from node.tasks import lm_model
 
 MODELS = ("byte", "smollm2")
@@ -19,14 +23,26 @@ trainer) or SmolLM2-135M-Instruct from ``--model-dir`` with its chat template.""
 SMOLLM2_POOL_MIB = 64.0
 POOL_MIB = 8.0
 """The byte model's default pool; SmolLM2 (46 KiB of K/V per token) gets ``SMOLLM2_POOL_MIB``."""
+DTYPE_HELP = (f"the weights' format (one of {', '.join(DTYPES)}; default {DEFAULT_DTYPE}, the "
+              "reference): bfloat16 runs prefill on the CPU's bf16 units, int8 is weight-only "
+              "int8 with bf16 activations (smollm2 only)")
+DTYPE_ARGUMENT = dict(choices=DTYPES, default=DEFAULT_DTYPE, help=DTYPE_HELP)
+"""``parser.add_argument("--dtype", **DTYPE_ARGUMENT)``: the servers' one ``--dtype``."""
 
 
-def load_model(name: str, model_dir: str | os.PathLike | None = None) -> tuple[CachedLM, Any]:
+def load_model(name: str, model_dir: str | os.PathLike | None = None,
+               dtype: str = DEFAULT_DTYPE) -> tuple[CachedLM, Any]:
     """(model, codec) for ``--model``: ``byte`` is ``(node.tasks.lm_model(), None)``;
     ``smollm2`` is ``LlamaModel`` + ``ChatCodec`` read from ``model_dir`` (default
-    ``node.models.default_dir()``), a ``ModelMissingError`` naming the fetch command when
-    the directory holds no converted model."""
+    ``node.models.default_dir()``) in the format ``dtype`` (``--dtype``,
+    ``node.precision.DTYPES``), a ``ModelMissingError`` naming the fetch command when
+    the directory holds no converted model. The byte model (trained and published by the
+    node in fp32) is served in fp32 only."""
+    check_dtype(dtype)
     if name == "byte":
+        if dtype != DEFAULT_DTYPE:
+            raise ModelError(f"--dtype {dtype} applies to --model smollm2; the byte model "
+                             f"is served in {DEFAULT_DTYPE}")
         return lm_model(), None
     if name != "smollm2":
         raise ValueError(f"unknown model {name!r}; use one of {list(MODELS)}")
@@ -34,7 +50,7 @@ def load_model(name: str, model_dir: str | os.PathLike | None = None) -> tuple[C
     from node.chat import ChatCodec
     from node.llama import LlamaModel
     d = Path(model_dir).expanduser() if model_dir is not None else models.default_dir()
-    return LlamaModel.from_pretrained(d).eval(), ChatCodec.from_dir(d)
+    return LlamaModel.from_pretrained(d, dtype=dtype).eval(), ChatCodec.from_dir(d)
 
 
 def node_key(cache_dir: Path, key_file: Path | None, wait_s: float) -> bytes:

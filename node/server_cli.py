@@ -27,7 +27,7 @@ SMOLLM2_CONTEXT = 4096
 
 def common_arguments(p: argparse.ArgumentParser, port: int) -> None:
     """The flags every server of the node takes."""
-    from node.served_model import MODELS
+    from node.served_model import DTYPE_ARGUMENT, MODELS
     p.add_argument("--host", default="127.0.0.1",
                    help="loopback by default; another address only with --tls-cert and --tls-key")
     p.add_argument("--port", type=int, default=port, help="0 = any free port")
@@ -45,6 +45,7 @@ def common_arguments(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--model-dir", type=Path, default=None,
                    help="the converted SmolLM2 directory (default: node.models.default_dir(); "
                         "python -m node.models fetch)")
+    p.add_argument("--dtype", **DTYPE_ARGUMENT)
     p.add_argument("--pool-mib", type=float, default=None,
                    help="the KV pool (MiB; default: room for one request of --max-context "
                         "tokens)")
@@ -90,7 +91,7 @@ def load_served(args: argparse.Namespace, seed: int = 0) -> tuple[Any, Any]:
     import torch
     torch.manual_seed(seed)
     try:
-        return load_model(args.model, args.model_dir)
+        return load_model(args.model, args.model_dir, args.dtype)
     except ImportError as e:
         raise SystemExit(f"--model {args.model} needs the llm extra (pip install -e '.[llm]'): "
                          f"{e}") from None

@@ -23,6 +23,10 @@ TINY = bench_llm.Plan(contexts=(32, 64), decode_steps=2, repeats=2, batch_sessio
                       quality_len=48, quality_windows=1, block_size=8)
 
 
+WEIGHTS = ("bfloat16", "int8")
+VARIANTS = ("fedkv_bf16", "fedkv_int8_weights")
+
+
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     hf = tiny_hf_llama(initializer_range=0.02, attn_implementation=None, pad_token_id=0)
@@ -32,7 +36,7 @@ def result(tmp_path_factory):
     heldout = torch.randint(1, 128, (100,), generator=g).tolist()
     threads = torch.get_num_threads()
     try:
-        r = bench_llm.run_all(ours, hf, text, heldout, TINY, threads=1)
+        r = bench_llm.run_all(ours, hf, text, heldout, TINY, threads=1, weight_dtypes=WEIGHTS)
     finally:
         torch.set_num_threads(threads)
     out = tmp_path_factory.mktemp("bench_llm")
@@ -60,7 +64,7 @@ def test_json_shape(result):
     assert all(_finite_positive(v) for v in r["ttft_s"].values())
     assert set(r["active_capacity_tokens"]) == set(bench_llm.CAPACITY)
     assert all(isinstance(v, int) and v > 0 for v in r["active_capacity_tokens"].values())
-    assert set(r["quality"]) == set(bench_llm.QUALITY)
+    assert set(r["quality"]) == set(bench_llm.QUALITY) | {"bf16", "int8_weights"}
     for q in r["quality"].values():
         assert set(q) == {"ppl_delta", "top1_agreement"}
         assert math.isfinite(q["ppl_delta"]) and 0 <= q["top1_agreement"] <= 1
@@ -84,6 +88,25 @@ def test_sections_measure_what_they_say(result):
     assert r["quality"]["fp16"]["top1_agreement"] > 0.9
     assert len(r["targets"]) == 13
     assert all(isinstance(t["pass"], bool) for t in r["targets"].values())
+
+
+def test_weight_formats_are_measured_beside_fp32_at_each_context(result):
+    """--weight-dtypes: fedkv_bf16 / fedkv_int8_weights decode beside fedkv_fp32 (same
+    interleaved segments), their ratio to fp32, prefill ms and fraction of the bandwidth
+    ceiling in details, Δppl and top-1 vs fp32 in quality."""
+    r = result[0]
+    d = r["details"]["decode_tokens_per_s"]
+    for c, row in r["decode_tokens_per_s"].items():
+        assert all(_finite_positive(row[k]) for k in VARIANTS)
+        assert set(row["ratio_vs_fp32"]) == set(VARIANTS)
+        assert all(len(d[c]["samples"][k]) == TINY.repeats for k in VARIANTS)
+        assert set(d[c]["bandwidth_ceiling_fraction"]) == {"fedkv_fp32", *VARIANTS}
+        assert set(d[c]["prefill_ms"]) == {"fedkv_fp32", *VARIANTS}
+    assert _finite_positive(r["details"]["decode_tokens_per_s"]["read_bandwidth_gbs"])
+    for q in ("bf16", "int8_weights"):
+        assert r["quality"][q]["top1_agreement"] > 0.8
+    assert r["details"]["quality"]["bf16"]["weight_bytes_per_token"] * 2 == (
+        r["details"]["quality"]["fp32_weight_bytes_per_token"])
 
 
 def test_outputs_written(result):
@@ -115,7 +138,8 @@ def test_quick_json_on_the_real_model(tmp_path):
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert set(r["decode_tokens_per_s"]) == {"512", "2048"}
     assert all(_finite_positive(r["decode_tokens_per_s"][c]["fedkv_fp32"]) for c in ("512", "2048"))
-    assert set(r["quality"]) == {"fp16", "int8", "int4"}
+    assert set(r["quality"]) == {"fp16", "int8", "int4", "bf16", "int8_weights"}
+    assert all(_finite_positive(r["decode_tokens_per_s"][c]["fedkv_bf16"]) for c in ("512", "2048"))
 
 
 def test_hf_cache_from_fedkv_equals_hf_prefill(result):
@@ -150,3 +174,8 @@ def test_copy_session_stores_what_prefill_stores(result):
         llm_contenders.copy_session(direct, d, copy)
     with pytest.raises(ValueError, match="fp32"):
         llm_contenders.prefilled(ours, [prompt], 4, 8, ("int8",))
+
+
+def test_unknown_weight_format_is_refused_before_loading(tmp_path):
+    with pytest.raises(SystemExit, match="--weight-dtypes 'fp8'"):
+        bench_llm.main(["--weight-dtypes", "fp8", "--model-dir", str(tmp_path / "absent")])

@@ -1,0 +1,100 @@
+"""fedkv's model in other weight formats (``node.precision``: bf16, weight-only int8) beside the
+fp32 reference in ``experiments.bench_llm``: the variant models, their sessions for the
+interleaved decode timing, prefill time, quality against fp32, and the fraction of the
+memory-bandwidth ceiling each reaches (weight bytes a decode step reads / measured read
+bandwidth of one core)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from experiments.llm_contenders import FedkvSessions, fedkv_cache
+from node import precision
+from node.llama import LlamaConfig, LlamaModel
+
+KEYS = {"bfloat16": ("fedkv_bf16", "bf16"), "int8": ("fedkv_int8_weights", "int8_weights")}
+"""Weight format -> (its decode key beside ``fedkv_fp32``, its ``quality`` key). Int8
+*weights* are ``int8_weights``: ``fedkv_int8`` / ``quality.int8`` already name the int8 KV
+cache."""
+
+
+def variant_models(model: LlamaModel, dtypes: tuple[str, ...]) -> dict[str, LlamaModel]:
+    """Decode key -> a copy of ``model`` (fp32) converted to each format of ``dtypes``."""
+    out = {}
+    for d in dtypes:
+        if d not in KEYS:
+            raise ValueError(f"weight format {d!r} is not a variant; use some of {list(KEYS)}")
+        copy = LlamaModel.from_state_dict(model.cfg, model.state_dict())
+        out[KEYS[d][0]] = precision.convert(copy, d)
+    return out
+
+
+def variant_sessions(variants: dict[str, LlamaModel], prompt: list[int], extra: int,
+                     block: int) -> dict[str, FedkvSessions]:
+    """Each variant's own session on ``prompt``, prefilled by that variant (untimed) into its
+    own fp32-block cache; greedy from its own last logits."""
+    out = {}
+    for key, m in variants.items():
+        kv = fedkv_cache(m, len(prompt) + extra + 2 * block, "fp32", block)
+        sid = kv.open_session()
+        out[key] = FedkvSessions(m, kv, [sid], m.prefill(prompt, kv, sid)[None])
+    return out
+
+
+def prefill_ms(models: dict[str, LlamaModel], prompt: list[int], repeats: int,
+               block: int) -> dict[str, list[float]]:
+    """Milliseconds to prefill ``prompt`` into a new session (last logits only), each model
+    in turn, the order rotating every repeat."""
+    names = list(models)
+    out: dict[str, list[float]] = {k: [] for k in names}
+    for rep in range(repeats):
+        for name in names[rep % len(names):] + names[: rep % len(names)]:
+            m = models[name]
+            kv = fedkv_cache(m, len(prompt) + 2 * block, "fp32", block)
+            sid = kv.open_session()
+            t0 = time.perf_counter()
+            m.prefill(prompt, kv, sid)
+            out[name].append(1e3 * (time.perf_counter() - t0))
+    return out
+
+
+def read_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
+    """Median GB/s of summing a ``mib`` MiB fp32 tensor (read once, far beyond the caches) on
+    the current torch thread count."""
+    a = torch.ones(mib << 18)
+    a.sum()
+    xs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a.sum()
+        xs.append(time.perf_counter() - t0)
+    return a.numel() * 4 / statistics.median(xs) / 1e9
+
+
+def ceiling_fraction(tokens_per_s: float, model: LlamaModel, gbs: float) -> float:
+    """Measured decode rate over the rate at which one step's weights can be read."""
+    return tokens_per_s * precision.weight_bytes_per_token(model) / (gbs * 1e9)
+
+
+def quality(base: tuple[torch.Tensor, float], variants: dict[str, LlamaModel],
+            score: Callable[[LlamaModel], tuple[torch.Tensor, float]]) -> tuple[dict, dict]:
+    """``quality.<bf16|int8_weights>``: Δppl and top-1 agreement of each variant against
+    ``base`` (fp32's log-probabilities and mean NLL over the same held-out windows);
+    ``score(model)`` teacher-forces them as the KV-dtype rows are."""
+    base_lp, base_nll = base
+    out: dict[str, Any] = {}
+    info: dict[str, Any] = {}
+    by_key = {k[0]: k[1] for k in KEYS.values()}
+    for key, m in variants.items():
+        lp, nll = score(m)
+        q = by_key[key]
+        out[q] = {"ppl_delta": math.exp(nll) - math.exp(base_nll),
+                  "top1_agreement": float((lp.argmax(-1) == base_lp.argmax(-1)).float().mean())}
+        info[q] = {"ppl": math.exp(nll), "weight_bytes_per_token":
+                   precision.weight_bytes_per_token(m)}
+    return out, info
