@@ -583,6 +583,8 @@ def _smollm2_dir() -> Path:
 SMOL_SYSTEM = "You are a concise assistant. Answer in one or two sentences."
 
 
+@pytest.mark.slow  # the real model in an agent process (58 s + 11 s teardown loaded); .ci/run's real-model step;
+# tests/node/test_chat.py feeds the same chat template in process
 def test_an_agent_serving_smollm2_answers_in_its_chat_template(start_agent):
     model_dir = _smollm2_dir()
     agent = start_agent("--model", "smollm2", "--model-dir", str(model_dir))
