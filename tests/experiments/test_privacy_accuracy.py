@@ -40,7 +40,7 @@ def _csv(path: Path) -> tuple[list[dict[str, str]], list[str]]:
         return list(reader), list(reader.fieldnames or [])
 
 
-@pytest.mark.slow  # end-to-end (~20 s quiet, 86 s loaded): .ci/run's slow step runs it; the unit tests below cover its parts
+@pytest.mark.slow  # end-to-end (86 s loaded): .ci/run's slow step; the unit tests below cover its parts
 def test_tiny_sweep_writes_every_output(tmp_path: Path) -> None:
     proc, run_dir = _run(TINY, tmp_path)
     first = proc.stdout.strip().splitlines()[0]
@@ -174,7 +174,7 @@ DP_SGD = ["--epsilons", "8,inf", "--populations", "6", "--clients-per-round", "3
           "--no-estimate"]
 
 
-@pytest.mark.slow  # end-to-end (~15 s quiet, 66 s loaded): .ci/run's slow step runs it; test_client_level_runs_have_no_lira, test_estimate_includes_lira
+@pytest.mark.slow  # end-to-end (66 s loaded): .ci/run's slow step; the LiRA unit tests below cover its parts
 def test_dp_sgd_sweep_has_lira_columns(tmp_path: Path) -> None:
     _, run_dir = _run(DP_SGD, tmp_path)
     runs, run_header = _csv(run_dir / "runs.csv")
