@@ -1,6 +1,6 @@
 """One ``CacheNode`` per Flower node, reused across messages: ``NodeRuntime`` owns its state.
 
-What persists where (``NodeRuntime``; measured, see docs/flower-notes.md):
+What persists where (``NodeRuntime``; docs/deployment.md, "What a node keeps, and where"):
 
 * **The cache directory** (``KVCache.open``; AES-256-GCM with the node's own key, one atomic
   commit per message): the node's parameters (``param/``), its last update (``grad/``), the

@@ -1,8 +1,8 @@
 """A node's own directory: its identity keys and CKKS secret contexts, never ``context.state``.
 
 Why a directory: in simulation every node's ``context.state`` lives in the process that runs the
-ServerApp (docs/flower-notes.md), so a secret kept there, or a key that unwraps one, is a secret
-in the server's process. Node secrets therefore live in files only the node's processes open:
+ServerApp (docs/deployment.md, "What a node keeps"), so a secret kept there, or a key that
+unwraps one, is a secret in the server's process. Node secrets therefore live in files only the node's processes open:
 
 * deployment: the node's provisioned kit (``--node-config "kit-dir='...'"``, see
   ``federation.startup_kit``) holds its identity keys, the epoch-0 CKKS secret context and the pinned

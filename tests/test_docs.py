@@ -23,6 +23,18 @@ def relative_targets(text: str) -> list[str]:
     return out
 
 
+# A path a clone does not have: a folder beside the repo (../shared, ../..), the notes folder
+# shared/ named on its own, or an absolute path into one machine's home or work folders.
+OUTSIDE = re.compile(r"\.\./(?:shared|\.\.)\S*|(?<![\w./~-])shared/\S*|file://\S+"
+                     r"|(?<![\w.~-])/(?:work|home|root|Users|mnt|srv)/\S*")
+
+
+def outside_paths(text: str) -> list[str]:
+    """The paths in a text that lead outside the repo on some machine (examples a user picks,
+    /tmp/... or ~/.fedkv/..., are not such paths)."""
+    return OUTSIDE.findall(text)
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_every_relative_link_is_a_file_of_the_repo(doc: Path):
     for target in relative_targets(doc.read_text(encoding="utf-8")):
@@ -33,10 +45,17 @@ def test_every_relative_link_is_a_file_of_the_repo(doc: Path):
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_no_doc_points_into_a_folder_beside_the_repo(doc: Path):
-    text = doc.read_text(encoding="utf-8")
-    assert not re.search(r"\.\./(shared|\.\.)", text), f"{doc.name} names a path outside the repo"
+    found = outside_paths(doc.read_text(encoding="utf-8"))
+    assert not found, f"{doc.name} names paths outside the repo: {found}"
 
 
 def test_the_link_check_catches_an_outside_link():
     assert relative_targets("see [notes](../shared/notes/x.md) and [web](https://a.b) [s](#x)") == \
         ["../shared/notes/x.md"]
+
+
+def test_the_outside_check_catches_absolute_and_sibling_paths():
+    text = ("see ../shared/notes/x.md, `shared/flower.md`, /work/main/docs/a.md, /home/ann/x, "
+            "file:///root/y and ../../z; not ~/.fedkv/nodes, /tmp/run, docs/shared/x or /abs/path.json")
+    assert outside_paths(text) == ["../shared/notes/x.md,", "shared/flower.md`,", "/work/main/docs/a.md,",
+                                   "/home/ann/x,", "file:///root/y", "../../z;"]

@@ -2,7 +2,8 @@
 
 A pure function of ``EncodingParams`` (the run config's fields read here; built from
 ``RunConfig`` by ``federation.codec.encoding_params``) and the number of values encoded, so it is
-identical on every node and the server. Measured costs: ``docs/he-notes.md`` ("Encoding rule").
+identical on every node and the server. What it costs in resolution: ``docs/encryption.md``
+("Encoding rule").
 
 * mode = ``packing``, bits = ``packing-bits``, max_clients = ``max-clients``; dither under
   dp-mode distributed (``crypto.dp.dither``: the rounding error does not depend on the data);

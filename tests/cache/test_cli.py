@@ -19,6 +19,7 @@ from cache.__main__ import main
 from cache.control import LIVE_DIR, STATS_FILE, read_snapshot
 
 from tests.cache.conftest import small_config
+from tests.hang_guard import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = Path(__file__).with_name("live_engine.py")
@@ -67,7 +68,7 @@ def engine(tmp_path_factory):
         proc.stdout.close()
 
 
-def _eventually(pred, timeout: float = 15.0):
+def _eventually(pred, timeout: float = HANG_GUARD_S):
     deadline = time.monotonic() + timeout
     while True:
         got = pred()

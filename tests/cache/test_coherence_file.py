@@ -22,6 +22,7 @@ from hypothesis import settings
 from cache.coherence import AgentGoneError, CoherenceConfigError, CoherenceTimeout, Mode, State
 from cache.coherence_file import STATE_FILE, CorruptDirectoryError, FileDirectory, pid_alive
 from tests.cache.coherence_machine import CoherenceMachine, check_directory, check_local_copies
+from tests.hang_guard import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -239,7 +240,7 @@ def test_trainer_process_writes_back_while_server_process_serves(tmp_path):
     procs = [_spawn(WORKER, role, str(tmp_path), str(n)) for role in ("server", "trainer")]
     try:
         for p in procs:
-            _, err = p.communicate(timeout=60)
+            _, err = p.communicate(timeout=HANG_GUARD_S)
             assert p.returncode == 0, err[-3000:]
     finally:
         _stop(procs)

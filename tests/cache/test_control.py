@@ -20,6 +20,7 @@ from cache.control import (
 )
 
 from tests.cache.conftest import feed, small_config
+from tests.hang_guard import HANG_GUARD_S
 
 KEY = bytes(range(32))
 
@@ -173,7 +174,7 @@ def test_a_failing_live_control_never_fails_an_operation(kv, monkeypatch, caplog
 def test_the_timer_publishes_without_operations(kv, tmp_path):
     before = json.loads((tmp_path / LIVE_DIR / STATS_FILE).read_text())["written_at"]
     kv.live.next_publish_ns = 0  # due now: the timer thread's next tick (POLL_S) publishes
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + HANG_GUARD_S
     while json.loads((tmp_path / LIVE_DIR / STATS_FILE).read_text())["written_at"] == before:
         assert time.monotonic() < deadline, "no timed snapshot"
         time.sleep(0.02)

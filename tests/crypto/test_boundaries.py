@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.hang_guard import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = ("node", "federation", "experiments", "cache", "flwr")
 
@@ -19,7 +21,7 @@ def test_crypto_imports_nothing_upward() -> None:
         "print(bad)\n"
         "assert not bad, bad\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 0, out.stdout + out.stderr
 
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.hang_guard import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = {"plaintext", "tenseal_default", "fedkv_none", "fedkv_8bit", "fedkv"}
@@ -23,7 +24,7 @@ def result():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.bench_he", "--params", "20000", "--repeats", "1", "--json"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

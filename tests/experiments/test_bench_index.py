@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from experiments import bench_index
+from tests.hang_guard import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 LOADS = {"50", "90"}
@@ -22,7 +23,7 @@ LOADS = {"50", "90"}
 def result():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "experiments.bench_index", "--quick", "--json"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.hang_guard import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[2]
 
 TOP_KEYS = {
@@ -49,7 +51,7 @@ def result(tmp_path_factory):
     env = {**os.environ, "FEDKV_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.bench_kv", "--tiny", "--json", "--seed", "1"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
@@ -172,7 +174,7 @@ def test_bad_flags_rejected():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.bench_kv", "--tiny", "--block-size", "0"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S,
     )
     assert proc.returncode != 0
 

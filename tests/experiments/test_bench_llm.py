@@ -15,6 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from experiments import bench_llm, llm_contenders  # noqa: E402
+from tests.hang_guard import HANG_GUARD_S  # noqa: E402
 from tests.tiny_models import ours_from_hf, tiny_hf_llama  # noqa: E402
 
 TINY = bench_llm.Plan(contexts=(32, 64), decode_steps=2, repeats=2, batch_sessions=3,
@@ -133,7 +134,7 @@ def test_quick_json_on_the_real_model(tmp_path):
     if not (models.default_dir() / "config.json").is_file():
         pytest.skip("run `python -m node.models fetch` first")
     p = subprocess.run([sys.executable, "-m", "experiments.bench_llm", "--quick", "--json",
-                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert p.returncode == 0, p.stderr[-2000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert set(r["decode_tokens_per_s"]) == {"512", "2048"}

@@ -20,12 +20,13 @@ import numpy as np
 import pytest
 
 from experiments import he_cost, secagg_baseline
+from tests.hang_guard import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--quick", "--sizes", "1e4,3e4", "--clients", "3", "--repeats", "1"]
 
 
-def _run(args, tmp_path, timeout=240):
+def _run(args, tmp_path, timeout=HANG_GUARD_S):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1"}
     proc = subprocess.run([sys.executable, "-m", "experiments.he_cost", *args, "--out", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -121,7 +122,8 @@ def test_mode_subset(tmp_path):
 def test_bad_arguments_are_rejected(tmp_path, args, message):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "experiments.he_cost", "--quick", "--sizes", "1e4", *args,
-                           "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+                           "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)
     assert proc.returncode != 0
     assert message in proc.stderr + proc.stdout
     assert not (tmp_path / "he_cost").exists() or not any((tmp_path / "he_cost").iterdir())
@@ -183,7 +185,7 @@ def test_message_nbytes_counts_the_array_payload():
 @pytest.mark.slow
 def test_secagg_baseline_end_to_end(tmp_path):
     proc, run_dir = _run(["--quick", "--sizes", "1e4", "--clients", "3", "--repeats", "1", "--modes", "plaintext",
-                          "--secagg-sizes", "1e4", "--secagg-rounds", "2", "--secagg-clients", "4"], tmp_path, timeout=600)
+                          "--secagg-sizes", "1e4", "--secagg-rounds", "2", "--secagg-clients", "4"], tmp_path)
     columns, rows = _read_csv(run_dir / "secagg.csv")
     assert tuple(columns) == he_cost.SECAGG_COLUMNS
     assert [r["mode"] for r in rows] == ["flower_fedavg", "flower_secaggplus"]

@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 
 from experiments import privacy_accuracy as pa
+from tests.hang_guard import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--epsilons", "8,inf", "--populations", "8", "--clients-per-round", "4", "--rounds", "2",
         "--modes", "distributed,local", "--seeds", "2", "--audit-trials", "60"]
 
 
-def _run(args, out: Path, timeout: int = 240):
+def _run(args, out: Path, timeout: float = HANG_GUARD_S):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1"}
     proc = subprocess.run([sys.executable, "-m", "experiments.privacy_accuracy", *args, "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -39,6 +40,7 @@ def _csv(path: Path) -> tuple[list[dict[str, str]], list[str]]:
         return list(reader), list(reader.fieldnames or [])
 
 
+@pytest.mark.slow  # end-to-end (86 s loaded): .ci/run's slow step; the unit tests below cover its parts
 def test_tiny_sweep_writes_every_output(tmp_path: Path) -> None:
     proc, run_dir = _run(TINY, tmp_path)
     first = proc.stdout.strip().splitlines()[0]
@@ -96,7 +98,7 @@ def test_tiny_sweep_writes_every_output(tmp_path: Path) -> None:
 def test_quick_mode_as_the_issue_names_it(tmp_path: Path) -> None:
     """The acceptance command itself, ``--quick``: 2 seeds and it says so, every mode of the quick
     set, the columns, and no audit above its accountant (LiRA at the dp-sgd points included)."""
-    proc, run_dir = _run(["--quick"], tmp_path, timeout=1500)
+    proc, run_dir = _run(["--quick"], tmp_path)
     assert proc.stdout.splitlines()[0].startswith("expected duration of")
     rows, header = _csv(run_dir / "points.csv")
     for col in ("n_seeds", "accuracy_mean", "accuracy_ci_low", "accuracy_ci_high", "epsilon_accountant",
@@ -172,6 +174,7 @@ DP_SGD = ["--epsilons", "8,inf", "--populations", "6", "--clients-per-round", "3
           "--no-estimate"]
 
 
+@pytest.mark.slow  # end-to-end (66 s loaded): .ci/run's slow step; the LiRA unit tests below cover its parts
 def test_dp_sgd_sweep_has_lira_columns(tmp_path: Path) -> None:
     _, run_dir = _run(DP_SGD, tmp_path)
     runs, run_header = _csv(run_dir / "runs.csv")

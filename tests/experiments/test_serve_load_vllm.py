@@ -17,6 +17,7 @@ import pytest
 
 from experiments import serve_load as sl
 from experiments import vllm_contender as vc
+from tests.hang_guard import HANG_GUARD_S
 
 pytest.importorskip("httpx")
 
@@ -171,7 +172,7 @@ def _fake_vllm(tmp_path, serve: bool):
     """))
 
 
-def _gone(pid: int, within_s: float = 10.0) -> bool:
+def _gone(pid: int, within_s: float = HANG_GUARD_S) -> bool:
     """``pid`` ended within ``within_s`` (a kill is delivered asynchronously)."""
     end = time.monotonic() + within_s
     while _alive(pid) and time.monotonic() < end:

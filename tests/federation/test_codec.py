@@ -133,15 +133,15 @@ def test_explicit_range_under_dp_is_kept_and_its_saturation_delta_reported() -> 
     assert run_saturation_delta(_he_cfg(he=False), 4810) == 0.0  # nothing is saturated
 
 
-def _he_notes() -> str:
-    """docs/he-notes.md, whitespace-normalized: it quotes the encoding policy's measured figures."""
+def _encoding_doc() -> str:
+    """docs/encryption.md, whitespace-normalized: it quotes the encoding policy's computed figures."""
     from pathlib import Path
 
-    return " ".join((Path(__file__).resolve().parents[2] / "docs" / "he-notes.md").read_text().split())
+    return " ".join((Path(__file__).resolve().parents[2] / "docs" / "encryption.md").read_text().split())
 
 
-def test_the_digits_figures_in_the_he_notes_are_the_computed_ones() -> None:
-    """docs/he-notes.md quotes the range and the rounding cost for the digits experiment
+def test_the_digits_figures_in_the_encoding_doc_are_the_computed_ones() -> None:
+    """docs/encryption.md quotes the range and the rounding cost for the digits experiment
     (``crypto.dp.encoding_policy``); recompute them so the text cannot drift from the code."""
     import math
 
@@ -150,12 +150,12 @@ def test_the_digits_figures_in_the_he_notes_are_the_computed_ones() -> None:
     cfg = _he_cfg()
     pk = codec.packing_for(cfg, 4810)
     rounding_std = pk.step * math.sqrt(32 / 12)  # the dithered sum of 32 contributions
-    doc = _he_notes()
+    doc = _encoding_doc()
     assert f"R = {pk.clip_range:.6g}" in doc and f"δ_sat = {codec.run_saturation_delta(cfg, 4810):.3g}" in doc
     assert f"step {pk.step:.4g}" in doc and f"{rounding_std:.3g} = {100 * rounding_std / 1.33:.2g} %" in doc
 
 
-def test_the_main_job_figures_in_the_he_notes_are_the_computed_ones() -> None:
+def test_the_main_job_figures_in_the_encoding_doc_are_the_computed_ones() -> None:
     """The same for the main job's defaults (pyproject.toml's run config, lm, 5 nodes): the
     DP range, the heuristic it replaced, and the rounding cost of the 5-node sum."""
     import math
@@ -177,7 +177,7 @@ def test_the_main_job_figures_in_the_he_notes_are_the_computed_ones() -> None:
                     c + policy.RANGE_NOISE_TAIL * s)
     rounding_std = pk.step * math.sqrt(5 / 12)
     sigma_c = cfg.noise_multiplier * cfg.clip_norm
-    doc = _he_notes()
+    doc = _encoding_doc()
     assert f"dim {dim:,}" in doc and f"R = {pk.clip_range:.6g} instead of {heuristic:.6g}" in doc
     assert f"step {pk.step:.3g}, rounding std of the 5-node sum {rounding_std:.2g} = " \
            f"{100 * rounding_std / sigma_c:.0f} % of σC = {sigma_c:g}" in doc

@@ -16,7 +16,8 @@ from federation.deploy.flwr_sandbox import alive, flwr_sandbox
 from federation.results import SCHEMA
 
 
-@pytest.mark.timeout(900)  # ~35 s: the one end-to-end run CI always does
+@pytest.mark.slow  # end-to-end (21 s quiet, 68 s loaded): .ci/run's main job and slow step run the CLI;
+# tests/federation/test_local.py::test_run_local_digits_he_learns_and_writes_params_back runs the same round in process
 def test_flwr_run_digits_he(tmp_path) -> None:
     """he=true through the real CLI: enroll + provision, CKKS updates, signed, DP accounting."""
     results_dir = tmp_path / "results"

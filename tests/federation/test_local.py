@@ -118,6 +118,7 @@ def test_flower_central_adaptive_clipping_adapts_and_is_accounted_like_fixed() -
     assert results.rounds[-1].epsilon_client == pytest.approx(acc.epsilon())
 
 
+@pytest.mark.slow  # end-to-end (60 s loaded): .ci/run's slow step; test_flower_central.py checks its norm rule
 def test_flower_adaptive_baseline_grows_a_norm_that_clips_everything() -> None:
     """Flower 1.42's wrapper alone shrinks the norm when every update is clipped (it feeds the
     clipped share into a rule written for the unclipped one); the baseline fedkv runs turns it

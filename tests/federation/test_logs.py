@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.hang_guard import HANG_GUARD_S
+
 REPO = Path(__file__).resolve().parents[2]
 OPACUS_BASIC_CONFIG = """logging.basicConfig(
     format="%(asctime)s:%(levelname)s:%(message)s",
@@ -37,7 +39,7 @@ def _run(order: str) -> str:
         logging.getLogger("some.library").warning("MARK-OTHER-WARNING")
         logging.getLogger("some.library").info("MARK-OTHER-INFO")
         """)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout + proc.stderr
 

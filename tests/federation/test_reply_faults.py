@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -146,18 +147,21 @@ def test_fuzzed_train_replies_never_stop_the_run(data) -> None:
     _fuzz_phase(data, PLAIN, protocol.TRAIN)
 
 
+@pytest.mark.slow  # 10 in-process runs (18 s loaded): .ci/run's slow step; the one-fault tests above cover each phase
 @FUZZ
 @given(st.data())
 def test_fuzzed_evaluate_replies_never_stop_the_run(data) -> None:
     _fuzz_phase(data, PLAIN, protocol.EVALUATE)
 
 
+@pytest.mark.slow  # 10 in-process runs (19 s loaded): .ci/run's slow step; the one-fault tests above cover each phase
 @FUZZ
 @given(st.data())
 def test_fuzzed_enroll_replies_never_stop_the_run(data) -> None:
     _fuzz_phase(data, HE, key_service.ENROLL)
 
 
+@pytest.mark.slow  # 10 in-process runs (23 s loaded): .ci/run's slow step; the one-fault tests above cover each phase
 @FUZZ
 @given(st.data())
 def test_fuzzed_provision_and_keygen_replies_never_stop_the_run(data) -> None:
@@ -165,6 +169,7 @@ def test_fuzzed_provision_and_keygen_replies_never_stop_the_run(data) -> None:
     _fuzz_phase(data, HE, kind, node)
 
 
+@pytest.mark.slow  # 10 in-process runs (38 s loaded): .ci/run's slow step; the one-fault tests above cover each phase
 @FUZZ
 @given(st.data())
 def test_fuzzed_he_train_replies_never_stop_the_run(data) -> None:

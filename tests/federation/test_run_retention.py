@@ -21,6 +21,7 @@ import pytest
 
 from federation import run_retention  # stdlib only: the spawned pruners below import this module fast
 from tests.federation.run_dirs import HOUR, age, names, stage_run
+from tests.hang_guard import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -93,7 +94,7 @@ def test_retention_does_not_remove_a_run_written_recently(tmp_path, monkeypatch)
 
 
 def _prune_worker(root: str, start, out) -> None:
-    start.wait(60)
+    start.wait(HANG_GUARD_S)
     try:
         report = run_retention.prune(Path(root), 1, current="run-999")
         out.put(("ok", [n for n, _ in report.removed]))
@@ -111,8 +112,8 @@ def test_two_processes_pruning_at_once_do_not_fail(tmp_path) -> None:
     procs = [mp.Process(target=_prune_worker, args=(str(root), start, out)) for _ in range(2)]
     for p in procs:
         p.start()
-    start.wait(60)  # both started and ready: they prune at once, in the same order
-    results = [out.get(timeout=120) for _ in procs]
+    start.wait(HANG_GUARD_S)  # both started and ready: they prune at once, in the same order
+    results = [out.get(timeout=HANG_GUARD_S) for _ in procs]
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
@@ -224,7 +225,7 @@ def _serving(node_dir: Path, ready: Path) -> subprocess.Popen:
         [sys.executable, "-m", "node.openai_api", "--cache-dir", str(node_dir / "kv-cache"), "--port", "0",
          "--ready-file", str(ready), "--wait-s", "30"], cwd=REPO, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + HANG_GUARD_S
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             _stop(proc)

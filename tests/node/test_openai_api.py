@@ -31,6 +31,7 @@ from node.scheduler_backend import ScheduledBackend  # noqa: E402
 from node.serial_backend import SerialBackend  # noqa: E402
 from node.serve_auth import Tenants  # noqa: E402
 from node.tasks import lm_model  # noqa: E402
+from tests.hang_guard import HANG_GUARD_S  # noqa: E402
 from tests.node.live_server import running  # noqa: E402
 
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789ab",
@@ -334,7 +335,7 @@ def test_quota_429_and_full_server_503(one_thread):
         try:
             for t in threads:
                 t.start()
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + HANG_GUARD_S
             while sum(s._active.values()) < 2 and time.monotonic() < deadline:
                 time.sleep(0.01)
             with pytest.raises(openai.RateLimitError):
@@ -435,7 +436,7 @@ def test_a_request_past_its_deadline_ends_503_and_frees_its_slot(one_thread):
         with pytest.raises(openai.APIError, match="deadline"):  # the stream's last event
             list(c.completions.create(model="fedkv-byte", prompt="hi", max_tokens=120,
                                       stream=True))
-        wait = time.monotonic() + 20  # the stream's error event is read before its finally ran
+        wait = time.monotonic() + HANG_GUARD_S  # the stream's error event is read before its finally ran
         while s._active["alice"] and time.monotonic() < wait:
             time.sleep(0.01)
         assert s._active["alice"] == 0 and len(s.backend.handles) == 3
@@ -489,7 +490,7 @@ def test_a_client_hanging_up_mid_stream_cancels_its_request(one_thread):
                 chunk = c.recv(4096)
                 assert chunk, got  # the server must not end the stream first
                 got += chunk
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + HANG_GUARD_S
         while (not s.backend.cancelled or s._active["alice"]) and time.monotonic() < deadline:
             time.sleep(0.02)
         (yielded,) = s.backend.cancelled

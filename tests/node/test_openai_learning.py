@@ -32,6 +32,7 @@ from node.openai_protocol import PromptCodec  # noqa: E402
 from node.scheduler_backend import ScheduledBackend  # noqa: E402
 from node.serve_auth import Tenants  # noqa: E402
 from node.tasks import federated_state, lm_model, parameter_layout  # noqa: E402
+from tests.hang_guard import HANG_GUARD_S  # noqa: E402
 from tests.node.live_server import running  # noqa: E402
 
 KEY = bytes(range(1, 33))
@@ -209,7 +210,7 @@ def test_the_cli_follows_a_cache_node_through_a_write_back(tmp_path, one_thread)
          "--ready-file", str(ready), "--wait-s", "30"], cwd=root, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + HANG_GUARD_S
         while not ready.exists():
             assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
             assert time.monotonic() < deadline, "node.openai_api did not start"

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from node.cache_node import CacheNode, NodeSpec
+from tests.hang_guard import HANG_GUARD_S
 
 KEY = bytes(range(32))
 SPEC = dict(partition_id=0, num_partitions=3, task="lm")
@@ -37,7 +38,7 @@ print(json.dumps({"version": node.version, "found": found,
 def run_child(cache_dir: Path) -> dict:
     out = subprocess.run(
         [sys.executable, "-c", CHILD, str(cache_dir), json.dumps(SPEC), json.dumps(PROMPT.decode("latin-1"))],
-        cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
+        cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -34,6 +34,7 @@ from crypto import write_secret_file
 from node.cache_node import CacheNode, NodeSpec
 from node.model import TinyTransformer
 from node.tasks import LM_MODEL
+from tests.hang_guard import HANG_GUARD_S
 
 KEY = bytes(range(1, 33))
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,7 +94,7 @@ def start_agent(tmp_path):
     procs: list[subprocess.Popen] = []
 
     def start(*flags: str, write_tokens: bool = True, scheme: str = "http",
-              context: ssl.SSLContext | None = None, startup_s: float = 60) -> Agent:
+              context: ssl.SSLContext | None = None, startup_s: float = HANG_GUARD_S) -> Agent:
         tokens = {"alice": secrets.token_urlsafe(32), "bob": secrets.token_urlsafe(32)}
         if write_tokens:
             path = tmp_path / "serve-token"
@@ -210,10 +211,10 @@ def test_the_agents_cache_is_read_and_tuned_from_another_process(served, tmp_pat
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cli = [sys.executable, "-m", "cache"]
     out = subprocess.run([*cli, "set", "evict_batch", "24", "--dir", str(live)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 0 and "16" in out.stdout and "24" in out.stdout, out.stdout + out.stderr
     out = subprocess.run([*cli, "stats", "--dir", str(live)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["stats"]["tunables"]["evict_batch"] == 24
 
@@ -228,14 +229,14 @@ def test_stats_on_the_cache_dir_reports_the_idle_agent_live_until_it_stops(serve
     cache_dir = tmp_path / "kv-cache"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "cache", "stats", "--dir", str(cache_dir)]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 0, out.stderr
     snap = json.loads(out.stdout)
     assert snap["live"] is True and snap["pid"] == proc.pid, snap
     assert snap["dir"] == str(cache_dir / "serve")
     proc.send_signal(signal.SIGTERM)
     proc.wait(10)
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 1 and "no live engine" in out.stderr, out.stderr
 
 
@@ -378,7 +379,7 @@ def test_idle_sessions_expire_and_free_their_blocks(start_agent, tmp_path):
     deadline = time.monotonic() + 30  # the agent republishes its snapshot about once a second
     while True:
         out = subprocess.run([sys.executable, "-m", "cache", "stats", "--dir", str(live)], cwd=ROOT,
-                             env=env, capture_output=True, text=True, timeout=120)
+                             env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
         assert out.returncode == 0, out.stderr
         engine = json.loads(out.stdout)["stats"]
         if engine["sessions_open"] == 0 or time.monotonic() > deadline:
@@ -437,7 +438,7 @@ def test_a_non_loopback_bind_is_refused_without_tls(tmp_path, capsys):
         assert serve._args(base + ["--host", host]).host == host
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-m", "node.serve", *base, "--host", "0.0.0.0"], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=60)
+                         env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 2 and "without TLS" in out.stderr, out.stderr[-500:]
     assert not (tmp_path / "serve-token").exists()  # refused before anything was written
 
@@ -582,9 +583,11 @@ def _smollm2_dir() -> Path:
 SMOL_SYSTEM = "You are a concise assistant. Answer in one or two sentences."
 
 
+@pytest.mark.slow  # the real model in an agent process (58 s + 11 s teardown loaded); .ci/run's real-model step;
+# tests/node/test_chat.py feeds the same chat template in process
 def test_an_agent_serving_smollm2_answers_in_its_chat_template(start_agent):
     model_dir = _smollm2_dir()
-    agent = start_agent("--model", "smollm2", "--model-dir", str(model_dir), startup_s=300)
+    agent = start_agent("--model", "smollm2", "--model-dir", str(model_dir))
     q = "What is the capital of France?"
     sid = agent.call("/v1/sessions", {"system": SMOL_SYSTEM})["session"]
     r = agent.call(f"/v1/sessions/{sid}", {"text": q, "max_tokens": 24}, timeout=120)

@@ -23,6 +23,7 @@ prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
 from node.openai_api import APIConfig  # noqa: E402
 from node.tasks import lm_model  # noqa: E402
+from tests.hang_guard import HANG_GUARD_S  # noqa: E402
 from tests.node.test_openai_api import (MESSAGES, TOKENS, _Silent, client,  # noqa: E402
                                         llama_parts, serving)  # noqa: F401 -- a fixture
 
@@ -54,7 +55,7 @@ def _value(samples, name: str, **labels) -> float:
 CHAT = "/v1/chat/completions"
 
 
-def _wait_for(predicate, what: str, limit_s: float = 20.0):
+def _wait_for(predicate, what: str, limit_s: float = HANG_GUARD_S):
     """Poll ``predicate`` (the server records a request just after replying) until it holds."""
     deadline = time.monotonic() + limit_s
     while True:

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from federation.deploy.flwr_sandbox import alive, descendants, stop_pids
+from tests.hang_guard import HANG_GUARD_S
 
 FAKE_SUPERLINK = """
 import argparse, http.server, json, os
@@ -103,7 +104,7 @@ def start_foreign(exe: Path, flwr_home: Path, port: int, cwd: Path, node_dir: Pa
     return proc
 
 
-def wait_listening(port: int, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+def wait_listening(port: int, proc: subprocess.Popen, timeout: float = HANG_GUARD_S) -> None:
     deadline = time.monotonic() + timeout
     while port_is_free(port):
         assert proc.poll() is None, f"stand-in exited with {proc.returncode}"

@@ -14,13 +14,14 @@ import pytest
 from federation import run_retention
 from federation.deploy import clean
 from tests.federation.run_dirs import HOUR, names, stage_run
+from tests.hang_guard import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 def _cli(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, **(env or {})})
+                          timeout=HANG_GUARD_S, env={**os.environ, **(env or {})})
 
 
 # -- the command ------------------------------------------------------------------------

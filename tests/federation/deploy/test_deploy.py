@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from federation.deploy.flwr_sandbox import REPO, alive
+from tests.hang_guard import HANG_GUARD_S
 
 
 def _start_time(pid: int) -> int | None:
@@ -51,7 +52,7 @@ def test_deploy_demo_survives_a_killed_supernode(tmp_path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "federation.deploy", "demo", "--nodes", "3", "--rounds", "2", "--kill-one",
          "--workdir", str(work)],
-        cwd=REPO, capture_output=True, text=True, timeout=560, stdin=subprocess.DEVNULL,
+        cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S, stdin=subprocess.DEVNULL,
     )
     lines = proc.stdout.strip().splitlines()
     assert lines, proc.stderr[-4000:]
@@ -89,7 +90,7 @@ def test_deploy_demo_with_a_serving_agent_picks_up_every_version(tmp_path) -> No
     proc = subprocess.run(
         [sys.executable, "-m", "federation.deploy", "demo", "--nodes", "2", "--rounds", "3", "--task", "lm",
          "--serve", "--workdir", str(work)],
-        cwd=REPO, capture_output=True, text=True, timeout=860, stdin=subprocess.DEVNULL,
+        cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S, stdin=subprocess.DEVNULL,
     )
     lines = proc.stdout.strip().splitlines()
     assert lines, proc.stderr[-4000:]
@@ -181,7 +182,7 @@ def test_the_serve_probe_authenticates_with_the_token_the_agent_wrote(tmp_path) 
     with running(ThreadingHTTPServer(("127.0.0.1", 0), Agent)) as server:
         probe.ready.write_text(json.dumps({"port": server.server_address[1]}))
         probe._thread.start()  # the client only: no agent process
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + HANG_GUARD_S
         while len(probe.versions) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
         probe.stop()

@@ -17,6 +17,7 @@ from federation.deploy.flwr_sandbox import stop_pids
 from federation.deploy.port_owner import describe, listeners
 from federation.deploy.processes import start_time
 from tests.federation.deploy.link_fakes import executable
+from tests.hang_guard import HANG_GUARD_S
 
 
 @pytest.fixture
@@ -87,7 +88,7 @@ def _sleeper(argv_tail: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", *argv_tail])
 
 
-def _wait_for_exec(pid: int, marker: str, limit_s: float = 60.0) -> None:
+def _wait_for_exec(pid: int, marker: str, limit_s: float = HANG_GUARD_S) -> None:
     """Until the child has exec'd its script (before that /proc shows the forked parent's
     command line: the check would fail on that, not on what it tests); bounded."""
     deadline = time.monotonic() + limit_s

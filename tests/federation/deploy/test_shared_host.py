@@ -21,6 +21,7 @@ from federation.deploy import stop as stop_mod
 from federation.deploy.flwr_sandbox import alive, free_port, make_app_dir
 from federation.deploy.local_superlink import LinkSettings
 from tests.federation.deploy import link_fakes as fakes
+from tests.hang_guard import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_PORT = 39091  # Flower 1.42's FLWR_LOCAL_SUPERLINK_HTTP_API_PORT default
@@ -165,8 +166,8 @@ def test_real_run_lands_in_its_own_superlink_and_stop_leaves_the_other(tmp_path)
             [sys.executable, "-m", "federation.deploy.check", "--", "flwr", "run", str(app), "--stream",
              "--federation-config", "num-supernodes=2 client-resources-num-cpus=1",
              "--run-config", "num-server-rounds=1 task='digits'"],
-            env=_env(b / "flwr-home", b / "nodes"), cwd=b / "work", capture_output=True, text=True, timeout=800,
-            stdin=subprocess.DEVNULL)
+            env=_env(b / "flwr-home", b / "nodes"), cwd=b / "work", capture_output=True, text=True,
+            timeout=HANG_GUARD_S, stdin=subprocess.DEVNULL)
         out = run.stdout + run.stderr
         results = [line.split()[1] for line in out.splitlines() if line.startswith("FEDKV_RESULTS ")]
         assert results and Path(results[-1]).is_relative_to(b / "work"), out[-4000:]
@@ -177,7 +178,7 @@ def test_real_run_lands_in_its_own_superlink_and_stop_leaves_the_other(tmp_path)
         assert mine is not None and mine != foreign.pid
 
         done = subprocess.run([sys.executable, "-m", "federation.deploy.stop"], env=_env(b / "flwr-home", b / "nodes"),
-                              cwd=b / "work", capture_output=True, text=True, timeout=120)
+                              cwd=b / "work", capture_output=True, text=True, timeout=HANG_GUARD_S)
         assert done.returncode == 0 and f"stopped SuperLink pid {mine}" in done.stdout, done.stdout + done.stderr
         assert not alive(mine) and alive(foreign.pid) and foreign.poll() is None
     finally:

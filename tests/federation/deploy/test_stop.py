@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from federation.deploy.flwr_sandbox import alive, descendants, stop_pids
+from tests.hang_guard import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[3]
 DUMMY = (
@@ -31,7 +32,7 @@ def _fake_superlink(flwr_home: Path) -> subprocess.Popen:
         [sys.executable, "-c", DUMMY, "flower-superlink", "--insecure", "--log-file", str(log_file)],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + HANG_GUARD_S
     while not descendants(proc.pid):  # wait for its child to exist
         assert time.monotonic() < deadline, "dummy SuperLink did not start its child"
         time.sleep(0.05)
@@ -40,7 +41,7 @@ def _fake_superlink(flwr_home: Path) -> subprocess.Popen:
 
 def _stop_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "federation.deploy.stop", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
 
 
 @pytest.fixture
@@ -64,7 +65,7 @@ def test_stops_only_this_homes_superlink_and_its_descendants(tmp_path, cleanup) 
     assert f"stopped SuperLink pid {link.pid}" in done.stdout
     for pid in family:
         assert str(pid) in done.stdout
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + HANG_GUARD_S
     while any(alive(p) for p in family) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(alive(p) for p in [link.pid, *family])
