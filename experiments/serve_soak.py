@@ -1,0 +1,548 @@
+"""Soak test of the OpenAI server: does a long-running server keep its speed and its size?
+
+    python -m experiments.serve_soak [--quick] [--json] [--model smollm2|byte] [--requests 1000]
+        [--clients 4] [--model-dir DIR] [--sample-s 5] [--server-arg=--flag ...]
+
+Starts ``python -m node.openai_api`` as a subprocess through its command line (its own port,
+a token file of ``--clients`` tenants written here, 0600 in a 0700 folder; ``OMP_NUM_THREADS=1``
+unless the environment sets it) and talks to it only over HTTP (``httpx``), so it measures
+whatever HTTP stack serves those routes. Then:
+
+1. *probes at the start*: a fresh ``probe_prompt``-token prompt (its first token differs per
+   probe, so nothing of it is cached) and a cached prompt (sent once unmeasured, then again),
+   each streamed greedily ``probe_repeats`` times: TTFT and decode tokens/s (completion tokens
+   after the first over the seconds from the first chunk to the last), medians;
+2. the server's resources: RSS (``/proc/<pid>/status`` VmRSS), threads, open fds, and what
+   ``/metrics`` shows (requests waiting/running, preemptions, KV blocks and sessions held);
+3. ``requests`` requests of a mixed load from ``clients`` threads: prompts from a few shared
+   prefixes plus their own tails (the prefix cache fills and evicts), streamed and not,
+   completions and chat, ``n > 1`` and sampled ones, some cancelled mid-stream by closing the
+   connection, a few invalid (an expected 400); resources sampled every ``sample_s`` s;
+4. the same probes again, then the resources again (every client connection closed first,
+   and after ``settle_s``, so an idle keep-alive connection's thread is not counted).
+
+The JSON (``--json`` prints it last): ``probe.{start,end}.{ttft_s,decode_tokens_per_s}`` (the
+fresh prompt; ``.cached.*`` the cached one), ``ratio_end_vs_start`` (end / start),
+``rss_mib.{start,end,max}``, ``threads.{start,end}``, ``fds.{start,end}``, ``kv.{start,end}``,
+``requests``, ``failed`` (requests that ended otherwise than asked: an error status, a stream
+error or a cut stream; cancels and the expected 400s are not failures), ``load_average`` and
+the periodic ``samples``. A slowdown is an end/start ratio away from 1 beyond the probes'
+own spread (``probe.*.spread``); growth is an end above the start that ``max`` confirms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from experiments.output import add_common_args, make_run_dir, print_results_dir, write_json
+from federation.deploy.flwr_sandbox import alive, free_port, stop_pids
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# -- settings ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shape:
+    """A served model's sizes: its vocabulary (prompts are token ids) and the lengths used."""
+
+    model_id: str
+    vocab: int
+    probe_prompt: int
+    probe_new: int
+    prefix: int
+    """Tokens of each shared prefix of the load."""
+    max_tail: int
+    """A load prompt's own tokens after its prefix: 8 to this many."""
+    max_new: int
+
+
+SHAPES = {"smollm2": Shape("smollm2-135m-instruct", 49152, 512, 32, 64, 256, 24),
+          "byte": Shape("fedkv-byte", 256, 64, 16, 16, 64, 24)}
+"""``byte``: context 128 (prompt + new tokens must fit); ``smollm2``: the issue's 512-token
+fresh prompt."""
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    requests: int = 1000
+    clients: int = 4
+    probe_repeats: int = 3
+    sample_s: float = 5.0
+    """Seconds between resource samples during the load."""
+    settle_s: float = 1.0
+    """Wait after closing connections before the start/end resource sample."""
+    prefixes: int = 8
+    """Shared prefixes of the load (each ``Shape.prefix`` tokens)."""
+    timeout_s: float = 300.0
+    seed: int = 0
+    mix: tuple[tuple[str, float], ...] = (
+        ("stream", 0.30), ("whole", 0.22), ("chat", 0.10), ("n", 0.10), ("sampled", 0.08),
+        ("cancel", 0.15), ("invalid", 0.05))
+    """Kinds of load request and their shares (see ``load_jobs``)."""
+
+
+# -- the server ----------------------------------------------------------------------------
+def write_tokens(path: Path, tenants: int) -> list[str]:
+    """A token file of ``tenants`` tenants ``soak0``... (0600, its folder 0700); the tokens.
+    One tenant per client: the server's per-tenant concurrency cap never refuses the load."""
+    import secrets
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+    tokens = [secrets.token_urlsafe(32) for _ in range(tenants)]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.writelines(f"soak{i}:{t}\n" for i, t in enumerate(tokens))
+    return tokens
+
+
+class ServerProcess:
+    """``python -m node.openai_api`` on a free loopback port, logging to ``log``; ``close``
+    stops it by its pid (SIGTERM, then SIGKILL), also after a failed start."""
+
+    def __init__(self, model: str, folder: Path, log: Path, tenants: int,
+                 model_dir: str | None = None, extra: tuple[str, ...] = (),
+                 start_timeout_s: float = 600.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        token_file = folder / "serve-token"
+        self.tokens = write_tokens(token_file, tenants)
+        cmd = [sys.executable, "-m", "node.openai_api", "--model", model, "--port",
+               str(self.port), "--token-file", str(token_file), *extra]
+        if model_dir:
+            cmd += ["--model-dir", model_dir]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+        env.setdefault("OMP_NUM_THREADS", "1")
+        self.threads_env = env["OMP_NUM_THREADS"]
+        with open(log, "ab") as fh:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        self.pid, self.log = self.proc.pid, log
+        try:
+            self._wait_ready(start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode} before it "
+                                   f"served (see {self.log})")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"the server did not serve within {timeout_s:.0f} s (see {self.log})")
+
+    def close(self) -> None:
+        if alive(self.pid):
+            stop_pids([self.pid], grace_s=30.0)
+        self.proc.wait(timeout=30)
+
+
+def resources(pid: int) -> dict[str, float]:
+    """RSS (MiB), threads and open fds of process ``pid``, from ``/proc``."""
+    status = dict(line.split(":", 1) for line in
+                  Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return {"rss_mib": int(status["VmRSS"].split()[0]) / 1024,
+            "threads": int(status["Threads"]), "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+
+
+def scrape(client: httpx.Client) -> dict[str, float]:
+    """The server's own gauges from ``/metrics`` (``fedkv_*`` samples, labels folded into
+    the name; ``{}`` when the route is missing or needs a token it refuses)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        r = client.get("/metrics")
+    except httpx.HTTPError:
+        return {}
+    if r.status_code != 200:
+        return {}
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(r.text):
+        if not fam.name.startswith("fedkv_") or fam.type not in ("gauge", "counter"):
+            continue
+        for s in fam.samples:
+            if s.name.endswith("_created"):
+                continue
+            label = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[s.name + (f"{{{label}}}" if label else "")] = s.value
+    return out
+
+
+# -- one request over HTTP -------------------------------------------------------------------
+@dataclass
+class Result:
+    ok: bool
+    status: int = 0
+    ttft_s: float | None = None
+    decode_s: float | None = None
+    """Seconds from the first content chunk to the last one."""
+    tokens: int = 0
+    cached_tokens: int = 0
+    cancelled: bool = False
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Job:
+    kind: str
+    path: str
+    body: dict[str, Any]
+    cancel_after: int | None = None
+    """Close the connection after this many content chunks (a client that walks away)."""
+    expect: int = 200
+
+
+def call(client: httpx.Client, job: Job, timeout_s: float) -> Result:
+    """One request; never raises (an HTTP failure is a failed ``Result``)."""
+    t0 = time.perf_counter()
+    try:
+        if not job.body.get("stream"):
+            r = client.post(job.path, json=job.body, timeout=timeout_s)
+            return _whole_result(r, job, time.perf_counter() - t0)
+        with client.stream("POST", job.path, json=job.body, timeout=timeout_s) as r:
+            if r.status_code != 200:
+                r.read()
+                return Result(r.status_code == job.expect, r.status_code, error=r.text[:200])
+            return _read_stream(r, job, t0)
+    except httpx.HTTPError as e:
+        return Result(False, error=f"{type(e).__name__}: {str(e)[:200]}")
+
+
+def _whole_result(r: httpx.Response, job: Job, elapsed: float) -> Result:
+    if r.status_code != 200:
+        return Result(r.status_code == job.expect, r.status_code, error=r.text[:200])
+    usage = r.json().get("usage") or {}
+    return Result(job.expect == 200, 200, ttft_s=elapsed, tokens=usage.get("completion_tokens", 0),
+                  cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+
+
+def _content(chunk: dict[str, Any]) -> bool:
+    for c in chunk.get("choices") or ():
+        text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+        if text:
+            return True
+    return False
+
+
+def _read_stream(r: httpx.Response, job: Job, t0: float) -> Result:
+    """Server-sent events up to ``[DONE]`` (or ``job.cancel_after`` content chunks: then the
+    connection is closed as the context manager leaves); a cut stream fails."""
+    res, first, last, chunks = Result(False, 200), None, None, 0
+    for line in r.iter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            res.ok = job.expect == 200
+            break
+        chunk = json.loads(data)
+        if "error" in chunk:
+            res.error = str(chunk["error"].get("message"))[:200]
+            break
+        if _content(chunk):
+            last = time.perf_counter()
+            first, chunks = first or last, chunks + 1
+        if usage := chunk.get("usage"):
+            res.tokens = usage.get("completion_tokens", 0)
+            res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        if job.cancel_after is not None and chunks >= job.cancel_after:
+            res.ok = res.cancelled = True
+            break
+    else:
+        res.error = res.error or "the stream ended before [DONE]"
+    if first is not None:
+        res.ttft_s, res.decode_s = first - t0, last - first
+    res.tokens = res.tokens or chunks
+    return res
+
+
+def api(url: str, token: str, timeout_s: float) -> httpx.Client:
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"},
+                        timeout=httpx.Timeout(timeout_s, connect=10.0))
+
+
+# -- probes ----------------------------------------------------------------------------------
+def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(4, vocab) for _ in range(n)]
+
+
+def probe_prompts(shape: Shape, seed: int) -> tuple[list[int], list[int]]:
+    """(fresh prompt base, cached prompt): fixed per seed, unlike any load prompt."""
+    rng = random.Random(f"probe-{seed}")
+    return _ids(rng, shape.probe_prompt, shape.vocab), _ids(rng, shape.probe_prompt, shape.vocab)
+
+
+def _probe_job(shape: Shape, prompt: list[int]) -> Job:
+    return Job("probe", "/v1/completions", {
+        "model": shape.model_id, "prompt": prompt, "max_tokens": shape.probe_new,
+        "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
+
+
+def _summary(results: list[Result]) -> dict[str, Any]:
+    ttft = [r.ttft_s for r in results if r.ok and r.ttft_s is not None]
+    rate = [(r.tokens - 1) / r.decode_s for r in results
+            if r.ok and r.decode_s and r.tokens > 1]
+    med = (lambda xs: statistics.median(xs) if xs else None)
+    return {"ttft_s": med(ttft), "decode_tokens_per_s": med(rate),
+            "spread": {"ttft_s": [min(ttft), max(ttft)] if ttft else None,
+                       "decode_tokens_per_s": [min(rate), max(rate)] if rate else None},
+            "tokens": [r.tokens for r in results], "cached_tokens": [r.cached_tokens for r in results],
+            "failed": sum(not r.ok for r in results)}
+
+
+def probe(client: httpx.Client, shape: Shape, cfg: SoakConfig, first_marker: int) -> dict:
+    """The fresh prompt ``probe_repeats`` times (its first token ``first_marker``,
+    ``first_marker + 1``...: never cached) and the cached prompt (warmed first)."""
+    base, cached = probe_prompts(shape, cfg.seed)
+    fresh = [call(client, _probe_job(shape, [first_marker + i] + base[1:]), cfg.timeout_s)
+             for i in range(cfg.probe_repeats)]
+    call(client, _probe_job(shape, cached), cfg.timeout_s)  # puts it in the prefix cache
+    hot = [call(client, _probe_job(shape, cached), cfg.timeout_s)
+           for _ in range(cfg.probe_repeats)]
+    return {**_summary(fresh), "cached": _summary(hot)}
+
+
+# -- the load --------------------------------------------------------------------------------
+def load_jobs(shape: Shape, cfg: SoakConfig, n: int) -> list[Job]:
+    """``n`` requests of ``cfg.mix``: ``stream``/``whole`` greedy completions, ``chat``
+    (text, streamed or not), ``n`` (2-3 sampled choices), ``sampled`` (temperature and
+    top_p), ``cancel`` (streamed, the connection closed after 1-3 chunks), ``invalid``
+    (``max_tokens: -1``: a 400 is the right answer). Prompts: one of ``prefixes`` shared
+    prefixes (most of them) then 8 to ``max_tail`` tokens of their own."""
+    rng = random.Random(f"load-{cfg.seed}")
+    prefixes = [_ids(rng, shape.prefix, shape.vocab) for _ in range(cfg.prefixes)]
+    kinds, weights = zip(*cfg.mix)
+    jobs = []
+    for i in range(n):
+        kind = rng.choices(kinds, weights)[0]
+        head = rng.choice(prefixes) if rng.random() < 0.8 else []
+        prompt = head + _ids(rng, rng.randrange(8, shape.max_tail + 1), shape.vocab)
+        body: dict[str, Any] = {"model": shape.model_id, "prompt": prompt, "temperature": 0,
+                                "max_tokens": rng.randrange(4, shape.max_new + 1),
+                                "stream": kind in ("stream", "cancel") or rng.random() < 0.3}
+        path, cancel, expect = "/v1/completions", None, 200
+        if kind == "chat":
+            path = "/v1/chat/completions"
+            words = " ".join(rng.choice(WORDS) for _ in range(rng.randrange(2, shape.max_tail // 8)))
+            body = {k: v for k, v in body.items() if k != "prompt"}
+            body["messages"] = [{"role": "user", "content": f"Request {i}: {words}?"}]
+        elif kind == "n":
+            body.update(n=rng.randrange(2, 4), temperature=0.8, seed=i,
+                        max_tokens=min(body["max_tokens"], 12))
+        elif kind == "sampled":
+            body.update(temperature=0.9, top_p=0.9)
+        elif kind == "cancel":
+            cancel = rng.randrange(1, 4)
+            body["max_tokens"] = shape.max_new
+        elif kind == "invalid":
+            body["max_tokens"], expect = -1, 400
+        jobs.append(Job(kind, path, body, cancel, expect))
+    return jobs
+
+
+WORDS = ("cache", "node", "privacy", "federated", "token", "block", "prefix", "weights",
+         "server", "client", "encrypted", "noise", "round", "model", "tenant", "stream")
+
+
+@dataclass
+class Tally:
+    done: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    tokens: int = 0
+    by_kind: dict[str, int] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, job: Job, r: Result) -> None:
+        with self.lock:
+            self.done += 1
+            self.failed += not r.ok
+            self.cancelled += r.cancelled
+            self.tokens += r.tokens
+            self.by_kind[job.kind] = self.by_kind.get(job.kind, 0) + 1
+            if not r.ok and len(self.errors) < 10:
+                self.errors.append(f"{job.kind} {r.status}: {r.error}")
+
+
+def drive(url: str, tokens: list[str], jobs: list[Job], cfg: SoakConfig, tally: Tally) -> float:
+    """Each client thread (its own tenant and connections) sends its share of ``jobs`` back
+    to back, counted in ``tally``; the wall seconds. Every client is closed when done."""
+
+    def client(c: int) -> None:
+        with api(url, tokens[c], cfg.timeout_s) as http:
+            for job in jobs[c::cfg.clients]:
+                tally.add(job, call(http, job, cfg.timeout_s))
+
+    threads = [threading.Thread(target=client, args=(c,), name=f"soak-client-{c}")
+               for c in range(cfg.clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+class Sampler:
+    """Resources and ``/metrics`` every ``every_s`` seconds on a thread, until ``stop``."""
+
+    def __init__(self, server: ServerProcess, token: str, tally: Tally, every_s: float):
+        self.server, self.token, self.tally, self.every_s = server, token, tally, every_s
+        self.samples: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._loop, name="soak-sampler", daemon=True)
+
+    def take(self, http: httpx.Client) -> dict[str, Any]:
+        s = {"t_s": round(time.perf_counter() - self._t0, 1), "requests_done": self.tally.done,
+             **resources(self.server.pid), "metrics": scrape(http)}
+        self.samples.append(s)
+        return s
+
+    def _loop(self) -> None:
+        with api(self.server.url, self.token, 30.0) as http:
+            while not self._stop.wait(self.every_s):
+                self.take(http)
+
+    def __enter__(self) -> "Sampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+# -- the run ---------------------------------------------------------------------------------
+def settled(server: ServerProcess, token: str, settle_s: float) -> dict[str, Any]:
+    """Resources with no client connection open (after ``settle_s``), then ``/metrics``."""
+    time.sleep(settle_s)
+    out: dict[str, Any] = dict(resources(server.pid))
+    with api(server.url, token, 30.0) as http:
+        out["metrics"] = scrape(http)
+    return out
+
+
+def soak(server: ServerProcess, shape: Shape, cfg: SoakConfig) -> dict[str, Any]:
+    """Probes, the load (sampled), probes again; the figures (see the module docstring)."""
+    token = server.tokens[0]
+    boot = resources(server.pid)
+    load_start = os.getloadavg()
+    with api(server.url, token, cfg.timeout_s) as http:
+        start = probe(http, shape, cfg, 1)
+    before = settled(server, token, cfg.settle_s)
+    tally = Tally()
+    with Sampler(server, token, tally, cfg.sample_s) as sampler:
+        wall = drive(server.url, server.tokens, load_jobs(shape, cfg, cfg.requests), cfg, tally)
+    with api(server.url, token, cfg.timeout_s) as http:
+        end = probe(http, shape, cfg, 1 + cfg.probe_repeats)
+    after = settled(server, token, cfg.settle_s)
+    peak = max([before["rss_mib"], after["rss_mib"]] + [s["rss_mib"] for s in sampler.samples])
+    return {
+        "probe": {"start": start, "end": end},
+        "ratio_end_vs_start": ratios(start, end),
+        "rss_mib": {"boot": boot["rss_mib"], "start": before["rss_mib"],
+                    "end": after["rss_mib"], "max": peak},
+        "threads": {"boot": boot["threads"], "start": before["threads"], "end": after["threads"],
+                    "max": max([s["threads"] for s in sampler.samples] or [after["threads"]])},
+        "fds": {"boot": boot["fds"], "start": before["fds"], "end": after["fds"],
+                "max": max([s["fds"] for s in sampler.samples] or [after["fds"]])},
+        "metrics": {"start": before["metrics"], "end": after["metrics"]},
+        "requests": tally.done, "failed": tally.failed, "cancelled": tally.cancelled,
+        "by_kind": tally.by_kind, "errors": tally.errors,
+        "load": {"wall_s": wall, "completion_tokens": tally.tokens,
+                 "tokens_per_s": tally.tokens / wall if wall else None},
+        "load_average": {"start": load_start, "end": os.getloadavg()},
+        "samples": sampler.samples,
+    }
+
+
+def ratios(start: dict, end: dict) -> dict[str, float | None]:
+    """end / start of each probe figure (None where either is missing)."""
+    def r(a: float | None, b: float | None) -> float | None:
+        return b / a if a and b is not None else None
+    return {"ttft_s": r(start["ttft_s"], end["ttft_s"]),
+            "decode_tokens_per_s": r(start["decode_tokens_per_s"], end["decode_tokens_per_s"]),
+            "cached_ttft_s": r(start["cached"]["ttft_s"], end["cached"]["ttft_s"]),
+            "cached_decode_tokens_per_s": r(start["cached"]["decode_tokens_per_s"],
+                                            end["cached"]["decode_tokens_per_s"])}
+
+
+def summary(result: dict[str, Any]) -> str:
+    p, q = result["probe"]["start"], result["probe"]["end"]
+    f = (lambda v: "-" if v is None else f"{v:.3g}")
+    return "\n".join([
+        f"serve_soak: {result['requests']} requests ({result['failed']} failed, "
+        f"{result['cancelled']} cancelled) in {result['load']['wall_s']:.0f} s",
+        f"  fresh probe: TTFT {f(p['ttft_s'])} -> {f(q['ttft_s'])} s, decode "
+        f"{f(p['decode_tokens_per_s'])} -> {f(q['decode_tokens_per_s'])} tok/s",
+        f"  cached probe: TTFT {f(p['cached']['ttft_s'])} -> {f(q['cached']['ttft_s'])} s, "
+        f"decode {f(p['cached']['decode_tokens_per_s'])} -> "
+        f"{f(q['cached']['decode_tokens_per_s'])} tok/s",
+        f"  RSS {result['rss_mib']['start']:.0f} -> {result['rss_mib']['end']:.0f} MiB "
+        f"(max {result['rss_mib']['max']:.0f}), threads {result['threads']['start']} -> "
+        f"{result['threads']['end']}, fds {result['fds']['start']} -> {result['fds']['end']}",
+        f"  load average {result['load_average']['start'][0]:.2f} -> "
+        f"{result['load_average']['end'][0]:.2f}"])
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(p, quick_help="100 requests instead of 1,000")
+    p.add_argument("--json", action="store_true", help="print one JSON object last")
+    p.add_argument("--model", choices=sorted(SHAPES), default="smollm2")
+    p.add_argument("--model-dir", default=None)
+    p.add_argument("--requests", type=int, default=None, help="load requests (default 1000; "
+                   "100 with --quick)")
+    p.add_argument("--clients", type=int, default=SoakConfig.clients)
+    p.add_argument("--probe-repeats", type=int, default=SoakConfig.probe_repeats)
+    p.add_argument("--sample-s", type=float, default=SoakConfig.sample_s)
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="one more flag for the server (repeat; e.g. --server-arg=--max-running=8)")
+    args = p.parse_args(argv)
+    cfg = SoakConfig(requests=args.requests or (100 if args.quick else 1000),
+                     clients=args.clients, probe_repeats=args.probe_repeats,
+                     sample_s=args.sample_s, seed=args.seed)
+    out = make_run_dir(args.out, "serve_soak")
+    with tempfile.TemporaryDirectory(prefix="serve-soak-") as secret:  # the tokens: gone after
+        server = ServerProcess(args.model, Path(secret) / "tokens", out / "server.log",
+                               cfg.clients, args.model_dir, tuple(args.server_arg))
+        try:
+            result = soak(server, SHAPES[args.model], cfg)
+        finally:
+            server.close()
+    result.update(model=args.model, config={**asdict(cfg), "server_args": args.server_arg,
+                                            "omp_num_threads": server.threads_env},
+                  date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    write_json(out / "serve_soak.json", result)
+    print(summary(result))
+    print_results_dir(out)
+    if args.json:
+        print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
