@@ -18,13 +18,20 @@ whatever HTTP stack serves those routes. Then:
    prefixes plus their own tails (the prefix cache fills and evicts), streamed and not,
    completions and chat, ``n > 1`` and sampled ones, some cancelled mid-stream by closing the
    connection, a few invalid (an expected 400); resources sampled every ``sample_s`` s;
-4. the same probes again, then the resources again (every client connection closed first,
-   and after ``settle_s``, so an idle keep-alive connection's thread is not counted).
+4. the same probes again -- and, unless ``--no-restart``, on a second server started now
+   (the control the issue's "restarted, the same prompts gave ..." asks for), in alternation
+   with the soaked one, so a change of the shared machine's load falls on both -- then the
+   resources again (every client connection closed first, and after ``settle_s``, so an
+   idle keep-alive connection's thread is not counted).
+
+Before the start probes each server is warmed up as it would be after a while anyway: the
+cached prompt sent once, one chat request (the tokenizer starts its worker threads, two here,
+on the first).
 
 The JSON (``--json`` prints it last): ``probe.{start,end}.{ttft_s,decode_tokens_per_s}`` (the
 fresh prompt; ``.cached.*`` the cached one), ``ratio_end_vs_start`` (end / start),
 ``rss_mib.{start,end,max}``, ``threads.{start,end}``, ``fds.{start,end}``, ``kv.{start,end}``,
-``requests``, ``failed`` (requests that ended otherwise than asked: an error status, a stream
+``ratio_end_vs_restarted`` (soaked / restarted, the control), ``requests``, ``failed`` (requests that ended otherwise than asked: an error status, a stream
 error or a cut stream; cancels and the expected 400s are not failures), ``load_average`` and
 the periodic ``samples``. A slowdown is an end/start ratio away from 1 beyond the probes'
 own spread (``probe.*.spread``); growth is an end above the start that ``max`` confirms.
@@ -44,7 +51,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
@@ -88,6 +95,8 @@ class SoakConfig:
     prefixes: int = 8
     """Shared prefixes of the load (each ``Shape.prefix`` tokens)."""
     timeout_s: float = 300.0
+    load_s: float | None = None
+    """Stop sending load requests after this many seconds (None: all ``requests``)."""
     seed: int = 0
     mix: tuple[tuple[str, float], ...] = (
         ("stream", 0.30), ("whole", 0.22), ("chat", 0.10), ("n", 0.10), ("sampled", 0.08),
@@ -311,16 +320,31 @@ def _summary(results: list[Result]) -> dict[str, Any]:
             "failed": sum(not r.ok for r in results)}
 
 
-def probe(client: httpx.Client, shape: Shape, cfg: SoakConfig, first_marker: int) -> dict:
-    """The fresh prompt ``probe_repeats`` times (its first token ``first_marker``,
-    ``first_marker + 1``...: never cached) and the cached prompt (warmed first)."""
+def warm_up(client: httpx.Client, shape: Shape, cfg: SoakConfig) -> None:
+    """What a server does once and keeps: the cached probe prompt into its prefix cache, and
+    a chat request (the tokenizer starts its worker threads on the first one)."""
+    call(client, _probe_job(shape, probe_prompts(shape, cfg.seed)[1]), cfg.timeout_s)
+    call(client, Job("chat", "/v1/chat/completions", {
+        "model": shape.model_id, "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 2}), cfg.timeout_s)
+
+
+def probe(clients: dict[str, httpx.Client], shape: Shape, cfg: SoakConfig,
+          first_marker: int) -> dict[str, dict]:
+    """Per server (``clients``, each warmed up already): the fresh prompt ``probe_repeats``
+    times (its first token ``first_marker``, ``first_marker + 1``...: never cached) and the
+    cached prompt as often. Rounds alternate between the servers, in rotated order, so a
+    change of the machine's load falls on both."""
     base, cached = probe_prompts(shape, cfg.seed)
-    fresh = [call(client, _probe_job(shape, [first_marker + i] + base[1:]), cfg.timeout_s)
-             for i in range(cfg.probe_repeats)]
-    call(client, _probe_job(shape, cached), cfg.timeout_s)  # puts it in the prefix cache
-    hot = [call(client, _probe_job(shape, cached), cfg.timeout_s)
-           for _ in range(cfg.probe_repeats)]
-    return {**_summary(fresh), "cached": _summary(hot)}
+    fresh: dict[str, list[Result]] = {k: [] for k in clients}
+    hot: dict[str, list[Result]] = {k: [] for k in clients}
+    names = list(clients)
+    for i in range(cfg.probe_repeats):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            job = _probe_job(shape, [first_marker + i] + base[1:])
+            fresh[name].append(call(clients[name], job, cfg.timeout_s))
+            hot[name].append(call(clients[name], _probe_job(shape, cached), cfg.timeout_s))
+    return {k: {**_summary(fresh[k]), "cached": _summary(hot[k])} for k in clients}
 
 
 # -- the load --------------------------------------------------------------------------------
@@ -388,11 +412,15 @@ class Tally:
 
 def drive(url: str, tokens: list[str], jobs: list[Job], cfg: SoakConfig, tally: Tally) -> float:
     """Each client thread (its own tenant and connections) sends its share of ``jobs`` back
-    to back, counted in ``tally``; the wall seconds. Every client is closed when done."""
+    to back, counted in ``tally``, until ``cfg.load_s`` has passed; the wall seconds. Every
+    client is closed when done."""
+    end = time.monotonic() + (cfg.load_s if cfg.load_s is not None else float("inf"))
 
     def client(c: int) -> None:
         with api(url, tokens[c], cfg.timeout_s) as http:
             for job in jobs[c::cfg.clients]:
+                if time.monotonic() >= end:
+                    return
                 tally.add(job, call(http, job, cfg.timeout_s))
 
     threads = [threading.Thread(target=client, args=(c,), name=f"soak-client-{c}")
@@ -436,6 +464,10 @@ class Sampler:
 
 
 # -- the run ---------------------------------------------------------------------------------
+GAUGES = ("waiting", "running", "preemptions", "kv_")
+"""``/metrics`` samples kept in the periodic samples (the rest only at start and end)."""
+
+
 def settled(server: ServerProcess, token: str, settle_s: float) -> dict[str, Any]:
     """Resources with no client connection open (after ``settle_s``), then ``/metrics``."""
     time.sleep(settle_s)
@@ -445,42 +477,62 @@ def settled(server: ServerProcess, token: str, settle_s: float) -> dict[str, Any
     return out
 
 
-def soak(server: ServerProcess, shape: Shape, cfg: SoakConfig) -> dict[str, Any]:
-    """Probes, the load (sampled), probes again; the figures (see the module docstring)."""
-    token = server.tokens[0]
-    boot = resources(server.pid)
-    load_start = os.getloadavg()
+def soak(server: ServerProcess, shape: Shape, cfg: SoakConfig,
+         restart: Callable[[], ServerProcess] | None = None) -> dict[str, Any]:
+    """Probes, the load (sampled), probes again -- beside a freshly started server when
+    ``restart`` starts one (the control: the same probes, alternated); the figures."""
+    token, boot, load_start = server.tokens[0], resources(server.pid), os.getloadavg()
     with api(server.url, token, cfg.timeout_s) as http:
-        start = probe(http, shape, cfg, 1)
+        warm_up(http, shape, cfg)
+        start = probe({"soaked": http}, shape, cfg, 1)["soaked"]
     before = settled(server, token, cfg.settle_s)
     tally = Tally()
     with Sampler(server, token, tally, cfg.sample_s) as sampler:
         wall = drive(server.url, server.tokens, load_jobs(shape, cfg, cfg.requests), cfg, tally)
-    with api(server.url, token, cfg.timeout_s) as http:
-        end = probe(http, shape, cfg, 1 + cfg.probe_repeats)
+    end, control = _end_probes(server, shape, cfg, restart)
     after = settled(server, token, cfg.settle_s)
-    peak = max([before["rss_mib"], after["rss_mib"]] + [s["rss_mib"] for s in sampler.samples])
+    samples = sampler.samples
     return {
-        "probe": {"start": start, "end": end},
+        "probe": {"start": start, "end": end, **({"restarted": control} if control else {})},
         "ratio_end_vs_start": ratios(start, end),
-        "rss_mib": {"boot": boot["rss_mib"], "start": before["rss_mib"],
-                    "end": after["rss_mib"], "max": peak},
-        "threads": {"boot": boot["threads"], "start": before["threads"], "end": after["threads"],
-                    "max": max([s["threads"] for s in sampler.samples] or [after["threads"]])},
-        "fds": {"boot": boot["fds"], "start": before["fds"], "end": after["fds"],
-                "max": max([s["fds"] for s in sampler.samples] or [after["fds"]])},
+        **({"ratio_end_vs_restarted": ratios(control, end)} if control else {}),
+        **{k: {"boot": boot[k], "start": before[k], "end": after[k],
+               "max": max([before[k], after[k]] + [x[k] for x in samples])}
+           for k in ("rss_mib", "threads", "fds")},
         "metrics": {"start": before["metrics"], "end": after["metrics"]},
         "requests": tally.done, "failed": tally.failed, "cancelled": tally.cancelled,
         "by_kind": tally.by_kind, "errors": tally.errors,
         "load": {"wall_s": wall, "completion_tokens": tally.tokens,
                  "tokens_per_s": tally.tokens / wall if wall else None},
         "load_average": {"start": load_start, "end": os.getloadavg()},
-        "samples": sampler.samples,
+        "samples": [{**x, "metrics": {k: v for k, v in x["metrics"].items()
+                                      if any(g in k for g in GAUGES)}} for x in samples],
     }
 
 
+def _end_probes(server: ServerProcess, shape: Shape, cfg: SoakConfig,
+                restart: Callable[[], ServerProcess] | None) -> tuple[dict, dict | None]:
+    """The end probes of ``server`` (after its load) and, with ``restart``, of a new server
+    started now, warmed up as the first was, probed in alternation, then stopped."""
+    fresh = restart() if restart is not None else None
+    try:
+        with api(server.url, server.tokens[0], cfg.timeout_s) as http:
+            clients = {"soaked": http}
+            if fresh is None:
+                return probe(clients, shape, cfg, 1 + cfg.probe_repeats)["soaked"], None
+            with api(fresh.url, fresh.tokens[0], cfg.timeout_s) as other:
+                warm_up(other, shape, cfg)
+                got = probe({**clients, "restarted": other}, shape, cfg, 1 + cfg.probe_repeats)
+                got["restarted"]["rss_mib"] = resources(fresh.pid)["rss_mib"]
+                return got["soaked"], got["restarted"]
+    finally:
+        if fresh is not None:
+            fresh.close()
+
+
 def ratios(start: dict, end: dict) -> dict[str, float | None]:
-    """end / start of each probe figure (None where either is missing)."""
+    """end / start of each probe figure (None where either is missing); ``start`` may be
+    another server's probes (the restarted one)."""
     def r(a: float | None, b: float | None) -> float | None:
         return b / a if a and b is not None else None
     return {"ttft_s": r(start["ttft_s"], end["ttft_s"]),
@@ -491,21 +543,20 @@ def ratios(start: dict, end: dict) -> dict[str, float | None]:
 
 
 def summary(result: dict[str, Any]) -> str:
-    p, q = result["probe"]["start"], result["probe"]["end"]
     f = (lambda v: "-" if v is None else f"{v:.3g}")
-    return "\n".join([
-        f"serve_soak: {result['requests']} requests ({result['failed']} failed, "
-        f"{result['cancelled']} cancelled) in {result['load']['wall_s']:.0f} s",
-        f"  fresh probe: TTFT {f(p['ttft_s'])} -> {f(q['ttft_s'])} s, decode "
-        f"{f(p['decode_tokens_per_s'])} -> {f(q['decode_tokens_per_s'])} tok/s",
-        f"  cached probe: TTFT {f(p['cached']['ttft_s'])} -> {f(q['cached']['ttft_s'])} s, "
-        f"decode {f(p['cached']['decode_tokens_per_s'])} -> "
-        f"{f(q['cached']['decode_tokens_per_s'])} tok/s",
-        f"  RSS {result['rss_mib']['start']:.0f} -> {result['rss_mib']['end']:.0f} MiB "
-        f"(max {result['rss_mib']['max']:.0f}), threads {result['threads']['start']} -> "
-        f"{result['threads']['end']}, fds {result['fds']['start']} -> {result['fds']['end']}",
-        f"  load average {result['load_average']['start'][0]:.2f} -> "
-        f"{result['load_average']['end'][0]:.2f}"])
+    probes = result["probe"]
+    lines = [f"serve_soak: {result['requests']} requests ({result['failed']} failed, "
+             f"{result['cancelled']} cancelled) in {result['load']['wall_s']:.0f} s"]
+    for kind, get in (("fresh", lambda p: p), ("cached", lambda p: p["cached"])):
+        lines.append(f"  {kind} probe, " + "; ".join(
+            f"{name}: TTFT {f(get(p)['ttft_s'])} s, decode {f(get(p)['decode_tokens_per_s'])} tok/s"
+            for name, p in probes.items()))
+    lines.append(f"  RSS {result['rss_mib']['start']:.0f} -> {result['rss_mib']['end']:.0f} MiB "
+                 f"(max {result['rss_mib']['max']:.0f}), threads {result['threads']['start']} -> "
+                 f"{result['threads']['end']}, fds {result['fds']['start']} -> {result['fds']['end']}")
+    lines.append(f"  load average {result['load_average']['start'][0]:.2f} -> "
+                 f"{result['load_average']['end'][0]:.2f}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -517,20 +568,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--requests", type=int, default=None, help="load requests (default 1000; "
                    "100 with --quick)")
     p.add_argument("--clients", type=int, default=SoakConfig.clients)
+    p.add_argument("--load-minutes", type=float, default=None,
+                   help="stop sending load requests after this long (the JSON's 'requests' "
+                        "says how many ran)")
     p.add_argument("--probe-repeats", type=int, default=SoakConfig.probe_repeats)
     p.add_argument("--sample-s", type=float, default=SoakConfig.sample_s)
+    p.add_argument("--no-restart", action="store_true",
+                   help="no control: the end probes only on the soaked server (default: also "
+                        "on a server started after the load, in alternation)")
     p.add_argument("--server-arg", action="append", default=[],
                    help="one more flag for the server (repeat; e.g. --server-arg=--max-running=8)")
     args = p.parse_args(argv)
     cfg = SoakConfig(requests=args.requests or (100 if args.quick else 1000),
                      clients=args.clients, probe_repeats=args.probe_repeats,
-                     sample_s=args.sample_s, seed=args.seed)
+                     sample_s=args.sample_s, seed=args.seed,
+                     load_s=None if args.load_minutes is None else 60 * args.load_minutes)
     out = make_run_dir(args.out, "serve_soak")
     with tempfile.TemporaryDirectory(prefix="serve-soak-") as secret:  # the tokens: gone after
-        server = ServerProcess(args.model, Path(secret) / "tokens", out / "server.log",
-                               cfg.clients, args.model_dir, tuple(args.server_arg))
+        def start(name: str) -> ServerProcess:
+            return ServerProcess(args.model, Path(secret) / name, out / f"{name}.log",
+                                 cfg.clients, args.model_dir, tuple(args.server_arg))
+        server = start("server")
         try:
-            result = soak(server, SHAPES[args.model], cfg)
+            result = soak(server, SHAPES[args.model], cfg,
+                          None if args.no_restart else (lambda: start("restarted")))
         finally:
             server.close()
     result.update(model=args.model, config={**asdict(cfg), "server_args": args.server_arg,
