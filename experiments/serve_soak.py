@@ -1,7 +1,8 @@
 """Soak test of the OpenAI server: does a long-running server keep its speed and its size?
 
     python -m experiments.serve_soak [--quick] [--json] [--model smollm2|byte] [--requests 1000]
-        [--clients 4] [--model-dir DIR] [--sample-s 5] [--server-arg=--flag ...]
+        [--clients 4] [--load-minutes M] [--no-restart] [--model-dir DIR] [--sample-s 5]
+        [--server-arg=--flag ...]
 
 Starts ``python -m node.openai_api`` as a subprocess through its command line (its own port,
 a token file of ``--clients`` tenants written here, 0600 in a 0700 folder; ``OMP_NUM_THREADS=1``
@@ -28,13 +29,16 @@ Before the start probes each server is warmed up as it would be after a while an
 cached prompt sent once, one chat request (the tokenizer starts its worker threads, two here,
 on the first).
 
-The JSON (``--json`` prints it last): ``probe.{start,end}.{ttft_s,decode_tokens_per_s}`` (the
-fresh prompt; ``.cached.*`` the cached one), ``ratio_end_vs_start`` (end / start),
-``rss_mib.{start,end,max}``, ``threads.{start,end}``, ``fds.{start,end}``, ``kv.{start,end}``,
-``ratio_end_vs_restarted`` (soaked / restarted, the control), ``requests``, ``failed`` (requests that ended otherwise than asked: an error status, a stream
-error or a cut stream; cancels and the expected 400s are not failures), ``load_average`` and
-the periodic ``samples``. A slowdown is an end/start ratio away from 1 beyond the probes'
-own spread (``probe.*.spread``); growth is an end above the start that ``max`` confirms.
+The JSON (``--json`` prints it last): ``probe.{start,end,restarted}.{ttft_s,
+decode_tokens_per_s}`` (the fresh prompt; ``.cached.*`` the cached one; ``.spread`` the
+probes' min and max), ``ratio_end_vs_start`` (end / start), ``ratio_end_vs_restarted``
+(soaked / restarted: the control), ``rss_mib``, ``threads`` and ``fds`` (each ``boot``,
+``start``, ``end``, ``max``), ``metrics.{start,end}`` (the ``fedkv_*`` series of
+``/metrics``), ``requests``, ``failed`` (requests that ended otherwise than asked: an error
+status, a stream error or a cut stream; cancels and the expected 400s are not failures),
+``cancelled``, ``load`` (wall seconds, tokens/s), ``load_average``, ``server_pids`` and the
+periodic ``samples``. A slowdown is a ratio away from 1 beyond the probes' own spread; growth
+is an end above the start that ``max`` confirms.
 """
 
 from __future__ import annotations
