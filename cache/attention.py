@@ -30,6 +30,28 @@ import torch.nn.functional as F
 
 Run = tuple[torch.Tensor, torch.Tensor]  # K, V: [heads, n, dim]
 
+GATHER_RUN_TOKENS = 32
+"""A decode step gathers a context's runs into one copy when there are at least
+``GATHER_MIN_RUNS`` of them averaging at most this many tokens: a context scattered block by
+block over the arena, as a long-running server's churned prefix cache leaves a new sequence
+(``experiments.serve_soak``). Two matmuls per run cost more than the copy there (SmolLM2's
+heads, 544 tokens, 1 thread: 34 one-block runs 2.5 ms per layer in place, 0.6 ms gathered,
+one run 0.2 ms); runs of whole sessions and prefixes stay in place."""
+GATHER_MIN_RUNS = 4
+
+
+def scattered(lengths: Sequence[int]) -> bool:
+    """Runs of these token counts are many and short: one copy beats attending each in place
+    (see ``GATHER_RUN_TOKENS``)."""
+    return len(lengths) >= GATHER_MIN_RUNS and sum(lengths) <= GATHER_RUN_TOKENS * len(lengths)
+
+
+def fewer_runs(runs: Sequence[Run]) -> Sequence[Run]:
+    """``runs``, or one run holding all of them when they are ``scattered``."""
+    if not scattered([k.shape[1] for k, _ in runs]):
+        return runs
+    return [(torch.cat([k for k, _ in runs], 1), torch.cat([v for _, v in runs], 1))]
+
 
 def causal_mask(t: int, n: int) -> torch.Tensor | None:
     """bool [t, n]: query j (position n - t + j) sees keys up to its own position."""
@@ -58,7 +80,7 @@ def attend(q: torch.Tensor, runs: Sequence[Run], keep: torch.Tensor | None = Non
             out = attend(q[:, 0], runs, keep, weights)
             return (out[0][:, None], out[1][:, None]) if weights else out[:, None]
         return _attend_grouped(q, runs, keep, weights)
-    runs = _in_dtype(runs, q.dtype)
+    runs = fewer_runs(_in_dtype(runs, q.dtype))
     n = sum(k.shape[1] for k, _ in runs)
     mask = causal_mask(q.shape[1], n)
     if keep is not None:
@@ -105,7 +127,7 @@ def _attend_grouped(q: torch.Tensor, runs: Sequence[Run], keep: torch.Tensor | N
       one matmul against each run in place, one softmax over the concatenated scores, the
       mask broadcast over the group axis."""
     Hk, G, T, D = q.shape
-    runs = _in_dtype(runs, q.dtype)
+    runs = fewer_runs(_in_dtype(runs, q.dtype))
     n = sum(k.shape[1] for k, _ in runs)
     mask = causal_mask(T, n)
     if keep is not None:
@@ -151,6 +173,7 @@ def attend_shared(q: torch.Tensor, prefix: Sequence[Run], tail_k: torch.Tensor,
         if q.shape[1] == 1:
             return attend_shared(q[:, 0], prefix, tail_k, tail_v, tail_valid)[:, None]
         return _attend_shared_grouped(q, prefix, tail_k, tail_v, tail_valid)
+    prefix = fewer_runs(prefix)
     scale = 1.0 / math.sqrt(q.shape[-1])
     parts = [torch.matmul(q, k.transpose(-1, -2)) for k, _ in prefix]  # [H, B, n_i]
     tail = torch.einsum("hbd,hbtd->hbt", q, tail_k)
@@ -170,6 +193,7 @@ def _attend_shared_grouped(q: torch.Tensor, prefix: Sequence[Run], tail_k: torch
     """``attend_shared`` for q [Hk, G, B, D], G > 1: the prefix as one [Hk, G*B, n] matmul
     per run, each session's tail against its G query heads."""
     Hk, G, B, D = q.shape
+    prefix = fewer_runs(prefix)
     rows = q.reshape(Hk, G * B, D)
     parts = [torch.matmul(rows, k.transpose(-1, -2)).view(Hk, G, B, -1) for k, _ in prefix]
     tail = torch.einsum("hgbd,hbtd->hgbt", q, tail_k)

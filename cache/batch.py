@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from cache.attention import scattered
 from cache.errors import ReservationError, ShapeMismatchError
 from cache.session_table import check_layer
 
@@ -146,7 +147,10 @@ class Batcher:
 
     def _plan(self, sids: list[int], tables: list[BlockTable]) -> BatchStep:
         """The step's write positions, shared prefix runs and tails. When every member's
-        blocks are in the full-precision arena they are gathered from it; when a member holds
+        blocks are in the full-precision arena they are gathered from it (a prefix scattered
+        over many short runs -- ``cache.attention.scattered`` -- is no shared prefix: it goes
+        to the tails, gathered once and appended to step by step, instead of a matmul pair per
+        run every step); when a member holds
         quantized blocks the tails are decoded per layer instead (``transient``: no shared
         prefix, ``stats()['transient_reads']``), as ``read_runs`` does for one session."""
         B = self.config.block_size
@@ -158,6 +162,8 @@ class Batcher:
                 break
             prefix.append((start, min(nb, left) * B))
             left -= nb
+        if scattered([n for _, n in prefix]):  # gathered once into the tails, not per step
+            shared, prefix = 0, []
         lengths = [t.length + 1 - shared * B for t in tables]
         write = torch.tensor([t.blocks[t.length // B].start + t.length % B for t in tables])
         key = (tuple(sids), shared, self.blocks.generation, self.blocks.counters["quantized_blocks"],

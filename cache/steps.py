@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from cache.attention import Run
+from cache.attention import Run, scattered
 from cache.block import Block
 from cache.errors import CacheFullError, ReservationError, ShapeMismatchError, TensorDTypeError
 from cache.prefetch import Prefetcher, make_prefetcher, prefetch_after_lookup
@@ -98,9 +99,13 @@ class ReadPlanner:
         return self._read(t, layer, t.layer_length(layer))
 
     def _read(self, t: BlockTable, layer: int, n: int) -> list[Run]:
-        """Runs of the first ``n`` positions: arena views, quantized runs decoded."""
+        """Runs of the first ``n`` positions: arena views, quantized runs decoded; a context
+        scattered over many short arena runs is one gathered copy (``_gathered``)."""
         B, n, out, decoded = self.block_size, self.resident(t, n), [], False
-        for start, nb, i0 in self.plan(t):
+        plan = self.plan(t)
+        if t.sparsity is None and (gathered := self._gathered(plan, layer, n)) is not None:
+            return gathered
+        for start, nb, i0 in plan:
             if n <= 0:
                 break
             take = min(n, nb * B)
@@ -114,6 +119,24 @@ class ReadPlanner:
         if decoded:
             self.blocks.counters["transient_reads"] += 1
         return out
+
+    def _gathered(self, plan: list, layer: int, n: int) -> list[Run] | None:
+        """The first ``n`` positions as one run, gathered by one ``index_select`` when their
+        arena runs are ``cache.attention.scattered`` (a view per run and a copy of them all
+        cost more); None otherwise, or when a run is quantized."""
+        B, lengths, starts = self.block_size, [], []
+        for start, nb, _ in plan:
+            if sum(lengths) >= n:
+                break
+            if start is None:
+                return None
+            starts.append(start)
+            lengths.append(min(nb * B, n - sum(lengths)))
+        if not scattered(lengths):
+            return None
+        pos = torch.from_numpy(np.concatenate([np.arange(s, s + m) for s, m in zip(starts, lengths)]))
+        kv = self.arena.kv[layer].index_select(2, pos)
+        return [(kv[0], kv[1])]
 
     def resident_positions(self, t: BlockTable, layer: int) -> torch.Tensor:
         """Logical positions of the tokens ``runs`` returns, in order."""

@@ -137,3 +137,18 @@ class GenerationBackend(Protocol):
     def close(self) -> None:
         """Finish every handle (``cancelled``) and stop any thread the backend runs."""
         ...
+
+
+KV_GAUGES = {
+    "sessions_open": "KV cache sessions open (one per sequence holding K/V)",
+    "blocks_used": "KV cache blocks held, referenced or cached for reuse",
+    "blocks_referenced": "KV cache blocks a live session references",
+    "bytes_allocated": "Bytes of the KV cache's blocks",
+}
+"""What a backend's ``gauges()`` shows of its cache under ``"kv"`` (``/metrics`` as
+``fedkv_kv_<name>``): what a long-running server holds, so a leak shows as growth at rest."""
+
+
+def kv_gauges(stats: dict) -> dict[str, float]:
+    """The ``KV_GAUGES`` of a ``KVCache.stats()`` snapshot."""
+    return {k: float(stats[k]) for k in KV_GAUGES}

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cache import KVCache
-from node.generation import GenerationRequest
+from node.generation import GenerationRequest, kv_gauges
 from node.model_interface import CachedLM
 from node.scheduler import Scheduler, SchedulerConfig, Sequence
 
@@ -56,11 +56,12 @@ class ScheduledBackend:
     def gauges(self) -> dict[str, Any]:
         """A read-only glance for ``/metrics`` from any thread: requests waiting (queued here
         or in the scheduler) and running, preemptions so far, prefix-cache block hits per tier
-        (``KVCache.stats``, a snapshot safe beside the loop)."""
+        and what the cache holds (``KVCache.stats``, a snapshot safe beside the loop)."""
         s = self.scheduler
+        stats = s.cache.stats()
         return {"waiting": self._inbox.qsize() + len(s.waiting), "running": len(s.running),
                 "preemptions": s.counters["preemptions"],
-                "tier_hits": dict(s.cache.stats()["tier_hits"])}
+                "tier_hits": dict(stats["tier_hits"]), "kv": kv_gauges(stats)}
 
     def submit(self, request: GenerationRequest) -> list[Sequence]:
         """One handle per fork; ``ValueError`` for a request the model or pool can never take."""

@@ -32,7 +32,7 @@ import torch
 
 from cache import KVCache
 from cache.errors import CacheFullError
-from node.generation import GenerationRequest, TokenStream
+from node.generation import GenerationRequest, TokenStream, kv_gauges
 from node.model_interface import CachedLM
 from node.sampling import Sampler
 
@@ -101,9 +101,11 @@ class SerialBackend:
 
     def gauges(self) -> dict[str, Any]:
         """A read-only glance for ``/metrics``: requests queued behind the one decoding,
-        prefix-cache block hits per tier (``KVCache.stats``, a snapshot safe beside the worker)."""
-        return {"waiting": self._requests.qsize(),
-                "tier_hits": dict(self.cache.stats()["tier_hits"])}
+        prefix-cache block hits per tier and what the cache holds (``KVCache.stats``, a
+        snapshot safe beside the worker)."""
+        stats = self.cache.stats()
+        return {"waiting": self._requests.qsize(), "tier_hits": dict(stats["tier_hits"]),
+                "kv": kv_gauges(stats)}
 
     def submit(self, request: GenerationRequest) -> list[SerialHandle]:
         """One handle per fork, queued; ``ValueError`` when the prompt exceeds the context,
@@ -142,6 +144,7 @@ class SerialBackend:
                     self._requests.put(item)  # close() finishes it
                     return
                 self._serve(request, handles)
+                del item, request, handles  # idle, the worker holds no finished request
 
     def _serve(self, request: GenerationRequest, handles: list[SerialHandle]) -> None:
         """Prefill, fork, decode; whatever happens, every handle finishes and sessions close."""

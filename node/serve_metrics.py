@@ -26,6 +26,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
+from node.generation import KV_GAUGES
+
 _log = logging.getLogger("fedkv.requests")
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/stats", "/health",
@@ -145,6 +147,8 @@ class _BackendCollector(Collector):
             for tier, n in sorted(g["tier_hits"].items()):
                 hits.add_metric([tier], n)
             yield hits
+        for name, value in sorted(g.get("kv", {}).items()):  # node.generation.KV_GAUGES
+            yield GaugeMetricFamily(f"fedkv_kv_{name}", KV_GAUGES.get(name, name), value=value)
 
 
 class ServeMetrics:

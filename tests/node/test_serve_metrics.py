@@ -125,6 +125,10 @@ def test_metrics_count_requests_tokens_and_ttft(llama_server):
     for gauge in ("fedkv_requests_waiting", "fedkv_requests_running", "fedkv_preemptions_total"):
         assert (gauge, ()) in after, gauge
     assert ("fedkv_kv_cache_hit_blocks_total", (("tier", "hot"),)) in after
+    assert ("fedkv_kv_sessions_open", ()) in after
+    assert _value(after, "fedkv_kv_sessions_open") == 0  # the reply is done: its session closed
+    assert _value(after, "fedkv_kv_blocks_referenced") == 0
+    assert _value(after, "fedkv_kv_blocks_used") > 0 and _value(after, "fedkv_kv_bytes_allocated") > 0
 
 
 def test_metrics_carry_no_tenant_or_token(llama_server):

@@ -1,0 +1,149 @@
+"""A context scattered block by block over the arena -- what a long-running server's churned
+prefix cache leaves a new sequence (``experiments.serve_soak``) -- is attended in a few
+matmuls, not two per block, and gives the same result as dense attention; a context of a
+few long runs is still attended in place (no copy).
+
+Structure, not time: the tests count ``torch.matmul``/``torch.cat`` calls of one decode step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cache.attention import attend, attend_shared
+from tests.cache.test_attention import TOL, dense
+
+Hk, G, D, BLOCK = 3, 3, 16, 16
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+def _scattered(n_blocks: int, run_blocks: int = 1, seed: int = 0):
+    """(k, v) of ``n_blocks`` blocks and their runs as views of an arena where every run of
+    ``run_blocks`` blocks is followed by a gap (another session's block)."""
+    g = torch.Generator().manual_seed(seed)
+    arena = torch.randn(2, Hk, 2 * n_blocks * BLOCK, D, generator=g)
+    size = run_blocks * BLOCK
+    runs = [(arena[0, :, s : s + size], arena[1, :, s : s + size])
+            for s in range(0, 2 * n_blocks * BLOCK, 2 * size)][: n_blocks // run_blocks]
+    k = torch.cat([k for k, _ in runs], 1)
+    v = torch.cat([v for _, v in runs], 1)
+    return k, v, runs
+
+
+class _Count:
+    def __init__(self, monkeypatch, *names: str):
+        self.calls = dict.fromkeys(names, 0)
+        for name in names:
+            real = getattr(torch, name)
+
+            def counted(*a, _real=real, _name=name, **kw):
+                self.calls[_name] += 1
+                return _real(*a, **kw)
+            monkeypatch.setattr(torch, name, counted)
+
+
+@pytest.mark.parametrize("group", [G, 1])
+def test_one_query_over_one_block_runs_is_a_few_matmuls(monkeypatch, group):
+    k, v, runs = _scattered(34)
+    q = torch.randn(Hk, group, 1, D, generator=torch.Generator().manual_seed(1))
+    count = _Count(monkeypatch, "matmul")
+    out = attend(q, runs)
+    assert count.calls["matmul"] <= 2, f"{count.calls['matmul']} matmuls for {len(runs)} runs"
+    monkeypatch.undo()
+    ref, _ = dense(q, k, v)
+    assert (out - ref).abs().max() < TOL
+
+
+def test_a_shared_prefix_of_one_block_runs_is_a_few_matmuls(monkeypatch):
+    k, v, runs = _scattered(34)
+    B, T = 2, 5
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(Hk, G, B, D, generator=g)
+    tail_k, tail_v = torch.randn(Hk, B, T, D, generator=g), torch.randn(Hk, B, T, D, generator=g)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    count = _Count(monkeypatch, "matmul")
+    out = attend_shared(q, runs, tail_k, tail_v, valid)
+    assert count.calls["matmul"] <= 2, f"{count.calls['matmul']} matmuls for {len(runs)} runs"
+    monkeypatch.undo()
+    for b in range(B):
+        ref, _ = dense(q[:, :, b : b + 1], torch.cat([k, tail_k[:, b]], 1),
+                       torch.cat([v, tail_v[:, b]], 1))
+        assert (out[:, :, b : b + 1] - ref).abs().max() < TOL
+
+
+def test_a_few_long_runs_are_attended_in_place(monkeypatch):
+    k, v, runs = _scattered(32, run_blocks=16)  # two runs of 256 tokens: no copy
+    q = torch.randn(Hk, G, 1, D, generator=torch.Generator().manual_seed(3))
+    count = _Count(monkeypatch, "cat")
+    out = attend(q, runs)
+    assert count.calls["cat"] <= 1  # the scores of the runs, never their K/V
+    monkeypatch.undo()
+    ref, _ = dense(q, k, v)
+    assert (out - ref).abs().max() < TOL
+    assert math.isfinite(float(out.sum()))
+
+
+# -- a churned cache, end to end (tiny Llama) ---------------------------------------------------
+def _churned(model, blocks: int, seed: int = 0):
+    """A pool of ``blocks`` full of one-block prefix-cache entries closed in random order, so
+    a new sequence's blocks land wherever the least recently used entry was: scattered."""
+    import random
+
+    from cache import CacheFullError, KVCache
+    base = model.cache_config()
+    kv = KVCache(model.cache_config(pool_bytes=blocks * base.block_bytes_fp32))
+    rng, c, sids = random.Random(seed), kv.config, []
+    while True:
+        sid = kv.open_session()
+        try:
+            kv.reserve(sid, [rng.randrange(4, 128) for _ in range(c.block_size)])
+        except CacheFullError:
+            kv.close_session(sid)
+            break
+        for layer in range(c.num_layers):
+            kv.write(sid, layer, *torch.randn(2, c.num_heads, c.block_size, c.head_dim))
+        sids.append(sid)
+    rng.shuffle(sids)
+    for sid in sids:
+        kv.close_session(sid)
+    return kv
+
+
+def _arena_runs(kv, sid: int) -> int:
+    starts = [b.start for b in kv.session_table.get(sid).blocks]
+    B = kv.config.block_size
+    return 1 + sum(b != a + B for a, b in zip(starts, starts[1:]))
+
+
+@torch.no_grad()
+def test_a_churned_cache_decodes_a_new_sequence_as_a_fresh_cache_does(monkeypatch):
+    from cache import KVCache
+    from tests.tiny_models import tiny_llama
+    model = tiny_llama()
+    B = model.cache_config().block_size
+    prompt = [int(t) for t in torch.randint(4, 128, (12 * B,),
+                                            generator=torch.Generator().manual_seed(4))]
+    out = {}
+    for name, kv in (("fresh", KVCache(model.cache_config(
+            pool_bytes=40 * model.cache_config().block_bytes_fp32))), ("churned", _churned(model, 40))):
+        sid = kv.open_session()
+        logits, toks, calls = model.prefill(prompt, kv, sid), [], []
+        for _ in range(6):
+            toks.append(int(logits.argmax()))
+            count = _Count(monkeypatch, "matmul")
+            logits = model.forward_batch([toks[-1]], kv, [sid])[0]
+            monkeypatch.undo()
+            calls.append(count.calls["matmul"])
+        out[name] = (toks, logits, max(calls), _arena_runs(kv, sid), len(kv.read_runs(sid, 0)))
+    assert out["fresh"][3] == 1 and out["churned"][3] >= 8  # the churned one is scattered
+    assert out["churned"][0] == out["fresh"][0]
+    assert (out["churned"][1] - out["fresh"][1]).abs().max() < 1e-4
+    assert out["churned"][2] <= out["fresh"][2], "a matmul pair per scattered run each step"
+    assert out["churned"][4] == 1  # read_runs: one gathered run, not a view per block
