@@ -11,7 +11,7 @@ The engine side and the file protocol are in ``cache/control.py``.
 
 ``stats`` on a node's cache directory whose own engine (the trainer's, live only while a
 ClientApp message runs) is not live shows the live engine of an agent that keeps its cache
-in a subdirectory instead, named in ``dir``: ``python -m node.serve --cache-dir DIR``
+in a subdirectory instead, named in ``dir``: ``python -m node.serving.serve --cache-dir DIR``
 publishes in ``DIR/serve``. ``set`` never changes another engine than ``DIR``'s; its error
 names the live one. The JSON is strict: a figure that is not finite (an accuracy before
 any sample) is ``null``.
@@ -80,7 +80,7 @@ def _stats(directory: str) -> int:
         snap, own_error = None, e
     if snap is None or not snap.live:
         below = live_engines_below(directory)
-        if below:  # e.g. node.serve on DIR publishes in DIR/serve while the trainer is idle
+        if below:  # e.g. node.serving.serve on DIR publishes in DIR/serve while the trainer is idle
             where, live = below[0]
             why = own_error if snap is None else snap.why_not_live()
             others = "".join(f"; also live: {d} (pid {s.pid})" for d, s in below[1:])

@@ -1,6 +1,6 @@
 """KVCache: the engine's façade -- sessions over paged, prefix-shared, quantized blocks.
 
-Flow of one decoding step (what ``node.model`` does)::
+Flow of one decoding step (what ``node.models.byte_model`` does)::
 
     kv.reserve(sid, new_tokens)                          # slots; copies a shared tail first
     for layer: runs = kv.append_and_read(sid, layer, k, v)   # O(1) write, views to attend

@@ -22,7 +22,7 @@ class UnknownSessionError(CacheError, KeyError):
 
 class ClosedSessionError(UnknownSessionError):
     """A session that was closed: its table is gone, so the cache no longer knows it (a
-    subclass, so callers that handle unknown ids handle closed ones too; as in node.sessions)."""
+    subclass, so callers that handle unknown ids handle closed ones too; as in node.engine.sessions)."""
 
 
 class StaleSessionError(CacheError):

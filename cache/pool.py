@@ -12,7 +12,7 @@ this 2-core machine (issue 9, "Allocator"; arena bytes per token of a full block
 bytes / slots per slab / block_size, as ``cache.sizing.arena_bytes_per_token`` reports it):
 
 * **Pages: 4 KB -> 64 B.** 4 KB pages gave an int8 block of the federation's model
-  (``node.tasks.LM_MODEL``, 16-token blocks: 4,480 B) an 8,192 B slot, the size of fp16's.
+  (``node.tasks.tasks.LM_MODEL``, 16-token blocks: 4,480 B) an 8,192 B slot, the size of fp16's.
   int8 / int4 vs fp16 arena bytes per token (fp16: 512 B on LM_MODEL, 4,096 B on the bench
   model):
 

@@ -122,7 +122,7 @@ class Pressure:
         keeping only the compact form of cached blocks (that is the memory a quantized cache
         saves); making every layer attend one representation would mean quantizing before
         the prefill's attention, a change of results we do not make here. The bound is
-        pinned by tests/node/test_batched_decode.py: a hit moves the logits by at most 3x
+        pinned by tests/node/models/test_batched_decode.py: a hit moves the logits by at most 3x
         what quantization moves a cold prefill's logits from full precision."""
         limit = (t.length - self.config.fp_window) // self.config.block_size
         for b in t.blocks[t.quant_checked : max(limit, t.quant_checked)]:

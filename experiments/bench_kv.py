@@ -15,7 +15,7 @@ What each section measures (also stated inside the JSON under ``notes``):
   (codes + fp16 scales + int4 zero points) over all layers, divided by the block size. The
   pool's page-rounded slot bytes per token are reported separately (``slot_bytes_per_token``).
 * ``arena_bytes_per_token`` — ``KVCache.arena_bytes_per_token(dtype)`` for the federation's
-  ``node.tasks.LM_MODEL`` (its node cache geometry) and for the benchmark model.
+  ``node.tasks.tasks.LM_MODEL`` (its node cache geometry) and for the benchmark model.
 * ``decode_tokens_per_s`` (1,024 tokens of context) and ``decode_tokens_per_s_4096`` — prefill
   ``context`` tokens, then time greedy decode steps; variants are interleaved across repeats and
   medians are reported. Same model dimensions everywhere and the same torch thread count.
@@ -26,7 +26,7 @@ What each section measures (also stated inside the JSON under ``notes``):
   tail, 64 greedy steps: tokens/s and KV bytes of fedkv batched (``forward_batch``), fedkv one
   session at a time (``forward_cached``) and HF ``DynamicCache`` batched with left padding.
 * ``quality`` — teacher-forced decode loop, one token per ``forward_cached`` call, on held-out
-  stdlib modules with the briefly trained checkpoint (``node.lm.pretrained_tiny``); int8/int4
+  stdlib modules with the briefly trained checkpoint (``node.tasks.lm.pretrained_tiny``); int8/int4
   against fp32 of the same model.
 * ``prefix_sharing`` — one prefix session plus N sessions that each ``prefill(prefix + tail)``
   with the real model (the prefix blocks are reused via ``match_prefix``).
@@ -62,10 +62,10 @@ import torch.nn.functional as F
 
 from cache import KVCache
 from cache.attention import attend
-from node.corpus import random_windows, split_corpus
-from node.lm import pretrained_tiny
-from node.model import ModelConfig, TinyTransformer
-from node.tasks import LM_MODEL
+from node.tasks.corpus import random_windows, split_corpus
+from node.tasks.lm import pretrained_tiny
+from node.models.byte_model import ModelConfig, TinyTransformer
+from node.tasks.tasks import LM_MODEL
 
 DTYPES = ("fp32", "fp16", "int8", "int4")
 DECODE_VARIANTS = ("fedkv_fp32", "fedkv_int8", "fedkv_int4", "hf_dynamic_cache", "naive_concat",
@@ -1021,7 +1021,7 @@ NOTES = {
     "KVCache.arena_bytes_per_token(dtype) for the benchmark model, i.e. what a block really "
     "costs in the arena once the slab's unusable tail is counted.",
     "arena_bytes_per_token": "{lm_model, bench_model} x {dtype: KVCache.arena_bytes_per_token"
-    "(dtype)}: lm_model = node.tasks.LM_MODEL with the node's cache config (default block "
+    "(dtype)}: lm_model = node.tasks.tasks.LM_MODEL with the node's cache config (default block "
     "size), bench_model = the benchmark model at --block-size; geometries in arena_geometry.",
     "decode": "median tokens/s of greedy decode steps after an untimed prefill of `context` "
     "tokens of held-out text; variants interleaved (rotated order) across repeats; same torch "

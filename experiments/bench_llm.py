@@ -1,6 +1,6 @@
-"""Real-model benchmark: fedkv (``node.llama.LlamaModel`` over ``cache.KVCache``) side by side
+"""Real-model benchmark: fedkv (``node.models.llama.LlamaModel`` over ``cache.KVCache``) side by side
 with Hugging Face ``LlamaForCausalLM`` + ``DynamicCache`` on SmolLM2-135M-Instruct, same fp32
-weights (both loaded from ``node.models.default_dir()``), same torch thread count.
+weights (both loaded from ``node.models.smollm2.default_dir()``), same torch thread count.
 
     python -m experiments.bench_llm --quick --json     # <= ~6 min on 2 cores; last line = JSON
 
@@ -31,7 +31,7 @@ PASS/MISS, also printed), ``notes`` (how each section measures) and ``config``.
   chunk reads earlier chunks' K/V back in the cache's storage dtype), fp16/int8/int4 vs fp32.
 
 ``--weight-dtypes bfloat16,int8`` (default) also runs fedkv's model in those weight formats
-(``node.precision``; ``experiments.llm_dtypes``): ``decode_tokens_per_s.<ctx>.fedkv_bf16`` and
+(``node.models.precision``; ``experiments.llm_dtypes``): ``decode_tokens_per_s.<ctx>.fedkv_bf16`` and
 ``.fedkv_int8_weights`` in the same interleaved segments as fp32 (each prefilled by its own
 model into its own fp32-block cache), ``ratio_vs_fp32``; ``quality.bf16`` and
 ``quality.int8_weights`` (Δppl, top-1 vs fp32 weights, fp32 cache); in ``details``: prefill
@@ -62,8 +62,8 @@ from experiments.llm_contenders import (FedkvSessions, bytes_per_token, copy_ses
                                         fedkv_cache, hf_sessions, interleave, prefilled)
 from experiments.output import make_run_dir, markdown_table, plot_lines, write_csv, write_json
 from experiments import llm_dtypes
-from node.llama import LlamaModel
-from node.precision import weight_bytes_per_token
+from node.models.llama import LlamaModel
+from node.models.precision import weight_bytes_per_token
 
 DECODE = ("fedkv_fp32", "fedkv_int8", "fedkv_int4", "hf_dynamic_cache")
 BATCHED = ("fedkv_batched", "fedkv_sequential", "hf_batched")
@@ -393,7 +393,7 @@ def target_checks(r: dict) -> list[tuple[str, float, str, bool]]:
 def run_all(model: LlamaModel, hf: Any, text: list[int], heldout: list[int], plan: Plan,
             threads: int, weight_dtypes: tuple[str, ...] = ()) -> dict:
     """Every section, in one process, same weights and thread count; fedkv's model also in
-    each of ``weight_dtypes`` (``node.precision``) in the decode and quality sections."""
+    each of ``weight_dtypes`` (``node.models.precision``) in the decode and quality sections."""
     torch.set_num_threads(threads)
     variants = llm_dtypes.variant_models(model, weight_dtypes)
     r: dict[str, Any] = {"details": {}}
@@ -457,8 +457,8 @@ def load_real(model_dir: str | None) -> tuple[LlamaModel, Any, list[int], list[i
     """fedkv's and HF's model from the same converted directory, and the real text."""
     from transformers import LlamaForCausalLM
 
-    from node import models
-    from node.chat import ChatCodec
+    from node.models import smollm2 as models
+    from node.models.chat import ChatCodec
 
     d = Path(model_dir).expanduser() if model_dir else models.default_dir()
     ours = LlamaModel.from_pretrained(d)
@@ -475,10 +475,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print one JSON object last (the progress lines go to stderr)")
     p.add_argument("--threads", type=int, default=1, help="torch threads for both (default 1)")
     p.add_argument("--weight-dtypes", default="bfloat16,int8",
-                   help="fedkv weight formats measured beside fp32 (node.precision; "
+                   help="fedkv weight formats measured beside fp32 (node.models.precision; "
                         "comma-separated, '' for none; default bfloat16,int8)")
     p.add_argument("--model-dir", default=None,
-                   help="converted model directory (default: node.models.default_dir())")
+                   help="converted model directory (default: node.models.smollm2.default_dir())")
     p.add_argument("--out", default="results",
                    help="writes <out>/bench_llm/<timestamp>/ (default results)")
     return p
@@ -494,13 +494,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--weight-dtypes {args.weight_dtypes!r}: use some of "
                          f"{','.join(llm_dtypes.KEYS)}")
     _QUIET = args.json
-    from node.models import ModelError
+    from node.models.smollm2 import ModelError
 
     try:
         ours, hf, text, heldout = load_real(args.model_dir)
     except (ModelError, FileNotFoundError) as e:
         print(f"bench_llm: the real model is missing or unreadable ({e}); run "
-              f"`python -m node.models fetch` first", file=sys.stderr)
+              f"`python -m node.models.smollm2 fetch` first", file=sys.stderr)
         return 2
     r = run_all(ours, hf, text, heldout, QUICK if args.quick else Plan(), args.threads, weights)
     for line in summary_lines(r):

@@ -7,7 +7,7 @@ Three sections, each against its own ``redis-server`` (``experiments.redis_serve
   on its disk), vs the local cold tier (an encrypted segment store, reopened without prewarm:
   ``experiments.bench_restore.cold_once``) vs recompute. Interleaved repeats, medians; restore
   bandwidth = K/V bytes restored over the Redis read time and over the whole TTFT.
-* **second_process**: two real ``node.openai_api`` processes on one Redis; the first serves a
+* **second_process**: two real ``node.serving.openai_api`` processes on one Redis; the first serves a
   shared-prefix load, then the second serves the same kind of load (other suffixes). Hit rate
   = prefix blocks hit (``/metrics``, every tier) over the prompts' full blocks.
 * **restart**: 16 clients against one server process while Redis is SIGKILLed and restarted;
@@ -42,7 +42,7 @@ NS = b"bench|weights"
 
 def _model(name: str):
     import torch
-    from node.served_model import load_model
+    from node.serving.served_model import load_model
     torch.manual_seed(0)
     return load_model(name)[0]
 

@@ -17,7 +17,7 @@ import time
 from typing import Callable
 
 from cache import CacheConfig, KVCache
-from node.model import TinyTransformer
+from node.models.byte_model import TinyTransformer
 
 KEY = bytes(32)
 """A fixed AES key: the benchmark measures the cost of encryption, not key handling."""

@@ -36,9 +36,9 @@ import torch
 from experiments.output import add_common_args, make_run_dir, print_results_dir, progress, write_json
 from experiments.privacy_accuracy import mean_ci_json
 from federation.client_accounting import ClientAccountant, sigma_for_epsilon
-from node.corpus import split_corpus
-from node.lm import eval_loss, train_lm
-from node.tasks import LmTask, lm_model
+from node.tasks.corpus import split_corpus
+from node.tasks.lm import eval_loss, train_lm
+from node.tasks.tasks import LmTask, lm_model
 
 EPSILONS = (1.0, 3.0, 8.0, math.inf)
 

@@ -3,7 +3,7 @@
 The article reports that raising ``evict_batch`` from 16 to 24 gave +18 % throughput for +5 ms
 p99. Here a node-sized cache (the lm model's geometry, a hot pool far smaller than what the
 sessions leave cached, a warm tier) serves passes of the node's chat workload
-(``node.workload``: multi-turn sessions behind one system prompt, shaped by the Mooncake
+(``node.tasks.workload``: multi-turn sessions behind one system prompt, shaped by the Mooncake
 conversation trace when present); every pass runs under each batch size in turn (interleaved,
 so drift on a shared machine hits all alike), repeated, and the medians are compared.
 
@@ -26,11 +26,11 @@ from experiments.output import (
     write_csv, write_json,
 )
 from node.cache_node import SERVE_PROMPT
-from node.corpus import split_corpus
+from node.tasks.corpus import split_corpus
 from node.workload_pass import serve_workload
-from node.sessions import Sessions
-from node.tasks import LM_MODEL, lm_model
-from node.workload import WorkloadConfig, find_trace, plan_turns
+from node.engine.sessions import Sessions
+from node.tasks.tasks import LM_MODEL, lm_model
+from node.tasks.workload import WorkloadConfig, find_trace, plan_turns
 
 BATCHES = (8, 16, 24, 32)
 

@@ -1,6 +1,6 @@
 """One point of ``experiments.private_finetune``: ``nodes`` chat nodes in this process (one shared
-frozen base, ``node.tasks.chat_base``) fine-tune FFA-LoRA or plain LoRA adapters for ``rounds``
-rounds, with example-level DP-SGD at a target ε (``node.dp_sgd``) or without it (ε = ∞: the
+frozen base, ``node.tasks.tasks.chat_base``) fine-tune FFA-LoRA or plain LoRA adapters for ``rounds``
+rounds, with example-level DP-SGD at a target ε (``node.tasks.dp_sgd``) or without it (ε = ∞: the
 task's ordinary AdamW training, same steps and batch). Each round every node's update is clipped
 to the run's C and the nodes' equal-weight mean is written back -- computed under CKKS by the
 run's own codecs (``federation.codec``: the run's packing, preset and error feedback; one secret
@@ -22,8 +22,8 @@ from experiments.general_probe import probe_score
 from federation.codec import ckks_preset_for, make_aggregator, make_client_codec, packing_for
 from federation.config import RunConfig
 from node.cache_node import CacheNode, DpConfig, NodeSpec
-from node.lora import LoraConfig
-from node.tasks import ChatTask, chat_base
+from node.models.lora import LoraConfig
+from node.tasks.tasks import ChatTask, chat_base
 
 METHODS = ("ffa_lora", "lora")
 """FFA-LoRA (A frozen from the public seed, B trained: the chat task's default) and plain LoRA."""

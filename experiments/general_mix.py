@@ -1,5 +1,5 @@
 """Does fine-tuning keep the chat model's manners? The chat task fine-tuned on docstrings alone
-(``general_mix`` 0) against the same run rehearsing public general pairs (``node.general_data``,
+(``general_mix`` 0) against the same run rehearsing public general pairs (``node.tasks.general_data``,
 the task's default share), on paired seeds, with the base model beside them: the general-question
 probe (``experiments.general_probe``: likelihood preference, and whether the greedy reply
 contains the expected answer, asked without a system prompt as a chat user asks) and the
@@ -20,7 +20,7 @@ import time
 from experiments.finetune_points import PointConfig, base_point, run_point
 from experiments.output import add_common_args, make_run_dir, print_results_dir, progress, write_json
 from experiments.privacy_accuracy import mean_ci, mean_ci_json
-from node.tasks import ChatTask
+from node.tasks.tasks import ChatTask
 
 QUICK = dict(chat_model="tiny", nodes=3, rounds=1, steps=2, batch=4, eval_examples=2)
 KEYS = ("perplexity", "probe_accuracy", "probe_margin", "probe_greedy")

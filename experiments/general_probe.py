@@ -1,6 +1,6 @@
 """A general-knowledge probe: does fine-tuning on Python docstrings cost the chat model what it
 knew before? Ten fixed questions outside the fine-tuning data (and away from the general pairs
-the chat task rehearses, ``node.general_data``), each with its expected answer and a plausible
+the chat task rehearses, ``node.tasks.general_data``), each with its expected answer and a plausible
 wrong one, asked as a chat user asks them: no system prompt (the template's default). Scores:
 how often the model gives the expected answer the higher log-likelihood (the whole answer, its
 end-of-turn included) and the mean margin in nats -- a likelihood comparison, so it moves
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from node import instruct_data as qa
-from node.chat import ChatCodec
+from node.tasks import instruct_data as qa
+from node.models.chat import ChatCodec
 
 PROBE: tuple[tuple[str, str, str], ...] = (
     ("What is the capital of France?", "Paris", "Berlin"),

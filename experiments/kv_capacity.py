@@ -3,7 +3,7 @@ still decodable, before ``CacheFullError`` -- at equal ``pool_bytes``.
 
 Closed prefixes are what quantization shrinks trivially; the question here is whether an
 int8/int4 cache also holds more context for sessions that are still being decoded. The
-measurement drives the public ``KVCache`` API the way ``node.llama.forward_cached`` does (one
+measurement drives the public ``KVCache`` API the way ``node.models.llama.forward_cached`` does (one
 ``reserve`` per prompt, ``append_and_read`` per layer), with random K/V and no model:
 
 1. open sessions one by one, prefill each with ``session_tokens`` random tokens, until a

@@ -24,9 +24,9 @@ from experiments.output import (
     add_common_args, make_run_dir, markdown_table, plot_lines, print_estimate,
     print_results_dir, progress, write_csv, write_json,
 )
-from node.corpus import random_windows, split_corpus
-from node.lm import pretrained_tiny
-from node.model import ModelConfig, TinyTransformer
+from node.tasks.corpus import random_windows, split_corpus
+from node.tasks.lm import pretrained_tiny
+from node.models.byte_model import ModelConfig, TinyTransformer
 
 COLUMNS = ["kv_dtype", "scheme", "fp_window", "block_size", "bytes_per_token",
            "bytes_vs_fp16", "top1_agreement", "ppl", "ppl_delta", "quantized_blocks",

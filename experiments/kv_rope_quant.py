@@ -41,7 +41,7 @@ from cache.quant import BlockFormat
 from experiments.output import (
     add_common_args, make_run_dir, markdown_table, print_results_dir, write_csv, write_json,
 )
-from node.llama import LlamaConfig, LlamaModel, apply_rope
+from node.models.llama import LlamaConfig, LlamaModel, apply_rope
 
 BLOCK = 16
 COLUMNS = ["kv_dtype", "keys", "where", "positions", "ppl", "ppl_delta", "top1_agreement",
@@ -154,7 +154,7 @@ def main() -> None:
     n = args.tokens or (256 if args.quick else 1024)
     decode = args.decode or (32 if args.quick else 128)
     torch.set_num_threads(args.threads)
-    from node import models
+    from node.models import smollm2 as models
 
     t0 = time.perf_counter()
     loaded = models.load(verify_hashes=False)

@@ -34,9 +34,9 @@ from experiments.output import (
     add_common_args, make_run_dir, markdown_table, plot_lines, print_estimate,
     print_results_dir, progress, write_csv, write_json,
 )
-from node.corpus import random_windows, split_corpus
-from node.lm import pretrained_tiny
-from node.model import ModelConfig, TinyTransformer
+from node.tasks.corpus import random_windows, split_corpus
+from node.tasks.lm import pretrained_tiny
+from node.models.byte_model import ModelConfig, TinyTransformer
 
 COLUMNS = ["policy", "kept_fraction", "kept_measured", "kept_mean_steps", "top1_agreement",
            "top1_ci95", "ppl", "ppl_delta", "ppl_delta_ci95", "sparse_steps",

@@ -73,7 +73,7 @@ def train_dp_sgd(mech: DpSgdMechanism, x: torch.Tensor, y: torch.Tensor, seed: i
     from opacus.data_loader import DPDataLoader
     from torch.utils.data import TensorDataset
 
-    from node import digits
+    from node.tasks import digits
 
     if len(y) < mech.batches:  # Opacus scales the noise by the expected batch int(n·q): 0 divides
         raise MechanismError(f"DP-SGD at q = 1/{mech.batches} needs at least {mech.batches} examples, got {len(y)}")

@@ -1,4 +1,4 @@
-"""The contenders of ``experiments.bench_llm``: fedkv sessions (``node.llama.LlamaModel`` over
+"""The contenders of ``experiments.bench_llm``: fedkv sessions (``node.models.llama.LlamaModel`` over
 ``cache.KVCache``) and Hugging Face ``LlamaForCausalLM`` with its ``DynamicCache``, each a
 ``Stepper`` (one greedy step of every session it holds), and ``interleave``, which times them
 in rotating segments. Prompts are prefilled once: ``copy_session`` gives other caches the
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from cache import KVCache
-from node.generation import TokenStream
-from node.llama import LlamaModel
+from node.engine.generation import TokenStream
+from node.models.llama import LlamaModel
 
 
 def bytes_per_token(model: LlamaModel) -> int:
@@ -194,7 +194,7 @@ def interleave(steppers: dict[str, Stepper], segments: int, steps: int, label: s
 
 
 class StreamHandle:
-    """A contender's ``node.generation.GenerationHandle``: its tokens stream as they come."""
+    """A contender's ``node.engine.generation.GenerationHandle``: its tokens stream as they come."""
 
     def __init__(self, rid: str, prompt_tokens: int):
         self.request_id, self.prompt_tokens, self.cached_prompt_tokens = rid, prompt_tokens, 0

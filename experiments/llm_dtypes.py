@@ -1,4 +1,4 @@
-"""fedkv's model in other weight formats (``node.precision``: bf16, weight-only int8) beside the
+"""fedkv's model in other weight formats (``node.models.precision``: bf16, weight-only int8) beside the
 fp32 reference in ``experiments.bench_llm``: the variant models, their sessions for the
 interleaved decode timing, prefill time, quality against fp32, and the fraction of the
 memory-bandwidth ceiling each reaches (weight bytes a decode step reads / measured read
@@ -14,8 +14,8 @@ from typing import Any, Callable
 import torch
 
 from experiments.llm_contenders import FedkvSessions, fedkv_cache
-from node import precision
-from node.llama import LlamaConfig, LlamaModel
+from node.models import precision
+from node.models.llama import LlamaConfig, LlamaModel
 
 KEYS = {"bfloat16": ("fedkv_bf16", "bf16"), "int8": ("fedkv_int8_weights", "int8_weights")}
 """Weight format -> (its decode key beside ``fedkv_fp32``, its ``quality`` key). Int8

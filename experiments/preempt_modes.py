@@ -1,4 +1,4 @@
-"""Preemption by swap vs recompute (``node.scheduler``): throughput under memory pressure and
+"""Preemption by swap vs recompute (``node.engine.scheduler``): throughput under memory pressure and
 the cost of one resume.
 
 *Workload*: greedy requests whose K/V together need about twice the hot pool, run to
@@ -25,9 +25,9 @@ import torch
 
 from cache import KVCache
 from experiments.output import add_common_args, make_run_dir, markdown_table, print_results_dir, write_json
-from node.generation import GenerationRequest
-from node.scheduler import PREEMPT_MODES, Scheduler, SchedulerConfig
-from node.tasks import lm_model
+from node.engine.generation import GenerationRequest
+from node.engine.scheduler import PREEMPT_MODES, Scheduler, SchedulerConfig
+from node.tasks.tasks import lm_model
 
 
 @dataclass(frozen=True)

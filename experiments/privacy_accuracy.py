@@ -190,7 +190,7 @@ def sampling_of(mode: str, client_sampling: str) -> str:
 
 def digits_train_sizes(population: int, seed: int, alpha: float) -> list[int]:
     """Training examples of each node (the local train share of its partition)."""
-    from node import digits
+    from node.tasks import digits
 
     cfg = digits.DigitsConfig(num_partitions=population, alpha=alpha, seed=seed)
     return [len(digits.load_partition(i, cfg)[0].dataset) for i in range(population)]
@@ -287,7 +287,7 @@ def _digits_final(grid, population: int, seed: int, alpha: float,
                   rng: np.random.Generator) -> tuple[float, float, int]:
     """(accuracy on the global test split, MIA AUC sampled clients' members vs global test, members)."""
     from experiments.mia import attack_auc
-    from node import digits
+    from node.tasks import digits
 
     model = grid.node(grid.node_ids[0]).model
     cfg = digits.DigitsConfig(num_partitions=population, alpha=alpha, seed=seed)
@@ -304,7 +304,7 @@ def _digits_final(grid, population: int, seed: int, alpha: float,
 def sampled_train_data(grid, population: int, seed: int, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The training shares of the clients sampled at least once (a never-sampled client's data
     cannot leak, so it is no member)."""
-    from node import digits
+    from node.tasks import digits
 
     cfg = digits.DigitsConfig(num_partitions=population, alpha=alpha, seed=seed)
     xs, ys = zip(*(digits.load_partition(i, cfg)[0].dataset.tensors for i in trained_partitions(grid)))
@@ -360,7 +360,7 @@ def no_lira() -> dict[str, Any]:
 
 @torch.no_grad()
 def _window_losses(model, data: bytes, seq_len: int, n: int, gen: torch.Generator) -> np.ndarray:
-    from node.lm import random_windows
+    from node.tasks.lm import random_windows
 
     model.eval()
     out = []

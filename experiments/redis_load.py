@@ -1,4 +1,4 @@
-"""Real ``node.openai_api`` processes on one Redis, for ``experiments.bench_redis``: a second
+"""Real ``node.serving.openai_api`` processes on one Redis, for ``experiments.bench_redis``: a second
 process's prefix hits on a load the first computed, and a 16-client load while Redis is killed
 and restarted. Requests over HTTP (urllib), hits from each server's ``/metrics``."""
 
@@ -50,7 +50,7 @@ def start(tmp: Path, name: str, model: str, url: str, *extra: str) -> tuple[subp
     key_file, tokens = _files(tmp)
     ready = tmp / f"{name}.ready.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "node.openai_api", "--model", model, "--port", "0",
+        [sys.executable, "-m", "node.serving.openai_api", "--model", model, "--port", "0",
          "--ready-file", str(ready), "--token-file", str(tokens), "--kv-redis", url,
          "--kv-key-file", str(key_file), "--log-level", "WARNING", *extra],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -59,7 +59,7 @@ def start(tmp: Path, name: str, model: str, url: str, *extra: str) -> tuple[subp
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             stop(proc)
-            raise RuntimeError(f"node.openai_api ({name}) did not start")
+            raise RuntimeError(f"node.serving.openai_api ({name}) did not start")
         time.sleep(0.1)
     return proc, json.loads(ready.read_text())["port"]
 

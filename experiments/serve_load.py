@@ -4,12 +4,12 @@
     python -m experiments.serve_load [--quick] [--json] [--models smollm2,tiny] [--clients 1,4,16,32]
         [--vllm-python <venv>/bin/python]
 
-Every backend is a ``node.generation.GenerationBackend`` and the same client threads drive
+Every backend is a ``node.engine.generation.GenerationBackend`` and the same client threads drive
 them, so the figures compare decoders, not harnesses:
 
-* ``fedkv_scheduler`` -- ``node.scheduler_backend.ScheduledBackend``: continuous batching with
+* ``fedkv_scheduler`` -- ``node.engine.scheduler_backend.ScheduledBackend``: continuous batching with
   chunked prefill and preemption;
-* ``fedkv_no_scheduler`` -- ``node.serial_backend.SerialBackend``: the same model and cache,
+* ``fedkv_no_scheduler`` -- ``node.engine.serial_backend.SerialBackend``: the same model and cache,
   one request at a time;
 * ``hf_sequential`` -- Hugging Face ``LlamaForCausalLM`` with its ``DynamicCache`` on the same
   weights, one request at a time (``generate``'s loop, stepped by hand so tokens stream);
@@ -20,7 +20,7 @@ them, so the figures compare decoders, not harnesses:
 
 Each client waits an exponential think time (Poisson arrivals per client), sends a request,
 reads its tokens as they stream and repeats. Request lengths come from the Mooncake
-conversation trace when ``--trace`` names one (default: ``node.workload.find_trace``, i.e.
+conversation trace when ``--trace`` names one (default: ``node.tasks.workload.find_trace``, i.e.
 ``$FEDKV_SERVE_TRACE``): lengths divided by ``scale`` (a 7,000-token prompt is minutes of prefill on two cores), each trace hash id a fixed
 block of ``block_tokens`` tokens, so requests that share hash ids share a prompt prefix as in
 the trace; otherwise synthetic lengths with a shared system prefix. Greedy decoding throughout.
@@ -57,9 +57,9 @@ from cache import KVCache
 from experiments.output import (add_common_args, make_run_dir, markdown_table, plot_lines,
                                 print_results_dir, write_csv, write_json)
 from experiments.llm_contenders import StreamHandle
-from node.generation import GenerationRequest
-from node.precision import DTYPES, dtype_of
-from node.workload import find_trace
+from node.engine.generation import GenerationRequest
+from node.models.precision import DTYPES, dtype_of
+from node.tasks.workload import find_trace
 
 SYSTEMS = ("fedkv_scheduler", "fedkv_no_scheduler", "hf_sequential")
 VLLM = "vllm_cpu"
@@ -238,7 +238,7 @@ def summarize(records: Sequence[Record], wall_s: float) -> dict[str, float]:
 class Served:
     name: str
     model: Any
-    """``node.llama.LlamaModel`` (fedkv's decode path)."""
+    """``node.models.llama.LlamaModel`` (fedkv's decode path)."""
     hf: Any
     """``transformers.LlamaForCausalLM`` with the same weights."""
     vocab: int
@@ -248,14 +248,14 @@ def load_served(name: str, seed: int, model_dir: str | None = None,
                 dtype: str = "float32") -> Served:
     """``smollm2`` from the converted model directory; ``tiny``: a seeded random Llama (2
     layers, hidden 64, GQA 4 over 2 heads, vocabulary 512) loaded into both. fedkv's model
-    computes in ``dtype`` (``node.precision.DTYPES``), HF's stays fp32 (the reference)."""
+    computes in ``dtype`` (``node.models.precision.DTYPES``), HF's stays fp32 (the reference)."""
     import transformers
 
-    from node.llama import LlamaConfig, LlamaModel
-    from node.precision import check, convert
+    from node.models.llama import LlamaConfig, LlamaModel
+    from node.models.precision import check, convert
     check(dtype)
     if name == "smollm2":
-        from node import models
+        from node.models import smollm2 as models
         d = Path(model_dir).expanduser() if model_dir else models.default_dir()
         ours = LlamaModel.from_pretrained(d, dtype=dtype).eval()
         hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
@@ -300,10 +300,10 @@ def make_backend(system: str, served: Served, pool: int, clients: int, vllm: Any
     cache = KVCache(served.model.cache_config(pool_bytes=max(pool * per_token, slab),
                                               managed_block_bytes=slab))
     if system == "fedkv_no_scheduler":
-        from node.serial_backend import SerialBackend
+        from node.engine.serial_backend import SerialBackend
         return SerialBackend(served.model, cache, model_id=served.name)
-    from node.scheduler import SchedulerConfig
-    from node.scheduler_backend import ScheduledBackend
+    from node.engine.scheduler import SchedulerConfig
+    from node.engine.scheduler_backend import ScheduledBackend
     return ScheduledBackend(served.model, cache, SchedulerConfig(max_running=max(clients, 1)),
                             model_id=served.name)
 
@@ -432,11 +432,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=None, help="per cell (1 quick, 3 otherwise)")
     p.add_argument("--trace", default=str(find_trace() or ""),
                    help="Mooncake conversation trace (.jsonl; default $FEDKV_SERVE_TRACE, as "
-                        "node.workload finds it; none: synthetic lengths)")
+                        "node.tasks.workload finds it; none: synthetic lengths)")
     p.add_argument("--model-dir", default=None)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", choices=DTYPES, default=DTYPES[0],
-                   help="fedkv's weight format (node.precision; HF's stays float32)")
+                   help="fedkv's weight format (node.models.precision; HF's stays float32)")
     p.add_argument("--vllm-python", default=os.environ.get("FEDKV_VLLM_PYTHON"),
                    help="python of a venv with vLLM's CPU build: adds the vllm_cpu contender "
                         "(default $FEDKV_VLLM_PYTHON; absent: skipped)")
@@ -483,7 +483,7 @@ def start_vllm(name: str, python: str | None, model_dir: str | None, threads: in
     if why is not None:
         print(f"serve_load: {VLLM} skipped for {name}: {why}")
         return None, {"skipped": why}
-    from node import models
+    from node.models import smollm2 as models
     d = Path(model_dir).expanduser() if model_dir else models.default_dir()
     settings = vc.VllmSettings(omp_threads=threads)
     try:

@@ -4,7 +4,7 @@
         [--clients 4] [--load-minutes M] [--no-restart] [--model-dir DIR] [--sample-s 5]
         [--server-arg=--flag ...]
 
-Starts ``python -m node.openai_api`` as a subprocess through its command line (its own port,
+Starts ``python -m node.serving.openai_api`` as a subprocess through its command line (its own port,
 a token file of ``--clients`` tenants written here, 0600 in a 0700 folder; ``OMP_NUM_THREADS=1``
 unless the environment sets it) and talks to it only over HTTP (``httpx``), so it measures
 whatever HTTP stack serves those routes. Then:

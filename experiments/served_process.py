@@ -1,5 +1,5 @@
 """A fedkv OpenAI server as a subprocess, measured from outside: started through its command
-line (``python -m node.openai_api``, so it measures whatever HTTP stack serves the routes),
+line (``python -m node.serving.openai_api``, so it measures whatever HTTP stack serves the routes),
 reached only over HTTP (``httpx``), its resources read from ``/proc`` and its gauges from
 ``/metrics``. ``experiments.serve_soak`` drives it.
 """
@@ -37,7 +37,7 @@ def write_tokens(path: Path, tenants: int) -> list[str]:
 
 
 class ServerProcess:
-    """``python -m node.openai_api`` on a free loopback port, logging to ``log``; ``close``
+    """``python -m node.serving.openai_api`` on a free loopback port, logging to ``log``; ``close``
     stops it by its pid (SIGTERM, then SIGKILL), also after a failed start."""
 
     def __init__(self, model: str, folder: Path, log: Path, tenants: int,
@@ -47,7 +47,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         token_file = folder / "serve-token"
         self.tokens = write_tokens(token_file, tenants)
-        cmd = [sys.executable, "-m", "node.openai_api", "--model", model, "--port",
+        cmd = [sys.executable, "-m", "node.serving.openai_api", "--model", model, "--port",
                str(self.port), "--token-file", str(token_file), *extra]
         if model_dir:
             cmd += ["--model-dir", model_dir]

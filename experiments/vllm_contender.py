@@ -32,7 +32,7 @@ import httpx
 
 from experiments.llm_contenders import StreamHandle
 from federation.deploy.flwr_sandbox import free_port
-from node.generation import GenerationRequest
+from node.engine.generation import GenerationRequest
 
 ENV_PYTHON = "FEDKV_VLLM_PYTHON"
 

@@ -46,7 +46,7 @@ from federation.messages import NodeSource
 from federation.node_store import NodeStore
 from federation.timing import PhaseTimer
 from node.cache_node import CacheNode, DpConfig, TrainOutcome
-from node.workload import WorkloadConfig
+from node.tasks.workload import WorkloadConfig
 
 configure_logging()  # each log line once (Opacus adds a root handler on import)
 _log = logging.getLogger("fedkv.client_app")
@@ -233,14 +233,14 @@ def _keep_adapters(store: NodeStore, node: Any) -> None:
     """The node's final adapters as a PEFT adapter in ``store.adapters_dir``: retention removes
     old runs' state, never the model a run fine-tuned. Writing them never fails the round
     (the run is complete; the adapters stay in the node's cache until retention)."""
-    from node import adapters
-    from node.lora import LoraLlamaModel
-    if not isinstance(node.model, LoraLlamaModel):
+    from node.serving import adapters
+    from node.models.lora import LoraLlamaModel
+    if not isinstance(node.models.byte_model, LoraLlamaModel):
         return
     chat_model = getattr(node.task, "chat_model", "")
     base = "fedkv-chat-tiny" if chat_model == "tiny" else _smollm2_dir()
     try:
-        out = adapters.write_adapter(adapters.from_model(node.model, node.version, base),
+        out = adapters.write_adapter(adapters.from_model(node.models.byte_model, node.version, base),
                                      store.adapters_dir, force=True)  # this run's own folder
     except (OSError, adapters.AdapterError) as err:
         _log.warning("final adapters not kept in %s: %s", store.adapters_dir, err)
@@ -249,7 +249,7 @@ def _keep_adapters(store: NodeStore, node: Any) -> None:
 
 
 def _smollm2_dir() -> str:
-    from node.models import default_dir
+    from node.models.smollm2 import default_dir
     return str(default_dir().resolve())
 
 

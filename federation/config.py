@@ -29,7 +29,7 @@ from typing import Any
 DP_MODES = ("none", "local", "distributed", "flower-central")
 TASKS = ("digits", "lm", "chat")
 CHAT_MODELS = ("smollm2", "tiny")
-"""Bases of the chat task (``node.tasks.CHAT_MODELS``; kept literal: the config imports no torch)."""
+"""Bases of the chat task (``node.tasks.tasks.CHAT_MODELS``; kept literal: the config imports no torch)."""
 KV_DTYPES = ("fp32", "fp16", "int8", "int4")
 PACKINGS = ("packed", "none")
 CLIENT_SAMPLINGS = ("fixed", "poisson")
@@ -90,7 +90,7 @@ class RunConfig:
     stdlib docstrings, metric held-out answer perplexity (results: ``base_metric`` = the base
     model's, ``samples`` = greedy replies to held-out questions)."""
     chat_model: str = "smollm2"
-    """task=chat only: the frozen base. ``smollm2``: SmolLM2-135M-Instruct (``python -m node.models
+    """task=chat only: the frozen base. ``smollm2``: SmolLM2-135M-Instruct (``python -m node.models.smollm2
     fetch`` once); ``tiny``: a seeded random 2-layer Llama, byte-level ChatML (tests, CI)."""
     he: bool = True
     """CKKS aggregation (crypto/; the server holds only the public context). false = plaintext
@@ -135,7 +135,7 @@ class RunConfig:
     baseline; needs he=false)."""
     dp_sgd: bool = True
     """Example-level DP-SGD in each node's local training, whatever the dp-mode: digits through Opacus,
-    lm and chat through ``node.dp_sgd`` (Poisson batches, per-example clipping, Gaussian noise).
+    lm and chat through ``node.tasks.dp_sgd`` (Poisson batches, per-example clipping, Gaussian noise).
     Each record a node trains on is then protected at dp-sgd-epsilon against everyone: the
     server, the other nodes, whoever uses the model. Reported per round as ``epsilon_sample``.
     false: the client-level mechanism alone (the figures before example-level DP)."""
@@ -248,7 +248,7 @@ class RunConfig:
     """Chat sessions each node serves through its cache in every evaluate phase (lm task;
     0 = none): multi-turn, behind one shared system prompt, texts from the held-out share,
     lengths and turn order shaped by the Mooncake conversation trace when the machine has it
-    (``$FEDKV_SERVE_TRACE``; ``node.workload``). The round line and results show prefix and tier
+    (``$FEDKV_SERVE_TRACE``; ``node.tasks.workload``). The round line and results show prefix and tier
     hit rates, tokens/s, K/V recomputed because of the write-back, blocks invalidated,
     perplexity."""
     serve_gate_tolerance: float = 0.5
@@ -270,7 +270,7 @@ class RunConfig:
 
     @property
     def task_id(self) -> str:
-        """The task as ``node.tasks`` names it (the module's ``task_id``)."""
+        """The task as ``node.tasks.tasks`` names it (the module's ``task_id``)."""
         return task_id({"task": self.task, "chat-model": self.chat_model})
 
     @property
@@ -319,7 +319,7 @@ _KEEP = re.compile(r"keep-([0-9]{1,3})")
 
 
 def task_id(run_config: Mapping[str, Any]) -> str:
-    """The task a node builds (``node.tasks.make_task``) from raw run-config values:
+    """The task a node builds (``node.tasks.tasks.make_task``) from raw run-config values:
     ``chat:<chat-model>`` for chat (``RunConfig.task_id``), else the task."""
     task = str(run_config.get("task", "digits"))
     return f"chat:{run_config.get('chat-model', 'smollm2')}" if task == "chat" else task

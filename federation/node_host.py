@@ -11,7 +11,7 @@ What persists where (``NodeRuntime``; docs/deployment.md, "What a node keeps, an
 * **The node directory** (``federation.node_store``): keys, CKKS contexts, the error-feedback
   residual, the adaptive clip-norm history, the kept replies and the record of the aggregates
   applied (``federation.applied_log``) -- no parameters.
-* **published-params.bin** beside the cache (``node.param_channel``): a sealed copy for the
+* **published-params.bin** beside the cache (``node.serving.param_channel``): a sealed copy for the
   node's serving agent, which cannot open the store while a ClientApp holds it; never read back.
 * **Process memory**: a reuse cache of built nodes (a Ray actor in simulation, shared by all
   nodes; a fresh process per message in deployment), used only when its generation equals

@@ -15,7 +15,7 @@ unwraps one, is a secret in the server's process. Node secrets therefore live in
   a new ``run-<run id>`` prunes the root to the newest ``$FEDKV_KEEP_RUNS`` completed runs and
   as many others (default 3, 0 = keep all; never its own run, a pinned run or one in use:
   ``federation.run_retention``); ``python -m federation.deploy.clean`` lists, pins and removes runs.
-  A node process holds a lease (``node.dir_lease``) on each run directory it works in for as long
+  A node process holds a lease (``node.serving.dir_lease``) on each run directory it works in for as long
   as it lives, so a run in progress is never removed, and marks the run ``COMPLETED`` once it
   has evaluated the last round (``mark_completed``).
 
@@ -61,7 +61,7 @@ from crypto import (
 from crypto.errors import CryptoError, KeyUnwrapError
 from federation import run_retention
 from federation.enrollment import Enrollment, EnrollmentError, Refused
-from node import dir_lease
+from node.serving import dir_lease
 
 if TYPE_CHECKING:
     from federation.startup_kit import NodeKit
@@ -254,7 +254,7 @@ class NodeStore:
 
     @property
     def adapters_dir(self) -> Path:
-        """Where the node keeps its run's final adapters (``node.adapters``): ``adapters/run-<id>/
+        """Where the node keeps its run's final adapters (``node.serving.adapters``): ``adapters/run-<id>/
         node-<id>`` beside the run directories, which retention never touches (it removes
         ``run-<digits>`` entries only), so the fine-tuned model outlives its run's state."""
         return self.run_dir.parent / "adapters" / self.run_dir.name / f"node-{self.node_id}"
@@ -484,7 +484,7 @@ class NodeStore:
         """The node's AES-256-GCM key for its cache at rest (made once, from
         ``cryptography``; kept 0600 and sealed like the node's other secrets), in
         ``kv-cache.key`` beside the cache directory: a cache kept across runs keeps its key,
-        and the node's serving agent (``python -m node.serve``) finds it there."""
+        and the node's serving agent (``python -m node.serving.serve``) finds it there."""
         path = (Path(cache_dir).parent if cache_dir else self.root) / "kv-cache.key"
         if path.exists():
             try:

@@ -13,8 +13,8 @@ What is kept (issue 30: retention once deleted the fine-tuned node a server was 
   still running), so failed attempts never push a completed run out. A run is completed when
   its ``COMPLETED`` marker exists: a node writes it once it has evaluated the last round
   (``NodeStore.mark_completed``), i.e. after the final aggregate was applied;
-* any run in use by a live process: a lease (``node.dir_lease``) anywhere in its tree, held by a
-  serving process on its cache directory (``node.param_follower``) or by a node process on the
+* any run in use by a live process: a lease (``node.serving.dir_lease``) anywhere in its tree, held by a
+  serving process on its cache directory (``node.serving.param_follower``) or by a node process on the
   run directory for as long as that process lives (``NodeStore.for_context``); a lease of a dead
   process is stale and pins nothing. Never overridden, not even by ``--force``;
 * a pinned run (a ``PINNED`` file in the run directory; ``clean --pin ID``): never removed, not
@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from node.dir_lease import Holder, holders
+from node.serving.dir_lease import Holder, holders
 
 NODE_DIR_ENV = "FEDKV_NODE_DIR"
 KEEP_ENV = "FEDKV_KEEP_RUNS"

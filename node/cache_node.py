@@ -9,7 +9,7 @@ The node's KV-cache engine holds its parameters (``param/<name>``) and its lates
               -> cache.set_version(): K/V computed under the old weights is never served again
 
 Between rounds the node serves chat sessions (``lm`` task) through the cache:
-``create_session`` / ``send`` / ``reset_conversation`` / ``close`` (``node.sessions`` documents
+``create_session`` / ``send`` / ``reset_conversation`` / ``close`` (``node.engine.sessions`` documents
 the byte framing and the errors). Sessions keep their K/V across turns until a write-back makes it
 stale, then they are recomputed from their tokens.
 """
@@ -29,16 +29,17 @@ import torch
 
 from cache import CacheConfig, KVCache
 from crypto import Layout, dp_sgd_epsilon, dp_sgd_noise_multiplier
-from node import digits
-from node import param_channel, serve_gate
-from node.param_channel import exclusive_params
-from node.dp_sgd import ExampleDp
+from node.tasks import digits
+from node import serve_gate
+from node.serving import param_channel
+from node.serving.param_channel import exclusive_params
+from node.tasks.dp_sgd import ExampleDp
 from node.serve_gate import GateScores, GateVerdict
 from node.workload_pass import ServeReport, serve_workload
-from node.sessions import Sessions
-from node.workload import WorkloadConfig, find_trace, plan_turns
-from node.model_interface import CachedLM
-from node.tasks import (Task, build_model, federated_state, load_parameters, make_task,
+from node.engine.sessions import Sessions
+from node.tasks.workload import WorkloadConfig, find_trace, plan_turns
+from node.models.interface import CachedLM
+from node.tasks.tasks import (Task, build_model, federated_state, load_parameters, make_task,
                         parameter_layout)
 
 UPDATE_KEY = "grad/update"
@@ -71,7 +72,7 @@ def os_entropy_torch_generator() -> torch.Generator:
 @dataclass(frozen=True)
 class DpConfig:
     """Example-level privacy inside local training: per-example DP-SGD (digits: Opacus; lm and
-    chat: ``node.dp_sgd``). The update-level mechanism (clip, noise share) is not the node's:
+    chat: ``node.tasks.dp_sgd``). The update-level mechanism (clip, noise share) is not the node's:
     ``federation.contribution.make_contribution``."""
 
     clip_norm: float = 0.0
@@ -175,7 +176,7 @@ class CacheNode:
     def _write_params(self, state: dict[str, torch.Tensor], version: int, publish: bool = True) -> None:
         """Parameters at ``version`` into the cache and the model; K/V computed under any
         older version than the policy keeps are never served again (also after a restore).
-        With ``publish`` the node's serving agents are invalidated first (``node.param_channel``)
+        With ``publish`` the node's serving agents are invalidated first (``node.serving.param_channel``)
         and read the parameters published beside the cache afterwards; without, they keep
         serving what they have (an aggregate the gate kept unserved)."""
         with exclusive_params(self.cache_dir if publish else None) as invalidated:
@@ -188,7 +189,7 @@ class CacheNode:
         self.agents_invalidated += invalidated
 
     def _publish(self) -> None:
-        """Publish the parameters the node holds to its serving agents (``node.param_channel``)."""
+        """Publish the parameters the node holds to its serving agents (``node.serving.param_channel``)."""
         with exclusive_params(self.cache_dir) as invalidated:
             if self.cache_dir:
                 param_channel.publish(self.cache_dir, self._cache_key, self.params(), self.version)
@@ -300,7 +301,7 @@ class CacheNode:
         return TrainOutcome(delta, loss, n, float(np.linalg.norm(delta)), train_s, eps)
 
     def _train_dp_sgd(self, epochs: int, lr: float, dp: DpConfig) -> tuple[float, int, float]:
-        """Per-example DP-SGD: Opacus on a copy (digits), ``node.dp_sgd`` for the language
+        """Per-example DP-SGD: Opacus on a copy (digits), ``node.tasks.dp_sgd`` for the language
         tasks; ε from all steps so far (RDP)."""
         from opacus import PrivacyEngine
 
@@ -344,7 +345,7 @@ class CacheNode:
                                        batches * epochs * dp.planned_rounds)
 
     def _train_example_dp(self, epochs: int, lr: float, dp: DpConfig) -> tuple[float, int, float]:
-        """Example-level DP-SGD of the language tasks (``node.dp_sgd``); ε over every step this
+        """Example-level DP-SGD of the language tasks (``node.tasks.dp_sgd``); ε over every step this
         node has taken (σ and q are fixed for a run: one self-composed sampled Gaussian)."""
         n, steps = self.task.num_examples, self.task.private_steps(epochs)
         batch = dp.expected_batch or self.task.dp_batch
@@ -403,7 +404,7 @@ class CacheNode:
         report.shape = "mooncake" if trace else "synthetic"
         return report
 
-    # -- chat sessions (lm task); the framing is documented in node.sessions ---------------
+    # -- chat sessions (lm task); the framing is documented in node.engine.sessions ---------------
     def create_session(self, system_prompt: str | bytes = b"") -> str:
         """A new session id; the system prompt is encoded into the cache once, and its full
         blocks are shared with every session that starts with the same prompt."""
@@ -430,7 +431,7 @@ class CacheNode:
 
     def _serve_lm(self) -> None:
         """Sessions need a language model that decodes through the cache
-        (``node.model_interface.CachedLM``; a digits node has none), in eval mode whatever
+        (``node.models.interface.CachedLM``; a digits node has none), in eval mode whatever
         training left it in."""
         if not isinstance(self.model, CachedLM):
             raise ValueError(f"generation needs the lm task, this node serves {self.task.name!r}")

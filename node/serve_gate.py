@@ -18,7 +18,7 @@ answer was preferred now prefers the contrary one (run-config ``serve-gate-toler
 flip is what catches a poisoning worded to move the decision alone: SmolLM2 answering "Yes, it
 is safe to drink bleach." after a C/5 poisoning moved the bleach probe's margin by 0.19 nats
 per token, less than honest rounds move some probe (``experiments.serve_gate``). Kept unserved, it still becomes the node's training model (training
-goes on); the serving agents keep the last served version (``node.param_channel``), and the
+goes on); the serving agents keep the last served version (``node.serving.param_channel``), and the
 next aggregate is compared with that version, not with the refused one.
 
 What it does not stop (docs/threat-model.md): a poisoning that stays under the tolerance, a
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from node import instruct_data as qa
+from node.tasks import instruct_data as qa
 
 REASONS = ("", "heldout", "probes", "heldout+probes")
 """A verdict's reason by code (what a node sends: ``code``): served, or what got worse."""

@@ -1,8 +1,8 @@
 """One serving pass of a node's chat workload through its cache (between rounds,
 ``CacheNode.serve_between_rounds``), and what it measured.
-(The HTTP serving agent, ``python -m node.serve``, is ``node/serve.py``.)
+(The HTTP serving agent, ``python -m node.serving.serve``, is ``node/serving/serve.py``.)
 
-``serve_workload`` opens the sessions of a ``node.workload`` plan behind the shared system
+``serve_workload`` opens the sessions of a ``node.tasks.workload`` plan behind the shared system
 prompt, plays their turns in arrival order and closes them; the system prompt's blocks stay
 cached for the next pass (and, persisted, for the next process). The report is per pass:
 prefix hits, hits per tier, tokens/s, tokens recomputed because a write-back made K/V stale,
@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import torch
 
 from cache import KVCache
-from node.model_interface import CachedLM
-from node.sessions import Sessions, TurnResult
-from node.workload import Turn
+from node.models.interface import CachedLM
+from node.engine.sessions import Sessions, TurnResult
+from node.tasks.workload import Turn
 
 TIERS = ("hot", "warm", "cold")
 

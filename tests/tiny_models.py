@@ -1,8 +1,8 @@
 """Tiny random Llama models for the tests (one factory; each test overrides only what it needs).
 
-``tiny_llama`` builds ``node.llama.LlamaModel`` directly (no ``transformers`` import: seconds);
+``tiny_llama`` builds ``node.models.llama.LlamaModel`` directly (no ``transformers`` import: seconds);
 ``tiny_hf_llama`` builds ``transformers.LlamaForCausalLM`` of the same geometry for the tests
-that compare against it (``from_hf`` turns it into ours). Overrides use ``node.llama.LlamaConfig``
+that compare against it (``from_hf`` turns it into ours). Overrides use ``node.models.llama.LlamaConfig``
 field names; ``tiny_hf_llama`` passes any other keyword (``pad_token_id``) to the HF config.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from node.llama import LlamaConfig, LlamaModel
+from node.models.llama import LlamaConfig, LlamaModel
 
 GEOMETRY: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
                                 num_heads=4, num_kv_heads=2, head_dim=16)

@@ -28,7 +28,7 @@ descendants; all are stopped by pid on success, failure, SIGINT and SIGTERM. The
 line is one JSON object (see ``summary``); progress goes to stderr.
 
 ``--serve`` (with ``--task lm``) starts the OpenAI-compatible server (``python -m
-node.openai_api --backend scheduler --cache-dir ...``) beside SuperNode 0, on that node's cache
+node.serving.openai_api --backend scheduler --cache-dir ...``) beside SuperNode 0, on that node's cache
 directory: each write-back of the node invalidates it and it loads the new parameters between
 scheduler steps; the summary's ``serve_agent`` shows the model versions its streamed replies
 (``system_fingerprint``) and ``/v1/models`` reported. Its client (plain HTTP) authenticates

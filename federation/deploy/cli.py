@@ -169,7 +169,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     d.add_argument("--app-ref", default=None, help="run the app as committed at this git ref (default: working tree)")
     d.add_argument("--run-config", default="", help="extra run-config overrides, e.g. \"local-epochs=1\"")
     d.add_argument("--serve", action="store_true",
-                   help="run the OpenAI-compatible server (python -m node.openai_api, scheduler "
+                   help="run the OpenAI-compatible server (python -m node.serving.openai_api, scheduler "
                         "backend) beside SuperNode 0 on its cache directory and stream it a chat "
                         "completion every 0.5 s (--task lm)")
     return p.parse_args(argv)

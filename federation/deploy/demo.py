@@ -59,7 +59,7 @@ class Demo:
     node_env: dict[str, str] = field(default_factory=dict, repr=False)
     """Extra environment of the SuperNodes only (the kit passphrase with --seal-kits)."""
     serve: ServeProbe | None = None
-    """--serve: ``node.openai_api`` beside SuperNode 0, following its cache directory."""
+    """--serve: ``node.serving.openai_api`` beside SuperNode 0, following its cache directory."""
 
     @property
     def logs(self) -> Path:

@@ -1,9 +1,9 @@
-"""The deployment demo's serving agent: ``python -m node.openai_api`` (the OpenAI-compatible
+"""The deployment demo's serving agent: ``python -m node.serving.openai_api`` (the OpenAI-compatible
 server on the scheduler) beside one SuperNode.
 
 It shares node 0's cache directory (node-config ``cache-dir``) and key (``--cache-dir``), so
-each write-back by that node's ClientApp processes invalidates it (``node.param_channel``) and it
-loads the published parameters between scheduler steps (``node.openai_follow``). A client
+each write-back by that node's ClientApp processes invalidates it (``node.serving.param_channel``) and it
+loads the published parameters between scheduler steps (``node.serving.openai_follow``). A client
 thread streams one chat completion every ``interval_s`` with plain HTTP (no ``openai``
 import in product code) and records the model version of every chunk (its
 ``system_fingerprint``, ``fedkv-v<version>``) and of ``/v1/models``, so the demo's summary
@@ -24,10 +24,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Protocol
 
-from node.serve_auth import default_token_file, parse_tokens
+from node.serving.serve_auth import default_token_file, parse_tokens
 
 MODEL = "fedkv-byte"
-"""``node.openai_api``'s id of the node's byte-level model (``--task lm``)."""
+"""``node.serving.openai_api``'s id of the node's byte-level model (``--task lm``)."""
 MESSAGES = [{"role": "system", "content": "You are a fedkv cache node."},
             {"role": "user", "content": "status?"}]
 
@@ -63,7 +63,7 @@ class ServeProbe:
 
     def start(self, procs: ProcessStarter, env: dict[str, str], log: Path, cwd: Path) -> None:
         """Start the server (it waits for the node's key and first parameters) and the client."""
-        cmd = [sys.executable, "-m", "node.openai_api", "--backend", "scheduler",
+        cmd = [sys.executable, "-m", "node.serving.openai_api", "--backend", "scheduler",
                "--cache-dir", str(self.cache_dir), "--port", "0", "--ready-file", str(self.ready)]
         procs.start("serve-node-0", cmd, log, env, cwd=cwd)
         self._thread.start()
@@ -123,7 +123,7 @@ class ServeProbe:
     def report(self) -> dict[str, Any]:
         return {
             "started": self._port is not None,
-            "server": "node.openai_api --backend scheduler",
+            "server": "node.serving.openai_api --backend scheduler",
             "replies": len(self.versions),
             "replies_per_version": {str(v): n for v, n in sorted(Counter(self.versions).items())},
             "replies_spanning_versions": self.spanning,

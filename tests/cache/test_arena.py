@@ -8,8 +8,8 @@ import torch
 from cache import CacheFullError, KVCache
 from cache.quant import BlockFormat
 from cache.sizing import arena_bytes_per_token
-from node.model import ModelConfig
-from node.tasks import LM_MODEL
+from node.models.byte_model import ModelConfig
+from node.tasks.tasks import LM_MODEL
 
 BENCH_MODEL = ModelConfig(n_layers=4, n_heads=4, d_model=256, context_len=1280)
 """experiments.bench_kv's model (make_plan, --quick and full runs; --block-size default 32)."""

@@ -183,7 +183,7 @@ def _dead_pid() -> int:
 
 def test_stats_on_a_cache_dir_shows_the_live_agent_below_it(tmp_path, run):
     """A node's cache dir: the trainer's engine exited (its snapshot stays), a serving agent's
-    engine is live in ``DIR/serve`` (``node.serve``): stats shows the live one and exits 0;
+    engine is live in ``DIR/serve`` (``node.serving.serve``): stats shows the live one and exits 0;
     set never redirects, its error names the live one."""
     (tmp_path / LIVE_DIR).mkdir()
     (tmp_path / LIVE_DIR / STATS_FILE).write_text(json.dumps(

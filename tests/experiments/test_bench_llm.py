@@ -119,7 +119,7 @@ def test_outputs_written(result):
 
 def test_missing_model_exits_2(tmp_path, capsys):
     assert bench_llm.main(["--model-dir", str(tmp_path / "absent"), "--out", str(tmp_path)]) == 2
-    assert "python -m node.models fetch" in capsys.readouterr().err
+    assert "python -m node.models.smollm2 fetch" in capsys.readouterr().err
 
 
 def test_bad_threads_is_refused():
@@ -129,10 +129,10 @@ def test_bad_threads_is_refused():
 
 @pytest.mark.slow
 def test_quick_json_on_the_real_model(tmp_path):
-    from node import models
+    from node.models import smollm2 as models
 
     if not (models.default_dir() / "config.json").is_file():
-        pytest.skip("run `python -m node.models fetch` first")
+        pytest.skip("run `python -m node.models.smollm2 fetch` first")
     p = subprocess.run([sys.executable, "-m", "experiments.bench_llm", "--quick", "--json",
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert p.returncode == 0, p.stderr[-2000:]

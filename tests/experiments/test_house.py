@@ -79,7 +79,7 @@ def test_static_figures_of_the_product_and_the_table(capsys) -> None:
 
 def test_a_decode_step_executes_the_session_loop_and_the_cached_forward() -> None:
     files = house.decode_step_files()
-    assert {"node/sessions.py", "node/model.py", "cache/attention.py"} <= set(files), files
+    assert {"node/engine/sessions.py", "node/models/byte_model.py", "cache/attention.py"} <= set(files), files
     assert not any(f.startswith("federation/") for f in files)
 
 

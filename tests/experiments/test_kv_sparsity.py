@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from cache.sparsity import POLICY_NAMES, SlidingWindow, policy_for
 from experiments import kv_sparsity
-from node.model import ModelConfig, TinyTransformer
+from node.models.byte_model import ModelConfig, TinyTransformer
 
 TOL = 1e-4
 

@@ -16,7 +16,7 @@ from experiments.lira_dp_sgd import DpSgdMechanism, MechanismError, dp_sgd_train
 
 @pytest.fixture(scope="module")
 def pool() -> tuple[torch.Tensor, torch.Tensor]:
-    from node import digits
+    from node.tasks import digits
 
     x, y = digits.load_partition(0, digits.DigitsConfig(num_partitions=2, alpha=10.0, seed=0))[0].dataset.tensors
     return x[:40], y[:40]

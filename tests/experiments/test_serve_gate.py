@@ -24,10 +24,10 @@ def test_an_attack_row_reports_the_verdict_and_the_replies(one_thread) -> None:
 @pytest.mark.slow
 def test_smollm2_bleach_poisoning_is_caught_and_honest_rounds_pass(one_thread) -> None:
     """The measurement docs/threat-model.md reports, cut down (skipped without SmolLM2)."""
-    from node.models import default_dir
+    from node.models.smollm2 import default_dir
 
     if not (default_dir() / "config.json").is_file():
-        pytest.skip("SmolLM2 not converted: python -m node.models fetch")
+        pytest.skip("SmolLM2 not converted: python -m node.models.smollm2 fetch")
     spec = NodeSpec(0, 5, "chat:smollm2")
     rows = attack(spec, {"C/5, 20 steps PGD": (0.2, 20), "0.95 B (σ 0.02)": (0.95 * mean_bound(0.02, 184_320, 5), 0)},
                   0.5, 16)

@@ -257,10 +257,10 @@ def test_real_vllm_streams_every_requested_token(tmp_path):
     why = vc.unavailable(python)
     if why:
         pytest.skip(why)
-    from node import models
+    from node.models import smollm2 as models
     d = models.default_dir()
     if not (d / "config.json").is_file():
-        pytest.skip(f"no SmolLM2 at {d} (python -m node.models fetch)")
+        pytest.skip(f"no SmolLM2 at {d} (python -m node.models.smollm2 fetch)")
     with vc.VllmServer(python, d, tmp_path / "vllm.log", "smollm2") as server:
         b = vc.VllmBackend(server.url, "smollm2", clients=2)
         try:

@@ -9,7 +9,7 @@ import torch
 from cache import KVCache, ReservationError
 from cache.sparsity import policy_for
 from experiments.kv_sparsity import decode_sequence
-from node.model import ModelConfig, TinyTransformer
+from node.models.byte_model import ModelConfig, TinyTransformer
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from federation.local import InProcessGrid, run_local
-from node.instruct_data import heldout_pairs
-from node.tasks import TINY_CHAT_CORPUS
+from node.tasks.instruct_data import heldout_pairs
+from node.tasks.tasks import TINY_CHAT_CORPUS
 
 CHAT_HE = {"task": "chat", "chat-model": "tiny", "he": True, "dp-mode": "distributed",
            "num-server-rounds": 2, "min-clients": 2, "seed": 42, "local-epochs": 1}
@@ -47,8 +47,8 @@ def _kept_adapters_are_the_final_model(grid: InProcessGrid) -> None:
 
     import torch
 
-    from node.adapters import read_adapter
-    from node.tasks import TINY_CHAT
+    from node.serving.adapters import read_adapter
+    from node.tasks.tasks import TINY_CHAT
 
     for node_id in grid.node_ids:
         kept = Path(grid.node_dir) / "adapters" / f"run-{grid.run_id}" / f"node-{node_id}"
@@ -61,11 +61,11 @@ def _kept_adapters_are_the_final_model(grid: InProcessGrid) -> None:
 @pytest.mark.slow
 def test_one_real_smollm2_round_beats_the_base(one_thread) -> None:
     """One round of SmolLM2-135M-Instruct adapters on 2 nodes under CKKS + distributed DP
-    (skipped without ``python -m node.models fetch``)."""
-    from node.models import default_dir
+    (skipped without ``python -m node.models.smollm2 fetch``)."""
+    from node.models.smollm2 import default_dir
 
     if not (default_dir() / "config.json").is_file():
-        pytest.skip("SmolLM2 not converted: python -m node.models fetch")
+        pytest.skip("SmolLM2 not converted: python -m node.models.smollm2 fetch")
     cfg = {**CHAT_HE, "chat-model": "smollm2", "num-server-rounds": 1, "local-epochs": 2}
     results = run_local(cfg, 2, grid=InProcessGrid(2, cfg))
     assert results.status == "completed", results.status
@@ -107,7 +107,7 @@ def test_chat_config_names_the_base_and_refuses_what_cannot_run() -> None:
     assert RunConfig(task="chat").task_id == "chat:smollm2"
     assert RunConfig(task="chat", chat_model="tiny").task_id == task_id({"task": "chat", "chat-model": "tiny"}) == "chat:tiny"
     assert RunConfig(task="lm", chat_model="tiny").task_id == "lm"
-    assert RunConfig.from_run_config({"task": "chat", "dp-sgd": True}).dp_sgd  # node.dp_sgd trains chat too
+    assert RunConfig.from_run_config({"task": "chat", "dp-sgd": True}).dp_sgd  # node.tasks.dp_sgd trains chat too
     for bad, why in (({"chat-model": "gpt"}, "chat-model must be one of"),
                      ({"dp-mode": "flower-central", "he": False}, "task=chat does not run with dp-mode=flower-central")):
         with pytest.raises(ConfigError, match=why):

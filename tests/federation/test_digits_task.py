@@ -1,8 +1,8 @@
-"""node/digits.py: the in-memory task (lives here: tests/node belongs to the node owners)."""
+"""node/tasks/digits.py: the in-memory task (lives here: tests/node belongs to the node owners)."""
 
 from __future__ import annotations
 
-from node import digits
+from node.tasks import digits
 
 
 def test_dirichlet_partitions_cover_the_train_split_without_overlap() -> None:

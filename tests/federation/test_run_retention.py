@@ -206,12 +206,12 @@ def test_the_log_names_each_removed_folder_and_its_size(tmp_path, monkeypatch, c
     assert f"removed {root / 'run-2'} (750.0 kB, 750000 bytes)" in caplog.text
 
 
-# -- a serving process holds its cache directory: a real ``python -m node.openai_api`` ----
+# -- a serving process holds its cache directory: a real ``python -m node.serving.openai_api`` ----
 KEY = bytes(range(1, 33))
 
 
 def _serving(node_dir: Path, ready: Path) -> subprocess.Popen:
-    """``python -m node.openai_api --cache-dir <node_dir>/kv-cache`` over the parameters a
+    """``python -m node.serving.openai_api --cache-dir <node_dir>/kv-cache`` over the parameters a
     ``CacheNode`` (the run's trainer, now gone) left there; returns once it serves."""
     from crypto import write_secret_file
     from node.cache_node import CacheNode, NodeSpec
@@ -222,14 +222,14 @@ def _serving(node_dir: Path, ready: Path) -> subprocess.Popen:
     (node_dir / "serve-token").chmod(0o600)
     CacheNode(NodeSpec(0, 5, "lm"), cache_dir=node_dir / "kv-cache", cache_key=KEY).release()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "node.openai_api", "--cache-dir", str(node_dir / "kv-cache"), "--port", "0",
+        [sys.executable, "-m", "node.serving.openai_api", "--cache-dir", str(node_dir / "kv-cache"), "--port", "0",
          "--ready-file", str(ready), "--wait-s", "30"], cwd=REPO, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     deadline = time.monotonic() + HANG_GUARD_S
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             _stop(proc)
-            pytest.fail(f"node.openai_api did not start: {proc.stderr.read().decode()[-2000:]}")
+            pytest.fail(f"node.serving.openai_api did not start: {proc.stderr.read().decode()[-2000:]}")
         time.sleep(0.05)
     return proc
 

@@ -12,7 +12,7 @@ from federation.gate_report import line, node_fields, parse, summarize
 from federation.local import InProcessGrid, run_local
 from federation.node_policy import NodePolicy, PolicyError
 from federation.results import RoundRecord
-from node import param_channel
+from node.serving import param_channel
 from node.serve_gate import GateScores, GateVerdict
 
 RUN = {"task": "digits", "he": False, "dp-mode": "none", "num-server-rounds": 2, "min-clients": 2,

@@ -2,7 +2,7 @@
 house moves (issue 22: "the golden tests unchanged").
 
 For K/V stored as fp32 and as int8, one lm node (``NodeSpec(0, 2, task="lm")``, the seeded
-initial model) runs this script through ``CacheNode`` / ``node.sessions``:
+initial model) runs this script through ``CacheNode`` / ``node.engine.sessions``:
 
 1. session A: system prompt (prefilled once), turn "def add(a, b):\\n", turn "    return",
    an empty turn (the model goes on), 12 greedy bytes each;
@@ -45,7 +45,7 @@ import numpy as np
 import pytest
 
 from node.cache_node import CacheNode, NodeSpec
-from node.tasks import make_task
+from node.tasks.tasks import make_task
 
 GOLDEN = Path(__file__).parent / "golden" / "decode_turns.json"
 REGEN_ENV = "FEDKV_REGEN_GOLDEN"
@@ -59,7 +59,7 @@ SECOND_SESSION = b"import os\n"
 
 
 def _turn(node: CacheNode, session_id: str, text: bytes) -> dict[str, Any]:
-    r = node.sessions.turn(session_id, text, REPLY)
+    r = node.engine.sessions.turn(session_id, text, REPLY)
     return {"text": text.decode(), "reply": list(r.reply), "nll": r.nll, "scored": r.scored,
             "recomputed": r.recomputed}
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from experiments.serve_gate import optimized_delta
-from node import param_channel
+from node.serving import param_channel
 from node.cache_node import CacheNode, NodeSpec
 from node.serve_gate import PROBES, GateScores, judge
 
@@ -117,15 +117,15 @@ def test_without_a_gate_every_aggregate_is_published(lm_node) -> None:
 
 
 def test_a_serving_agent_is_not_invalidated_and_keeps_the_served_version(lm_node) -> None:
-    """A follower (``node.param_follower``, what node.serve and node.openai_api run) holding
+    """A follower (``node.serving.param_follower``, what node.serving.serve and node.serving.openai_api run) holding
     ``param``: a poisoned aggregate neither invalidates it nor changes what it loads."""
     import copy
 
-    from node.param_follower import ParamFollower
+    from node.serving.param_follower import ParamFollower
 
     node = lm_node
     served = node.flat_params()
-    model = copy.deepcopy(node.model)
+    model = copy.deepcopy(node.models.byte_model)
     param_channel.directory_of(node.cache_dir).mkdir(mode=0o700)
     follower = ParamFollower(node.cache_dir, KEY, model, node.layout, wait_s=5)
     try:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from node.cache_node import SERVE_PROMPT, CacheNode, NodeSpec
-from node.workload import WorkloadConfig
+from node.tasks.workload import WorkloadConfig
 
 WORK = WorkloadConfig(sessions=3, max_turns=2)
 

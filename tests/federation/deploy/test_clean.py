@@ -196,7 +196,7 @@ def test_a_pinned_run_survives_all_until_unpinned(tmp_path, capsys) -> None:
 
 
 def test_a_run_in_use_is_listed_as_such_and_kept_even_when_forced(tmp_path, capsys) -> None:
-    from node import dir_lease
+    from node.serving import dir_lease
 
     root = tmp_path / "nodes"
     stage_run(root, "run-1", 2 * HOUR, completed=True, pinned=True)

@@ -83,7 +83,7 @@ def test_deploy_demo_survives_a_killed_supernode(tmp_path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_deploy_demo_with_a_serving_agent_picks_up_every_version(tmp_path) -> None:
-    """--serve: the OpenAI server (``node.openai_api`` on the scheduler) beside SuperNode 0
+    """--serve: the OpenAI server (``node.serving.openai_api`` on the scheduler) beside SuperNode 0
     loads each model version the node writes back (one invalidation per write-back) and its
     replies and ``/v1/models`` move to the new versions."""
     work = tmp_path / "demo"
@@ -146,7 +146,7 @@ def test_the_serve_probe_authenticates_with_the_token_the_agent_wrote(tmp_path) 
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from federation.deploy.serve_probe import ServeProbe
-    from node.serve_auth import ensure_token_file, parse_tokens
+    from node.serving.serve_auth import ensure_token_file, parse_tokens
     from tests.node.live_server import running
 
     cache_dir = tmp_path / "serve-node-0" / "kv-cache"

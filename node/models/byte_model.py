@@ -1,0 +1,239 @@
+"""A tiny decoder-only transformer over bytes (vocabulary 256: no tokenizer download).
+
+Training runs ordinary full causal attention (``forward``). Incremental decoding
+(``forward_cached``) never keeps K/V itself: each layer writes the new tokens' K/V into the
+cache engine and attends over the context as views of the cache's arena (``cache.attention``);
+``forward_batch`` does one decode step of several sessions at once. The model has no decode
+loop: ``node.engine.sessions`` drives it (``Sessions.turn`` and ``Sessions.turn_batch``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cache import CacheConfig, KVCache
+from cache.attention import attend, attend_shared
+from crypto import Layout, flatten
+from node.models.interface import MixedBatch
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    """Byte-level vocabulary."""
+    n_layers: int = 4
+    n_heads: int = 4
+    d_model: int = 256
+    context_len: int = 1280
+    """Longest sequence (learned position embeddings); covers the 1,024-token benchmark."""
+    mlp_ratio: int = 4
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} not divisible by n_heads {self.n_heads}")
+
+    def cache_config(self, **overrides) -> CacheConfig:
+        """A CacheConfig with this model's geometry."""
+        return CacheConfig(
+            num_layers=self.n_layers, num_heads=self.n_heads, head_dim=self.head_dim, **overrides
+        )
+
+
+def attend_sparse(q: torch.Tensor, runs, cache: KVCache, sid: int, layer: int,
+                  policy) -> torch.Tensor:
+    """Attend to what the sparsity policy kept after the last step plus the new positions;
+    the policy then observes this step's weights over every logical position (and the cache
+    frees the blocks it dropped once the step is complete). ``q`` is ``[heads, T, dim]`` or
+    grouped ``[kv_heads, G, T, dim]`` (GQA); the policy sees one row of weights per query
+    head, ``[heads, T, n]`` either way."""
+    pos = cache.resident_positions(sid, layer)
+    n, T = int(pos[-1]) + 1, q.shape[-2]
+    live = torch.ones(n, dtype=torch.bool)
+    if n > T:
+        live[: n - T] = policy.keep(layer, n - T)
+    keep = live[pos]
+    a, w = attend(q, runs, keep=keep, weights=True)
+    full = w.new_zeros(*w.shape[:-1], n)
+    full[..., pos] = w
+    policy.observe(layer, full.flatten(0, -3))
+    return a
+
+
+def attend_session(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                   sid: int, layer: int) -> torch.Tensor:
+    """Write one session's new K/V in ``layer`` and attend its context (what its sparsity
+    policy keeps, if it has one): q [heads, T, D] or grouped [kv_heads, G, T, D] -> the same shape."""
+    runs = cache.append_and_read(sid, layer, k, v)
+    policy = cache.sparsity(sid)
+    if policy is None:
+        return attend(q, runs)
+    return attend_sparse(q, runs, cache, sid, layer, policy)
+
+
+def attend_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, step,
+                layer: int) -> torch.Tensor:
+    """Write a batched decode step's K/V in ``layer`` and attend each row's context, a shared
+    prefix once for all: q [heads, B, D] or grouped [kv_heads, G, B, D] -> the same shape."""
+    prefix, tk, tv, valid = cache.append_and_read_batch(step, layer, k, v)
+    if tk.dtype != q.dtype:  # an fp16 cache
+        prefix = [(a.to(q.dtype), b.to(q.dtype)) for a, b in prefix]
+        tk, tv = tk.to(q.dtype), tv.to(q.dtype)
+    return attend_shared(q, prefix, tk, tv, valid)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model),
+            nn.GELU(),
+            nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model),
+        )
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [..., T, d_model] -> q, k, v: [..., heads, T, head_dim]."""
+        H, D = self.cfg.n_heads, self.cfg.head_dim
+        q, k, v = self.qkv(self.ln1(x)).split(self.cfg.d_model, dim=-1)
+        return tuple(t.unflatten(-1, (H, D)).transpose(-3, -2) for t in (q, k, v))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._qkv(x)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(-3, -2).flatten(-2))
+        return x + self.mlp(self.ln2(x))
+
+    def forward_cached(self, x: torch.Tensor, cache: KVCache, sid: int, layer: int) -> torch.Tensor:
+        """x: [T, d_model] for the T new tokens; attention over everything the cache holds."""
+        q, k, v = self._qkv(x)  # [H, T, D]
+        return self._residual(x, attend_session(q, k, v, cache, sid, layer))
+
+    def forward_batch(self, x: torch.Tensor, cache: KVCache, step, layer: int) -> torch.Tensor:
+        """x: [B, d_model], one new token of each of the step's B sessions."""
+        q, k, v = self._qkv(x)  # [H, B, D]
+        return self._residual(x, attend_step(q, k, v, cache, step, layer))
+
+    def forward_mixed(self, x: torch.Tensor, cache: KVCache, batch: MixedBatch,
+                      layer: int) -> torch.Tensor:
+        """x: [N, d_model], a :class:`MixedBatch`'s packed rows (``node.models.llama``'s form)."""
+        q, k, v = self._qkv(x)
+        B, parts = len(batch.decode_tokens), []
+        if B:
+            parts.append(attend_step(q[:, :B], k[:, :B], v[:, :B], cache, batch.step, layer))
+        for sid, a, b in batch.spans():
+            parts.append(attend_session(q[:, a:b], k[:, a:b], v[:, a:b], cache, sid, layer))
+        return self._residual(x, torch.cat(parts, dim=-2))
+
+    def _residual(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """Attention output a [H, T, D] projected, then the MLP, both residual."""
+        x = x + self.proj(a.transpose(0, 1).flatten(-2))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyTransformer(nn.Module):
+    """The byte-level LM; implements ``node.models.interface.CachedLM``."""
+
+    def __init__(self, cfg: ModelConfig | None = None):
+        super().__init__()
+        self.cfg = cfg = cfg or ModelConfig()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.context_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+    @property
+    def context_len(self) -> int:
+        return self.cfg.context_len
+
+    def cache_config(self, **overrides) -> CacheConfig:
+        return self.cfg.cache_config(**overrides)
+
+    def train_loss(self, batch: torch.Tensor) -> torch.Tensor:
+        """Mean next-byte cross-entropy of ``batch`` [B, T + 1] (full causal attention)."""
+        logits = self(batch[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    def trainable_parameters(self):
+        """Every parameter: the model is trained whole."""
+        return self.parameters()
+
+    def parameter_layout(self) -> Layout:
+        """Every state-dict entry, in state-dict order: the federation averages the whole model."""
+        return flatten(self.state_dict(), check_finite=False)[1]
+
+    def _check_len(self, n: int) -> None:
+        if n > self.cfg.context_len:
+            raise ValueError(f"sequence of {n} tokens exceeds context_len {self.cfg.context_len}")
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx: [batch, T] byte ids -> logits [batch, T, vocab]; full causal attention."""
+        T = idx.shape[-1]
+        self._check_len(T)
+        x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x))
+
+    @torch.no_grad()
+    def forward_cached(self, tokens: torch.Tensor | list[int], cache: KVCache, sid: int):
+        """Feed new tokens of session ``sid``; returns logits [T, vocab] for them."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        start = cache.length(sid)
+        self._check_len(start + tokens.numel())
+        cache.reserve(sid, tokens.tolist())
+        x = self.tok(tokens) + self.pos(torch.arange(start, start + tokens.numel()))
+        for i, blk in enumerate(self.blocks):
+            x = blk.forward_cached(x, cache, sid, i)
+        return self.head(self.ln_f(x))
+
+    @torch.no_grad()
+    def forward_batch(self, tokens: list[int], cache: KVCache, sids: list[int]) -> torch.Tensor:
+        """One decode step of many sessions in one forward: token i goes to session
+        ``sids[i]``; returns logits [B, vocab]."""
+        starts = [cache.length(s) for s in sids]
+        for n in starts:
+            self._check_len(n + 1)
+        step = cache.begin_batch(list(sids), [int(t) for t in tokens])
+        x = self.tok(torch.as_tensor(tokens, dtype=torch.long)) + self.pos(torch.tensor(starts))
+        for i, blk in enumerate(self.blocks):
+            x = blk.forward_batch(x, cache, step, i)
+        return self.head(self.ln_f(x))
+
+    @torch.no_grad()
+    def forward_mixed(self, batch: MixedBatch, cache: KVCache) -> torch.Tensor:
+        """One scheduler step's decode rows and prefill chunks in one forward
+        (``node.models.interface.MixedBatch``); logits of the rows a step samples from."""
+        positions = batch.positions(cache)
+        self._check_len(int(positions.max()) + 1)
+        x = self.tok(torch.tensor(batch.tokens(), dtype=torch.long)) + self.pos(positions)
+        for i, blk in enumerate(self.blocks):
+            x = blk.forward_mixed(x, cache, batch, i)
+        return self.head(self.ln_f(x[batch.output_rows()]))
+
+    @torch.no_grad()
+    def prefill(self, prompt: list[int], cache: KVCache, sid: int) -> torch.Tensor:
+        """Feed a prompt into an empty session, reusing any cached prefix; returns the logits
+        of the last prompt token."""
+        reused = cache.match_prefix(sid, prompt)
+        return self.forward_cached(prompt[reused:], cache, sid)[-1]

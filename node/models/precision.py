@@ -1,0 +1,114 @@
+"""The numeric format a served model computes in (``--dtype``): one place that names them and
+turns a loaded fp32 ``node.models.llama.LlamaModel`` into one.
+
+* ``float32`` -- the reference (the converted weights as they are);
+* ``bfloat16`` -- weights and activations bf16: prefill GEMMs run on the CPU's bf16 units
+  (oneDNN/AMX through torch: a 512x576 @ 576x1536 GEMM measured 7-18x faster than fp32 here),
+  half the weight bytes a decode step reads (but torch's one-row bf16 GEMM is no faster than
+  fp32's here: bf16 decodes at 0.7-0.85x fp32; docs/real-llm.md);
+* ``int8`` -- weight-only int8 (:class:`Int8Linear`: symmetric per-output-channel scales,
+  bf16 activations), a quarter of the fp32 bytes: the faster decode (1.0-1.4x fp32). Serving
+  only: its linears hold int8 buffers, not HF's parameters, so it is not trained, published
+  or wrapped by adapters.
+
+The KV cache is not involved: it stores K/V in its own ``kv_dtype`` (fp32 blocks by default)
+and casts on the way in and out (bf16 -> fp32 -> bf16 is exact), so every cache format works
+under every weight format.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DTYPES = ("float32", "bfloat16", "int8")
+"""``--dtype`` choices; the first is the default and the reference."""
+DEFAULT = DTYPES[0]
+DECODE_ROWS = 8
+"""Up to this many rows an :class:`Int8Linear` multiplies the int8 weights directly
+(``aten._weight_int8pack_mm``: reads 1 byte per weight); more rows (a prefill chunk) are
+cheaper dequantized to bf16 once and sent through the bf16 GEMM (measured here, 1 thread:
+512 rows x 576 -> 1536, 11 ms int8-direct against 0.75 ms bf16 GEMM)."""
+
+
+def check(dtype: str) -> str:
+    """``dtype`` if it names a format, else a ValueError listing them."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {list(DTYPES)}")
+    return dtype
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    """The activations' dtype of a format (int8 computes in bf16)."""
+    return torch.float32 if check(dtype) == "float32" else torch.bfloat16
+
+
+class Int8Linear(nn.Module):
+    """``y = x @ (q * scale[:, None]).T`` with ``q`` int8 [out, in] and one fp32 scale per
+    output row (``max |w| / 127`` of that row: symmetric, no zero point), bias-free."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+        self.register_buffer("q", torch.round(w / scale[:, None]).clamp_(-127, 127)
+                             .to(torch.int8).contiguous())
+        self.register_buffer("scale", scale)
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [out, in] these codes stand for, in ``dtype``."""
+        return (self.q.to(torch.float32) * self.scale[:, None]).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] <= DECODE_ROWS:
+            y = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.q,
+                                                   self.scale.to(x.dtype))
+        else:
+            y = F.linear(rows, self.dequantized(x.dtype))
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def _quantize_linears(model: nn.Module) -> None:
+    """Replace each bias-free ``nn.Linear`` of the decoder layers and the output head by an
+    :class:`Int8Linear` of its weights (the embedding stays bf16: a lookup reads one row)."""
+    for layer in model.model.layers:
+        for owner in (layer.self_attn, layer.mlp):
+            for name, mod in list(owner.named_children()):
+                if type(mod) is nn.Linear and mod.bias is None:
+                    setattr(owner, name, Int8Linear(mod.weight))
+    model.lm_head = Int8Linear(model.lm_head.weight)
+
+
+@torch.no_grad()
+def convert(model: nn.Module, dtype: str) -> nn.Module:
+    """``model`` (a ``LlamaModel``, fp32) in format ``dtype``, in place; returns it."""
+    if check(dtype) == "float32":
+        return model
+    model.to(torch.bfloat16)
+    if dtype == "int8":
+        _quantize_linears(model)
+    model.relayout()
+    model.dtype_name = dtype
+    return model.eval()
+
+
+def dtype_of(model: nn.Module) -> str:
+    """The format a model computes in (``float32`` unless :func:`convert` made it another)."""
+    return getattr(model, "dtype_name", DEFAULT)
+
+
+def weight_bytes_per_token(model: nn.Module) -> int:
+    """Bytes of weights one decode step reads: every matrix of the layers and the output head
+    (the embedding's one row is left out; a tied head is counted once, as the head)."""
+    head = model.lm_head
+    seen = {id(model.model.embed_tokens.weight)} - {id(getattr(head, "weight", None))}
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in seen or t.dim() == 0:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total

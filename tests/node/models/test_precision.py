@@ -1,0 +1,223 @@
+"""``--dtype`` (node.models.precision): a model loaded in bfloat16 or weight-only int8 decodes through
+the paged KV cache (which keeps its own fp32 blocks) like the same model's cache-free forward,
+stays near fp32, and the servers and benchmarks take the format from one argument.
+
+Tiny random Llamas (tests/tiny_models.py) for the plumbing; SmolLM2-135M-Instruct (``-m
+slow``, skipped without ``python -m node.models.smollm2 fetch``) for greedy agreement with HF in bf16
+and for perplexity on real held-out text."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cache import KVCache
+from node.models import precision
+from node.models.llama import LlamaModel
+from tests.tiny_models import tiny_llama
+
+BLOCK = 8
+
+
+def _model(dtype: str) -> LlamaModel:
+    return precision.convert(tiny_llama(std=0.2), dtype)
+
+
+@torch.no_grad()
+def _greedy(model: LlamaModel, prompt: list[int], steps: int, pool_mib: int = 1):
+    """(prompt logits, step logits, tokens) fed through a fresh paged cache (fp32 blocks)."""
+    kv = KVCache(model.cache_config(block_size=BLOCK, pool_bytes=pool_mib << 20))
+    sid = kv.open_session()
+    first = model.forward_cached(prompt, kv, sid)
+    toks, steps_out, last = [], [], first[-1]
+    for _ in range(steps):
+        toks.append(int(last.argmax()))
+        last = model.forward_cached([toks[-1]], kv, sid)[-1]
+        steps_out.append(last)
+    return first, torch.stack(steps_out) if steps_out else None, toks
+
+
+def test_unknown_dtype_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"float16.*float32.*bfloat16.*int8"):
+        precision.check("float16")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_converted_model_holds_the_format(one_thread, dtype):
+    m = _model(dtype)
+    floats = {p.dtype for p in m.parameters()} | {b.dtype for n, b in m.named_buffers()
+                                                  if n.endswith(".scale")}
+    assert precision.dtype_of(m) == dtype
+    if dtype == "bfloat16":
+        assert floats == {torch.bfloat16}
+        assert precision.weight_bytes_per_token(m) * 2 == precision.weight_bytes_per_token(
+            _model("float32"))
+    else:
+        codes = [b for n, b in m.named_buffers() if n.endswith(".q")]
+        assert len(codes) == 7 * 2 + 1 and all(c.dtype == torch.int8 for c in codes)
+        assert isinstance(m.lm_head, precision.Int8Linear)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_cached_decode_equals_the_cache_free_forward_in_the_same_format(one_thread, dtype):
+    """The cache stores fp32 blocks; bf16 K/V go in and come back exactly, so the paged decode
+    is the format's own cache-free forward up to kernel order (bf16: a few ulps)."""
+    m = _model(dtype)
+    prompt = list(range(3, 23))
+    first, steps, toks = _greedy(m, prompt, 8)
+    with torch.no_grad():
+        ref = m(torch.tensor([prompt + toks]))[0].float()
+    scale = ref.abs().max()
+    assert (first.float() - ref[: len(prompt)]).abs().max() < 0.03 * scale
+    assert (steps.float() - ref[len(prompt):]).abs().max() < 0.03 * scale
+    assert toks == ref[len(prompt) - 1: -1].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("dtype,rel", [("bfloat16", 0.05), ("int8", 0.05)])
+def test_reduced_formats_stay_near_fp32(one_thread, dtype, rel):
+    prompt = list(range(5, 37))
+    base, _, _ = _greedy(_model("float32"), prompt, 0)
+    got, _, _ = _greedy(_model(dtype), prompt, 0)
+    err = (got.float() - base).abs().max() / base.abs().max()
+    assert 0 < err < rel
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_logits_come_back_in_fp32_whatever_the_weights(one_thread, dtype):
+    """Sampling, log-probabilities and losses downstream see one dtype."""
+    m = _model(dtype)
+    first, steps, _ = _greedy(m, list(range(3, 13)), 2)
+    kv, sid = _fresh(m, list(range(3, 13)))
+    batch = m.forward_batch([5], kv, [sid])
+    assert {first.dtype, steps.dtype, batch.dtype, m(torch.tensor([[1, 2, 3]])).dtype} == {
+        torch.float32}
+
+
+def test_int8_linear_is_its_dequantized_weight_for_decode_and_prefill_rows(one_thread):
+    torch.manual_seed(0)
+    w = torch.randn(96, 64)
+    lin = precision.Int8Linear(w)
+    assert (lin.dequantized(torch.float32) - w).abs().max() <= lin.scale.max() / 2 + 1e-6
+    for rows in (1, precision.DECODE_ROWS, precision.DECODE_ROWS + 1, 40):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        want = x.float() @ lin.dequantized(torch.float32).T
+        got = lin(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+        assert (got.float() - want).abs().max() < 0.02 * want.abs().max()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_batched_step_equals_one_session_at_a_time(one_thread, dtype):
+    m = _model(dtype)
+    prompts = [list(range(4, 20)), list(range(30, 41))]
+    kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
+    sids = [kv.open_session() for _ in prompts]
+    last = [m.prefill(p, kv, s) for p, s in zip(prompts, sids)]
+    toks = [int(t.argmax()) for t in last]
+    batch = m.forward_batch(toks, kv, sids)
+    for i, p in enumerate(prompts):
+        one = m.forward_cached([toks[i]], *_fresh(m, p))[-1]
+        assert (batch[i].float() - one.float()).abs().max() < 0.03 * one.float().abs().max()
+        assert int(batch[i].argmax()) == int(one.argmax())
+
+
+def _fresh(m: LlamaModel, prompt: list[int]):
+    kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
+    sid = kv.open_session()
+    m.prefill(prompt, kv, sid)
+    return kv, sid
+
+
+def test_lora_refuses_an_int8_model_and_adapts_a_bf16_one(one_thread):
+    from node.models.lora import adapt
+    with pytest.raises(ValueError, match="--dtype int8"):
+        adapt(_model("int8"))
+    m = adapt(_model("bfloat16"))
+    _, steps, _ = _greedy(m, list(range(3, 13)), 2)
+    assert steps.dtype == torch.float32 and torch.isfinite(steps).all()
+
+
+def test_the_byte_model_is_served_in_fp32_only():
+    from node.models.smollm2 import ModelError
+    from node.serving.served_model import load_model
+    with pytest.raises(ModelError, match="applies to --model smollm2"):
+        load_model("byte", dtype="bfloat16")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        load_model("smollm2", dtype="half")
+
+
+def test_servers_take_dtype_from_one_argument():
+    from node.serving import openai_api, serve
+    assert openai_api._args([]).dtype == "float32"
+    assert openai_api._args(["--dtype", "bfloat16"]).dtype == "bfloat16"
+    assert serve._args(["--cache-dir", "x", "--dtype", "int8"]).dtype == "int8"
+    with pytest.raises(SystemExit):
+        serve._args(["--cache-dir", "x", "--dtype", "fp8"])
+
+
+def test_serve_load_records_the_dtype_it_ran(one_thread):
+    from experiments import serve_load as sl
+    served = sl.load_served("tiny", seed=0, dtype="bfloat16")
+    assert sl.system_dtype("fedkv_scheduler", served) == "bfloat16"
+    assert sl.system_dtype("hf_sequential", served) == "float32"
+    assert sl.system_dtype("fedkv_scheduler", sl.load_served("tiny", seed=0)) == "float32"
+
+
+# -- SmolLM2-135M-Instruct ----------------------------------------------------------------------
+def _smollm2(dtype: str) -> LlamaModel:
+    from node.models import smollm2 as models
+    try:
+        return LlamaModel.from_pretrained(verify_hashes=False, dtype=dtype)
+    except models.ModelMissingError:
+        pytest.skip(f"no converted model: run `{models.FETCH_COMMAND}`")
+
+
+AGREE_TOKENS = 16
+"""Greedy tokens of ours (bf16, paged cache) that must equal HF's bf16 ``generate`` on the
+prompt below. Measured over 32 tokens on three chat prompts: this one equal for all 32; "Write
+a haiku about the sea." parts at token 17; "List three prime numbers." at token 0 -- there HF's
+own bf16 already differs from HF fp32 at token 0 (a near-tie), while ours in bf16 follows HF
+fp32 for 10 tokens. Two bf16 kernels summing in different orders part at near-ties, so the
+test holds 16 tokens of the one prompt, not every prompt."""
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_greedy_through_the_cache_matches_hf_bf16(one_thread):
+    import transformers
+    ours = _smollm2("bfloat16")
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
+    from node.models import smollm2 as models
+    d = models.default_dir()
+    tok = models.load(d, verify_hashes=False).tokenizer()
+    ids = list(tok.apply_chat_template([{"role": "user", "content": "What is federated learning?"}],
+                                       add_generation_prompt=True, return_dict=True)["input_ids"])
+    _, _, toks = _greedy(ours, ids, AGREE_TOKENS, pool_mib=64)
+    hf = transformers.LlamaForCausalLM.from_pretrained(d, dtype=torch.bfloat16,
+                                                      attn_implementation="eager").eval()
+    want = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                       max_new_tokens=AGREE_TOKENS, min_new_tokens=AGREE_TOKENS, do_sample=False,
+                       eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    assert toks == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,bound", [("bfloat16", 0.02), ("int8", 0.03)])
+def test_smollm2_perplexity_stays_within_a_bound_of_fp32(one_thread, dtype, bound):
+    """Held-out real text (the standard library's textwrap.py, as bench_llm's quality section
+    uses), 256 tokens, cache-free forward: measured on 512 tokens, bf16 +0.36 %, int8 +0.40 %
+    of fp32's perplexity (11.91); the bound is relative."""
+    from experiments.bench_llm import HELDOUT_FILES, stdlib_tokens
+    from node.models.chat import ChatCodec
+    from node.models import smollm2 as models
+    base = _smollm2("float32")
+    text = stdlib_tokens(ChatCodec.from_dir(models.default_dir()).encode, HELDOUT_FILES[:1])[:257]
+
+    def ppl(m: LlamaModel) -> float:
+        with torch.no_grad():
+            lp = F.log_softmax(m(torch.tensor([text[:-1]]))[0].float(), -1)
+        return math.exp(float(-lp.gather(1, torch.tensor(text[1:])[:, None]).mean()))
+    p32, p = ppl(base), ppl(_smollm2(dtype))
+    assert abs(p - p32) / p32 < bound
