@@ -7,15 +7,15 @@ from dataclasses import fields
 from pathlib import Path
 
 from federation.config import RunConfig, known_keys
-from federation.config_doc import field_docs, markdown
+from federation.tools.config_doc import field_docs, markdown
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "configuration.md"
 
 
 def test_configuration_doc_is_what_the_generator_writes() -> None:
     assert DOC.read_text(encoding="utf-8") == markdown(), (
         "docs/configuration.md is out of date: run "
-        "`python -m federation.config_doc --markdown > docs/configuration.md`")
+        "`python -m federation.tools.config_doc --markdown > docs/configuration.md`")
 
 
 def test_every_field_has_a_docstring_and_a_row() -> None:

@@ -1,6 +1,6 @@
 """Per-round curves of a run: a results JSON (``federation.results``) -> PNGs and a CSV.
 
-    python -m federation.plot RESULTS.json [--out DIR]
+    python -m federation.tools.plot RESULTS.json [--out DIR]
 
 Writes, into DIR (default: a folder beside the JSON named after it without ``.json``):
 
@@ -379,7 +379,7 @@ def plot_run(results_path: str | Path, out_dir: str | Path | None = None) -> lis
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m federation.plot",
+        prog="python -m federation.tools.plot",
         description="Per-round curves of a fedkv run (metric, ε per observer, bytes, seconds per "
         "phase) as PNGs, and the rounds as rounds.csv.",
     )
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="folder for the files (default: beside the JSON, named after it)")
     args = parser.parse_args(argv)
     if importlib.util.find_spec("matplotlib") is None:  # a bench extra until it is a base dependency
-        print("error: federation.plot needs matplotlib: pip install matplotlib", file=sys.stderr)
+        print("error: federation.tools.plot needs matplotlib: pip install matplotlib", file=sys.stderr)
         return 2
     out_dir = args.out if args.out is not None else default_out_dir(args.results)
     try:

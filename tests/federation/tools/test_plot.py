@@ -1,4 +1,4 @@
-"""federation.plot: a real results file (RunResults.write) -> rounds.csv and PNG curves; bad
+"""federation.tools.plot: a real results file (RunResults.write) -> rounds.csv and PNG curves; bad
 input -> one line and exit status 2 (1 for a run without rounds), nothing written."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from federation import plot
+from federation.tools import plot
 from federation.results import RoundRecord, RunResults
 from tests.hang_guard import HANG_GUARD_S
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _round(r: int, *, dp: bool = True) -> RoundRecord:
@@ -205,14 +205,14 @@ def test_metric_plot_has_the_metric_and_the_losses_present(tmp_path: Path) -> No
 
 
 def test_import_does_not_load_matplotlib() -> None:
-    code = "import sys, federation.plot; print('matplotlib' in sys.modules)"
+    code = "import sys, federation.tools.plot; print('matplotlib' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
 
 
 def test_python_dash_m_runs(run_file: Path, tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "federation.plot", str(run_file), "--out", str(tmp_path / "m")],
+    done = subprocess.run([sys.executable, "-m", "federation.tools.plot", str(run_file), "--out", str(tmp_path / "m")],
                           cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == f"wrote 4 plots and rounds.csv to {tmp_path / 'm'}"
