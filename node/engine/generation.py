@@ -152,3 +152,15 @@ KV_GAUGES = {
 def kv_gauges(stats: dict) -> dict[str, float]:
     """The ``KV_GAUGES`` of a ``KVCache.stats()`` snapshot."""
     return {k: float(stats[k]) for k in KV_GAUGES}
+
+
+REMOTE_EVENTS = ("hits", "misses", "rejected", "errors", "timeouts", "skipped", "unavailable",
+                 "writes", "write_errors", "writes_dropped")
+"""A shared (Redis) tier's events ``/metrics`` counts: faults are misses the cache recomputes,
+so an operator sees them here, not as failed requests."""
+
+
+def remote_events(stats: dict) -> dict[str, int]:
+    """The ``REMOTE_EVENTS`` of a ``KVCache.stats()`` snapshot ({} without a shared tier)."""
+    remote = stats.get("remote") or {}
+    return {k: int(remote[k]) for k in REMOTE_EVENTS if k in remote}

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cache import KVCache
-from node.engine.generation import GenerationRequest, kv_gauges
+from node.engine.generation import GenerationRequest, kv_gauges, remote_events
 from node.models.interface import CachedLM
 from node.engine.scheduler import Scheduler, SchedulerConfig, Sequence
 
@@ -61,7 +61,8 @@ class ScheduledBackend:
         stats = s.cache.stats()
         return {"waiting": self._inbox.qsize() + len(s.waiting), "running": len(s.running),
                 "preemptions": s.counters["preemptions"],
-                "tier_hits": dict(stats["tier_hits"]), "kv": kv_gauges(stats)}
+                "tier_hits": dict(stats["tier_hits"]), "kv": kv_gauges(stats),
+                "remote": remote_events(stats)}
 
     def submit(self, request: GenerationRequest) -> list[Sequence]:
         """One handle per fork; ``ValueError`` for a request the model or pool can never take."""

@@ -32,7 +32,7 @@ import torch
 
 from cache import KVCache
 from cache.errors import CacheFullError
-from node.engine.generation import GenerationRequest, TokenStream, kv_gauges
+from node.engine.generation import GenerationRequest, TokenStream, kv_gauges, remote_events
 from node.models.interface import CachedLM
 from node.engine.sampling import Sampler
 
@@ -105,7 +105,7 @@ class SerialBackend:
         snapshot safe beside the worker)."""
         stats = self.cache.stats()
         return {"waiting": self._requests.qsize(), "tier_hits": dict(stats["tier_hits"]),
-                "kv": kv_gauges(stats)}
+                "kv": kv_gauges(stats), "remote": remote_events(stats)}
 
     def submit(self, request: GenerationRequest) -> list[SerialHandle]:
         """One handle per fork, queued; ``ValueError`` when the prompt exceeds the context,

@@ -147,6 +147,12 @@ class _BackendCollector(Collector):
             for tier, n in sorted(g["tier_hits"].items()):
                 hits.add_metric([tier], n)
             yield hits
+        if g.get("remote"):  # node.engine.generation.REMOTE_EVENTS
+            events = CounterMetricFamily("fedkv_kv_redis_events", "Shared (Redis) tier events; "
+                                         "a fault is a miss, recomputed", labels=["event"])
+            for event, n in sorted(g["remote"].items()):
+                events.add_metric([event], n)
+            yield events
         for name, value in sorted(g.get("kv", {}).items()):  # node.engine.generation.KV_GAUGES
             yield GaugeMetricFamily(f"fedkv_kv_{name}", KV_GAUGES.get(name, name), value=value)
 

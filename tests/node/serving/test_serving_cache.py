@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.hang_guard import HANG_GUARD_S
+
 from tests.redis_server import running_redis
 
 KEY = bytes(range(32))
@@ -158,3 +160,43 @@ def test_two_server_processes_share_a_prefix_through_redis(tmp_path, redis_serve
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def test_redis_faults_are_counted_in_metrics_not_failed(tmp_path, redis_server):
+    """A request while Redis is down succeeds (its blocks are recomputed) and /metrics counts
+    the shared tier's events: misses while up, a fault once it is gone."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from crypto import write_secret_file
+    from node.engine.generation import GenerationRequest
+    from node.engine.scheduler_backend import ScheduledBackend
+    from node.serving.serve_metrics import ServeMetrics
+    from node.serving.serving_cache import build_serving_cache
+
+    def events() -> dict[str, float]:
+        text = generate_latest(metrics.registry).decode()
+        return {s.labels["event"]: s.value for f in text_string_to_metric_families(text)
+                if f.name == "fedkv_kv_redis_events" for s in f.samples}
+
+    model = _model().eval()
+    kv = build_serving_cache(_options(redis_url=redis_server.url, redis_timeout_s=0.2,
+                                      key_file=write_secret_file(tmp_path / "kv.key", KEY)),
+                             model, "fedkv-byte")
+    backend = ScheduledBackend(model, kv)
+    metrics = ServeMetrics(backend)
+    try:
+        prompt = tuple(PROMPT.encode())
+        assert list(backend.submit(GenerationRequest(prompt, 4))[0].tokens(timeout=HANG_GUARD_S))
+        up = events()
+        assert up.get("misses", 0) > 0 and up.get("errors", 0) == 0, up
+        redis_server.kill()
+        other = tuple(b"another prompt, so the hot tier has none of it: " + PROMPT.encode()[:60])
+        h = backend.submit(GenerationRequest(other, 4))[0]
+        assert len(list(h.tokens(timeout=HANG_GUARD_S))) == 4 and h.finish_reason == "length"
+        down = events()
+        faults = sum(down.get(k, 0) for k in ("errors", "timeouts", "unavailable", "skipped"))
+        assert faults > 0, down
+    finally:
+        backend.close()
+        kv.close()
