@@ -235,12 +235,12 @@ def _keep_adapters(store: NodeStore, node: Any) -> None:
     (the run is complete; the adapters stay in the node's cache until retention)."""
     from node.serving import adapters
     from node.models.lora import LoraLlamaModel
-    if not isinstance(node.models.byte_model, LoraLlamaModel):
+    if not isinstance(node.model, LoraLlamaModel):
         return
     chat_model = getattr(node.task, "chat_model", "")
     base = "fedkv-chat-tiny" if chat_model == "tiny" else _smollm2_dir()
     try:
-        out = adapters.write_adapter(adapters.from_model(node.models.byte_model, node.version, base),
+        out = adapters.write_adapter(adapters.from_model(node.model, node.version, base),
                                      store.adapters_dir, force=True)  # this run's own folder
     except (OSError, adapters.AdapterError) as err:
         _log.warning("final adapters not kept in %s: %s", store.adapters_dir, err)

@@ -333,18 +333,12 @@ class Scheduler:
         return out
 
     def _reserve(self, decode: list[Sequence], chunks: list[tuple[Sequence, int]]):
-        """Slots for the step: the decode rows' batch step, then each chunk's reservation. Out
-        of blocks, the newest running sequence (decode rows) or the newest whose chunk is not
-        reserved yet (chunks, this one last) is preempted and the step goes on without it."""
-        step = None
-        while decode:
-            try:
-                step = self.cache.begin_batch([s.sid for s in decode], [s.context[-1] for s in decode])
-                break
-            except CacheFullError:
-                victim = self._preempt_newest()
-                decode = [s for s in decode if s is not victim]
-                chunks = [(c, n) for c, n in chunks if c is not victim]
+        """Slots for the step: each chunk's reservation, then the decode rows' batch step -- in
+        this order because ``begin_batch`` plans where the rows read and write, and a
+        reservation after it could move what it planned (a greedy token then differed from
+        the cache-free forward's). Out of blocks, the newest whose chunk is not reserved yet
+        (chunks, this one last) or the newest running sequence (decode rows) is preempted and
+        the step goes on without it."""
         done: list[tuple[Sequence, int]] = []
         for i, (s, n) in enumerate(chunks):
             while s.status is Status.RUNNING:
@@ -354,6 +348,15 @@ class Scheduler:
                     break
                 except CacheFullError:
                     self._preempt_newest([c for c, _ in chunks[i:] if c.status is Status.RUNNING])
+        step = None
+        while decode:
+            try:
+                step = self.cache.begin_batch([s.sid for s in decode], [s.context[-1] for s in decode])
+                break
+            except CacheFullError:
+                victim = self._preempt_newest()
+                decode = [s for s in decode if s is not victim]
+                done = [(c, n) for c, n in done if c is not victim]
         if step is None and not done:
             return None, [], []
         batch = MixedBatch(step, tuple(s.context[-1] for s in decode),

@@ -240,7 +240,10 @@ def test_a_full_server_evicts_and_lookups_miss_without_failing(tmp_path):
         assert info["evicted_keys"] > 0
         b = cache(server.url, head_dim=64)
         hits = [hit(b, p)[1] for p in prompts[:5]]
-        assert hits == [0] * 5  # the oldest were evicted: recomputed
+        # the oldest were evicted and are recomputed; Redis' LRU is sampled (maxmemory-samples),
+        # so most of them are gone, not necessarily every one
+        assert hits.count(0) >= 3 and sum(hits) < 40 * len(hits), hits
+        assert b.stats()["remote"]["errors"] == 0
         assert hit(b, prompts[-1])[1] == 40
     finally:
         gen.close()

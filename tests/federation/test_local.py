@@ -70,13 +70,13 @@ def test_lm_session_keeps_kv_across_turns_and_recomputes_after_writeback() -> No
 
     chat = node.create_session(b"")
     first = node.send(chat, b"def main(", max_new_tokens=6)
-    sid = node.engine.sessions[chat]
+    sid = node.sessions[chat]
     turn1 = node.cache.tokens(sid)
     assert turn1[: len(b"def main(")] == list(b"def main(")
     node.send(chat, b"):\n", max_new_tokens=6)
     turn2 = node.cache.tokens(sid)
     # same session, K/V kept: the second turn extended the first one's tokens
-    assert node.engine.sessions[chat] == sid and not node.cache.is_stale(sid)
+    assert node.sessions[chat] == sid and not node.cache.is_stale(sid)
     assert len(turn2) > len(turn1) and turn2[: len(turn1)] == turn1
 
     fed.round(2)  # the evaluate phase writes aggregate 2 back into this node's cache

@@ -31,7 +31,7 @@ def test_round_keeps_params_and_update_in_the_cache(lm_node):
     for name in node.layout.names:
         assert node.cache.tensor_version(f"param/{name}") == v0 + 1
     assert np.allclose(node.flat_params(), before + delta, atol=1e-6)
-    got = node.layout.flatten(node.models.byte_model.state_dict())
+    got = node.layout.flatten(node.model.state_dict())
     assert np.allclose(got, node.flat_params())  # the model serves what the cache holds
 
 
@@ -39,7 +39,7 @@ def test_sessions_keep_kv_until_a_write_back(lm_node):
     node = lm_node
     s = node.create_session()
     node.send(s, b"def f(x):\n", 8)
-    sid = node.engine.sessions[s]
+    sid = node.sessions[s]
     n1 = node.cache.length(sid)
     node.send(s, b"    return", 4)
     assert node.cache.length(sid) > n1  # the second turn appended to the same K/V

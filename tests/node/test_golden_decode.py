@@ -59,7 +59,7 @@ SECOND_SESSION = b"import os\n"
 
 
 def _turn(node: CacheNode, session_id: str, text: bytes) -> dict[str, Any]:
-    r = node.engine.sessions.turn(session_id, text, REPLY)
+    r = node.sessions.turn(session_id, text, REPLY)
     return {"text": text.decode(), "reply": list(r.reply), "nll": r.nll, "scored": r.scored,
             "recomputed": r.recomputed}
 

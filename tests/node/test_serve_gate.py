@@ -125,7 +125,7 @@ def test_a_serving_agent_is_not_invalidated_and_keeps_the_served_version(lm_node
 
     node = lm_node
     served = node.flat_params()
-    model = copy.deepcopy(node.models.byte_model)
+    model = copy.deepcopy(node.model)
     param_channel.directory_of(node.cache_dir).mkdir(mode=0o700)
     follower = ParamFollower(node.cache_dir, KEY, model, node.layout, wait_s=5)
     try:

@@ -22,16 +22,16 @@ def node(one_thread) -> CacheNode:
 
 
 def _cache_prompt(node: CacheNode) -> None:
-    node.models.byte_model.eval()
+    node.model.eval()
     assert len(PROMPT) > 2 * node.cache.config.block_size
-    node.models.byte_model.prefill(PROMPT, node.cache, node.cache.open_session())
+    node.model.prefill(PROMPT, node.cache, node.cache.open_session())
     assert node.cache.cached_prefix_tokens(PROMPT) >= node.cache.config.block_size
 
 
 def _logits_through_the_cache(node: CacheNode) -> torch.Tensor:
-    node.models.byte_model.eval()
+    node.model.eval()
     with torch.no_grad():
-        return node.models.byte_model.prefill(PROMPT, node.cache, node.cache.open_session())
+        return node.model.prefill(PROMPT, node.cache, node.cache.open_session())
 
 
 def _fresh_logits(state: dict[str, torch.Tensor]) -> torch.Tensor:

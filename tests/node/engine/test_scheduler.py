@@ -358,6 +358,27 @@ class SchedulerMachine(RuleBasedStateMachine):
                 _check_versions(q, self.weights, self.probe)
 
 
+def test_reservations_of_a_mixed_step_leave_the_decode_rows_plan_alone():
+    """A case the state machine found: with the decode rows' batch step planned before the
+    prefill chunks reserved their blocks, a greedy token of the swap run differed from the
+    cache-free forward's (logit 3e-3 below the max)."""
+    m = SchedulerMachine()
+    m.setup(mode="swap", budget=32)
+    m.step(k=1)
+    for length, max_tokens, seed in ((1, 7, 0), (1, 2, 0), (8, 10, 1)):
+        m.add(length=length, max_tokens=max_tokens, n=1, seed=seed, shared=False, tenant="a")
+    m.step(k=1)
+    m.add(length=32, max_tokens=1, n=1, seed=0, shared=True, tenant="a")
+    m.step(k=9)
+    m.add(length=25, max_tokens=12, n=2, seed=2, shared=False, tenant="a")
+    m.step(k=1)
+    m.add(length=6, max_tokens=5, n=1, seed=0, shared=True, tenant="a")
+    m.add(length=25, max_tokens=1, n=2, seed=0, shared=False, tenant="a")
+    m.add(length=1, max_tokens=0, n=1, seed=0, shared=False, tenant="a")
+    m.add(length=37, max_tokens=8, n=1, seed=0, shared=True, tenant="a")
+    m.teardown()
+
+
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=25, stateful_step_count=15, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])

@@ -28,24 +28,24 @@ def _uncached_greedy(node: CacheNode, history: bytes, n: int) -> bytes:
     toks = list(history)
     with torch.no_grad():
         for _ in range(n):
-            toks.append(int(node.models.byte_model(torch.tensor([toks]))[0, -1].argmax()))
+            toks.append(int(node.model(torch.tensor([toks]))[0, -1].argmax()))
     return bytes(toks[len(history):])
 
 
 def test_create_send_reset_close_round_trip(node):
     sid = node.create_session(SYSTEM.decode())  # str is UTF-8 encoded
-    assert sid in node.engine.sessions and node.history(sid) == SYSTEM
+    assert sid in node.sessions and node.history(sid) == SYSTEM
     r1 = node.send(sid, "def add(a, b):\n", max_new_tokens=8)
     assert isinstance(r1, bytes) and len(r1) == 8
     r2 = node.send(sid, b"    return", 5)
     assert node.history(sid) == SYSTEM + b"def add(a, b):\n" + r1 + b"    return" + r2
-    assert node.cache.tokens(node.engine.sessions[sid]) == list(node.history(sid))  # all in the cache
+    assert node.cache.tokens(node.sessions[sid]) == list(node.history(sid))  # all in the cache
     node.reset_conversation(sid)
     assert node.history(sid) == SYSTEM
     again = node.send(sid, "def add(a, b):\n", max_new_tokens=8)
     assert again == r1  # greedy: the same context gives the same reply
     node.close(sid)
-    assert sid not in node.engine.sessions and len(node.engine.sessions) == 0
+    assert sid not in node.sessions and len(node.sessions) == 0
     assert node.cache.stats()["sessions_open"] == 0
 
 
@@ -74,7 +74,7 @@ def test_reset_conversation_keeps_exactly_the_system_prompt(node):
     for text in (b"class A:\n", b"    pass\n", b"a = A()\n"):
         node.send(sid, text, 7)
     node.reset_conversation(sid)
-    assert node.cache.tokens(node.engine.sessions[sid]) == list(SYSTEM)
+    assert node.cache.tokens(node.sessions[sid]) == list(SYSTEM)
     assert node.send(sid, b"x", 6) == node.send(node.create_session(SYSTEM), b"x", 6)
     empty = node.create_session()
     node.send(empty, b"abc", 3)
@@ -90,8 +90,8 @@ def test_close_frees_blocks_and_removes_the_id(node):
         node.send(sid, b"hello", 10)
         assert node.cache.stats()["blocks_referenced"] > base + 2
         node.close(sid)
-        assert sid not in node.engine.sessions
-    assert list(node.engine.sessions) == [keep]
+        assert sid not in node.sessions
+    assert list(node.sessions) == [keep]
     assert node.cache.stats()["blocks_referenced"] == base + 2  # keep's 20 tokens: 2 blocks
     assert node.cache.stats()["sessions_open"] == 1
 
@@ -112,9 +112,9 @@ def test_reply_after_a_write_back_uses_the_new_weights(node):
     old = _uncached_greedy(node, history, 10)
     delta = np.random.default_rng(0).normal(0, 0.05, node.layout.size).astype(np.float32)
     node.apply_mean_update(delta, node.version + 1)
-    assert node.cache.is_stale(node.engine.sessions[sid])
+    assert node.cache.is_stale(node.sessions[sid])
     r2 = node.send(sid, b"    ", 10)
-    assert not node.cache.is_stale(node.engine.sessions[sid])
+    assert not node.cache.is_stale(node.sessions[sid])
     assert node.history(sid) == history + r2
     assert r2 == _uncached_greedy(node, history, 10) != old
     fresh = node.create_session(SYSTEM + b"def f(x):\n" + r1)
@@ -139,7 +139,7 @@ def test_unknown_and_closed_ids_are_refused(node, call):
         call(node, sid)
     with pytest.raises(KeyError):  # both are KeyErrors: dict-like lookups keep working
         call(node, sid)
-    assert node.engine.sessions.get(sid) is None and sid not in node.engine.sessions
+    assert node.sessions.get(sid) is None and sid not in node.sessions
 
 
 def test_bad_turns_are_refused_and_leave_the_session_alone(node):
@@ -157,7 +157,7 @@ def test_bad_turns_are_refused_and_leave_the_session_alone(node):
         node.send(node.create_session(), b"", 4)  # nothing to reply to
     with pytest.raises(ValueError, match="context_len"):
         node.create_session(b"s" * 200)
-    assert node.cache.stats()["sessions_open"] == len(node.engine.sessions) == 2
+    assert node.cache.stats()["sessions_open"] == len(node.sessions) == 2
 
 
 def test_a_digits_node_has_no_sessions():
@@ -169,14 +169,14 @@ def test_a_digits_node_has_no_sessions():
 
 
 def test_sessions_share_system_prompt_blocks_only_within_a_namespace(node):
-    a = node.engine.sessions.create(SYSTEM, namespace="alice")
+    a = node.sessions.create(SYSTEM, namespace="alice")
     hits = node.cache.stats()["prefix_hit_blocks"]
-    node.engine.sessions.create(SYSTEM, namespace="bob")
-    node.engine.sessions.create(SYSTEM)  # the shared namespace is another one again
+    node.sessions.create(SYSTEM, namespace="bob")
+    node.sessions.create(SYSTEM)  # the shared namespace is another one again
     assert node.cache.stats()["prefix_hit_blocks"] == hits
-    b = node.engine.sessions.create(SYSTEM, namespace="alice")
+    b = node.sessions.create(SYSTEM, namespace="alice")
     assert node.cache.stats()["prefix_hit_blocks"] - hits == len(SYSTEM) // BLOCK
-    assert node.engine.sessions.send(a, b"x = 1\n", 6) == node.engine.sessions.send(b, b"x = 1\n", 6)
+    assert node.sessions.send(a, b"x = 1\n", 6) == node.sessions.send(b, b"x = 1\n", 6)
 
 
 def test_a_recompute_that_finds_the_pool_full_keeps_the_conversation(node):
@@ -186,7 +186,7 @@ def test_a_recompute_that_finds_the_pool_full_keeps_the_conversation(node):
     from cache.errors import CacheFullError
     from node.engine.sessions import Sessions
     from node.tasks.tasks import LM_MODEL
-    sessions = Sessions(node.models.byte_model, KVCache(LM_MODEL.cache_config(pool_bytes=8 * 16 * 1024)))
+    sessions = Sessions(node.model, KVCache(LM_MODEL.cache_config(pool_bytes=8 * 16 * 1024)))
     sid = sessions.create(SYSTEM)
     sessions.send(sid, b"ab", 4)  # 44 tokens: 3 blocks of 8
     history = sessions.history(sid)

@@ -30,7 +30,7 @@ def lm_task(one_thread):
 
 def _sessions(lm_task, codec=None) -> Sessions:
     node = CacheNode(NodeSpec(partition_id=0, num_partitions=3, task="lm"), task=lm_task)
-    return Sessions(node.models.byte_model, node.cache, codec)
+    return Sessions(node.model, node.cache, codec)
 
 
 def _greedy(chats: Sessions, text=b"def add(a, b):\n", n=12, **kw):

@@ -13,7 +13,7 @@ import pytest
 from node.serving import dir_lease
 
 REPO = Path(__file__).resolve().parents[3]
-_HOLD = "import sys, time; from node import dir_lease; dir_lease.take(sys.argv[1], 'serving.test'); print('held', flush=True); time.sleep(120)"
+_HOLD = "import sys, time; from node.serving import dir_lease; dir_lease.take(sys.argv[1], 'serving.test'); print('held', flush=True); time.sleep(120)"
 
 
 def test_a_lease_is_seen_with_its_pid_and_gone_once_released(tmp_path) -> None:

@@ -33,7 +33,7 @@ def _random_update(node: CacheNode, seed: int = 0) -> np.ndarray:
 
 
 def test_system_prompt_blocks_are_reused_before_a_write_back_not_after(node) -> None:
-    kv, model, prompt = node.cache, node.models.byte_model, _system(node)
+    kv, model, prompt = node.cache, node.model, _system(node)
     assert len(prompt) > 2 * kv.config.block_size  # whole blocks to share
     first = kv.open_session()
     model.prefill(prompt, kv, first)
@@ -58,7 +58,7 @@ def test_system_prompt_blocks_are_reused_before_a_write_back_not_after(node) -> 
 
 
 def test_a_chat_session_is_recomputed_under_the_new_adapters(node) -> None:
-    sessions = Sessions(node.models.byte_model, node.cache, codec=node.task.codec)
+    sessions = Sessions(node.model, node.cache, codec=node.task.codec)
     chat = sessions.create(qa.SYSTEM_PROMPT)
     sessions.send(chat, "What does `json.dumps` do?", max_new_tokens=4)
     sid = sessions[chat]
