@@ -435,6 +435,10 @@ def main(argv: list[str] | None = None) -> dict:
                         "node.tasks.workload finds it; none: synthetic lengths)")
     p.add_argument("--model-dir", default=None)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--pool-share", type=float, default=LoadConfig.pool_share,
+                   help="fedkv's KV pool as a share of the offered load at the most clients "
+                        "(default 0.25: overcommitted, preemption does the rest; 1.0: sized for "
+                        "the load, as a user beside vLLM's 2 GiB of KV would)")
     p.add_argument("--dtype", choices=DTYPES, default=DTYPES[0],
                    help="fedkv's weight format (node.models.precision; HF's stays float32)")
     p.add_argument("--vllm-python", default=os.environ.get("FEDKV_VLLM_PYTHON"),
@@ -444,7 +448,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     cfg = LoadConfig(requests_per_client=1 if args.quick else 2,
                      max_prompt=128 if args.quick else 192, max_new=16 if args.quick else 32,
-                     repeats=args.repeats or (1 if args.quick else 3))
+                     repeats=args.repeats or (1 if args.quick else 3), pool_share=args.pool_share)
     trace = Path(args.trace) if args.trace and os.path.isfile(args.trace) else None
     clients = [int(c) for c in args.clients.split(",")]
     result: dict[str, Any] = {"model": {}, "workload": "mooncake" if trace else "synthetic",
