@@ -67,18 +67,7 @@ class ServerProcess:
             raise
 
     def _wait_ready(self, timeout_s: float) -> None:
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode} before it "
-                                   f"served (see {self.log})")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"the server did not serve within {timeout_s:.0f} s (see {self.log})")
+        wait_healthy(self.proc, self.url, timeout_s, "the server", self.log, poll_s=0.5)
 
     def close(self) -> None:
         if alive(self.pid):
@@ -207,3 +196,20 @@ def _read_stream(r: httpx.Response, job: Job, t0: float) -> Result:
 def api(url: str, token: str, timeout_s: float) -> httpx.Client:
     return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"},
                         timeout=httpx.Timeout(timeout_s, connect=10.0))
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, what: str, log: Path,
+                 poll_s: float) -> None:
+    """Poll ``url``/health until it answers 200; a clear error when ``proc`` exits first or
+    ``timeout_s`` passes (both name the log to read)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode} before it served (see {log})")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    raise TimeoutError(f"{what} did not serve within {timeout_s:.0f} s (see {log})")

@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 
 from experiments.llm_contenders import StreamHandle
+from experiments.served_process import wait_healthy
 from federation.deploy.flwr_sandbox import free_port
 from node.engine.generation import GenerationRequest
 
@@ -117,18 +118,7 @@ class VllmServer:
         self.start_s = time.perf_counter() - t0
 
     def _wait_ready(self, timeout_s: float) -> None:
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode} before it served "
-                                   f"(see {self.log})")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
-        raise TimeoutError(f"vLLM did not serve within {timeout_s:.0f} s (see {self.log})")
+        wait_healthy(self.proc, self.url, timeout_s, "vLLM", self.log, poll_s=2.0)
 
     def report(self) -> dict[str, Any]:
         return {"start_s": round(self.start_s, 1), "version": version(self.python),
