@@ -11,7 +11,7 @@ knows which blocks are never used again, to show how much of Bélády's lead is 
 blocks only while every earlier block of that request hit (after a miss the rest is
 recomputed anyway).
 
-    python -m experiments.eviction --trace ../shared/data/traces/mooncake_conversation_trace.jsonl --quick --json
+    python -m experiments.eviction --trace TRACE.jsonl --quick --json
 
 Traces: Mooncake jsonl (``hash_ids`` per line), ARC ``.lis`` (``start count ...``: blocks
 start..start+count-1, one request per line), or none: a seeded generated trace with shared

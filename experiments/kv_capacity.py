@@ -30,7 +30,7 @@ from cache import CacheConfig, CacheFullError, KVCache
 
 DTYPES = ("fp32", "fp16", "int8", "int4")
 SMOLLM2 = {"num_layers": 30, "num_heads": 3, "head_dim": 64}
-"""SmolLM2-135M's K/V geometry (../shared/notes/real-llm.md)."""
+"""SmolLM2-135M's K/V geometry (its config.json; docs/real-llm.md)."""
 TINY = {"num_layers": 2, "num_heads": 2, "head_dim": 64}
 
 

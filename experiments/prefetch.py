@@ -12,7 +12,7 @@ prefetch is *used* when its block is accessed while still hot, *wasted* when it 
 the replay ends) first. Every mode replays the same trace in the same run; the figures are
 counts, deterministic per seed (only ``us_per_access`` is a timing).
 
-    python -m experiments.prefetch --trace ../shared/data/traces/mooncake_conversation_trace.jsonl --quick --json
+    python -m experiments.prefetch --trace TRACE.jsonl --quick --json
 
 Target (issue 11): the best mode removes >= 50 % of the tier-miss stalls with <= 30 % wasted
 prefetch bytes on the Mooncake conversation trace. Blocks there are 512 tokens each, so bytes
@@ -37,9 +37,8 @@ from experiments.output import (
     add_common_args, make_run_dir, markdown_table, plot_lines, print_estimate,
     print_results_dir, write_csv, write_json,
 )
+from node.tasks.workload import find_trace
 
-DEFAULT_TRACE = (Path(__file__).resolve().parents[1].parent / "shared" / "data" / "traces"
-                 / "mooncake_conversation_trace.jsonl")
 QUICK_REQUESTS = 1500
 COLUMNS = ["mode", "degree", "stalls", "stall_reduction", "accuracy", "wasted_fraction",
            "issued", "used", "wasted", "late", "stalled_requests", "hits", "computed", "warm_stalls", "cold_stalls",
@@ -264,11 +263,10 @@ def summary_md(res: dict, rows: list[dict]) -> str:
 
 # -- command line -------------------------------------------------------------------------------
 def resolve_trace(path: str | None) -> Path:
-    p = Path(path) if path else DEFAULT_TRACE
-    if not p.is_file():
-        raise TraceNotFoundError(
-            f"trace not found: {p}" + ("" if path else " (the default shared Mooncake trace; "
-                                                    "pass --trace PATH)"))
+    p = Path(path) if path else find_trace()
+    if p is None or not p.is_file():
+        raise TraceNotFoundError(f"trace not found: {p}" if path else
+                                 "no trace: pass --trace PATH or set $FEDKV_SERVE_TRACE")
     return p
 
 
@@ -276,7 +274,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_common_args(p, quick_help=f"the first {QUICK_REQUESTS:,} requests of the trace (< 1 min "
                                   "on 2 cores)")
-    p.add_argument("--trace", default=None, help=f"Mooncake .jsonl or ARC .lis (default {DEFAULT_TRACE})")
+    p.add_argument("--trace", default=None, help="Mooncake .jsonl or ARC .lis (default $FEDKV_SERVE_TRACE)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--modes", nargs="+", default=list(PREFETCH_MODES), choices=PREFETCH_MODES)
     p.add_argument("--degree", type=int, default=PREFETCH_DEGREE, help="prefetch_degree (default 2)")

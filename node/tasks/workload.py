@@ -19,8 +19,8 @@ from pathlib import Path
 
 DEFAULT_TRACE_NAME = "mooncake_conversation_trace.jsonl"
 TRACE_ENV = "FEDKV_SERVE_TRACE"
-"""Path of a Mooncake conversation trace that shapes the workload (unset: look beside the
-repository or the working directory, in ``../shared/data/traces``; else the synthetic shape)."""
+"""Path of a Mooncake conversation trace that shapes the workload (unset: the synthetic shape;
+the project never needs one, and looks nowhere else for it)."""
 
 
 @dataclass(frozen=True)
@@ -39,17 +39,9 @@ class Conversation:
 
 
 def find_trace() -> Path | None:
-    """The conversation trace, if this machine has one (``$FEDKV_SERVE_TRACE``, else the
-    repository's ``../shared/data/traces``); the project never needs it."""
+    """The conversation trace ``$FEDKV_SERVE_TRACE`` names, if that file exists."""
     env = os.environ.get(TRACE_ENV)
-    if env:
-        return Path(env) if Path(env).is_file() else None
-    # the repository's neighbour; under ``flwr run .`` the app runs from a copy, in the cwd
-    for root in (Path(__file__).resolve().parents[2], Path.cwd().resolve().parent):
-        here = root / "shared" / "data" / "traces" / DEFAULT_TRACE_NAME
-        if here.is_file():
-            return here
-    return None
+    return Path(env) if env and Path(env).is_file() else None
 
 
 @functools.lru_cache(maxsize=4)  # a node serves every round: parse the trace once

@@ -1,6 +1,6 @@
 """The eviction experiment: the generated run's outputs, Bélády as an upper bound, prefix hits
 bounded by block hits, trace parsing, and the Mooncake reference figures (skipped without
-``../shared``)."""
+``$FEDKV_SERVE_TRACE``)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 
 from cache.policy import POLICIES
 from experiments import eviction as ev
+from node.tasks.workload import find_trace
 
-TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces"
-MOONCAKE = TRACES / "mooncake_conversation_trace.jsonl"
+MOONCAKE = find_trace() or Path("no-trace")  # $FEDKV_SERVE_TRACE: a Mooncake trace, when given
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_requests_longer_than_the_cache_bypass():
         assert r.block_hits <= 4 and r.accesses == 20
 
 
-@pytest.mark.skipif(not MOONCAKE.exists(), reason=f"{MOONCAKE} absent (needs ../shared)")
+@pytest.mark.skipif(not MOONCAKE.exists(), reason="no Mooncake trace ($FEDKV_SERVE_TRACE)")
 def test_mooncake_reference_figures_at_1000_blocks():
     """The issue's plain-simulator figures: LRU / ARC / Bélády = 0.045 / 0.053 / 0.191. Our MIN
     keeps the running request's blocks (pinned) and so lands a little lower (0.179)."""
@@ -105,7 +105,7 @@ def test_mooncake_reference_figures_at_1000_blocks():
     assert ev.belady(trace, 1000).block_hit == pytest.approx(0.191, abs=0.02)
 
 
-@pytest.mark.skipif(not MOONCAKE.exists(), reason=f"{MOONCAKE} absent (needs ../shared)")
+@pytest.mark.skipif(not MOONCAKE.exists(), reason="no Mooncake trace ($FEDKV_SERVE_TRACE)")
 def test_mooncake_adaptive_beats_arc_on_a_slice():
     trace = ev.load_trace(MOONCAKE, limit=3000)
     cap = max(1, ev.unique_blocks(trace) // 50)

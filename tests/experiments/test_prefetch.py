@@ -1,6 +1,6 @@
 """The prefetch experiment: the quick replay on a small synthetic trace in Mooncake's format
 (outputs, JSON last, every mode vs none), the replay's bookkeeping invariants, the tier model's
-capacity, a missing trace, and the real Mooncake trace when ``../shared`` has it."""
+capacity, a missing trace, and the real Mooncake trace when ``$FEDKV_SERVE_TRACE`` names one."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from hypothesis import given, settings, strategies as st
 from cache.prefetch import PREFETCH_MODES, PrefetchLedger
 from experiments import prefetch as pf
 from experiments.eviction import load_trace, unique_blocks
+from node.tasks.workload import find_trace
 
-MOONCAKE = (Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces"
-            / "mooncake_conversation_trace.jsonl")
+MOONCAKE = find_trace() or Path("no-trace")  # $FEDKV_SERVE_TRACE: a Mooncake trace, when given
 
 
 def write_conversations(path: Path, requests: int = 200, seed: int = 0) -> Path:
@@ -110,7 +110,7 @@ def test_bad_flags_are_refused(tmp_path, flag):
         pf.main(["--trace", str(trace), "--out", str(tmp_path), *flag])
 
 
-@pytest.mark.skipif(not MOONCAKE.is_file(), reason="Mooncake trace not in ../shared")
+@pytest.mark.skipif(not MOONCAKE.is_file(), reason="no Mooncake trace ($FEDKV_SERVE_TRACE)")
 def test_on_the_mooncake_conversation_trace_sequential_removes_most_stalls(tmp_path, capsys):
     res = pf.main(["--trace", str(MOONCAKE), "--limit", "200", "--modes", "none", "sequential",
                    "--out", str(tmp_path)])
