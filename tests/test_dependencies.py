@@ -90,7 +90,9 @@ def _undeclared(packages: tuple[str, ...], extras: tuple[str, ...],
         for mod, where in _imports(package, guarded_too).items():
             if mod in sys.stdlib_module_names or f"{mod}*" in own or mod == "__future__":
                 continue
-            providers = {_name(d) for d in dists.get(mod, [])}
+            # not installed (an extra a clean install leaves out): its distribution is taken to
+            # be named like the module, as llguidance's is
+            providers = {_name(d) for d in dists.get(mod, [])} or {_name(mod)}
             if not providers & declared:
                 missing.append(f"{mod} (imported by {where}; provided by {sorted(providers) or 'nothing installed'})")
     return missing
