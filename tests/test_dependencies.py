@@ -44,31 +44,14 @@ def _declared(extras: tuple[str, ...] = ()) -> set[str]:
     return names
 
 
-def _guarded(tree: ast.AST) -> set[int]:
-    """Ids of the import nodes inside a ``try`` that catches ImportError: an optional feature
-    that answers with a clear error when its extra is not installed."""
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Try) and any(
-                isinstance(h.type, ast.Name) and h.type.id in ("ImportError", "ModuleNotFoundError")
-                for h in node.handlers):
-            out |= {id(n) for stmt in node.body for n in ast.walk(stmt)
-                    if isinstance(n, (ast.Import, ast.ImportFrom))}
-    return out
-
-
-def _imports(package: str, guarded_too: bool = True) -> dict[str, str]:
+def _imports(package: str) -> dict[str, str]:
     """Top-level module -> one file importing it, for every absolute import in ``package``
-    (function-local ones included: a call that reaches them must not fail on a base install;
-    ``guarded_too=False`` leaves out those guarded by ``except ImportError``)."""
+    (function-local ones included: a call that reaches them must not fail on a base install)."""
     found: dict[str, str] = {}
     for path in sorted((REPO / package).rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
         rel = path.relative_to(REPO).as_posix()
-        skip = set() if guarded_too else _guarded(tree)
         for node in ast.walk(tree):
-            if id(node) in skip:
-                continue
             if isinstance(node, ast.Import):
                 mods = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -80,33 +63,25 @@ def _imports(package: str, guarded_too: bool = True) -> dict[str, str]:
     return found
 
 
-def _undeclared(packages: tuple[str, ...], extras: tuple[str, ...],
-                guarded_too: bool = True) -> list[str]:
+def _undeclared(packages: tuple[str, ...], extras: tuple[str, ...]) -> list[str]:
     declared = _declared(extras)
     dists = packages_distributions()
     own = set(_pyproject()["tool"]["setuptools"]["packages"]["find"]["include"])
     missing = []
     for package in packages:
-        for mod, where in _imports(package, guarded_too).items():
+        for mod, where in _imports(package).items():
             if mod in sys.stdlib_module_names or f"{mod}*" in own or mod == "__future__":
                 continue
-            # not installed (an extra a clean install leaves out): its distribution is taken to
-            # be named like the module, as llguidance's is
-            providers = {_name(d) for d in dists.get(mod, [])} or {_name(mod)}
+            providers = {_name(d) for d in dists.get(mod, [])}
             if not providers & declared:
                 missing.append(f"{mod} (imported by {where}; provided by {sorted(providers) or 'nothing installed'})")
     return missing
 
 
 def test_the_product_imports_only_declared_dependencies() -> None:
-    assert _undeclared(PRODUCT, extras=(), guarded_too=False) == []
-
-
-def test_the_products_optional_imports_come_from_a_declared_extra() -> None:
-    """``except ImportError`` guards an optional feature (``response_format``: llguidance,
-    the ``structured`` extra); what it imports is still declared, in an extra."""
-    extras = tuple(_pyproject()["project"]["optional-dependencies"])
-    assert _undeclared(PRODUCT, extras=extras) == []
+    """Every import of the product, those behind ``except ImportError`` too (``response_format``'s
+    llguidance): ``pip install -e .`` alone must give a new user's main job all of them."""
+    assert _undeclared(PRODUCT, extras=()) == []
 
 
 def test_experiments_import_only_declared_dependencies_or_the_bench_and_test_extras() -> None:

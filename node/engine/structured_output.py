@@ -1,6 +1,6 @@
 """Constrained output: OpenAI's ``response_format`` (``json_schema``, ``json_object``) as a
-grammar that masks each token's logits, through llguidance (an optional dependency:
-``pip install 'fedkv[structured]'``).
+grammar that masks each token's logits, through llguidance (a dependency of fedkv; a server
+whose install lacks it answers ``response_format`` with a 400 naming it).
 
 ``parse_response_format`` checks the request field (a ``FormatError`` names the part that is
 wrong); a ``GrammarCompiler`` per vocabulary (a Hugging Face fast tokenizer, or the byte model's
@@ -82,7 +82,7 @@ def _llguidance():
     except ImportError:
         raise StructuredOutputUnavailable(
             "response_format needs the grammar library llguidance, not installed on this "
-            "server (pip install 'fedkv[structured]')") from None
+            "server (pip install llguidance)") from None
     return llguidance
 
 
