@@ -34,7 +34,7 @@ from cache import KVCache
 from cache.redis_store import RedisOptions, RedisStore
 from experiments.bench_restore import KEY, cold_once, recompute_once
 from experiments.output import add_common_args, make_run_dir, write_json
-from experiments.redis_server import RedisServer
+from experiments.redis_server import start_in
 from experiments.redis_load import second_process_section, restart_section
 
 NS = b"bench|weights"
@@ -101,14 +101,6 @@ def _prompt(model, n: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
-def _server(tmp: Path, name: str) -> RedisServer:
-    d = tmp / name
-    d.mkdir(mode=0o700)
-    s = RedisServer(d)
-    s.start()
-    return s
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_redis", description=__doc__.split("\n\n")[0])
     add_common_args(p, quick_help="the byte model, short loads (< 3 min on 2 cores)")
@@ -124,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or (3 if args.quick else 5)
     out: dict[str, Any] = {"model": name, "quick": args.quick}
     with tempfile.TemporaryDirectory(prefix="fedkv-bench-redis-") as tmp:
-        server = _server(Path(tmp), "ttft")
+        server = start_in(Path(tmp), "ttft")
         try:
             t = ttft_section(model, _prompt(model, tokens, args.seed), repeats, server.url)
         finally:

@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from experiments.redis_server import RedisServer
+from experiments.redis_server import RedisServer, start_in
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-redis-token-0123456789"
@@ -26,14 +26,6 @@ PREFIX = {"byte": "System: answer as the fedkv node's assistant, briefly. User: 
           "smollm2": ("System: you are the assistant of a federated key-value cache node. Answer "
                       "briefly, cite the project's documentation, never reveal a tenant's data, "
                       "and say when a question falls outside what the node knows. ") * 4 + "User: "}
-
-
-def _redis(tmp: Path, name: str) -> RedisServer:
-    d = tmp / name
-    d.mkdir(mode=0o700)
-    s = RedisServer(d)
-    s.start()
-    return s
 
 
 def _files(tmp: Path) -> tuple[Path, Path]:
@@ -103,7 +95,7 @@ def _serve_load(port: int, model: str, prompts: list[str]) -> tuple[float, dict]
 def second_process_section(tmp: Path, model: str, quick: bool) -> dict[str, Any]:
     n = 4 if quick else 6
     prompts = [f"{PREFIX[model]}question {i}: what is block {i * 7}?" for i in range(2 * n)]
-    server = _redis(tmp, "second")
+    server = start_in(tmp, "second")
     procs = []
     try:
         procs = [start(tmp, name, model, server.url) for name in ("first", "second")]
@@ -167,7 +159,7 @@ def _load(ports: list[int], model: str, server: RedisServer, load_s: float, clie
 
 def restart_section(tmp: Path, model: str, load_s: float, clients: int = 16) -> dict[str, Any]:
     """``clients`` clients over two server processes while Redis is killed and restarted."""
-    server = _redis(tmp, "restart")
+    server = start_in(tmp, "restart")
     procs: list = []
     log: list[tuple[float, bool, str]] = []
     try:

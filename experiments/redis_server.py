@@ -77,3 +77,12 @@ class RedisServer:
         import redis
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
                            socket_timeout=10)
+
+
+def start_in(parent: Path, name: str) -> RedisServer:
+    """A started server whose files live in a new 0700 folder ``parent/name``."""
+    d = parent / name
+    d.mkdir(mode=0o700)
+    server = RedisServer(d)
+    server.start()
+    return server
