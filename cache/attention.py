@@ -60,6 +60,13 @@ def causal_mask(t: int, n: int) -> torch.Tensor | None:
     return torch.ones(t, n, dtype=torch.bool).tril(diagonal=n - t)
 
 
+def compute_dtype(q: torch.Tensor, kv: torch.Tensor | None) -> torch.dtype:
+    """The precision attention runs in: the wider of the queries' and the cache's
+    (``torch.promote_types``). A bf16 model over an fp32 cache casts its few query rows up,
+    not the whole context down every layer; an fp16 cache under an fp32 model is cast up."""
+    return q.dtype if kv is None else torch.promote_types(q.dtype, kv.dtype)
+
+
 def _in_dtype(runs: Sequence[Run], dtype: torch.dtype) -> Sequence[Run]:
     """An fp16 cache's runs in the queries' precision."""
     if runs and runs[0][0].dtype != dtype:
@@ -75,6 +82,10 @@ def attend(q: torch.Tensor, runs: Sequence[Run], keep: torch.Tensor | None = Non
     ``keep`` (bool [n]) leaves positions out (a sparsity policy's mask); with ``weights``
     the softmax weights [heads, t, n] (grouped: [kv_heads, G, t, n]) come back too, for the
     policy to observe."""
+    dt = compute_dtype(q, runs[0][0] if runs else None)
+    if dt != q.dtype:
+        out = attend(q.to(dt), runs, keep, weights)
+        return (out[0].to(q.dtype), out[1]) if weights else out.to(q.dtype)
     if q.dim() == 4:
         if q.shape[1] == 1:  # one query head per KV head: multi-head attention
             out = attend(q[:, 0], runs, keep, weights)
@@ -167,8 +178,12 @@ def attend_shared(q: torch.Tensor, prefix: Sequence[Run], tail_k: torch.Tensor,
     [heads, n, dim]; tail_k/tail_v: [heads, B, T, dim], each session's own tokens padded to T;
     tail_valid: bool [B, T]. Returns [heads, B, dim]. Grouped (GQA): q [kv_heads, G, B, dim]
     over K/V of kv_heads heads -> [kv_heads, G, B, dim]; the prefix is read once for all
-    G * B rows.
+    G * B rows. Runs in :func:`compute_dtype`; the result has q's dtype.
     """
+    dt = compute_dtype(q, tail_k)
+    if dt != q.dtype or tail_k.dtype != dt:
+        prefix = [(k.to(dt), v.to(dt)) for k, v in prefix]
+        return attend_shared(q.to(dt), prefix, tail_k.to(dt), tail_v.to(dt), tail_valid).to(q.dtype)
     if q.dim() == 4:
         if q.shape[1] == 1:
             return attend_shared(q[:, 0], prefix, tail_k, tail_v, tail_valid)[:, None]
@@ -176,16 +191,29 @@ def attend_shared(q: torch.Tensor, prefix: Sequence[Run], tail_k: torch.Tensor,
     prefix = fewer_runs(prefix)
     scale = 1.0 / math.sqrt(q.shape[-1])
     parts = [torch.matmul(q, k.transpose(-1, -2)) for k, _ in prefix]  # [H, B, n_i]
-    tail = torch.einsum("hbd,hbtd->hbt", q, tail_k)
+    tail = _tail_scores(q.unsqueeze(1), tail_k).squeeze(1)  # [H, B, T]
     tail = tail.masked_fill(~tail_valid, float("-inf"))
     p = torch.softmax(torch.cat(parts + [tail], dim=-1).mul_(scale), dim=-1)
     n_tail = tail.shape[-1]
-    out = torch.einsum("hbt,hbtd->hbd", p[..., p.shape[-1] - n_tail :], tail_v)
+    out = _tail_values(p[None, ..., p.shape[-1] - n_tail :].transpose(0, 1), tail_v).squeeze(1)
     a = 0
     for k, v in prefix:
         out.add_(torch.matmul(p[..., a : a + k.shape[1]], v))
         a += k.shape[1]
     return out
+
+
+def _tail_scores(q: torch.Tensor, tail_k: torch.Tensor) -> torch.Tensor:
+    """q [Hk, G, B, D] . tail_k [Hk, B, T, D] -> [Hk, G, B, T]: a matmul batched over
+    (session, head), the order in which a slot-major tail buffer's views fold into one batch
+    axis without a copy (an einsum over [H, B] copied and transposed the tails every layer)."""
+    return torch.matmul(q.permute(2, 0, 1, 3), tail_k.transpose(0, 1).transpose(-1, -2)
+                        ).permute(1, 2, 0, 3)
+
+
+def _tail_values(p: torch.Tensor, tail_v: torch.Tensor) -> torch.Tensor:
+    """p [Hk, G, B, T] . tail_v [Hk, B, T, D] -> [Hk, G, B, D] (batched as ``_tail_scores``)."""
+    return torch.matmul(p.permute(2, 0, 1, 3), tail_v.transpose(0, 1)).permute(1, 2, 0, 3)
 
 
 def _attend_shared_grouped(q: torch.Tensor, prefix: Sequence[Run], tail_k: torch.Tensor,
@@ -196,11 +224,11 @@ def _attend_shared_grouped(q: torch.Tensor, prefix: Sequence[Run], tail_k: torch
     prefix = fewer_runs(prefix)
     rows = q.reshape(Hk, G * B, D)
     parts = [torch.matmul(rows, k.transpose(-1, -2)).view(Hk, G, B, -1) for k, _ in prefix]
-    tail = torch.einsum("hgbd,hbtd->hgbt", q, tail_k)
+    tail = _tail_scores(q, tail_k)
     tail = tail.masked_fill(~tail_valid, float("-inf"))
     p = torch.softmax(torch.cat(parts + [tail], dim=-1).mul_(1.0 / math.sqrt(D)), dim=-1)
     n_tail = tail.shape[-1]
-    out = torch.einsum("hgbt,hbtd->hgbd", p[..., p.shape[-1] - n_tail :], tail_v)
+    out = _tail_values(p[..., p.shape[-1] - n_tail :], tail_v)
     a = 0
     for k, v in prefix:
         w = p[..., a : a + k.shape[1]].reshape(Hk, G * B, k.shape[1])

@@ -10,7 +10,7 @@ session table.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -34,17 +34,28 @@ class BatchStep:
     """[B] arena token positions of the new tokens."""
     prefix: list[tuple[int, int]]
     """(arena start, tokens) per run of the shared prefix."""
-    tail_pos: torch.Tensor | None
-    """[B, T] arena positions of each session's own tokens (new one included), padded; None
-    when a member holds quantized blocks: the tails are decoded per layer."""
     tail_valid: torch.Tensor
-    """[B, T] bool: which tail positions hold a token."""
+    """[B, T] bool, row i for ``sids[i]``: which of its tail positions hold a token."""
+    tails: "TailBuffer"
+    """Where the step's tails live: one slot per session (see :class:`TailBuffer`)."""
+    rows: torch.Tensor | None = None
+    """[B] the tail slot of each row; None when row i is slot i (the tails then come back in
+    row order)."""
+    gather: list[int] = field(default_factory=list)
+    """Rows whose tails are gathered this step (new in the buffer, or not continuing); the
+    others append their new token to what their slot holds."""
+    gather_pos: torch.Tensor | None = None
+    """[len(gather), T] arena positions of those rows' tails (padded); None when one of them
+    holds quantized blocks: they are decoded per layer."""
+    appends: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """(slot, position, row) of each row that appends its new token to its slot."""
     written: int = 0
     """Layers written so far; the step commits after the last one."""
-    tails: "TailBuffer | None" = None
-    """Where this step's tails are read from when the previous step's are still valid."""
-    fresh: bool = True
-    """True: gather the tails from the arena (and fill ``tails``); False: append to them."""
+
+    @property
+    def fresh(self) -> bool:
+        """Every row's tail is gathered this step (nothing continues from the last one)."""
+        return len(self.gather) == len(self.sids)
 
 
 def shared_prefix_blocks(tables: list) -> int:
@@ -75,36 +86,73 @@ def tail_positions(starts: list[list[int]], lengths: list[int], block: int
 
 
 @dataclass
-class TailBuffer:
-    """The batch's tails, kept from one step to the next: ``[layers, 2, heads, B, cap, dim]``.
+class Slot:
+    """What one tail slot holds: session ``sid``'s first ``length`` tail tokens, its tail
+    starting at block ``first`` (id) after ``releases`` resets."""
+    sid: int
+    first: int
+    releases: int
+    length: int
 
-    A step that continues the previous one (same sessions, same shared prefix, every session
-    one token longer, no block moved, nothing quantized, no session released -- a session
-    reset and refilled to the same length holds other K/V behind the same first tail block,
-    so ``BlockTable.releases`` is part of the key) appends its new tokens here -- one
-    indexed store per layer -- instead of gathering every tail again; anything else rebuilds
-    it. A copy of the tails only (the prefix is read in place); a member's quantized blocks
-    are decoded into it, so it costs their full-precision bytes while the batch runs."""
+
+@dataclass
+class TailBuffer:
+    """The batch's tails, kept from one step to the next: ``[layers, 2, slots, heads, cap, dim]``
+    (slot-major: a slot's heads are one block, so attention folds slots x heads into one
+    batch axis of views -- ``cache.attention.attend_shared`` -- with no copy of the tails).
+
+    Each session of a batch owns a slot. A session whose slot continues (same tail start
+    block, same ``BlockTable.releases`` -- a session reset and refilled to the same length
+    holds other K/V behind the same first block -- and one token longer) appends its new
+    token there, one indexed store per layer; a session new to the batch, or one that does
+    not continue, has its tail gathered into a free slot (a departed session's). So a
+    sequence finishing or joining costs one row's gather, not the whole batch's. The buffer
+    is rebuilt -- every tail gathered again -- only when its ``key`` changes (shared prefix,
+    a block moved or quantized), a tail outgrows ``cap`` or no slot is free. A copy of the
+    tails only (the prefix is read in place); a member's quantized blocks are decoded into
+    it, so it costs their full-precision bytes while the batch runs."""
 
     key: tuple
     kv: torch.Tensor
     valid: torch.Tensor
-    lengths: list[int]
+    slots: list[Slot | None]
 
     @classmethod
     def empty(cls, key: tuple, layers: int, heads: int, n: int, cap: int, dim: int,
               dtype: torch.dtype) -> "TailBuffer":
-        return cls(key, torch.zeros(layers, 2, heads, n, cap, dim, dtype=dtype),
-                   torch.zeros(n, cap, dtype=torch.bool), [0] * n)
+        """Zeros: a slot's stale positions are masked out, and must be finite (0 x NaN)."""
+        return cls(key, torch.zeros(layers, 2, n, heads, cap, dim, dtype=dtype),
+                   torch.zeros(n, cap, dtype=torch.bool), [None] * n)
 
-    def continues(self, key: tuple, lengths: list[int]) -> bool:
-        """The step after the one this buffer holds, with room for it."""
-        return (key == self.key and all(n == m + 1 for n, m in zip(lengths, self.lengths))
-                and max(lengths) <= self.kv.shape[4])
+    def place(self, idents: list[Slot]) -> tuple[list[int], list[int]] | None:
+        """Each session's slot and the rows to gather; None when the buffer cannot take the
+        step (a tail longer than ``cap``, more sessions than free slots)."""
+        cap = self.kv.shape[4]
+        if max(s.length for s in idents) > cap:
+            return None
+        where = {s.sid: i for i, s in enumerate(self.slots) if s is not None}
+        taken = {where[s.sid] for s in idents if s.sid in where}
+        free = [i for i in range(len(self.slots)) if i not in taken]
+        free.sort(key=lambda i: self.slots[i] is not None)  # empty slots first
+        rows, gather = [], []
+        for r, s in enumerate(idents):
+            i = where.get(s.sid)
+            old = self.slots[i] if i is not None else None
+            if old is None or (old.first, old.releases, old.length + 1) != (s.first, s.releases, s.length):
+                gather.append(r)
+            if i is None:
+                if not free:
+                    return None
+                i = free.pop(0)
+            rows.append(i)
+        return rows, gather
 
 
 TAIL_ROOM = 16
 """Decode steps a batch's tail buffer has room for before it is gathered again."""
+SPARE_SLOTS = 0.25
+"""Slots a rebuilt tail buffer keeps beyond its batch of n sessions, ``int(n * SPARE_SLOTS)``,
+for sessions that join it (each slot costs a tail's bytes)."""
 
 
 class Batcher:
@@ -146,13 +194,13 @@ class Batcher:
             raise
 
     def _plan(self, sids: list[int], tables: list[BlockTable]) -> BatchStep:
-        """The step's write positions, shared prefix runs and tails. When every member's
-        blocks are in the full-precision arena they are gathered from it (a prefix scattered
-        over many short runs -- ``cache.attention.scattered`` -- is no shared prefix: it goes
-        to the tails, gathered once and appended to step by step, instead of a matmul pair per
-        run every step); when a member holds
-        quantized blocks the tails are decoded per layer instead (``transient``: no shared
-        prefix, ``stats()['transient_reads']``), as ``read_runs`` does for one session."""
+        """The step's write positions, shared prefix runs and tail slots. When every member's
+        blocks are in the full-precision arena the tails are gathered from it (a prefix
+        scattered over many short runs -- ``cache.attention.scattered`` -- is no shared
+        prefix: it goes to the tails, gathered once and appended to step by step, instead of
+        a matmul pair per run every step); when a member holds quantized blocks its tail is
+        decoded per layer instead (``transient``: no shared prefix, ``stats()['transient_reads']``),
+        as ``read_runs`` does for one session."""
         B = self.config.block_size
         resident = all([self.reads.in_arena(t) for t in tables])
         shared = shared_prefix_blocks(tables) if resident else 0
@@ -164,30 +212,41 @@ class Batcher:
             left -= nb
         if scattered([n for _, n in prefix]):  # gathered once into the tails, not per step
             shared, prefix = 0, []
-        lengths = [t.length + 1 - shared * B for t in tables]
+        idents = [Slot(t.sid, t.blocks[shared].id if len(t.blocks) > shared else -1, t.releases,
+                       t.length + 1 - shared * B) for t in tables]
         write = torch.tensor([t.blocks[t.length // B].start + t.length % B for t in tables])
-        key = (tuple(sids), shared, self.blocks.generation, self.blocks.counters["quantized_blocks"],
-               tuple(t.blocks[shared].id if len(t.blocks) > shared else -1 for t in tables),
-               tuple(t.releases for t in tables))
-        buf = self.tails if self.config.batch_tail_buffer else None
-        if buf is not None and buf.continues(key, lengths):
-            step = BatchStep(list(sids), write, prefix, torch.empty(0), buf.valid, tails=buf,
-                             fresh=False)
-        else:
-            if resident:
-                pos, valid = tail_positions(
-                    [[b.start for b in t.blocks[shared:]] for t in tables], lengths, B)
-            else:
-                pos = None
-                valid = torch.arange(max(lengths)) < torch.tensor(lengths).view(-1, 1)
-            c = self.config
-            buf = TailBuffer.empty(key, c.num_layers, c.num_heads, len(sids),
-                                   max(lengths) + TAIL_ROOM, c.head_dim, self.arena.kv.dtype)
-            self.tails = buf if c.batch_tail_buffer else None  # kept only when reused
-            step = BatchStep(list(sids), write, prefix, pos, valid, tails=buf)
-        step.tails.lengths = lengths
-        step.tails.key = key
+        key = (shared, self.blocks.generation, self.blocks.counters["quantized_blocks"])
+        buf, rows, gather = self._slots(key, idents)
+        lengths = torch.tensor([s.length for s in idents])
+        step = BatchStep(list(sids), write, prefix, torch.arange(int(lengths.max())) < lengths[:, None],
+                         buf, rows=None if rows == list(range(len(rows))) else torch.tensor(rows),
+                         gather=gather)
+        if gather and resident:
+            step.gather_pos, _ = tail_positions(
+                [[b.start for b in tables[r].blocks[shared:]] for r in gather],
+                [idents[r].length for r in gather], B)
+        slots = torch.tensor(rows)
+        buf.valid[slots] = torch.arange(buf.valid.shape[1]) < lengths[:, None]
+        for r, i in enumerate(rows):
+            buf.slots[i] = idents[r]
+        kept = sorted(set(range(len(rows))) - set(gather))
+        if kept:
+            step.appends = (slots[kept], lengths[kept] - 1, torch.tensor(kept))
         return step
+
+    def _slots(self, key: tuple, idents: list[Slot]) -> tuple[TailBuffer, list[int], list[int]]:
+        """The buffer the step uses, each row's slot and the rows to gather: the kept
+        buffer when it can take the step (:meth:`TailBuffer.place`), else a new one."""
+        buf = self.tails if self.config.batch_tail_buffer else None
+        placed = buf.place(idents) if buf is not None and buf.key == key else None
+        if placed is not None:
+            return buf, *placed
+        c, n = self.config, len(idents)
+        buf = TailBuffer.empty(key, c.num_layers, c.num_heads, n + int(n * SPARE_SLOTS),
+                               max(s.length for s in idents) + TAIL_ROOM, c.head_dim,
+                               self.arena.kv.dtype)
+        self.tails = buf if c.batch_tail_buffer else None  # kept only when reused
+        return buf, list(range(n)), list(range(n))
 
     def append_and_read(self, step: BatchStep, layer: int, k: torch.Tensor, v: torch.Tensor):
         check_layer(layer, self.config.num_layers)
@@ -211,27 +270,40 @@ class Batcher:
         return prefix, tk, tv, valid
 
     def _tails_of(self, step: BatchStep, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Tail K, V [H, B, T, D] and mask [B, T]: gathered (one index_select for K and V
-        together, 9x faster than on the [H, N, D] views) into the step's buffer, or the new
-        token appended to the buffer the previous step left."""
+        """Tail K, V [H, S, T, D] and mask [S, T] of slots ``0..S-1`` (the step's rows in order
+        when ``step.rows`` is None): the gathered rows' tails stored in their slots, the
+        other rows' new token appended to theirs (one indexed store each for K and V)."""
+        buf = step.tails
+        self._gather(step, layer)
+        if step.appends is not None:
+            slots, at, rows = step.appends
+            kk, vv = (k, v) if len(rows) == len(step.sids) else (k[:, rows], v[:, rows])
+            buf.kv[layer, 0, slots, :, at] = kk.transpose(0, 1).to(buf.kv.dtype)  # [n, H, D]
+            buf.kv[layer, 1, slots, :, at] = vv.transpose(0, 1).to(buf.kv.dtype)
+        S = len(step.sids) if step.rows is None else int(step.rows.max()) + 1
+        T = step.tail_valid.shape[1]
+        tails = buf.kv[layer, :, :S, :, :T].transpose(1, 2)  # [2, H, S, T, D] views
+        return tails[0], tails[1], buf.valid[:S, :T]
+
+    def _gather(self, step: BatchStep, layer: int) -> None:
+        """Store this layer of the gathered rows' tails in their slots: one index_select for
+        K and V together (9x faster than on the [H, N, D] views), or, when one of them holds
+        quantized blocks, each decoded (``ReadPlanner.transient_run``)."""
+        if not step.gather:
+            return
         buf, c = step.tails, self.config
-        T = max(buf.lengths)
-        if step.fresh and step.tail_pos is None:  # quantized blocks among the tails: decode
-            for row, sid in enumerate(step.sids):
-                t = self.sessions.get(sid)
+        into = step.gather if step.rows is None else step.rows[step.gather].tolist()
+        if step.gather_pos is None:
+            for r, i in zip(step.gather, into):
+                t = self.sessions.get(step.sids[r])
                 (tk, tv), = self.reads.transient_run(t, layer, t.length + 1)
-                buf.kv[layer, 0, :, row, : tk.shape[1]] = tk
-                buf.kv[layer, 1, :, row, : tv.shape[1]] = tv
-            buf.valid[:, : step.tail_valid.shape[1]] = step.tail_valid
-        elif step.fresh:
-            H, Bn, Tp = c.num_heads, *step.tail_pos.shape
-            got = self.arena.kv[layer].index_select(2, step.tail_pos.flatten())
-            buf.kv[layer, :, :, :, :Tp] = got.view(2, H, Bn, Tp, c.head_dim)
-            buf.valid[:, :Tp] = step.tail_valid
+                buf.kv[layer, 0, i, :, : tk.shape[1]] = tk
+                buf.kv[layer, 1, i, :, : tv.shape[1]] = tv
+            return
+        G, Tp = step.gather_pos.shape
+        got = self.arena.kv[layer].index_select(2, step.gather_pos.flatten())
+        got = got.view(2, c.num_heads, G, Tp, c.head_dim).transpose(1, 2)
+        if into == list(range(into[0], into[0] + G)):  # consecutive slots: a sliced store
+            buf.kv[layer, :, into[0] : into[0] + G, :, :Tp] = got
         else:
-            rows = torch.arange(len(step.sids))
-            at = torch.tensor(buf.lengths) - 1
-            buf.kv[layer, 0, :, rows, at] = k.to(buf.kv.dtype)  # [H, B, D]
-            buf.kv[layer, 1, :, rows, at] = v.to(buf.kv.dtype)
-            buf.valid[rows, at] = True
-        return buf.kv[layer, 0, :, :, :T], buf.kv[layer, 1, :, :, :T], buf.valid[:, :T]
+            buf.kv[layer][:, torch.tensor(into), :, :Tp] = got

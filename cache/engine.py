@@ -274,8 +274,9 @@ class KVCache:
     def append_and_read_batch(self, step: BatchStep, layer: int, k: torch.Tensor,
                               v: torch.Tensor):
         """k, v: [heads, B, head_dim], the new token of each session. Writes them with one
-        indexed store and returns (prefix runs, tail K [H, B, T, D], tail V, tail mask) for
-        :func:`cache.attention.attend_shared`."""
+        indexed store and returns (prefix runs, tail K [H, S, T, D], tail V, tail mask [S, T])
+        for :func:`cache.attention.attend_shared`: S tail slots, row i's in slot
+        ``step.rows[i]`` (slot i when ``step.rows`` is None; ``cache.batch.TailBuffer``)."""
         start = perf_counter_ns()
         try:
             return self.batcher.append_and_read(step, layer, k, v)

@@ -83,10 +83,11 @@ def attend_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCach
     """Write a batched decode step's K/V in ``layer`` and attend each row's context, a shared
     prefix once for all: q [heads, B, D] or grouped [kv_heads, G, B, D] -> the same shape."""
     prefix, tk, tv, valid = cache.append_and_read_batch(step, layer, k, v)
-    if tk.dtype != q.dtype:  # an fp16 cache
-        prefix = [(a.to(q.dtype), b.to(q.dtype)) for a, b in prefix]
-        tk, tv = tk.to(q.dtype), tv.to(q.dtype)
-    return attend_shared(q, prefix, tk, tv, valid)
+    if step.rows is None:
+        return attend_shared(q, prefix, tk, tv, valid)
+    slotted = q.new_zeros(*q.shape[:-2], tk.shape[-3], q.shape[-1])  # rows in their tail slots
+    slotted[..., step.rows, :] = q
+    return attend_shared(slotted, prefix, tk, tv, valid)[..., step.rows, :]
 
 
 class Block(nn.Module):

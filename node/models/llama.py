@@ -45,6 +45,7 @@ from cache.attention import attend, attend_shared
 from crypto import Layout, flatten
 from node.models.byte_model import attend_session, attend_step
 from node.models.interface import MixedBatch
+from node.models.packed import PackedProjection
 
 
 @dataclass(frozen=True)
@@ -221,15 +222,19 @@ class Attention(nn.Module):
         for it, and its one-token GEMM then sums in an order that doubled SmolLM2's decode
         error against an fp64 reference (4e-5 -> 1e-4, with down_proj's)."""
         self.qkv = Fused(self, ("q_proj", "k_proj", "v_proj"))
+        self.qkv_packed = PackedProjection(self, ("q_proj", "k_proj", "v_proj"))
+        self.o_packed = PackedProjection(self, ("o_proj",))
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x: [..., T, hidden] -> q [..., kv_heads, G, T, D] and k, v [..., kv_heads, T, D],
         q and k rotated (row t at the position of ``cos[t]``; K is stored post-RoPE)."""
         c = self.cfg
         H, Hk = c.num_heads, c.num_kv_heads
-        w = self.qkv.weight()
-        if w is not None:  # one matmul, one RoPE for q and k together
-            y = torch.matmul(x, w).unflatten(-1, (H + 2 * Hk, c.head_dim)).transpose(-3, -2)
+        y = self.qkv_packed(x)
+        if y is None and (w := self.qkv.weight()) is not None:
+            y = torch.matmul(x, w)
+        if y is not None:  # one matmul, one RoPE for q and k together
+            y = y.unflatten(-1, (H + 2 * Hk, c.head_dim)).transpose(-3, -2)
             qk = apply_rope(y[..., : H + Hk, :, :], cos, sin)
             q, k, v = qk[..., :H, :, :], qk[..., H:, :, :], y[..., H + Hk :, :, :]
             return q.unflatten(-3, (Hk, c.group)), k, v
@@ -244,7 +249,9 @@ class Attention(nn.Module):
 
     def _out(self, a: torch.Tensor) -> torch.Tensor:
         """a: [..., kv_heads, G, T, D] -> [..., T, hidden]."""
-        return self.o_proj(a.flatten(-4, -3).transpose(-3, -2).flatten(-2))
+        a = a.flatten(-4, -3).transpose(-3, -2).flatten(-2)
+        y = self.o_packed(a)
+        return self.o_proj(a) if y is None else y
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Cache-free causal attention, x: [B, T, hidden]; K/V expanded with stride 0 over
@@ -291,13 +298,20 @@ class MLP(nn.Module):
     def relayout(self) -> None:
         """Fuse gate/up (see :class:`Fused`); down_proj stays row-major (see Attention's)."""
         self.gate_up = Fused(self, ("gate_proj", "up_proj"))
+        self.gate_up_packed = PackedProjection(self, ("gate_proj", "up_proj"))
+        self.down_packed = PackedProjection(self, ("down_proj",))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.gate_up.weight()
-        if w is not None:
-            gate, up = torch.matmul(x, w).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate).mul_(up))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        y = self.gate_up_packed(x)
+        if y is None and (w := self.gate_up.weight()) is not None:
+            y = torch.matmul(x, w)
+        if y is None:
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        else:
+            gate, up = y.chunk(2, dim=-1)
+            h = F.silu(gate).mul_(up)
+        y = self.down_packed(h)
+        return self.down_proj(h) if y is None else y
 
 
 class DecoderLayer(nn.Module):
@@ -338,6 +352,7 @@ class LlamaModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         transpose_storage(self.lm_head.weight)  # ~20 % of a decode step's weights
+        self.head_packed = PackedProjection(self, ("lm_head",))
 
     def relayout(self) -> None:
         """Redo the decode layout of the weights (:class:`Fused`, :func:`transpose_storage`)
@@ -347,6 +362,7 @@ class LlamaModel(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.relayout()
             layer.mlp.relayout()
+        self.head_packed = PackedProjection(self, ("lm_head",))
         head = getattr(self.lm_head, "weight", None)  # an int8 head has codes, no weight
         if isinstance(head, nn.Parameter) and head.dtype == torch.float32:
             transpose_storage(head)
@@ -412,7 +428,9 @@ class LlamaModel(nn.Module):
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """The output head's logits in fp32 whatever the weights' format (``node.models.precision``):
         sampling, log-probabilities and losses downstream see one dtype."""
-        return self.lm_head(self.model.norm(x)).float()
+        x = self.model.norm(x)
+        y = self.head_packed(x)
+        return (self.lm_head(x) if y is None else y).float()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Cache-free causal forward: idx [B, T] -> logits [B, T, vocab] (training, scoring)."""

@@ -186,3 +186,61 @@ def test_quantized_batch_whose_read_buffers_do_not_all_fit_decodes_as_with_room(
         assert (kv.stats()["transient_reads"] > 0) == (blocks == fp_blocks)  # decoded per layer
     for tight, roomy in zip(*outs):
         assert torch.allclose(tight, roomy, atol=1e-6)
+
+
+def _run_step(kv, step, n):
+    """Write random K/V for the step's ``n`` rows in every layer; the last layer's tails."""
+    c = kv.config
+    for layer in range(c.num_layers):
+        out = kv.append_and_read_batch(step, layer, torch.randn(c.num_heads, n, c.head_dim),
+                                       torch.randn(c.num_heads, n, c.head_dim))
+    return out
+
+
+def _assert_tails_hold_the_sessions(kv, step, out):
+    """Each row's slot holds its session's tokens as the cache has them (last layer)."""
+    _, tk, tv, valid = out
+    layer = kv.config.num_layers - 1
+    for r, sid in enumerate(step.sids):
+        slot = r if step.rows is None else int(step.rows[r])
+        k, v = kv.read(sid, layer)
+        n = int(valid[slot].sum())
+        assert n == int(step.tail_valid[r].sum())
+        assert torch.equal(tk[:, slot, :n], k[:, k.shape[1] - n:])
+        assert torch.equal(tv[:, slot, :n], v[:, v.shape[1] - n:])
+
+
+def test_a_session_joining_a_running_batch_is_gathered_alone_into_a_free_slot():
+    """A sequence finishing and another joining cost one row's gather, not the batch's."""
+    kv = KVCache(small_config())
+    a, b, c = kv.open_session(), kv.open_session(), kv.open_session()
+    feed(kv, a, [1, 2, 3, 4, 5])
+    feed(kv, b, [6, 7, 8], seed=1)
+    feed(kv, c, [9, 10, 11, 12, 13, 14, 15], seed=2)
+    for _ in range(2):
+        step = kv.begin_batch([a, b], [0, 0])
+        _run_step(kv, step, 2)
+    step = kv.begin_batch([b, c], [0, 0])  # a left, c joined
+    assert step.gather == [1] and not step.fresh  # c alone is gathered
+    assert step.rows is not None and int(step.rows[0]) == 1  # b stays in its slot
+    _assert_tails_hold_the_sessions(kv, step, _run_step(kv, step, 2))
+    step = kv.begin_batch([c, b], [0, 0])  # the rows in another order: both continue
+    assert step.gather == []
+    _assert_tails_hold_the_sessions(kv, step, _run_step(kv, step, 2))
+    step = kv.begin_batch([a, b, c], [0, 0, 0])  # a comes back: its slot went to c
+    assert step.gather[:1] == [0]
+    _assert_tails_hold_the_sessions(kv, step, _run_step(kv, step, 3))
+
+
+def test_more_sessions_than_slots_rebuild_the_buffer():
+    kv = KVCache(small_config())
+    sids = [kv.open_session() for _ in range(8)]
+    for i, s in enumerate(sids):
+        feed(kv, s, [i, i + 1], seed=i)
+    step = kv.begin_batch(sids[:1], [0])
+    _run_step(kv, step, 1)
+    slots = kv.batcher.tails.kv.shape[3]
+    assert slots < len(sids)  # the spare slots cannot take all eight
+    step = kv.begin_batch(sids, [0] * len(sids))
+    assert step.fresh and step.rows is None
+    _assert_tails_hold_the_sessions(kv, step, _run_step(kv, step, len(sids)))

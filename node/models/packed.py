@@ -1,0 +1,73 @@
+"""bf16 linears in oneDNN's own weight layout: the serving path of ``--dtype bfloat16``.
+
+A bf16 ``F.linear`` hands oneDNN a plain row-major matrix that it reorders into its blocked
+layout on every call; for a decode step's few rows that reorder is most of the time, so eager
+bf16 decoded no faster than fp32 here. :class:`PackedProjection` keeps the reordered copy
+(``torch.ops.mkldnn._reorder_linear_weight``, the weight prepacking Inductor's CPU freezing
+does) and multiplies with ``torch.ops.mkldnn._linear_pointwise``. Measured on this 2-core
+AVX-512-BF16 machine, 1 thread, SmolLM2's shapes: 1.5-2.2x eager bf16 at one row (the
+576 -> 49,152 head 2.3 ms against 3.9 ms, ~25 GB/s of weights: the read bandwidth) and
+3-7x fp32 at 16 rows; ``experiments.bench_llm`` measures it end to end.
+
+The packed copy is derived, never authoritative: the ``nn.Linear`` parameters stay (HF names,
+state dict, LoRA wrappers, training, a follower's write-back) and the copy is rebuilt when any
+of them changed -- its storage replaced (``data_ptr``) or written in place (the tensor's
+version counter, which every in-place op bumps). It costs the weights' bytes once more.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+
+@functools.cache
+def available() -> bool:
+    """torch has oneDNN with bf16 kernels on this CPU (else bf16 runs the eager path)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _key(weights: list[torch.Tensor]) -> tuple:
+    return tuple((w.data_ptr(), w._version) for w in weights)
+
+
+class PackedProjection:
+    """``x @ cat(W_1, ..., W_n).T`` of ``owner``'s linears ``names`` (bias-free), through one
+    packed bf16 matrix. ``__call__`` returns None where the packed path does not apply --
+    autograd on, weights not bf16, an adapter replaced a module, no oneDNN bf16 -- and the
+    caller runs its modules instead."""
+
+    def __init__(self, owner: nn.Module, names: tuple[str, ...]):
+        self.owner, self.names = owner, names
+        self.key: tuple | None = None
+        self.packed: torch.Tensor | None = None
+
+    def __getstate__(self) -> dict:
+        """Copies (``deepcopy``, pickle) leave the packed matrix behind: it is rebuilt on use
+        (oneDNN's opaque tensors cannot be copied)."""
+        return {**self.__dict__, "key": None, "packed": None}
+
+    def _weights(self) -> list[torch.Tensor] | None:
+        mods = [getattr(self.owner, n) for n in self.names]
+        if any(type(m) is not nn.Linear or m.bias is not None for m in mods):
+            return None
+        ws = [m.weight for m in mods]
+        return ws if ws[0].dtype == torch.bfloat16 else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        if torch.is_grad_enabled() or x.dtype != torch.bfloat16 or not available():
+            return None
+        ws = self._weights()
+        if ws is None:
+            return None
+        if self.key != _key(ws):
+            self._pack(ws)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+    def _pack(self, ws: list[torch.Tensor]) -> None:
+        with torch.inference_mode(False), torch.no_grad():  # usable in and out of inference mode
+            w = ws[0] if len(ws) == 1 else torch.cat([w.detach() for w in ws], dim=0)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous())
+        self.key = _key(ws)
