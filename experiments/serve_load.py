@@ -25,7 +25,8 @@ conversation trace when ``--trace`` names one (default: ``node.tasks.workload.fi
 block of ``block_tokens`` tokens, so requests that share hash ids share a prompt prefix as in
 the trace; otherwise synthetic lengths with a shared system prefix. Greedy decoding throughout.
 Per cell (model x clients x backend): output tokens/s over the cell's wall time, TTFT and
-time-per-output-token p50/p99; per model: dropped requests (any that ended in ``error``),
+time-per-output-token p50/p99; per model also ``single_fresh``: one client's fresh 512-token
+prompt, 128 new tokens (``experiments.single_stream``: TTFT and decode tokens/s); per model: dropped requests (any that ended in ``error``),
 preempted and resumed sequences, the prefix hit rate of the scheduler's cache, and
 ``overcommit`` = offered load / pool capacity in tokens at the most clients. A model's KV pool
 is one size for every client count, as a server's is: ``pool_share`` (a quarter) of the
@@ -57,6 +58,8 @@ from cache import KVCache
 from experiments.output import (add_common_args, make_run_dir, markdown_table, plot_lines,
                                 print_results_dir, write_csv, write_json)
 from experiments.llm_contenders import StreamHandle
+from experiments import single_stream
+from experiments.single_stream import SingleConfig
 from node.engine.generation import GenerationRequest
 from node.models.precision import DTYPES, dtype_of
 from node.tasks.workload import find_trace
@@ -393,13 +396,37 @@ def targets(result: dict) -> list[str]:
         r = s["ttft_p99_s"] / s["ttft_p50_s"]
         out.append(f"{'PASS' if r <= 3 else 'MISS'} p99 TTFT <= 3x p50: {r:.2f}x")
         v = c.get(VLLM, {})
-        if "tokens_per_s" in v:  # a figure to set beside the others, no target
-            out.append(f"FIGURE scheduler ({s['dtype']}) vs vLLM CPU ({v['dtype']}): "
-                       f"{s['tokens_per_s'] / v['tokens_per_s']:.2f}x its tokens/s, "
-                       f"p50 TTFT {s['ttft_p50_s']:.2f} vs {v['ttft_p50_s']:.2f} s")
+        if "tokens_per_s" in v:
+            out += _vs_vllm("16 clients", s["dtype"], v["dtype"],
+                            s["tokens_per_s"] / v["tokens_per_s"], s["ttft_p50_s"] / v["ttft_p50_s"])
+        one = m.get("single_fresh", {})
+        if "ttft_s" in one.get(VLLM, {}):
+            f, v = one["fedkv_scheduler"], one[VLLM]
+            out += _vs_vllm(f"1 client, fresh {one['prompt_tokens']}-token prompt", f["dtype"],
+                            v["dtype"], f["decode_tokens_per_s"] / v["decode_tokens_per_s"],
+                            f["ttft_s"] / v["ttft_s"])
     for name, m in result["model"].items():
         out.append(f"{'PASS' if m['dropped_requests'] == 0 else 'MISS'} {name}: "
                    f"{m['dropped_requests']} dropped at overcommit {m['overcommit']:.2f}")
+    return out
+
+
+def _vs_vllm(what: str, ours: str, theirs: str, speed: float, ttft: float) -> list[str]:
+    """The issue's targets against vLLM: speed (tokens/s) >= 1.0x, TTFT <= 1.0x."""
+    return [f"{'PASS' if speed >= 1.0 else 'MISS'} {what}: fedkv ({ours}) {speed:.2f}x vLLM's "
+            f"({theirs}) tokens/s (target >= 1.0x)",
+            f"{'PASS' if ttft <= 1.0 else 'MISS'} {what}: fedkv TTFT {ttft:.2f}x vLLM's "
+            f"(target <= 1.0x)"]
+
+
+def single_fresh(served: Served, cfg: SingleConfig, seed: int, vllm: Any = None) -> dict:
+    """``experiments.single_stream`` over this model's backends (vLLM's when it runs)."""
+    systems = ("fedkv_scheduler", "hf_sequential") + ((VLLM,) if vllm is not None else ())
+    pool = 2 * (cfg.prompt_tokens + cfg.new_tokens)
+    out = single_stream.run(lambda s: make_backend(s, served, pool, 1, vllm), systems, cfg,
+                            served.vocab, seed)
+    for s in systems:
+        out[s]["dtype"] = system_dtype(s, served, vllm)
     return out
 
 
@@ -449,6 +476,8 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = LoadConfig(requests_per_client=1 if args.quick else 2,
                      max_prompt=128 if args.quick else 192, max_new=16 if args.quick else 32,
                      repeats=args.repeats or (1 if args.quick else 3), pool_share=args.pool_share)
+    single = (SingleConfig(prompt_tokens=128, new_tokens=16, repeats=1) if args.quick
+              else SingleConfig(repeats=cfg.repeats))
     trace = Path(args.trace) if args.trace and os.path.isfile(args.trace) else None
     clients = [int(c) for c in args.clients.split(",")]
     result: dict[str, Any] = {"model": {}, "workload": "mooncake" if trace else "synthetic",
@@ -460,6 +489,7 @@ def main(argv: list[str] | None = None) -> dict:
         vllm, info = start_vllm(name, args.vllm_python, args.model_dir, args.threads, out)
         try:
             result["model"][name], r = run_model(served, clients, cfg, args.seed, trace, vllm)
+            result["model"][name]["single_fresh"] = single_fresh(served, single, args.seed, vllm)
         finally:
             if vllm is not None:
                 vllm.close()
@@ -505,6 +535,7 @@ def _note_vllm(model: dict, info: dict[str, Any]) -> None:
     if "skipped" in info:
         for cell in model["by_clients"].values():
             cell[VLLM] = dict(info)
+        model["single_fresh"][VLLM] = dict(info)
 
 
 if __name__ == "__main__":

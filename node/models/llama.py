@@ -283,7 +283,7 @@ class Attention(nn.Module):
             parts.append(attend_step(q[..., :B, :], k[:, :B], v[:, :B], cache, batch.step, layer))
         for sid, a, b in batch.spans():
             parts.append(attend_session(q[..., a:b, :], k[:, a:b], v[:, a:b], cache, sid, layer))
-        return self._out(torch.cat(parts, dim=-2))
+        return self._out(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2))
 
 
 class MLP(nn.Module):

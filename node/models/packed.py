@@ -50,14 +50,14 @@ class PackedProjection:
         return {**self.__dict__, "key": None, "packed": None}
 
     def _weights(self) -> list[torch.Tensor] | None:
-        mods = [getattr(self.owner, n) for n in self.names]
+        mods = [self.owner._modules[n] for n in self.names]  # no nn.Module.__getattr__: hot path
         if any(type(m) is not nn.Linear or m.bias is not None for m in mods):
             return None
         ws = [m.weight for m in mods]
         return ws if ws[0].dtype == torch.bfloat16 else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
-        if torch.is_grad_enabled() or x.dtype != torch.bfloat16 or not available():
+        if x.dtype != torch.bfloat16 or torch.is_grad_enabled() or not available():
             return None
         ws = self._weights()
         if ws is None:

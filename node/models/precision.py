@@ -2,10 +2,10 @@
 turns a loaded fp32 ``node.models.llama.LlamaModel`` into one.
 
 * ``float32`` -- the reference (the converted weights as they are);
-* ``bfloat16`` -- weights and activations bf16: prefill GEMMs run on the CPU's bf16 units
-  (oneDNN/AMX through torch: a 512x576 @ 576x1536 GEMM measured 7-18x faster than fp32 here),
-  half the weight bytes a decode step reads (but torch's one-row bf16 GEMM is no faster than
-  fp32's here: bf16 decodes at 0.7-0.85x fp32; docs/real-llm.md);
+* ``bfloat16`` -- weights and activations bf16, half the weight bytes a decode step reads;
+  the linears run on oneDNN's bf16 kernels with their weights kept in oneDNN's packed layout
+  (``node.models.packed``: eager bf16, which reorders the weight on every call, decoded no
+  faster than fp32 here); attention stays in the cache's fp32 (``cache.attention.compute_dtype``);
 * ``int8`` -- weight-only int8 (:class:`Int8Linear`: symmetric per-output-channel scales,
   bf16 activations), a quarter of the fp32 bytes: the faster decode (1.0-1.4x fp32). Serving
   only: its linears hold int8 buffers, not HF's parameters, so it is not trained, published

@@ -4,11 +4,13 @@ as documented, every backend runs behind one driver, and the JSON has the issue'
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
 
 from experiments import serve_load as sl
+from experiments import single_stream
 
 pytest.importorskip("transformers")
 
@@ -71,7 +73,47 @@ def test_the_json_has_the_issue_shape_and_nothing_is_dropped(tmp_path, one_threa
             assert set(figures) == {*sl.METRICS, "dtype"} and figures["tokens_per_s"] > 0
     assert m["dropped_requests"] == 0 and m["preempted"] == m["resumed"]
     assert m["overcommit"] > 1  # the pool holds a share of the load at 3 clients
+    one = m["single_fresh"]  # one client, a fresh prompt: every backend's TTFT and decode
+    assert (one["prompt_tokens"], one["new_tokens"]) == (128, 16) and "skipped" in one[sl.VLLM]
+    for system in ("fedkv_scheduler", "hf_sequential"):
+        assert one[system]["ttft_s"] > 0 and one[system]["decode_tokens_per_s"] > 0
+        assert [x["tokens"] for x in one[system]["samples"]] == [16]
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("{")
     run = next((tmp_path / "serve_load").iterdir())
     assert {p.name for p in run.iterdir()} >= {"serve_load.csv", "serve_load.png", "summary.md",
                                                "serve_load.json"}
+
+
+class _Clocked:
+    """A backend on a fake clock: the first token 0.2 s after submit, then one per 0.05 s."""
+
+    def __init__(self, now: list[float]):
+        self.now, self.closed = now, False
+
+    def submit(self, request):
+        steps = [0.2] + [0.05] * (request.max_tokens - 1)
+
+        def tokens(timeout=None):
+            for dt in steps:
+                self.now[0] += dt
+                yield 1
+        return [types.SimpleNamespace(tokens=tokens, finish_reason="length")]
+
+    def close(self):
+        self.closed = True
+
+
+def test_single_stream_times_the_first_token_and_the_decode_apart():
+    now, made = [0.0], []
+
+    def make(system):
+        made.append(_Clocked(now))
+        return made[-1]
+    cfg = single_stream.SingleConfig(prompt_tokens=8, new_tokens=5, repeats=2)
+    out = single_stream.run(make, ("a", "b"), cfg, vocab=100, seed=0, clock=lambda: now[0])
+    assert len(made) == 4 and all(b.closed for b in made)  # a fresh backend per request
+    for s in ("a", "b"):
+        assert out[s]["ttft_s"] == pytest.approx(0.2)
+        assert out[s]["decode_tokens_per_s"] == pytest.approx(4 / 0.2)  # 4 tokens after the first
+    p = [single_stream.fresh_prompt(8, 100, seed) for seed in range(3)]
+    assert len(set(p)) == 3 and all(4 <= t < 100 for t in p[0])  # never the same prompt twice
