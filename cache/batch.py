@@ -119,10 +119,15 @@ class TailBuffer:
 
     @classmethod
     def empty(cls, key: tuple, layers: int, heads: int, n: int, cap: int, dim: int,
-              dtype: torch.dtype) -> "TailBuffer":
-        """Zeros: a slot's stale positions are masked out, and must be finite (0 x NaN)."""
-        return cls(key, torch.zeros(layers, 2, n, heads, cap, dim, dtype=dtype),
-                   torch.zeros(n, cap, dtype=torch.bool), [None] * n)
+              dtype: torch.dtype, filled: int = 0, rows: int = 0) -> "TailBuffer":
+        """A buffer whose every position is finite -- a slot's stale positions are masked
+        out, and 0 x NaN would still be NaN -- zeroing only what the caller will not
+        overwrite at once: positions ``filled..cap`` of slots ``0..rows-1`` (gathered up to
+        ``filled``) and all of the slots after them."""
+        kv = torch.empty(layers, 2, n, heads, cap, dim, dtype=dtype)
+        kv[:, :, :rows, :, filled:].zero_()
+        kv[:, :, rows:].zero_()
+        return cls(key, kv, torch.zeros(n, cap, dtype=torch.bool), [None] * n)
 
     def place(self, idents: list[Slot]) -> tuple[list[int], list[int]] | None:
         """Each session's slot and the rows to gather; None when the buffer cannot take the
@@ -149,7 +154,8 @@ class TailBuffer:
 
 
 TAIL_ROOM = 16
-"""Decode steps a batch's tail buffer has room for before it is gathered again."""
+"""Decode steps a rebuilt tail buffer has room for at least; a long tail gets a quarter of its
+length more, so a long decode is gathered again every ~25 % of growth, not every 16 tokens."""
 SPARE_SLOTS = 0.25
 """Slots a rebuilt tail buffer keeps beyond its batch of n sessions, ``int(n * SPARE_SLOTS)``,
 for sessions that join it (each slot costs a tail's bytes)."""
@@ -241,10 +247,10 @@ class Batcher:
         placed = buf.place(idents) if buf is not None and buf.key == key else None
         if placed is not None:
             return buf, *placed
-        c, n = self.config, len(idents)
+        c, n, longest = self.config, len(idents), max(s.length for s in idents)
         buf = TailBuffer.empty(key, c.num_layers, c.num_heads, n + int(n * SPARE_SLOTS),
-                               max(s.length for s in idents) + TAIL_ROOM, c.head_dim,
-                               self.arena.kv.dtype)
+                               longest + max(TAIL_ROOM, longest // 4), c.head_dim,
+                               self.arena.kv.dtype, filled=longest, rows=n)
         self.tails = buf if c.batch_tail_buffer else None  # kept only when reused
         return buf, list(range(n)), list(range(n))
 
@@ -297,8 +303,10 @@ class Batcher:
             for r, i in zip(step.gather, into):
                 t = self.sessions.get(step.sids[r])
                 (tk, tv), = self.reads.transient_run(t, layer, t.length + 1)
-                buf.kv[layer, 0, i, :, : tk.shape[1]] = tk
-                buf.kv[layer, 1, i, :, : tv.shape[1]] = tv
+                n = tk.shape[1]
+                buf.kv[layer, 0, i, :, :n] = tk
+                buf.kv[layer, 1, i, :, :n] = tv
+                buf.kv[layer, :, i, :, n:].zero_()  # finite behind the tail (see TailBuffer.empty)
             return
         G, Tp = step.gather_pos.shape
         got = self.arena.kv[layer].index_select(2, step.gather_pos.flatten())

@@ -244,3 +244,24 @@ def test_more_sessions_than_slots_rebuild_the_buffer():
     step = kv.begin_batch(sids, [0] * len(sids))
     assert step.fresh and step.rows is None
     _assert_tails_hold_the_sessions(kv, step, _run_step(kv, step, len(sids)))
+
+
+def test_tails_decoded_per_row_leave_no_unwritten_memory_behind_a_shorter_tail(monkeypatch):
+    """Quantized members are decoded row by row into an uninitialized buffer: a shorter
+    tail's padding must be zeroed (masked is not enough: 0 x NaN is NaN)."""
+    def run(poison: bool) -> list[torch.Tensor]:
+        kv = KVCache(small_config(kv_dtype="int8", fp_window=0, pool_bytes=64 << 10,
+                                  read_buffer_fraction=5 * 1024 / (64 << 10)))
+        a, b = kv.open_session(), kv.open_session()
+        feed(kv, a, list(range(12)))
+        feed(kv, b, list(range(100, 104)), seed=1)
+        real = torch.empty
+        if poison:
+            monkeypatch.setattr(torch, "empty", lambda *x, **k: (
+                t.fill_(float("nan")) if (t := real(*x, **k)).is_floating_point() else t))
+        out = _batch_outputs(kv, [a, b], steps=2)
+        monkeypatch.undo()
+        assert kv.stats()["transient_reads"] > 0  # the decode-per-row path ran
+        return out
+    got, want = run(True), run(False)
+    assert all(torch.isfinite(g).all() and torch.equal(g, w) for g, w in zip(got, want))

@@ -181,3 +181,29 @@ def test_batched_decode_stays_exact_as_sessions_leave_join_and_reorder(model):
     assert worst <= 1e-4
     assert any(s.rows is not None for s in steps)  # rows read from slots out of row order
     assert any(0 < len(s.gather) < len(s.sids) for s in steps)  # a joiner gathered alone
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+def test_a_new_tail_buffer_never_reads_memory_it_did_not_write(model, monkeypatch, kv_dtype):
+    """The tail buffer is allocated uninitialized and zeroed only where nothing is gathered:
+    with every fresh allocation poisoned (NaN), the batch's logits are still those of an
+    unpoisoned run (int8: quantized blocks take the decode-per-row path)."""
+    def run(poison: bool):
+        kv = cache_for(model, kv_dtype=kv_dtype, fp_window=4)
+        sids = []
+        for i, n in enumerate((3, 29, 11)):
+            sids.append(kv.open_session())
+            model.prefill([(7 * i + j) % 256 for j in range(n)], kv, sids[-1])
+        real = torch.empty
+
+        def poisoned(*a, **k):
+            t = real(*a, **k)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+        if poison:
+            monkeypatch.setattr(torch, "empty", poisoned)
+        out = [model.forward_batch([1, 2, 3], kv, sids), model.forward_batch([4, 5], kv, sids[1:])]
+        monkeypatch.undo()
+        return out
+    got, want = run(True), run(False)
+    assert all(torch.isfinite(g).all() for g in got)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
