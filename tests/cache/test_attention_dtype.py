@@ -26,3 +26,13 @@ def test_a_batch_step_of_bf16_queries_is_attended_in_fp32():
     out = attend_shared(q, prefix, tk, tv, valid)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, attend_shared(q.float(), prefix, tk, tv, valid).to(torch.bfloat16))
+
+
+def test_a_bf16_prefill_over_an_fp32_cache_runs_on_the_bf16_units():
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 3, 6, 8, generator=g).to(torch.bfloat16)  # 6 new positions
+    runs = [(torch.randn(2, 6, 8, generator=g), torch.randn(2, 6, 8, generator=g))]
+    assert compute_dtype(q, runs[0][0], rows=6) == torch.bfloat16
+    bf = [(k.to(torch.bfloat16), v.to(torch.bfloat16)) for k, v in runs]
+    assert torch.equal(attend(q, runs), attend(q, bf))
+    assert compute_dtype(q.float(), runs[0][0].half(), rows=6) == torch.float32  # fp16 cache

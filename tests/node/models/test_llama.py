@@ -385,3 +385,21 @@ def test_refusing_under_inference_mode_keeps_the_model_trainable(tiny):
     batch = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(5))
     m.train_loss(batch).backward()
     assert m.model.layers[0].self_attn.q_proj.weight.grad.abs().max() > 0
+
+
+def test_a_bf16_rms_norm_equals_hfs_normalize_in_fp32_round_then_scale():
+    """A bf16 model's RMSNorm gives what HF's LlamaRMSNorm gives (normalize in fp32, round to
+    bf16, multiply by the bf16 weight); torch's one-call bf16 kernel with the weight rounds
+    once and differs by an ulp in a quarter of the values, so it is not used."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from node.models.llama import RMSNorm
+    g = torch.Generator().manual_seed(0)
+    ours, hf = RMSNorm(576, 1e-5), LlamaRMSNorm(576, eps=1e-5)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(576, generator=g))
+        hf.weight.copy_(ours.weight)
+    ours, hf = ours.to(torch.bfloat16), hf.to(torch.bfloat16)
+    x = (torch.randn(64, 576, generator=g) * 3).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(ours(x), hf(x))
