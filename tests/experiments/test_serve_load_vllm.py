@@ -224,11 +224,12 @@ def test_a_server_that_exits_fails_the_start_and_leaves_nothing(tmp_path):
 def test_vllm_runs_in_every_cell_in_the_rotation(fake, one_thread):
     fake.mode = "max_tokens"
     url = f"http://127.0.0.1:{fake.server_address[1]}"
-    server = type("S", (), {"url": url, "name": "tiny", "settings": vc.VllmSettings()})()
+    server = type("S", (), {"url": url, "name": "tiny", "settings": vc.VllmSettings(),
+                            "backend": lambda self, n: vc.VllmBackend(url, "tiny", n)})()
     served = sl.load_served("tiny", seed=0)
     res, rows = sl.run_model(served, [1, 2], sl.LoadConfig(requests_per_client=1, max_new=4,
                                                            max_prompt=48, think_s=0),
-                             seed=0, trace=None, vllm=server)
+                             seed=0, trace=None, servers={sl.VLLM: server})
     firsts = [r["system"] for r in rows if r["repeat"] == 0][::4]
     assert firsts == ["fedkv_scheduler", "fedkv_no_scheduler"]  # a rotation over four systems
     for cell in res["by_clients"].values():
