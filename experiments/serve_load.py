@@ -26,12 +26,14 @@ block of ``block_tokens`` tokens, so requests that share hash ids share a prompt
 the trace; otherwise synthetic lengths with a shared system prefix. Greedy decoding throughout.
 Per cell (model x clients x backend): output tokens/s over the cell's wall time, TTFT and
 time-per-output-token p50/p99; per model also ``single_fresh``: one client's fresh 512-token
-prompt, 128 new tokens (``experiments.single_stream``: TTFT and decode tokens/s); per model: dropped requests (any that ended in ``error``),
+prompt, 128 new tokens (``experiments.single_stream``: TTFT and decode tokens/s); per model:
+dropped requests (any that ended in ``error``),
 preempted and resumed sequences, the prefix hit rate of the scheduler's cache, and
 ``overcommit`` = offered load / pool capacity in tokens at the most clients. A model's KV pool
 is one size for every client count, as a server's is: ``pool_share`` (a quarter) of the
 offered load at the most clients, so the largest cells run overcommitted and preemption does
-the rest (the smaller ones less so). Backends run in rotated order per
+the rest (the smaller ones less so). Each system first serves one untimed warm-up pass
+(``warm_up``; not with ``--quick``). Backends run in rotated order per
 client count and ``--repeats`` times; each figure is the median over repeats.
 """
 
@@ -89,6 +91,8 @@ class LoadConfig:
     pool_share: float = 0.25
     """The scheduler's KV pool holds this share of the offered load (the rest is preemption's)."""
     repeats: int = 1
+    warmup: bool = True
+    """Each system serves one untimed pass (``warm_up``) before its measured cells."""
     timeout_s: float = 600.0
     """A token that takes longer than this counts the request as dropped."""
 
@@ -341,6 +345,8 @@ def run_model(served: Served, clients_list: Sequence[int], cfg: LoadConfig, seed
                 else synthetic_requests(n, cfg, served.vocab, seed))
     top = max(clients_list)
     _, pool = pool_tokens(workload(top), top, cfg, block)  # one pool for every client count
+    for system in systems if cfg.warmup else ():
+        warm_up(make_backend(system, served, pool, top, servers), workload(top)[:top], top, cfg)
     for i, clients in enumerate(clients_list):
         reqs = workload(clients)
         cell: dict[str, list[dict]] = {s: [] for s in systems}
@@ -362,6 +368,18 @@ def run_model(served: Served, clients_list: Sequence[int], cfg: LoadConfig, seed
             **totals, "overcommit": offered / pool,
             "settings": {"fedkv": {"dtype": dtype_of(served.model), "kv_dtype": "fp32", "pool_tokens": pool,
                                    "max_running": "clients", "block_size": block}}}, rows
+
+
+def warm_up(backend: Any, reqs: Sequence[Req], clients: int, cfg: LoadConfig) -> None:
+    """One untimed pass of ``reqs`` (4 new tokens each) on ``backend``, closed after it, so
+    one-time costs (oneDNN building a kernel per new row count, a server's first batches) stay
+    out of the figures: without it, on the trace at 16 clients, llama.cpp's first cell ran at
+    0.4x its later repeats' tokens/s every time, and fedkv's at 0.5-0.6x with vLLM's server up."""
+    short = [Req(r.prompt, min(r.max_tokens, 4)) for r in reqs]
+    try:
+        drive(backend, short, clients, cfg, seed=0)
+    finally:
+        backend.close()
 
 
 def _run_cell(backend: Any, reqs: Sequence[Req], clients: int, cfg: LoadConfig,
@@ -488,7 +506,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "skipped)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    cfg = LoadConfig(requests_per_client=1 if args.quick else 2,
+    cfg = LoadConfig(requests_per_client=1 if args.quick else 2, warmup=not args.quick,
                      max_prompt=128 if args.quick else 192, max_new=16 if args.quick else 32,
                      repeats=args.repeats or (1 if args.quick else 3), pool_share=args.pool_share)
     single = (SingleConfig(prompt_tokens=128, new_tokens=16, repeats=1) if args.quick
