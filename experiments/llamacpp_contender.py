@@ -132,7 +132,8 @@ class LlamaCppServer:
         return LlamaCppBackend(self.url, self.name, clients)
 
     def report(self) -> dict[str, Any]:
-        return {"start_s": round(self.start_s, 1), "binary": self.binary, **asdict(self.settings)}
+        return {"start_s": round(self.start_s, 1), "binary": Path(self.binary).name,
+                **asdict(self.settings)}
 
     def close(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGKILL):
