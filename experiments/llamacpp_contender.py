@@ -17,7 +17,6 @@ it adds) and ``ignore_eos`` with ``n_predict`` = ``max_tokens``, as the other ba
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import tempfile
 import time
@@ -28,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.served_process import wait_healthy
+from experiments.served_process import stop_group, wait_healthy
 from experiments.vllm_contender import VllmBackend, own_env
 from federation.deploy.flwr_sandbox import free_port
 from node.engine.generation import GenerationRequest
@@ -136,16 +135,8 @@ class LlamaCppServer:
                 **asdict(self.settings)}
 
     def close(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-        self.proc.wait(timeout=30)
+        """The server's whole process group: ``experiments.served_process.stop_group``."""
+        stop_group(self.proc)
 
 
 class LlamaCppBackend(VllmBackend):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -213,3 +214,19 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, what: str, 
             pass
         time.sleep(poll_s)
     raise TimeoutError(f"{what} did not serve within {timeout_s:.0f} s (see {log})")
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the process group ``proc`` leads (a server started with
+    ``start_new_session``: it shuts its children down), then SIGKILL to whatever of the group
+    is left, also when the leader itself already exited."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+    proc.wait(timeout=30)

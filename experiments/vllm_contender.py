@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import signal
 import subprocess
 import threading
 import time
@@ -31,7 +30,7 @@ from typing import Any
 import httpx
 
 from experiments.llm_contenders import StreamHandle
-from experiments.served_process import wait_healthy
+from experiments.served_process import stop_group, wait_healthy
 from federation.deploy.flwr_sandbox import free_port
 from node.engine.generation import GenerationRequest
 
@@ -128,18 +127,8 @@ class VllmServer:
                 **asdict(self.settings)}
 
     def close(self) -> None:
-        """SIGTERM to the server's process group (vLLM shuts its engine down), then SIGKILL to
-        whatever of the group is left, also when the server itself already exited."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-        self.proc.wait(timeout=30)
+        """The server's whole process group: ``experiments.served_process.stop_group``."""
+        stop_group(self.proc)
 
     def __enter__(self) -> VllmServer:
         return self
