@@ -49,6 +49,10 @@ class BatchStep:
     holds quantized blocks: they are decoded per layer."""
     appends: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     """(slot, position, row) of each row that appends its new token to its slot."""
+    gather_slots: list[int] = field(default_factory=list)
+    """The slot of each row in ``gather``."""
+    slots_read: int = 0
+    """Slots ``0..slots_read-1`` are read: every row's slot is among them."""
     written: int = 0
     """Layers written so far; the step commits after the last one."""
 
@@ -232,6 +236,7 @@ class Batcher:
                 [[b.start for b in tables[r].blocks[shared:]] for r in gather],
                 [idents[r].length for r in gather], B)
         slots = torch.tensor(rows)
+        step.gather_slots, step.slots_read = [rows[r] for r in gather], max(rows) + 1
         buf.valid[slots] = torch.arange(buf.valid.shape[1]) < lengths[:, None]
         for r, i in enumerate(rows):
             buf.slots[i] = idents[r]
@@ -286,8 +291,7 @@ class Batcher:
             kk, vv = (k, v) if len(rows) == len(step.sids) else (k[:, rows], v[:, rows])
             buf.kv[layer, 0, slots, :, at] = kk.transpose(0, 1).to(buf.kv.dtype)  # [n, H, D]
             buf.kv[layer, 1, slots, :, at] = vv.transpose(0, 1).to(buf.kv.dtype)
-        S = len(step.sids) if step.rows is None else int(step.rows.max()) + 1
-        T = step.tail_valid.shape[1]
+        S, T = step.slots_read, step.tail_valid.shape[1]
         tails = buf.kv[layer, :, :S, :, :T].transpose(1, 2)  # [2, H, S, T, D] views
         return tails[0], tails[1], buf.valid[:S, :T]
 
@@ -298,7 +302,7 @@ class Batcher:
         if not step.gather:
             return
         buf, c = step.tails, self.config
-        into = step.gather if step.rows is None else step.rows[step.gather].tolist()
+        into = step.gather_slots
         if step.gather_pos is None:
             for r, i in zip(step.gather, into):
                 t = self.sessions.get(step.sids[r])
