@@ -372,9 +372,8 @@ def run_model(served: Served, clients_list: Sequence[int], cfg: LoadConfig, seed
 
 def warm_up(backend: Any, reqs: Sequence[Req], clients: int, cfg: LoadConfig) -> None:
     """One untimed pass of ``reqs`` (4 new tokens each) on ``backend``, closed after it, so
-    one-time costs (oneDNN building a kernel per new row count, a server's first batches) stay
-    out of the figures: without it, on the trace at 16 clients, llama.cpp's first cell ran at
-    0.4x its later repeats' tokens/s every time, and fedkv's at 0.5-0.6x with vLLM's server up."""
+    one-time costs (oneDNN building a kernel per new row count, a server's first batches) are
+    not measured in whichever system the rotation puts first."""
     short = [Req(r.prompt, min(r.max_tokens, 4)) for r in reqs]
     try:
         drive(backend, short, clients, cfg, seed=0)

@@ -4,10 +4,8 @@ A bf16 ``F.linear`` hands oneDNN a plain row-major matrix that it reorders into 
 layout on every call; for a decode step's few rows that reorder is most of the time, so eager
 bf16 decoded no faster than fp32 here. :class:`PackedProjection` keeps the reordered copy
 (``torch.ops.mkldnn._reorder_linear_weight``, the weight prepacking Inductor's CPU freezing
-does) and multiplies with ``torch.ops.mkldnn._linear_pointwise``. Measured on this 2-core
-AVX-512-BF16 machine, 1 thread, SmolLM2's shapes: 1.5-2.2x eager bf16 at one row (the
-576 -> 49,152 head 2.3 ms against 3.9 ms, ~25 GB/s of weights: the read bandwidth) and
-3-7x fp32 at 16 rows; ``experiments.bench_llm`` measures it end to end.
+does) and multiplies with ``torch.ops.mkldnn._linear_pointwise``; ``experiments.bench_llm``
+measures the decode it gives against fp32's (docs/real-llm.md).
 
 The packed copy is derived, never authoritative: the ``nn.Linear`` parameters stay (HF names,
 state dict, LoRA wrappers, training, a follower's write-back) and the copy is rebuilt when any
