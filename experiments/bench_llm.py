@@ -37,6 +37,8 @@ model into its own fp32-block cache), ``ratio_vs_fp32``; ``quality.bf16`` and
 ``quality.int8_weights`` (Δppl, top-1 vs fp32 weights, fp32 cache); in ``details``: prefill
 ms of the prompt per format (interleaved), the read bandwidth of one core and each format's
 fraction of its ceiling (decode tokens/s x weight bytes per step / bandwidth).
+``config.kernels`` says whether the bf16/int8 forwards ran on the fused CPU kernels
+(``node.models.kernels``; ``FEDKV_KERNELS=eager`` runs them on the eager ops instead).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from experiments.llm_contenders import (FedkvSessions, bytes_per_token, copy_ses
                                         fedkv_cache, hf_sessions, interleave, prefilled)
 from experiments.output import make_run_dir, markdown_table, plot_lines, write_csv, write_json
 from experiments import llm_dtypes
+from node.models import kernels
 from node.models.llama import LlamaModel
 from node.models.precision import weight_bytes_per_token
 
@@ -411,7 +414,7 @@ def run_all(model: LlamaModel, hf: Any, text: list[int], heldout: list[int], pla
     r["notes"] = NOTES
     r["targets"] = {w: {"value": v, "target": t, "pass": ok} for w, v, t, ok in target_checks(r)}
     r["config"] = {"threads": threads, "plan": asdict(plan), "torch": torch.__version__,
-                   "weight_dtypes": list(weight_dtypes),
+                   "weight_dtypes": list(weight_dtypes), "kernels": kernels.status(),
                    "hf_decode": "model called step by step with its DynamicCache (not generate)",
                    "seconds": time.perf_counter() - t0}
     return r

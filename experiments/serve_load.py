@@ -65,6 +65,7 @@ from experiments import single_stream
 from experiments.serve_contenders import LLAMACPP, VLLM
 from experiments.single_stream import SingleConfig
 from node.engine.generation import GenerationRequest
+from node.models import kernels
 from node.models.precision import DTYPES, dtype_of
 from node.tasks.workload import find_trace
 
@@ -367,7 +368,8 @@ def run_model(served: Served, clients_list: Sequence[int], cfg: LoadConfig, seed
     return {"by_clients": by_clients, "dropped_requests": sum(r["dropped"] for r in sched),
             **totals, "overcommit": offered / pool,
             "settings": {"fedkv": {"dtype": dtype_of(served.model), "kv_dtype": "fp32", "pool_tokens": pool,
-                                   "max_running": "clients", "block_size": block}}}, rows
+                                   "max_running": "clients", "block_size": block,
+                                   "kernels": kernels.status()}}}, rows
 
 
 def warm_up(backend: Any, reqs: Sequence[Req], clients: int, cfg: LoadConfig) -> None:

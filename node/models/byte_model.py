@@ -10,6 +10,7 @@ loop: ``node.engine.sessions`` drives it (``Sessions.turn`` and ``Sessions.turn_
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -68,9 +69,10 @@ def attend_sparse(q: torch.Tensor, runs, cache: KVCache, sid: int, layer: int,
 
 
 def attend_session(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                   sid: int, layer: int) -> torch.Tensor:
+                   sid: int, layer: int, kernels: ModuleType | None = None) -> torch.Tensor:
     """Write one session's new K/V in ``layer`` and attend its context (what its sparsity
-    policy keeps, if it has one): q [heads, T, D] or grouped [kv_heads, G, T, D] -> the same shape."""
+    policy keeps, if it has one): q [heads, T, D] or grouped [kv_heads, G, T, D] -> the same
+    shape. (``kernels`` is :func:`attend_step`'s; a session's rows take the eager ops.)"""
     runs = cache.append_and_read(sid, layer, k, v)
     policy = cache.sparsity(sid)
     if policy is None:
@@ -78,11 +80,20 @@ def attend_session(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVC
     return attend_sparse(q, runs, cache, sid, layer, policy)
 
 
+_NO_SLOTS = torch.empty(0, dtype=torch.long)
+
+
 def attend_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, step,
-                layer: int) -> torch.Tensor:
+                layer: int, kernels: ModuleType | None = None) -> torch.Tensor:
     """Write a batched decode step's K/V in ``layer`` and attend each row's context, a shared
-    prefix once for all: q [heads, B, D] or grouped [kv_heads, G, B, D] -> the same shape."""
+    prefix once for all: q [heads, B, D] or grouped [kv_heads, G, B, D] -> the same shape.
+    With ``kernels`` (``node.models.kernels``) an fp32 grouped step is one fused call
+    (``decode_attention``: ``attend_shared``'s result, each row read from its tail slot)."""
     prefix, tk, tv, valid = cache.append_and_read_batch(step, layer, k, v)
+    if kernels is not None and q.dim() == 4 and q.dtype == tk.dtype == torch.float32:
+        slots = step.rows if step.rows is not None else _NO_SLOTS
+        return kernels.decode_attention(q, [pk for pk, _ in prefix], [pv for _, pv in prefix],
+                                        tk, tv, valid, slots)
     if step.rows is None:
         return attend_shared(q, prefix, tk, tv, valid)
     slotted = q.new_zeros(*q.shape[:-2], tk.shape[-3], q.shape[-1])  # rows in their tail slots

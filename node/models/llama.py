@@ -34,6 +34,7 @@ head's weights).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -45,6 +46,7 @@ from cache.attention import attend, attend_shared
 from crypto import Layout, flatten
 from node.models.byte_model import attend_session, attend_step
 from node.models.interface import MixedBatch
+from node.models import kernels as fused_kernels
 from node.models.packed import PackedProjection
 
 
@@ -225,33 +227,47 @@ class Attention(nn.Module):
         self.qkv_packed = PackedProjection(self, ("q_proj", "k_proj", "v_proj"))
         self.o_packed = PackedProjection(self, ("o_proj",))
 
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., T, hidden] -> q, k, v projected side by side, [..., T, (H + 2 Hk) * D]: one
+        packed or fused matmul when it applies, else the modules (adapters, training, int8)."""
+        y = self.qkv_packed(x)
+        if y is None and (w := self.qkv.weight()) is not None:
+            y = torch.matmul(x, w)
+        if y is None:
+            y = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        return y
+
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x: [..., T, hidden] -> q [..., kv_heads, G, T, D] and k, v [..., kv_heads, T, D],
         q and k rotated (row t at the position of ``cos[t]``; K is stored post-RoPE)."""
         c = self.cfg
         H, Hk = c.num_heads, c.num_kv_heads
-        y = self.qkv_packed(x)
-        if y is None and (w := self.qkv.weight()) is not None:
-            y = torch.matmul(x, w)
-        if y is not None:  # one matmul, one RoPE for q and k together
-            y = y.unflatten(-1, (H + 2 * Hk, c.head_dim)).transpose(-3, -2)
-            qk = apply_rope(y[..., : H + Hk, :, :], cos, sin)
-            q, k, v = qk[..., :H, :, :], qk[..., H:, :, :], y[..., H + Hk :, :, :]
-            return q.unflatten(-3, (Hk, c.group)), k, v
-
-        def heads(t: torch.Tensor, n: int) -> torch.Tensor:
-            return t.unflatten(-1, (n, c.head_dim)).transpose(-3, -2)
-
-        q = apply_rope(heads(self.q_proj(x), H), cos, sin)
-        k = apply_rope(heads(self.k_proj(x), Hk), cos, sin)
-        v = heads(self.v_proj(x), Hk)
+        y = self._project(x).unflatten(-1, (H + 2 * Hk, c.head_dim)).transpose(-3, -2)
+        qk = apply_rope(y[..., : H + Hk, :, :], cos, sin)  # one RoPE for q and k together
+        q, k, v = qk[..., :H, :, :], qk[..., H:, :, :], y[..., H + Hk :, :, :]
         return q.unflatten(-3, (Hk, c.group)), k, v
+
+    def _o(self, a: torch.Tensor) -> torch.Tensor:
+        """o_proj of [..., T, heads * D]."""
+        y = self.o_packed(a)
+        return self.o_proj(a) if y is None else y
 
     def _out(self, a: torch.Tensor) -> torch.Tensor:
         """a: [..., kv_heads, G, T, D] -> [..., T, hidden]."""
-        a = a.flatten(-4, -3).transpose(-3, -2).flatten(-2)
-        y = self.o_packed(a)
-        return self.o_proj(a) if y is None else y
+        return self._o(a.flatten(-4, -3).transpose(-3, -2).flatten(-2))
+
+    def fused(self, kernels: ModuleType, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              how: str, *cache_args) -> torch.Tensor:
+        """The attention sublayer of ``how`` (``forward_cached``, ``forward_batch``,
+        ``forward_mixed``) on bf16 rows ``h`` [N, hidden], already normed, through the fused
+        kernels (``node.models.kernels``). A decode step's q/k/v come out in fp32, the
+        precision its attention over the fp32 cache runs in (``cache.attention.compute_dtype``);
+        rows that prefill stay bf16."""
+        c = self.cfg
+        dtype = torch.float32 if how == "forward_batch" else torch.bfloat16
+        q, k, v = kernels.rope_split(self._project(h), cos, sin, c.num_heads, c.num_kv_heads,
+                                     c.head_dim, dtype)
+        return self._o(kernels.merge_heads(ATTEND[how](q, k, v, *cache_args, kernels=kernels)))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Cache-free causal attention, x: [B, T, hidden]; K/V expanded with stride 0 over
@@ -263,27 +279,38 @@ class Attention(nn.Module):
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        cache: KVCache, sid: int, layer: int) -> torch.Tensor:
         """x: [T, hidden] of the T new tokens -> [T, hidden]."""
-        q, k, v = self._qkv(x, cos, sin)
-        return self._out(attend_session(q, k, v, cache, sid, layer))
+        return self._out(attend_session(*self._qkv(x, cos, sin), cache, sid, layer))
 
     def forward_batch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       cache: KVCache, step, layer: int) -> torch.Tensor:
         """x: [B, hidden], one new token of each of the step's B sessions (row b rotated to
         its own session's position) -> [B, hidden]."""
-        q, k, v = self._qkv(x, cos, sin)  # q [Hk, G, B, D]; k, v [Hk, B, D]
-        return self._out(attend_step(q, k, v, cache, step, layer))
+        return self._out(attend_step(*self._qkv(x, cos, sin), cache, step, layer))
 
     def forward_mixed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       cache: KVCache, batch: MixedBatch, layer: int) -> torch.Tensor:
         """x: [N, hidden], a :class:`MixedBatch`'s packed rows: one q/k/v matmul for all of
         them, attention per row group (the decode step, then each chunk's session)."""
-        q, k, v = self._qkv(x, cos, sin)
-        B, parts = len(batch.decode_tokens), []
-        if B:
-            parts.append(attend_step(q[..., :B, :], k[:, :B], v[:, :B], cache, batch.step, layer))
-        for sid, a, b in batch.spans():
-            parts.append(attend_session(q[..., a:b, :], k[:, a:b], v[:, a:b], cache, sid, layer))
-        return self._out(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2))
+        return self._out(attend_mixed(*self._qkv(x, cos, sin), cache, batch, layer))
+
+
+def attend_mixed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                 batch: MixedBatch, layer: int, kernels: ModuleType | None = None) -> torch.Tensor:
+    """Attention of a :class:`MixedBatch`'s rows (q [Hk, G, N, D], k, v [Hk, N, D]): the decode
+    step's, then each chunk's against its session."""
+    B, parts = len(batch.decode_tokens), []
+    if B:
+        parts.append(attend_step(q[..., :B, :], k[:, :B], v[:, :B], cache, batch.step, layer,
+                                 kernels))
+    for sid, a, b in batch.spans():
+        parts.append(attend_session(q[..., a:b, :], k[:, a:b], v[:, a:b], cache, sid, layer))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+
+
+ATTEND = {"forward_cached": attend_session, "forward_batch": attend_step,
+          "forward_mixed": attend_mixed}
+"""The attention over the cache of each cached form of ``Attention`` (q, k, v, then its cache
+arguments)."""
 
 
 class MLP(nn.Module):
@@ -301,17 +328,31 @@ class MLP(nn.Module):
         self.gate_up_packed = PackedProjection(self, ("gate_proj", "up_proj"))
         self.down_packed = PackedProjection(self, ("down_proj",))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _gate_up(self, x: torch.Tensor) -> torch.Tensor | None:
+        """gate and up projections side by side, [..., 2 * intermediate], from one packed or
+        fused matmul; None where neither applies (the modules run)."""
         y = self.gate_up_packed(x)
         if y is None and (w := self.gate_up.weight()) is not None:
             y = torch.matmul(x, w)
-        if y is None:
-            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
-        else:
-            gate, up = y.chunk(2, dim=-1)
-            h = F.silu(gate).mul_(up)
+        return y
+
+    def _down(self, h: torch.Tensor) -> torch.Tensor:
         y = self.down_packed(h)
         return self.down_proj(h) if y is None else y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._gate_up(x)
+        if y is None:
+            return self._down(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = y.chunk(2, dim=-1)
+        return self._down(F.silu(gate).mul_(up))
+
+    def fused(self, kernels: ModuleType, h: torch.Tensor) -> torch.Tensor:
+        """The MLP of bf16 rows ``h`` [N, hidden] with SiLU x up fused (``node.models.kernels``)."""
+        y = self._gate_up(h)
+        if y is None:
+            y = torch.cat([self.gate_proj(h), self.up_proj(h)], dim=-1)
+        return self._down(kernels.silu_mul(y))
 
 
 class DecoderLayer(nn.Module):
@@ -426,11 +467,43 @@ class LlamaModel(nn.Module):
         return cos[start : start + n], sin[start : start + n]
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The output head's logits in fp32 whatever the weights' format (``node.models.precision``):
-        sampling, log-probabilities and losses downstream see one dtype."""
-        x = self.model.norm(x)
-        y = self.head_packed(x)
-        return (self.lm_head(x) if y is None else y).float()
+        """The output head's logits of hidden states ``x`` (normed here)."""
+        return self._head(self.model.norm(x))
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """The output head's logits of final-normed rows in fp32 whatever the weights' format
+        (``node.models.precision``): sampling, log-probabilities and losses downstream see one
+        dtype."""
+        y = self.head_packed(h)
+        return (self.lm_head(h) if y is None else y).float()
+
+    def kernels(self, x: torch.Tensor) -> ModuleType | None:
+        """The fused kernels (``node.models.kernels``) when they serve hidden states ``x``:
+        bf16 activations (``--dtype bfloat16`` or ``int8``), no autograd, built here."""
+        if x.dtype != torch.bfloat16 or torch.is_grad_enabled():
+            return None
+        if self.model.norm.weight.dtype != torch.bfloat16:
+            return None
+        return fused_kernels.ops()
+
+    def _hidden(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, how: str,
+                *cache_args) -> torch.Tensor:
+        """Embedded rows ``x`` through every layer's ``how`` form, final-normed. The fused
+        form carries each residual add into the next norm (``add_rms_norm_``)."""
+        layers = self.model.layers
+        k = self.kernels(x)
+        if k is None:
+            for i, layer in enumerate(layers):
+                x = layer(x, cos, sin, *cache_args, i, how=how)
+            return self.model.norm(x)
+        eps = self.cfg.rms_norm_eps
+        norms = [layer.input_layernorm.weight for layer in layers][1:] + [self.model.norm.weight]
+        h = k.rms_norm(x, layers[0].input_layernorm.weight, eps)
+        for i, layer in enumerate(layers):
+            a = layer.self_attn.fused(k, h, cos, sin, how, *cache_args, i)
+            h = k.add_rms_norm_(x, a, layer.post_attention_layernorm.weight, eps)
+            h = k.add_rms_norm_(x, layer.mlp.fused(k, h), norms[i], eps)
+        return h
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Cache-free causal forward: idx [B, T] -> logits [B, T, vocab] (training, scoring)."""
@@ -472,12 +545,8 @@ class LlamaModel(nn.Module):
         self._check_len(start + T)
         cache.reserve(sid, tokens.tolist())
         cos, sin = self._rope_range(start, T)
-        x = self.model.embed_tokens(tokens)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, sid, i, how="forward_cached")
-        if last_only:
-            x = x[-1:]
-        return self._logits(x)
+        h = self._hidden(self.model.embed_tokens(tokens), cos, sin, "forward_cached", cache, sid)
+        return self._head(h[-1:] if last_only else h)
 
     @torch.no_grad()
     def forward_batch(self, tokens: Sequence[int], cache: KVCache,
@@ -491,9 +560,7 @@ class LlamaModel(nn.Module):
         step = cache.begin_batch(list(sids), [int(t) for t in tokens])
         cos, sin = self._rope(torch.tensor(starts))
         x = self.model.embed_tokens(torch.as_tensor(list(tokens), dtype=torch.long))
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, step, i, how="forward_batch")
-        return self._logits(x)
+        return self._head(self._hidden(x, cos, sin, "forward_batch", cache, step))
 
     @torch.no_grad()
     def forward_mixed(self, batch: MixedBatch, cache: KVCache) -> torch.Tensor:
@@ -504,9 +571,8 @@ class LlamaModel(nn.Module):
         self._check_len(int(positions.max()) + 1)
         cos, sin = self._rope(positions)
         x = self.model.embed_tokens(torch.tensor(batch.tokens(), dtype=torch.long))
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, batch, i, how="forward_mixed")
-        return self._logits(x[batch.output_rows()])
+        h = self._hidden(x, cos, sin, "forward_mixed", cache, batch)
+        return self._head(h[batch.output_rows()])
 
     @torch.no_grad()
     def prefill(self, prompt: Sequence[int], cache: KVCache, sid: int) -> torch.Tensor:

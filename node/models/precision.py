@@ -22,14 +22,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from node.models import kernels
+
 DTYPES = ("float32", "bfloat16", "int8")
 """``--dtype`` choices; the first is the default and the reference."""
 DEFAULT = DTYPES[0]
-DECODE_ROWS = 8
-"""Up to this many rows an :class:`Int8Linear` multiplies the int8 weights directly
-(``aten._weight_int8pack_mm``: reads 1 byte per weight); more rows (a prefill chunk) are
-cheaper dequantized to bf16 once and sent through the bf16 GEMM (measured here, 1 thread:
-512 rows x 576 -> 1536, 11 ms int8-direct against 0.75 ms bf16 GEMM)."""
+DECODE_ROWS = 32
+"""Up to this many rows an :class:`Int8Linear` multiplies the int8 codes directly (reading 1
+byte per weight: ``node.models.kernels``' ``int8_linear``, else ``aten._weight_int8pack_mm``);
+more rows (a prefill chunk) are cheaper dequantized to bf16 once and sent through the bf16
+GEMM, whose cost hardly grows with the rows (1 thread, 576 -> 3072: the kernel 0.3 ms at 8
+rows, 1.2 at 32, 2.4 at 64; dequantized 1.6-1.8 ms)."""
 
 
 def check(dtype: str) -> str:
@@ -64,8 +67,12 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] <= DECODE_ROWS:
-            y = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.q,
-                                                   self.scale.to(x.dtype))
+            fused = kernels.ops() if rows.dtype == torch.bfloat16 else None
+            if fused is not None:
+                y = fused.int8_linear(rows, self.q, self.scale)
+            else:
+                y = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.q,
+                                                       self.scale.to(x.dtype))
         else:
             y = F.linear(rows, self.dequantized(x.dtype))
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -1,0 +1,402 @@
+// Fused elementwise kernels of a bf16 Llama decoder layer (node/models/kernels.py builds and
+// loads them; node/models/llama.py calls them). Each replaces a chain of eager ATen ops whose
+// per-call overhead outweighs the work at decode's few rows. Every intermediate is rounded to
+// bf16 where the eager bf16 chain rounds it, so results match the eager path.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define FEDKV_AVX512 1
+#endif
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+inline float round_bf16(float v) { return static_cast<float>(bf16(v)); }
+
+void check_bf16(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kBFloat16, name, " must be bfloat16, got ", t.scalar_type());
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+}
+
+// out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))) row by row (HF's LlamaRMSNorm in bf16:
+// normalized in fp32, rounded, scaled by the bf16 weight).
+void norm_rows(const bf16* x, const bf16* w, bf16* out, int64_t rows, int64_t width, double eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const bf16* xr = x + n * width;
+      bf16* o = out + n * width;
+      float ss = 0.f;
+      for (int64_t i = 0; i < width; ++i) {
+        float v = xr[i];
+        ss += v * v;
+      }
+      float r = 1.0f / std::sqrt(ss / static_cast<float>(width) + static_cast<float>(eps));
+      for (int64_t i = 0; i < width; ++i)
+        o[i] = bf16(static_cast<float>(w[i]) * round_bf16(static_cast<float>(xr[i]) * r));
+    }
+  });
+}
+
+void check_norm(const torch::Tensor& x, const torch::Tensor& w) {
+  check_bf16(x, "x");
+  check_bf16(w, "weight");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(-1) && w.is_contiguous(),
+              "weight must be contiguous [", x.size(-1), "], got ", w.sizes());
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check_norm(x, w);
+  auto xc = x.contiguous();
+  auto out = torch::empty_like(xc);
+  int64_t width = xc.size(-1);
+  norm_rows(xc.data_ptr<bf16>(), w.data_ptr<bf16>(), out.data_ptr<bf16>(), xc.numel() / width,
+            width, eps);
+  return out;
+}
+
+// x = bf16(x + y) in place (the residual stream), then rms_norm(x): the add that ends one
+// sublayer and the norm that starts the next, in one pass.
+torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& w,
+                            double eps) {
+  check_norm(x, w);
+  check_bf16(y, "y");
+  TORCH_CHECK(x.is_contiguous(), "x (updated in place) must be contiguous");
+  TORCH_CHECK(x.sizes() == y.sizes(), "x ", x.sizes(), " and y ", y.sizes(), " differ");
+  auto yc = y.contiguous();
+  bf16* xp = x.data_ptr<bf16>();
+  const bf16* yp = yc.data_ptr<bf16>();
+  int64_t n = x.numel();
+  at::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      xp[i] = bf16(static_cast<float>(xp[i]) + static_cast<float>(yp[i]));
+  });
+  auto out = torch::empty_like(x);
+  int64_t width = x.size(-1);
+  norm_rows(xp, w.data_ptr<bf16>(), out.data_ptr<bf16>(), n / width, width, eps);
+  return out;
+}
+
+template <typename out_t>
+void rope_split_impl(const bf16* y, const bf16* cos, const bf16* sin, out_t* q, out_t* k,
+                     out_t* v, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim) {
+  const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const bf16* row = y + n * width;
+      const bf16* c = cos + n * dim;
+      const bf16* s = sin + n * dim;
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {
+        const bf16* x = row + h * dim;
+        // q [kv_heads, group, rows, dim] is [heads, rows, dim]: query head h at h * rows
+        out_t* o = h < heads ? q + (h * rows + n) * dim : k + ((h - heads) * rows + n) * dim;
+        for (int64_t i = 0; i < dim; ++i) {
+          float rot = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
+          o[i] = static_cast<out_t>(round_bf16(round_bf16(static_cast<float>(x[i]) * c[i]) +
+                                               round_bf16(rot * static_cast<float>(s[i]))));
+        }
+      }
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const bf16* x = row + (heads + kv_heads + h) * dim;
+        out_t* o = v + (h * rows + n) * dim;
+        for (int64_t i = 0; i < dim; ++i) o[i] = static_cast<out_t>(static_cast<float>(x[i]));
+      }
+    }
+  });
+}
+
+// y [rows, (heads + 2 kv_heads) * dim], the fused q/k/v projection; cos, sin [rows, dim] ->
+// q [kv_heads, heads / kv_heads, rows, dim] and k, v [kv_heads, rows, dim], q and k rotated
+// (HF's rotate-half RoPE in bf16), all in `dtype` (float32 or bfloat16; exact either way).
+std::vector<torch::Tensor> rope_split(const torch::Tensor& y, const torch::Tensor& cos,
+                                      const torch::Tensor& sin, int64_t heads, int64_t kv_heads,
+                                      int64_t dim, c10::ScalarType dtype) {
+  check_bf16(y, "y");
+  check_bf16(cos, "cos");
+  check_bf16(sin, "sin");
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && dim % 2 == 0,
+              "heads ", heads, " must group over kv_heads ", kv_heads, " and dim ", dim, " be even");
+  TORCH_CHECK(y.dim() == 2 && y.size(1) == (heads + 2 * kv_heads) * dim, "y must be [rows, ",
+              (heads + 2 * kv_heads) * dim, "], got ", y.sizes());
+  int64_t rows = y.size(0);
+  TORCH_CHECK(cos.sizes() == torch::IntArrayRef({rows, dim}) && sin.sizes() == cos.sizes(),
+              "cos and sin must be [", rows, ", ", dim, "], got ", cos.sizes(), ", ", sin.sizes());
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16,
+              "dtype must be float32 or bfloat16, got ", dtype);
+  auto yc = y.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+  auto opt = torch::TensorOptions().dtype(dtype);
+  auto q = torch::empty({kv_heads, heads / kv_heads, rows, dim}, opt);
+  auto k = torch::empty({kv_heads, rows, dim}, opt), v = torch::empty({kv_heads, rows, dim}, opt);
+  if (dtype == torch::kFloat32)
+    rope_split_impl<float>(yc.data_ptr<bf16>(), cc.data_ptr<bf16>(), sc.data_ptr<bf16>(),
+                           q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), rows,
+                           heads, kv_heads, dim);
+  else
+    rope_split_impl<bf16>(yc.data_ptr<bf16>(), cc.data_ptr<bf16>(), sc.data_ptr<bf16>(),
+                          q.data_ptr<bf16>(), k.data_ptr<bf16>(), v.data_ptr<bf16>(), rows,
+                          heads, kv_heads, dim);
+  return {q, k, v};
+}
+
+template <typename in_t>
+void merge_impl(const in_t* a, bf16* out, int64_t heads, int64_t rows, int64_t dim) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t i = 0; i < dim; ++i)
+          out[(n * heads + h) * dim + i] = bf16(static_cast<float>(a[(h * rows + n) * dim + i]));
+  });
+}
+
+// attention's output a [kv_heads, group, rows, dim] (float32 or bfloat16) -> bf16
+// [rows, heads * dim], the o_proj input.
+torch::Tensor merge_heads(const torch::Tensor& a) {
+  TORCH_CHECK(a.dim() == 4, "a must be [kv_heads, group, rows, dim], got ", a.sizes());
+  TORCH_CHECK(a.scalar_type() == torch::kFloat32 || a.scalar_type() == torch::kBFloat16,
+              "a must be float32 or bfloat16, got ", a.scalar_type());
+  auto ac = a.contiguous();
+  int64_t heads = ac.size(0) * ac.size(1), rows = ac.size(2), dim = ac.size(3);
+  auto out = torch::empty({rows, heads * dim}, torch::TensorOptions().dtype(torch::kBFloat16));
+  if (ac.scalar_type() == torch::kFloat32)
+    merge_impl<float>(ac.data_ptr<float>(), out.data_ptr<bf16>(), heads, rows, dim);
+  else
+    merge_impl<bf16>(ac.data_ptr<bf16>(), out.data_ptr<bf16>(), heads, rows, dim);
+  return out;
+}
+
+// gate_up [rows, 2 m] (gate, then up) -> bf16(bf16(silu(gate)) * up) [rows, m].
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  check_bf16(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
+              "gate_up must be [rows, 2 m], got ", gate_up.sizes());
+  auto gc = gate_up.contiguous();
+  int64_t rows = gc.size(0), m = gc.size(1) / 2;
+  auto out = torch::empty({rows, m}, gc.options());
+  const bf16* g = gc.data_ptr<bf16>();
+  bf16* o = out.data_ptr<bf16>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t i = 0; i < m; ++i) {
+        float a = g[n * 2 * m + i];
+        float s = round_bf16(a / (1.f + std::exp(-a)));
+        o[n * m + i] = bf16(s * static_cast<float>(g[n * 2 * m + m + i]));
+      }
+  });
+  return out;
+}
+
+// y[m, o] = bf16(scale[o] * sum_k q[o, k] * x[m, k]) for R output rows o..o+R-1 and MR
+// activation rows, the activations in fp32 (exact for bf16 inputs), one fp32 sum per
+// (row, output). The R weight rows are read once for the MR activation rows.
+constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead of the rows read the weights are fetched
+
+template <int R, int MR>
+void int8_block(const int8_t* q, const float* x, const float* scale, bf16* y, int64_t o,
+                int64_t m0, int64_t K, int64_t N) {
+  float acc[R][MR] = {};
+  int64_t k = 0;
+#ifdef FEDKV_AVX512
+  __m512 v[R][MR];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MR; ++m) v[r][m] = _mm512_setzero_ps();
+  const char* ahead = reinterpret_cast<const char*>(q + o * K) + PREFETCH_BYTES;
+  for (; k + 16 <= K; k += 16) {
+    for (int r = 0; r < R; r += 4) _mm_prefetch(ahead + (k / 16) * 64 + r * 16, _MM_HINT_T0);
+    __m512 w[R];
+    for (int r = 0; r < R; ++r)
+      w[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (o + r) * K + k))));
+    for (int m = 0; m < MR; ++m) {
+      __m512 xv = _mm512_loadu_ps(x + (m0 + m) * K + k);
+      for (int r = 0; r < R; ++r) v[r][m] = _mm512_fmadd_ps(w[r], xv, v[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_reduce_add_ps(v[r][m]);
+#endif
+  for (; k < K; ++k)
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MR; ++m)
+        acc[r][m] += static_cast<float>(q[(o + r) * K + k]) * x[(m0 + m) * K + k];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MR; ++m) y[(m0 + m) * N + o + r] = bf16(acc[r][m] * scale[o + r]);
+}
+
+template <int R>
+void int8_rows(const int8_t* q, const float* x, const float* scale, bf16* y, int64_t o,
+               int64_t M, int64_t K, int64_t N) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) int8_block<R, 4>(q, x, scale, y, o, m, K, N);
+  switch (M - m) {
+    case 3: int8_block<R, 3>(q, x, scale, y, o, m, K, N); break;
+    case 2: int8_block<R, 2>(q, x, scale, y, o, m, K, N); break;
+    case 1: int8_block<R, 1>(q, x, scale, y, o, m, K, N); break;
+    default: break;
+  }
+}
+
+// Weight-only int8 linear for a few rows: x bf16 [M, K], q int8 [N, K], scale fp32 [N] ->
+// bf16 [M, N]. Reads each weight byte once per call (memory-bound at decode's few rows).
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
+  check_bf16(x, "x");
+  TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(),
+              "q must be contiguous int8 [out, in], got ", q.scalar_type(), " ", q.sizes());
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.dim() == 1 &&
+                  scale.size(0) == q.size(0) && scale.is_contiguous(),
+              "scale must be contiguous float32 [", q.size(0), "], got ", scale.scalar_type(),
+              " ", scale.sizes());
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == q.size(1), "x must be [rows, ", q.size(1), "], got ",
+              x.sizes());
+  int64_t M = x.size(0), K = q.size(1), N = q.size(0);
+  auto xf = x.to(torch::kFloat32).contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* xp = xf.data_ptr<float>();
+  const float* sp = scale.data_ptr<float>();
+  bf16* yp = y.data_ptr<bf16>();
+  at::parallel_for(0, N / 4, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) int8_rows<4>(qp, xp, sp, yp, b * 4, M, K, N);
+  });
+  for (int64_t o = N / 4 * 4; o < N; ++o) int8_rows<1>(qp, xp, sp, yp, o, M, K, N);
+  return y;
+}
+
+// One strided [heads, n, dim] run of keys or values (a view into the cache's arena or its
+// tail buffer); row `t` of head `h` at base + h * head_stride + t * row_stride.
+struct Run {
+  const float* base;
+  int64_t head_stride, row_stride, n;
+};
+
+Run run_of(const torch::Tensor& t, int64_t h_dim, int64_t n_dim) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.stride(-1) == 1,
+              "K/V runs must be float32 with unit stride in the last dim");
+  return {t.data_ptr<float>(), t.stride(h_dim), t.stride(n_dim), t.size(n_dim)};
+}
+
+inline float dot(const float* a, const float* b, int64_t dim) {
+  int64_t i = 0;
+  float s = 0.f;
+#ifdef FEDKV_AVX512
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= dim; i += 16)
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  s = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < dim; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float w, const float* x, float* y, int64_t dim) {
+  for (int64_t i = 0; i < dim; ++i) y[i] += w * x[i];
+}
+
+// One decode step's attention, grouped-query, over a shared prefix and each row's tail (what
+// cache.attention.attend_shared computes, in one pass per (KV head, row)).
+//   q [kv_heads, group, rows, dim] fp32; prefix_k/v: runs [kv_heads, n_i, dim];
+//   tail_k/v [kv_heads, slots, T, dim]; tail_valid bool [slots, T]; slots: row b's tail slot
+//   (int64 [rows]), or empty for slot b -> out [kv_heads, group, rows, dim] fp32.
+torch::Tensor decode_attention(const torch::Tensor& q, const std::vector<torch::Tensor>& prefix_k,
+                               const std::vector<torch::Tensor>& prefix_v,
+                               const torch::Tensor& tail_k, const torch::Tensor& tail_v,
+                               const torch::Tensor& tail_valid, const torch::Tensor& slots) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kFloat32,
+              "q must be float32 [kv_heads, group, rows, dim], got ", q.scalar_type(), " ", q.sizes());
+  const int64_t Hk = q.size(0), G = q.size(1), B = q.size(2), D = q.size(3);
+  TORCH_CHECK(prefix_k.size() == prefix_v.size(), "prefix K and V runs differ in number");
+  TORCH_CHECK(tail_k.dim() == 4 && tail_k.sizes() == tail_v.sizes() && tail_k.size(0) == Hk &&
+                  tail_k.size(3) == D,
+              "tails must be [", Hk, ", slots, T, ", D, "], got ", tail_k.sizes(), ", ", tail_v.sizes());
+  const int64_t S = tail_k.size(1), T = tail_k.size(2);
+  TORCH_CHECK(tail_valid.scalar_type() == torch::kBool && tail_valid.dim() == 2 &&
+                  tail_valid.size(0) == S && tail_valid.size(1) == T && tail_valid.stride(1) == 1,
+              "tail_valid must be bool [", S, ", ", T, "] with unit stride, got ", tail_valid.sizes());
+  std::vector<int64_t> slot(B);
+  if (slots.numel() == 0) {
+    TORCH_CHECK(B <= S, B, " rows need as many tail slots, got ", S);
+    for (int64_t b = 0; b < B; ++b) slot[b] = b;
+  } else {
+    TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.numel() == B, "slots must be int64 [", B, "]");
+    auto sc = slots.contiguous();
+    for (int64_t b = 0; b < B; ++b) {
+      slot[b] = sc.data_ptr<int64_t>()[b];
+      TORCH_CHECK(slot[b] >= 0 && slot[b] < S, "slot ", slot[b], " out of range [0, ", S, ")");
+    }
+  }
+  std::vector<Run> pk, pv;
+  int64_t n_prefix = 0;
+  for (size_t i = 0; i < prefix_k.size(); ++i) {
+    TORCH_CHECK(prefix_k[i].dim() == 3 && prefix_k[i].size(0) == Hk && prefix_k[i].size(2) == D &&
+                    prefix_k[i].sizes() == prefix_v[i].sizes(),
+                "prefix run ", i, " must be [", Hk, ", n, ", D, "], got ", prefix_k[i].sizes());
+    pk.push_back(run_of(prefix_k[i], 0, 1));
+    pv.push_back(run_of(prefix_v[i], 0, 1));
+    n_prefix += pk.back().n;
+  }
+  Run tk = run_of(tail_k, 0, 2), tv = run_of(tail_v, 0, 2);
+  const int64_t tk_slot = tail_k.stride(1), tv_slot = tail_v.stride(1);
+  const bool* valid = tail_valid.data_ptr<bool>();
+  const int64_t valid_row = tail_valid.stride(0);
+  auto qc = q.contiguous();
+  auto out = torch::zeros({Hk, G, B, D}, q.options());
+  const float* qp = qc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const float ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, Hk * B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> score(G * (n_prefix + T));
+    const int64_t width = n_prefix + T;
+    for (int64_t hb = begin; hb < end; ++hb) {
+      const int64_t h = hb / B, b = hb % B, s = slot[b];
+      const float* kt = tk.base + h * tk.head_stride + s * tk_slot;
+      const float* vt = tv.base + h * tv.head_stride + s * tv_slot;
+      const bool* ok = valid + s * valid_row;
+      int64_t j = 0;
+      for (const Run& r : pk)
+        for (int64_t t = 0; t < r.n; ++t, ++j)
+          for (int64_t g = 0; g < G; ++g)
+            score[g * width + j] =
+                dot(qp + ((h * G + g) * B + b) * D, r.base + h * r.head_stride + t * r.row_stride, D) * scale;
+      for (int64_t t = 0; t < T; ++t, ++j)
+        for (int64_t g = 0; g < G; ++g)
+          score[g * width + j] =
+              ok[t] ? dot(qp + ((h * G + g) * B + b) * D, kt + t * tk.row_stride, D) * scale : ninf;
+      for (int64_t g = 0; g < G; ++g) {
+        float* sc = score.data() + g * width;
+        float mx = ninf;
+        for (int64_t i = 0; i < width; ++i) mx = std::max(mx, sc[i]);
+        float* o = op + ((h * G + g) * B + b) * D;
+        if (mx == ninf) continue;  // nothing to attend: zeros
+        float sum = 0.f;
+        for (int64_t i = 0; i < width; ++i) sum += (sc[i] = std::exp(sc[i] - mx));
+        const float inv = 1.0f / sum;
+        int64_t i = 0;
+        for (const Run& r : pv)
+          for (int64_t t = 0; t < r.n; ++t, ++i)
+            axpy(sc[i] * inv, r.base + h * r.head_stride + t * r.row_stride, o, D);
+        for (int64_t t = 0; t < T; ++t, ++i)
+          if (ok[t]) axpy(sc[i] * inv, vt + t * tv.row_stride, o, D);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows");
+  m.def("add_rms_norm_", &add_rms_norm_, "x += y in place, then RMSNorm of x");
+  m.def("rope_split", &rope_split, "q/k/v from the fused projection, q and k rotated");
+  m.def("merge_heads", &merge_heads, "attention heads -> the o_proj input");
+  m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up");
+  m.def("decode_attention", &decode_attention, "one decode step's attention over prefix runs and tails");
+  m.def("int8_linear", &int8_linear, "weight-only int8 linear of a few bf16 rows");
+}

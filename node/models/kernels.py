@@ -1,0 +1,79 @@
+"""Fused CPU kernels for a bf16 decode step (``kernels.cpp``), built on first use.
+
+A one-token step of SmolLM2 ran ~60 small eager ATen ops per layer besides its four linears:
+RMSNorm's pow/mean/rsqrt/mul chain, RoPE's slices and concatenations, the dtype casts,
+SiLU x up, the residual adds. At a few rows each op is mostly call overhead. ``kernels.cpp``
+does each chain in one call: ``rms_norm``, ``add_rms_norm_`` (residual add + the next norm),
+``rope_split`` (RoPE of q and k and the split into heads), ``merge_heads``, ``silu_mul``. They
+round to bf16 where the eager chain rounds, so they give its results (tests compare the two).
+``experiments.bench_llm`` measures the decode they give (``decode_tokens_per_s.<ctx>.fedkv_bf16``
+against ``fedkv_bf16_eager``).
+
+Built with torch's own extension builder (``torch.utils.cpp_extension.load``: a C++ compiler
+and ninja, cached under torch's extension directory, rebuilt when the source, torch or the
+CPU changes) for this CPU's instruction set. Where it cannot be built -- no compiler, a failed
+build -- or ``FEDKV_KERNELS=eager`` is set, :func:`ops` is None and the model runs the eager
+ops; :func:`status` says which and why.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).with_name("kernels.cpp")
+ENV = "FEDKV_KERNELS"
+"""``eager`` turns the fused kernels off (a reference run, a machine without a compiler)."""
+
+log = logging.getLogger(__name__)
+_why_not: str | None = None
+
+
+def _cpu_flags() -> str:
+    """This CPU's feature flags (the build is ``-march=native``: another CPU builds its own)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build_name() -> str:
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode()):
+        digest.update(part)
+    return f"fedkv_kernels_{digest.hexdigest()[:12]}"
+
+
+@functools.cache
+def ops() -> ModuleType | None:
+    """The built kernels, or None (see :func:`status`). Built once per process; a build
+    another process holds the lock of is waited for (torch's builder)."""
+    global _why_not
+    if os.environ.get(ENV, "").strip().lower() == "eager":
+        _why_not = f"{ENV}=eager"
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        return cpp_extension.load(name=_build_name(), sources=[str(SOURCE)],
+                                  extra_cflags=["-O3", "-march=native"], verbose=False)
+    except Exception as e:  # no compiler or ninja, a failed build: the eager ops serve
+        last = (str(e).strip().splitlines() or [""])[-1][:200]
+        _why_not = f"build failed: {type(e).__name__}: {last}"
+        log.warning("fedkv: fused CPU kernels unavailable (%s); the eager ops run", _why_not)
+        return None
+
+
+def status() -> str:
+    """``fused`` when the kernels are loaded, else ``eager (<why>)``."""
+    return "fused" if ops() is not None else f"eager ({_why_not})"

@@ -1,0 +1,234 @@
+"""The fused CPU kernels (node.models.kernels): each gives what the eager bf16 op chain it
+replaces gives, a bf16/int8 Llama decodes the same with and without them, bad inputs get a
+specific error, and a machine that cannot build them runs the eager ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cache import KVCache
+from node.models import kernels, precision
+from node.models.interface import MixedBatch
+from node.models.llama import RMSNorm, apply_rope
+from tests.tiny_models import tiny_llama
+
+EPS = 1e-5
+
+
+@pytest.fixture(scope="module")
+def k():
+    ops = kernels.ops()
+    if ops is None:
+        pytest.skip(f"fused kernels not built here: {kernels.status()}")
+    return ops
+
+
+def bf(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def eager_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    norm = RMSNorm(x.shape[-1], EPS).to(torch.bfloat16)
+    norm.weight.data = w
+    with torch.no_grad():
+        return norm(x)
+
+
+def assert_bf16_close(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Equal up to one bf16 rounding step (a sum taken in another order may round the other way)."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_rms_norm_is_the_eager_bf16_norm(k, rows):
+    x, w = bf(rows, 96, seed=1), bf(96, seed=2)
+    assert_bf16_close(k.rms_norm(x, w, EPS), eager_norm(x, w))
+
+
+def test_add_rms_norm_updates_the_residual_and_norms_it(k):
+    x, y, w = bf(5, 64, seed=1), bf(5, 64, seed=2), bf(64, seed=3)
+    want_x = x + y
+    got = k.add_rms_norm_(x, y, w, EPS)
+    assert torch.equal(x, want_x)  # the residual stream, updated in place
+    assert_bf16_close(got, eager_norm(want_x, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_rope_split_is_rope_of_the_split_projection(k, dtype, rows):
+    H, Hk, D = 6, 2, 16
+    y, cos, sin = bf(rows, (H + 2 * Hk) * D, seed=1), bf(rows, D, seed=2), bf(rows, D, seed=3)
+    heads = y.unflatten(-1, (H + 2 * Hk, D)).transpose(0, 1)
+    qk = apply_rope(heads[: H + Hk], cos, sin)
+    q, kk, v = k.rope_split(y, cos, sin, H, Hk, D, dtype)
+    assert q.shape == (Hk, H // Hk, rows, D) and kk.shape == v.shape == (Hk, rows, D)
+    assert {q.dtype, kk.dtype, v.dtype} == {dtype}
+    assert torch.equal(q.flatten(0, 1), qk[:H].to(dtype))
+    assert torch.equal(kk, qk[H:].to(dtype))
+    assert torch.equal(v, heads[H + Hk :].to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_heads_is_the_o_proj_input(k, dtype):
+    a = torch.randn(2, 3, 5, 8).to(dtype)
+    assert torch.equal(k.merge_heads(a), a.flatten(0, 1).transpose(0, 1).flatten(1).to(torch.bfloat16))
+
+
+def test_silu_mul_is_swiglu(k):
+    gu = bf(4, 2 * 48, seed=4)
+    gate, up = gu.chunk(2, dim=-1)
+    assert_bf16_close(k.silu_mul(gu), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 9, 33])
+@pytest.mark.parametrize("k_in, n_out", [(64, 96), (40, 7)])  # 40, 7: the tails of the vector loops
+def test_int8_linear_is_the_dequantized_product(k, rows, k_in, n_out):
+    lin = precision.Int8Linear(torch.randn(n_out, k_in, generator=torch.Generator().manual_seed(5)))
+    x = bf(rows, k_in, seed=6)
+    want = x.float() @ lin.dequantized(torch.float32).T
+    got = k.int8_linear(x, lin.q, lin.scale)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n_out)
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-4)
+
+
+def test_bad_inputs_get_a_specific_error(k):
+    with pytest.raises(RuntimeError, match="x must be bfloat16"):
+        k.rms_norm(torch.randn(2, 8), bf(8), EPS)
+    with pytest.raises(RuntimeError, match="weight must be contiguous"):
+        k.rms_norm(bf(2, 8), bf(9), EPS)
+    with pytest.raises(RuntimeError, match=r"y must be \[rows, 64\]"):
+        k.rope_split(bf(1, 60), bf(1, 16), bf(1, 16), 2, 1, 16, torch.float32)
+    with pytest.raises(RuntimeError, match="dtype must be float32 or bfloat16"):
+        k.rope_split(bf(1, 64), bf(1, 16), bf(1, 16), 2, 1, 16, torch.float16)
+    with pytest.raises(RuntimeError, match="differ"):
+        k.add_rms_norm_(bf(2, 8), bf(3, 8), bf(8), EPS)
+    with pytest.raises(RuntimeError, match="q must be contiguous int8"):
+        k.int8_linear(bf(1, 8), torch.zeros(4, 8), torch.ones(4))
+    with pytest.raises(RuntimeError, match=r"x must be \[rows, 8\]"):
+        k.int8_linear(bf(1, 9), torch.zeros(4, 8, dtype=torch.int8), torch.ones(4))
+
+
+def _decode(model, steps: int = 4) -> list[torch.Tensor]:
+    """Logits of a prefill, batched decode steps of two sessions, and a mixed step."""
+    kv = KVCache(model.cache_config(block_size=8, pool_bytes=1 << 20))
+    a, b, c = kv.open_session(), kv.open_session(), kv.open_session()
+    out = [model.prefill(list(range(3, 22)), kv, a), model.prefill(list(range(40, 51)), kv, b)]
+    for i in range(steps):  # fixed tokens: a near-tie must not send the two runs apart
+        out.append(model.forward_batch([7 + i, 30 - i], kv, [a, b]))
+    toks = [1, 2]
+    step = kv.begin_batch([a, b], toks)
+    kv.reserve(c, [5, 6, 7])
+    out.append(model.forward_mixed(MixedBatch(step, tuple(toks), ((c, (5, 6, 7)),)), kv))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_a_model_decodes_the_same_with_and_without_them(k, one_thread, monkeypatch, dtype):
+    model = precision.convert(tiny_llama(std=0.2), dtype)
+    fused = _decode(model)
+    monkeypatch.setattr(kernels, "ops", lambda: None)
+    eager = _decode(model)
+    # bf16: the same roundings. int8: the kernel scales by the fp32 scale, aten's int8 kernel
+    # by the scale rounded to bf16 (up to 0.4 % apart), so logits of O(1) move by up to ~0.2.
+    tol = dict(rtol=0.02, atol=0.05) if dtype == "bfloat16" else dict(rtol=0.05, atol=0.25)
+    for f, e in zip(fused, eager):
+        torch.testing.assert_close(f, e, **tol)
+        if dtype == "bfloat16":
+            assert torch.equal(f.argmax(-1), e.argmax(-1))
+
+
+def test_they_serve_bf16_inference_only(k):
+    m32 = tiny_llama()
+    m16 = precision.convert(tiny_llama(), "bfloat16")
+    x = torch.zeros(1, m16.cfg.hidden_size, dtype=torch.bfloat16)
+    assert m32.kernels(x.float()) is None
+    with torch.no_grad():
+        assert m16.kernels(x) is k
+    assert m16.kernels(x) is None  # autograd on: the eager ops (training, adapters)
+
+
+@pytest.fixture
+def rebuilt(monkeypatch):
+    """``kernels.ops`` recomputed under the test's settings, and again after it."""
+    kernels.ops.cache_clear()
+    yield
+    monkeypatch.undo()
+    kernels.ops.cache_clear()
+
+
+def test_eager_setting_turns_them_off(rebuilt, monkeypatch):
+    monkeypatch.setenv(kernels.ENV, "eager")
+    assert kernels.ops() is None
+    assert kernels.status() == f"eager ({kernels.ENV}=eager)"
+
+
+def test_a_failed_build_leaves_the_eager_ops(rebuilt, monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    def no_compiler(*a, **kw):
+        raise RuntimeError("Error building extension 'fedkv_kernels'\nc++: not found")
+
+    monkeypatch.delenv(kernels.ENV, raising=False)
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    assert kernels.ops() is None
+    assert kernels.status() == "eager (build failed: RuntimeError: c++: not found)"
+    assert "fused CPU kernels unavailable" in caplog.text
+    model = precision.convert(tiny_llama(std=0.2), "bfloat16")
+    kv = KVCache(model.cache_config(block_size=8, pool_bytes=1 << 20))
+    assert torch.isfinite(model.prefill([1, 2, 3], kv, kv.open_session())).all()
+
+
+@pytest.mark.parametrize("prefix_runs", [0, 2])
+@pytest.mark.parametrize("slots", [None, [2, 0, 3]])
+def test_decode_attention_is_attend_shared(k, prefix_runs, slots):
+    from cache.attention import attend_shared
+
+    g = torch.Generator().manual_seed(7)
+    Hk, G, D, S, cap = 2, 3, 16, 4, 12
+    B = 3
+    arena = torch.randn(2, Hk, 64, D, generator=g)  # the cache's [K/V, heads, tokens, dim]
+    prefix = [(arena[0, :, a : a + n], arena[1, :, a : a + n]) for a, n in [(3, 9), (40, 5)][:prefix_runs]]
+    buf = torch.randn(2, S, Hk, cap, D, generator=g)  # slot-major tails, as cache.batch keeps them
+    T = 10
+    tails = buf[:, :, :, :T].transpose(1, 2)  # [2, Hk, S, T, D] views
+    valid = torch.arange(T) < torch.tensor([[7], [10], [1], [4]])
+    q = torch.randn(Hk, G, B, D, generator=g)
+    rows = torch.tensor(slots if slots is not None else [0, 1, 2])
+    slotted = q.new_zeros(Hk, G, S, D)
+    slotted[..., rows, :] = q
+    want = attend_shared(slotted, prefix, tails[0], tails[1], valid)[..., rows, :]
+    got = k.decode_attention(q, [a for a, _ in prefix], [b for _, b in prefix], tails[0], tails[1],
+                             valid, rows if slots is not None else torch.empty(0, dtype=torch.long))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_decode_attention_refuses_a_slot_out_of_range(k):
+    q, tails = torch.zeros(1, 1, 2, 8), torch.zeros(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match=r"slot 5 out of range \[0, 2\)"):
+        k.decode_attention(q, [], [], tails, tails, torch.ones(2, 4, dtype=torch.bool),
+                           torch.tensor([0, 5]))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_sessions_leaving_and_joining_a_batch_decode_the_same(k, one_thread, monkeypatch, dtype):
+    """Rows that move to other tail slots (a session left, another joined) read their own."""
+    model = precision.convert(tiny_llama(std=0.2), dtype)
+
+    def run() -> list[torch.Tensor]:
+        kv = KVCache(model.cache_config(block_size=8, pool_bytes=1 << 20))
+        s = [kv.open_session() for _ in range(4)]
+        for i, sid in enumerate(s):
+            model.prefill(list(range(5 + i, 17 + 3 * i)), kv, sid)
+        out = []
+        for members in ([0, 1, 2], [0, 1, 2], [2, 0], [3, 2, 0], [1, 3, 2, 0]):
+            out.append(model.forward_batch([9 + m for m in members], kv, [s[m] for m in members]))
+        return out
+
+    fused = run()
+    monkeypatch.setattr(kernels, "ops", lambda: None)
+    tol = dict(rtol=0.02, atol=0.05) if dtype == "bfloat16" else dict(rtol=0.05, atol=0.25)
+    for f, e in zip(fused, run()):
+        torch.testing.assert_close(f, e, **tol)
