@@ -22,17 +22,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from node.models import kernels
+from node.models import kernels, packed
 
 DTYPES = ("float32", "bfloat16", "int8")
 """``--dtype`` choices; the first is the default and the reference."""
 DEFAULT = DTYPES[0]
-DECODE_ROWS = 32
+DECODE_ROWS = 8
 """Up to this many rows an :class:`Int8Linear` multiplies the int8 codes directly (reading 1
 byte per weight: ``node.models.kernels``' ``int8_linear``, else ``aten._weight_int8pack_mm``);
-more rows (a prefill chunk) are cheaper dequantized to bf16 once and sent through the bf16
-GEMM, whose cost hardly grows with the rows (1 thread, 576 -> 3072: the kernel 0.3 ms at 8
-rows, 1.2 at 32, 2.4 at 64; dequantized 1.6-1.8 ms)."""
+more rows (several decode rows, a prefill chunk) go through oneDNN's bf16 GEMM on a packed bf16
+copy of the dequantized weights, whose cost hardly grows with the rows (1 thread, 576 -> 3072,
+weights out of cache: the int8 kernel 0.19 ms at 4 rows, 0.29 at 8, 0.44 at 12, 0.57 at 16;
+the packed bf16 GEMM ~0.35 ms from 1 to 16 rows)."""
 
 
 def check(dtype: str) -> str:
@@ -49,7 +50,12 @@ def torch_dtype(dtype: str) -> torch.dtype:
 
 class Int8Linear(nn.Module):
     """``y = x @ (q * scale[:, None]).T`` with ``q`` int8 [out, in] and one fp32 scale per
-    output row (``max |w| / 127`` of that row: symmetric, no zero point), bias-free."""
+    output row (``max |w| / 127`` of that row: symmetric, no zero point), bias-free.
+
+    A decode step's few rows read the int8 codes (:data:`DECODE_ROWS`). More rows multiply a
+    bf16 copy of the *dequantized* weights in oneDNN's packed layout (``node.models.packed``),
+    so prefill and decode compute the same model; the copy is derived (rebuilt when ``q`` or
+    ``scale`` change, left behind by copies) and costs 2 bytes per weight besides the codes."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
@@ -59,10 +65,29 @@ class Int8Linear(nn.Module):
                              .to(torch.int8).contiguous())
         self.register_buffer("scale", scale)
         self.in_features, self.out_features = w.shape[1], w.shape[0]
+        self._packed: torch.Tensor | None = None
+        self._packed_key: tuple | None = None
+
+    def __getstate__(self) -> dict:
+        """Copies leave the packed bf16 matrix behind (oneDNN's opaque tensors cannot be
+        copied); it is rebuilt on use."""
+        return {**self.__dict__, "_packed": None, "_packed_key": None}
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [out, in] these codes stand for, in ``dtype``."""
         return (self.q.to(torch.float32) * self.scale[:, None]).to(dtype)
+
+    def _bf16_packed(self) -> torch.Tensor | None:
+        """The dequantized weights, bf16, oneDNN-packed; None without oneDNN bf16."""
+        if not packed.available():
+            return None
+        key = (self.q.data_ptr(), self.q._version, self.scale.data_ptr(), self.scale._version)
+        if self._packed_key != key:
+            with torch.inference_mode(False), torch.no_grad():
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(
+                    self.dequantized(torch.bfloat16))
+            self._packed_key = key
+        return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -73,6 +98,8 @@ class Int8Linear(nn.Module):
             else:
                 y = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.q,
                                                        self.scale.to(x.dtype))
+        elif rows.dtype == torch.bfloat16 and (w := self._bf16_packed()) is not None:
+            y = torch.ops.mkldnn._linear_pointwise(rows, w, None, "none", [], "")
         else:
             y = F.linear(rows, self.dequantized(x.dtype))
         return y.reshape(*x.shape[:-1], self.out_features)

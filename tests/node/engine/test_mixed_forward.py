@@ -40,7 +40,7 @@ def model(request):
 def _close(a: torch.Tensor, b: torch.Tensor, model) -> None:
     """fp32: equal to rounding. A reduced-precision model rounds differently when rows are
     packed into other GEMM shapes (bf16 keeps 8 bits of mantissa; int8 weights take the
-    one-row int8 kernel for up to 32 rows and dequantized bf16 above): logits of O(1) within
+    one-row int8 kernel for up to 8 rows and dequantized bf16 above): logits of O(1) within
     0.15, where a misplaced row or position would differ by far more."""
     fp32 = next(model.parameters()).dtype == torch.float32
     tol = dict(rtol=1e-4, atol=1e-5) if fp32 else dict(rtol=0.05, atol=0.15)

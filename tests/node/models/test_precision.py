@@ -221,3 +221,29 @@ def test_smollm2_perplexity_stays_within_a_bound_of_fp32(one_thread, dtype, boun
         return math.exp(float(-lp.gather(1, torch.tensor(text[1:])[:, None]).mean()))
     p32, p = ppl(base), ppl(_smollm2(dtype))
     assert abs(p - p32) / p32 < bound
+
+
+@pytest.mark.parametrize("rows", [1, precision.DECODE_ROWS, precision.DECODE_ROWS + 1, 40])
+def test_int8_linear_computes_the_dequantized_weights_at_any_row_count(rows):
+    """Decode rows read the codes, more rows a packed bf16 copy of the dequantized weights:
+    the same model either way, to bf16 rounding (outputs of O(5) within 0.05; a wrong row or
+    scale is off by O(1))."""
+    lin = precision.Int8Linear(torch.randn(24, 32, generator=torch.Generator().manual_seed(1)))
+    x = torch.randn(rows, 32, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    with torch.no_grad():
+        got = lin(x).float()
+    want = x.float() @ lin.dequantized(torch.float32).T
+    torch.testing.assert_close(got, want, rtol=2 ** -6, atol=0.05)
+
+
+def test_int8_linear_repacks_changed_codes_and_copies_without_its_packed_matrix():
+    import copy
+
+    lin = precision.Int8Linear(torch.randn(24, 32, generator=torch.Generator().manual_seed(1)))
+    x = torch.randn(20, 32).to(torch.bfloat16)
+    with torch.no_grad():
+        lin(x)
+        twin = copy.deepcopy(lin)
+        lin.q.neg_()  # written in place: the packed copy must follow
+        torch.testing.assert_close(lin(x).float(), -twin(x).float(), rtol=2 ** -6, atol=0.05)
+    assert twin._packed is not None and twin._packed is not lin._packed
