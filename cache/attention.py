@@ -22,6 +22,7 @@ attention is ``[heads, T, dim]`` as before, and a group axis of 1 takes exactly 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -54,10 +55,18 @@ def fewer_runs(runs: Sequence[Run]) -> Sequence[Run]:
 
 
 def causal_mask(t: int, n: int) -> torch.Tensor | None:
-    """bool [t, n]: query j (position n - t + j) sees keys up to its own position."""
+    """bool [t, n]: query j (position n - t + j) sees keys up to its own position. Shared,
+    not to be written: every layer of a forward asks for the same one (building it was ~1 ms
+    per layer at 512 x 512)."""
     if t <= 1:
         return None
-    return torch.ones(t, n, dtype=torch.bool).tril(diagonal=n - t)
+    return _causal_mask(t, n)
+
+
+@functools.lru_cache(maxsize=4)
+def _causal_mask(t: int, n: int) -> torch.Tensor:
+    with torch.inference_mode(False):  # a normal tensor: usable in and out of inference mode
+        return torch.ones(t, n, dtype=torch.bool).tril(diagonal=n - t)
 
 
 def compute_dtype(q: torch.Tensor, kv: torch.Tensor | None, rows: int = 1) -> torch.dtype:
@@ -100,13 +109,14 @@ def attend(q: torch.Tensor, runs: Sequence[Run], keep: torch.Tensor | None = Non
         return _attend_grouped(q, runs, keep, weights)
     runs = fewer_runs(_in_dtype(runs, q.dtype))
     n = sum(k.shape[1] for k, _ in runs)
+    if len(runs) == 1 and keep is None and not weights and n == q.shape[1] > 1:
+        k, v = runs[0]  # prefill of the whole context: SDPA's causal kernel, no mask
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     mask = causal_mask(q.shape[1], n)
     if keep is not None:
         mask = keep.expand(q.shape[1], -1) if mask is None else mask & keep
     if len(runs) == 1 and mask is not None and not weights:  # prefill: SDPA's fused kernel
         k, v = runs[0]
-        if keep is None and n == q.shape[1]:  # the whole context: no mask to build or read
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     # decode: two matmuls and a softmax beat CPU SDPA for one query (bench_kv's profile
     # section: micro_per_layer attend_one_query_us vs sdpa_one_query_us) and take the runs
@@ -147,16 +157,18 @@ def _attend_grouped(q: torch.Tensor, runs: Sequence[Run], keep: torch.Tensor | N
     Hk, G, T, D = q.shape
     runs = fewer_runs(_in_dtype(runs, q.dtype))
     n = sum(k.shape[1] for k, _ in runs)
-    mask = causal_mask(T, n)
-    if keep is not None:
-        mask = keep.expand(T, -1) if mask is None else mask & keep
     if T > 1 and not weights:
         k = runs[0][0] if len(runs) == 1 else torch.cat([k for k, _ in runs], 1)
         v = runs[0][1] if len(runs) == 1 else torch.cat([v for _, v in runs], 1)
         k, v = k[:, None].expand(Hk, G, n, D), v[:, None].expand(Hk, G, n, D)
-        if keep is None and n == T:
+        if keep is None and n == T:  # the whole context: no mask to build or read
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        mask = causal_mask(T, n)
+        mask = mask if keep is None else mask & keep
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    mask = causal_mask(T, n)
+    if keep is not None:
+        mask = keep.expand(T, -1) if mask is None else mask & keep
     rows = q.reshape(Hk, G * T, D)
     if len(runs) == 1 and mask is None and not weights:  # one query, one run: no copies
         k, v = runs[0]

@@ -21,6 +21,23 @@ using bf16 = c10::BFloat16;
 
 inline float round_bf16(float v) { return static_cast<float>(bf16(v)); }
 
+#if defined(FEDKV_AVX512) && defined(__AVX512BF16__)
+#define FEDKV_BF16_VEC 1
+// 16 bf16 <-> 16 fp32 (exact up; down rounds to nearest even, as c10::BFloat16 does)
+inline __m512 load16(const bf16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m256i to_bf16(__m512 v) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)); }
+inline void store16(bf16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline __m512 round16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
+}
+#endif
+
 void check_bf16(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kBFloat16, name, " must be bfloat16, got ", t.scalar_type());
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
@@ -34,12 +51,27 @@ void norm_rows(const bf16* x, const bf16* w, bf16* out, int64_t rows, int64_t wi
       const bf16* xr = x + n * width;
       bf16* o = out + n * width;
       float ss = 0.f;
-      for (int64_t i = 0; i < width; ++i) {
+      int64_t i = 0;
+#ifdef FEDKV_BF16_VEC
+      __m512 acc = _mm512_setzero_ps();
+      for (; i + 16 <= width; i += 16) {
+        __m512 v = load16(xr + i);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      ss = _mm512_reduce_add_ps(acc);
+#endif
+      for (; i < width; ++i) {
         float v = xr[i];
         ss += v * v;
       }
       float r = 1.0f / std::sqrt(ss / static_cast<float>(width) + static_cast<float>(eps));
-      for (int64_t i = 0; i < width; ++i)
+      i = 0;
+#ifdef FEDKV_BF16_VEC
+      const __m512 rv = _mm512_set1_ps(r);
+      for (; i + 16 <= width; i += 16)
+        store16(o + i, _mm512_mul_ps(load16(w + i), round16(_mm512_mul_ps(load16(xr + i), rv))));
+#endif
+      for (; i < width; ++i)
         o[i] = bf16(static_cast<float>(w[i]) * round_bf16(static_cast<float>(xr[i]) * r));
     }
   });
@@ -75,8 +107,11 @@ torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& y, const torc
   const bf16* yp = yc.data_ptr<bf16>();
   int64_t n = x.numel();
   at::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      xp[i] = bf16(static_cast<float>(xp[i]) + static_cast<float>(yp[i]));
+    int64_t i = begin;
+#ifdef FEDKV_BF16_VEC
+    for (; i + 16 <= end; i += 16) store16(xp + i, _mm512_add_ps(load16(xp + i), load16(yp + i)));
+#endif
+    for (; i < end; ++i) xp[i] = bf16(static_cast<float>(xp[i]) + static_cast<float>(yp[i]));
   });
   auto out = torch::empty_like(x);
   int64_t width = x.size(-1);
@@ -97,7 +132,22 @@ void rope_split_impl(const bf16* y, const bf16* cos, const bf16* sin, out_t* q, 
         const bf16* x = row + h * dim;
         // q [kv_heads, group, rows, dim] is [heads, rows, dim]: query head h at h * rows
         out_t* o = h < heads ? q + (h * rows + n) * dim : k + ((h - heads) * rows + n) * dim;
-        for (int64_t i = 0; i < dim; ++i) {
+        int64_t i = 0;
+#ifdef FEDKV_BF16_VEC
+        if (half % 16 == 0) {  // rotate-half in 16-lane pieces: lo gets -hi * sin, hi gets lo * sin
+          for (; i < half; i += 16) {
+            __m512 lo = load16(x + i), hi = load16(x + half + i);
+            __m512 c_lo = load16(c + i), s_lo = load16(s + i);
+            __m512 c_hi = load16(c + half + i), s_hi = load16(s + half + i);
+            store16(o + i, round16(_mm512_add_ps(round16(_mm512_mul_ps(lo, c_lo)),
+                                                 round16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi), s_lo)))));
+            store16(o + half + i, round16(_mm512_add_ps(round16(_mm512_mul_ps(hi, c_hi)),
+                                                        round16(_mm512_mul_ps(lo, s_hi)))));
+          }
+          i = dim;
+        }
+#endif
+        for (; i < dim; ++i) {
           float rot = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
           o[i] = static_cast<out_t>(round_bf16(round_bf16(static_cast<float>(x[i]) * c[i]) +
                                                round_bf16(rot * static_cast<float>(s[i]))));
@@ -171,30 +221,59 @@ torch::Tensor merge_heads(const torch::Tensor& a) {
   return out;
 }
 
-// gate_up [rows, 2 m] (gate, then up) -> bf16(bf16(silu(gate)) * up) [rows, m].
+#ifdef FEDKV_BF16_VEC
+// exp of 16 floats (Cephes' expf: 2^n * p(r), |r| <= ln2 / 2; within ~2 ulp of std::exp)
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.37626f)), _mm512_set1_ps(-87.33655f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+#endif
+
+// gate_up [rows, 2 m] (gate, then up) -> bf16(bf16(silu(gate)) * up) [rows, m]: SwiGLU as
+// eager bf16 computes it (silu rounded, then the product rounded).
 torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   check_bf16(gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
               "gate_up must be [rows, 2 m], got ", gate_up.sizes());
   auto gc = gate_up.contiguous();
-  int64_t rows = gc.size(0), m = gc.size(1) / 2;
+  const int64_t rows = gc.size(0), m = gc.size(1) / 2;
   auto out = torch::empty({rows, m}, gc.options());
   const bf16* g = gc.data_ptr<bf16>();
   bf16* o = out.data_ptr<bf16>();
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t i = 0; i < m; ++i) {
-        float a = g[n * 2 * m + i];
-        float s = round_bf16(a / (1.f + std::exp(-a)));
-        o[n * m + i] = bf16(s * static_cast<float>(g[n * 2 * m + m + i]));
+    for (int64_t n = begin; n < end; ++n) {
+      const bf16* gate = g + n * 2 * m;
+      const bf16* up = gate + m;
+      bf16* on = o + n * m;
+      int64_t i = 0;
+#ifdef FEDKV_BF16_VEC
+      const __m512 one = _mm512_set1_ps(1.0f);
+      for (; i + 16 <= m; i += 16) {
+        __m512 a = load16(gate + i);
+        __m512 silu = _mm512_div_ps(a, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), a))));
+        store16(on + i, _mm512_mul_ps(round16(silu), load16(up + i)));
       }
+#endif
+      for (; i < m; ++i) {
+        float a = gate[i];
+        on[i] = bf16(round_bf16(a / (1.f + std::exp(-a))) * static_cast<float>(up[i]));
+      }
+    }
   });
   return out;
 }
 
-// y[m, o] = bf16(scale[o] * sum_k q[o, k] * x[m, k]) for R output rows o..o+R-1 and MR
-// activation rows, the activations in fp32 (exact for bf16 inputs), one fp32 sum per
-// (row, output). The R weight rows are read once for the MR activation rows.
 constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead of the rows read the weights are fetched
 
 template <int R, int MR>
@@ -396,7 +475,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "x += y in place, then RMSNorm of x");
   m.def("rope_split", &rope_split, "q/k/v from the fused projection, q and k rotated");
   m.def("merge_heads", &merge_heads, "attention heads -> the o_proj input");
-  m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up");
   m.def("decode_attention", &decode_attention, "one decode step's attention over prefix runs and tails");
+  m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up");
   m.def("int8_linear", &int8_linear, "weight-only int8 linear of a few bf16 rows");
 }

@@ -1,11 +1,16 @@
 """Fused CPU kernels for a bf16 decode step (``kernels.cpp``), built on first use.
 
 A one-token step of SmolLM2 ran ~60 small eager ATen ops per layer besides its four linears:
-RMSNorm's pow/mean/rsqrt/mul chain, RoPE's slices and concatenations, the dtype casts,
-SiLU x up, the residual adds. At a few rows each op is mostly call overhead. ``kernels.cpp``
-does each chain in one call: ``rms_norm``, ``add_rms_norm_`` (residual add + the next norm),
-``rope_split`` (RoPE of q and k and the split into heads), ``merge_heads``, ``silu_mul``. They
-round to bf16 where the eager chain rounds, so they give its results (tests compare the two).
+RMSNorm's pow/mean/rsqrt/mul chain, RoPE's slices and concatenations, the dtype casts, the
+residual adds, attention's matmuls, mask and softmax. At a few rows each op is mostly call
+overhead. ``kernels.cpp`` does each chain in one call: ``rms_norm``, ``add_rms_norm_`` (residual
+add + the next norm), ``rope_split`` (RoPE of q and k and the split into heads),
+``merge_heads``, ``silu_mul`` (SwiGLU), ``decode_attention`` (a decode step's attention over
+the cache's prefix runs and tail slots); they round to bf16 where the eager chain rounds, so
+they give its results (tests compare the two). ``int8_linear`` is weight-only int8 for a few
+rows that streams the codes with software prefetch (``node.models.precision.Int8Linear``).
+The elementwise ones are vectorized for AVX-512 (with BF16), with a scalar path elsewhere;
+at a prefill's hundreds of rows they are no slower than the eager ops.
 ``experiments.bench_llm`` measures the decode they give (``decode_tokens_per_s.<ctx>.fedkv_bf16``
 against ``fedkv_bf16_eager``).
 

@@ -48,6 +48,7 @@ from node.models.byte_model import attend_session, attend_step
 from node.models.interface import MixedBatch
 from node.models import kernels as fused_kernels
 from node.models.packed import PackedProjection
+from node.models.precision import Int8Projection
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,28 @@ class Fused:
         return None if torch.is_grad_enabled() else self.w
 
 
+class Projection:
+    """``x @ cat(W_1, ..., W_n).T`` of ``owner``'s bias-free linears ``names`` by the path the
+    weights' format allows: bf16 through oneDNN's packed copy (:class:`PackedProjection`),
+    int8 codes stacked (``node.models.precision.Int8Projection``), fp32 through the fused
+    column-major matrix (:class:`Fused`, with ``fuse_fp32``). ``__call__`` returns None where
+    none applies -- autograd on, an adapter replaced a module -- and the caller runs the
+    modules."""
+
+    def __init__(self, owner: nn.Module, names: tuple[str, ...], fuse_fp32: bool = True):
+        self.packed = PackedProjection(owner, names)
+        self.int8 = Int8Projection(owner, names)
+        self.fused = Fused(owner, names) if fuse_fp32 else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        y = self.packed(x)
+        if y is None and x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
+            y = self.int8(x)
+        if y is None and self.fused is not None and (w := self.fused.weight()) is not None:
+            y = torch.matmul(x, w)
+        return y
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -223,16 +246,13 @@ class Attention(nn.Module):
         """Fuse q/k/v (see :class:`Fused`). o_proj stays row-major: column-major gained little
         for it, and its one-token GEMM then sums in an order that doubled SmolLM2's decode
         error against an fp64 reference (4e-5 -> 1e-4, with down_proj's)."""
-        self.qkv = Fused(self, ("q_proj", "k_proj", "v_proj"))
-        self.qkv_packed = PackedProjection(self, ("q_proj", "k_proj", "v_proj"))
-        self.o_packed = PackedProjection(self, ("o_proj",))
+        self.qkv = Projection(self, ("q_proj", "k_proj", "v_proj"))
+        self.o = Projection(self, ("o_proj",), fuse_fp32=False)
 
     def _project(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., T, hidden] -> q, k, v projected side by side, [..., T, (H + 2 Hk) * D]: one
         packed or fused matmul when it applies, else the modules (adapters, training, int8)."""
-        y = self.qkv_packed(x)
-        if y is None and (w := self.qkv.weight()) is not None:
-            y = torch.matmul(x, w)
+        y = self.qkv(x)
         if y is None:
             y = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         return y
@@ -249,7 +269,7 @@ class Attention(nn.Module):
 
     def _o(self, a: torch.Tensor) -> torch.Tensor:
         """o_proj of [..., T, heads * D]."""
-        y = self.o_packed(a)
+        y = self.o(a)
         return self.o_proj(a) if y is None else y
 
     def _out(self, a: torch.Tensor) -> torch.Tensor:
@@ -324,20 +344,16 @@ class MLP(nn.Module):
 
     def relayout(self) -> None:
         """Fuse gate/up (see :class:`Fused`); down_proj stays row-major (see Attention's)."""
-        self.gate_up = Fused(self, ("gate_proj", "up_proj"))
-        self.gate_up_packed = PackedProjection(self, ("gate_proj", "up_proj"))
-        self.down_packed = PackedProjection(self, ("down_proj",))
+        self.gate_up = Projection(self, ("gate_proj", "up_proj"))
+        self.down = Projection(self, ("down_proj",), fuse_fp32=False)
 
     def _gate_up(self, x: torch.Tensor) -> torch.Tensor | None:
         """gate and up projections side by side, [..., 2 * intermediate], from one packed or
         fused matmul; None where neither applies (the modules run)."""
-        y = self.gate_up_packed(x)
-        if y is None and (w := self.gate_up.weight()) is not None:
-            y = torch.matmul(x, w)
-        return y
+        return self.gate_up(x)
 
     def _down(self, h: torch.Tensor) -> torch.Tensor:
-        y = self.down_packed(h)
+        y = self.down(h)
         return self.down_proj(h) if y is None else y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -348,12 +364,11 @@ class MLP(nn.Module):
         return self._down(F.silu(gate).mul_(up))
 
     def fused(self, kernels: ModuleType, h: torch.Tensor) -> torch.Tensor:
-        """The MLP of bf16 rows ``h`` [N, hidden] with SiLU x up fused (``node.models.kernels``)."""
+        """The MLP of bf16 rows ``h`` [N, hidden], SiLU x up in one pass (``node.models.kernels``)."""
         y = self._gate_up(h)
         if y is None:
             y = torch.cat([self.gate_proj(h), self.up_proj(h)], dim=-1)
         return self._down(kernels.silu_mul(y))
-
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block; ``how`` names the attention's form (``forward``: cache-free,
@@ -393,7 +408,7 @@ class LlamaModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         transpose_storage(self.lm_head.weight)  # ~20 % of a decode step's weights
-        self.head_packed = PackedProjection(self, ("lm_head",))
+        self.head = Projection(self, ("lm_head",), fuse_fp32=False)
 
     def relayout(self) -> None:
         """Redo the decode layout of the weights (:class:`Fused`, :func:`transpose_storage`)
@@ -403,7 +418,7 @@ class LlamaModel(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.relayout()
             layer.mlp.relayout()
-        self.head_packed = PackedProjection(self, ("lm_head",))
+        self.head = Projection(self, ("lm_head",), fuse_fp32=False)
         head = getattr(self.lm_head, "weight", None)  # an int8 head has codes, no weight
         if isinstance(head, nn.Parameter) and head.dtype == torch.float32:
             transpose_storage(head)
@@ -474,7 +489,7 @@ class LlamaModel(nn.Module):
         """The output head's logits of final-normed rows in fp32 whatever the weights' format
         (``node.models.precision``): sampling, log-probabilities and losses downstream see one
         dtype."""
-        y = self.head_packed(h)
+        y = self.head(h)
         return (self.lm_head(h) if y is None else y).float()
 
     def kernels(self, x: torch.Tensor) -> ModuleType | None:

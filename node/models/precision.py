@@ -68,6 +68,17 @@ class Int8Linear(nn.Module):
         self._packed: torch.Tensor | None = None
         self._packed_key: tuple | None = None
 
+    @classmethod
+    def from_codes(cls, q: torch.Tensor, scale: torch.Tensor) -> "Int8Linear":
+        """An :class:`Int8Linear` holding these codes [out, in] and scales [out] (shared, not copied)."""
+        lin = cls.__new__(cls)
+        nn.Module.__init__(lin)
+        lin.register_buffer("q", q)
+        lin.register_buffer("scale", scale)
+        lin.out_features, lin.in_features = q.shape
+        lin._packed, lin._packed_key = None, None
+        return lin
+
     def __getstate__(self) -> dict:
         """Copies leave the packed bf16 matrix behind (oneDNN's opaque tensors cannot be
         copied); it is rebuilt on use."""
@@ -103,6 +114,50 @@ class Int8Linear(nn.Module):
         else:
             y = F.linear(rows, self.dequantized(x.dtype))
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int8Projection:
+    """``x @ cat(W_1, ..., W_n).T`` of ``owner``'s :class:`Int8Linear` modules ``names`` in one
+    call: their codes stacked into one [sum(out), in] matrix (one scale per output row, so
+    stacking is exact) whose row blocks the modules' ``q`` and ``scale`` then are views of --
+    q/k/v and gate/up read in one pass, no extra bytes. ``__call__`` returns None where it does
+    not apply (a module is no :class:`Int8Linear`) and the caller runs its modules. Derived:
+    re-stacked when a module's codes moved (a copy, ``load_state_dict`` into new storage)."""
+
+    def __init__(self, owner: nn.Module, names: tuple[str, ...]):
+        self.owner, self.names = owner, names
+        self.key: tuple | None = None
+        self.stacked: Int8Linear | None = None
+
+    def _modules(self) -> list[Int8Linear] | None:
+        mods = [self.owner._modules[n] for n in self.names]
+        return mods if all(type(m) is Int8Linear for m in mods) else None
+
+    @staticmethod
+    def _key(mods: list[Int8Linear]) -> tuple:
+        return tuple((m.q.data_ptr(), m.scale.data_ptr()) for m in mods)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        mods = self._modules()
+        if mods is None:
+            return None
+        if len(mods) == 1:
+            return mods[0](x)
+        if self.key != self._key(mods):
+            self._stack(mods)
+        return self.stacked(x)
+
+    def _stack(self, mods: list[Int8Linear]) -> None:
+        with torch.inference_mode(False), torch.no_grad():
+            q = torch.cat([m.q for m in mods])
+            scale = torch.cat([m.scale for m in mods])
+            a = 0
+            for m in mods:
+                n = m.out_features
+                m.q, m.scale = q[a : a + n], scale[a : a + n]  # buffers: views of the stack
+                a += n
+            self.stacked = Int8Linear.from_codes(q, scale)
+        self.key = self._key(mods)
 
 
 def _quantize_linears(model: nn.Module) -> None:

@@ -43,13 +43,15 @@ def assert_bf16_close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 3, 40])
-def test_rms_norm_is_the_eager_bf16_norm(k, rows):
-    x, w = bf(rows, 96, seed=1), bf(96, seed=2)
+@pytest.mark.parametrize("width", [96, 100])  # 100: a tail past the 16-lane vectors
+def test_rms_norm_is_the_eager_bf16_norm(k, rows, width):
+    x, w = bf(rows, width, seed=1), bf(width, seed=2)
     assert_bf16_close(k.rms_norm(x, w, EPS), eager_norm(x, w))
 
 
-def test_add_rms_norm_updates_the_residual_and_norms_it(k):
-    x, y, w = bf(5, 64, seed=1), bf(5, 64, seed=2), bf(64, seed=3)
+@pytest.mark.parametrize("width", [64, 72])
+def test_add_rms_norm_updates_the_residual_and_norms_it(k, width):
+    x, y, w = bf(5, width, seed=1), bf(5, width, seed=2), bf(width, seed=3)
     want_x = x + y
     got = k.add_rms_norm_(x, y, w, EPS)
     assert torch.equal(x, want_x)  # the residual stream, updated in place
@@ -58,8 +60,9 @@ def test_add_rms_norm_updates_the_residual_and_norms_it(k):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7])
-def test_rope_split_is_rope_of_the_split_projection(k, dtype, rows):
-    H, Hk, D = 6, 2, 16
+@pytest.mark.parametrize("D", [16, 64])  # 64: SmolLM2's, the vector path (half a multiple of 16)
+def test_rope_split_is_rope_of_the_split_projection(k, dtype, rows, D):
+    H, Hk = 6, 2
     y, cos, sin = bf(rows, (H + 2 * Hk) * D, seed=1), bf(rows, D, seed=2), bf(rows, D, seed=3)
     heads = y.unflatten(-1, (H + 2 * Hk, D)).transpose(0, 1)
     qk = apply_rope(heads[: H + Hk], cos, sin)
@@ -77,8 +80,9 @@ def test_merge_heads_is_the_o_proj_input(k, dtype):
     assert torch.equal(k.merge_heads(a), a.flatten(0, 1).transpose(0, 1).flatten(1).to(torch.bfloat16))
 
 
-def test_silu_mul_is_swiglu(k):
-    gu = bf(4, 2 * 48, seed=4)
+@pytest.mark.parametrize("m", [48, 40])  # 40: a tail past the 16-lane vectors
+def test_silu_mul_is_swiglu(k, m):
+    gu = (3 * bf(9, 2 * m, seed=4).float()).to(torch.bfloat16)
     gate, up = gu.chunk(2, dim=-1)
     assert_bf16_close(k.silu_mul(gu), F.silu(gate) * up)
 
@@ -126,8 +130,9 @@ def _decode(model, steps: int = 4) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
-def test_a_model_decodes_the_same_with_and_without_them(k, one_thread, monkeypatch, dtype):
-    model = precision.convert(tiny_llama(std=0.2), dtype)
+@pytest.mark.parametrize("head_dim", [16, 64])  # 64: the kernels' vector paths
+def test_a_model_decodes_the_same_with_and_without_them(k, one_thread, monkeypatch, dtype, head_dim):
+    model = precision.convert(tiny_llama(std=0.2, head_dim=head_dim), dtype)
     fused = _decode(model)
     monkeypatch.setattr(kernels, "ops", lambda: None)
     eager = _decode(model)

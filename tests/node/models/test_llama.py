@@ -288,9 +288,9 @@ def test_fused_weights_are_the_parameters_and_the_state_dict_is_hfs(tiny):
     hf, ours = tiny
     m = copy.deepcopy(ours)
     attn, mlp = m.model.layers[0].self_attn, m.model.layers[0].mlp
-    assert attn.qkv.weight() is None  # autograd on: the module path
+    assert attn.qkv.fused.weight() is None  # autograd on: the module path
     with torch.no_grad():
-        w, gu = attn.qkv.weight(), mlp.gate_up.weight()
+        w, gu = attn.qkv.fused.weight(), mlp.gate_up.fused.weight()
         assert w is not None and gu is not None
         assert w.untyped_storage().data_ptr() == attn.q_proj.weight.untyped_storage().data_ptr()
         assert torch.equal(w[:, :64], attn.q_proj.weight.t())
@@ -333,7 +333,7 @@ def test_an_adapter_on_q_and_v_is_used_by_decode(tiny):
             layer.self_attn.q_proj = _Delta(layer.self_attn.q_proj, scale)
             layer.self_attn.v_proj = _Delta(layer.self_attn.v_proj, scale)
         with torch.no_grad():
-            assert m.model.layers[0].self_attn.qkv.weight() is None
+            assert m.model.layers[0].self_attn.qkv.fused.weight() is None
         got = _greedy_logits(m, prompt, 4)
         if scale == 0.0:
             assert (got - plain).abs().max() < 1e-5
@@ -361,7 +361,7 @@ def test_a_replaced_parameter_is_fused_again_and_decode_reads_it(tiny):
     assert (_greedy_logits(m, prompt, 1)[: len(prompt)] - ref).abs().max() < TOL
     attn = m.model.layers[1].self_attn
     with torch.no_grad():
-        w = attn.qkv.weight()
+        w = attn.qkv.fused.weight()
     assert w.untyped_storage().data_ptr() == attn.k_proj.weight.untyped_storage().data_ptr()
     assert torch.equal(w[:, 64:96], attn.k_proj.weight.t())
 

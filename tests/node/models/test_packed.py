@@ -96,9 +96,8 @@ def test_a_bf16_llama_decodes_through_the_packed_linears():
     kv = KVCache(m.cache_config(pool_bytes=1 << 20))
     logits = m.prefill(list(range(10)), kv, kv.open_session())
     layer = m.model.layers[0]
-    assert all(p.packed is not None for p in (layer.self_attn.qkv_packed, layer.self_attn.o_packed,
-                                              layer.mlp.gate_up_packed, layer.mlp.down_packed,
-                                              m.head_packed))
+    assert all(p.packed.packed is not None for p in (layer.self_attn.qkv, layer.self_attn.o,
+                                                     layer.mlp.gate_up, layer.mlp.down, m.head))
     with torch.no_grad():
         ref = hf(torch.arange(10)[None]).logits[0, -1]
     assert int(logits.argmax()) == int(ref.argmax())

@@ -247,3 +247,21 @@ def test_int8_linear_repacks_changed_codes_and_copies_without_its_packed_matrix(
         lin.q.neg_()  # written in place: the packed copy must follow
         torch.testing.assert_close(lin(x).float(), -twin(x).float(), rtol=2 ** -6, atol=0.05)
     assert twin._packed is not None and twin._packed is not lin._packed
+
+
+def test_int8_projections_stack_the_codes_without_copying_them():
+    """q/k/v (and gate/up) of an int8 model run as one matrix whose row blocks the modules'
+    codes are views of: one call, the same bytes, the same result as the modules."""
+    m = _model("int8")
+    attn = m.model.layers[0].self_attn
+    x = torch.randn(3, m.cfg.hidden_size).to(torch.bfloat16)
+    with torch.no_grad():
+        want = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+        got = attn.qkv(x)
+    assert torch.equal(got, want)
+    stacked = attn.qkv.int8.stacked.q
+    assert attn.k_proj.q.data_ptr() == stacked.data_ptr() + attn.q_proj.q.numel()
+    with torch.no_grad():
+        attn.k_proj.q.zero_()  # a write through a module's codes is what the stack reads
+        assert torch.equal(attn.qkv(x)[:, attn.q_proj.out_features:][:, :attn.k_proj.out_features],
+                           torch.zeros(3, attn.k_proj.out_features, dtype=torch.bfloat16))
