@@ -98,6 +98,12 @@ class LoadConfig:
     """A token that takes longer than this counts the request as dropped."""
 
 
+TOKEN_BUDGET = 2048
+"""Tokens one scheduler step may compute (``SchedulerConfig.token_budget``): vLLM's CPU OpenAI
+server's default ``max_num_batched_tokens``, so both prefill a prompt of up to that length in
+one step (fedkv's own default, 256, chunks a 512-token prompt in two)."""
+
+
 @dataclass(frozen=True)
 class Req:
     prompt: tuple[int, ...]
@@ -315,7 +321,8 @@ def make_backend(system: str, served: Served, pool: int, clients: int,
         return SerialBackend(served.model, cache, model_id=served.name)
     from node.engine.scheduler import SchedulerConfig
     from node.engine.scheduler_backend import ScheduledBackend
-    return ScheduledBackend(served.model, cache, SchedulerConfig(max_running=max(clients, 1)),
+    return ScheduledBackend(served.model, cache, SchedulerConfig(max_running=max(clients, 1),
+                                                                 token_budget=TOKEN_BUDGET),
                             model_id=served.name)
 
 
@@ -368,7 +375,8 @@ def run_model(served: Served, clients_list: Sequence[int], cfg: LoadConfig, seed
     return {"by_clients": by_clients, "dropped_requests": sum(r["dropped"] for r in sched),
             **totals, "overcommit": offered / pool,
             "settings": {"fedkv": {"dtype": dtype_of(served.model), "kv_dtype": "fp32", "pool_tokens": pool,
-                                   "max_running": "clients", "block_size": block,
+                                   "max_running": "clients", "token_budget": TOKEN_BUDGET,
+                                   "block_size": block,
                                    "kernels": kernels.status()}}}, rows
 
 

@@ -221,7 +221,7 @@ torch::Tensor merge_heads(const torch::Tensor& a) {
   return out;
 }
 
-#ifdef FEDKV_BF16_VEC
+#ifdef FEDKV_AVX512
 // exp of 16 floats (Cephes' expf: 2^n * p(r), |r| <= ln2 / 2; within ~2 ulp of std::exp)
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.37626f)), _mm512_set1_ps(-87.33655f));
@@ -373,8 +373,74 @@ inline float dot(const float* a, const float* b, int64_t dim) {
   return s;
 }
 
-inline void axpy(float w, const float* x, float* y, int64_t dim) {
-  for (int64_t i = 0; i < dim; ++i) y[i] += w * x[i];
+inline float max_of(const float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+#ifdef FEDKV_AVX512
+  __m512 v = _mm512_set1_ps(m);
+  for (; i + 16 <= n; i += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(x + i));
+  m = _mm512_reduce_max_ps(v);
+#endif
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+// x[i] = exp(x[i] - mx), a masked (-inf) score exactly 0; returns the sum.
+inline float exp_shift_sum(float* x, int64_t n, float mx) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  float s = 0.f;
+  int64_t i = 0;
+#ifdef FEDKV_AVX512
+  const __m512 m = _mm512_set1_ps(mx), masked = _mm512_set1_ps(ninf);
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    __m512 v = _mm512_loadu_ps(x + i);
+    __mmask16 live = _mm512_cmp_ps_mask(v, masked, _CMP_NEQ_OQ);
+    __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(v, m)));
+    _mm512_storeu_ps(x + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  s = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) {
+    float e = x[i] == ninf ? 0.f : std::exp(x[i] - mx);
+    x[i] = e;
+    s += e;
+  }
+  return s;
+}
+
+// o[0:dim] += sum_t w[t] * row(t) over `n` rows `stride` apart (zero weights skipped), the
+// sums kept in registers when dim is a multiple of 16 up to 128.
+template <int DV>
+void weighted_rows_vec(const float* w, const float* rows, int64_t stride, int64_t n, float* o) {
+#ifdef FEDKV_AVX512
+  __m512 acc[DV];
+  for (int d = 0; d < DV; ++d) acc[d] = _mm512_loadu_ps(o + 16 * d);
+  for (int64_t t = 0; t < n; ++t) {
+    if (w[t] == 0.f) continue;
+    const __m512 wt = _mm512_set1_ps(w[t]);
+    const float* r = rows + t * stride;
+    for (int d = 0; d < DV; ++d) acc[d] = _mm512_fmadd_ps(wt, _mm512_loadu_ps(r + 16 * d), acc[d]);
+  }
+  for (int d = 0; d < DV; ++d) _mm512_storeu_ps(o + 16 * d, acc[d]);
+#endif
+}
+
+void weighted_rows(const float* w, const float* rows, int64_t stride, int64_t n, float* o,
+                   int64_t dim) {
+#ifdef FEDKV_AVX512
+  switch (dim) {
+    case 16: return weighted_rows_vec<1>(w, rows, stride, n, o);
+    case 32: return weighted_rows_vec<2>(w, rows, stride, n, o);
+    case 64: return weighted_rows_vec<4>(w, rows, stride, n, o);
+    case 128: return weighted_rows_vec<8>(w, rows, stride, n, o);
+    default: break;
+  }
+#endif
+  for (int64_t t = 0; t < n; ++t)
+    if (w[t] != 0.f)
+      for (int64_t i = 0; i < dim; ++i) o[i] += w[t] * rows[t * stride + i];
 }
 
 // One decode step's attention, grouped-query, over a shared prefix and each row's tail (what
@@ -449,19 +515,17 @@ torch::Tensor decode_attention(const torch::Tensor& q, const std::vector<torch::
               ok[t] ? dot(qp + ((h * G + g) * B + b) * D, kt + t * tk.row_stride, D) * scale : ninf;
       for (int64_t g = 0; g < G; ++g) {
         float* sc = score.data() + g * width;
-        float mx = ninf;
-        for (int64_t i = 0; i < width; ++i) mx = std::max(mx, sc[i]);
-        float* o = op + ((h * G + g) * B + b) * D;
+        const float mx = max_of(sc, width);
         if (mx == ninf) continue;  // nothing to attend: zeros
-        float sum = 0.f;
-        for (int64_t i = 0; i < width; ++i) sum += (sc[i] = std::exp(sc[i] - mx));
-        const float inv = 1.0f / sum;
+        const float inv = 1.0f / exp_shift_sum(sc, width, mx);
+        for (int64_t i = 0; i < width; ++i) sc[i] *= inv;
+        float* o = op + ((h * G + g) * B + b) * D;
         int64_t i = 0;
-        for (const Run& r : pv)
-          for (int64_t t = 0; t < r.n; ++t, ++i)
-            axpy(sc[i] * inv, r.base + h * r.head_stride + t * r.row_stride, o, D);
-        for (int64_t t = 0; t < T; ++t, ++i)
-          if (ok[t]) axpy(sc[i] * inv, vt + t * tv.row_stride, o, D);
+        for (const Run& r : pv) {
+          weighted_rows(sc + i, r.base + h * r.head_stride, r.row_stride, r.n, o, D);
+          i += r.n;
+        }
+        weighted_rows(sc + i, vt, tv.row_stride, T, o, D);
       }
     }
   });

@@ -319,9 +319,12 @@ def attend_mixed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCac
     """Attention of a :class:`MixedBatch`'s rows (q [Hk, G, N, D], k, v [Hk, N, D]): the decode
     step's, then each chunk's against its session."""
     B, parts = len(batch.decode_tokens), []
-    if B:
-        parts.append(attend_step(q[..., :B, :], k[:, :B], v[:, :B], cache, batch.step, layer,
-                                 kernels))
+    if B and kernels is not None and q.dtype == torch.bfloat16:  # decode attends in fp32
+        rows = attend_step(q[..., :B, :].float(), k[:, :B].float(), v[:, :B].float(), cache,
+                           batch.step, layer, kernels)
+        parts.append(rows.to(q.dtype))
+    elif B:
+        parts.append(attend_step(q[..., :B, :], k[:, :B], v[:, :B], cache, batch.step, layer))
     for sid, a, b in batch.spans():
         parts.append(attend_session(q[..., a:b, :], k[:, a:b], v[:, a:b], cache, sid, layer))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)

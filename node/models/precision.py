@@ -134,8 +134,9 @@ class Int8Projection:
         return mods if all(type(m) is Int8Linear for m in mods) else None
 
     @staticmethod
-    def _key(mods: list[Int8Linear]) -> tuple:
-        return tuple((m.q.data_ptr(), m.scale.data_ptr()) for m in mods)
+    def _key(mods: list[Int8Linear]) -> list[int]:
+        """Where the codes are (a write in place is read through the views)."""
+        return [m._buffers["q"].data_ptr() for m in mods]  # not nn.Module.__getattr__: hot path
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         mods = self._modules()
