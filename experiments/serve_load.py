@@ -49,7 +49,7 @@ import statistics
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,7 @@ from experiments.llm_contenders import StreamHandle
 from experiments import serve_contenders as contenders
 from experiments import single_stream
 from experiments.serve_contenders import LLAMACPP, VLLM
+from experiments.served_process import group_cpu_seconds
 from experiments.single_stream import SingleConfig
 from node.engine.generation import GenerationRequest
 from node.models import kernels
@@ -75,7 +76,7 @@ CONTENDERS = (VLLM, LLAMACPP)
 llama.cpp's ``llama-server`` on the F32 GGUF of the same weights."""
 CLIENTS = (1, 4, 16, 32)
 MODELS = ("smollm2", "tiny")
-METRICS = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
+METRICS = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "cpu_cores")
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,9 @@ class LoadConfig:
     """Each system serves one untimed pass (``warm_up``) before its measured cells."""
     timeout_s: float = 600.0
     """A token that takes longer than this counts the request as dropped."""
+    settle_s: float = 2.0
+    """Idle seconds before each cell: vLLM's engine keeps a core busy for about a second after
+    its last request, which the system after it in the rotation would otherwise share."""
 
 
 TOKEN_BUDGET = 2048
@@ -343,6 +347,7 @@ def run_model(served: Served, clients_list: Sequence[int], cfg: LoadConfig, seed
     (``vllm_cpu``, ``llamacpp_f32``) of the same weights, each a system of every cell."""
     servers = servers or {}
     systems = SYSTEMS + tuple(s for s in CONTENDERS if s in servers)
+    cfg = cfg if servers else replace(cfg, settle_s=0.0)  # nothing left busy to wait for
     by_clients: dict[str, dict] = {}
     rows: list[dict] = []
     block = served.model.cache_config().block_size
@@ -362,7 +367,7 @@ def run_model(served: Served, clients_list: Sequence[int], cfg: LoadConfig, seed
             k = (i + rep) % len(systems)
             for system in systems[k:] + systems[:k]:  # rotated: no fixed slot
                 backend = make_backend(system, served, pool, clients, servers)
-                row = _run_cell(backend, reqs, clients, cfg, seed + rep)
+                row = _run_cell(backend, reqs, clients, cfg, seed + rep, servers.get(system))
                 cell[system].append({m: row[m] for m in METRICS})
                 rows.append({"model": served.name, "clients": clients, "system": system,
                              "repeat": rep, "pool_tokens": pool, **row})
@@ -392,16 +397,27 @@ def warm_up(backend: Any, reqs: Sequence[Req], clients: int, cfg: LoadConfig) ->
 
 
 def _run_cell(backend: Any, reqs: Sequence[Req], clients: int, cfg: LoadConfig,
-              seed: int) -> dict[str, Any]:
-    """One backend under one load (closed after it): its figures, drops and counters."""
+              seed: int, server: Any = None) -> dict[str, Any]:
+    """One backend under one load (closed after it): its figures, drops and counters, and
+    ``cpu_cores``: the CPU seconds this process (the clients, an in-process engine) and a
+    contender's ``server`` process group used, per second of the cell."""
+    time.sleep(cfg.settle_s)
+    cpu0, own0 = _server_cpu(server), time.process_time()
     try:
         records, wall = drive(backend, reqs, clients, cfg, seed)
+        cpu = time.process_time() - own0 + _server_cpu(server) - cpu0
         counters = backend_counters(backend)
     finally:
         backend.close()
     offered = round(clients * statistics.fmean(len(r.prompt) + r.max_tokens for r in reqs))
     return {"requests": len(records), "dropped": sum(r.dropped for r in records),
-            "offered_tokens": offered, **summarize(records, wall), **counters}
+            "offered_tokens": offered, **summarize(records, wall), "cpu_cores": cpu / wall,
+            **counters}
+
+
+def _server_cpu(server: Any) -> float:
+    """CPU seconds of a contender server's process group so far (0 without one)."""
+    return group_cpu_seconds(server.proc.pid) if server is not None else 0.0
 
 
 def system_dtype(system: str, served: Served, servers: dict[str, Any] | None = None) -> str:
@@ -460,6 +476,7 @@ def single_fresh(served: Served, cfg: SingleConfig, seed: int,
     """``experiments.single_stream`` over this model's backends (the contenders that run)."""
     servers = servers or {}
     systems = ("fedkv_scheduler", "hf_sequential") + tuple(s for s in CONTENDERS if s in servers)
+    cfg = cfg if servers else replace(cfg, settle_s=0.0)
     pool = 2 * (cfg.prompt_tokens + cfg.new_tokens)
     out = single_stream.run(lambda s: make_backend(s, served, pool, 1, servers), systems, cfg,
                             served.vocab, seed)

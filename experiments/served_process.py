@@ -7,6 +7,7 @@ reached only over HTTP (``httpx``), its resources read from ``/proc`` and its ga
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import signal
@@ -230,3 +231,20 @@ def stop_group(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             pass
     proc.wait(timeout=30)
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of process group ``pgid``
+    (a contender server started with ``start_new_session``: its leader's pid), read from
+    ``/proc``; NaN where there is no ``/proc``."""
+    if not os.path.isdir("/proc"):
+        return math.nan
+    ticks = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited while we read
+        if int(fields[2]) == pgid:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")

@@ -28,6 +28,8 @@ class SingleConfig:
     new_tokens: int = 128
     repeats: int = 3
     timeout_s: float = 600.0
+    settle_s: float = 2.0
+    """Idle seconds before each request (``experiments.serve_load.LoadConfig.settle_s``)."""
 
 
 def fresh_prompt(n: int, vocab: int, seed: int) -> tuple[int, ...]:
@@ -59,6 +61,7 @@ def run(make: Callable[[str], Any], systems: Sequence[str], cfg: SingleConfig, v
     for rep in range(cfg.repeats):
         k = rep % len(systems)
         for i, system in enumerate(systems[k:] + systems[:k]):
+            time.sleep(cfg.settle_s)
             backend = make(system)
             try:
                 prompt = fresh_prompt(cfg.prompt_tokens, vocab, seed * 1000 + rep * 10 + i)

@@ -110,7 +110,7 @@ def test_single_stream_times_the_first_token_and_the_decode_apart():
     def make(system):
         made.append(_Clocked(now))
         return made[-1]
-    cfg = single_stream.SingleConfig(prompt_tokens=8, new_tokens=5, repeats=2)
+    cfg = single_stream.SingleConfig(prompt_tokens=8, new_tokens=5, repeats=2, settle_s=0.0)
     out = single_stream.run(make, ("a", "b"), cfg, vocab=100, seed=0, clock=lambda: now[0])
     assert len(made) == 4 and all(b.closed for b in made)  # a fresh backend per request
     for s in ("a", "b"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import threading
@@ -17,6 +18,7 @@ import pytest
 
 from experiments import serve_load as sl
 from experiments import vllm_contender as vc
+from experiments.served_process import group_cpu_seconds, stop_group
 from tests.hang_guard import HANG_GUARD_S
 
 pytest.importorskip("httpx")
@@ -224,12 +226,20 @@ def test_a_server_that_exits_fails_the_start_and_leaves_nothing(tmp_path):
 def test_vllm_runs_in_every_cell_in_the_rotation(fake, one_thread):
     fake.mode = "max_tokens"
     url = f"http://127.0.0.1:{fake.server_address[1]}"
+    fake_proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                 start_new_session=True)  # the server's process group
     server = type("S", (), {"url": url, "name": "tiny", "settings": vc.VllmSettings(),
+                            "proc": fake_proc,
                             "backend": lambda self, n: vc.VllmBackend(url, "tiny", n)})()
     served = sl.load_served("tiny", seed=0)
-    res, rows = sl.run_model(served, [1, 2], sl.LoadConfig(requests_per_client=1, max_new=4,
-                                                           max_prompt=48, think_s=0),
-                             seed=0, trace=None, servers={sl.VLLM: server})
+    try:
+        res, rows = sl.run_model(served, [1, 2], sl.LoadConfig(requests_per_client=1, max_new=4,
+                                                               max_prompt=48, think_s=0,
+                                                               settle_s=0.0),
+                                 seed=0, trace=None, servers={sl.VLLM: server})
+    finally:
+        stop_group(fake_proc)
+    assert all(r["cpu_cores"] > 0 for r in rows)  # the clients' CPU at least, for every system
     firsts = [r["system"] for r in rows if r["repeat"] == 0][::4]
     assert firsts == ["fedkv_scheduler", "fedkv_no_scheduler"]  # a rotation over four systems
     for cell in res["by_clients"].values():
@@ -275,3 +285,14 @@ def test_real_vllm_streams_every_requested_token(tmp_path):
             b.close()
     assert [r.tokens for r in recs] == [12, 12] and not any(r.dropped for r in recs)
     assert len(ids) == 12 and all(0 <= t < 49152 for t in ids) and h.finish_reason == "length"
+
+
+def test_group_cpu_seconds_counts_a_busy_server_group():
+    """A contender's CPU is read from its process group (``cpu_cores`` in every cell)."""
+    spin = "import time\nt = time.time()\nwhile time.time() - t < 30: pass"
+    busy = subprocess.Popen([sys.executable, "-c", spin], start_new_session=True)
+    try:
+        time.sleep(1.0)
+        assert 0.3 < group_cpu_seconds(busy.pid) < 5.0
+    finally:
+        stop_group(busy)
