@@ -7,9 +7,12 @@ turns a loaded fp32 ``node.models.llama.LlamaModel`` into one.
   (``node.models.packed``: eager bf16, which reorders the weight on every call, decoded no
   faster than fp32 here); attention stays in the cache's fp32 (``cache.attention.compute_dtype``);
 * ``int8`` -- weight-only int8 (:class:`Int8Linear`: symmetric per-output-channel scales,
-  bf16 activations), a quarter of the fp32 bytes: the faster decode (1.0-1.4x fp32). Serving
-  only: its linears hold int8 buffers, not HF's parameters, so it is not trained, published
-  or wrapped by adapters.
+  bf16 activations), a quarter of the fp32 bytes a decode step reads: the fastest decode
+  (``experiments.bench_llm``). A few rows read the codes (``node.models.kernels``'
+  ``int8_linear``), q/k/v and gate/up stacked into one call (:class:`Int8Projection`); more
+  rows use a packed bf16 copy of the dequantized weights (2 more bytes per weight, held
+  beside the codes). Serving only: its linears hold int8 buffers, not HF's parameters, so it
+  is not trained, published or wrapped by adapters.
 
 The KV cache is not involved: it stores K/V in its own ``kv_dtype`` (fp32 blocks by default)
 and casts on the way in and out (bf16 -> fp32 -> bf16 is exact), so every cache format works
