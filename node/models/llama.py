@@ -18,7 +18,7 @@ it has no decode loop of its own (sampling lives in ``Sessions.turn`` / ``turn_b
 
 Decode layout: a one-token step is bound by reading the weights, so the wide ones are stored
 for it -- q/k/v and gate/up each fused into one column-major matrix whose blocks the
-parameters are views of (:class:`Fused`), the (tied) output embedding column-major
+parameters are views of (``node.models.projection``), the (tied) output embedding column-major
 (:func:`transpose_storage`) -- and RoPE's cos/sin come from a table. Parameter names, shapes
 and values are HF's; training (autograd) and adapters wrapping ``q_proj``/``v_proj`` use the
 modules.
@@ -47,8 +47,7 @@ from crypto import Layout, flatten
 from node.models.byte_model import attend_session, attend_step
 from node.models.interface import MixedBatch
 from node.models import kernels as fused_kernels
-from node.models.packed import PackedProjection
-from node.models.precision import Int8Projection
+from node.models.projection import Projection, transpose_storage
 
 
 @dataclass(frozen=True)
@@ -159,78 +158,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rot * sin
 
 
-def transpose_storage(p: nn.Parameter) -> None:
-    """Store a weight [out, in] column-major (a transposed view of a contiguous [in, out]):
-    same shape, values and parameter, but ``x @ W.T`` for one token then streams the matrix
-    row by row -- MKL's one-row GEMM on this layout measured 1.5-2x faster than on the
-    row-major one for SmolLM2's wide matrices (lm_head, fused q/k/v and gate/up, whose
-    input is the 576-wide hidden state) on this machine."""
-    p.data = p.detach().t().contiguous().t()
-
-
-class Fused:
-    """The weights of linears reading the same input (q/k/v; gate/up) stored as the column
-    blocks of one contiguous [in, sum(out)] matrix, so decode makes one matmul of them, not
-    three. The parameters stay (HF names, state dict, LoRA targets): each *is* a transposed
-    view of its block. ``weight()`` returns the matrix for decode only without autograd (it
-    is no parameter) and while the modules are plain bias-free ``nn.Linear``s -- an adapter
-    that replaced one (LoRA on ``q_proj``) turns it off and callers use the modules; a
-    parameter whose storage was replaced (a dtype change, ``deepcopy``, an assignment) is
-    fused again, once, in place (values unchanged, same parameter objects)."""
-
-    def __init__(self, owner: nn.Module, names: tuple[str, ...]):
-        self.owner, self.names = owner, names
-        self.w: torch.Tensor | None = None
-        self.ptrs: list[int] = []
-        self.weight()
-
-    def _modules(self) -> list[nn.Linear] | None:
-        mods = [getattr(self.owner, n) for n in self.names]
-        if any(type(m) is not nn.Linear or m.bias is not None for m in mods):
-            return None
-        return mods
-
-    def _fuse(self, mods: list[nn.Linear]) -> None:
-        self.w = torch.cat([m.weight.detach().t() for m in mods], dim=1).contiguous()
-        a = 0
-        for m in mods:
-            n = m.weight.shape[0]
-            m.weight.data = self.w[:, a : a + n].t()
-            a += n
-        self.ptrs = [m.weight.data_ptr() for m in mods]
-
-    def weight(self) -> torch.Tensor | None:
-        mods = self._modules()
-        if mods is None:
-            return None
-        if [m.weight.data_ptr() for m in mods] != self.ptrs:
-            with torch.inference_mode(False), torch.no_grad():  # parameters stay trainable
-                self._fuse(mods)
-        return None if torch.is_grad_enabled() else self.w
-
-
-class Projection:
-    """``x @ cat(W_1, ..., W_n).T`` of ``owner``'s bias-free linears ``names`` by the path the
-    weights' format allows: bf16 through oneDNN's packed copy (:class:`PackedProjection`),
-    int8 codes stacked (``node.models.precision.Int8Projection``), fp32 through the fused
-    column-major matrix (:class:`Fused`, with ``fuse_fp32``). ``__call__`` returns None where
-    none applies -- autograd on, an adapter replaced a module -- and the caller runs the
-    modules."""
-
-    def __init__(self, owner: nn.Module, names: tuple[str, ...], fuse_fp32: bool = True):
-        self.packed = PackedProjection(owner, names)
-        self.int8 = Int8Projection(owner, names)
-        self.fused = Fused(owner, names) if fuse_fp32 else None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
-        y = self.packed(x)
-        if y is None and x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
-            y = self.int8(x)
-        if y is None and self.fused is not None and (w := self.fused.weight()) is not None:
-            y = torch.matmul(x, w)
-        return y
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -243,7 +170,7 @@ class Attention(nn.Module):
         self.relayout()
 
     def relayout(self) -> None:
-        """Fuse q/k/v (see :class:`Fused`). o_proj stays row-major: column-major gained little
+        """Fuse q/k/v (``node.models.projection.Projection``). o_proj stays row-major: column-major gained little
         for it, and its one-token GEMM then sums in an order that doubled SmolLM2's decode
         error against an fp64 reference (4e-5 -> 1e-4, with down_proj's)."""
         self.qkv = Projection(self, ("q_proj", "k_proj", "v_proj"))
@@ -346,7 +273,7 @@ class MLP(nn.Module):
         self.relayout()
 
     def relayout(self) -> None:
-        """Fuse gate/up (see :class:`Fused`); down_proj stays row-major (see Attention's)."""
+        """Fuse gate/up (``Projection``); down_proj stays row-major (see Attention's)."""
         self.gate_up = Projection(self, ("gate_proj", "up_proj"))
         self.down = Projection(self, ("down_proj",), fuse_fp32=False)
 
@@ -414,7 +341,7 @@ class LlamaModel(nn.Module):
         self.head = Projection(self, ("lm_head",), fuse_fp32=False)
 
     def relayout(self) -> None:
-        """Redo the decode layout of the weights (:class:`Fused`, :func:`transpose_storage`)
+        """Redo the decode layout of the weights (``node.models.projection``)
         after something replaced their storage (a dtype change); values are unchanged. A
         reduced-precision head stays row-major: bf16's one-row GEMM measured ~2-3x faster on
         that layout than on the column-major one (the opposite of fp32)."""
