@@ -139,8 +139,9 @@ void rope_split_impl(const bf16* y, const bf16* cos, const bf16* sin, out_t* q, 
             __m512 lo = load16(x + i), hi = load16(x + half + i);
             __m512 c_lo = load16(c + i), s_lo = load16(s + i);
             __m512 c_hi = load16(c + half + i), s_hi = load16(s + half + i);
+            const __m512 neg_hi = _mm512_sub_ps(_mm512_setzero_ps(), hi);
             store16(o + i, round16(_mm512_add_ps(round16(_mm512_mul_ps(lo, c_lo)),
-                                                 round16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi), s_lo)))));
+                                                 round16(_mm512_mul_ps(neg_hi, s_lo)))));
             store16(o + half + i, round16(_mm512_add_ps(round16(_mm512_mul_ps(hi, c_hi)),
                                                         round16(_mm512_mul_ps(lo, s_hi)))));
           }

@@ -170,9 +170,10 @@ class Attention(nn.Module):
         self.relayout()
 
     def relayout(self) -> None:
-        """Fuse q/k/v (``node.models.projection.Projection``). o_proj stays row-major: column-major gained little
-        for it, and its one-token GEMM then sums in an order that doubled SmolLM2's decode
-        error against an fp64 reference (4e-5 -> 1e-4, with down_proj's)."""
+        """Fuse q/k/v (``node.models.projection.Projection``). o_proj stays row-major:
+        column-major gained little for it, and its one-token GEMM then sums in an order that
+        doubled SmolLM2's decode error against an fp64 reference (4e-5 -> 1e-4, with
+        down_proj's)."""
         self.qkv = Projection(self, ("q_proj", "k_proj", "v_proj"))
         self.o = Projection(self, ("o_proj",), fuse_fp32=False)
 
@@ -294,7 +295,8 @@ class MLP(nn.Module):
         return self._down(F.silu(gate).mul_(up))
 
     def fused(self, kernels: ModuleType, h: torch.Tensor) -> torch.Tensor:
-        """The MLP of bf16 rows ``h`` [N, hidden], SiLU x up in one pass (``node.models.kernels``)."""
+        """The MLP of bf16 rows ``h`` [N, hidden], SiLU x up in one pass
+        (``node.models.kernels``)."""
         y = self._gate_up(h)
         if y is None:
             y = torch.cat([self.gate_proj(h), self.up_proj(h)], dim=-1)

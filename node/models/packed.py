@@ -27,6 +27,32 @@ def available() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+EXACT_ROWS = 16
+"""Up to this many rows (decode steps) a product runs at its own row count."""
+ROW_BUCKET = 32
+"""More rows are padded to a multiple of this. oneDNN builds (JIT-compiles) a kernel per
+input shape and keeps 1,024 in a cache: prefill chunks of every length made a long-running
+server build one for each new length (15-25 ms per prefill here), churn that cache and grow;
+padded, at most 64 shapes cover a 2,048-token step, each built once."""
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` for a weight packed by :func:`pack` (``x``'s rows padded to a
+    :data:`ROW_BUCKET` multiple past :data:`EXACT_ROWS`; the padding's rows dropped)."""
+    rows = x.reshape(-1, x.shape[-1])
+    m = rows.shape[0]
+    if m > EXACT_ROWS and m % ROW_BUCKET:
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, ROW_BUCKET - m % ROW_BUCKET))
+    y = torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
+    return y[:m].reshape(*x.shape[:-1], y.shape[-1])
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [out, in] in oneDNN's packed layout (usable in and out of inference mode)."""
+    with torch.inference_mode(False), torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous())
+
+
 def _key(weights: list[torch.Tensor]) -> tuple:
     return tuple((w.data_ptr(), w._version) for w in weights)
 
@@ -61,11 +87,6 @@ class PackedProjection:
         if ws is None:
             return None
         if self.key != _key(ws):
-            self._pack(ws)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-
-    def _pack(self, ws: list[torch.Tensor]) -> None:
-        with torch.inference_mode(False), torch.no_grad():  # usable in and out of inference mode
-            w = ws[0] if len(ws) == 1 else torch.cat([w.detach() for w in ws], dim=0)
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous())
-        self.key = _key(ws)
+            self.packed = pack(ws[0] if len(ws) == 1 else torch.cat([w.detach() for w in ws]))
+            self.key = _key(ws)
+        return linear(x, self.packed)

@@ -98,8 +98,7 @@ class Int8Linear(nn.Module):
         key = (self.q.data_ptr(), self.q._version, self.scale.data_ptr(), self.scale._version)
         if self._packed_key != key:
             with torch.inference_mode(False), torch.no_grad():
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(
-                    self.dequantized(torch.bfloat16))
+                self._packed = packed.pack(self.dequantized(torch.bfloat16))
             self._packed_key = key
         return self._packed
 
@@ -113,7 +112,7 @@ class Int8Linear(nn.Module):
                 y = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.q,
                                                        self.scale.to(x.dtype))
         elif rows.dtype == torch.bfloat16 and (w := self._bf16_packed()) is not None:
-            y = torch.ops.mkldnn._linear_pointwise(rows, w, None, "none", [], "")
+            y = packed.linear(rows, w)
         else:
             y = F.linear(rows, self.dequantized(x.dtype))
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -101,3 +101,16 @@ def test_a_bf16_llama_decodes_through_the_packed_linears():
     with torch.no_grad():
         ref = hf(torch.arange(10)[None]).logits[0, -1]
     assert int(logits.argmax()) == int(ref.argmax())
+
+
+@pytest.mark.parametrize("rows", [1, packed.EXACT_ROWS, packed.EXACT_ROWS + 1, 40, 64, 100])
+def test_padded_row_counts_give_the_unpadded_product(rows):
+    """Past the decode sizes the rows are padded to a bucket (one oneDNN kernel per bucket,
+    not per length): the result is the product of the real rows, nothing of the padding."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 24, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, 24, generator=g).to(torch.bfloat16)
+    got = packed.linear(x, packed.pack(w))
+    assert got.shape == (rows, 48)
+    assert close(got, x.float() @ w.float().T)
+    assert close(packed.linear(x[None], packed.pack(w))[0], got)  # leading dims kept
