@@ -56,8 +56,7 @@ def fewer_runs(runs: Sequence[Run]) -> Sequence[Run]:
 
 def causal_mask(t: int, n: int) -> torch.Tensor | None:
     """bool [t, n]: query j (position n - t + j) sees keys up to its own position. Shared,
-    not to be written: every layer of a forward asks for the same one (building it was ~1 ms
-    per layer at 512 x 512)."""
+    not to be written: every layer of a forward asks for the same one, built once."""
     if t <= 1:
         return None
     return _causal_mask(t, n)

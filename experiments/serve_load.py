@@ -98,8 +98,8 @@ class LoadConfig:
     timeout_s: float = 600.0
     """A token that takes longer than this counts the request as dropped."""
     settle_s: float = 2.0
-    """Idle seconds before each cell: vLLM's engine keeps a core busy for about a second after
-    its last request, which the system after it in the rotation would otherwise share."""
+    """Idle seconds before each cell: a contender's engine can keep a core busy after its last
+    request (vLLM's did), which the system after it in the rotation would otherwise share."""
 
 
 TOKEN_BUDGET = 2048

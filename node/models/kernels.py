@@ -1,6 +1,6 @@
 """Fused CPU kernels for a bf16 decode step (``kernels.cpp``), built on first use.
 
-A one-token step of SmolLM2 ran ~60 small eager ATen ops per layer besides its four linears:
+A one-token step of SmolLM2 ran dozens of small eager ATen ops per layer besides its linears:
 RMSNorm's pow/mean/rsqrt/mul chain, RoPE's slices and concatenations, the dtype casts, the
 residual adds, attention's matmuls, mask and softmax. At a few rows each op is mostly call
 overhead. ``kernels.cpp`` does each chain in one call: ``rms_norm``, ``add_rms_norm_`` (residual
@@ -12,7 +12,7 @@ rows that streams the codes with software prefetch (``node.models.precision.Int8
 The elementwise ones are vectorized for AVX-512 (with BF16), with a scalar path elsewhere;
 at a prefill's hundreds of rows they are no slower than the eager ops.
 ``experiments.bench_llm`` measures the decode they give (``decode_tokens_per_s.<ctx>.fedkv_bf16``
-against ``fedkv_bf16_eager``).
+and ``.fedkv_int8_weights``; the same run with ``FEDKV_KERNELS=eager`` is the baseline).
 
 Built with torch's own extension builder (``torch.utils.cpp_extension.load``: a C++ compiler
 and ninja, cached under torch's extension directory, rebuilt when the source, torch or the

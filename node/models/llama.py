@@ -278,17 +278,12 @@ class MLP(nn.Module):
         self.gate_up = Projection(self, ("gate_proj", "up_proj"))
         self.down = Projection(self, ("down_proj",), fuse_fp32=False)
 
-    def _gate_up(self, x: torch.Tensor) -> torch.Tensor | None:
-        """gate and up projections side by side, [..., 2 * intermediate], from one packed or
-        fused matmul; None where neither applies (the modules run)."""
-        return self.gate_up(x)
-
     def _down(self, h: torch.Tensor) -> torch.Tensor:
         y = self.down(h)
         return self.down_proj(h) if y is None else y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._gate_up(x)
+        y = self.gate_up(x)  # gate and up side by side; None: the modules run
         if y is None:
             return self._down(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate, up = y.chunk(2, dim=-1)
@@ -297,10 +292,11 @@ class MLP(nn.Module):
     def fused(self, kernels: ModuleType, h: torch.Tensor) -> torch.Tensor:
         """The MLP of bf16 rows ``h`` [N, hidden], SiLU x up in one pass
         (``node.models.kernels``)."""
-        y = self._gate_up(h)
+        y = self.gate_up(h)
         if y is None:
             y = torch.cat([self.gate_proj(h), self.up_proj(h)], dim=-1)
         return self._down(kernels.silu_mul(y))
+
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block; ``how`` names the attention's form (``forward``: cache-free,

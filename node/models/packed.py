@@ -32,8 +32,8 @@ EXACT_ROWS = 16
 ROW_BUCKET = 32
 """More rows are padded to a multiple of this. oneDNN builds (JIT-compiles) a kernel per
 input shape and keeps 1,024 in a cache: prefill chunks of every length made a long-running
-server build one for each new length (15-25 ms per prefill here), churn that cache and grow;
-padded, at most 64 shapes cover a 2,048-token step, each built once."""
+server build one for each new length, churn that cache and slow down (``experiments.serve_soak``,
+docs/serving.md); padded, at most 64 shapes cover a 2,048-token step, each built once."""
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

@@ -34,9 +34,9 @@ DECODE_ROWS = 8
 """Up to this many rows an :class:`Int8Linear` multiplies the int8 codes directly (reading 1
 byte per weight: ``node.models.kernels``' ``int8_linear``, else ``aten._weight_int8pack_mm``);
 more rows (several decode rows, a prefill chunk) go through oneDNN's bf16 GEMM on a packed bf16
-copy of the dequantized weights, whose cost hardly grows with the rows (1 thread, 576 -> 3072,
-weights out of cache: the int8 kernel 0.19 ms at 4 rows, 0.29 at 8, 0.44 at 12, 0.57 at 16;
-the packed bf16 GEMM ~0.35 ms from 1 to 16 rows)."""
+copy of the dequantized weights: the int8 kernel's time grows with the rows (it multiplies on
+the vector units), the packed GEMM's hardly does (the bf16 matrix units), and past about 8
+rows the GEMM is the faster."""
 
 
 def check(dtype: str) -> str:
