@@ -535,6 +535,12 @@ torch::Tensor decode_attention(const torch::Tensor& q, const std::vector<torch::
 
 }  // namespace
 
+// int8_amx.cpp
+bool int8_amx_available();
+torch::Tensor int8_pack_amx(const torch::Tensor& q);
+torch::Tensor int8_linear_amx(const torch::Tensor& x, const torch::Tensor& packed,
+                              const torch::Tensor& scale);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows");
   m.def("add_rms_norm_", &add_rms_norm_, "x += y in place, then RMSNorm of x");
@@ -543,4 +549,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one decode step's attention over prefix runs and tails");
   m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up");
   m.def("int8_linear", &int8_linear, "weight-only int8 linear of a few bf16 rows");
+  m.def("int8_amx_available", &int8_amx_available, "AMX bf16 tiles usable in this process");
+  m.def("int8_pack_amx", &int8_pack_amx, "int8 codes in the AMX tile order of int8_linear_amx");
+  m.def("int8_linear_amx", &int8_linear_amx, "weight-only int8 linear of up to 32 rows on AMX");
 }

@@ -8,7 +8,9 @@ add + the next norm), ``rope_split`` (RoPE of q and k and the split into heads),
 ``merge_heads``, ``silu_mul`` (SwiGLU), ``decode_attention`` (a decode step's attention over
 the cache's prefix runs and tail slots); they round to bf16 where the eager chain rounds, so
 they give its results (tests compare the two). ``int8_linear`` is weight-only int8 for a few
-rows that streams the codes with software prefetch (``node.models.precision.Int8Linear``).
+rows that streams the codes with software prefetch; ``int8_linear_amx`` (``int8_amx.cpp``)
+widens them to bf16 tile by tile for AMX's matrix unit, for up to 32 rows
+(``node.models.precision.Int8Linear`` picks; ``experiments.int8_rows`` times both).
 The elementwise ones are vectorized for AVX-512 (with BF16), with a scalar path elsewhere;
 at a prefill's hundreds of rows they are no slower than the eager ops.
 ``experiments.bench_llm`` measures the decode they give (``decode_tokens_per_s.<ctx>.fedkv_bf16``
@@ -33,7 +35,7 @@ from types import ModuleType
 
 import torch
 
-SOURCE = Path(__file__).with_name("kernels.cpp")
+SOURCES = (Path(__file__).with_name("kernels.cpp"), Path(__file__).with_name("int8_amx.cpp"))
 ENV = "FEDKV_KERNELS"
 """``eager`` turns the fused kernels off (a reference run, a machine without a compiler)."""
 
@@ -54,7 +56,8 @@ def _cpu_flags() -> str:
 
 def _build_name() -> str:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode()):
+    for part in (*(s.read_bytes() for s in SOURCES), torch.__version__.encode(),
+                 _cpu_flags().encode()):
         digest.update(part)
     return f"fedkv_kernels_{digest.hexdigest()[:12]}"
 
@@ -70,7 +73,7 @@ def ops() -> ModuleType | None:
     try:
         from torch.utils import cpp_extension
 
-        return cpp_extension.load(name=_build_name(), sources=[str(SOURCE)],
+        return cpp_extension.load(name=_build_name(), sources=[str(s) for s in SOURCES],
                                   extra_cflags=["-O3", "-march=native"], verbose=False)
     except Exception as e:  # no compiler or ninja, a failed build: the eager ops serve
         last = (str(e).strip().splitlines() or [""])[-1][:200]
@@ -79,6 +82,16 @@ def ops() -> ModuleType | None:
         return None
 
 
+@functools.cache
+def amx() -> bool:
+    """The kernels are loaded and this CPU and kernel let the process use AMX bf16 tiles
+    (``int8_linear_amx``; Linux grants the tile state on request)."""
+    return ops() is not None and bool(ops().int8_amx_available())
+
+
 def status() -> str:
-    """``fused`` when the kernels are loaded, else ``eager (<why>)``."""
-    return "fused" if ops() is not None else f"eager ({_why_not})"
+    """``fused`` (``fused+amx`` with AMX tiles) when the kernels are loaded, else
+    ``eager (<why>)``."""
+    if ops() is None:
+        return f"eager ({_why_not})"
+    return "fused+amx" if amx() else "fused"

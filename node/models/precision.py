@@ -8,10 +8,10 @@ turns a loaded fp32 ``node.models.llama.LlamaModel`` into one.
   faster than fp32 here); attention stays in the cache's fp32 (``cache.attention.compute_dtype``);
 * ``int8`` -- weight-only int8 (:class:`Int8Linear`: symmetric per-output-channel scales,
   bf16 activations), a quarter of the fp32 bytes a decode step reads: the fastest decode
-  (``experiments.bench_llm``). A few rows read the codes (``node.models.kernels``'
-  ``int8_linear``), q/k/v and gate/up stacked into one call (:class:`Int8Projection`); more
-  rows use a packed bf16 copy of the dequantized weights (2 more bytes per weight, held
-  beside the codes). Serving only: its linears hold int8 buffers, not HF's parameters, so it
+  (``experiments.bench_llm``). A decode batch's rows read the codes (``node.models.kernels``'
+  ``int8_linear``, and on AMX ``int8_linear_amx`` from a copy in tile order: 1 more byte per
+  weight), q/k/v and gate/up stacked into one call (:class:`Int8Projection`); more rows use a
+  packed bf16 copy of the dequantized weights (2 more bytes per weight). Serving only: its linears hold int8 buffers, not HF's parameters, so it
   is not trained, published or wrapped by adapters.
 
 The KV cache is not involved: it stores K/V in its own ``kv_dtype`` (fp32 blocks by default)
@@ -30,13 +30,16 @@ from node.models import kernels, packed
 DTYPES = ("float32", "bfloat16", "int8")
 """``--dtype`` choices; the first is the default and the reference."""
 DEFAULT = DTYPES[0]
-DECODE_ROWS = 8
-"""Up to this many rows an :class:`Int8Linear` multiplies the int8 codes directly (reading 1
-byte per weight: ``node.models.kernels``' ``int8_linear``, else ``aten._weight_int8pack_mm``);
-more rows (several decode rows, a prefill chunk) go through oneDNN's bf16 GEMM on a packed bf16
-copy of the dequantized weights: the int8 kernel's time grows with the rows (it multiplies on
-the vector units), the packed GEMM's hardly does (the bf16 matrix units), and past about 8
-rows the GEMM is the faster."""
+DECODE_ROWS = 4
+"""Up to this many rows an :class:`Int8Linear` multiplies the int8 codes on the vector units
+(``node.models.kernels``' ``int8_linear``, else ``aten._weight_int8pack_mm``): 1 byte read per
+weight, but its multiply-adds grow with the rows."""
+TILE_ROWS = 32
+"""Past :data:`DECODE_ROWS` and up to this many rows, on a CPU with AMX, the codes are widened to
+bf16 tile by tile and multiplied on the matrix unit (``int8_linear_amx``: still 1 byte read per
+weight). More rows -- a prefill chunk, or no AMX -- go through oneDNN's bf16 GEMM on a packed
+bf16 copy of the dequantized weights (2 bytes per weight, read once for all the rows).
+``experiments.int8_rows`` measures the three at each row count."""
 
 
 def check(dtype: str) -> str:
@@ -55,10 +58,11 @@ class Int8Linear(nn.Module):
     """``y = x @ (q * scale[:, None]).T`` with ``q`` int8 [out, in] and one fp32 scale per
     output row (``max |w| / 127`` of that row: symmetric, no zero point), bias-free.
 
-    A decode step's few rows read the int8 codes (:data:`DECODE_ROWS`). More rows multiply a
-    bf16 copy of the *dequantized* weights in oneDNN's packed layout (``node.models.packed``),
-    so prefill and decode compute the same model; the copy is derived (rebuilt when ``q`` or
-    ``scale`` change, left behind by copies) and costs 2 bytes per weight besides the codes."""
+    A decode batch's rows read the int8 codes (:data:`DECODE_ROWS`, :data:`TILE_ROWS`; the
+    tiled kernel reads a copy of them in AMX tile order). More rows multiply a bf16 copy of
+    the *dequantized* weights in oneDNN's packed layout (``node.models.packed``), so prefill and
+    decode compute the same model. Both copies are derived (rebuilt when ``q`` or ``scale``
+    change, left behind by copies) and cost 1 and 2 bytes per weight besides the codes."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
@@ -68,8 +72,7 @@ class Int8Linear(nn.Module):
                              .to(torch.int8).contiguous())
         self.register_buffer("scale", scale)
         self.in_features, self.out_features = w.shape[1], w.shape[0]
-        self._packed: torch.Tensor | None = None
-        self._packed_key: tuple | None = None
+        self._drop_copies()
 
     @classmethod
     def from_codes(cls, q: torch.Tensor, scale: torch.Tensor) -> "Int8Linear":
@@ -79,13 +82,20 @@ class Int8Linear(nn.Module):
         lin.register_buffer("q", q)
         lin.register_buffer("scale", scale)
         lin.out_features, lin.in_features = q.shape
-        lin._packed, lin._packed_key = None, None
+        lin._drop_copies()
         return lin
 
+    def _drop_copies(self) -> None:
+        self._packed: torch.Tensor | None = None
+        self._packed_key: tuple | None = None
+        self._tiled: torch.Tensor | None = None
+        self._tiled_key: tuple | None = None
+
     def __getstate__(self) -> dict:
-        """Copies leave the packed bf16 matrix behind (oneDNN's opaque tensors cannot be
-        copied); it is rebuilt on use."""
-        return {**self.__dict__, "_packed": None, "_packed_key": None}
+        """Copies leave the derived matrices behind (oneDNN's opaque tensors cannot be
+        copied); they are rebuilt on use."""
+        return {**self.__dict__, "_packed": None, "_packed_key": None, "_tiled": None,
+                "_tiled_key": None}
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [out, in] these codes stand for, in ``dtype``."""
@@ -102,18 +112,35 @@ class Int8Linear(nn.Module):
             self._packed_key = key
         return self._packed
 
+    def _tiled_codes(self) -> torch.Tensor | None:
+        """The codes in AMX tile order (``int8_pack_amx``); None without AMX or where the
+        shape does not tile (out % 16, in % 32)."""
+        if not kernels.amx() or self.out_features % 16 or self.in_features % 32:
+            return None
+        q = self._buffers["q"]
+        key = (q.data_ptr(), q._version)
+        if self._tiled_key != key:
+            self._tiled, self._tiled_key = kernels.ops().int8_pack_amx(q), key
+        return self._tiled
+
+    def _from_codes(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """``rows @ W.T`` read from the codes, or None where the bf16 GEMM is the faster."""
+        m = rows.shape[0]
+        fused = kernels.ops() if rows.dtype == torch.bfloat16 else None
+        if m <= DECODE_ROWS:
+            if fused is not None:
+                return fused.int8_linear(rows, self.q, self.scale)
+            return torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.q,
+                                                      self.scale.to(rows.dtype))
+        tiled = self._tiled_codes() if fused is not None and m <= TILE_ROWS else None
+        return None if tiled is None else fused.int8_linear_amx(rows, tiled, self.scale)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] <= DECODE_ROWS:
-            fused = kernels.ops() if rows.dtype == torch.bfloat16 else None
-            if fused is not None:
-                y = fused.int8_linear(rows, self.q, self.scale)
-            else:
-                y = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.q,
-                                                       self.scale.to(x.dtype))
-        elif rows.dtype == torch.bfloat16 and (w := self._bf16_packed()) is not None:
+        y = self._from_codes(rows)
+        if y is None and rows.dtype == torch.bfloat16 and (w := self._bf16_packed()) is not None:
             y = packed.linear(rows, w)
-        else:
+        elif y is None:
             y = F.linear(rows, self.dequantized(x.dtype))
         return y.reshape(*x.shape[:-1], self.out_features)
 

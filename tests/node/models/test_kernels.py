@@ -98,6 +98,51 @@ def test_int8_linear_is_the_dequantized_product(k, rows, k_in, n_out):
     torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def amx(k):
+    if not kernels.amx():
+        pytest.skip("no AMX bf16 tiles on this CPU or kernel")
+    return k
+
+
+def test_the_tile_order_puts_pairs_of_inputs_side_by_side_per_output(amx):
+    """Block (n, k) of ``int8_pack_amx`` is the AMX bf16 B tile of outputs 16n.. and inputs
+    32k..: row r holds, for each of the 16 outputs, inputs 2r and 2r + 1."""
+    q = torch.arange(32 * 64, dtype=torch.int32).remainder(251).sub(125).to(torch.int8).view(32, 64)
+    tiled = amx.int8_pack_amx(q)
+    assert tiled.shape == (2, 2, 512)
+    block = tiled[1, 1].view(16, 16, 2)  # [pair r, output, which of the pair]
+    for r, out, e in [(0, 0, 0), (0, 0, 1), (3, 5, 1), (15, 15, 0)]:
+        assert block[r, out, e] == q[16 + out, 32 + 2 * r + e]
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32])
+@pytest.mark.parametrize("k_in, n_out", [(64, 96), (1536, 576)])
+def test_int8_linear_amx_is_the_dequantized_product(amx, rows, k_in, n_out):
+    """Codes are exact in bf16 and the tiles sum bf16 products in fp32: the fp32 product,
+    rounded once to bf16 (give or take the order of the sums)."""
+    lin = precision.Int8Linear(torch.randn(n_out, k_in, generator=torch.Generator().manual_seed(5)))
+    x = bf(rows, k_in, seed=6)
+    want = x.float() @ lin.dequantized(torch.float32).T
+    got = amx.int8_linear_amx(x, amx.int8_pack_amx(lin.q), lin.scale)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n_out)
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-3)
+
+
+def test_int8_linear_amx_refuses_what_it_cannot_tile(amx):
+    codes = amx.int8_pack_amx(torch.zeros(16, 32, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="out % 16 == 0 and in % 32 == 0"):
+        amx.int8_pack_amx(torch.zeros(24, 32, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="takes 1 to 32 rows, got 33"):
+        amx.int8_linear_amx(bf(33, 32), codes, torch.ones(16))
+    with pytest.raises(RuntimeError, match=r"x must be \[rows, 32\]"):
+        amx.int8_linear_amx(bf(2, 64), codes, torch.ones(16))
+    with pytest.raises(RuntimeError, match="scale must be contiguous float32"):
+        amx.int8_linear_amx(bf(2, 32), codes, torch.ones(15))
+    with pytest.raises(RuntimeError, match="packed must come from int8_pack_amx"):
+        amx.int8_linear_amx(bf(2, 32), torch.zeros(16, 32, dtype=torch.int8), torch.ones(16))
+
+
 def test_bad_inputs_get_a_specific_error(k):
     with pytest.raises(RuntimeError, match="x must be bfloat16"):
         k.rms_norm(torch.randn(2, 8), bf(8), EPS)
@@ -159,9 +204,11 @@ def test_they_serve_bf16_inference_only(k):
 def rebuilt(monkeypatch):
     """``kernels.ops`` recomputed under the test's settings, and again after it."""
     kernels.ops.cache_clear()
+    kernels.amx.cache_clear()
     yield
     monkeypatch.undo()
     kernels.ops.cache_clear()
+    kernels.amx.cache_clear()
 
 
 def test_eager_setting_turns_them_off(rebuilt, monkeypatch):

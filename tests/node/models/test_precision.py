@@ -101,7 +101,8 @@ def test_int8_linear_is_its_dequantized_weight_for_decode_and_prefill_rows(one_t
     w = torch.randn(96, 64)
     lin = precision.Int8Linear(w)
     assert (lin.dequantized(torch.float32) - w).abs().max() <= lin.scale.max() / 2 + 1e-6
-    for rows in (1, precision.DECODE_ROWS, precision.DECODE_ROWS + 1, 40):
+    for rows in (1, precision.DECODE_ROWS, precision.DECODE_ROWS + 1, precision.TILE_ROWS,
+                 precision.TILE_ROWS + 1, 40):
         x = torch.randn(rows, 64).to(torch.bfloat16)
         want = x.float() @ lin.dequantized(torch.float32).T
         got = lin(x)
@@ -223,12 +224,14 @@ def test_smollm2_perplexity_stays_within_a_bound_of_fp32(one_thread, dtype, boun
     assert abs(p - p32) / p32 < bound
 
 
-@pytest.mark.parametrize("rows", [1, precision.DECODE_ROWS, precision.DECODE_ROWS + 1, 40])
-def test_int8_linear_computes_the_dequantized_weights_at_any_row_count(rows):
-    """Decode rows read the codes, more rows a packed bf16 copy of the dequantized weights:
-    the same model either way, to bf16 rounding (outputs of O(5) within 0.05; a wrong row or
-    scale is off by O(1))."""
-    lin = precision.Int8Linear(torch.randn(24, 32, generator=torch.Generator().manual_seed(1)))
+@pytest.mark.parametrize("rows", [1, precision.DECODE_ROWS, precision.DECODE_ROWS + 1,
+                                  precision.TILE_ROWS, precision.TILE_ROWS + 1, 40])
+@pytest.mark.parametrize("n_out", [24, 32])  # 32: tiles (AMX), 24: does not
+def test_int8_linear_computes_the_dequantized_weights_at_any_row_count(rows, n_out):
+    """Decode rows read the codes (or their tiled copy), more rows a packed bf16 copy of the
+    dequantized weights: the same model either way, to bf16 rounding (outputs of O(5) within
+    0.05; a wrong row or scale is off by O(1))."""
+    lin = precision.Int8Linear(torch.randn(n_out, 32, generator=torch.Generator().manual_seed(1)))
     x = torch.randn(rows, 32, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     with torch.no_grad():
         got = lin(x).float()
@@ -239,14 +242,16 @@ def test_int8_linear_computes_the_dequantized_weights_at_any_row_count(rows):
 def test_int8_linear_repacks_changed_codes_and_copies_without_its_packed_matrix():
     import copy
 
-    lin = precision.Int8Linear(torch.randn(24, 32, generator=torch.Generator().manual_seed(1)))
-    x = torch.randn(20, 32).to(torch.bfloat16)
-    with torch.no_grad():
-        lin(x)
-        twin = copy.deepcopy(lin)
-        lin.q.neg_()  # written in place: the packed copy must follow
-        torch.testing.assert_close(lin(x).float(), -twin(x).float(), rtol=2 ** -6, atol=0.05)
+    lin = precision.Int8Linear(torch.randn(32, 32, generator=torch.Generator().manual_seed(1)))
+    for rows in (precision.TILE_ROWS - 1, precision.TILE_ROWS + 8):  # the tiled, the packed copy
+        x = torch.randn(rows, 32).to(torch.bfloat16)
+        with torch.no_grad():
+            lin(x)
+            twin = copy.deepcopy(lin)
+            lin.q.neg_()  # written in place: the derived copies must follow
+            torch.testing.assert_close(lin(x).float(), -twin(x).float(), rtol=2 ** -6, atol=0.05)
     assert twin._packed is not None and twin._packed is not lin._packed
+    assert lin._tiled is None or twin._tiled is not lin._tiled
 
 
 def test_int8_projections_stack_the_codes_without_copying_them():
