@@ -196,8 +196,11 @@ def attend_shared(q: torch.Tensor, prefix: Sequence[Run], tail_k: torch.Tensor,
     [heads, n, dim]; tail_k/tail_v: [heads, B, T, dim], each session's own tokens padded to T;
     tail_valid: bool [B, T]. Returns [heads, B, dim]. Grouped (GQA): q [kv_heads, G, B, dim]
     over K/V of kv_heads heads -> [kv_heads, G, B, dim]; the prefix is read once for all
-    G * B rows. Runs in :func:`compute_dtype`; the result has q's dtype.
+    G * B rows. Runs in :func:`compute_dtype`; the result has q's dtype. bf16 tails
+    (``CacheConfig.batch_tail_dtype``) are a storage format: read as fp32, as the arena's.
     """
+    if tail_k.dtype == torch.bfloat16:
+        tail_k, tail_v = tail_k.float(), tail_v.float()
     dt = compute_dtype(q, tail_k)
     if dt != q.dtype or tail_k.dtype != dt:
         prefix = [(k.to(dt), v.to(dt)) for k, v in prefix]

@@ -255,9 +255,13 @@ class Batcher:
         c, n, longest = self.config, len(idents), max(s.length for s in idents)
         buf = TailBuffer.empty(key, c.num_layers, c.num_heads, n + int(n * SPARE_SLOTS),
                                longest + max(TAIL_ROOM, longest // 4), c.head_dim,
-                               self.arena.kv.dtype, filled=longest, rows=n)
+                               self.tail_dtype(), filled=longest, rows=n)
         self.tails = buf if c.batch_tail_buffer else None  # kept only when reused
         return buf, list(range(n)), list(range(n))
+
+    def tail_dtype(self) -> torch.dtype:
+        """What the tail copy holds (``CacheConfig.batch_tail_dtype``; fp32 follows the arena)."""
+        return torch.bfloat16 if self.config.batch_tail_dtype == "bf16" else self.arena.kv.dtype
 
     def append_and_read(self, step: BatchStep, layer: int, k: torch.Tensor, v: torch.Tensor):
         check_layer(layer, self.config.num_layers)
@@ -318,4 +322,4 @@ class Batcher:
         if into == list(range(into[0], into[0] + G)):  # consecutive slots: a sliced store
             buf.kv[layer, :, into[0] : into[0] + G, :, :Tp] = got
         else:
-            buf.kv[layer][:, torch.tensor(into), :, :Tp] = got
+            buf.kv[layer][:, torch.tensor(into), :, :Tp] = got.to(buf.kv.dtype)

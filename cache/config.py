@@ -9,6 +9,8 @@ from cache.fsperm import LOCK_TIMEOUT_S
 from cache.tunables import TUNABLES, validate_tunable
 
 KV_DTYPES = ("fp32", "fp16", "int8", "int4")
+TAIL_DTYPES = ("fp32", "bf16")
+"""``batch_tail_dtype`` choices."""
 QUANT_SCHEMES = ("kivi", "per_layer")
 SCALE_FORMATS = ("fp16", "log8")
 
@@ -80,6 +82,11 @@ class CacheConfig:
     about the tails' bytes again (``stats()['batch_tail_buffer_bytes']``; experiments.bench_kv
     reports both, ``batched.tail_buffer_speedup``). Attention over strided views of the arena
     (no copy at all) measured slower than the gather here."""
+    batch_tail_dtype: str = "fp32"
+    """Element type of that copy: ``fp32`` or ``bf16``. A decode step's attention reads every
+    session's tail once per layer, so ``bf16`` halves those bytes. K/V a bf16 model computed
+    are bf16 values already and lose nothing (``node.models.llama.LlamaModel.cache_config``
+    picks ``bf16`` for bf16 and int8 weights); fp32 K/V are rounded to bf16 there."""
     eviction_policy: str = "lru"
     """Which cached block leaves hot first: ``lru``, ``lfu``, ``hybrid``, ``arc`` or
     ``adaptive`` (``cache/policy.py``; measured on real traces by experiments.eviction).
@@ -125,6 +132,9 @@ class CacheConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if self.batch_tail_dtype not in TAIL_DTYPES:
+            raise ConfigError(f"batch_tail_dtype must be one of {TAIL_DTYPES}, got "
+                              f"{self.batch_tail_dtype!r}")
         if self.quant_scheme not in QUANT_SCHEMES:
             raise ConfigError(
                 f"quant_scheme must be one of {QUANT_SCHEMES}, got {self.quant_scheme!r}"

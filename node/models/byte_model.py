@@ -83,14 +83,19 @@ def attend_session(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVC
 _NO_SLOTS = torch.empty(0, dtype=torch.long)
 
 
+_KERNEL_TAILS = (torch.float32, torch.bfloat16)
+
+
 def attend_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, step,
                 layer: int, kernels: ModuleType | None = None) -> torch.Tensor:
     """Write a batched decode step's K/V in ``layer`` and attend each row's context, a shared
     prefix once for all: q [heads, B, D] or grouped [kv_heads, G, B, D] -> the same shape.
     With ``kernels`` (``node.models.kernels``) an fp32 grouped step is one fused call
-    (``decode_attention``: ``attend_shared``'s result, each row read from its tail slot)."""
+    (``decode_attention``: ``attend_shared``'s result, each row read from its tail slot, fp32
+    or bf16 tails read as fp32)."""
     prefix, tk, tv, valid = cache.append_and_read_batch(step, layer, k, v)
-    if kernels is not None and q.dim() == 4 and q.dtype == tk.dtype == torch.float32:
+    if (kernels is not None and q.dim() == 4 and q.dtype == torch.float32
+            and tk.dtype in _KERNEL_TAILS and all(pk.dtype == torch.float32 for pk, _ in prefix)):
         slots = step.rows if step.rows is not None else _NO_SLOTS
         return kernels.decode_attention(q, [pk for pk, _ in prefix], [pv for _, pv in prefix],
                                         tk, tv, valid, slots)

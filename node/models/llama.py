@@ -47,6 +47,7 @@ from crypto import Layout, flatten
 from node.models.byte_model import attend_session, attend_step
 from node.models.interface import MixedBatch
 from node.models import kernels as fused_kernels
+from node.models.precision import dtype_of
 from node.models.projection import Projection, transpose_storage
 
 
@@ -391,6 +392,12 @@ class LlamaModel(nn.Module):
         return self.cfg.max_position_embeddings
 
     def cache_config(self, **overrides) -> CacheConfig:
+        """The model's cache geometry. bf16 and int8 weights make bf16 K/V, so a batch's tail
+        copy holds them as bf16 (``CacheConfig.batch_tail_dtype``): half the bytes a decode
+        step's attention reads. (The fused decode-only step ropes K in fp32; its tail copy is
+        rounded to bf16, as the eager bf16 path rounds it.)"""
+        if dtype_of(self) != "float32":
+            overrides.setdefault("batch_tail_dtype", "bf16")
         return self.cfg.cache_config(**overrides)
 
     def _check_len(self, n: int) -> None:

@@ -265,3 +265,38 @@ def test_tails_decoded_per_row_leave_no_unwritten_memory_behind_a_shorter_tail(m
         return out
     got, want = run(True), run(False)
     assert all(torch.isfinite(g).all() and torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("joins_later", [False, True])  # gathered into slots 0.. / a free slot
+def test_bf16_tails_hold_the_arena_values_rounded_once(joins_later):
+    """``batch_tail_dtype="bf16"``: the tail copy is the arena's K/V rounded to bf16 (bf16
+    values come back exactly), both where tails are gathered and where a step appends."""
+    kv = KVCache(small_config(batch_tail_dtype="bf16"))
+    H, D = kv.config.num_heads, kv.config.head_dim
+    a, b = kv.open_session(), kv.open_session()
+    feed(kv, a, list(range(5)), seed=1)
+    feed(kv, b, [7, 8, 9], seed=2)
+    sids = [a] if joins_later else [a, b]
+    for step_no in range(2):
+        if joins_later and step_no == 1:
+            sids = [a, b]
+        step = kv.begin_batch(sids, [1] * len(sids))
+        seen = []
+        for layer in range(kv.config.num_layers):
+            k = torch.randn(H, len(sids), D)
+            _, tk, tv, valid = kv.append_and_read_batch(step, layer, k, -k)
+            assert tk.dtype == tv.dtype == torch.bfloat16
+            seen.append((tk.clone(), valid.clone()))
+        for layer, (tk, valid) in enumerate(seen):  # the step committed: the arena has it all
+            for row, sid in enumerate(sids):
+                own_k = torch.cat([rk for rk, _ in kv.read_runs(sid, layer)], dim=1)  # fp32
+                n = int(valid[row].sum())  # its own tokens past a shared prefix, the new one
+                assert n >= 2
+                assert torch.equal(tk[:, row, :n], own_k[:, -n:].to(torch.bfloat16))
+
+
+def test_a_tail_dtype_it_does_not_know_is_refused():
+    from cache import ConfigError
+
+    with pytest.raises(ConfigError, match="batch_tail_dtype must be one of"):
+        small_config(batch_tail_dtype="fp16")

@@ -270,3 +270,27 @@ def test_int8_projections_stack_the_codes_without_copying_them():
         attn.k_proj.q.zero_()  # a write through a module's codes is what the stack reads
         assert torch.equal(attn.qkv(x)[:, attn.q_proj.out_features:][:, :attn.k_proj.out_features],
                            torch.zeros(3, attn.k_proj.out_features, dtype=torch.bfloat16))
+
+
+def test_bf16_and_int8_models_ask_for_bf16_tails_and_decode_the_same_with_them(one_thread):
+    """Their K/V are bf16 values: the batch's tail copy holds them in bf16 (half the bytes a
+    decode step's attention reads) and the batched step gives what fp32 tails give."""
+    assert _model("float32").cache_config().batch_tail_dtype == "fp32"
+    for dtype in ("bfloat16", "int8"):
+        m = _model(dtype)
+        assert m.cache_config().batch_tail_dtype == "bf16"
+        assert m.cache_config(batch_tail_dtype="fp32").batch_tail_dtype == "fp32"
+        prompts = [list(range(4, 20)), list(range(30, 41))]
+        out = {}
+        for tails in ("fp32", "bf16"):
+            kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20, batch_tail_dtype=tails))
+            sids = [kv.open_session() for _ in prompts]
+            toks = [int(m.prefill(p, kv, s).argmax()) for p, s in zip(prompts, sids)]
+            steps = []
+            for _ in range(3):
+                logits = m.forward_batch(toks, kv, sids)
+                toks = [int(t) for t in logits.argmax(-1)]
+                steps.append(logits.float())
+            out[tails] = torch.stack(steps)
+        torch.testing.assert_close(out["bf16"], out["fp32"], rtol=0.02, atol=0.05)
+        assert torch.equal(out["bf16"].argmax(-1), out["fp32"].argmax(-1))
