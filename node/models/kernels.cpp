@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -349,29 +350,106 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
 }
 
 // One strided [heads, n, dim] run of keys or values (a view into the cache's arena or its
-// tail buffer); row `t` of head `h` at base + h * head_stride + t * row_stride.
-struct Run {
-  const float* base;
+// tail buffer); row `t` of head `h` at base + h * head_stride + t * row_stride. Arena runs are
+// fp32; a tail buffer is fp32 or bf16 (cache.config.CacheConfig.batch_tail_dtype).
+template <typename T>
+struct RunOf {
+  const T* base;
   int64_t head_stride, row_stride, n;
 };
+using Run = RunOf<float>;
 
-Run run_of(const torch::Tensor& t, int64_t h_dim, int64_t n_dim) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.stride(-1) == 1,
-              "K/V runs must be float32 with unit stride in the last dim");
-  return {t.data_ptr<float>(), t.stride(h_dim), t.stride(n_dim), t.size(n_dim)};
+template <typename T>
+RunOf<T> run_of(const torch::Tensor& t, int64_t h_dim, int64_t n_dim) {
+  TORCH_CHECK(t.scalar_type() == c10::CppTypeToScalarType<T>::value && t.stride(-1) == 1,
+              "K/V runs must be ", c10::CppTypeToScalarType<T>::value,
+              " with unit stride in the last dim, got ", t.scalar_type());
+  return {t.data_ptr<T>(), t.stride(h_dim), t.stride(n_dim), t.size(n_dim)};
 }
 
-inline float dot(const float* a, const float* b, int64_t dim) {
+#ifdef FEDKV_AVX512
+inline __m512 load_row16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_row16(const bf16* p) {  // exact: bf16 is fp32's upper half
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#endif
+
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t dim) {
   int64_t i = 0;
   float s = 0.f;
 #ifdef FEDKV_AVX512
   __m512 acc = _mm512_setzero_ps();
   for (; i + 16 <= dim; i += 16)
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load_row16(b + i), acc);
   s = _mm512_reduce_add_ps(acc);
 #endif
-  for (; i < dim; ++i) s += a[i] * b[i];
+  for (; i < dim; ++i) s += a[i] * static_cast<float>(b[i]);
   return s;
+}
+
+#ifdef FEDKV_AVX512
+// r[i] = sum of v[i]'s 16 lanes, for 16 vectors at once (a transpose-and-add tree: ~30
+// instructions where 16 _mm512_reduce_add_ps take ~150).
+inline __m512 reduce16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int j = 0; j < 8; ++j)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
+                         _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 4; ++j) {  // per 128-bit lane: that lane's sums of v[4j .. 4j+3]
+    __m512d a = _mm512_castps_pd(t[2 * j]), b = _mm512_castps_pd(t[2 * j + 1]);
+    u[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+  __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
+}
+
+constexpr int64_t MAX_GROUP = 4;  // queries sharing one pass over their K/V rows
+
+// Scores of `g` queries over rows 16 at a time, each block of rows read once for all of them
+// (it stays in L1 while the queries take their turns).
+template <int DV, typename T>
+int64_t scores_vec(const float* const* q, int64_t g, const T* rows, int64_t stride, int64_t n,
+                   float scale, float* const* out) {
+  __m512 acc[16];
+  const __m512 sv = _mm512_set1_ps(scale);
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+    for (int64_t k = 0; k < g; ++k) {
+      __m512 qv[DV];
+      for (int d = 0; d < DV; ++d) qv[d] = _mm512_loadu_ps(q[k] + 16 * d);
+      for (int i = 0; i < 16; ++i) {
+        const T* r = rows + (t + i) * stride;
+        __m512 a = _mm512_mul_ps(qv[0], load_row16(r));
+        for (int d = 1; d < DV; ++d) a = _mm512_fmadd_ps(qv[d], load_row16(r + 16 * d), a);
+        acc[i] = a;
+      }
+      _mm512_storeu_ps(out[k] + t, _mm512_mul_ps(reduce16(acc), sv));
+    }
+  }
+  return t;
+}
+#endif
+
+// out[k][t] = scale * (q[k] . row t) for `g` queries over `n` rows `stride` apart: 16 rows at
+// a time when dim is a multiple of 16 up to 128.
+template <typename T>
+void scores(const float* const* q, int64_t g, const T* rows, int64_t stride, int64_t n,
+            float scale, float* const* out, int64_t dim) {
+  int64_t t = 0;
+#ifdef FEDKV_AVX512
+  switch (dim) {
+    case 32: t = scores_vec<2>(q, g, rows, stride, n, scale, out); break;
+    case 64: t = scores_vec<4>(q, g, rows, stride, n, scale, out); break;
+    case 128: t = scores_vec<8>(q, g, rows, stride, n, scale, out); break;
+    default: break;
+  }
+#endif
+  for (; t < n; ++t)
+    for (int64_t k = 0; k < g; ++k) out[k][t] = dot(q[k], rows + t * stride, dim) * scale;
 }
 
 inline float max_of(const float* x, int64_t n) {
@@ -411,43 +489,125 @@ inline float exp_shift_sum(float* x, int64_t n, float mx) {
   return s;
 }
 
-// o[0:dim] += sum_t w[t] * row(t) over `n` rows `stride` apart (zero weights skipped), the
-// sums kept in registers when dim is a multiple of 16 up to 128.
-template <int DV>
-void weighted_rows_vec(const float* w, const float* rows, int64_t stride, int64_t n, float* o) {
+// o[k][0:dim] += sum_t w[k][t] * row(t) for `g` (<= MAX_GROUP) weight vectors over `n` rows
+// `stride` apart: each row read once for all of them, the sums kept in registers when dim is
+// a multiple of 16 up to 128.
+template <int DV, typename T>
+void weighted_rows_vec(const float* const* w, int64_t g, const T* rows, int64_t stride,
+                       int64_t n, float* const* o) {
 #ifdef FEDKV_AVX512
-  __m512 acc[DV];
-  for (int d = 0; d < DV; ++d) acc[d] = _mm512_loadu_ps(o + 16 * d);
+  __m512 acc[MAX_GROUP][DV];
+  for (int64_t k = 0; k < g; ++k)
+    for (int d = 0; d < DV; ++d) acc[k][d] = _mm512_loadu_ps(o[k] + 16 * d);
   for (int64_t t = 0; t < n; ++t) {
-    if (w[t] == 0.f) continue;
-    const __m512 wt = _mm512_set1_ps(w[t]);
-    const float* r = rows + t * stride;
-    for (int d = 0; d < DV; ++d) acc[d] = _mm512_fmadd_ps(wt, _mm512_loadu_ps(r + 16 * d), acc[d]);
+    const T* r = rows + t * stride;
+    __m512 rv[DV];
+    for (int d = 0; d < DV; ++d) rv[d] = load_row16(r + 16 * d);
+    for (int64_t k = 0; k < g; ++k) {
+      if (w[k][t] == 0.f) continue;
+      const __m512 wt = _mm512_set1_ps(w[k][t]);
+      for (int d = 0; d < DV; ++d) acc[k][d] = _mm512_fmadd_ps(wt, rv[d], acc[k][d]);
+    }
   }
-  for (int d = 0; d < DV; ++d) _mm512_storeu_ps(o + 16 * d, acc[d]);
+  for (int64_t k = 0; k < g; ++k)
+    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(o[k] + 16 * d, acc[k][d]);
 #endif
 }
 
-void weighted_rows(const float* w, const float* rows, int64_t stride, int64_t n, float* o,
-                   int64_t dim) {
+template <typename T>
+void weighted_rows(const float* const* w, int64_t g, const T* rows, int64_t stride, int64_t n,
+                   float* const* o, int64_t dim) {
 #ifdef FEDKV_AVX512
   switch (dim) {
-    case 16: return weighted_rows_vec<1>(w, rows, stride, n, o);
-    case 32: return weighted_rows_vec<2>(w, rows, stride, n, o);
-    case 64: return weighted_rows_vec<4>(w, rows, stride, n, o);
-    case 128: return weighted_rows_vec<8>(w, rows, stride, n, o);
+    case 16: return weighted_rows_vec<1>(w, g, rows, stride, n, o);
+    case 32: return weighted_rows_vec<2>(w, g, rows, stride, n, o);
+    case 64: return weighted_rows_vec<4>(w, g, rows, stride, n, o);
+    case 128: return weighted_rows_vec<8>(w, g, rows, stride, n, o);  // spills, still vector
     default: break;
   }
 #endif
   for (int64_t t = 0; t < n; ++t)
-    if (w[t] != 0.f)
-      for (int64_t i = 0; i < dim; ++i) o[i] += w[t] * rows[t * stride + i];
+    for (int64_t k = 0; k < g; ++k)
+      if (w[k][t] != 0.f)
+        for (int64_t i = 0; i < dim; ++i) o[k][i] += w[k][t] * static_cast<float>(rows[t * stride + i]);
+}
+
+// What every (KV head, row) of a decode step reads besides its tail.
+struct Rows {
+  torch::Tensor q, out, tail_valid;
+  const std::vector<int64_t>& slot;
+  const std::vector<Run>& pk;
+  const std::vector<Run>& pv;
+  int64_t n_prefix;
+};
+
+// decode_attention's work, for tails of element type T (fp32 or bf16, read as fp32).
+template <typename T>
+void attend_rows(const Rows& r, RunOf<T> tk, RunOf<T> tv, int64_t tk_slot, int64_t tv_slot) {
+  const int64_t Hk = r.q.size(0), G = r.q.size(1), B = r.q.size(2), D = r.q.size(3);
+  const int64_t T_len = tk.n, width = r.n_prefix + T_len;
+  const bool* valid = r.tail_valid.data_ptr<bool>();
+  const int64_t valid_row = r.tail_valid.stride(0);
+  const float* qp = r.q.data_ptr<float>();
+  float* op = r.out.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const float ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, Hk * B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> score(G * width);
+    for (int64_t hb = begin; hb < end; ++hb) {
+      const int64_t h = hb / B, b = hb % B, s = r.slot[b];
+      const T* kt = tk.base + h * tk.head_stride + s * tk_slot;
+      const T* vt = tv.base + h * tv.head_stride + s * tv_slot;
+      const bool* ok = valid + s * valid_row;
+      for (int64_t g0 = 0; g0 < G; g0 += MAX_GROUP) {  // up to MAX_GROUP queries per pass
+        const int64_t ng = std::min(MAX_GROUP, G - g0);
+        const float* qs[MAX_GROUP];
+        float* sc[MAX_GROUP];
+        float* os[MAX_GROUP];
+        for (int64_t k = 0; k < ng; ++k) {
+          qs[k] = qp + ((h * G + g0 + k) * B + b) * D;
+          sc[k] = score.data() + k * width;
+          os[k] = op + ((h * G + g0 + k) * B + b) * D;
+        }
+        float* at[MAX_GROUP];
+        int64_t j = 0;
+        for (const Run& run : r.pk) {
+          for (int64_t k = 0; k < ng; ++k) at[k] = sc[k] + j;
+          scores(qs, ng, run.base + h * run.head_stride, run.row_stride, run.n, scale, at, D);
+          j += run.n;
+        }
+        int64_t n_row = T_len;  // past its last valid position a row's tail is not read
+        while (n_row > 0 && !ok[n_row - 1]) --n_row;
+        for (int64_t k = 0; k < ng; ++k) at[k] = sc[k] + j;
+        scores(qs, ng, kt, tk.row_stride, n_row, scale, at, D);
+        int64_t live = 0;  // queries with anything to attend (else their output stays zero)
+        for (int64_t k = 0; k < ng; ++k) {
+          for (int64_t t = 0; t < T_len; ++t)
+            if (t >= n_row || !ok[t]) sc[k][j + t] = ninf;
+          const float mx = max_of(sc[k], width);
+          if (mx == ninf) continue;
+          const float inv = 1.0f / exp_shift_sum(sc[k], width, mx);
+          for (int64_t i = 0; i < width; ++i) sc[k][i] *= inv;
+          sc[live] = sc[k], os[live] = os[k], ++live;
+        }
+        int64_t i = 0;
+        const float* ws[MAX_GROUP];
+        for (const Run& run : r.pv) {
+          for (int64_t k = 0; k < live; ++k) ws[k] = sc[k] + i;
+          weighted_rows(ws, live, run.base + h * run.head_stride, run.row_stride, run.n, os, D);
+          i += run.n;
+        }
+        for (int64_t k = 0; k < live; ++k) ws[k] = sc[k] + i;
+        weighted_rows(ws, live, vt, tv.row_stride, n_row, os, D);
+      }
+    }
+  });
 }
 
 // One decode step's attention, grouped-query, over a shared prefix and each row's tail (what
 // cache.attention.attend_shared computes, in one pass per (KV head, row)).
 //   q [kv_heads, group, rows, dim] fp32; prefix_k/v: runs [kv_heads, n_i, dim];
-//   tail_k/v [kv_heads, slots, T, dim]; tail_valid bool [slots, T]; slots: row b's tail slot
+//   tail_k/v [kv_heads, slots, T, dim] (fp32 or bf16); tail_valid bool [slots, T]; slots: row b's tail slot
 //   (int64 [rows]), or empty for slot b -> out [kv_heads, group, rows, dim] fp32.
 torch::Tensor decode_attention(const torch::Tensor& q, const std::vector<torch::Tensor>& prefix_k,
                                const std::vector<torch::Tensor>& prefix_v,
@@ -482,54 +642,18 @@ torch::Tensor decode_attention(const torch::Tensor& q, const std::vector<torch::
     TORCH_CHECK(prefix_k[i].dim() == 3 && prefix_k[i].size(0) == Hk && prefix_k[i].size(2) == D &&
                     prefix_k[i].sizes() == prefix_v[i].sizes(),
                 "prefix run ", i, " must be [", Hk, ", n, ", D, "], got ", prefix_k[i].sizes());
-    pk.push_back(run_of(prefix_k[i], 0, 1));
-    pv.push_back(run_of(prefix_v[i], 0, 1));
+    pk.push_back(run_of<float>(prefix_k[i], 0, 1));
+    pv.push_back(run_of<float>(prefix_v[i], 0, 1));
     n_prefix += pk.back().n;
   }
-  Run tk = run_of(tail_k, 0, 2), tv = run_of(tail_v, 0, 2);
-  const int64_t tk_slot = tail_k.stride(1), tv_slot = tail_v.stride(1);
-  const bool* valid = tail_valid.data_ptr<bool>();
-  const int64_t valid_row = tail_valid.stride(0);
-  auto qc = q.contiguous();
   auto out = torch::zeros({Hk, G, B, D}, q.options());
-  const float* qp = qc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const float ninf = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, Hk * B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> score(G * (n_prefix + T));
-    const int64_t width = n_prefix + T;
-    for (int64_t hb = begin; hb < end; ++hb) {
-      const int64_t h = hb / B, b = hb % B, s = slot[b];
-      const float* kt = tk.base + h * tk.head_stride + s * tk_slot;
-      const float* vt = tv.base + h * tv.head_stride + s * tv_slot;
-      const bool* ok = valid + s * valid_row;
-      int64_t j = 0;
-      for (const Run& r : pk)
-        for (int64_t t = 0; t < r.n; ++t, ++j)
-          for (int64_t g = 0; g < G; ++g)
-            score[g * width + j] =
-                dot(qp + ((h * G + g) * B + b) * D, r.base + h * r.head_stride + t * r.row_stride, D) * scale;
-      for (int64_t t = 0; t < T; ++t, ++j)
-        for (int64_t g = 0; g < G; ++g)
-          score[g * width + j] =
-              ok[t] ? dot(qp + ((h * G + g) * B + b) * D, kt + t * tk.row_stride, D) * scale : ninf;
-      for (int64_t g = 0; g < G; ++g) {
-        float* sc = score.data() + g * width;
-        const float mx = max_of(sc, width);
-        if (mx == ninf) continue;  // nothing to attend: zeros
-        const float inv = 1.0f / exp_shift_sum(sc, width, mx);
-        for (int64_t i = 0; i < width; ++i) sc[i] *= inv;
-        float* o = op + ((h * G + g) * B + b) * D;
-        int64_t i = 0;
-        for (const Run& r : pv) {
-          weighted_rows(sc + i, r.base + h * r.head_stride, r.row_stride, r.n, o, D);
-          i += r.n;
-        }
-        weighted_rows(sc + i, vt, tv.row_stride, T, o, D);
-      }
-    }
-  });
+  const Rows rows{q.contiguous(), out, tail_valid, slot, pk, pv, n_prefix};
+  if (tail_k.scalar_type() == torch::kBFloat16)
+    attend_rows(rows, run_of<bf16>(tail_k, 0, 2), run_of<bf16>(tail_v, 0, 2), tail_k.stride(1),
+                tail_v.stride(1));
+  else
+    attend_rows(rows, run_of<float>(tail_k, 0, 2), run_of<float>(tail_v, 0, 2), tail_k.stride(1),
+                tail_v.stride(1));
   return out;
 }
 

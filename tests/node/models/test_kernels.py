@@ -235,18 +235,18 @@ def test_a_failed_build_leaves_the_eager_ops(rebuilt, monkeypatch, caplog):
 
 @pytest.mark.parametrize("prefix_runs", [0, 2])
 @pytest.mark.parametrize("slots", [None, [2, 0, 3]])
-def test_decode_attention_is_attend_shared(k, prefix_runs, slots):
+@pytest.mark.parametrize("D, T", [(16, 10), (64, 37)])  # 64: scores 16 keys at a time
+def test_decode_attention_is_attend_shared(k, prefix_runs, slots, D, T):
     from cache.attention import attend_shared
 
     g = torch.Generator().manual_seed(7)
-    Hk, G, D, S, cap = 2, 3, 16, 4, 12
+    Hk, G, S, cap = 2, 3, 4, T + 2
     B = 3
     arena = torch.randn(2, Hk, 64, D, generator=g)  # the cache's [K/V, heads, tokens, dim]
-    prefix = [(arena[0, :, a : a + n], arena[1, :, a : a + n]) for a, n in [(3, 9), (40, 5)][:prefix_runs]]
+    prefix = [(arena[0, :, a : a + n], arena[1, :, a : a + n]) for a, n in [(3, 19), (40, 5)][:prefix_runs]]
     buf = torch.randn(2, S, Hk, cap, D, generator=g)  # slot-major tails, as cache.batch keeps them
-    T = 10
     tails = buf[:, :, :, :T].transpose(1, 2)  # [2, Hk, S, T, D] views
-    valid = torch.arange(T) < torch.tensor([[7], [10], [1], [4]])
+    valid = torch.arange(T) < torch.tensor([[T - 3], [T], [1], [4]])
     q = torch.randn(Hk, G, B, D, generator=g)
     rows = torch.tensor(slots if slots is not None else [0, 1, 2])
     slotted = q.new_zeros(Hk, G, S, D)
@@ -255,6 +255,28 @@ def test_decode_attention_is_attend_shared(k, prefix_runs, slots):
     got = k.decode_attention(q, [a for a, _ in prefix], [b for _, b in prefix], tails[0], tails[1],
                              valid, rows if slots is not None else torch.empty(0, dtype=torch.long))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_decode_attention_reads_bf16_tails_as_the_same_values_in_fp32(k):
+    """A bf16 tail copy (``CacheConfig.batch_tail_dtype``) is read exactly as its fp32 upcast:
+    the same result bit for bit, and attend_shared (the eager path) agrees."""
+    from cache.attention import attend_shared
+
+    g = torch.Generator().manual_seed(8)
+    Hk, G, B, D, T = 2, 3, 4, 64, 21
+    prefix = [(torch.randn(Hk, 9, D, generator=g), torch.randn(Hk, 9, D, generator=g))]
+    tails = torch.randn(2, Hk, B, T, D, generator=g).to(torch.bfloat16)
+    valid = torch.arange(T) < torch.tensor([[21], [3], [0], [12]])
+    q = torch.randn(Hk, G, B, D, generator=g)
+    none = torch.empty(0, dtype=torch.long)
+    pk, pv = [a for a, _ in prefix], [b for _, b in prefix]
+    got = k.decode_attention(q, pk, pv, tails[0], tails[1], valid, none)
+    want = k.decode_attention(q, pk, pv, tails[0].float(), tails[1].float(), valid, none)
+    assert torch.equal(got, want)
+    eager = attend_shared(q.to(torch.bfloat16), prefix, tails[0], tails[1], valid)
+    torch.testing.assert_close(eager.float(), got, rtol=0.02, atol=0.02)
+    with pytest.raises(RuntimeError, match="K/V runs must be BFloat16"):
+        k.decode_attention(q, pk, pv, tails[0], tails[1].float(), valid, none)
 
 
 def test_decode_attention_refuses_a_slot_out_of_range(k):
