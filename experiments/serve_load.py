@@ -28,7 +28,9 @@ Per cell (model x clients x backend): output tokens/s over the cell's wall time,
 time-per-output-token p50/p99; per model also ``single_fresh``: one client's fresh 512-token
 prompt, 128 new tokens (``experiments.single_stream``: TTFT and decode tokens/s); per model:
 dropped requests (any that ended in ``error``),
-preempted and resumed sequences, the prefix hit rate of the scheduler's cache, and
+preempted and resumed sequences, the prefix hit rate of the scheduler's cache (and in the
+CSV, per scheduler cell, its forwards' count, summed and longest seconds: a stalled step
+shows as a longest far above the mean), and
 ``overcommit`` = offered load / pool capacity in tokens at the most clients. A model's KV pool
 is one size for every client count, as a server's is: ``pool_share`` (a quarter) of the
 offered load at the most clients, so the largest cells run overcommitted and preemption does
@@ -331,13 +333,17 @@ def make_backend(system: str, served: Served, pool: int, clients: int,
 
 
 def backend_counters(backend: Any) -> dict[str, float]:
-    """Preemptions, resumes and the prefix hit rate of a scheduler backend (zeros otherwise)."""
+    """Preemptions, resumes, the prefix hit rate and the forwards' count, summed and longest
+    seconds of a scheduler backend (zeros and NaN otherwise)."""
     sched = getattr(backend, "scheduler", None)
     if sched is None:
-        return {"preempted": 0, "resumed": 0, "prefix_hit_rate": math.nan}
+        return {"preempted": 0, "resumed": 0, "prefix_hit_rate": math.nan, "forwards": 0,
+                "forward_s_sum": math.nan, "forward_s_max": math.nan}
     return {"preempted": sched.counters.get("preemptions", 0),
             "resumed": sched.counters.get("resumes", 0),
-            "prefix_hit_rate": float(sched.cache.stats().get("prefix_hit_rate", math.nan))}
+            "prefix_hit_rate": float(sched.cache.stats().get("prefix_hit_rate", math.nan)),
+            "forwards": sched.counters.get("forwards", 0),
+            "forward_s_sum": sched.forward_seconds[0], "forward_s_max": sched.forward_seconds[1]}
 
 
 # -- the run ---------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from __future__ import annotations
 import enum
 import itertools
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -162,6 +163,9 @@ class Scheduler:
         self.counters = dict.fromkeys(
             ("steps", "preemptions", "resumes", "resume_cached_tokens", "resume_computed_tokens",
              "prefill_chunks", "decode_rows", "forwards", "restarts"), 0)
+        self.forward_seconds: list[float] = [0.0, 0.0]
+        """[sum, max] of the forwards' wall seconds: a step that stalls shows as a max far
+        above sum / forwards (``experiments.serve_load`` reports both per cell)."""
         self._update: tuple[Callable[[CachedLM], None], int | None] | None = None
         self._lock = threading.Lock()  # guards ``_update`` only: set from any thread
 
@@ -321,7 +325,10 @@ class Scheduler:
         batch, decode, chunks = self._reserve(decode, chunks)
         if batch is None:
             return []
+        t0 = time.perf_counter()
         logits = self.model.forward_mixed(batch, self.cache)
+        took = time.perf_counter() - t0
+        self.forward_seconds = [self.forward_seconds[0] + took, max(self.forward_seconds[1], took)]
         self.counters["forwards"] += 1
         self.counters["decode_rows"] += len(decode)
         self.counters["prefill_chunks"] += len(chunks)

@@ -3,6 +3,7 @@ as documented, every backend runs behind one driver, and the JSON has the issue'
 
 from __future__ import annotations
 
+import csv
 import json
 import types
 
@@ -72,6 +73,13 @@ def test_the_json_has_the_issue_shape_and_nothing_is_dropped(tmp_path, one_threa
             figures = cell[system]
             assert set(figures) == {*sl.METRICS, "dtype"} and figures["tokens_per_s"] > 0
     assert m["dropped_requests"] == 0 and m["preempted"] == m["resumed"]
+    rows = list(csv.DictReader(open(next(tmp_path.glob("serve_load/*/serve_load.csv")))))
+    for row in rows:  # each scheduler cell says how long its forwards took, the longest apart
+        if row["system"] == "fedkv_scheduler":
+            assert int(row["forwards"]) > 0
+            assert 0 < float(row["forward_s_max"]) <= float(row["forward_s_sum"])
+        else:
+            assert row["forward_s_max"] == "nan"
     assert m["overcommit"] > 1  # the pool holds a share of the load at 3 clients
     one = m["single_fresh"]  # one client, a fresh prompt: every backend's TTFT and decode
     assert (one["prompt_tokens"], one["new_tokens"]) == (128, 16)

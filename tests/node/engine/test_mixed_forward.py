@@ -138,3 +138,5 @@ def test_a_step_with_decode_rows_and_several_prefills_is_one_forward(model):
     assert s.counters["decode_rows"] - before["decode_rows"] == 1
     assert s.counters["prefill_chunks"] - before["prefill_chunks"] == 2
     assert s.counters["forwards"] == 2
+    total, longest = s.forward_seconds  # both forwards timed: a stalled step would show here
+    assert 0 < longest < total
