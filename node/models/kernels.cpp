@@ -580,14 +580,15 @@ void attend_rows(const Rows& r, RunOf<T> tk, RunOf<T> tv, int64_t tk_slot, int64
         while (n_row > 0 && !ok[n_row - 1]) --n_row;
         for (int64_t k = 0; k < ng; ++k) at[k] = sc[k] + j;
         scores(qs, ng, kt, tk.row_stride, n_row, scale, at, D);
+        const int64_t used = j + n_row;  // the row's scores: prefix, then its own tail
         int64_t live = 0;  // queries with anything to attend (else their output stays zero)
         for (int64_t k = 0; k < ng; ++k) {
-          for (int64_t t = 0; t < T_len; ++t)
-            if (t >= n_row || !ok[t]) sc[k][j + t] = ninf;
-          const float mx = max_of(sc[k], width);
+          for (int64_t t = 0; t < n_row; ++t)
+            if (!ok[t]) sc[k][j + t] = ninf;
+          const float mx = max_of(sc[k], used);
           if (mx == ninf) continue;
-          const float inv = 1.0f / exp_shift_sum(sc[k], width, mx);
-          for (int64_t i = 0; i < width; ++i) sc[k][i] *= inv;
+          const float inv = 1.0f / exp_shift_sum(sc[k], used, mx);
+          for (int64_t i = 0; i < used; ++i) sc[k][i] *= inv;
           sc[live] = sc[k], os[live] = os[k], ++live;
         }
         int64_t i = 0;
