@@ -11,8 +11,9 @@ turns a loaded fp32 ``node.models.llama.LlamaModel`` into one.
   (``experiments.bench_llm``). A decode batch's rows read the codes (``node.models.kernels``'
   ``int8_linear``, and on AMX ``int8_linear_amx`` from a copy in tile order: 1 more byte per
   weight), q/k/v and gate/up stacked into one call (:class:`Int8Projection`); more rows use a
-  packed bf16 copy of the dequantized weights (2 more bytes per weight). Serving only: its linears hold int8 buffers, not HF's parameters, so it
-  is not trained, published or wrapped by adapters.
+  packed bf16 copy of the dequantized weights (2 more bytes per weight). Serving only: its
+  linears hold int8 buffers, not HF's parameters, so it is not trained, published or wrapped
+  by adapters.
 
 The KV cache is not involved: it stores K/V in its own ``kv_dtype`` (fp32 blocks by default)
 and casts on the way in and out (bf16 -> fp32 -> bf16 is exact), so every cache format works
