@@ -183,3 +183,19 @@ def test_freed_blocks_are_reused():
                 kv.write(s, layer, torch.zeros(2, 4, 8), torch.zeros(2, 4, 8))
         kv.close_session(s)
         assert kv.stats()["blocks_used"] <= cap
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known bug, found by TestTightPoolMachine on 2026-12-05: "
+                   "in a tight int8 pool a session opened on a cached prefix reads another "
+                   "block's K/V after its first write (present since at least 089fec3)")
+def test_a_tight_int8_pool_serves_a_reused_prefix_its_own_keys():
+    """The shrunk failing example of TightPoolMachine, replayed: 21 sessions opened in turn,
+    the last one reusing the first block of the 13th."""
+    state = TightPoolMachine()
+    opens = [[0, 0, 2, 0, 0], [0], [0], [0], [0], [0], [0, 0, 0, 2, 0], [0], [0], [0], [0], [0],
+             [2, 0, 3, 0, 0, 0, 0, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 3, 0], [0, 0, 1, 0, 0], [0],
+             [0, 0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 1, 2, 0, 0, 0, 0, 0], [0, 0, 1, 1, 0],
+             [2, 0, 3, 0, 0]]
+    for toks in opens:
+        state.open(toks=toks)
+        state.contents_match()
