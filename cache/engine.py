@@ -242,10 +242,12 @@ class KVCache:
 
     def read(self, sid: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of every readable token in ``layer``: each [heads, n, head_dim],
-        float32 (one copy when the context spans several runs)."""
+        float32, always the caller's own copy: a view would alias arena pages that another
+        session's block takes once this one moves, showing the caller that session's K/V."""
         runs = self.read_runs(sid, layer)
         if len(runs) == 1:
-            return runs[0][0].float(), runs[0][1].float()
+            k, v = runs[0]
+            return k.to(torch.float32, copy=True), v.to(torch.float32, copy=True)
         if not runs:
             c = self.config
             empty = torch.empty(c.num_heads, 0, c.head_dim)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cache import ClosedSessionError, KVCache, UnknownSessionError
-from tests.cache.conftest import feed
+from tests.cache.conftest import feed, small_config
 
 
 def test_open_close_cycles_leave_no_tables(kv):
@@ -58,3 +58,21 @@ def test_closed_ids_are_never_handed_out_again(kv):
         closed.append(kv.open_session())
         kv.close_session(closed[-1])
     assert kv.open_session() not in closed
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+def test_what_read_returned_never_shows_a_later_sessions_keys(kv_dtype):
+    """Another tenant's K/V must not appear in a tensor a caller already holds, even when its
+    block lands on the very pages the read came from."""
+    kv = KVCache(small_config(kv_dtype=kv_dtype, fp_window=4))
+    a = kv.open_session()
+    feed(kv, a, [1, 2, 3, 4], seed=1)
+    start = kv.session_table.get(a).blocks[0].start
+    held_k, held_v = kv.read(a, 0)
+    before = held_k.clone(), held_v.clone()
+    kv.close_session(a)
+    kv.bump_version()  # no prefix-cache entry keeps the pages
+    b = kv.open_session()
+    feed(kv, b, [5, 6, 7, 8], seed=2)
+    assert kv.session_table.get(b).blocks[0].start == start  # the same pages, rewritten
+    assert torch.equal(held_k, before[0]) and torch.equal(held_v, before[1])
