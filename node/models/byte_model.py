@@ -19,6 +19,7 @@ from torch import nn
 from cache import CacheConfig, KVCache
 from cache.attention import attend, attend_shared
 from crypto import Layout, flatten
+from node.models import kernels as built
 from node.models.interface import MixedBatch
 
 
@@ -72,12 +73,29 @@ def attend_session(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVC
                    sid: int, layer: int, kernels: ModuleType | None = None) -> torch.Tensor:
     """Write one session's new K/V in ``layer`` and attend its context (what its sparsity
     policy keeps, if it has one): q [heads, T, D] or grouped [kv_heads, G, T, D] -> the same
-    shape. (``kernels`` is :func:`attend_step`'s; a session's rows take the eager ops.)"""
+    shape. With ``kernels`` (``node.models.kernels``) on AMX, a bf16 prefill's rows attend in
+    one call (``prefill_attention``; :func:`takes_prefill_kernel`), else the eager ops."""
     runs = cache.append_and_read(sid, layer, k, v)
     policy = cache.sparsity(sid)
-    if policy is None:
-        return attend(q, runs)
-    return attend_sparse(q, runs, cache, sid, layer, policy)
+    if policy is not None:
+        return attend_sparse(q, runs, cache, sid, layer, policy)
+    if kernels is not None and takes_prefill_kernel(q, runs):
+        return kernels.prefill_attention(q, [rk for rk, _ in runs], [rv for _, rv in runs])
+    return attend(q, runs)
+
+
+PREFILL_KERNEL_HEAD_DIM = 64
+"""The head size ``prefill_attention`` is built for (SmolLM2's, most small Llamas')."""
+
+
+def takes_prefill_kernel(q: torch.Tensor, runs) -> bool:
+    """``prefill_attention`` computes these rows: grouped bf16 queries, more than one, of head
+    size 64, over fp32 or bf16 runs with contiguous rows, on a CPU granting AMX tiles. One
+    query (decode) stays on the fp32 paths, which attend in the cache's precision."""
+    return (q.dim() == 4 and q.dtype == torch.bfloat16 and q.shape[-2] > 1
+            and q.shape[-1] == PREFILL_KERNEL_HEAD_DIM and q.stride(-1) == 1 and bool(runs)
+            and all(t.dtype == runs[0][0].dtype and t.stride(-1) == 1 for run in runs for t in run)
+            and runs[0][0].dtype in (torch.float32, torch.bfloat16) and built.amx())
 
 
 _NO_SLOTS = torch.empty(0, dtype=torch.long)

@@ -14,12 +14,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define FEDKV_AMX 1
-#endif
+#include "amx_tiles.h"
 
 namespace fedkv_amx {
 
@@ -33,27 +28,11 @@ constexpr int64_t MAX_ROWS = 2 * TM;
 constexpr int64_t PREFETCH_BLOCKS = 8;  // how many blocks ahead of the one widened the codes are fetched
 
 #ifdef FEDKV_AMX
-// Linux hands out the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); once per process.
-bool request_tiles() {
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return granted;
-}
-
-// GCC's tile intrinsics are asm statements that do not tell the compiler they read or write
-// memory: without this fence it drops the stores a tile load reads, or reuses values from
-// before a tile store.
-inline void fence() { asm volatile("" : : : "memory"); }
-
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+using fedkv_tiles::fence;
 
 // tmm0/1: fp32 sums of row blocks 0/1; tmm2/3: their bf16 inputs; tmm4: the widened codes.
 void configure(int64_t m0, int64_t m1) {
-  TileConfig c;
+  fedkv_tiles::Config c;
   std::memset(&c, 0, sizeof c);  // ldtilecfg faults on any nonzero reserved byte
   c.palette = 1;
   c.rows[0] = m0; c.colsb[0] = TN * 4;
@@ -115,7 +94,7 @@ void column_block(const bf16* x, const int8_t* packed, const float* scale, bf16*
 
 bool available() {
 #ifdef FEDKV_AMX
-  return request_tiles();
+  return fedkv_tiles::request();
 #else
   return false;
 #endif

@@ -665,6 +665,9 @@ bool int8_amx_available();
 torch::Tensor int8_pack_amx(const torch::Tensor& q);
 torch::Tensor int8_linear_amx(const torch::Tensor& x, const torch::Tensor& packed,
                               const torch::Tensor& scale);
+// prefill_attention.cpp
+torch::Tensor prefill_attention(const torch::Tensor& q, const std::vector<torch::Tensor>& k_runs,
+                                const std::vector<torch::Tensor>& v_runs);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows");
@@ -677,4 +680,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_amx_available", &int8_amx_available, "AMX bf16 tiles usable in this process");
   m.def("int8_pack_amx", &int8_pack_amx, "int8 codes in the AMX tile order of int8_linear_amx");
   m.def("int8_linear_amx", &int8_linear_amx, "weight-only int8 linear of up to 32 rows on AMX");
+  m.def("prefill_attention", &prefill_attention,
+        "causal attention of bf16 prefill queries over K/V runs on AMX");
 }

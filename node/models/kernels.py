@@ -35,7 +35,10 @@ from types import ModuleType
 
 import torch
 
-SOURCES = (Path(__file__).with_name("kernels.cpp"), Path(__file__).with_name("int8_amx.cpp"))
+SOURCES = tuple(Path(__file__).with_name(f) for f in
+                ("kernels.cpp", "int8_amx.cpp", "prefill_attention.cpp"))
+HEADERS = (Path(__file__).with_name("amx_tiles.h"),)
+"""Included by the AMX sources: part of the build's identity, not compiled on their own."""
 ENV = "FEDKV_KERNELS"
 """``eager`` turns the fused kernels off (a reference run, a machine without a compiler)."""
 
@@ -56,7 +59,7 @@ def _cpu_flags() -> str:
 
 def _build_name() -> str:
     digest = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES), torch.__version__.encode(),
+    for part in (*(s.read_bytes() for s in SOURCES + HEADERS), torch.__version__.encode(),
                  _cpu_flags().encode()):
         digest.update(part)
     return f"fedkv_kernels_{digest.hexdigest()[:12]}"

@@ -255,7 +255,8 @@ def attend_mixed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCac
     elif B:
         parts.append(attend_step(q[..., :B, :], k[:, :B], v[:, :B], cache, batch.step, layer))
     for sid, a, b in batch.spans():
-        parts.append(attend_session(q[..., a:b, :], k[:, a:b], v[:, a:b], cache, sid, layer))
+        parts.append(attend_session(q[..., a:b, :], k[:, a:b], v[:, a:b], cache, sid, layer,
+                                    kernels))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
 
 

@@ -143,6 +143,68 @@ def test_int8_linear_amx_refuses_what_it_cannot_tile(amx):
         amx.int8_linear_amx(bf(2, 32), torch.zeros(16, 32, dtype=torch.int8), torch.ones(16))
 
 
+def _causal_reference(q, k_runs, v_runs):
+    """fp32 SDPA of q [Hk, G, T, D], the last T positions, over the runs laid end to end."""
+    k, v = torch.cat(k_runs, 1).float(), torch.cat(v_runs, 1).float()
+    Hk, G, T, D = q.shape
+    n = k.shape[1]
+    mask = torch.ones(T, n, dtype=torch.bool).tril(n - T)
+    return F.scaled_dot_product_attention(q.float(), k[:, None].expand(Hk, G, n, D),
+                                          v[:, None].expand(Hk, G, n, D), attn_mask=mask)
+
+
+@pytest.mark.parametrize("G, T, lengths, dtype", [
+    (3, 512, [512], torch.float32),          # a fresh prompt: the whole context
+    (3, 37, [20, 33, 17], torch.float32),    # a chunk after cached runs, no size a multiple of 16
+    (3, 100, [1000, 100], torch.bfloat16),   # a shared prefix's run, then the chunk's own
+    (1, 17, [17], torch.float32),            # multi-head (no group), one row past a tile
+    (3, 2, [1, 40], torch.bfloat16)])
+def test_prefill_attention_is_causal_sdpa_in_bf16(amx, G, T, lengths, dtype):
+    """Within what SDPA's own bf16 kernel gives on the same inputs, against fp32 attention:
+    query t (position n - T + t) sees keys up to its position, across run boundaries."""
+    g = torch.Generator().manual_seed(7)
+    q = (2 * torch.randn(3, G, T, 64, generator=g)).to(torch.bfloat16)
+    ks = [(2 * torch.randn(3, n, 64, generator=g)).to(dtype) for n in lengths]
+    vs = [torch.randn(3, n, 64, generator=g).to(dtype) for n in lengths]
+    got = amx.prefill_attention(q, ks, vs)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    want = _causal_reference(q, ks, vs)
+    n = sum(lengths)
+    kb, vb = (torch.cat(r, 1).to(torch.bfloat16)[:, None].expand(3, G, n, 64) for r in (ks, vs))
+    sdpa = F.scaled_dot_product_attention(q, kb, vb, attn_mask=torch.ones(T, n, dtype=torch.bool)
+                                          .tril(n - T))
+    err, sdpa_err = (got.float() - want).abs(), (sdpa.float() - want).abs()
+    assert err.max() <= 1.5 * sdpa_err.max() + 1e-3 and err.mean() <= 1.5 * sdpa_err.mean()
+
+
+def test_prefill_attention_never_reads_a_later_key(amx):
+    """Changing keys and values after a query's position leaves its output exactly as it was."""
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(1, 1, 40, 64, generator=g).to(torch.bfloat16)
+    k, v = torch.randn(1, 40, 64, generator=g), torch.randn(1, 40, 64, generator=g)
+    first = amx.prefill_attention(q, [k], [v])
+    k2, v2 = k.clone(), v.clone()
+    k2[:, 20:] += 100
+    v2[:, 20:] -= 1000
+    again = amx.prefill_attention(q, [k2], [v2])
+    assert torch.equal(first[..., :20, :], again[..., :20, :])
+    assert (first[..., 20:, :] != again[..., 20:, :]).any(-1).all()  # the later rows do see them
+
+
+def test_prefill_attention_refuses_what_it_cannot_take(amx):
+    q, k = bf(3, 3, 4, 64), torch.zeros(3, 8, 64)
+    with pytest.raises(RuntimeError, match=r"q must be bf16 \[kv_heads, group, T, 64\]"):
+        amx.prefill_attention(bf(3, 3, 4, 32), [k], [k])
+    with pytest.raises(RuntimeError, match="need 1 <= T <= the runs' 8 keys, got T = 9"):
+        amx.prefill_attention(bf(3, 3, 9, 64), [k], [k])
+    with pytest.raises(RuntimeError, match="run 1 must be"):
+        amx.prefill_attention(q, [k, k.to(torch.bfloat16)], [k, k.to(torch.bfloat16)])
+    with pytest.raises(RuntimeError, match="as many runs"):
+        amx.prefill_attention(q, [k], [])
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        amx.prefill_attention(q, [k.half()], [k.half()])
+
+
 def test_bad_inputs_get_a_specific_error(k):
     with pytest.raises(RuntimeError, match="x must be bfloat16"):
         k.rms_norm(torch.randn(2, 8), bf(8), EPS)

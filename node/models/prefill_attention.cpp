@@ -1,0 +1,289 @@
+// Causal attention of a prefill's bf16 queries over the cache's K/V runs on AMX tiles
+// (node/models/kernels.py builds it into the same extension as kernels.cpp;
+// node/models/byte_model.py's attend_session calls it).
+//
+// Why: SDPA's CPU flash kernel spent about twice what its matmuls and softmax need on a
+// 512-token prefill of SmolLM2's heads, and a chunk over cached runs first paid a bf16 copy of
+// the runs concatenated. Here the runs (fp32 or bf16) are read once into AMX tile order per KV
+// head, shared by the group's query heads; each block of 16 query rows takes its scores on AMX
+// (bf16 products, fp32 sums), an exact softmax in fp32 on AVX-512 over the keys it may see (no
+// online rescaling: a block's whole score row fits in cache), and P.V on AMX again. P is rounded
+// to bf16 for that product, as SDPA's bf16 kernel does.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "amx_tiles.h"
+
+namespace fedkv_prefill {
+
+using bf16 = c10::BFloat16;
+
+constexpr int64_t D = 64;      // the head size this kernel takes (SmolLM2, Llama-style small models)
+constexpr int64_t ROWS = 16;   // query rows per block (one tile's rows)
+constexpr int64_t KEYS = 16;   // keys per score tile
+constexpr int64_t PAIRS = 32;  // keys per P.V step (16 bf16 pairs)
+constexpr int64_t TILE = 512;  // bf16 in one packed 16 x 32 tile
+
+#ifdef FEDKV_AMX
+using fedkv_tiles::fence;
+
+// Every tile 16 rows x 64 bytes: tmm0/1 the queries' two halves of D (later P), tmm2 a packed
+// K or V tile, tmm3 a block of scores, tmm4-7 the output's four 16-column groups.
+void configure() {
+  fedkv_tiles::Config c;
+  std::memset(&c, 0, sizeof c);
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = 16;
+    c.colsb[t] = 64;
+  }
+  fence();
+  _tile_loadconfig(&c);
+}
+
+// 16 values of a K or V row (fp32 or bf16) as fp32.
+inline __m512 load16(const void* p, bool is_bf16) {
+  if (!is_bf16) return _mm512_loadu_ps(static_cast<const float*>(p));
+  __m256i h = _mm256_loadu_si256(static_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// 2^x for x <= 0 (x >= -126 after clamping): 2^round(x) times a degree-6 polynomial of the
+// remainder in [-0.5, 0.5] (relative error ~1e-7, far below P's bf16 rounding).
+inline __m512 exp2(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Where key i's row of head h lives, over runs laid end to end.
+struct Rows {
+  std::vector<const char*> k, v;  // [n] row pointers of one head
+  bool is_bf16;
+};
+
+Rows rows_of(const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs,
+             int64_t h, int64_t n) {
+  Rows r{std::vector<const char*>(n), std::vector<const char*>(n),
+         ks[0].scalar_type() == torch::kBFloat16};
+  int64_t i = 0;
+  for (size_t run = 0; run < ks.size(); ++run) {
+    const auto& k = ks[run];
+    const auto& v = vs[run];
+    const int64_t es = k.element_size();
+    const char* kb = static_cast<const char*>(k.data_ptr()) + h * k.stride(0) * es;
+    const char* vb = static_cast<const char*>(v.data_ptr()) + h * v.stride(0) * es;
+    for (int64_t j = 0; j < k.size(1); ++j, ++i) {
+      r.k[i] = kb + j * k.stride(1) * es;
+      r.v[i] = vb + j * v.stride(1) * es;
+    }
+  }
+  return r;
+}
+
+// K of one head as B tiles of Q.K^T: per 16 keys, two tiles (D's halves), row r holding each
+// key's dims (2r, 2r + 1) side by side; keys past n are zero.
+void pack_k(const Rows& r, int64_t n, bf16* out) {
+  const int64_t blocks = (n + KEYS - 1) / KEYS;
+  std::memset(out, 0, blocks * 2 * TILE * sizeof(bf16));
+  const __m512i stride = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
+                                                              5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(KEYS));  // dword offsets of rows
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t half = 0; half < 2; ++half) {
+      const char* src = r.k[i] + half * 32 * (r.is_bf16 ? 2 : 4);
+      __m512 lo = load16(src, r.is_bf16);
+      __m512 hi = load16(src + 16 * (r.is_bf16 ? 2 : 4), r.is_bf16);
+      __m512i pairs = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+      bf16* tile = out + ((i / KEYS) * 2 + half) * TILE + (i % KEYS) * 2;
+      _mm512_i32scatter_epi32(tile, stride, pairs, 4);
+    }
+  }
+}
+
+// V of one head as B tiles of P.V: per 32 keys, four tiles (16 columns each), row r holding
+// keys (2r, 2r + 1) of each column side by side; keys past n are zero.
+void pack_v(const Rows& r, int64_t n, bf16* out) {
+  const int64_t chunks = (n + PAIRS - 1) / PAIRS;
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                              24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
+                                              1, 16, 0);
+  const int64_t es = r.is_bf16 ? 2 : 4;
+  for (int64_t i = 0; i < chunks * PAIRS; i += 2) {
+    for (int64_t g = 0; g < 4; ++g) {
+      __m512 a = i < n ? load16(r.v[i] + g * 16 * es, r.is_bf16) : _mm512_setzero_ps();
+      __m512 b = i + 1 < n ? load16(r.v[i + 1] + g * 16 * es, r.is_bf16) : _mm512_setzero_ps();
+      __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));  // a in the low half
+      bf16* row = out + ((i / PAIRS) * 4 + g) * TILE + ((i % PAIRS) / 2) * 32;
+      _mm512_storeu_si512(row, _mm512_permutexvar_epi16(interleave, both));
+    }
+  }
+}
+
+// Softmax of one row's first `seen` scores into bf16 P (zero up to `width`); returns the sum
+// of the fp32 weights. `scale` is 1/sqrt(D) * log2(e): exp(s/sqrt(D)) = 2^(s*scale).
+float softmax_row(const float* s, int64_t seen, int64_t width, float scale, bf16* p) {
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < seen; j += 16) {
+    const __mmask16 k = seen - j >= 16 ? 0xFFFF : (__mmask16)((1u << (seen - j)) - 1);
+    m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, s + j));
+  }
+  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(m) * scale);
+  const __m512 sc = _mm512_set1_ps(scale);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < width; j += 16) {
+    const int64_t left = seen - j;
+    const __mmask16 k = left >= 16 ? 0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+    __m512 e = _mm512_maskz_mov_ps(k, exp2(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, s + j), sc,
+                                                          shift)));
+    sum = _mm512_add_ps(sum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+// Up to 16 query rows of one head, t0.. (position n - T + t), against the packed K/V.
+void query_block(const bf16* q, int64_t q_row_stride, int64_t m, int64_t first_pos,
+                 const bf16* kp, const bf16* vp, bf16* out, int64_t out_row_stride,
+                 std::vector<float>& s, std::vector<bf16>& p) {
+  const int64_t visible = first_pos + m;  // keys the block's last row sees
+  const int64_t blocks = (visible + KEYS - 1) / KEYS;
+  const int64_t width = (visible + PAIRS - 1) / PAIRS * PAIRS;
+  const int64_t ws = blocks * KEYS;
+  alignas(64) bf16 qb[ROWS * D];
+  std::memset(qb, 0, sizeof qb);
+  for (int64_t r = 0; r < m; ++r) std::memcpy(qb + r * D, q + r * q_row_stride, D * sizeof(bf16));
+  s.resize(ROWS * ws);
+  p.assign(ROWS * width, bf16(0.0f));
+  fence();
+  _tile_loadd(0, qb, D * 2);
+  _tile_loadd(1, qb + 32, D * 2);
+  for (int64_t b = 0; b < blocks; ++b) {
+    _tile_zero(3);
+    _tile_loadd(2, kp + (b * 2) * TILE, 64);
+    _tile_dpbf16ps(3, 0, 2);
+    _tile_loadd(2, kp + (b * 2 + 1) * TILE, 64);
+    _tile_dpbf16ps(3, 1, 2);
+    _tile_stored(3, s.data() + b * KEYS, ws * 4);
+  }
+  fence();
+  const float scale = 1.4426950408889634f / std::sqrt(float(D));
+  float sums[ROWS];
+  for (int64_t r = 0; r < m; ++r)
+    sums[r] = softmax_row(s.data() + r * ws, first_pos + r + 1, width, scale, p.data() + r * width);
+  fence();
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int64_t c = 0; c < width / PAIRS; ++c) {
+    _tile_loadd(0, p.data() + c * PAIRS, width * 2);
+    _tile_loadd(2, vp + (c * 4 + 0) * TILE, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_loadd(2, vp + (c * 4 + 1) * TILE, 64);
+    _tile_dpbf16ps(5, 0, 2);
+    _tile_loadd(2, vp + (c * 4 + 2) * TILE, 64);
+    _tile_dpbf16ps(6, 0, 2);
+    _tile_loadd(2, vp + (c * 4 + 3) * TILE, 64);
+    _tile_dpbf16ps(7, 0, 2);
+  }
+  alignas(64) float o[ROWS * D];
+  _tile_stored(4, o, D * 4);
+  _tile_stored(5, o + 16, D * 4);
+  _tile_stored(6, o + 32, D * 4);
+  _tile_stored(7, o + 48, D * 4);
+  fence();
+  for (int64_t r = 0; r < m; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.0f / sums[r]);
+    for (int64_t d = 0; d < D; d += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_row_stride + d),
+                          reinterpret_cast<__m256i>(
+                              _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), inv))));
+  }
+}
+#endif
+
+void check_runs(const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs,
+                int64_t hk) {
+  TORCH_CHECK(!ks.empty() && ks.size() == vs.size(), "k_runs and v_runs: as many runs, at least one");
+  const auto dt = ks[0].scalar_type();
+  TORCH_CHECK(dt == torch::kFloat32 || dt == torch::kBFloat16, "runs must be float32 or bfloat16");
+  for (size_t i = 0; i < ks.size(); ++i) {
+    for (const auto* t : {&ks[i], &vs[i]}) {
+      TORCH_CHECK(t->scalar_type() == dt && t->dim() == 3 && t->size(0) == hk && t->size(2) == D &&
+                      t->stride(2) == 1 && t->size(1) == ks[i].size(1),
+                  "run ", i, " must be [", hk, ", n, ", D, "] of one dtype, rows contiguous; got ",
+                  t->sizes(), " ", t->scalar_type());
+    }
+  }
+}
+
+// q bf16 [Hk, G, T, D]: the last T positions of a context whose K/V are the runs ([Hk, n_i, D]
+// each, fp32 or bf16, n = sum n_i >= T) -> bf16 [Hk, G, T, D], causal.
+torch::Tensor attention(const torch::Tensor& q, const std::vector<torch::Tensor>& k_runs,
+                        const std::vector<torch::Tensor>& v_runs) {
+#ifdef FEDKV_AMX
+  TORCH_CHECK(fedkv_tiles::request(), "AMX bf16 tiles are not available on this CPU or kernel");
+#else
+  TORCH_CHECK(false, "built without AMX: prefill_attention is unavailable");
+#endif
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && q.dim() == 4 && q.size(3) == D &&
+                  q.stride(3) == 1,
+              "q must be bf16 [kv_heads, group, T, ", D, "] with contiguous rows, got ", q.sizes());
+  const int64_t hk = q.size(0), groups = q.size(1), T = q.size(2);
+  check_runs(k_runs, v_runs, hk);
+  int64_t n = 0;
+  for (const auto& k : k_runs) n += k.size(1);
+  TORCH_CHECK(T >= 1 && n >= T, "need 1 <= T <= the runs' ", n, " keys, got T = ", T);
+  auto out = torch::empty({hk, groups, T, D}, q.options());
+#ifdef FEDKV_AMX
+  const int64_t kblocks = (n + KEYS - 1) / KEYS, vchunks = (n + PAIRS - 1) / PAIRS;
+  std::vector<bf16> kp(hk * kblocks * 2 * TILE), vp(hk * vchunks * 4 * TILE);
+  at::parallel_for(0, hk, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h) {
+      Rows r = rows_of(k_runs, v_runs, h, n);
+      pack_k(r, n, kp.data() + h * kblocks * 2 * TILE);
+      pack_v(r, n, vp.data() + h * vchunks * 4 * TILE);
+    }
+  });
+  const int64_t qblocks = (T + ROWS - 1) / ROWS;
+  const bf16* qd = q.data_ptr<bf16>();
+  bf16* od = out.data_ptr<bf16>();
+  at::parallel_for(0, hk * groups * qblocks, 1, [&](int64_t begin, int64_t end) {
+    configure();  // tile state is per thread
+    std::vector<float> s;
+    std::vector<bf16> p;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task % qblocks, hg = task / qblocks, h = hg / groups, g = hg % groups;
+      const int64_t t0 = b * ROWS, m = std::min(ROWS, T - t0);
+      query_block(qd + h * q.stride(0) + g * q.stride(1) + t0 * q.stride(2), q.stride(2), m,
+                  n - T + t0, kp.data() + h * kblocks * 2 * TILE, vp.data() + h * vchunks * 4 * TILE,
+                  od + ((h * groups + g) * T + t0) * D, D, s, p);
+    }
+    _tile_release();
+  });
+#endif
+  return out;
+}
+
+}  // namespace fedkv_prefill
+
+torch::Tensor prefill_attention(const torch::Tensor& q, const std::vector<torch::Tensor>& k_runs,
+                                const std::vector<torch::Tensor>& v_runs) {
+  return fedkv_prefill::attention(q, k_runs, v_runs);
+}
