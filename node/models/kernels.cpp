@@ -670,16 +670,19 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const std::vector<torch:
                                 const std::vector<torch::Tensor>& v_runs);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows");
-  m.def("add_rms_norm_", &add_rms_norm_, "x += y in place, then RMSNorm of x");
-  m.def("rope_split", &rope_split, "q/k/v from the fused projection, q and k rotated");
-  m.def("merge_heads", &merge_heads, "attention heads -> the o_proj input");
-  m.def("decode_attention", &decode_attention, "one decode step's attention over prefix runs and tails");
-  m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up");
-  m.def("int8_linear", &int8_linear, "weight-only int8 linear of a few bf16 rows");
-  m.def("int8_amx_available", &int8_amx_available, "AMX bf16 tiles usable in this process");
-  m.def("int8_pack_amx", &int8_pack_amx, "int8 codes in the AMX tile order of int8_linear_amx");
-  m.def("int8_linear_amx", &int8_linear_amx, "weight-only int8 linear of up to 32 rows on AMX");
+  // Every kernel runs without the GIL (they touch tensors only, as ATen's own bindings do):
+  // a server's HTTP threads and a load test's clients run beside a long call.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows", nogil);
+  m.def("add_rms_norm_", &add_rms_norm_, "x += y in place, then RMSNorm of x", nogil);
+  m.def("rope_split", &rope_split, "q/k/v from the fused projection, q and k rotated", nogil);
+  m.def("merge_heads", &merge_heads, "attention heads -> the o_proj input", nogil);
+  m.def("decode_attention", &decode_attention, "one decode step's attention over prefix runs and tails", nogil);
+  m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up", nogil);
+  m.def("int8_linear", &int8_linear, "weight-only int8 linear of a few bf16 rows", nogil);
+  m.def("int8_amx_available", &int8_amx_available, "AMX bf16 tiles usable in this process", nogil);
+  m.def("int8_pack_amx", &int8_pack_amx, "int8 codes in the AMX tile order of int8_linear_amx", nogil);
+  m.def("int8_linear_amx", &int8_linear_amx, "weight-only int8 linear of up to 32 rows on AMX", nogil);
   m.def("prefill_attention", &prefill_attention,
-        "causal attention of bf16 prefill queries over K/V runs on AMX");
+        "causal attention of bf16 prefill queries over K/V runs on AMX", nogil);
 }

@@ -11,6 +11,9 @@ they give its results (tests compare the two). ``int8_linear`` is weight-only in
 rows that streams the codes with software prefetch; ``int8_linear_amx`` (``int8_amx.cpp``)
 widens them to bf16 tile by tile for AMX's matrix unit, for up to 32 rows
 (``node.models.precision.Int8Linear`` picks; ``experiments.int8_rows`` times both).
+``prefill_attention`` (``prefill_attention.cpp``) is a bf16 prefill's causal attention over the
+cache's runs on AMX tiles, for head size 64 (``node.models.byte_model.attend_session`` takes it
+where ``takes_prefill_kernel`` says; elsewhere SDPA's flash kernel serves).
 The elementwise ones are vectorized for AVX-512 (with BF16), with a scalar path elsewhere;
 at a prefill's hundreds of rows they are no slower than the eager ops.
 ``experiments.bench_llm`` measures the decode they give (``decode_tokens_per_s.<ctx>.fedkv_bf16``
