@@ -36,7 +36,10 @@ is one size for every client count, as a server's is: ``pool_share`` (a quarter)
 offered load at the most clients, so the largest cells run overcommitted and preemption does
 the rest (the smaller ones less so). Each system first serves one untimed warm-up pass
 (``warm_up``; not with ``--quick``). Backends run in rotated order per
-client count and ``--repeats`` times; each figure is the median over repeats.
+client count and ``--repeats`` times; each figure is the median over repeats. While one
+system runs, every other contender's server is paused (``focus``: SIGSTOP to its process group,
+SIGCONT before its own turn), so an idle server's polling takes no CPU from the one measured;
+the CSV's ``machine_cores`` says what the whole machine used during each cell.
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ from experiments.llm_contenders import StreamHandle
 from experiments import serve_contenders as contenders
 from experiments import single_stream
 from experiments.serve_contenders import LLAMACPP, VLLM
-from experiments.served_process import group_cpu_seconds
+from experiments.served_process import (group_cpu_seconds, machine_busy_seconds, pause_group,
+                                         resume_group)
 from experiments.single_stream import SingleConfig
 from node.engine.generation import GenerationRequest
 from node.models import kernels
@@ -365,6 +369,7 @@ def run_model(served: Served, clients_list: Sequence[int], cfg: LoadConfig, seed
     top = max(clients_list)
     _, pool = pool_tokens(workload(top), top, cfg, block)  # one pool for every client count
     for system in systems if cfg.warmup else ():
+        focus(servers, system)
         warm_up(make_backend(system, served, pool, top, servers), workload(top)[:top], top, cfg)
     for i, clients in enumerate(clients_list):
         reqs = workload(clients)
@@ -372,6 +377,7 @@ def run_model(served: Served, clients_list: Sequence[int], cfg: LoadConfig, seed
         for rep in range(cfg.repeats):
             k = (i + rep) % len(systems)
             for system in systems[k:] + systems[:k]:  # rotated: no fixed slot
+                focus(servers, system)
                 backend = make_backend(system, served, pool, clients, servers)
                 row = _run_cell(backend, reqs, clients, cfg, seed + rep, servers.get(system))
                 cell[system].append({m: row[m] for m in METRICS})
@@ -380,6 +386,7 @@ def run_model(served: Served, clients_list: Sequence[int], cfg: LoadConfig, seed
         by_clients[str(clients)] = {s: {**{m: statistics.median(x[m] for x in cell[s])
                                            for m in METRICS}, "dtype": system_dtype(s, served, servers)}
                                     for s in systems}
+    focus(servers, None)  # every server running again
     sched = [r for r in rows if r["system"] == "fedkv_scheduler"]
     totals = {k: sum(r[k] for r in sched) for k in ("preempted", "resumed")}
     offered = max(r["offered_tokens"] for r in rows)
@@ -389,6 +396,16 @@ def run_model(served: Served, clients_list: Sequence[int], cfg: LoadConfig, seed
                                    "max_running": "clients", "token_budget": TOKEN_BUDGET,
                                    "block_size": block,
                                    "kernels": kernels.status()}}}, rows
+
+
+def focus(servers: dict[str, Any], system: str | None) -> None:
+    """Continue ``system``'s server and pause every other contender's (``pause_group``): an
+    idle server beside the one measured takes no CPU from it; ``None`` continues them all."""
+    for name, server in servers.items():
+        if name == system or system is None:
+            resume_group(server.proc)
+        else:
+            pause_group(server.proc)
 
 
 def warm_up(backend: Any, reqs: Sequence[Req], clients: int, cfg: LoadConfig) -> None:
@@ -406,19 +423,21 @@ def _run_cell(backend: Any, reqs: Sequence[Req], clients: int, cfg: LoadConfig,
               seed: int, server: Any = None) -> dict[str, Any]:
     """One backend under one load (closed after it): its figures, drops and counters, and
     ``cpu_cores``: the CPU seconds this process (the clients, an in-process engine) and a
-    contender's ``server`` process group used, per second of the cell."""
+    contender's ``server`` process group used, per second of the cell; ``machine_cores``: the
+    same for the whole machine, whoever ran (what else took CPU during the cell)."""
     time.sleep(cfg.settle_s)
-    cpu0, own0 = _server_cpu(server), time.process_time()
+    cpu0, own0, busy0 = _server_cpu(server), time.process_time(), machine_busy_seconds()
     try:
         records, wall = drive(backend, reqs, clients, cfg, seed)
         cpu = time.process_time() - own0 + _server_cpu(server) - cpu0
+        busy = machine_busy_seconds() - busy0
         counters = backend_counters(backend)
     finally:
         backend.close()
     offered = round(clients * statistics.fmean(len(r.prompt) + r.max_tokens for r in reqs))
     return {"requests": len(records), "dropped": sum(r.dropped for r in records),
             "offered_tokens": offered, **summarize(records, wall), "cpu_cores": cpu / wall,
-            **counters}
+            "machine_cores": busy / wall, **counters}
 
 
 def _server_cpu(server: Any) -> float:
@@ -484,8 +503,11 @@ def single_fresh(served: Served, cfg: SingleConfig, seed: int,
     systems = ("fedkv_scheduler", "hf_sequential") + tuple(s for s in CONTENDERS if s in servers)
     cfg = cfg if servers else replace(cfg, settle_s=0.0)
     pool = 2 * (cfg.prompt_tokens + cfg.new_tokens)
-    out = single_stream.run(lambda s: make_backend(s, served, pool, 1, servers), systems, cfg,
-                            served.vocab, seed)
+    try:
+        out = single_stream.run(lambda s: make_backend(s, served, pool, 1, servers), systems, cfg,
+                                served.vocab, seed, focus=lambda s: focus(servers, s))
+    finally:
+        focus(servers, None)
     for s in systems:
         out[s]["dtype"] = system_dtype(s, served, servers)
     return out

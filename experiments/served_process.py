@@ -220,7 +220,9 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, what: str, 
 def stop_group(proc: subprocess.Popen) -> None:
     """SIGTERM to the process group ``proc`` leads (a server started with
     ``start_new_session``: it shuts its children down), then SIGKILL to whatever of the group
-    is left, also when the leader itself already exited."""
+    is left, also when the leader itself already exited. A paused group is continued first
+    (stopped processes act on SIGTERM only once continued)."""
+    resume_group(proc)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
@@ -231,6 +233,37 @@ def stop_group(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             pass
     proc.wait(timeout=30)
+
+
+def pause_group(proc: subprocess.Popen) -> None:
+    """SIGSTOP to the process group ``proc`` leads: an idle server's polling threads (vLLM's
+    engine kept ~0.2 of a core busy between requests) take no CPU from a system measured
+    beside it. Continued by :func:`resume_group` (or :func:`stop_group`)."""
+    _signal_group(proc, signal.SIGSTOP)
+
+
+def resume_group(proc: subprocess.Popen) -> None:
+    """SIGCONT to the process group ``proc`` leads (harmless on a running group)."""
+    _signal_group(proc, signal.SIGCONT)
+
+
+def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass  # the group is gone: nothing to pause or continue
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds all of this machine's CPUs spent busy so far (``/proc/stat``: everything but
+    idle and I/O wait), whoever used them; NaN where there is no ``/proc``. Beside a run's own
+    CPU it tells how much else ran during it."""
+    try:
+        with open("/proc/stat") as fh:
+            ticks = [int(x) for x in fh.readline().split()[1:]]
+    except OSError:
+        return math.nan
+    return (sum(ticks[:7]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # not steal
 
 
 def group_cpu_seconds(pgid: int) -> float:

@@ -54,13 +54,16 @@ def measure(backend: Any, prompt: Sequence[int], new_tokens: int, timeout_s: flo
 
 
 def run(make: Callable[[str], Any], systems: Sequence[str], cfg: SingleConfig, vocab: int,
-        seed: int, clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
+        seed: int, clock: Callable[[], float] = time.perf_counter,
+        focus: Callable[[str], None] = lambda system: None) -> dict[str, Any]:
     """Each of ``systems`` (``make(system)`` builds a fresh backend, closed after its request)
-    ``cfg.repeats`` times: ``{system: {metric: median, "samples": [...]}}`` plus the settings."""
+    ``cfg.repeats`` times: ``{system: {metric: median, "samples": [...]}}`` plus the settings.
+    ``focus(system)`` runs before each system's turn (serve_load pauses the other servers)."""
     samples: dict[str, list[dict]] = {s: [] for s in systems}
     for rep in range(cfg.repeats):
         k = rep % len(systems)
         for i, system in enumerate(systems[k:] + systems[:k]):
+            focus(system)
             time.sleep(cfg.settle_s)
             backend = make(system)
             try:

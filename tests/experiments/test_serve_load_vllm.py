@@ -18,7 +18,7 @@ import pytest
 
 from experiments import serve_load as sl
 from experiments import vllm_contender as vc
-from experiments.served_process import group_cpu_seconds, stop_group
+from experiments.served_process import group_cpu_seconds, pause_group, stop_group
 from tests.hang_guard import HANG_GUARD_S
 
 pytest.importorskip("httpx")
@@ -296,3 +296,50 @@ def test_group_cpu_seconds_counts_a_busy_server_group():
         assert 0.3 < group_cpu_seconds(busy.pid) < 5.0
     finally:
         stop_group(busy)
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_contender_is_paused_while_another_system_runs(fake, one_thread, monkeypatch):
+    """Its process group is stopped (``T``) through every other system's cell and running in
+    its own, and all of it runs again after the model's cells."""
+    url = f"http://127.0.0.1:{fake.server_address[1]}"
+    fake_proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                 start_new_session=True)
+    server = type("S", (), {"url": url, "name": "tiny", "settings": vc.VllmSettings(),
+                            "proc": fake_proc,
+                            "backend": lambda self, n: vc.VllmBackend(url, "tiny", n)})()
+    seen: list[tuple[str, str]] = []
+    real_cell = sl._run_cell
+
+    def cell(backend, *a, **kw):
+        seen.append((type(backend).__name__, _state(fake_proc.pid)))
+        return real_cell(backend, *a, **kw)
+
+    monkeypatch.setattr(sl, "_run_cell", cell)
+    try:
+        _, rows = sl.run_model(sl.load_served("tiny", seed=0), [1],
+                               sl.LoadConfig(requests_per_client=1, max_new=4, max_prompt=48,
+                                             think_s=0, settle_s=0.0),
+                               seed=0, trace=None, servers={sl.VLLM: server})
+        after = _state(fake_proc.pid)
+    finally:
+        stop_group(fake_proc)
+    assert {b for b, st in seen if st == "T"} == {"ScheduledBackend", "SerialBackend",
+                                                  "HFSequentialBackend"}
+    assert [st for b, st in seen if b == "VllmBackend"] == ["S"] and after == "S"
+    assert all(r["machine_cores"] > 0 for r in rows)  # the clients ran, at least
+
+
+def test_a_paused_group_still_stops_at_once_on_sigterm():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            start_new_session=True)
+    pause_group(proc)
+    time.sleep(0.2)
+    assert _state(proc.pid) == "T"
+    t0 = time.monotonic()
+    stop_group(proc)
+    assert proc.returncode == -signal.SIGTERM and time.monotonic() - t0 < 20  # not the SIGKILL wait
