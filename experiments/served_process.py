@@ -237,8 +237,8 @@ def stop_group(proc: subprocess.Popen) -> None:
 
 def pause_group(proc: subprocess.Popen) -> None:
     """SIGSTOP to the process group ``proc`` leads: an idle server's polling threads (vLLM's
-    engine kept ~0.2 of a core busy between requests) take no CPU from a system measured
-    beside it. Continued by :func:`resume_group` (or :func:`stop_group`)."""
+    engine polls between requests) take no CPU from a system measured beside it. Continued by
+    :func:`resume_group` (or :func:`stop_group`)."""
     _signal_group(proc, signal.SIGSTOP)
 
 
