@@ -40,8 +40,8 @@ import torch
 
 SOURCES = tuple(Path(__file__).with_name(f) for f in
                 ("kernels.cpp", "int8_amx.cpp", "prefill_attention.cpp"))
-HEADERS = (Path(__file__).with_name("amx_tiles.h"),)
-"""Included by the AMX sources: part of the build's identity, not compiled on their own."""
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("amx_tiles.h", "vec_math.h"))
+"""Included by the sources: part of the build's identity, not compiled on their own."""
 ENV = "FEDKV_KERNELS"
 """``eager`` turns the fused kernels off (a reference run, a machine without a compiler)."""
 

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "vec_math.h"
 
 namespace fedkv_prefill {
 
@@ -52,22 +53,6 @@ inline __m512 load16(const void* p, bool is_bf16) {
   if (!is_bf16) return _mm512_loadu_ps(static_cast<const float*>(p));
   __m256i h = _mm256_loadu_si256(static_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// 2^x for x <= 0 (x >= -126 after clamping): 2^round(x) times a degree-6 polynomial of the
-// remainder in [-0.5, 0.5] (relative error ~1e-7, far below P's bf16 rounding).
-inline __m512 exp2(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
 }
 
 // Where key i's row of head h lives, over runs laid end to end.
@@ -135,7 +120,7 @@ void pack_v(const Rows& r, int64_t n, bf16* out) {
 }
 
 // Softmax of one row's first `seen` scores into bf16 P (zero up to `width`); returns the sum
-// of the fp32 weights. `scale` is 1/sqrt(D) * log2(e): exp(s/sqrt(D)) = 2^(s*scale).
+// of the fp32 weights. `scale` is 1/sqrt(D).
 float softmax_row(const float* s, int64_t seen, int64_t width, float scale, bf16* p) {
   __m512 m = _mm512_set1_ps(-INFINITY);
   for (int64_t j = 0; j < seen; j += 16) {
@@ -148,8 +133,8 @@ float softmax_row(const float* s, int64_t seen, int64_t width, float scale, bf16
   for (int64_t j = 0; j < width; j += 16) {
     const int64_t left = seen - j;
     const __mmask16 k = left >= 16 ? 0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
-    __m512 e = _mm512_maskz_mov_ps(k, exp2(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, s + j), sc,
-                                                          shift)));
+    __m512 e = _mm512_maskz_mov_ps(k, fedkv_vec::exp16(_mm512_fmsub_ps(
+                                             _mm512_maskz_loadu_ps(k, s + j), sc, shift)));
     sum = _mm512_add_ps(sum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j),
                         reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
@@ -182,7 +167,7 @@ void query_block(const bf16* q, int64_t q_row_stride, int64_t m, int64_t first_p
     _tile_stored(3, s.data() + b * KEYS, ws * 4);
   }
   fence();
-  const float scale = 1.4426950408889634f / std::sqrt(float(D));
+  const float scale = 1.0f / std::sqrt(float(D));
   float sums[ROWS];
   for (int64_t r = 0; r < m; ++r)
     sums[r] = softmax_row(s.data() + r * ws, first_pos + r + 1, width, scale, p.data() + r * width);
