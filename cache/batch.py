@@ -10,6 +10,8 @@ session table.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -123,12 +125,16 @@ class TailBuffer:
 
     @classmethod
     def empty(cls, key: tuple, layers: int, heads: int, n: int, cap: int, dim: int,
-              dtype: torch.dtype, filled: int = 0, rows: int = 0) -> "TailBuffer":
+              dtype: torch.dtype, filled: int = 0, rows: int = 0,
+              memory: torch.Tensor | None = None) -> "TailBuffer":
         """A buffer whose every position is finite -- a slot's stale positions are masked
         out, and 0 x NaN would still be NaN -- zeroing only what the caller will not
         overwrite at once: positions ``filled..cap`` of slots ``0..rows-1`` (gathered up to
-        ``filled``) and all of the slots after them."""
-        kv = torch.empty(layers, 2, n, heads, cap, dim, dtype=dtype)
+        ``filled``) and all of the slots after them. ``memory``: a flat tensor of ``dtype``
+        to lay it in (at least its size; its contents are not needed)."""
+        shape = (layers, 2, n, heads, cap, dim)
+        kv = (torch.empty(shape, dtype=dtype) if memory is None
+              else memory[: math.prod(shape)].view(shape))
         kv[:, :, :rows, :, filled:].zero_()
         kv[:, :, rows:].zero_()
         return cls(key, kv, torch.zeros(n, cap, dtype=torch.bool), [None] * n)
@@ -178,6 +184,8 @@ class Batcher:
         self.sessions, self.reads, self.reserve, self.commit = sessions, reads, reserve, commit
         self.tails: TailBuffer | None = None
         """The last step's tails, kept when ``batch_tail_buffer`` is on."""
+        self._tail_memory: torch.Tensor | None = None
+        """The flat memory the kept tails lie in, reused by the next rebuilt buffer."""
 
     def begin(self, sids: list[int], tokens: list[int]) -> BatchStep:
         if len(sids) != len(tokens) or len(set(sids)) != len(sids) or not sids:
@@ -253,11 +261,23 @@ class Batcher:
         if placed is not None:
             return buf, *placed
         c, n, longest = self.config, len(idents), max(s.length for s in idents)
-        buf = TailBuffer.empty(key, c.num_layers, c.num_heads, n + int(n * SPARE_SLOTS),
-                               longest + max(TAIL_ROOM, longest // 4), c.head_dim,
-                               self.tail_dtype(), filled=longest, rows=n)
+        slots, cap = n + int(n * SPARE_SLOTS), longest + max(TAIL_ROOM, longest // 4)
+        numel = c.num_layers * 2 * slots * c.num_heads * cap * c.head_dim
+        buf = TailBuffer.empty(key, c.num_layers, c.num_heads, slots, cap, c.head_dim,
+                               self.tail_dtype(), filled=longest, rows=n,
+                               memory=self._memory(numel) if c.batch_tail_buffer else None)
         self.tails = buf if c.batch_tail_buffer else None  # kept only when reused
         return buf, list(range(n)), list(range(n))
+
+    def _memory(self, numel: int) -> torch.Tensor:
+        """Flat memory for a rebuilt tail buffer: the kept one's when it is large enough (every
+        tail is gathered again, so none of it is needed), else new with a quarter to spare.
+        A fresh allocation of a buffer's tens of MB is page-faulted in anew on each rebuild."""
+        mem, dtype = self._tail_memory, self.tail_dtype()
+        if mem is None or mem.dtype != dtype or mem.numel() < numel:
+            self.tails = self._tail_memory = mem = None  # the old one freed before the new is taken
+            self._tail_memory = mem = torch.empty(numel + numel // 4, dtype=dtype)
+        return mem
 
     def tail_dtype(self) -> torch.dtype:
         """What the tail copy holds (``CacheConfig.batch_tail_dtype``; fp32 follows the arena)."""

@@ -457,9 +457,10 @@ class KVCache:
 
     @property
     def tail_buffer_bytes(self) -> int:
-        """Bytes of the batch tail buffer kept for the next step (0: none)."""
+        """Bytes the batch tail buffer kept for the next step holds, with the spare room of
+        the memory it lies in (0: none)."""
         tails = self.batcher.tails  # read once: a live snapshot may run beside a batch step
-        return tails.kv.numel() * tails.kv.element_size() if tails is not None else 0
+        return tails.kv.untyped_storage().nbytes() if tails is not None else 0
 
     @property
     def full_precision_dtype(self) -> str:

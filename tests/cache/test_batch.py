@@ -246,6 +246,27 @@ def test_more_sessions_than_slots_rebuild_the_buffer():
     _assert_tails_hold_the_sessions(kv, step, _run_step(kv, step, len(sids)))
 
 
+def test_a_rebuilt_buffer_lies_in_the_kept_memory_when_it_fits():
+    """A rebuild takes the kept buffer's memory instead of tens of MB faulted in anew, and
+    the tails it gathers there are the sessions' own (nothing left from the old buffer)."""
+    kv = KVCache(small_config())
+    sids = [kv.open_session() for _ in range(8)]
+    for i, s in enumerate(sids):
+        feed(kv, s, [10 * i + t for t in range(6)], seed=i)
+    step = kv.begin_batch(sids, [0] * len(sids))
+    _run_step(kv, step, len(sids))
+    memory = kv.batcher.tails.kv.untyped_storage().data_ptr()
+    held = kv.stats()["batch_tail_buffer_bytes"]
+    step = kv.begin_batch(sids[2:3], [0])  # alone: its whole blocks are the prefix, a new key
+    assert step.fresh
+    out = _run_step(kv, step, 1)
+    assert kv.batcher.tails.kv.untyped_storage().data_ptr() == memory
+    assert kv.stats()["batch_tail_buffer_bytes"] == held  # what is held, not the smaller view
+    _assert_tails_hold_the_sessions(kv, step, out)
+    step = kv.begin_batch(sids, [0] * len(sids))  # all eight again, longer now
+    _assert_tails_hold_the_sessions(kv, step, _run_step(kv, step, len(sids)))
+
+
 def test_tails_decoded_per_row_leave_no_unwritten_memory_behind_a_shorter_tail(monkeypatch):
     """Quantized members are decoded row by row into an uninitialized buffer: a shorter
     tail's padding must be zeroed (masked is not enough: 0 x NaN is NaN)."""
