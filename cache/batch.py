@@ -11,7 +11,6 @@ session table.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -126,15 +125,16 @@ class TailBuffer:
     @classmethod
     def empty(cls, key: tuple, layers: int, heads: int, n: int, cap: int, dim: int,
               dtype: torch.dtype, filled: int = 0, rows: int = 0,
-              memory: torch.Tensor | None = None) -> "TailBuffer":
+              memory: Callable[[int], torch.Tensor] | None = None) -> "TailBuffer":
         """A buffer whose every position is finite -- a slot's stale positions are masked
         out, and 0 x NaN would still be NaN -- zeroing only what the caller will not
         overwrite at once: positions ``filled..cap`` of slots ``0..rows-1`` (gathered up to
-        ``filled``) and all of the slots after them. ``memory``: a flat tensor of ``dtype``
-        to lay it in (at least its size; its contents are not needed)."""
+        ``filled``) and all of the slots after them. ``memory(numel)``: a flat tensor of
+        ``dtype`` and at least ``numel`` elements to lay it in (its contents are not needed)."""
         shape = (layers, 2, n, heads, cap, dim)
+        numel = math.prod(shape)
         kv = (torch.empty(shape, dtype=dtype) if memory is None
-              else memory[: math.prod(shape)].view(shape))
+              else memory(numel)[:numel].view(shape))
         kv[:, :, :rows, :, filled:].zero_()
         kv[:, :, rows:].zero_()
         return cls(key, kv, torch.zeros(n, cap, dtype=torch.bool), [None] * n)
@@ -261,11 +261,10 @@ class Batcher:
         if placed is not None:
             return buf, *placed
         c, n, longest = self.config, len(idents), max(s.length for s in idents)
-        slots, cap = n + int(n * SPARE_SLOTS), longest + max(TAIL_ROOM, longest // 4)
-        numel = c.num_layers * 2 * slots * c.num_heads * cap * c.head_dim
-        buf = TailBuffer.empty(key, c.num_layers, c.num_heads, slots, cap, c.head_dim,
+        buf = TailBuffer.empty(key, c.num_layers, c.num_heads, n + int(n * SPARE_SLOTS),
+                               longest + max(TAIL_ROOM, longest // 4), c.head_dim,
                                self.tail_dtype(), filled=longest, rows=n,
-                               memory=self._memory(numel) if c.batch_tail_buffer else None)
+                               memory=self._memory if c.batch_tail_buffer else None)
         self.tails = buf if c.batch_tail_buffer else None  # kept only when reused
         return buf, list(range(n)), list(range(n))
 
@@ -275,9 +274,9 @@ class Batcher:
         A fresh allocation of a buffer's tens of MB is page-faulted in anew on each rebuild."""
         mem, dtype = self._tail_memory, self.tail_dtype()
         if mem is None or mem.dtype != dtype or mem.numel() < numel:
-            self.tails = self._tail_memory = mem = None  # the old one freed before the new is taken
-            self._tail_memory = mem = torch.empty(numel + numel // 4, dtype=dtype)
-        return mem
+            self.tails = self._tail_memory = None  # the old memory freed before the new is taken
+            self._tail_memory = torch.empty(numel + numel // 4, dtype=dtype)
+        return self._tail_memory
 
     def tail_dtype(self) -> torch.dtype:
         """What the tail copy holds (``CacheConfig.batch_tail_dtype``; fp32 follows the arena)."""
