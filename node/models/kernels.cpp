@@ -669,7 +669,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "weight-only int8 linear of a few bf16 rows", nogil);
   m.def("int8_amx_available", &int8_amx_available, "AMX bf16 tiles usable in this process", nogil);
   m.def("int8_pack_amx", &int8_pack_amx, "int8 codes in the AMX tile order of int8_linear_amx", nogil);
-  m.def("int8_linear_amx", &int8_linear_amx, "weight-only int8 linear of up to 32 rows on AMX", nogil);
+  m.def("int8_linear_amx", &int8_linear_amx, "weight-only int8 linear on AMX (codes read once for all rows)", nogil);
   m.def("prefill_attention", &prefill_attention,
         "causal attention of bf16 prefill queries over K/V runs on AMX", nogil);
 }

@@ -35,11 +35,13 @@ DECODE_ROWS = 4
 """Up to this many rows an :class:`Int8Linear` multiplies the int8 codes on the vector units
 (``node.models.kernels``' ``int8_linear``, else ``aten._weight_int8pack_mm``): 1 byte read per
 weight, but its multiply-adds grow with the rows."""
-TILE_ROWS = 32
+TILE_ROWS = 128
 """Past :data:`DECODE_ROWS` and up to this many rows, on a CPU with AMX, the codes are widened to
 bf16 tile by tile and multiplied on the matrix unit (``int8_linear_amx``: still 1 byte read per
-weight). More rows -- a prefill chunk, or no AMX -- go through oneDNN's bf16 GEMM on a packed
-bf16 copy of the dequantized weights (2 bytes per weight, read once for all the rows).
+weight, once for all the rows) -- a decode batch, or a mixed step's decode rows with a short
+prefill chunk. More rows -- a long prefill, or no AMX -- go through oneDNN's bf16 GEMM on a
+packed bf16 copy of the dequantized weights (2 bytes per weight, read once for all the rows),
+which past here computes faster than the tiles' one 32-row block at a time.
 ``experiments.int8_rows`` measures the three at each row count."""
 
 

@@ -26,12 +26,14 @@ def test_each_timed_way_computes_the_dequantized_product():
 
 
 def test_quick_run_reports_each_row_count_against_the_baseline(tmp_path, capsys):
-    result = int8_rows.main(["--quick", "--json", "--rows", "1,5,33", "--out", str(tmp_path)])
+    past = int8_rows.TILES_ROWS + 1
+    result = int8_rows.main(["--quick", "--json", "--rows", f"1,5,33,{past}", "--out", str(tmp_path)])
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed == json.loads(json.dumps(result))
-    assert set(result["ms_per_pass"]) == {"1", "5", "33"}
+    assert set(result["ms_per_pass"]) == {"1", "5", "33", str(past)}
     for rows, ratios in result["vs_bf16_packed"].items():
         assert ratios["bf16_packed"] == 1.0
         assert all(ms > 0 for ms in result["ms_per_pass"][rows].values())
-    assert "tiles" not in result["ms_per_pass"]["33"]  # past TILE_ROWS only the GEMM
+    assert ("tiles" in result["ms_per_pass"]["33"]) == kernels.amx()  # past one 32-row block
+    assert "tiles" not in result["ms_per_pass"][str(past)]  # past what it times only the GEMM
     assert result["weight_bytes"]["bf16_packed"] == 2 * result["weight_bytes"]["tiles"]

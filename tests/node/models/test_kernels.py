@@ -116,11 +116,13 @@ def test_the_tile_order_puts_pairs_of_inputs_side_by_side_per_output(amx):
         assert block[r, out, e] == q[16 + out, 32 + 2 * r + e]
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32])
-@pytest.mark.parametrize("k_in, n_out", [(64, 96), (1536, 576)])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 64, 100])
+@pytest.mark.parametrize("k_in, n_out", [(64, 96), (1536, 576), (96, 48)])
 def test_int8_linear_amx_is_the_dequantized_product(amx, rows, k_in, n_out):
     """Codes are exact in bf16 and the tiles sum bf16 products in fp32: the fp32 product,
-    rounded once to bf16 (give or take the order of the sums)."""
+    rounded once to bf16 (give or take the order of the sums). Past 32 rows the widened codes
+    are kept for the next row blocks, the last one partial (33, 100); 48 outputs are an odd
+    number of 16-column blocks, so one pass takes a single block."""
     lin = precision.Int8Linear(torch.randn(n_out, k_in, generator=torch.Generator().manual_seed(5)))
     x = bf(rows, k_in, seed=6)
     want = x.float() @ lin.dequantized(torch.float32).T
@@ -133,8 +135,8 @@ def test_int8_linear_amx_refuses_what_it_cannot_tile(amx):
     codes = amx.int8_pack_amx(torch.zeros(16, 32, dtype=torch.int8))
     with pytest.raises(RuntimeError, match="out % 16 == 0 and in % 32 == 0"):
         amx.int8_pack_amx(torch.zeros(24, 32, dtype=torch.int8))
-    with pytest.raises(RuntimeError, match="takes 1 to 32 rows, got 33"):
-        amx.int8_linear_amx(bf(33, 32), codes, torch.ones(16))
+    with pytest.raises(RuntimeError, match="needs at least one row, got 0"):
+        amx.int8_linear_amx(bf(0, 32), codes, torch.ones(16))
     with pytest.raises(RuntimeError, match=r"x must be \[rows, 32\]"):
         amx.int8_linear_amx(bf(2, 64), codes, torch.ones(16))
     with pytest.raises(RuntimeError, match="scale must be contiguous float32"):
