@@ -79,9 +79,11 @@ class Projection:
         self.fused = Fused(owner, names) if fuse_fp32 else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
-        y = self.packed(x)
-        if y is None and x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
-            y = self.int8(x)
+        y = None
+        if x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
+            y = self.int8(x)  # first: its check is one type test, the packed path's is longer
+        if y is None:
+            y = self.packed(x)
         if y is None and self.fused is not None and (w := self.fused.weight()) is not None:
             y = torch.matmul(x, w)
         return y
