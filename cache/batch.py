@@ -163,6 +163,17 @@ class TailBuffer:
         return rows, gather
 
 
+StepStore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                      torch.Tensor, torch.Tensor, torch.Tensor], None]
+"""A fused writer of a step's K/V a model may hand to ``append_and_read_batch``:
+``store(arena_layer [2, H, N, D], write_pos [B], k, v [H, B, D] float32 contiguous,
+tails_layer [2, S, H, cap, D], slots [n], at [n], rows [n])`` stores row b of k and v at
+``write_pos[b]`` of the arena and row ``rows[i]`` at position ``at[i]`` of tail slot ``slots[i]``
+(n may be 0) -- what the four indexed stores of the eager path do
+(``node.models.kernels``' ``store_step_kv``)."""
+_NONE = torch.zeros(0, dtype=torch.long)
+
+
 TAIL_ROOM = 16
 """Decode steps a rebuilt tail buffer has room for at least; a long tail gets a quarter of its
 length more, so a long decode is gathered again every ~25 % of growth, not every 16 tokens."""
@@ -282,7 +293,8 @@ class Batcher:
         """What the tail copy holds (``CacheConfig.batch_tail_dtype``; fp32 follows the arena)."""
         return torch.bfloat16 if self.config.batch_tail_dtype == "bf16" else self.arena.kv.dtype
 
-    def append_and_read(self, step: BatchStep, layer: int, k: torch.Tensor, v: torch.Tensor):
+    def append_and_read(self, step: BatchStep, layer: int, k: torch.Tensor, v: torch.Tensor,
+                        store: StepStore | None = None):
         check_layer(layer, self.config.num_layers)
         c = self.config
         want = (c.num_heads, len(step.sids), c.head_dim)
@@ -291,10 +303,14 @@ class Batcher:
         if step.written != layer:
             raise ReservationError(f"batch step: layer {layer} written out of order")
         kv = self.arena.kv[layer]
-        kv[0].index_copy_(1, step.write_pos, k.to(kv.dtype))
-        kv[1].index_copy_(1, step.write_pos, v.to(kv.dtype))
+        if store is not None:  # arena and appended tails in one call, then the gathers
+            slots, at, rows = step.appends if step.appends is not None else (_NONE,) * 3
+            store(kv, step.write_pos, k, v, step.tails.kv[layer], slots, at, rows)
+        else:
+            kv[0].index_copy_(1, step.write_pos, k.to(kv.dtype))
+            kv[1].index_copy_(1, step.write_pos, v.to(kv.dtype))
         prefix = [self.arena.run(layer, start, n) for start, n in step.prefix]
-        tk, tv, valid = self._tails_of(step, layer, k, v)
+        tk, tv, valid = self._tails_of(step, layer, k, v, appended=store is not None)
         step.written += 1
         if step.written == c.num_layers:
             for sid in step.sids:
@@ -303,13 +319,15 @@ class Batcher:
                 self.commit(t)
         return prefix, tk, tv, valid
 
-    def _tails_of(self, step: BatchStep, layer: int, k: torch.Tensor, v: torch.Tensor):
+    def _tails_of(self, step: BatchStep, layer: int, k: torch.Tensor, v: torch.Tensor,
+                  appended: bool = False):
         """Tail K, V [H, S, T, D] and mask [S, T] of slots ``0..S-1`` (the step's rows in order
         when ``step.rows`` is None): the gathered rows' tails stored in their slots, the
-        other rows' new token appended to theirs (one indexed store each for K and V)."""
+        other rows' new token appended to theirs (one indexed store each for K and V; already
+        done when ``appended``, by a :data:`StepStore`)."""
         buf = step.tails
         self._gather(step, layer)
-        if step.appends is not None:
+        if step.appends is not None and not appended:
             slots, at, rows = step.appends
             kk, vv = (k, v) if len(rows) == len(step.sids) else (k[:, rows], v[:, rows])
             buf.kv[layer, 0, slots, :, at] = kk.transpose(0, 1).to(buf.kv.dtype)  # [n, H, D]

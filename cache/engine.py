@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from cache.attention import Run
-from cache.batch import Batcher, BatchStep
+from cache.batch import Batcher, BatchStep, StepStore
 from cache.config import CacheConfig
 from cache.control import POLL_S
 from cache.errors import ConfigError
@@ -274,14 +274,15 @@ class KVCache:
                 self._op_boundary(end)
 
     def append_and_read_batch(self, step: BatchStep, layer: int, k: torch.Tensor,
-                              v: torch.Tensor):
+                              v: torch.Tensor, store: StepStore | None = None):
         """k, v: [heads, B, head_dim], the new token of each session. Writes them with one
-        indexed store and returns (prefix runs, tail K [H, S, T, D], tail V, tail mask [S, T])
-        for :func:`cache.attention.attend_shared`: S tail slots, row i's in slot
-        ``step.rows[i]`` (slot i when ``step.rows`` is None; ``cache.batch.TailBuffer``)."""
+        indexed store (or the model's fused ``store``, ``cache.batch.StepStore``) and returns
+        (prefix runs, tail K [H, S, T, D], tail V, tail mask [S, T]) for
+        :func:`cache.attention.attend_shared`: S tail slots, row i's in slot ``step.rows[i]``
+        (slot i when ``step.rows`` is None; ``cache.batch.TailBuffer``)."""
         start = perf_counter_ns()
         try:
-            return self.batcher.append_and_read(step, layer, k, v)
+            return self.batcher.append_and_read(step, layer, k, v, store)
         finally:
             end = perf_counter_ns()
             self.latency.batch_append_and_read.append(end - start)

@@ -108,10 +108,14 @@ def attend_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCach
                 layer: int, kernels: ModuleType | None = None) -> torch.Tensor:
     """Write a batched decode step's K/V in ``layer`` and attend each row's context, a shared
     prefix once for all: q [heads, B, D] or grouped [kv_heads, G, B, D] -> the same shape.
-    With ``kernels`` (``node.models.kernels``) an fp32 grouped step is one fused call
-    (``decode_attention``: ``attend_shared``'s result, each row read from its tail slot, fp32
-    or bf16 tails read as fp32)."""
-    prefix, tk, tv, valid = cache.append_and_read_batch(step, layer, k, v)
+    With ``kernels`` (``node.models.kernels``) fp32 K/V are stored in one fused call
+    (``store_step_kv``) and an fp32 grouped step's attention is one more (``decode_attention``:
+    ``attend_shared``'s result, each row read from its tail slot, fp32 or bf16 tails read as
+    fp32)."""
+    fused = (kernels is not None and k.dtype == torch.float32 and k.is_contiguous()
+             and v.is_contiguous())
+    prefix, tk, tv, valid = cache.append_and_read_batch(
+        step, layer, k, v, store=kernels.store_step_kv if fused else None)
     if (kernels is not None and q.dim() == 4 and q.dtype == torch.float32
             and tk.dtype in _KERNEL_TAILS and all(pk.dtype == torch.float32 for pk, _ in prefix)):
         slots = step.rows if step.rows is not None else _NO_SLOTS

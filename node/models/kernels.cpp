@@ -652,6 +652,10 @@ bool int8_amx_available();
 torch::Tensor int8_pack_amx(const torch::Tensor& q);
 torch::Tensor int8_linear_amx(const torch::Tensor& x, const torch::Tensor& packed,
                               const torch::Tensor& scale);
+// kv_store.cpp
+void store_step_kv(torch::Tensor arena, const torch::Tensor& pos, const torch::Tensor& k,
+                   const torch::Tensor& v, torch::Tensor tails, const torch::Tensor& slots,
+                   const torch::Tensor& at, const torch::Tensor& rows);
 // prefill_attention.cpp
 torch::Tensor prefill_attention(const torch::Tensor& q, const std::vector<torch::Tensor>& k_runs,
                                 const std::vector<torch::Tensor>& v_runs);
@@ -670,6 +674,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_amx_available", &int8_amx_available, "AMX bf16 tiles usable in this process", nogil);
   m.def("int8_pack_amx", &int8_pack_amx, "int8 codes in the AMX tile order of int8_linear_amx", nogil);
   m.def("int8_linear_amx", &int8_linear_amx, "weight-only int8 linear on AMX (codes read once for all rows)", nogil);
+  m.def("store_step_kv", &store_step_kv,
+        "a decode step's K/V into the arena and the tail slots, destinations prefetched", nogil);
   m.def("prefill_attention", &prefill_attention,
         "causal attention of bf16 prefill queries over K/V runs on AMX", nogil);
 }

@@ -39,7 +39,7 @@ from types import ModuleType
 import torch
 
 SOURCES = tuple(Path(__file__).with_name(f) for f in
-                ("kernels.cpp", "int8_amx.cpp", "prefill_attention.cpp"))
+                ("kernels.cpp", "int8_amx.cpp", "prefill_attention.cpp", "kv_store.cpp"))
 HEADERS = tuple(Path(__file__).with_name(f) for f in ("amx_tiles.h", "vec_math.h"))
 """Included by the sources: part of the build's identity, not compiled on their own."""
 ENV = "FEDKV_KERNELS"

@@ -321,3 +321,50 @@ def test_a_tail_dtype_it_does_not_know_is_refused():
 
     with pytest.raises(ConfigError, match="batch_tail_dtype must be one of"):
         small_config(batch_tail_dtype="fp16")
+
+
+def eager_store(arena, pos, k, v, tails, slots, at, rows):
+    """A ``StepStore`` doing what the eager path does, by the contract's words."""
+    arena[0].index_copy_(1, pos, k.to(arena.dtype))
+    arena[1].index_copy_(1, pos, v.to(arena.dtype))
+    for i in range(len(slots)):
+        tails[0, slots[i], :, at[i]] = k[:, rows[i]].to(tails.dtype)
+        tails[1, slots[i], :, at[i]] = v[:, rows[i]].to(tails.dtype)
+
+
+def _joining_and_leaving(store):
+    """Steps over sessions that continue, join and leave: the tails take appends and gathers."""
+    torch.manual_seed(3)
+    kv = KVCache(small_config())
+    a = kv.open_session()
+    feed(kv, a, list(range(8)))
+    b, c = kv.fork(a), kv.fork(a)
+    feed(kv, b, [50, 51])
+    feed(kv, c, [60, 61, 62], seed=4)
+    H, D = kv.config.num_heads, kv.config.head_dim
+    seen = []
+    for members in ([a, b], [a, b], [a, b, c], [b, c], [a, b, c]):
+        step = kv.begin_batch(members, [7] * len(members))
+        for layer in range(kv.config.num_layers):
+            k = torch.randn(H, len(members), D)
+            prefix, tk, tv, valid = kv.append_and_read_batch(step, layer, k, -k, store=store)
+            seen.append([p.clone() for run in prefix for p in run] + [tk.clone(), tv.clone(),
+                                                                       valid.clone()])
+    return seen, kv.batcher.arena.kv.clone()
+
+
+def test_a_fused_store_leaves_what_the_indexed_stores_leave():
+    """``append_and_read_batch(store=...)``: the store writes the arena and the continuing
+    rows' tails, the joining rows are still gathered -- every layer reads the same K/V."""
+    calls = []
+
+    def recording(*args):
+        calls.append([a.shape for a in args])
+        eager_store(*args)
+    fused, arena = _joining_and_leaving(recording)
+    plain, arena_plain = _joining_and_leaving(None)
+    assert calls and any(shapes[5][0] > 0 for shapes in calls)  # some steps appended
+    assert any(shapes[5][0] == 0 for shapes in calls)  # and some only gathered
+    assert torch.equal(arena, arena_plain)
+    for got, want in zip(fused, plain, strict=True):
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))

@@ -370,3 +370,46 @@ def test_sessions_leaving_and_joining_a_batch_decode_the_same(k, one_thread, mon
     tol = dict(rtol=0.02, atol=0.05) if dtype == "bfloat16" else dict(rtol=0.05, atol=0.25)
     for f, e in zip(fused, run()):
         torch.testing.assert_close(f, e, **tol)
+
+
+@pytest.mark.parametrize("arena_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tail_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("appended", [0, 3, 5])
+def test_store_step_kv_stores_what_the_indexed_stores_do(k, arena_dtype, tail_dtype, appended):
+    """``cache.batch.StepStore``'s contract: row b at ``pos[b]`` of the arena, row ``rows[i]``
+    at ``at[i]`` of tail slot ``slots[i]``, rounded to bf16 once where the store is bf16 --
+    bit for bit what the eager path's indexed stores leave (``tests/cache/test_batch.py``)."""
+    from tests.cache.test_batch import eager_store
+
+    g = torch.Generator().manual_seed(9)
+    Hk, B, D, N, S, cap = 3, 5, 64, 40, 7, 12
+    kk, vv = torch.randn(Hk, B, D, generator=g), torch.randn(Hk, B, D, generator=g)
+    pos = torch.randperm(N, generator=g)[:B]
+    slots = torch.randperm(S, generator=g)[:appended]
+    at = torch.randint(0, cap, (appended,), generator=g)
+    rows = torch.randperm(B, generator=g)[:appended]
+    arena = torch.randn(2, Hk, N, D, generator=g).to(arena_dtype)
+    tails = torch.randn(2, S, Hk, cap, D, generator=g).to(tail_dtype)
+    want_arena, want_tails = arena.clone(), tails.clone()
+    eager_store(want_arena, pos, kk, vv, want_tails, slots, at, rows)
+    k.store_step_kv(arena, pos, kk, vv, tails, slots, at, rows)
+    assert torch.equal(arena, want_arena) and torch.equal(tails, want_tails)
+
+
+def test_store_step_kv_refuses_what_it_cannot_store(k):
+    kk = torch.zeros(3, 2, 64)
+    arena, tails = torch.zeros(2, 3, 10, 64), torch.zeros(2, 4, 3, 8, 64)
+    one, none = torch.zeros(1, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    with pytest.raises(RuntimeError, match=r"pos 10 out of range \[0, 10\)"):
+        k.store_step_kv(arena, torch.tensor([0, 10]), kk, kk, tails, none, none, none)
+    with pytest.raises(RuntimeError, match=r"slots 4 out of range \[0, 4\)"):
+        k.store_step_kv(arena, torch.tensor([0, 1]), kk, kk, tails, one + 4, one, one)
+    with pytest.raises(RuntimeError, match=r"at 8 out of range \[0, 8\)"):
+        k.store_step_kv(arena, torch.tensor([0, 1]), kk, kk, tails, one, one + 8, one)
+    with pytest.raises(RuntimeError, match=r"rows 2 out of range \[0, 2\)"):
+        k.store_step_kv(arena, torch.tensor([0, 1]), kk, kk, tails, one, one, one + 2)
+    with pytest.raises(RuntimeError, match="k, v must be contiguous float32"):
+        k.store_step_kv(arena, torch.tensor([0, 1]), kk.bfloat16(), kk, tails, none, none, none)
+    with pytest.raises(RuntimeError, match="arena has the wrong shape"):
+        k.store_step_kv(torch.zeros(2, 2, 10, 64), torch.tensor([0, 1]), kk, kk, tails, none,
+                        none, none)

@@ -1,0 +1,131 @@
+// A decode step's new K and V of one layer stored where the cache keeps them (node/models/kernels.py
+// builds it into the same extension as kernels.cpp; cache.batch.Batcher calls it through the store
+// the model hands to KVCache.append_and_read_batch).
+//
+// Why: the eager path is four indexed ATen stores per layer (K and V into the arena, K and V into
+// the batch's tail slots). Their destinations are cold by then -- the layer's weights have just
+// streamed through the caches -- and stores retire in order, so each missed line was fetched one
+// after the other: ~160 us a layer against ~10 us with the lines in cache. Here every destination
+// line is prefetched for writing first, so the misses overlap, and then written.
+#include <torch/extension.h>
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+inline void prefetch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 1, 3);
+}
+
+template <typename T>
+inline void copy_row(T* dst, const float* src, int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(src[d]);  // bf16: round to nearest even
+}
+
+// Where each (which of K/V, head, row) goes: its destination row pointers, gathered once so the
+// prefetch pass and the store pass walk the same list.
+template <typename T>
+struct Rows {
+  std::vector<T*> dst;
+  std::vector<const float*> src;
+};
+
+template <typename T>
+void add_arena(Rows<T>& r, const torch::Tensor& arena, const std::vector<int64_t>& pos,
+               const float* k, const float* v, int64_t Hk, int64_t B, int64_t D) {
+  T* base = arena.data_ptr<T>();
+  for (int64_t c = 0; c < 2; ++c)
+    for (int64_t h = 0; h < Hk; ++h)
+      for (int64_t b = 0; b < B; ++b) {
+        r.dst.push_back(base + c * arena.stride(0) + h * arena.stride(1) + pos[b] * arena.stride(2));
+        r.src.push_back((c ? v : k) + (h * B + b) * D);
+      }
+}
+
+template <typename T>
+void add_tails(Rows<T>& r, const torch::Tensor& tails, const std::vector<int64_t>& slot,
+               const std::vector<int64_t>& at, const std::vector<int64_t>& row, const float* k,
+               const float* v, int64_t Hk, int64_t B, int64_t D) {
+  T* base = tails.data_ptr<T>();
+  for (int64_t c = 0; c < 2; ++c)
+    for (size_t i = 0; i < slot.size(); ++i)
+      for (int64_t h = 0; h < Hk; ++h) {
+        r.dst.push_back(base + c * tails.stride(0) + slot[i] * tails.stride(1) +
+                        h * tails.stride(2) + at[i] * tails.stride(3));
+        r.src.push_back((c ? v : k) + (h * B + row[i]) * D);
+      }
+}
+
+template <typename T>
+void store(const Rows<T>& r, int64_t D) {
+  for (T* p : r.dst) prefetch_row(p, D * static_cast<int64_t>(sizeof(T)));
+  for (size_t i = 0; i < r.dst.size(); ++i) copy_row(r.dst[i], r.src[i], D);
+}
+
+std::vector<int64_t> longs(const torch::Tensor& t, const char* name, int64_t n, int64_t bound) {
+  TORCH_CHECK(t.scalar_type() == torch::kLong && t.dim() == 1 && t.numel() == n, name,
+              " must be int64 [", n, "], got ", t.scalar_type(), " ", t.sizes());
+  auto c = t.contiguous();
+  std::vector<int64_t> out(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + n);
+  for (int64_t x : out) TORCH_CHECK(x >= 0 && x < bound, name, " ", x, " out of range [0, ", bound, ")");
+  return out;
+}
+
+void check_store(const torch::Tensor& t, const char* name, int64_t dims, int64_t Hk, int64_t D,
+                 int64_t head_dim_at) {
+  TORCH_CHECK(t.dim() == dims && t.size(0) == 2 && t.size(head_dim_at) == Hk &&
+                  t.size(dims - 1) == D && t.stride(dims - 1) == 1,
+              name, " has the wrong shape or layout: ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16, name,
+              " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+template <typename T>
+void store_into(const torch::Tensor& dst, bool arena, const std::vector<int64_t>& pos,
+                const std::vector<int64_t>& slot, const std::vector<int64_t>& at,
+                const std::vector<int64_t>& row, const float* k, const float* v, int64_t Hk,
+                int64_t B, int64_t D) {
+  Rows<T> r;
+  if (arena) add_arena(r, dst, pos, k, v, Hk, B, D);
+  else add_tails(r, dst, slot, at, row, k, v, Hk, B, D);
+  store(r, D);
+}
+
+void store_kind(const torch::Tensor& dst, bool arena, const std::vector<int64_t>& pos,
+                const std::vector<int64_t>& slot, const std::vector<int64_t>& at,
+                const std::vector<int64_t>& row, const float* k, const float* v, int64_t Hk,
+                int64_t B, int64_t D) {
+  if (dst.scalar_type() == torch::kBFloat16)
+    store_into<bf16>(dst, arena, pos, slot, at, row, k, v, Hk, B, D);
+  else
+    store_into<float>(dst, arena, pos, slot, at, row, k, v, Hk, B, D);
+}
+
+}  // namespace
+
+// k, v fp32 [kv_heads, B, dim]: row b into arena [2, kv_heads, N, dim] at position pos[b]; row
+// rows[i] into tails [2, slots, kv_heads, cap, dim] at slot slots[i], position at[i] (slots, at,
+// rows may be empty: no tail store). Arena and tails: fp32 or bf16 (rounded to nearest even).
+void store_step_kv(torch::Tensor arena, const torch::Tensor& pos, const torch::Tensor& k,
+                   const torch::Tensor& v, torch::Tensor tails, const torch::Tensor& slots,
+                   const torch::Tensor& at, const torch::Tensor& rows) {
+  TORCH_CHECK(k.scalar_type() == torch::kFloat32 && k.dim() == 3 && k.is_contiguous() &&
+                  v.sizes() == k.sizes() && v.scalar_type() == torch::kFloat32 && v.is_contiguous(),
+              "k, v must be contiguous float32 [kv_heads, rows, dim], got ", k.sizes(), ", ", v.sizes());
+  const int64_t Hk = k.size(0), B = k.size(1), D = k.size(2);
+  check_store(arena, "arena", 4, Hk, D, 1);
+  const auto p = longs(pos, "pos", B, arena.size(2));
+  store_kind(arena, true, p, {}, {}, {}, k.data_ptr<float>(), v.data_ptr<float>(), Hk, B, D);
+  const int64_t n = slots.numel();
+  if (n == 0) return;
+  check_store(tails, "tails", 5, Hk, D, 2);
+  const auto s = longs(slots, "slots", n, tails.size(1));
+  const auto a = longs(at, "at", n, tails.size(3));
+  const auto r = longs(rows, "rows", n, B);
+  store_kind(tails, false, {}, s, a, r, k.data_ptr<float>(), v.data_ptr<float>(), Hk, B, D);
+}
