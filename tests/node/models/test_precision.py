@@ -294,3 +294,16 @@ def test_bf16_and_int8_models_ask_for_bf16_tails_and_decode_the_same_with_them(o
             out[tails] = torch.stack(steps)
         torch.testing.assert_close(out["bf16"], out["fp32"], rtol=0.02, atol=0.05)
         assert torch.equal(out["bf16"].argmax(-1), out["fp32"].argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_a_served_models_embedding_is_row_major_with_the_same_values(dtype):
+    """A lookup reads whole rows: the column-major storage fp32 gives its tied head would make
+    each row a strided gather (an int8 head is untied, so the embedding keeps that storage
+    unless relayout fixes it)."""
+    base = tiny_llama(std=0.2)
+    want = base.model.embed_tokens.weight.detach().to(torch.bfloat16).clone()
+    assert not base.model.embed_tokens.weight.is_contiguous()  # fp32: the head's layout
+    m = precision.convert(base, dtype)
+    got = m.model.embed_tokens.weight
+    assert got.is_contiguous() and torch.equal(got, want)
