@@ -9,8 +9,10 @@ add + the next norm), ``rope_split`` (RoPE of q and k and the split into heads),
 the cache's prefix runs and tail slots); they round to bf16 where the eager chain rounds, so
 they give its results (tests compare the two). ``int8_linear`` is weight-only int8 for a few
 rows that streams the codes with software prefetch; ``int8_linear_amx`` (``int8_amx.cpp``)
-widens them to bf16 tile by tile for AMX's matrix unit, for up to 32 rows
-(``node.models.precision.Int8Linear`` picks; ``experiments.int8_rows`` times both).
+widens them to bf16 tile by tile for AMX's matrix unit, once per call for all the rows
+(``node.models.precision.Int8Linear`` picks by row count; ``experiments.int8_rows`` times them).
+``store_step_kv`` (``kv_store.cpp``) writes a decode step's K/V into the cache's arena and tail
+slots (``cache.batch.StepStore``), its destinations prefetched first.
 ``prefill_attention`` (``prefill_attention.cpp``) is a bf16 prefill's causal attention over the
 cache's runs on AMX tiles, for head size 64 (``node.models.byte_model.attend_session`` takes it
 where ``takes_prefill_kernel`` says; elsewhere SDPA's flash kernel serves).
