@@ -9,6 +9,7 @@
 // line is prefetched for writing first, so the misses overlap, and then written.
 #include <torch/extension.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
 #include <vector>
@@ -24,7 +25,7 @@ inline void prefetch_row(const void* p, int64_t bytes) {
 
 template <typename T>
 inline void copy_row(T* dst, const float* src, int64_t dim) {
-  for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(src[d]);  // bf16: round to nearest even
+  for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(src[d]);  // bf16, fp16: nearest even
 }
 
 // Where each (which of K/V, head, row) goes: its destination row pointers, gathered once so the
@@ -81,8 +82,9 @@ void check_store(const torch::Tensor& t, const char* name, int64_t dims, int64_t
   TORCH_CHECK(t.dim() == dims && t.size(0) == 2 && t.size(head_dim_at) == Hk &&
                   t.size(dims - 1) == D && t.stride(dims - 1) == 1,
               name, " has the wrong shape or layout: ", t.sizes());
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16, name,
-              " must be float32 or bfloat16, got ", t.scalar_type());
+  const auto dt = t.scalar_type();
+  TORCH_CHECK(dt == torch::kFloat32 || dt == torch::kBFloat16 || dt == torch::kHalf, name,
+              " must be float32, bfloat16 or float16, got ", dt);
 }
 
 template <typename T>
@@ -102,6 +104,8 @@ void store_kind(const torch::Tensor& dst, bool arena, const std::vector<int64_t>
                 int64_t B, int64_t D) {
   if (dst.scalar_type() == torch::kBFloat16)
     store_into<bf16>(dst, arena, pos, slot, at, row, k, v, Hk, B, D);
+  else if (dst.scalar_type() == torch::kHalf)
+    store_into<c10::Half>(dst, arena, pos, slot, at, row, k, v, Hk, B, D);
   else
     store_into<float>(dst, arena, pos, slot, at, row, k, v, Hk, B, D);
 }
@@ -110,7 +114,8 @@ void store_kind(const torch::Tensor& dst, bool arena, const std::vector<int64_t>
 
 // k, v fp32 [kv_heads, B, dim]: row b into arena [2, kv_heads, N, dim] at position pos[b]; row
 // rows[i] into tails [2, slots, kv_heads, cap, dim] at slot slots[i], position at[i] (slots, at,
-// rows may be empty: no tail store). Arena and tails: fp32 or bf16 (rounded to nearest even).
+// rows may be empty: no tail store). Arena and tails: fp32, bf16 or fp16 (rounded to nearest
+// even), as the cache's kv_dtype and batch_tail_dtype make them.
 void store_step_kv(torch::Tensor arena, const torch::Tensor& pos, const torch::Tensor& k,
                    const torch::Tensor& v, torch::Tensor tails, const torch::Tensor& slots,
                    const torch::Tensor& at, const torch::Tensor& rows) {

@@ -372,8 +372,8 @@ def test_sessions_leaving_and_joining_a_batch_decode_the_same(k, one_thread, mon
         torch.testing.assert_close(f, e, **tol)
 
 
-@pytest.mark.parametrize("arena_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tail_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arena_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tail_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("appended", [0, 3, 5])
 def test_store_step_kv_stores_what_the_indexed_stores_do(k, arena_dtype, tail_dtype, appended):
     """``cache.batch.StepStore``'s contract: row b at ``pos[b]`` of the arena, row ``rows[i]``

@@ -111,22 +111,23 @@ def test_int8_linear_is_its_dequantized_weight_for_decode_and_prefill_rows(one_t
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
-def test_batched_step_equals_one_session_at_a_time(one_thread, dtype):
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16"])  # fp16: the fused K/V store's fp16 arena
+def test_batched_step_equals_one_session_at_a_time(one_thread, dtype, kv_dtype):
     m = _model(dtype)
     prompts = [list(range(4, 20)), list(range(30, 41))]
-    kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
+    kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20, kv_dtype=kv_dtype))
     sids = [kv.open_session() for _ in prompts]
     last = [m.prefill(p, kv, s) for p, s in zip(prompts, sids)]
     toks = [int(t.argmax()) for t in last]
     batch = m.forward_batch(toks, kv, sids)
     for i, p in enumerate(prompts):
-        one = m.forward_cached([toks[i]], *_fresh(m, p))[-1]
+        one = m.forward_cached([toks[i]], *_fresh(m, p, kv_dtype))[-1]
         assert (batch[i].float() - one.float()).abs().max() < 0.03 * one.float().abs().max()
         assert int(batch[i].argmax()) == int(one.argmax())
 
 
-def _fresh(m: LlamaModel, prompt: list[int]):
-    kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
+def _fresh(m: LlamaModel, prompt: list[int], kv_dtype: str = "fp32"):
+    kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20, kv_dtype=kv_dtype))
     sid = kv.open_session()
     m.prefill(prompt, kv, sid)
     return kv, sid
