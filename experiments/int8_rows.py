@@ -10,7 +10,7 @@ rather than sitting in cache. Three ways, alternated within each repeat, the med
 
 * ``vector`` -- ``int8_linear``: the codes on the AVX-512 vector units (up to 8 rows here);
 * ``tiles`` -- ``int8_linear_amx``: the codes widened to bf16 tile by tile on AMX, once per call
-  for all the rows (up to ``TILES_ROWS`` here; skipped without AMX);
+  for all the rows (up to ``TILES_TIMED_ROWS`` here; skipped without AMX);
 * ``bf16_packed`` -- oneDNN's bf16 GEMM on the packed bf16 copy of the dequantized weights, the
   baseline (the path without the fused kernels, and every path's past ``TILE_ROWS``).
 
@@ -38,7 +38,7 @@ SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 HEAD = (49152, 576)
 VECTOR_ROWS = 8
 """The vector kernel is timed up to here (past it, it only gets slower)."""
-TILES_ROWS = 1024
+TILES_TIMED_ROWS = 1024
 """The tiled kernel is timed up to here: past ``TILE_ROWS`` to show where the GEMM overtakes it."""
 
 
@@ -58,7 +58,7 @@ def ways(linears: list[Int8Linear], rows: int) -> dict[str, Callable[[], None]]:
     if ops is not None and rows <= VECTOR_ROWS:
         out["vector"] = lambda: [ops.int8_linear(xs[lin.in_features], lin.q, lin.scale)
                                  for lin in linears]
-    if kernels.amx() and rows <= TILES_ROWS:
+    if kernels.amx() and rows <= TILES_TIMED_ROWS:
         tiled = [ops.int8_pack_amx(lin.q) for lin in linears]
         out["tiles"] = lambda: [ops.int8_linear_amx(xs[lin.in_features], t, lin.scale)
                                 for lin, t in zip(linears, tiled)]

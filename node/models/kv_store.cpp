@@ -5,18 +5,15 @@
 // Why: the eager path is four indexed ATen stores per layer (K and V into the arena, K and V into
 // the batch's tail slots). Their destinations are cold by then -- the layer's weights have just
 // streamed through the caches -- and stores retire in order, so each missed line was fetched one
-// after the other: ~160 us a layer against ~10 us with the lines in cache. Here every destination
-// line is prefetched for writing first, so the misses overlap, and then written.
+// after the other. Here every destination line is prefetched for writing first, so the misses
+// overlap, and then written.
 #include <torch/extension.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include <ATen/Dispatch.h>
 
 #include <cstdint>
 #include <vector>
 
 namespace {
-
-using bf16 = c10::BFloat16;
 
 inline void prefetch_row(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
@@ -87,29 +84,6 @@ void check_store(const torch::Tensor& t, const char* name, int64_t dims, int64_t
               " must be float32, bfloat16 or float16, got ", dt);
 }
 
-template <typename T>
-void store_into(const torch::Tensor& dst, bool arena, const std::vector<int64_t>& pos,
-                const std::vector<int64_t>& slot, const std::vector<int64_t>& at,
-                const std::vector<int64_t>& row, const float* k, const float* v, int64_t Hk,
-                int64_t B, int64_t D) {
-  Rows<T> r;
-  if (arena) add_arena(r, dst, pos, k, v, Hk, B, D);
-  else add_tails(r, dst, slot, at, row, k, v, Hk, B, D);
-  store(r, D);
-}
-
-void store_kind(const torch::Tensor& dst, bool arena, const std::vector<int64_t>& pos,
-                const std::vector<int64_t>& slot, const std::vector<int64_t>& at,
-                const std::vector<int64_t>& row, const float* k, const float* v, int64_t Hk,
-                int64_t B, int64_t D) {
-  if (dst.scalar_type() == torch::kBFloat16)
-    store_into<bf16>(dst, arena, pos, slot, at, row, k, v, Hk, B, D);
-  else if (dst.scalar_type() == torch::kHalf)
-    store_into<c10::Half>(dst, arena, pos, slot, at, row, k, v, Hk, B, D);
-  else
-    store_into<float>(dst, arena, pos, slot, at, row, k, v, Hk, B, D);
-}
-
 }  // namespace
 
 // k, v fp32 [kv_heads, B, dim]: row b into arena [2, kv_heads, N, dim] at position pos[b]; row
@@ -124,13 +98,22 @@ void store_step_kv(torch::Tensor arena, const torch::Tensor& pos, const torch::T
               "k, v must be contiguous float32 [kv_heads, rows, dim], got ", k.sizes(), ", ", v.sizes());
   const int64_t Hk = k.size(0), B = k.size(1), D = k.size(2);
   check_store(arena, "arena", 4, Hk, D, 1);
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const auto p = longs(pos, "pos", B, arena.size(2));
-  store_kind(arena, true, p, {}, {}, {}, k.data_ptr<float>(), v.data_ptr<float>(), Hk, B, D);
+  AT_DISPATCH_FLOATING_TYPES_AND2(torch::kBFloat16, torch::kHalf, arena.scalar_type(), "arena", [&] {
+    Rows<scalar_t> r;
+    add_arena(r, arena, p, kp, vp, Hk, B, D);
+    store(r, D);
+  });
   const int64_t n = slots.numel();
   if (n == 0) return;
   check_store(tails, "tails", 5, Hk, D, 2);
   const auto s = longs(slots, "slots", n, tails.size(1));
   const auto a = longs(at, "at", n, tails.size(3));
   const auto r = longs(rows, "rows", n, B);
-  store_kind(tails, false, {}, s, a, r, k.data_ptr<float>(), v.data_ptr<float>(), Hk, B, D);
+  AT_DISPATCH_FLOATING_TYPES_AND2(torch::kBFloat16, torch::kHalf, tails.scalar_type(), "tails", [&] {
+    Rows<scalar_t> t;
+    add_tails(t, tails, s, a, r, kp, vp, Hk, B, D);
+    store(t, D);
+  });
 }

@@ -356,7 +356,7 @@ class LlamaModel(nn.Module):
             head.data = head.detach().contiguous()
         embed = self.model.embed_tokens.weight
         if embed is not head and not embed.is_contiguous():  # untied from an int8 head
-            embed.data = embed.detach().contiguous()  # a lookup reads rows: 5.8 -> 0.02 ms for 512
+            embed.data = embed.detach().contiguous()  # a lookup reads rows, not strided columns
 
     @classmethod
     def from_state_dict(cls, cfg: LlamaConfig, state: Mapping[str, torch.Tensor],

@@ -26,7 +26,7 @@ def test_each_timed_way_computes_the_dequantized_product():
 
 
 def test_quick_run_reports_each_row_count_against_the_baseline(tmp_path, capsys):
-    past = int8_rows.TILES_ROWS + 1
+    past = int8_rows.TILES_TIMED_ROWS + 1
     result = int8_rows.main(["--quick", "--json", "--rows", f"1,5,33,{past}", "--out", str(tmp_path)])
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed == json.loads(json.dumps(result))
