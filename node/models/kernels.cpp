@@ -263,7 +263,10 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   return out;
 }
 
-constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead of the rows read the weights are fetched
+// How far ahead of the rows read the weights are fetched, into L2: far enough to keep as many
+// lines in flight as one core's memory bandwidth needs, which L1's few fill buffers cannot
+// (experiments.int8_rows times it).
+constexpr int64_t PREFETCH_BYTES = 8192;
 
 template <int R, int MR>
 void int8_block(const int8_t* q, const float* x, const float* scale, bf16* y, int64_t o,
@@ -276,7 +279,7 @@ void int8_block(const int8_t* q, const float* x, const float* scale, bf16* y, in
     for (int m = 0; m < MR; ++m) v[r][m] = _mm512_setzero_ps();
   const char* ahead = reinterpret_cast<const char*>(q + o * K) + PREFETCH_BYTES;
   for (; k + 16 <= K; k += 16) {
-    for (int r = 0; r < R; r += 4) _mm_prefetch(ahead + (k / 16) * 64 + r * 16, _MM_HINT_T0);
+    for (int r = 0; r < R; r += 4) _mm_prefetch(ahead + (k / 16) * 64 + r * 16, _MM_HINT_T1);
     __m512 w[R];
     for (int r = 0; r < R; ++r)
       w[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
@@ -376,6 +379,16 @@ inline float dot(const float* a, const T* b, int64_t dim) {
   return s;
 }
 
+constexpr int64_t MAX_GROUP = 4;  // queries sharing one pass over their K/V rows
+constexpr int SHARED_QUERIES = 4;  // queries per pass over a pair of transposed key blocks
+constexpr int64_t SHARED_MIN_QUERIES = 8;  // fewer share too little to pay for the transposes
+constexpr int VALUE_QUERIES = 6;  // queries' sums (x dim/16 vectors) in registers per pass
+
+// K/V rows are fetched this many rows ahead of the one read: a step's runs are cold (the
+// layer's weights streamed through the caches since they were written) and the hardware
+// prefetcher stops at every 4 KiB page, so without it each block of rows waits on memory.
+constexpr int64_t ROWS_AHEAD = 32;
+
 #ifdef FEDKV_AVX512
 // r[i] = sum of v[i]'s 16 lanes, for 16 vectors at once (a transpose-and-add tree: ~30
 // instructions where 16 _mm512_reduce_add_ps take ~150).
@@ -394,7 +407,13 @@ inline __m512 reduce16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
 }
 
-constexpr int64_t MAX_GROUP = 4;  // queries sharing one pass over their K/V rows
+// One K/V row (16 * DV values) fetched into L1, ROWS_AHEAD rows before it is read.
+template <int DV, typename T>
+inline void prefetch_row(const T* r) {
+  const char* p = reinterpret_cast<const char*>(r);
+  for (int64_t line = 0; line < DV * 16 * static_cast<int64_t>(sizeof(T)); line += 64)
+    _mm_prefetch(p + line, _MM_HINT_T0);
+}
 
 // Scores of `g` queries over rows 16 at a time, each block of rows read once for all of them
 // (it stays in L1 while the queries take their turns).
@@ -405,6 +424,7 @@ int64_t scores_vec(const float* const* q, int64_t g, const T* rows, int64_t stri
   const __m512 sv = _mm512_set1_ps(scale);
   int64_t t = 0;
   for (; t + 16 <= n; t += 16) {
+    for (int i = 0; i < 16; ++i) prefetch_row<DV>(rows + (t + ROWS_AHEAD + i) * stride);
     for (int64_t k = 0; k < g; ++k) {
       __m512 qv[DV];
       for (int d = 0; d < DV; ++d) qv[d] = _mm512_loadu_ps(q[k] + 16 * d);
@@ -488,6 +508,7 @@ void weighted_rows_vec(const float* const* w, int64_t g, const T* rows, int64_t 
     for (int d = 0; d < DV; ++d) acc[k][d] = _mm512_loadu_ps(o[k] + 16 * d);
   for (int64_t t = 0; t < n; ++t) {
     const T* r = rows + t * stride;
+    prefetch_row<DV>(r + ROWS_AHEAD * stride);
     __m512 rv[DV];
     for (int d = 0; d < DV; ++d) rv[d] = load_row16(r + 16 * d);
     for (int64_t k = 0; k < g; ++k) {
@@ -519,7 +540,111 @@ void weighted_rows(const float* const* w, int64_t g, const T* rows, int64_t stri
         for (int64_t i = 0; i < dim; ++i) o[k][i] += w[k][t] * static_cast<float>(rows[t * stride + i]);
 }
 
-// What every (KV head, row) of a decode step reads besides its tail.
+#ifdef FEDKV_AVX512
+// dst[d * 16 + i] = src[i * stride + d] for 16 rows of 16 * DV dims (a block of keys turned
+// dims-major, so that a query's scores over it are multiply-adds of whole vectors).
+template <int DV>
+inline void transpose_rows(const float* src, int64_t stride, float* dst) {
+  for (int c = 0; c < DV; ++c) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * stride + 16 * c);
+    for (int i = 0; i < 16; i += 2) {
+      t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+      for (int j = 0; j < 2; ++j) {
+        __m512d a = _mm512_castps_pd(t[i + j]), b = _mm512_castps_pd(t[i + j + 2]);
+        r[i + j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        r[i + j + 2] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+      }
+    }
+    // r[4m + k] now holds, per 128-bit lane L, dim 4L + off[k] of rows 4m..4m+3 (the pd
+    // unpacks leave dims 1 and 2 swapped); gather each dim's lanes into one vector
+    constexpr int off[4] = {0, 2, 1, 3};
+    for (int k = 0; k < 4; ++k) {
+      __m512 a = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88), b = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88);
+      __m512 e = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xDD), f = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xDD);
+      _mm512_storeu_ps(dst + (16 * c + off[k]) * 16, _mm512_shuffle_f32x4(a, b, 0x88));
+      _mm512_storeu_ps(dst + (16 * c + 8 + off[k]) * 16, _mm512_shuffle_f32x4(a, b, 0xDD));
+      _mm512_storeu_ps(dst + (16 * c + 4 + off[k]) * 16, _mm512_shuffle_f32x4(e, f, 0x88));
+      _mm512_storeu_ps(dst + (16 * c + 12 + off[k]) * 16, _mm512_shuffle_f32x4(e, f, 0xDD));
+    }
+  }
+}
+
+// Scores of `g` queries (many: every row's of one KV head) over 32 keys turned dims-major in
+// `kt` (two blocks of 16), SHARED_QUERIES at a time: 2 x 4 independent sums in registers.
+template <int DV>
+inline void scores_dims_major(const float* const* q, int64_t g, const float* kt, float scale,
+                              float* const* out, int64_t t, int blocks) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t k0 = 0; k0 < g; k0 += SHARED_QUERIES) {
+    const int nq = static_cast<int>(std::min<int64_t>(SHARED_QUERIES, g - k0));
+    __m512 acc[2][SHARED_QUERIES];
+    for (int b = 0; b < 2; ++b)
+      for (int j = 0; j < SHARED_QUERIES; ++j) acc[b][j] = _mm512_setzero_ps();
+    for (int d = 0; d < DV * 16; ++d) {
+      const __m512 k0v = _mm512_loadu_ps(kt + d * 16), k1v = _mm512_loadu_ps(kt + (DV * 16 + d) * 16);
+      for (int j = 0; j < SHARED_QUERIES; ++j) {
+        if (j >= nq) break;
+        const __m512 qd = _mm512_set1_ps(q[k0 + j][d]);
+        acc[0][j] = _mm512_fmadd_ps(qd, k0v, acc[0][j]);
+        acc[1][j] = _mm512_fmadd_ps(qd, k1v, acc[1][j]);
+      }
+    }
+    for (int j = 0; j < nq; ++j)
+      for (int b = 0; b < blocks; ++b)
+        _mm512_storeu_ps(out[k0 + j] + t + 16 * b, _mm512_mul_ps(acc[b][j], sv));
+  }
+}
+
+// out[k][t] = scale * (q[k] . row t) for `g` queries over `n` fp32 rows, for many queries at
+// once (a shared prefix's): each pair of 16-key blocks is turned dims-major once, then every
+// query's scores over it are whole-vector multiply-adds (no horizontal sums). Returns the
+// keys done (whole blocks); the caller scores the rest.
+template <int DV>
+int64_t scores_shared(const float* const* q, int64_t g, const float* rows, int64_t stride,
+                      int64_t n, float scale, float* const* out) {
+  alignas(64) float kt[2 * DV * 16 * 16];
+  int64_t t = 0;
+  while (t + 16 <= n) {
+    const int blocks = t + 32 <= n ? 2 : 1;
+    for (int i = 0; i < 16 * blocks; ++i) prefetch_row<DV>(rows + (t + ROWS_AHEAD + i) * stride);
+    transpose_rows<DV>(rows + t * stride, stride, kt);
+    if (blocks == 2) transpose_rows<DV>(rows + (t + 16) * stride, stride, kt + DV * 16 * 16);
+    else std::memset(kt + DV * 16 * 16, 0, sizeof(float) * DV * 16 * 16);
+    scores_dims_major<DV>(q, g, kt, scale, out, t, blocks);
+    t += 16 * blocks;
+  }
+  return t;
+}
+
+// o[k] += sum_t w[k][t] * row t over a shared prefix's `n` fp32 rows for up to VALUE_QUERIES
+// queries; every weight is a softmax value (no masked rows), so none is skipped.
+template <int DV>
+void prefix_weighted_vec(const float* const* w, int g, const float* rows, int64_t stride,
+                         int64_t n, float* const* o) {
+  __m512 acc[VALUE_QUERIES][DV];
+  for (int k = 0; k < g; ++k)
+    for (int d = 0; d < DV; ++d) acc[k][d] = _mm512_loadu_ps(o[k] + 16 * d);
+  for (int64_t t = 0; t < n; ++t) {
+    const float* r = rows + t * stride;
+    prefetch_row<DV>(r + ROWS_AHEAD * stride);
+    __m512 rv[DV];
+    for (int d = 0; d < DV; ++d) rv[d] = _mm512_loadu_ps(r + 16 * d);
+    for (int k = 0; k < VALUE_QUERIES; ++k) {
+      if (k >= g) break;
+      const __m512 wt = _mm512_set1_ps(w[k][t]);
+      for (int d = 0; d < DV; ++d) acc[k][d] = _mm512_fmadd_ps(wt, rv[d], acc[k][d]);
+    }
+  }
+  for (int k = 0; k < g; ++k)
+    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(o[k] + 16 * d, acc[k][d]);
+}
+#endif
+
+// What every KV head of a decode step reads: the rows' queries, the prefix runs they share.
 struct Rows {
   torch::Tensor q, out, tail_valid;
   const std::vector<int64_t>& slot;
@@ -528,65 +653,122 @@ struct Rows {
   int64_t n_prefix;
 };
 
-// decode_attention's work, for tails of element type T (fp32 or bf16, read as fp32).
+constexpr int64_t V_CHUNK = 64;  // prefix V rows (16 KiB at dim 64, fp32) kept in L1 for every query
+
+// One KV head's queries (B rows x G, query i = row i / G, group i % G): scores of `sc` rows
+// over the shared prefix, each 16-key block read once for all of them (a row-by-row pass read
+// the prefix once per row: at 16 rows over a 1,000-token prefix that was most of a step).
+void prefix_scores(const Rows& r, int64_t h, const std::vector<const float*>& qs,
+                   const std::vector<float*>& sc, float scale, int64_t D) {
+  const int64_t g = static_cast<int64_t>(qs.size());
+  std::vector<float*> at(sc.size());
+  int64_t j = 0;
+  for (const Run& run : r.pk) {
+    const float* rows = run.base + h * run.head_stride;
+    int64_t done = 0;
+#ifdef FEDKV_AVX512
+    if (g >= SHARED_MIN_QUERIES) {
+      for (int64_t i = 0; i < g; ++i) at[i] = sc[i] + j;
+      if (D == 64) done = scores_shared<4>(qs.data(), g, rows, run.row_stride, run.n, scale, at.data());
+      if (D == 32) done = scores_shared<2>(qs.data(), g, rows, run.row_stride, run.n, scale, at.data());
+    }
+#endif
+    for (int64_t i = 0; i < g; ++i) at[i] = sc[i] + j + done;
+    scores(qs.data(), g, rows + done * run.row_stride, run.row_stride, run.n - done, scale,
+           at.data(), D);
+    j += run.n;
+  }
+}
+
+// o[i] += the weights of `live` queries over the prefix V: chunk by chunk, each chunk read once
+// for all of them, VALUE_QUERIES queries' sums in registers at a time (each query's additions
+// in key order, as one pass over the prefix would make them).
+void prefix_values(const Rows& r, int64_t h, const std::vector<int64_t>& live,
+                   const std::vector<float*>& sc, const std::vector<float*>& os, int64_t D) {
+  int64_t i = 0;
+  for (const Run& run : r.pv) {
+    const float* base = run.base + h * run.head_stride;
+    for (int64_t c = 0; c < run.n; c += V_CHUNK) {
+      const int64_t n = std::min(V_CHUNK, run.n - c);
+      const float* rows = base + c * run.row_stride;
+      for (size_t l0 = 0; l0 < live.size(); l0 += VALUE_QUERIES) {
+        const int64_t ng = std::min<int64_t>(VALUE_QUERIES, live.size() - l0);
+        const float* ws[VALUE_QUERIES];
+        float* o[VALUE_QUERIES];
+        for (int64_t k = 0; k < ng; ++k) ws[k] = sc[live[l0 + k]] + i + c, o[k] = os[live[l0 + k]];
+#ifdef FEDKV_AVX512
+        if (D == 64) { prefix_weighted_vec<4>(ws, ng, rows, run.row_stride, n, o); continue; }
+        if (D == 32) { prefix_weighted_vec<2>(ws, ng, rows, run.row_stride, n, o); continue; }
+#endif
+        for (int64_t k0 = 0; k0 < ng; k0 += MAX_GROUP)
+          weighted_rows(ws + k0, std::min(MAX_GROUP, ng - k0), rows, run.row_stride, n, o + k0, D);
+      }
+    }
+    i += run.n;
+  }
+}
+
+// decode_attention's work, for tails of element type T (fp32 or bf16, read as fp32): per KV
+// head, the prefix scores of every query, then each row's tail scores and softmax, then the
+// prefix values for every query, then each row's tail values.
 template <typename T>
 void attend_rows(const Rows& r, RunOf<T> tk, RunOf<T> tv, int64_t tk_slot, int64_t tv_slot) {
   const int64_t Hk = r.q.size(0), G = r.q.size(1), B = r.q.size(2), D = r.q.size(3);
-  const int64_t T_len = tk.n, width = r.n_prefix + T_len;
+  const int64_t T_len = tk.n, width = r.n_prefix + T_len, Q = B * G, j = r.n_prefix;
   const bool* valid = r.tail_valid.data_ptr<bool>();
   const int64_t valid_row = r.tail_valid.stride(0);
   const float* qp = r.q.data_ptr<float>();
   float* op = r.out.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const float ninf = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, Hk * B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> score(G * width);
-    for (int64_t hb = begin; hb < end; ++hb) {
-      const int64_t h = hb / B, b = hb % B, s = r.slot[b];
-      const T* kt = tk.base + h * tk.head_stride + s * tk_slot;
-      const T* vt = tv.base + h * tv.head_stride + s * tv_slot;
-      const bool* ok = valid + s * valid_row;
-      for (int64_t g0 = 0; g0 < G; g0 += MAX_GROUP) {  // up to MAX_GROUP queries per pass
-        const int64_t ng = std::min(MAX_GROUP, G - g0);
-        const float* qs[MAX_GROUP];
-        float* sc[MAX_GROUP];
-        float* os[MAX_GROUP];
-        for (int64_t k = 0; k < ng; ++k) {
-          qs[k] = qp + ((h * G + g0 + k) * B + b) * D;
-          sc[k] = score.data() + k * width;
-          os[k] = op + ((h * G + g0 + k) * B + b) * D;
-        }
+  at::parallel_for(0, Hk, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> score(Q * width);
+    std::vector<const float*> qs(Q);
+    std::vector<float*> sc(Q), os(Q);
+    std::vector<int64_t> n_row(B), live;
+    for (int64_t h = begin; h < end; ++h) {
+      for (int64_t i = 0; i < Q; ++i) {
+        const int64_t b = i / G, g = i % G;
+        qs[i] = qp + ((h * G + g) * B + b) * D;
+        os[i] = op + ((h * G + g) * B + b) * D;
+        sc[i] = score.data() + i * width;
+      }
+      prefix_scores(r, h, qs, sc, scale, D);
+      live.clear();
+      for (int64_t b = 0; b < B; ++b) {
+        const T* kt = tk.base + h * tk.head_stride + r.slot[b] * tk_slot;
+        const bool* ok = valid + r.slot[b] * valid_row;
+        int64_t n = T_len;  // past its last valid position a row's tail is not read
+        while (n > 0 && !ok[n - 1]) --n;
+        n_row[b] = n;
         float* at[MAX_GROUP];
-        int64_t j = 0;
-        for (const Run& run : r.pk) {
-          for (int64_t k = 0; k < ng; ++k) at[k] = sc[k] + j;
-          scores(qs, ng, run.base + h * run.head_stride, run.row_stride, run.n, scale, at, D);
-          j += run.n;
+        for (int64_t g0 = 0; g0 < G; g0 += MAX_GROUP) {
+          const int64_t ng = std::min(MAX_GROUP, G - g0);
+          for (int64_t k = 0; k < ng; ++k) at[k] = sc[b * G + g0 + k] + j;
+          scores(qs.data() + b * G + g0, ng, kt, tk.row_stride, n, scale, at, D);
         }
-        int64_t n_row = T_len;  // past its last valid position a row's tail is not read
-        while (n_row > 0 && !ok[n_row - 1]) --n_row;
-        for (int64_t k = 0; k < ng; ++k) at[k] = sc[k] + j;
-        scores(qs, ng, kt, tk.row_stride, n_row, scale, at, D);
-        const int64_t used = j + n_row;  // the row's scores: prefix, then its own tail
-        int64_t live = 0;  // queries with anything to attend (else their output stays zero)
-        for (int64_t k = 0; k < ng; ++k) {
-          for (int64_t t = 0; t < n_row; ++t)
-            if (!ok[t]) sc[k][j + t] = ninf;
-          const float mx = max_of(sc[k], used);
+        for (int64_t g = 0; g < G; ++g) {  // softmax; a query with nothing to attend stays zero
+          float* s = sc[b * G + g];
+          for (int64_t t = 0; t < n; ++t)
+            if (!ok[t]) s[j + t] = ninf;
+          const int64_t used = j + n;
+          const float mx = max_of(s, used);
           if (mx == ninf) continue;
-          const float inv = 1.0f / exp_shift_sum(sc[k], used, mx);
-          for (int64_t i = 0; i < used; ++i) sc[k][i] *= inv;
-          sc[live] = sc[k], os[live] = os[k], ++live;
+          const float inv = 1.0f / exp_shift_sum(s, used, mx);
+          for (int64_t t = 0; t < used; ++t) s[t] *= inv;
+          live.push_back(b * G + g);
         }
-        int64_t i = 0;
+      }
+      prefix_values(r, h, live, sc, os, D);
+      for (size_t l0 = 0; l0 < live.size();) {  // each row's own tail, its live queries together
+        const int64_t b = live[l0] / G;
+        const T* vt = tv.base + h * tv.head_stride + r.slot[b] * tv_slot;
         const float* ws[MAX_GROUP];
-        for (const Run& run : r.pv) {
-          for (int64_t k = 0; k < live; ++k) ws[k] = sc[k] + i;
-          weighted_rows(ws, live, run.base + h * run.head_stride, run.row_stride, run.n, os, D);
-          i += run.n;
-        }
-        for (int64_t k = 0; k < live; ++k) ws[k] = sc[k] + i;
-        weighted_rows(ws, live, vt, tv.row_stride, n_row, os, D);
+        float* o[MAX_GROUP];
+        int64_t ng = 0;
+        for (; l0 < live.size() && live[l0] / G == b && ng < MAX_GROUP; ++l0, ++ng)
+          ws[ng] = sc[live[l0]] + j, o[ng] = os[live[l0]];
+        weighted_rows(ws, ng, vt, tv.row_stride, n_row[b], o, D);
       }
     }
   });

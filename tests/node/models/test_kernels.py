@@ -321,6 +321,26 @@ def test_decode_attention_is_attend_shared(k, prefix_runs, slots, D, T):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("D", [32, 64])
+@pytest.mark.parametrize("prefix", [48, 75, 992])  # pairs of 16-key blocks, a single one, a rest
+def test_decode_attention_over_a_prefix_many_rows_share(k, D, prefix):
+    """Sixteen rows over one shared prefix (every row's queries scored against each block of
+    keys turned dims-major once, the values summed six queries at a time) give attend_shared's
+    result."""
+    from cache.attention import attend_shared
+
+    g = torch.Generator().manual_seed(9)
+    Hk, G, B, T = 3, 3, 16, 13
+    arena = torch.randn(2, Hk, prefix + 7, D, generator=g)
+    pk, pv = arena[0, :, 5 : 5 + prefix], arena[1, :, 5 : 5 + prefix]
+    tails = torch.randn(2, Hk, B, T, D, generator=g).to(torch.bfloat16)
+    valid = torch.arange(T) < torch.randint(0, T + 1, (B, 1), generator=g)
+    q = torch.randn(Hk, G, B, D, generator=g)
+    got = k.decode_attention(q, [pk], [pv], tails[0], tails[1], valid, torch.empty(0, dtype=torch.long))
+    want = attend_shared(q, [(pk, pv)], tails[0].float(), tails[1].float(), valid)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_decode_attention_reads_bf16_tails_as_the_same_values_in_fp32(k):
     """A bf16 tail copy (``CacheConfig.batch_tail_dtype``) is read exactly as its fp32 upcast:
     the same result bit for bit, and attend_shared (the eager path) agrees."""
