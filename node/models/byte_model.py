@@ -81,6 +81,11 @@ def attend_session(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVC
         return attend_sparse(q, runs, cache, sid, layer, policy)
     if kernels is not None and takes_prefill_kernel(q, runs):
         return kernels.prefill_attention(q, [rk for rk, _ in runs], [rv for _, rv in runs])
+    if kernels is not None and takes_decode_kernel(q, runs):  # its runs as a step's prefix
+        Hk, D = q.shape[0], q.shape[-1]
+        return kernels.decode_attention(q, [rk for rk, _ in runs], [rv for _, rv in runs],
+                                        q.new_empty(Hk, 1, 0, D), q.new_empty(Hk, 1, 0, D),
+                                        _NO_TAIL, _NO_SLOTS)
     return attend(q, runs)
 
 
@@ -98,7 +103,17 @@ def takes_prefill_kernel(q: torch.Tensor, runs) -> bool:
             and runs[0][0].dtype in (torch.float32, torch.bfloat16) and built.amx())
 
 
+def takes_decode_kernel(q: torch.Tensor, runs) -> bool:
+    """``decode_attention`` computes one session's one new token (``forward_cached`` of a single
+    token, as a step of one row with no tail): grouped fp32 queries over fp32 runs with
+    contiguous rows."""
+    return (q.dim() == 4 and q.dtype == torch.float32 and q.shape[-2] == 1 and bool(runs)
+            and all(t.dtype == torch.float32 and t.dim() == 3 and t.stride(-1) == 1
+                    for run in runs for t in run))
+
+
 _NO_SLOTS = torch.empty(0, dtype=torch.long)
+_NO_TAIL = torch.empty(1, 0, dtype=torch.bool)
 
 
 _KERNEL_TAILS = (torch.float32, torch.bfloat16)

@@ -211,9 +211,10 @@ class Attention(nn.Module):
         ``forward_mixed``) on bf16 rows ``h`` [N, hidden], already normed, through the fused
         kernels (``node.models.kernels``). A decode step's q/k/v come out in fp32, the
         precision its attention over the fp32 cache runs in (``cache.attention.compute_dtype``);
-        rows that prefill stay bf16."""
+        rows that prefill stay bf16; one session's single new token is a decode step too."""
         c = self.cfg
-        dtype = torch.float32 if how == "forward_batch" else torch.bfloat16
+        decode = how == "forward_batch" or (how == "forward_cached" and h.shape[0] == 1)
+        dtype = torch.float32 if decode else torch.bfloat16
         q, k, v = kernels.rope_split(self._project(h), cos, sin, c.num_heads, c.num_kv_heads,
                                      c.head_dim, dtype)
         return self._o(kernels.merge_heads(ATTEND[how](q, k, v, *cache_args, kernels=kernels)))

@@ -126,6 +126,31 @@ def test_batched_step_equals_one_session_at_a_time(one_thread, dtype, kv_dtype):
         assert int(batch[i].argmax()) == int(one.argmax())
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_one_new_token_attends_as_a_decode_step_through_the_fused_kernel(one_thread, dtype,
+                                                                         monkeypatch):
+    """``forward_cached`` of a single token (a session decoding alone) takes the decode step's
+    fp32 attention kernel, and gives the batched step's logits."""
+    from node.models import kernels
+
+    ops = kernels.ops()
+    if ops is None:
+        pytest.skip(f"fused kernels not built here: {kernels.status()}")
+    m = _model(dtype)
+    kv, sid = _fresh(m, list(range(4, 27)))
+    tok = int(m.forward_cached([3], kv, sid)[-1].argmax())
+    calls = []
+    real = ops.decode_attention
+    monkeypatch.setattr(ops, "decode_attention", lambda *a: calls.append(a[0].dtype) or real(*a))
+    one = m.forward_cached([tok], kv, sid)[-1]
+    assert calls == [torch.float32] * m.cfg.num_layers
+    kv2, sid2 = _fresh(m, list(range(4, 27)))
+    m.forward_cached([3], kv2, sid2)
+    batch = m.forward_batch([tok], kv2, [sid2])[0]
+    assert (batch - one).abs().max() < 0.03 * one.abs().max()
+    assert int(batch.argmax()) == int(one.argmax())
+
+
 def _fresh(m: LlamaModel, prompt: list[int], kv_dtype: str = "fp32"):
     kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20, kv_dtype=kv_dtype))
     sid = kv.open_session()
