@@ -44,11 +44,6 @@ SOURCES = tuple(Path(__file__).with_name(f) for f in
                 ("kernels.cpp", "int8_amx.cpp", "prefill_attention.cpp", "kv_store.cpp"))
 HEADERS = tuple(Path(__file__).with_name(f) for f in ("amx_tiles.h", "vec_math.h"))
 """Included by the sources: part of the build's identity, not compiled on their own."""
-FLAGS = ("-O3", "-march=native", "-fopenmp")
-"""Compiler flags, part of the build's identity. ``-fopenmp``: ATen's ``at::parallel_for`` is a
-header whose ``#pragma omp parallel`` is ignored without it (torch's extension builder does not
-add it), so every kernel ran on one thread whatever ``torch.set_num_threads`` said; the built
-library then shares torch's own libgomp (one thread pool)."""
 ENV = "FEDKV_KERNELS"
 """``eager`` turns the fused kernels off (a reference run, a machine without a compiler)."""
 
@@ -70,7 +65,7 @@ def _cpu_flags() -> str:
 def _build_name() -> str:
     digest = hashlib.sha256()
     for part in (*(s.read_bytes() for s in SOURCES + HEADERS), torch.__version__.encode(),
-                 _cpu_flags().encode(), " ".join(FLAGS).encode()):
+                 _cpu_flags().encode()):
         digest.update(part)
     return f"fedkv_kernels_{digest.hexdigest()[:12]}"
 
@@ -87,8 +82,7 @@ def ops() -> ModuleType | None:
         from torch.utils import cpp_extension
 
         return cpp_extension.load(name=_build_name(), sources=[str(s) for s in SOURCES],
-                                  extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
-                                  verbose=False)
+                                  extra_cflags=["-O3", "-march=native"], verbose=False)
     except Exception as e:  # no compiler or ninja, a failed build: the eager ops serve
         last = (str(e).strip().splitlines() or [""])[-1][:200]
         _why_not = f"build failed: {type(e).__name__}: {last}"
