@@ -17,7 +17,8 @@ slots (``cache.batch.StepStore``), its destinations prefetched first.
 cache's runs on AMX tiles, for head size 64 (``node.models.byte_model.attend_session`` takes it
 where ``takes_prefill_kernel`` says; elsewhere SDPA's flash kernel serves).
 The elementwise ones are vectorized for AVX-512 (with BF16), with a scalar path elsewhere;
-at a prefill's hundreds of rows they are no slower than the eager ops.
+at a prefill's hundreds of rows they are no slower than the eager ops. They run on the calling
+thread: torch's builder compiles ATen's ``at::parallel_for`` without OpenMP, a plain loop.
 ``experiments.bench_llm`` measures the decode they give (``decode_tokens_per_s.<ctx>.fedkv_bf16``
 and ``.fedkv_int8_weights``; the same run with ``FEDKV_KERNELS=eager`` is the baseline).
 
