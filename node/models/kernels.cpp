@@ -496,14 +496,15 @@ inline float exp_shift_sum(float* x, int64_t n, float mx) {
   return s;
 }
 
-// o[k][0:dim] += sum_t w[k][t] * row(t) for `g` (<= MAX_GROUP) weight vectors over `n` rows
+// o[k][0:dim] += sum_t w[k][t] * row(t) for `g` (<= MAXQ) weight vectors over `n` rows
 // `stride` apart: each row read once for all of them, the sums kept in registers when dim is
-// a multiple of 16 up to 128.
-template <int DV, typename T>
+// a multiple of 16 up to 128. SKIP_ZERO: a zero weight's row is not read into its sum (a
+// masked tail position may hold anything); a shared prefix's weights are all softmax values.
+template <int DV, int MAXQ, bool SKIP_ZERO, typename T>
 void weighted_rows_vec(const float* const* w, int64_t g, const T* rows, int64_t stride,
                        int64_t n, float* const* o) {
 #ifdef FEDKV_AVX512
-  __m512 acc[MAX_GROUP][DV];
+  __m512 acc[MAXQ][DV];
   for (int64_t k = 0; k < g; ++k)
     for (int d = 0; d < DV; ++d) acc[k][d] = _mm512_loadu_ps(o[k] + 16 * d);
   for (int64_t t = 0; t < n; ++t) {
@@ -511,8 +512,9 @@ void weighted_rows_vec(const float* const* w, int64_t g, const T* rows, int64_t 
     prefetch_row<DV>(r + ROWS_AHEAD * stride);
     __m512 rv[DV];
     for (int d = 0; d < DV; ++d) rv[d] = load_row16(r + 16 * d);
-    for (int64_t k = 0; k < g; ++k) {
-      if (w[k][t] == 0.f) continue;
+    for (int k = 0; k < MAXQ; ++k) {
+      if (k >= g) break;
+      if (SKIP_ZERO && w[k][t] == 0.f) continue;
       const __m512 wt = _mm512_set1_ps(w[k][t]);
       for (int d = 0; d < DV; ++d) acc[k][d] = _mm512_fmadd_ps(wt, rv[d], acc[k][d]);
     }
@@ -527,10 +529,10 @@ void weighted_rows(const float* const* w, int64_t g, const T* rows, int64_t stri
                    float* const* o, int64_t dim) {
 #ifdef FEDKV_AVX512
   switch (dim) {
-    case 16: return weighted_rows_vec<1>(w, g, rows, stride, n, o);
-    case 32: return weighted_rows_vec<2>(w, g, rows, stride, n, o);
-    case 64: return weighted_rows_vec<4>(w, g, rows, stride, n, o);
-    case 128: return weighted_rows_vec<8>(w, g, rows, stride, n, o);  // spills, still vector
+    case 16: return weighted_rows_vec<1, MAX_GROUP, true>(w, g, rows, stride, n, o);
+    case 32: return weighted_rows_vec<2, MAX_GROUP, true>(w, g, rows, stride, n, o);
+    case 64: return weighted_rows_vec<4, MAX_GROUP, true>(w, g, rows, stride, n, o);
+    case 128: return weighted_rows_vec<8, MAX_GROUP, true>(w, g, rows, stride, n, o);  // spills, still vector
     default: break;
   }
 #endif
@@ -619,29 +621,6 @@ int64_t scores_shared(const float* const* q, int64_t g, const float* rows, int64
   }
   return t;
 }
-
-// o[k] += sum_t w[k][t] * row t over a shared prefix's `n` fp32 rows for up to VALUE_QUERIES
-// queries; every weight is a softmax value (no masked rows), so none is skipped.
-template <int DV>
-void prefix_weighted_vec(const float* const* w, int g, const float* rows, int64_t stride,
-                         int64_t n, float* const* o) {
-  __m512 acc[VALUE_QUERIES][DV];
-  for (int k = 0; k < g; ++k)
-    for (int d = 0; d < DV; ++d) acc[k][d] = _mm512_loadu_ps(o[k] + 16 * d);
-  for (int64_t t = 0; t < n; ++t) {
-    const float* r = rows + t * stride;
-    prefetch_row<DV>(r + ROWS_AHEAD * stride);
-    __m512 rv[DV];
-    for (int d = 0; d < DV; ++d) rv[d] = _mm512_loadu_ps(r + 16 * d);
-    for (int k = 0; k < VALUE_QUERIES; ++k) {
-      if (k >= g) break;
-      const __m512 wt = _mm512_set1_ps(w[k][t]);
-      for (int d = 0; d < DV; ++d) acc[k][d] = _mm512_fmadd_ps(wt, rv[d], acc[k][d]);
-    }
-  }
-  for (int k = 0; k < g; ++k)
-    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(o[k] + 16 * d, acc[k][d]);
-}
 #endif
 
 // What every KV head of a decode step reads: the rows' queries, the prefix runs they share.
@@ -697,8 +676,11 @@ void prefix_values(const Rows& r, int64_t h, const std::vector<int64_t>& live,
         float* o[VALUE_QUERIES];
         for (int64_t k = 0; k < ng; ++k) ws[k] = sc[live[l0 + k]] + i + c, o[k] = os[live[l0 + k]];
 #ifdef FEDKV_AVX512
-        if (D == 64) { prefix_weighted_vec<4>(ws, ng, rows, run.row_stride, n, o); continue; }
-        if (D == 32) { prefix_weighted_vec<2>(ws, ng, rows, run.row_stride, n, o); continue; }
+        if (D == 64 || D == 32) {
+          if (D == 64) weighted_rows_vec<4, VALUE_QUERIES, false>(ws, ng, rows, run.row_stride, n, o);
+          else weighted_rows_vec<2, VALUE_QUERIES, false>(ws, ng, rows, run.row_stride, n, o);
+          continue;
+        }
 #endif
         for (int64_t k0 = 0; k0 < ng; k0 += MAX_GROUP)
           weighted_rows(ws + k0, std::min(MAX_GROUP, ng - k0), rows, run.row_stride, n, o + k0, D);
