@@ -82,10 +82,9 @@ def attend_session(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVC
     if kernels is not None and takes_prefill_kernel(q, runs):
         return kernels.prefill_attention(q, [rk for rk, _ in runs], [rv for _, rv in runs])
     if kernels is not None and takes_decode_kernel(q, runs):  # its runs as a step's prefix
-        Hk, D = q.shape[0], q.shape[-1]
+        no_tail = q.new_empty(q.shape[0], 1, 0, q.shape[-1])  # K and V: [Hk, 1 slot, 0, D]
         return kernels.decode_attention(q, [rk for rk, _ in runs], [rv for _, rv in runs],
-                                        q.new_empty(Hk, 1, 0, D), q.new_empty(Hk, 1, 0, D),
-                                        _NO_TAIL, _NO_SLOTS)
+                                        no_tail, no_tail, _NO_TAIL, _NO_SLOTS)
     return attend(q, runs)
 
 

@@ -524,21 +524,22 @@ void weighted_rows_vec(const float* const* w, int64_t g, const T* rows, int64_t 
 #endif
 }
 
-template <typename T>
+// weighted_rows_vec for any dim (up to MAXQ weight vectors): vector for 16 to 128, else scalar.
+template <int MAXQ = MAX_GROUP, bool SKIP_ZERO = true, typename T>
 void weighted_rows(const float* const* w, int64_t g, const T* rows, int64_t stride, int64_t n,
                    float* const* o, int64_t dim) {
 #ifdef FEDKV_AVX512
   switch (dim) {
-    case 16: return weighted_rows_vec<1, MAX_GROUP, true>(w, g, rows, stride, n, o);
-    case 32: return weighted_rows_vec<2, MAX_GROUP, true>(w, g, rows, stride, n, o);
-    case 64: return weighted_rows_vec<4, MAX_GROUP, true>(w, g, rows, stride, n, o);
-    case 128: return weighted_rows_vec<8, MAX_GROUP, true>(w, g, rows, stride, n, o);  // spills, still vector
+    case 16: return weighted_rows_vec<1, MAXQ, SKIP_ZERO>(w, g, rows, stride, n, o);
+    case 32: return weighted_rows_vec<2, MAXQ, SKIP_ZERO>(w, g, rows, stride, n, o);
+    case 64: return weighted_rows_vec<4, MAXQ, SKIP_ZERO>(w, g, rows, stride, n, o);
+    case 128: return weighted_rows_vec<8, MAXQ, SKIP_ZERO>(w, g, rows, stride, n, o);  // spills, still vector
     default: break;
   }
 #endif
   for (int64_t t = 0; t < n; ++t)
     for (int64_t k = 0; k < g; ++k)
-      if (w[k][t] != 0.f)
+      if (!SKIP_ZERO || w[k][t] != 0.f)
         for (int64_t i = 0; i < dim; ++i) o[k][i] += w[k][t] * static_cast<float>(rows[t * stride + i]);
 }
 
@@ -675,15 +676,7 @@ void prefix_values(const Rows& r, int64_t h, const std::vector<int64_t>& live,
         const float* ws[VALUE_QUERIES];
         float* o[VALUE_QUERIES];
         for (int64_t k = 0; k < ng; ++k) ws[k] = sc[live[l0 + k]] + i + c, o[k] = os[live[l0 + k]];
-#ifdef FEDKV_AVX512
-        if (D == 64 || D == 32) {
-          if (D == 64) weighted_rows_vec<4, VALUE_QUERIES, false>(ws, ng, rows, run.row_stride, n, o);
-          else weighted_rows_vec<2, VALUE_QUERIES, false>(ws, ng, rows, run.row_stride, n, o);
-          continue;
-        }
-#endif
-        for (int64_t k0 = 0; k0 < ng; k0 += MAX_GROUP)
-          weighted_rows(ws + k0, std::min(MAX_GROUP, ng - k0), rows, run.row_stride, n, o + k0, D);
+        weighted_rows<VALUE_QUERIES, false>(ws, ng, rows, run.row_stride, n, o, D);
       }
     }
     i += run.n;
