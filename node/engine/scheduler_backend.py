@@ -10,6 +10,9 @@ thread and joins it.
 ``between_steps`` (optional) runs on the loop thread before every step and on every idle
 wake-up: while it runs no forward runs, so a caller that must know the old weights are out of
 use (a coherence ACK, ``node.serving.openai_follow``) does its work there.
+
+The loop thread holds the process's OpenMP workers: the constructor frees its caller's, and
+the loop frees its own whenever it waits for work (``node.engine.openmp_pool`` says why).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cache import KVCache
+from node.engine import openmp_pool
 from node.engine.generation import GenerationRequest, kv_gauges, remote_events
 from node.models.interface import CachedLM
 from node.engine.scheduler import Scheduler, SchedulerConfig, Sequence
@@ -44,6 +48,7 @@ class ScheduledBackend:
         self._idle_wait_s = idle_wait_s
         self._thread = threading.Thread(target=self._loop, name="fedkv-scheduler", daemon=True)
         self._thread.start()
+        openmp_pool.release_pool()  # the loop runs the forwards now (node.engine.openmp_pool)
 
     @property
     def version(self) -> int:
@@ -101,8 +106,7 @@ class ScheduledBackend:
                 self._between_steps()
                 self._drain()
                 if not s.has_work:
-                    self._wake.wait(self._idle_wait_s)
-                    self._wake.clear()
+                    self._idle()
                     continue
                 try:
                     s.step()
@@ -112,6 +116,13 @@ class ScheduledBackend:
         finally:
             self._drain()
             s.cancel_all()
+
+    def _idle(self) -> None:
+        """Free this thread's OpenMP workers (``node.engine.openmp_pool``; a no-op when it has
+        none), then wait for work."""
+        openmp_pool.release_pool()
+        self._wake.wait(self._idle_wait_s)
+        self._wake.clear()
 
     def _between_steps(self) -> None:
         if self.between_steps is None:

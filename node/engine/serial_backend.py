@@ -15,7 +15,8 @@ scheduler (``node.engine.scheduler``) is measured against, and a backend the Ope
 (``node.serving.openai_api``) runs on by itself.
 
 The model and the cache are touched by the worker thread only; handles are fed through
-``queue.Queue``, so any thread may consume or cancel them.
+``queue.Queue``, so any thread may consume or cancel them. The worker holds the process's OpenMP
+workers: the constructor frees its caller's, the idle worker its own (``node.engine.openmp_pool``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 
 from cache import KVCache
 from cache.errors import CacheFullError
+from node.engine import openmp_pool
 from node.engine.generation import GenerationRequest, TokenStream, kv_gauges, remote_events
 from node.models.interface import CachedLM
 from node.engine.sampling import Sampler
@@ -89,6 +91,7 @@ class SerialBackend:
         self._lock = threading.Lock()  # submit vs close: nothing is queued after close drains
         self._worker = threading.Thread(target=self._run, name="fedkv-serial-backend", daemon=True)
         self._worker.start()
+        openmp_pool.release_pool()  # the worker runs the forwards now (node.engine.openmp_pool)
 
     @property
     def version(self) -> int:
@@ -138,13 +141,22 @@ class SerialBackend:
     # -- the worker ---------------------------------------------------------------------------
     def _run(self) -> None:
         with torch.inference_mode():
-            while (item := self._requests.get()) is not None:
+            while (item := self._next()) is not None:
                 request, handles = item
                 if self._closed.is_set():
                     self._requests.put(item)  # close() finishes it
                     return
                 self._serve(request, handles)
                 del item, request, handles  # idle, the worker holds no finished request
+
+    def _next(self) -> tuple[GenerationRequest, list[SerialHandle]] | None:
+        """The next queued request; before waiting for one, the idle worker's OpenMP workers
+        are freed (``node.engine.openmp_pool``)."""
+        try:
+            return self._requests.get_nowait()
+        except queue.Empty:
+            openmp_pool.release_pool()
+            return self._requests.get()
 
     def _serve(self, request: GenerationRequest, handles: list[SerialHandle]) -> None:
         """Prefill, fork, decode; whatever happens, every handle finishes and sessions close."""

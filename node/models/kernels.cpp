@@ -802,6 +802,14 @@ torch::Tensor decode_attention(const torch::Tensor& q, const std::vector<torch::
   return out;
 }
 
+// How many threads at::parallel_for runs a 64-way loop on: torch's thread count when the build
+// has OpenMP (kernels.py's FLAGS), one when the pragma was compiled out.
+int64_t parallel_threads() {
+  std::vector<char> ran(static_cast<size_t>(std::max(1, at::get_num_threads())), 0);
+  at::parallel_for(0, 64, 1, [&](int64_t, int64_t) { ran[at::get_thread_num()] = 1; });
+  return std::count(ran.begin(), ran.end(), 1);
+}
+
 }  // namespace
 
 // int8_amx.cpp
@@ -825,6 +833,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "x += y in place, then RMSNorm of x", nogil);
   m.def("rope_split", &rope_split, "q/k/v from the fused projection, q and k rotated", nogil);
   m.def("merge_heads", &merge_heads, "attention heads -> the o_proj input", nogil);
+  m.def("parallel_threads", &parallel_threads, "threads at::parallel_for runs on here");
   m.def("decode_attention", &decode_attention, "one decode step's attention over prefix runs and tails", nogil);
   m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up", nogil);
   m.def("int8_linear", &int8_linear, "weight-only int8 linear of a few bf16 rows", nogil);

@@ -17,8 +17,9 @@ slots (``cache.batch.StepStore``), its destinations prefetched first.
 cache's runs on AMX tiles, for head size 64 (``node.models.byte_model.attend_session`` takes it
 where ``takes_prefill_kernel`` says; elsewhere SDPA's flash kernel serves).
 The elementwise ones are vectorized for AVX-512 (with BF16), with a scalar path elsewhere;
-at a prefill's hundreds of rows they are no slower than the eager ops. They run on the calling
-thread: torch's builder compiles ATen's ``at::parallel_for`` without OpenMP, a plain loop.
+at a prefill's hundreds of rows they are no slower than the eager ops. Their loops run on
+torch's threads (``at::parallel_for`` over OpenMP, see :data:`FLAGS`); a server keeps those
+threads' OpenMP workers on its forward thread alone (``node.engine.openmp_pool``).
 ``experiments.bench_llm`` measures the decode they give (``decode_tokens_per_s.<ctx>.fedkv_bf16``
 and ``.fedkv_int8_weights``; the same run with ``FEDKV_KERNELS=eager`` is the baseline).
 
@@ -45,6 +46,11 @@ SOURCES = tuple(Path(__file__).with_name(f) for f in
                 ("kernels.cpp", "int8_amx.cpp", "prefill_attention.cpp", "kv_store.cpp"))
 HEADERS = tuple(Path(__file__).with_name(f) for f in ("amx_tiles.h", "vec_math.h"))
 """Included by the sources: part of the build's identity, not compiled on their own."""
+FLAGS = ("-O3", "-march=native", "-fopenmp")
+"""Compiler flags, part of the build's identity. ``-fopenmp``: ATen's ``at::parallel_for`` is a
+header whose ``#pragma omp parallel`` torch's extension builder compiles out, so without it
+every kernel ran on one thread whatever ``torch.set_num_threads`` said; the built library shares
+torch's own libgomp (one runtime)."""
 ENV = "FEDKV_KERNELS"
 """``eager`` turns the fused kernels off (a reference run, a machine without a compiler)."""
 
@@ -66,7 +72,7 @@ def _cpu_flags() -> str:
 def _build_name() -> str:
     digest = hashlib.sha256()
     for part in (*(s.read_bytes() for s in SOURCES + HEADERS), torch.__version__.encode(),
-                 _cpu_flags().encode()):
+                 _cpu_flags().encode(), " ".join(FLAGS).encode()):
         digest.update(part)
     return f"fedkv_kernels_{digest.hexdigest()[:12]}"
 
@@ -83,7 +89,8 @@ def ops() -> ModuleType | None:
         from torch.utils import cpp_extension
 
         return cpp_extension.load(name=_build_name(), sources=[str(s) for s in SOURCES],
-                                  extra_cflags=["-O3", "-march=native"], verbose=False)
+                                  extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
+                                  verbose=False)
     except Exception as e:  # no compiler or ninja, a failed build: the eager ops serve
         last = (str(e).strip().splitlines() or [""])[-1][:200]
         _why_not = f"build failed: {type(e).__name__}: {last}"

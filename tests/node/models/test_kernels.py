@@ -4,6 +4,8 @@ specific error, and a machine that cannot build them runs the eager ops."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -279,6 +281,21 @@ def test_eager_setting_turns_them_off(rebuilt, monkeypatch):
     monkeypatch.setenv(kernels.ENV, "eager")
     assert kernels.ops() is None
     assert kernels.status() == f"eager ({kernels.ENV}=eager)"
+
+
+def test_the_kernels_loops_run_on_torchs_threads(k):
+    """at::parallel_for in the kernels uses torch's thread count (the build has OpenMP: without
+    it every kernel ran on one thread whatever torch.set_num_threads said)."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one CPU")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert k.parallel_threads() == 2
+        torch.set_num_threads(1)
+        assert k.parallel_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_failed_build_leaves_the_eager_ops(rebuilt, monkeypatch, caplog):
