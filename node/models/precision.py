@@ -108,7 +108,8 @@ class Int8Linear(nn.Module):
         """The dequantized weights, bf16, oneDNN-packed; None without oneDNN bf16."""
         if not packed.available():
             return None
-        key = (self.q.data_ptr(), self.q._version, self.scale.data_ptr(), self.scale._version)
+        key = (self.q.data_ptr(), self.q._version, self.scale.data_ptr(), self.scale._version,
+               packed.batch_hint())
         if self._packed_key != key:
             with torch.inference_mode(False), torch.no_grad():
                 self._packed = packed.pack(self.dequantized(torch.bfloat16))

@@ -40,6 +40,23 @@ def test_the_packed_product_is_the_fused_linears():
 
 
 @torch.no_grad()
+def test_the_layout_follows_the_thread_count_and_the_product_does_not():
+    """oneDNN's blocking is chosen for the thread count (``batch_hint``); a change of it
+    repacks, and either layout gives the fused linears."""
+    o = Owner()
+    x = torch.randn(64, 32, dtype=torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        for threads, hint in ((1, None), (2, 1), (1, None)):
+            torch.set_num_threads(threads)
+            assert packed.batch_hint() == hint
+            assert close(o.proj(x), reference(o, x))
+            assert o.proj.key[-1] == hint  # packed for this layout, not left from the last
+    finally:
+        torch.set_num_threads(before)
+
+
+@torch.no_grad()
 def test_a_weight_written_in_place_is_repacked_not_served_stale():
     """A follower's write-back (load_state_dict, copy_) changes values, not storage."""
     o = Owner()
