@@ -208,14 +208,16 @@ class KVCache:
             if end >= self._boundary_ns:
                 self._op_boundary(end)
 
-    def append_and_read(self, sid: int, layer: int, k: torch.Tensor,
-                        v: torch.Tensor) -> list[Run]:
-        """Write the reserved tokens' K/V in ``layer`` and return the layer's whole context
-        as views to attend over (:func:`cache.attention.attend`)."""
+    def append_and_read(self, sid: int, layer: int, k: torch.Tensor, v: torch.Tensor, *,
+                        store: StepStore | None = None, gather: bool = True) -> list[Run]:
+        """Write the reserved tokens' K/V in ``layer`` (through a model's fused ``store`` when
+        given, as ``append_and_read_batch`` takes one) and return the layer's whole context
+        as views to attend over (:func:`cache.attention.attend`); ``gather``: as
+        :meth:`read_runs`."""
         start = perf_counter_ns()
         try:
-            self.steps.write(self.session_table.get(sid), layer, k, v)
-            return self.read_runs(sid, layer)
+            self.steps.write(self.session_table.get(sid), layer, k, v, store)
+            return self.read_runs(sid, layer, gather)
         finally:
             end = perf_counter_ns()
             self.latency.append_and_read.append(end - start)
@@ -231,14 +233,16 @@ class KVCache:
         returns, in order: what the sparsity policy's masks are indexed by."""
         return self.reads.resident_positions(self.session_table.get(sid), layer)
 
-    def read_runs(self, sid: int, layer: int) -> list[Run]:
+    def read_runs(self, sid: int, layer: int, gather: bool = True) -> list[Run]:
         """K and V of every readable token in ``layer``, one pair per run of consecutive
         blocks: each [heads, n_i, head_dim], full precision -- views into the arena, and a
         session's quantized blocks decoded for this read only (a scratch tensor per run,
-        ``stats()['transient_reads']``): no full-precision copy of them is kept."""
+        ``stats()['transient_reads']``): no full-precision copy of them is kept. Many short
+        arena runs come as one gathered copy unless ``gather`` is False (a kernel that reads
+        a list of runs in place, ``node.models.kernels``, needs no copy)."""
         t = self.session_table.get(sid)
         check_layer(layer, self.config.num_layers)
-        return self.reads.runs(t, layer)
+        return self.reads.runs(t, layer, gather)
 
     def read(self, sid: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of every readable token in ``layer``: each [heads, n, head_dim],

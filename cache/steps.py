@@ -30,10 +30,16 @@ from cache.prefetch import Prefetcher, make_prefetcher, prefetch_after_lookup
 from cache.session_table import BlockTable, SessionTable, check_layer, end_of
 
 if TYPE_CHECKING:
+    from cache.batch import StepStore
     from cache.config import CacheConfig
     from cache.manager import BlockManager
     from cache.pressure import Pressure
     from cache.token_arena import TokenArena
+
+
+_NO_ROWS = torch.zeros(0, dtype=torch.long)
+_NO_TAILS = torch.zeros(0)
+"""A session's write through a ``StepStore`` has no batch tails to fill."""
 
 
 class ReadPlanner:
@@ -94,16 +100,18 @@ class ReadPlanner:
         B = self.block_size
         return n - B * sum(b is None for b in t.blocks[: n // B])
 
-    def runs(self, t: BlockTable, layer: int) -> list[Run]:
+    def runs(self, t: BlockTable, layer: int, gather: bool = True) -> list[Run]:
         """K and V of every readable token of ``t`` in ``layer`` (see ``KVCache.read_runs``)."""
-        return self._read(t, layer, t.layer_length(layer))
+        return self._read(t, layer, t.layer_length(layer), gather)
 
-    def _read(self, t: BlockTable, layer: int, n: int) -> list[Run]:
-        """Runs of the first ``n`` positions: arena views, quantized runs decoded; a context
-        scattered over many short arena runs is one gathered copy (``_gathered``)."""
+    def _read(self, t: BlockTable, layer: int, n: int, gather: bool = True) -> list[Run]:
+        """Runs of the first ``n`` positions: arena views, quantized runs decoded; with
+        ``gather``, a context scattered over many short arena runs is one gathered copy
+        (``_gathered``)."""
         B, n, out, decoded = self.block_size, self.resident(t, n), [], False
         plan = self.plan(t)
-        if t.sparsity is None and (gathered := self._gathered(plan, layer, n)) is not None:
+        if (gather and t.sparsity is None
+                and (gathered := self._gathered(plan, layer, n)) is not None):
             return gathered
         for start, nb, i0 in plan:
             if n <= 0:
@@ -232,11 +240,17 @@ class SessionSteps:
             return None, []
         return self.pressure.allocate(t, total)
 
-    def write(self, t: BlockTable, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """``KVCache.write`` on the session's table; the last layer commits."""
+    def write(self, t: BlockTable, layer: int, k: torch.Tensor, v: torch.Tensor,
+              store: StepStore | None = None) -> None:
+        """``KVCache.write`` on the session's table (through ``store`` when given: one call
+        for K and V, no tails); the last layer commits."""
         self._check_kv(t, layer, k, v)
         dst = self.arena.kv[layer]
-        if isinstance(t.write_at, slice):
+        if store is not None:
+            at = t.write_at
+            pos = torch.arange(at.start, at.stop) if isinstance(at, slice) else at
+            store(dst, pos, k, v, _NO_TAILS, _NO_ROWS, _NO_ROWS, _NO_ROWS)
+        elif isinstance(t.write_at, slice):
             dst[0, :, t.write_at] = k
             dst[1, :, t.write_at] = v
         else:

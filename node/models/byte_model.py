@@ -74,8 +74,13 @@ def attend_session(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVC
     """Write one session's new K/V in ``layer`` and attend its context (what its sparsity
     policy keeps, if it has one): q [heads, T, D] or grouped [kv_heads, G, T, D] -> the same
     shape. With ``kernels`` (``node.models.kernels``) on AMX, a bf16 prefill's rows attend in
-    one call (``prefill_attention``; :func:`takes_prefill_kernel`), else the eager ops."""
-    runs = cache.append_and_read(sid, layer, k, v)
+    one call (``prefill_attention``; :func:`takes_prefill_kernel`), else the eager ops. With
+    the kernels the K/V are stored in one call (``store_step_kv``) and the runs come as they
+    lie in the arena, not gathered: both kernels read a list of runs in place (the eager
+    fallback joins scattered runs itself, ``cache.attention.fewer_runs``)."""
+    fused = kernels is not None and q.dim() == 4
+    runs = cache.append_and_read(sid, layer, k, v, gather=not fused,
+                                 store=kernels.store_step_kv if fused and _storable(k, v) else None)
     policy = cache.sparsity(sid)
     if policy is not None:
         return attend_sparse(q, runs, cache, sid, layer, policy)
@@ -86,6 +91,12 @@ def attend_session(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVC
         return kernels.decode_attention(q, [rk for rk, _ in runs], [rv for _, rv in runs],
                                         no_tail, no_tail, _NO_TAIL, _NO_SLOTS)
     return attend(q, runs)
+
+
+def _storable(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """``store_step_kv`` takes these rows: contiguous fp32 or bf16, both of one dtype."""
+    return (k.dtype in (torch.float32, torch.bfloat16) and v.dtype == k.dtype
+            and k.is_contiguous() and v.is_contiguous())
 
 
 PREFILL_KERNEL_HEAD_DIM = 64

@@ -1,4 +1,4 @@
-// A decode step's new K and V of one layer stored where the cache keeps them (node/models/kernels.py
+// A decode step's (or one session's) new K and V of one layer stored where the cache keeps them (node/models/kernels.py
 // builds it into the same extension as kernels.cpp; cache.batch.Batcher calls it through the store
 // the model hands to KVCache.append_and_read_batch).
 //
@@ -20,22 +20,23 @@ inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 1, 3);
 }
 
-template <typename T>
-inline void copy_row(T* dst, const float* src, int64_t dim) {
-  for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(src[d]);  // bf16, fp16: nearest even
+template <typename T, typename S>
+inline void copy_row(T* dst, const S* src, int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d)  // to bf16, fp16: nearest even; from bf16: exact
+    dst[d] = static_cast<T>(static_cast<float>(src[d]));
 }
 
 // Where each (which of K/V, head, row) goes: its destination row pointers, gathered once so the
 // prefetch pass and the store pass walk the same list.
-template <typename T>
+template <typename T, typename S>
 struct Rows {
   std::vector<T*> dst;
-  std::vector<const float*> src;
+  std::vector<const S*> src;
 };
 
-template <typename T>
-void add_arena(Rows<T>& r, const torch::Tensor& arena, const std::vector<int64_t>& pos,
-               const float* k, const float* v, int64_t Hk, int64_t B, int64_t D) {
+template <typename T, typename S>
+void add_arena(Rows<T, S>& r, const torch::Tensor& arena, const std::vector<int64_t>& pos,
+               const S* k, const S* v, int64_t Hk, int64_t B, int64_t D) {
   T* base = arena.data_ptr<T>();
   for (int64_t c = 0; c < 2; ++c)
     for (int64_t h = 0; h < Hk; ++h)
@@ -45,10 +46,10 @@ void add_arena(Rows<T>& r, const torch::Tensor& arena, const std::vector<int64_t
       }
 }
 
-template <typename T>
-void add_tails(Rows<T>& r, const torch::Tensor& tails, const std::vector<int64_t>& slot,
-               const std::vector<int64_t>& at, const std::vector<int64_t>& row, const float* k,
-               const float* v, int64_t Hk, int64_t B, int64_t D) {
+template <typename T, typename S>
+void add_tails(Rows<T, S>& r, const torch::Tensor& tails, const std::vector<int64_t>& slot,
+               const std::vector<int64_t>& at, const std::vector<int64_t>& row, const S* k,
+               const S* v, int64_t Hk, int64_t B, int64_t D) {
   T* base = tails.data_ptr<T>();
   for (int64_t c = 0; c < 2; ++c)
     for (size_t i = 0; i < slot.size(); ++i)
@@ -59,8 +60,8 @@ void add_tails(Rows<T>& r, const torch::Tensor& tails, const std::vector<int64_t
       }
 }
 
-template <typename T>
-void store(const Rows<T>& r, int64_t D) {
+template <typename T, typename S>
+void store(const Rows<T, S>& r, int64_t D) {
   for (T* p : r.dst) prefetch_row(p, D * static_cast<int64_t>(sizeof(T)));
   for (size_t i = 0; i < r.dst.size(); ++i) copy_row(r.dst[i], r.src[i], D);
 }
@@ -84,36 +85,53 @@ void check_store(const torch::Tensor& t, const char* name, int64_t dims, int64_t
               " must be float32, bfloat16 or float16, got ", dt);
 }
 
+template <typename S>
+void store_rows(torch::Tensor& arena, const std::vector<int64_t>& p, const S* kp, const S* vp,
+                torch::Tensor& tails, const std::vector<int64_t>& s, const std::vector<int64_t>& a,
+                const std::vector<int64_t>& r, int64_t Hk, int64_t B, int64_t D) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(torch::kBFloat16, torch::kHalf, arena.scalar_type(), "arena", [&] {
+    Rows<scalar_t, S> rows;
+    add_arena(rows, arena, p, kp, vp, Hk, B, D);
+    store(rows, D);
+  });
+  if (s.empty()) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(torch::kBFloat16, torch::kHalf, tails.scalar_type(), "tails", [&] {
+    Rows<scalar_t, S> rows;
+    add_tails(rows, tails, s, a, r, kp, vp, Hk, B, D);
+    store(rows, D);
+  });
+}
+
 }  // namespace
 
-// k, v fp32 [kv_heads, B, dim]: row b into arena [2, kv_heads, N, dim] at position pos[b]; row
-// rows[i] into tails [2, slots, kv_heads, cap, dim] at slot slots[i], position at[i] (slots, at,
-// rows may be empty: no tail store). Arena and tails: fp32, bf16 or fp16 (rounded to nearest
-// even), as the cache's kv_dtype and batch_tail_dtype make them.
+// k, v fp32 or bf16 [kv_heads, B, dim]: row b into arena [2, kv_heads, N, dim] at position
+// pos[b]; row rows[i] into tails [2, slots, kv_heads, cap, dim] at slot slots[i], position at[i]
+// (slots, at, rows may be empty: no tail store, tails unread). Arena and tails: fp32, bf16 or
+// fp16 (rounded to nearest even), as the cache's kv_dtype and batch_tail_dtype make them. A
+// decode step's rows, or one session's new tokens (a prefill's bf16 rows among them).
 void store_step_kv(torch::Tensor arena, const torch::Tensor& pos, const torch::Tensor& k,
                    const torch::Tensor& v, torch::Tensor tails, const torch::Tensor& slots,
                    const torch::Tensor& at, const torch::Tensor& rows) {
-  TORCH_CHECK(k.scalar_type() == torch::kFloat32 && k.dim() == 3 && k.is_contiguous() &&
-                  v.sizes() == k.sizes() && v.scalar_type() == torch::kFloat32 && v.is_contiguous(),
-              "k, v must be contiguous float32 [kv_heads, rows, dim], got ", k.sizes(), ", ", v.sizes());
+  const auto dt = k.scalar_type();
+  TORCH_CHECK((dt == torch::kFloat32 || dt == torch::kBFloat16) && k.dim() == 3 &&
+                  k.is_contiguous() && v.sizes() == k.sizes() && v.scalar_type() == dt &&
+                  v.is_contiguous(),
+              "k, v must be contiguous float32 or bfloat16 [kv_heads, rows, dim] of one dtype, got ",
+              k.sizes(), " ", dt, ", ", v.sizes(), " ", v.scalar_type());
   const int64_t Hk = k.size(0), B = k.size(1), D = k.size(2);
   check_store(arena, "arena", 4, Hk, D, 1);
-  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const auto p = longs(pos, "pos", B, arena.size(2));
-  AT_DISPATCH_FLOATING_TYPES_AND2(torch::kBFloat16, torch::kHalf, arena.scalar_type(), "arena", [&] {
-    Rows<scalar_t> r;
-    add_arena(r, arena, p, kp, vp, Hk, B, D);
-    store(r, D);
-  });
   const int64_t n = slots.numel();
-  if (n == 0) return;
-  check_store(tails, "tails", 5, Hk, D, 2);
-  const auto s = longs(slots, "slots", n, tails.size(1));
-  const auto a = longs(at, "at", n, tails.size(3));
-  const auto r = longs(rows, "rows", n, B);
-  AT_DISPATCH_FLOATING_TYPES_AND2(torch::kBFloat16, torch::kHalf, tails.scalar_type(), "tails", [&] {
-    Rows<scalar_t> t;
-    add_tails(t, tails, s, a, r, kp, vp, Hk, B, D);
-    store(t, D);
-  });
+  std::vector<int64_t> s, a, r;
+  if (n > 0) {
+    check_store(tails, "tails", 5, Hk, D, 2);
+    s = longs(slots, "slots", n, tails.size(1));
+    a = longs(at, "at", n, tails.size(3));
+    r = longs(rows, "rows", n, B);
+  }
+  if (dt == torch::kFloat32)
+    store_rows(arena, p, k.data_ptr<float>(), v.data_ptr<float>(), tails, s, a, r, Hk, B, D);
+  else
+    store_rows(arena, p, k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), tails, s, a, r,
+               Hk, B, D);
 }

@@ -149,3 +149,50 @@ def test_a_churned_cache_decodes_a_new_sequence_as_a_fresh_cache_does(monkeypatc
     assert (out["churned"][1] - out["fresh"][1]).abs().max() < 1e-4
     assert out["churned"][2] <= out["fresh"][2], "a matmul pair per scattered run each step"
     assert out["churned"][4] == 1  # read_runs: one gathered run, not a view per block
+
+
+
+def _scattered_session(store=None, gather: bool = True):
+    """A session of 6 blocks in an arena whose free slots alternate with other sessions'
+    blocks (every other one-block session closed, its block evicted for this one's), its last
+    block written with ``append_and_read`` (``store``, ``gather``). Returns (cache, sid, the
+    runs that read returned, the bf16 K/V it was fed per layer)."""
+    from cache import KVCache
+    from tests.cache.conftest import feed, small_config
+
+    kv = KVCache(small_config(block_size=8, pool_bytes=256 << 10))
+    others = [kv.open_session() for _ in range(kv.arena.num_blocks)]
+    for i, s in enumerate(others):
+        feed(kv, s, list(range(8 * i, 8 * i + 8)))
+    for s in others[1::2]:
+        kv.close_session(s)
+    a, c, g = kv.open_session(), kv.config, torch.Generator().manual_seed(5)
+    fed: dict[int, list] = {layer: [] for layer in range(c.num_layers)}
+    for i in range(6):
+        kv.reserve(a, list(range(9000 + 8 * i, 9008 + 8 * i)))
+        for layer in range(c.num_layers):
+            k, v = (torch.randn(c.num_heads, 8, c.head_dim, generator=g).bfloat16() for _ in "kv")
+            fed[layer].append((k, v))
+            if i == 5:
+                runs = kv.append_and_read(a, layer, k, v, store=store, gather=gather)
+            else:
+                kv.write(a, layer, k, v)
+    return kv, a, runs, fed
+
+
+def test_a_kernel_reads_the_runs_as_they_lie_and_the_store_writes_what_write_does():
+    """``append_and_read(..., gather=False)`` hands back every arena run of a scattered context
+    (the fused kernels read a list of runs in place: no copy), ``gather`` one copy of them;
+    a ``StepStore`` leaves the arena as the indexed store does, from bf16 rows too."""
+    from tests.cache.test_batch import eager_store
+
+    kv, a, gathered, fed = _scattered_session()
+    kv2, a2, as_they_lie, _ = _scattered_session(store=eager_store, gather=False)
+    assert len(gathered) == 1 and len(as_they_lie) == 6  # one run per block: they alternate
+    last = kv.config.num_layers - 1
+    for i, runs in enumerate((gathered, as_they_lie)):
+        for j in (0, 1):
+            want = torch.cat([kv_[j] for kv_ in fed[last]], 1).float()
+            assert torch.equal(torch.cat([r[j] for r in runs], 1), want), (i, j)
+    for layer in range(kv.config.num_layers):
+        assert torch.equal(torch.cat(kv.read(a, layer)), torch.cat(kv2.read(a2, layer)))

@@ -412,15 +412,18 @@ def test_sessions_leaving_and_joining_a_batch_decode_the_same(k, one_thread, mon
 @pytest.mark.parametrize("arena_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tail_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("appended", [0, 3, 5])
-def test_store_step_kv_stores_what_the_indexed_stores_do(k, arena_dtype, tail_dtype, appended):
+@pytest.mark.parametrize("rows_dtype", [torch.float32, torch.bfloat16])
+def test_store_step_kv_stores_what_the_indexed_stores_do(k, arena_dtype, tail_dtype, appended,
+                                                         rows_dtype):
     """``cache.batch.StepStore``'s contract: row b at ``pos[b]`` of the arena, row ``rows[i]``
     at ``at[i]`` of tail slot ``slots[i]``, rounded to bf16 once where the store is bf16 --
-    bit for bit what the eager path's indexed stores leave (``tests/cache/test_batch.py``)."""
+    bit for bit what the eager path's indexed stores leave (``tests/cache/test_batch.py``),
+    from fp32 rows (a decode step's) or bf16 ones (a session's prefill)."""
     from tests.cache.test_batch import eager_store
 
     g = torch.Generator().manual_seed(9)
     Hk, B, D, N, S, cap = 3, 5, 64, 40, 7, 12
-    kk, vv = torch.randn(Hk, B, D, generator=g), torch.randn(Hk, B, D, generator=g)
+    kk, vv = (torch.randn(Hk, B, D, generator=g).to(rows_dtype) for _ in range(2))
     pos = torch.randperm(N, generator=g)[:B]
     slots = torch.randperm(S, generator=g)[:appended]
     at = torch.randint(0, cap, (appended,), generator=g)
@@ -445,8 +448,10 @@ def test_store_step_kv_refuses_what_it_cannot_store(k):
         k.store_step_kv(arena, torch.tensor([0, 1]), kk, kk, tails, one, one + 8, one)
     with pytest.raises(RuntimeError, match=r"rows 2 out of range \[0, 2\)"):
         k.store_step_kv(arena, torch.tensor([0, 1]), kk, kk, tails, one, one, one + 2)
-    with pytest.raises(RuntimeError, match="k, v must be contiguous float32"):
+    with pytest.raises(RuntimeError, match="k, v must be contiguous float32 or bfloat16"):
         k.store_step_kv(arena, torch.tensor([0, 1]), kk.bfloat16(), kk, tails, none, none, none)
+    with pytest.raises(RuntimeError, match="of one dtype"):
+        k.store_step_kv(arena, torch.tensor([0, 1]), kk.half(), kk.half(), tails, none, none, none)
     with pytest.raises(RuntimeError, match="arena has the wrong shape"):
         k.store_step_kv(torch.zeros(2, 2, 10, 64), torch.tensor([0, 1]), kk, kk, tails, none,
                         none, none)
