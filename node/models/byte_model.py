@@ -75,11 +75,14 @@ def attend_session(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVC
     policy keeps, if it has one): q [heads, T, D] or grouped [kv_heads, G, T, D] -> the same
     shape. With ``kernels`` (``node.models.kernels``) on AMX, a bf16 prefill's rows attend in
     one call (``prefill_attention``; :func:`takes_prefill_kernel`), else the eager ops. With
-    the kernels the K/V are stored in one call (``store_step_kv``) and the runs come as they
-    lie in the arena, not gathered: both kernels read a list of runs in place (the eager
-    fallback joins scattered runs itself, ``cache.attention.fewer_runs``)."""
+    the kernels the K/V are stored in one call (``store_step_kv``), and a prefill's rows get
+    the runs as they lie in the arena: ``prefill_attention`` reads a list of runs in place (the
+    eager fallback joins scattered runs itself, ``cache.attention.fewer_runs``). A lone token's
+    runs stay gathered: ``decode_attention`` over a context scattered into one-block runs was
+    slower than over the copy (1.13x a token, a 512-token context in 32 runs)."""
     fused = kernels is not None and q.dim() == 4
-    runs = cache.append_and_read(sid, layer, k, v, gather=not fused,
+    in_place = fused and q.shape[-2] > 1  # prefill_attention's rows: a scattered context as is
+    runs = cache.append_and_read(sid, layer, k, v, gather=not in_place,
                                  store=kernels.store_step_kv if fused and _storable(k, v) else None)
     policy = cache.sparsity(sid)
     if policy is not None:
