@@ -455,3 +455,25 @@ def test_store_step_kv_refuses_what_it_cannot_store(k):
     with pytest.raises(RuntimeError, match="arena has the wrong shape"):
         k.store_step_kv(torch.zeros(2, 2, 10, 64), torch.tensor([0, 1]), kk, kk, tails, none,
                         none, none)
+
+
+def test_a_prefills_runs_come_as_they_lie_and_a_lone_tokens_gathered(k):
+    """``attend_session`` with the kernels: a prefill's rows read the arena's runs in place
+    (``prefill_attention`` takes a list), a lone token's come gathered (``decode_attention``
+    over many one-block runs was the slower); both stores go through ``store_step_kv``."""
+    from node.models.byte_model import attend_session
+
+    asked = []
+
+    class Cache:
+        def append_and_read(self, sid, layer, kk, vv, *, store=None, gather=True):
+            asked.append((gather, store))
+            return [(torch.randn(2, 40, 64), torch.randn(2, 40, 64))]
+
+        def sparsity(self, sid):
+            return None
+
+    for rows, dtype in ((8, torch.bfloat16), (1, torch.float32)):
+        q, kv = torch.randn(2, 2, rows, 64).to(dtype), torch.randn(2, rows, 64).to(dtype)
+        assert attend_session(q, kv, kv, Cache(), 0, 0, kernels=k).shape == q.shape
+    assert asked == [(False, k.store_step_kv), (True, k.store_step_kv)]
