@@ -18,7 +18,7 @@ handler; never on the engine.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -30,7 +30,6 @@ from cache.prefetch import Prefetcher, make_prefetcher, prefetch_after_lookup
 from cache.session_table import BlockTable, SessionTable, check_layer, end_of
 
 if TYPE_CHECKING:
-    from cache.batch import StepStore
     from cache.config import CacheConfig
     from cache.manager import BlockManager
     from cache.pressure import Pressure
@@ -241,9 +240,11 @@ class SessionSteps:
         return self.pressure.allocate(t, total)
 
     def write(self, t: BlockTable, layer: int, k: torch.Tensor, v: torch.Tensor,
-              store: StepStore | None = None) -> None:
-        """``KVCache.write`` on the session's table (through ``store`` when given: one call
-        for K and V, no tails); the last layer commits."""
+              store: Callable[..., None] | None = None) -> None:
+        """``KVCache.write`` on the session's table (through ``store``, a
+        ``cache.batch.StepStore``, when given: one call for K and V, no tails); the last layer
+        commits. (Typed loosely: importing the alias from ``cache.batch``, which imports this
+        module, would make the two import each other.)"""
         self._check_kv(t, layer, k, v)
         dst = self.arena.kv[layer]
         if store is not None:
