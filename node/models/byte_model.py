@@ -79,7 +79,7 @@ def attend_session(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVC
     the runs as they lie in the arena: ``prefill_attention`` reads a list of runs in place (the
     eager fallback joins scattered runs itself, ``cache.attention.fewer_runs``). A lone token's
     runs stay gathered: ``decode_attention`` over a context scattered into one-block runs was
-    slower than over the copy (1.13x a token, a 512-token context in 32 runs)."""
+    slower than over the copy (``experiments.serve_soak`` found it)."""
     fused = kernels is not None and q.dim() == 4
     in_place = fused and q.shape[-2] > 1  # prefill_attention's rows: a scattered context as is
     runs = cache.append_and_read(sid, layer, k, v, gather=not in_place,
