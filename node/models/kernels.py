@@ -25,9 +25,10 @@ and ``.fedkv_int8_weights``; the same run with ``FEDKV_KERNELS=eager`` is the ba
 
 Built with torch's own extension builder (``torch.utils.cpp_extension.load``: a C++ compiler
 and ninja, cached under torch's extension directory, rebuilt when the source, torch or the
-CPU changes) for this CPU's instruction set. Where it cannot be built -- no compiler, a failed
-build -- or ``FEDKV_KERNELS=eager`` is set, :func:`ops` is None and the model runs the eager
-ops; :func:`status` says which and why.
+CPU changes) for this CPU's instruction set; a compiler without OpenMP builds them without it
+(:data:`SERIAL_FLAGS`). Where they cannot be built -- no compiler, a failed build -- or
+``FEDKV_KERNELS=eager`` is set, :func:`ops` is None and the model runs the eager ops;
+:func:`status` says which and why.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ FLAGS = ("-O3", "-march=native", "-fopenmp")
 header whose ``#pragma omp parallel`` torch's extension builder compiles out, so without it
 every kernel ran on one thread whatever ``torch.set_num_threads`` said; the built library shares
 torch's own libgomp (one runtime)."""
+SERIAL_FLAGS = ("-O3", "-march=native")
+"""The build tried when :data:`FLAGS`' fails (a compiler without OpenMP, Apple's clang): the
+same kernels, each on the calling thread."""
 ENV = "FEDKV_KERNELS"
 """``eager`` turns the fused kernels off (a reference run, a machine without a compiler)."""
 
@@ -69,10 +73,10 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def _build_name() -> str:
+def _build_name(flags: tuple[str, ...]) -> str:
     digest = hashlib.sha256()
     for part in (*(s.read_bytes() for s in SOURCES + HEADERS), torch.__version__.encode(),
-                 _cpu_flags().encode(), " ".join(FLAGS).encode()):
+                 _cpu_flags().encode(), " ".join(flags).encode()):
         digest.update(part)
     return f"fedkv_kernels_{digest.hexdigest()[:12]}"
 
@@ -86,16 +90,28 @@ def ops() -> ModuleType | None:
         _why_not = f"{ENV}=eager"
         return None
     try:
-        from torch.utils import cpp_extension
-
-        return cpp_extension.load(name=_build_name(), sources=[str(s) for s in SOURCES],
-                                  extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
-                                  verbose=False)
+        return _build(FLAGS)
+    except Exception as e:  # noqa: BLE001 -- no OpenMP here, perhaps: try without it
+        log.info("fedkv: the OpenMP build of the kernels failed (%s); building without it",
+                 _last_line(e))
+    try:
+        return _build(SERIAL_FLAGS)
     except Exception as e:  # no compiler or ninja, a failed build: the eager ops serve
-        last = (str(e).strip().splitlines() or [""])[-1][:200]
-        _why_not = f"build failed: {type(e).__name__}: {last}"
+        _why_not = f"build failed: {type(e).__name__}: {_last_line(e)}"
         log.warning("fedkv: fused CPU kernels unavailable (%s); the eager ops run", _why_not)
         return None
+
+
+def _build(flags: tuple[str, ...]) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load(name=_build_name(flags), sources=[str(s) for s in SOURCES],
+                              extra_cflags=list(flags),
+                              extra_ldflags=[f for f in flags if f == "-fopenmp"], verbose=False)
+
+
+def _last_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [""])[-1][:200]
 
 
 @functools.cache

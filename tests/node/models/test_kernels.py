@@ -298,6 +298,27 @@ def test_the_kernels_loops_run_on_torchs_threads(k):
         torch.set_num_threads(before)
 
 
+def test_a_compiler_without_openmp_builds_the_kernels_without_it(rebuilt, monkeypatch):
+    """Apple's clang refuses ``-fopenmp``: the same kernels are built without it (each on the
+    calling thread) rather than none."""
+    from torch.utils import cpp_extension
+
+    tried, serial_build = [], object()  # stands for the module a build returns
+
+    def no_openmp(*a, **kw):
+        tried.append((kw["name"], kw["extra_cflags"], kw["extra_ldflags"]))
+        if "-fopenmp" in kw["extra_cflags"]:
+            raise RuntimeError("Error building extension\nclang: error: unsupported option '-fopenmp'")
+        return serial_build
+
+    monkeypatch.delenv(kernels.ENV, raising=False)
+    monkeypatch.setattr(cpp_extension, "load", no_openmp)
+    assert kernels.ops() is serial_build
+    (name1, flags1, ld1), (name2, flags2, ld2) = tried
+    assert (flags1, ld1) == (list(kernels.FLAGS), ["-fopenmp"])
+    assert (flags2, ld2) == (list(kernels.SERIAL_FLAGS), []) and name2 != name1
+
+
 def test_a_failed_build_leaves_the_eager_ops(rebuilt, monkeypatch, caplog):
     from torch.utils import cpp_extension
 
