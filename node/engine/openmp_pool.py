@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 OMP_PAUSE_SOFT = 1
 """``omp_pause_soft`` (OpenMP 5.0): free the workers; the runtime stays usable."""
-
-log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -31,7 +28,7 @@ def _libgomp() -> ctypes.CDLL | None:
     except OSError:
         return None
     for line in maps.splitlines():
-        path = line.split()[-1] if line.split() else ""
+        path = line.rsplit(maxsplit=1)[-1] if line.strip() else ""
         if Path(path).name.startswith("libgomp"):
             lib = ctypes.CDLL(path)  # already mapped: dlopen returns the same library
             return lib if hasattr(lib, "omp_pause_resource_all") else None
