@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -683,68 +684,99 @@ void prefix_values(const Rows& r, int64_t h, const std::vector<int64_t>& live,
   }
 }
 
-// decode_attention's work, for tails of element type T (fp32 or bf16, read as fp32): per KV
-// head, the prefix scores of every query, then each row's tail scores and softmax, then the
-// prefix values for every query, then each row's tail values.
+// A thread's buffers for attend_head, kept across its tasks (a score buffer per task was a
+// fresh mmap of its pages each time).
+struct Scratch {
+  std::vector<float> score;
+  std::vector<const float*> qs;
+  std::vector<float*> sc, os;
+  std::vector<int64_t> n_row, live;
+};
+
+// One KV head's rows b0..b1 of a decode step (see attend_rows).
 template <typename T>
-void attend_rows(const Rows& r, RunOf<T> tk, RunOf<T> tv, int64_t tk_slot, int64_t tv_slot) {
-  const int64_t Hk = r.q.size(0), G = r.q.size(1), B = r.q.size(2), D = r.q.size(3);
-  const int64_t T_len = tk.n, width = r.n_prefix + T_len, Q = B * G, j = r.n_prefix;
+void attend_head(const Rows& r, RunOf<T> tk, RunOf<T> tv, int64_t tk_slot, int64_t tv_slot,
+                 int64_t h, int64_t b0, int64_t b1, Scratch& w) {
+  const int64_t G = r.q.size(1), B = r.q.size(2), D = r.q.size(3), nb = b1 - b0;
+  const int64_t T_len = tk.n, width = r.n_prefix + T_len, Q = nb * G, j = r.n_prefix;
   const bool* valid = r.tail_valid.data_ptr<bool>();
   const int64_t valid_row = r.tail_valid.stride(0);
   const float* qp = r.q.data_ptr<float>();
   float* op = r.out.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const float ninf = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, Hk, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> score(Q * width);
-    std::vector<const float*> qs(Q);
-    std::vector<float*> sc(Q), os(Q);
-    std::vector<int64_t> n_row(B), live;
-    for (int64_t h = begin; h < end; ++h) {
-      for (int64_t i = 0; i < Q; ++i) {
-        const int64_t b = i / G, g = i % G;
-        qs[i] = qp + ((h * G + g) * B + b) * D;
-        os[i] = op + ((h * G + g) * B + b) * D;
-        sc[i] = score.data() + i * width;
-      }
-      prefix_scores(r, h, qs, sc, scale, D);
-      live.clear();
-      for (int64_t b = 0; b < B; ++b) {
-        const T* kt = tk.base + h * tk.head_stride + r.slot[b] * tk_slot;
-        const bool* ok = valid + r.slot[b] * valid_row;
-        int64_t n = T_len;  // past its last valid position a row's tail is not read
-        while (n > 0 && !ok[n - 1]) --n;
-        n_row[b] = n;
-        float* at[MAX_GROUP];
-        for (int64_t g0 = 0; g0 < G; g0 += MAX_GROUP) {
-          const int64_t ng = std::min(MAX_GROUP, G - g0);
-          for (int64_t k = 0; k < ng; ++k) at[k] = sc[b * G + g0 + k] + j;
-          scores(qs.data() + b * G + g0, ng, kt, tk.row_stride, n, scale, at, D);
-        }
-        for (int64_t g = 0; g < G; ++g) {  // softmax; a query with nothing to attend stays zero
-          float* s = sc[b * G + g];
-          for (int64_t t = 0; t < n; ++t)
-            if (!ok[t]) s[j + t] = ninf;
-          const int64_t used = j + n;
-          const float mx = max_of(s, used);
-          if (mx == ninf) continue;
-          const float inv = 1.0f / exp_shift_sum(s, used, mx);
-          for (int64_t t = 0; t < used; ++t) s[t] *= inv;
-          live.push_back(b * G + g);
-        }
-      }
-      prefix_values(r, h, live, sc, os, D);
-      for (size_t l0 = 0; l0 < live.size();) {  // each row's own tail, its live queries together
-        const int64_t b = live[l0] / G;
-        const T* vt = tv.base + h * tv.head_stride + r.slot[b] * tv_slot;
-        const float* ws[MAX_GROUP];
-        float* o[MAX_GROUP];
-        int64_t ng = 0;
-        for (; l0 < live.size() && live[l0] / G == b && ng < MAX_GROUP; ++l0, ++ng)
-          ws[ng] = sc[live[l0]] + j, o[ng] = os[live[l0]];
-        weighted_rows(ws, ng, vt, tv.row_stride, n_row[b], o, D);
-      }
+  w.score.resize(Q * width);
+  w.qs.resize(Q), w.sc.resize(Q), w.os.resize(Q), w.n_row.resize(nb), w.live.clear();
+  std::vector<const float*>& qs = w.qs;
+  std::vector<float*>& sc = w.sc;
+  std::vector<float*>& os = w.os;
+  std::vector<int64_t>& n_row = w.n_row;
+  std::vector<int64_t>& live = w.live;
+  float* score = w.score.data();
+  for (int64_t i = 0; i < Q; ++i) {  // query i: row b0 + i / G, group i % G
+    const int64_t b = b0 + i / G, g = i % G;
+    qs[i] = qp + ((h * G + g) * B + b) * D;
+    os[i] = op + ((h * G + g) * B + b) * D;
+    sc[i] = score + i * width;
+  }
+  prefix_scores(r, h, qs, sc, scale, D);
+  for (int64_t b = 0; b < nb; ++b) {
+    const T* kt = tk.base + h * tk.head_stride + r.slot[b0 + b] * tk_slot;
+    const bool* ok = valid + r.slot[b0 + b] * valid_row;
+    int64_t n = T_len;  // past its last valid position a row's tail is not read
+    while (n > 0 && !ok[n - 1]) --n;
+    n_row[b] = n;
+    float* at[MAX_GROUP];
+    for (int64_t g0 = 0; g0 < G; g0 += MAX_GROUP) {
+      const int64_t ng = std::min(MAX_GROUP, G - g0);
+      for (int64_t k = 0; k < ng; ++k) at[k] = sc[b * G + g0 + k] + j;
+      scores(qs.data() + b * G + g0, ng, kt, tk.row_stride, n, scale, at, D);
+    }
+    for (int64_t g = 0; g < G; ++g) {  // softmax; a query with nothing to attend stays zero
+      float* s = sc[b * G + g];
+      for (int64_t t = 0; t < n; ++t)
+        if (!ok[t]) s[j + t] = ninf;
+      const int64_t used = j + n;
+      const float mx = max_of(s, used);
+      if (mx == ninf) continue;
+      const float inv = 1.0f / exp_shift_sum(s, used, mx);
+      for (int64_t t = 0; t < used; ++t) s[t] *= inv;
+      live.push_back(b * G + g);
+    }
+  }
+  prefix_values(r, h, live, sc, os, D);
+  for (size_t l0 = 0; l0 < live.size();) {  // each row's own tail, its live queries together
+    const int64_t b = live[l0] / G;
+    const T* vt = tv.base + h * tv.head_stride + r.slot[b0 + b] * tv_slot;
+    const float* ws[MAX_GROUP];
+    float* o[MAX_GROUP];
+    int64_t ng = 0;
+    for (; l0 < live.size() && live[l0] / G == b && ng < MAX_GROUP; ++l0, ++ng)
+      ws[ng] = sc[live[l0]] + j, o[ng] = os[live[l0]];
+    weighted_rows(ws, ng, vt, tv.row_stride, n_row[b], o, D);
+  }
+}
+
+// How many parts decode_attention splits each KV head's rows into: whole heads alone leave a
+// thread idle for a head's time wherever the threads do not divide the heads (SmolLM2's 3 over
+// 2); t / gcd(heads, t) parts per head make the tasks a multiple of the threads, each part
+// reading its head's prefix once for its own rows.
+int64_t row_parts(int64_t Hk, int64_t B) {
+  const int64_t t = std::max(1, at::get_num_threads());
+  return std::max<int64_t>(1, std::min(B, t / std::gcd(Hk, t)));
+}
+
+// decode_attention's work, for tails of element type T (fp32 or bf16, read as fp32): per KV
+// head and part of its rows, the prefix scores of every query, then each row's tail scores and
+// softmax, then the prefix values for every query, then each row's tail values.
+template <typename T>
+void attend_rows(const Rows& r, RunOf<T> tk, RunOf<T> tv, int64_t tk_slot, int64_t tv_slot) {
+  const int64_t Hk = r.q.size(0), B = r.q.size(2), parts = row_parts(Hk, B);
+  at::parallel_for(0, Hk * parts, 1, [&](int64_t begin, int64_t end) {
+    Scratch w;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / parts, part = task % parts;
+      attend_head(r, tk, tv, tk_slot, tv_slot, h, B * part / parts, B * (part + 1) / parts, w);
     }
   });
 }

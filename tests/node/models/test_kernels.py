@@ -359,14 +359,17 @@ def test_decode_attention_is_attend_shared(k, prefix_runs, slots, D, T):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 4])  # 3 KV heads: rows in 1, 2 and 4 parts a head
 @pytest.mark.parametrize("D", [32, 64])
 @pytest.mark.parametrize("prefix", [48, 75, 992])  # pairs of 16-key blocks, a single one, a rest
-def test_decode_attention_over_a_prefix_many_rows_share(k, D, prefix):
+def test_decode_attention_over_a_prefix_many_rows_share(k, D, prefix, threads):
     """Sixteen rows over one shared prefix (every row's queries scored against each block of
     keys turned dims-major once, the values summed six queries at a time) give attend_shared's
-    result."""
+    result, however many parts each KV head's rows are split into for the threads."""
     from cache.attention import attend_shared
 
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(9)
     Hk, G, B, T = 3, 3, 16, 13
     arena = torch.randn(2, Hk, prefix + 7, D, generator=g)
@@ -374,7 +377,11 @@ def test_decode_attention_over_a_prefix_many_rows_share(k, D, prefix):
     tails = torch.randn(2, Hk, B, T, D, generator=g).to(torch.bfloat16)
     valid = torch.arange(T) < torch.randint(0, T + 1, (B, 1), generator=g)
     q = torch.randn(Hk, G, B, D, generator=g)
-    got = k.decode_attention(q, [pk], [pv], tails[0], tails[1], valid, torch.empty(0, dtype=torch.long))
+    try:
+        got = k.decode_attention(q, [pk], [pv], tails[0], tails[1], valid,
+                                 torch.empty(0, dtype=torch.long))
+    finally:
+        torch.set_num_threads(before)
     want = attend_shared(q, [(pk, pv)], tails[0].float(), tails[1].float(), valid)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
