@@ -241,19 +241,17 @@ class SessionSteps:
 
     def write(self, t: BlockTable, layer: int, k: torch.Tensor, v: torch.Tensor,
               store: Callable[..., None] | None = None) -> None:
-        """``KVCache.write`` on the session's table (through ``store``, a
+        """``KVCache.write`` on the session's table (scattered positions through ``store``, a
         ``cache.batch.StepStore``, when given: one call for K and V, no tails); the last layer
         commits. (Typed loosely: importing the alias from ``cache.batch``, which imports this
         module, would make the two import each other.)"""
         self._check_kv(t, layer, k, v)
         dst = self.arena.kv[layer]
-        if store is not None:
-            at = t.write_at
-            pos = torch.arange(at.start, at.stop) if isinstance(at, slice) else at
-            store(dst, pos, k, v, _NO_TAILS, _NO_ROWS, _NO_ROWS, _NO_ROWS)
-        elif isinstance(t.write_at, slice):
+        if isinstance(t.write_at, slice):  # contiguous: two plain copies, nothing to index
             dst[0, :, t.write_at] = k
             dst[1, :, t.write_at] = v
+        elif store is not None:
+            store(dst, t.write_at, k, v, _NO_TAILS, _NO_ROWS, _NO_ROWS, _NO_ROWS)
         else:
             dst[0].index_copy_(1, t.write_at, k.to(dst.dtype))
             dst[1].index_copy_(1, t.write_at, v.to(dst.dtype))

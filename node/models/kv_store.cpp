@@ -1,6 +1,6 @@
-// A decode step's (or one session's) new K and V of one layer stored where the cache keeps them (node/models/kernels.py
-// builds it into the same extension as kernels.cpp; cache.batch.Batcher calls it through the store
-// the model hands to KVCache.append_and_read_batch).
+// A decode step's (or one session's) new K and V of one layer stored where the cache keeps them
+// (node/models/kernels.py builds it into the same extension as kernels.cpp; the cache calls it
+// through the store the model hands to KVCache.append_and_read_batch or append_and_read).
 //
 // Why: the eager path is four indexed ATen stores per layer (K and V into the arena, K and V into
 // the batch's tail slots). Their destinations are cold by then -- the layer's weights have just

@@ -155,8 +155,9 @@ def test_a_churned_cache_decodes_a_new_sequence_as_a_fresh_cache_does(monkeypatc
 def _scattered_session(store=None, gather: bool = True):
     """A session of 6 blocks in an arena whose free slots alternate with other sessions'
     blocks (every other one-block session closed, its block evicted for this one's), its last
-    block written with ``append_and_read`` (``store``, ``gather``). Returns (cache, sid, the
-    runs that read returned, the bf16 K/V it was fed per layer)."""
+    two blocks written at once with ``append_and_read`` (``store``, ``gather``): scattered
+    positions. Returns (cache, sid, the runs that read returned, the bf16 K/V it was fed per
+    layer)."""
     from cache import KVCache
     from tests.cache.conftest import feed, small_config
 
@@ -168,12 +169,12 @@ def _scattered_session(store=None, gather: bool = True):
         kv.close_session(s)
     a, c, g = kv.open_session(), kv.config, torch.Generator().manual_seed(5)
     fed: dict[int, list] = {layer: [] for layer in range(c.num_layers)}
-    for i in range(6):
-        kv.reserve(a, list(range(9000 + 8 * i, 9008 + 8 * i)))
+    for i, n in enumerate((8, 8, 8, 8, 16)):
+        kv.reserve(a, list(range(9000 + 8 * i, 9000 + 8 * i + n)))
         for layer in range(c.num_layers):
-            k, v = (torch.randn(c.num_heads, 8, c.head_dim, generator=g).bfloat16() for _ in "kv")
+            k, v = (torch.randn(c.num_heads, n, c.head_dim, generator=g).bfloat16() for _ in "kv")
             fed[layer].append((k, v))
-            if i == 5:
+            if n == 16:
                 runs = kv.append_and_read(a, layer, k, v, store=store, gather=gather)
             else:
                 kv.write(a, layer, k, v)
@@ -186,8 +187,15 @@ def test_a_kernel_reads_the_runs_as_they_lie_and_the_store_writes_what_write_doe
     a ``StepStore`` leaves the arena as the indexed store does, from bf16 rows too."""
     from tests.cache.test_batch import eager_store
 
+    stored = []
+
+    def store(*args):
+        stored.append(args[1].tolist())  # the positions it was handed
+        eager_store(*args)
+
     kv, a, gathered, fed = _scattered_session()
-    kv2, a2, as_they_lie, _ = _scattered_session(store=eager_store, gather=False)
+    kv2, a2, as_they_lie, _ = _scattered_session(store=store, gather=False)
+    assert len(stored) == kv.config.num_layers and len(stored[0]) == 16  # the scattered write
     assert len(gathered) == 1 and len(as_they_lie) == 6  # one run per block: they alternate
     last = kv.config.num_layers - 1
     for i, runs in enumerate((gathered, as_they_lie)):
