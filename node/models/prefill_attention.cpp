@@ -119,6 +119,22 @@ void pack_v(const Rows& r, int64_t n, bf16* out) {
   }
 }
 
+// exp(x * scale - shift) of 16 scores as 2^t: P is rounded to bf16 (8 bits), so 2^f on
+// |f| <= 1/2 by a degree-4 polynomial (within ~5e-5, far inside bf16's 4e-3) replaces the
+// degree-6 exp16 the fp32 kernels need; the softmax's exps were most of its time.
+inline __m512 exp_scaled16(__m512 s, __m512 scale_log2e, __m512 shift_log2e) {
+  const __m512 t = _mm512_max_ps(_mm512_fmsub_ps(s, scale_log2e, shift_log2e),
+                                 _mm512_set1_ps(-126.0f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(9.6181291e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // Softmax of one row's first `seen` scores into bf16 P (zero up to `width`); returns the sum
 // of the fp32 weights. `scale` is 1/sqrt(D).
 float softmax_row(const float* s, int64_t seen, int64_t width, float scale, bf16* p) {
@@ -127,19 +143,27 @@ float softmax_row(const float* s, int64_t seen, int64_t width, float scale, bf16
     const __mmask16 k = seen - j >= 16 ? 0xFFFF : (__mmask16)((1u << (seen - j)) - 1);
     m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, s + j));
   }
-  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(m) * scale);
-  const __m512 sc = _mm512_set1_ps(scale);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < width; j += 16) {
+  constexpr float LOG2E = 1.44269504088896341f;
+  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(m) * scale * LOG2E);
+  const __m512 sc = _mm512_set1_ps(scale * LOG2E);
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 32 <= seen; j += 32) {  // two independent sums: the adds do not queue
+    const __m512 e0 = exp_scaled16(_mm512_loadu_ps(s + j), sc, shift);
+    const __m512 e1 = exp_scaled16(_mm512_loadu_ps(s + j + 16), sc, shift);
+    sum0 = _mm512_add_ps(sum0, e0);
+    sum1 = _mm512_add_ps(sum1, e1);
+    _mm512_storeu_si512(p + j, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0)));
+  }
+  for (; j < width; j += 16) {
     const int64_t left = seen - j;
     const __mmask16 k = left >= 16 ? 0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
-    __m512 e = _mm512_maskz_mov_ps(k, fedkv_vec::exp16(_mm512_fmsub_ps(
-                                             _mm512_maskz_loadu_ps(k, s + j), sc, shift)));
-    sum = _mm512_add_ps(sum, e);
+    __m512 e = _mm512_maskz_mov_ps(k, exp_scaled16(_mm512_maskz_loadu_ps(k, s + j), sc, shift));
+    sum0 = _mm512_add_ps(sum0, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j),
                         reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
   }
-  return _mm512_reduce_add_ps(sum);
+  return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
 }
 
 // Up to 16 query rows of one head, t0.. (position n - T + t), against the packed K/V.
@@ -158,12 +182,27 @@ void query_block(const bf16* q, int64_t q_row_stride, int64_t m, int64_t first_p
   fence();
   _tile_loadd(0, qb, D * 2);
   _tile_loadd(1, qb + 32, D * 2);
-  for (int64_t b = 0; b < blocks; ++b) {
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {  // two key blocks at once: two accumulators, four K tiles
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_loadd(2, kp + (b * 2) * TILE, 64);
+    _tile_loadd(5, kp + (b * 2 + 1) * TILE, 64);
+    _tile_loadd(6, kp + (b * 2 + 2) * TILE, 64);
+    _tile_loadd(7, kp + (b * 2 + 3) * TILE, 64);
+    _tile_dpbf16ps(3, 0, 2);
+    _tile_dpbf16ps(4, 0, 6);
+    _tile_dpbf16ps(3, 1, 5);
+    _tile_dpbf16ps(4, 1, 7);
+    _tile_stored(3, s.data() + b * KEYS, ws * 4);
+    _tile_stored(4, s.data() + (b + 1) * KEYS, ws * 4);
+  }
+  if (b < blocks) {
     _tile_zero(3);
     _tile_loadd(2, kp + (b * 2) * TILE, 64);
+    _tile_loadd(5, kp + (b * 2 + 1) * TILE, 64);
     _tile_dpbf16ps(3, 0, 2);
-    _tile_loadd(2, kp + (b * 2 + 1) * TILE, 64);
-    _tile_dpbf16ps(3, 1, 2);
+    _tile_dpbf16ps(3, 1, 5);
     _tile_stored(3, s.data() + b * KEYS, ws * 4);
   }
   fence();
@@ -176,16 +215,38 @@ void query_block(const bf16* q, int64_t q_row_stride, int64_t m, int64_t first_p
   _tile_zero(5);
   _tile_zero(6);
   _tile_zero(7);
-  for (int64_t c = 0; c < width / PAIRS; ++c) {
+  const int64_t chunks = width / PAIRS;
+  int64_t c = 0;
+  for (; c + 2 <= chunks; c += 2) {  // P and V tiles alternate, so a load never waits on a product
     _tile_loadd(0, p.data() + c * PAIRS, width * 2);
     _tile_loadd(2, vp + (c * 4 + 0) * TILE, 64);
+    _tile_loadd(3, vp + (c * 4 + 1) * TILE, 64);
     _tile_dpbf16ps(4, 0, 2);
-    _tile_loadd(2, vp + (c * 4 + 1) * TILE, 64);
-    _tile_dpbf16ps(5, 0, 2);
+    _tile_dpbf16ps(5, 0, 3);
+    _tile_loadd(1, p.data() + (c + 1) * PAIRS, width * 2);
     _tile_loadd(2, vp + (c * 4 + 2) * TILE, 64);
+    _tile_loadd(3, vp + (c * 4 + 3) * TILE, 64);
     _tile_dpbf16ps(6, 0, 2);
-    _tile_loadd(2, vp + (c * 4 + 3) * TILE, 64);
-    _tile_dpbf16ps(7, 0, 2);
+    _tile_dpbf16ps(7, 0, 3);
+    _tile_loadd(2, vp + (c * 4 + 4) * TILE, 64);
+    _tile_loadd(3, vp + (c * 4 + 5) * TILE, 64);
+    _tile_dpbf16ps(4, 1, 2);
+    _tile_dpbf16ps(5, 1, 3);
+    _tile_loadd(2, vp + (c * 4 + 6) * TILE, 64);
+    _tile_loadd(3, vp + (c * 4 + 7) * TILE, 64);
+    _tile_dpbf16ps(6, 1, 2);
+    _tile_dpbf16ps(7, 1, 3);
+  }
+  if (c < chunks) {
+    _tile_loadd(0, p.data() + c * PAIRS, width * 2);
+    _tile_loadd(2, vp + (c * 4 + 0) * TILE, 64);
+    _tile_loadd(3, vp + (c * 4 + 1) * TILE, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 0, 3);
+    _tile_loadd(2, vp + (c * 4 + 2) * TILE, 64);
+    _tile_loadd(3, vp + (c * 4 + 3) * TILE, 64);
+    _tile_dpbf16ps(6, 0, 2);
+    _tile_dpbf16ps(7, 0, 3);
   }
   alignas(64) float o[ROWS * D];
   _tile_stored(4, o, D * 4);
