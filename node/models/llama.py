@@ -51,6 +51,10 @@ from node.models.precision import dtype_of
 from node.models.projection import Projection, transpose_storage
 
 
+Rows = torch.Tensor | slice | None
+"""Which rows of a forward go on past the last layer's attention (indices or a slice); None: all."""
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int
@@ -206,18 +210,20 @@ class Attention(nn.Module):
         return self._o(a.flatten(-4, -3).transpose(-3, -2).flatten(-2))
 
     def fused(self, kernels: ModuleType, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              how: str, *cache_args) -> torch.Tensor:
+              how: str, *cache_args, rows: Rows = None) -> torch.Tensor:
         """The attention sublayer of ``how`` (``forward_cached``, ``forward_batch``,
         ``forward_mixed``) on bf16 rows ``h`` [N, hidden], already normed, through the fused
         kernels (``node.models.kernels``). A decode step's q/k/v come out in fp32, the
         precision its attention over the fp32 cache runs in (``cache.attention.compute_dtype``);
-        rows that prefill stay bf16; one session's single new token is a decode step too."""
+        rows that prefill stay bf16; one session's single new token is a decode step too.
+        Every row's K/V is stored; with ``rows`` only those rows go through o_proj and out."""
         c = self.cfg
         decode = how == "forward_batch" or (how == "forward_cached" and h.shape[0] == 1)
         dtype = torch.float32 if decode else torch.bfloat16
         q, k, v = kernels.rope_split(self._project(h), cos, sin, c.num_heads, c.num_kv_heads,
                                      c.head_dim, dtype)
-        return self._o(kernels.merge_heads(ATTEND[how](q, k, v, *cache_args, kernels=kernels)))
+        a = kernels.merge_heads(ATTEND[how](q, k, v, *cache_args, kernels=kernels))
+        return self._o(a if rows is None else a[rows])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Cache-free causal attention, x: [B, T, hidden]; K/V expanded with stride 0 over
@@ -313,9 +319,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *cache_args,
-                how: str = "forward") -> torch.Tensor:
+                how: str = "forward", rows: Rows = None) -> torch.Tensor:
+        """With ``rows``, only those rows go on past the attention (whose K/V all rows store)."""
         attn = getattr(self.self_attn, how)
         x = x + attn(self.input_layernorm(x), cos, sin, *cache_args)
+        if rows is not None:
+            x = x[rows]
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -442,20 +451,27 @@ class LlamaModel(nn.Module):
         return fused_kernels.ops()
 
     def _hidden(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, how: str,
-                *cache_args) -> torch.Tensor:
-        """Embedded rows ``x`` through every layer's ``how`` form, final-normed. The fused
-        form carries each residual add into the next norm (``add_rms_norm_``)."""
+                *cache_args, rows: Rows = None) -> torch.Tensor:
+        """Embedded rows ``x`` through every layer's ``how`` form, final-normed; only ``rows``
+        of them (all when None) come out. The last layer stores every row's K/V and runs its
+        o_proj and MLP on ``rows`` alone: a prefill samples one row, so the rest of that
+        layer's work on the others was thrown away. The fused form carries each residual add
+        into the next norm (``add_rms_norm_``)."""
         layers = self.model.layers
+        last = len(layers) - 1
         k = self.kernels(x)
         if k is None:
             for i, layer in enumerate(layers):
-                x = layer(x, cos, sin, *cache_args, i, how=how)
+                x = layer(x, cos, sin, *cache_args, i, how=how, rows=rows if i == last else None)
             return self.model.norm(x)
         eps = self.cfg.rms_norm_eps
         norms = [layer.input_layernorm.weight for layer in layers][1:] + [self.model.norm.weight]
         h = k.rms_norm(x, layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(layers):
-            a = layer.self_attn.fused(k, h, cos, sin, how, *cache_args, i)
+            keep = rows if i == last else None
+            a = layer.self_attn.fused(k, h, cos, sin, how, *cache_args, i, rows=keep)
+            if keep is not None:
+                x = x[keep].contiguous()
             h = k.add_rms_norm_(x, a, layer.post_attention_layernorm.weight, eps)
             h = k.add_rms_norm_(x, layer.mlp.fused(k, h), norms[i], eps)
         return h
@@ -500,8 +516,9 @@ class LlamaModel(nn.Module):
         self._check_len(start + T)
         cache.reserve(sid, tokens.tolist())
         cos, sin = self._rope_range(start, T)
-        h = self._hidden(self.model.embed_tokens(tokens), cos, sin, "forward_cached", cache, sid)
-        return self._head(h[-1:] if last_only else h)
+        return self._head(self._hidden(self.model.embed_tokens(tokens), cos, sin,
+                                       "forward_cached", cache, sid,
+                                       rows=slice(T - 1, T) if last_only else None))
 
     @torch.no_grad()
     def forward_batch(self, tokens: Sequence[int], cache: KVCache,
@@ -526,8 +543,8 @@ class LlamaModel(nn.Module):
         self._check_len(int(positions.max()) + 1)
         cos, sin = self._rope(positions)
         x = self.model.embed_tokens(torch.tensor(batch.tokens(), dtype=torch.long))
-        h = self._hidden(x, cos, sin, "forward_mixed", cache, batch)
-        return self._head(h[batch.output_rows()])
+        return self._head(self._hidden(x, cos, sin, "forward_mixed", cache, batch,
+                                       rows=batch.output_rows()))
 
     @torch.no_grad()
     def prefill(self, prompt: Sequence[int], cache: KVCache, sid: int) -> torch.Tensor:

@@ -78,9 +78,21 @@ def test_prefill_computes_only_the_last_logits_the_same(tiny):
     _, ours = tiny
     prompt = list(range(3, 40))
     a, b = (KVCache(ours.cache_config(block_size=BLOCK)) for _ in range(2))
-    full = ours.forward_cached(prompt, a, a.open_session())
-    last = ours.prefill(prompt, b, b.open_session())
+    mlp_rows = []
+    hook = ours.model.layers[-1].mlp.register_forward_hook(
+        lambda mod, args, out: mlp_rows.append(args[0].shape[-2]))
+    try:
+        sa, sb = a.open_session(), b.open_session()
+        full = ours.forward_cached(prompt, a, sa)
+        last = ours.prefill(prompt, b, sb)
+    finally:
+        hook.remove()
     assert last.shape == (128,) and torch.allclose(last, full[-1], atol=1e-6)
+    assert mlp_rows == [len(prompt), 1]  # the last layer's MLP ran on the sampled row alone
+    for layer in (0, ours.cfg.num_layers - 1):  # ... and its attention stored every row's K/V
+        (ka, va), = a.read_runs(sa, layer)
+        (kb, vb), = b.read_runs(sb, layer)
+        assert ka.shape[-2] == len(prompt) and torch.equal(ka, kb) and torch.equal(va, vb)
 
 
 def test_second_session_reuses_prefix_blocks_and_matches_hf(tiny):
