@@ -24,12 +24,28 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
 Run = tuple[torch.Tensor, torch.Tensor]  # K, V: [heads, n, dim]
+
+
+@dataclass(frozen=True)
+class Spans:
+    """One layer's context as the arena holds it, for a kernel that reads rows in place
+    (``node.models.kernels``' ``prefill_attention_spans``): no view per run is made -- in a
+    churned arena a context lies in dozens of one-block runs, and a Python view of each cost
+    more than attending a short one."""
+
+    k: torch.Tensor
+    """The layer's keys, [heads, arena tokens, dim]."""
+    v: torch.Tensor
+    """Its values, the same shape."""
+    runs: torch.Tensor
+    """int64 [runs, 2]: (arena start, length) of each run of the context, in position order."""
 
 GATHER_RUN_TOKENS = 32
 """A decode step gathers a context's runs into one copy when there are at least

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from cache.attention import Run
+from cache.attention import Run, Spans
 from cache.batch import Batcher, BatchStep, StepStore
 from cache.config import CacheConfig
 from cache.control import POLL_S
@@ -218,6 +218,23 @@ class KVCache:
         try:
             self.steps.write(self.session_table.get(sid), layer, k, v, store)
             return self.read_runs(sid, layer, gather)
+        finally:
+            end = perf_counter_ns()
+            self.latency.append_and_read.append(end - start)
+            if end >= self._boundary_ns:
+                self._op_boundary(end)
+
+    def append_and_read_spans(self, sid: int, layer: int, k: torch.Tensor, v: torch.Tensor, *,
+                              store: StepStore | None = None) -> Spans | None:
+        """:meth:`append_and_read` for a kernel that reads the arena in place: the context as
+        :class:`cache.attention.Spans`, or None when part of it must be decoded first (a
+        quantized block; a sparsity policy) -- the K/V are written either way, and
+        :meth:`read_runs` then gives the runs."""
+        start = perf_counter_ns()
+        try:
+            t = self.session_table.get(sid)
+            self.steps.write(t, layer, k, v, store)
+            return self.reads.spans(t, layer)
         finally:
             end = perf_counter_ns()
             self.latency.append_and_read.append(end - start)

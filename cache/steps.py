@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from cache.attention import Run, scattered
+from cache.attention import Run, Spans, scattered
 from cache.block import Block
 from cache.errors import CacheFullError, ReservationError, ShapeMismatchError, TensorDTypeError
 from cache.prefetch import Prefetcher, make_prefetcher, prefetch_after_lookup
@@ -126,6 +126,23 @@ class ReadPlanner:
         if decoded:
             self.blocks.counters["transient_reads"] += 1
         return out
+
+    def spans(self, t: BlockTable, layer: int) -> Spans | None:
+        """The layer's whole context as :class:`Spans`, or None when a block of it must be
+        decoded (quantized only) or a sparsity policy drops blocks (``runs`` then)."""
+        if t.sparsity is not None:
+            return None
+        B, n, out = self.block_size, t.layer_length(layer), []
+        for start, nb, _ in self.plan(t):
+            if n <= 0:
+                break
+            if start is None:
+                return None
+            take = min(n, nb * B)
+            out.append((start, take))
+            n -= take
+        kv = self.arena.kv[layer]
+        return Spans(kv[0], kv[1], torch.tensor(out, dtype=torch.long).view(-1, 2))
 
     def _gathered(self, plan: list, layer: int, n: int) -> list[Run] | None:
         """The first ``n`` positions as one run, gathered by one ``index_select`` when their

@@ -73,21 +73,27 @@ def attend_session(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVC
                    sid: int, layer: int, kernels: ModuleType | None = None) -> torch.Tensor:
     """Write one session's new K/V in ``layer`` and attend its context (what its sparsity
     policy keeps, if it has one): q [heads, T, D] or grouped [kv_heads, G, T, D] -> the same
-    shape. With ``kernels`` (``node.models.kernels``) on AMX, a bf16 prefill's rows attend in
-    one call (``prefill_attention``; :func:`takes_prefill_kernel`), else the eager ops. With
-    the kernels the K/V are stored in one call (``store_step_kv``), and a prefill's rows get
-    the runs as they lie in the arena: ``prefill_attention`` reads a list of runs in place (the
-    eager fallback joins scattered runs itself, ``cache.attention.fewer_runs``). A lone token's
-    runs stay gathered: ``decode_attention`` over a context scattered into one-block runs was
-    slower than over the copy (``experiments.serve_soak`` found it)."""
+    shape. With ``kernels`` (``node.models.kernels``) the K/V are stored in one call
+    (``store_step_kv``); on AMX a bf16 prefill's rows attend in one call that reads the
+    arena's rows in place (``prefill_attention_spans`` over ``cache.attention.Spans``: no
+    view or copy per run, however scattered the context; :func:`takes_prefill_kernel`), else
+    the eager ops. A lone token's runs stay gathered: ``decode_attention`` over a context
+    scattered into one-block runs was slower than over the copy (``experiments.serve_soak``
+    found it)."""
     fused = kernels is not None and q.dim() == 4
-    in_place = fused and q.shape[-2] > 1  # prefill_attention's rows: a scattered context as is
-    runs = cache.append_and_read(sid, layer, k, v, gather=not in_place,
-                                 store=kernels.store_step_kv if fused and _storable(k, v) else None)
+    store = kernels.store_step_kv if fused and _storable(k, v) else None
+    if fused and takes_prefill_kernel(q):
+        spans = cache.append_and_read_spans(sid, layer, k, v, store=store)
+        if spans is not None and spans.k.dtype in PREFILL_KV_DTYPES:
+            return kernels.prefill_attention_spans(q, spans.k, spans.v, spans.runs)
+        runs = cache.read_runs(sid, layer, gather=False)
+    else:
+        in_place = fused and q.shape[-2] > 1  # the eager fallback joins scattered runs itself
+        runs = cache.append_and_read(sid, layer, k, v, gather=not in_place, store=store)
     policy = cache.sparsity(sid)
     if policy is not None:
         return attend_sparse(q, runs, cache, sid, layer, policy)
-    if kernels is not None and takes_prefill_kernel(q, runs):
+    if kernels is not None and takes_prefill_kernel(q) and _prefill_runs(runs):
         return kernels.prefill_attention(q, [rk for rk, _ in runs], [rv for _, rv in runs])
     if kernels is not None and takes_decode_kernel(q, runs):  # its runs as a step's prefix
         no_tail = q.new_empty(q.shape[0], 1, 0, q.shape[-1])  # K and V: [Hk, 1 slot, 0, D]
@@ -106,14 +112,23 @@ PREFILL_KERNEL_HEAD_DIM = 64
 """The head size ``prefill_attention`` is built for (SmolLM2's, most small Llamas')."""
 
 
-def takes_prefill_kernel(q: torch.Tensor, runs) -> bool:
+PREFILL_KV_DTYPES = (torch.float32, torch.bfloat16)
+"""The cache dtypes ``prefill_attention`` reads (an fp16 arena takes the eager path)."""
+
+
+def takes_prefill_kernel(q: torch.Tensor) -> bool:
     """``prefill_attention`` computes these rows: grouped bf16 queries, more than one, of head
-    size 64, over fp32 or bf16 runs with contiguous rows, on a CPU granting AMX tiles. One
-    query (decode) stays on the fp32 paths, which attend in the cache's precision."""
+    size 64, on a CPU granting AMX tiles, over fp32 or bf16 K/V with contiguous rows
+    (:func:`_prefill_runs`; the arena's rows always are). One query (decode) stays on the fp32
+    paths, which attend in the cache's precision."""
     return (q.dim() == 4 and q.dtype == torch.bfloat16 and q.shape[-2] > 1
-            and q.shape[-1] == PREFILL_KERNEL_HEAD_DIM and q.stride(-1) == 1 and bool(runs)
-            and all(t.dtype == runs[0][0].dtype and t.stride(-1) == 1 for run in runs for t in run)
-            and runs[0][0].dtype in (torch.float32, torch.bfloat16) and built.amx())
+            and q.shape[-1] == PREFILL_KERNEL_HEAD_DIM and q.stride(-1) == 1 and built.amx())
+
+
+def _prefill_runs(runs) -> bool:
+    """Runs ``prefill_attention`` reads: one dtype of :data:`PREFILL_KV_DTYPES`, rows contiguous."""
+    return (bool(runs) and runs[0][0].dtype in PREFILL_KV_DTYPES
+            and all(t.dtype == runs[0][0].dtype and t.stride(-1) == 1 for run in runs for t in run))
 
 
 def takes_decode_kernel(q: torch.Tensor, runs) -> bool:

@@ -856,6 +856,8 @@ void store_step_kv(torch::Tensor arena, const torch::Tensor& pos, const torch::T
 // prefill_attention.cpp
 torch::Tensor prefill_attention(const torch::Tensor& q, const std::vector<torch::Tensor>& k_runs,
                                 const std::vector<torch::Tensor>& v_runs);
+torch::Tensor prefill_attention_spans(const torch::Tensor& q, const torch::Tensor& k,
+                                      const torch::Tensor& v, const torch::Tensor& spans);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Every kernel runs without the GIL (they touch tensors only, as ATen's own bindings do):
@@ -876,4 +878,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a decode step's K/V into the arena and the tail slots, destinations prefetched", nogil);
   m.def("prefill_attention", &prefill_attention,
         "causal attention of bf16 prefill queries over K/V runs on AMX", nogil);
+  m.def("prefill_attention_spans", &prefill_attention_spans,
+        "prefill_attention over (start, length) spans of one layer's K/V", nogil);
 }

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "amx_tiles.h"
@@ -327,7 +328,36 @@ torch::Tensor attention(const torch::Tensor& q, const std::vector<torch::Tensor>
   return out;
 }
 
+// The runs of a context as (start, length) rows of `spans` (int64 [R, 2], in order) over one
+// layer's K and V as the arena holds them ([Hk, N, D] each): views made here cost next to
+// nothing, where a Python view per run cost more than the attention of a short one.
+std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>> runs_of_spans(
+    const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& spans) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "k and v must be [kv_heads, tokens, ",
+              D, "] of one shape, got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(spans.scalar_type() == torch::kLong && spans.dim() == 2 && spans.size(1) == 2 &&
+                  spans.is_contiguous() && spans.size(0) >= 1,
+              "spans must be contiguous int64 [runs >= 1, 2] (start, length), got ",
+              spans.sizes(), " ", spans.scalar_type());
+  const int64_t* sp = spans.data_ptr<int64_t>();
+  std::vector<torch::Tensor> ks, vs;
+  for (int64_t i = 0; i < spans.size(0); ++i) {
+    const int64_t start = sp[2 * i], len = sp[2 * i + 1];
+    TORCH_CHECK(start >= 0 && len >= 1 && start <= k.size(1) - len, "span ", i, " (", start, ", ",
+                len, ") is not within the ", k.size(1), " tokens");
+    ks.push_back(k.narrow(1, start, len));
+    vs.push_back(v.narrow(1, start, len));
+  }
+  return {ks, vs};
+}
+
 }  // namespace fedkv_prefill
+
+torch::Tensor prefill_attention_spans(const torch::Tensor& q, const torch::Tensor& k,
+                                      const torch::Tensor& v, const torch::Tensor& spans) {
+  auto [ks, vs] = fedkv_prefill::runs_of_spans(k, v, spans);
+  return fedkv_prefill::attention(q, ks, vs);
+}
 
 torch::Tensor prefill_attention(const torch::Tensor& q, const std::vector<torch::Tensor>& k_runs,
                                 const std::vector<torch::Tensor>& v_runs) {

@@ -152,11 +152,11 @@ def test_a_churned_cache_decodes_a_new_sequence_as_a_fresh_cache_does(monkeypatc
 
 
 
-def _scattered_session(store=None, gather: bool = True):
+def _scattered_session(store=None, gather: bool = True, spans: bool = False):
     """A session of 6 blocks in an arena whose free slots alternate with other sessions'
     blocks (every other one-block session closed, its block evicted for this one's), its last
-    two blocks written at once with ``append_and_read`` (``store``, ``gather``): scattered
-    positions. Returns (cache, sid, the runs that read returned, the bf16 K/V it was fed per
+    two blocks written at once with ``append_and_read`` (``store``, ``gather``;
+    ``append_and_read_spans`` with ``spans``): scattered positions. Returns (cache, sid, the runs that read returned, the bf16 K/V it was fed per
     layer)."""
     from cache import KVCache
     from tests.cache.conftest import feed, small_config
@@ -174,7 +174,9 @@ def _scattered_session(store=None, gather: bool = True):
         for layer in range(c.num_layers):
             k, v = (torch.randn(c.num_heads, n, c.head_dim, generator=g).bfloat16() for _ in "kv")
             fed[layer].append((k, v))
-            if n == 16:
+            if n == 16 and spans:
+                runs = kv.append_and_read_spans(a, layer, k, v, store=store)
+            elif n == 16:
                 runs = kv.append_and_read(a, layer, k, v, store=store, gather=gather)
             else:
                 kv.write(a, layer, k, v)
@@ -204,3 +206,36 @@ def test_a_kernel_reads_the_runs_as_they_lie_and_the_store_writes_what_write_doe
             assert torch.equal(torch.cat([r[j] for r in runs], 1), want), (i, j)
     for layer in range(kv.config.num_layers):
         assert torch.equal(torch.cat(kv.read(a, layer)), torch.cat(kv2.read(a2, layer)))
+
+
+def test_spans_name_the_runs_in_order_and_a_block_to_decode_gives_none():
+    """``append_and_read_spans`` writes as ``append_and_read`` does and names the context's
+    arena runs, in position order, by (start, length) over the layer's whole K/V -- the rows
+    they name are the K/V fed; with a block that must be decoded first it gives None."""
+    from cache import KVCache
+    from tests.cache.conftest import feed, small_config
+
+    kv, a, spans, fed = _scattered_session(spans=True)
+    kv2, a2, _, _ = _scattered_session()
+    last = kv.config.num_layers - 1
+    assert spans.runs.dtype == torch.long and spans.runs.shape == (6, 2)  # one per block
+    assert spans.k.shape[1] == kv.arena.kv.shape[3]  # the layer's whole arena, not a copy
+    assert spans.k.data_ptr() == kv.arena.kv[last, 0].data_ptr()
+    for j, whole in enumerate((spans.k, spans.v)):
+        got = torch.cat([whole[:, s : s + n] for s, n in spans.runs.tolist()], 1)
+        assert torch.equal(got, torch.cat([kv_[j] for kv_ in fed[last]], 1).float())
+    for layer in range(kv.config.num_layers):
+        assert torch.equal(torch.cat(kv.read(a, layer)), torch.cat(kv2.read(a2, layer)))
+
+    # quantized blocks with no room left for their read buffers (test_batch's tight arena)
+    q = KVCache(small_config(kv_dtype="int8", fp_window=0, pool_bytes=64 << 10,
+                             read_buffer_fraction=6 * 1024 / (64 << 10)))
+    sa = q.open_session()
+    for i, sid in enumerate([sa, q.open_session(), q.open_session()]):
+        feed(q, sid, list(range(100 * i, 100 * i + 12)), seed=i)  # the first one's decoded now
+    assert q.reads.plan(q.session_table.get(sa))[0][0] is None
+    q.reserve(sa, [99])
+    c, got = q.config, []
+    for layer in range(c.num_layers):
+        got.append(q.append_and_read_spans(sa, layer, *torch.randn(2, c.num_heads, 1, c.head_dim)))
+    assert got == [None] * c.num_layers and q.length(sa) == 13  # written all the same

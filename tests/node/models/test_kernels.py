@@ -195,6 +195,27 @@ def test_prefill_attention_never_reads_a_later_key(amx):
     assert (first[..., 20:, :] != again[..., 20:, :]).any(-1).all()  # the later rows do see them
 
 
+def test_prefill_attention_over_spans_is_over_the_runs_they_name(amx):
+    """``prefill_attention_spans`` reads (start, length) runs of one layer's K/V in place: the
+    very result of ``prefill_attention`` over those runs as views; a span past the layer's
+    tokens, or malformed spans, get a specific error before anything is read."""
+    g = torch.Generator().manual_seed(9)
+    k, v = torch.randn(3, 100, 64, generator=g), torch.randn(3, 100, 64, generator=g)
+    q = torch.randn(3, 3, 20, 64, generator=g).to(torch.bfloat16)
+    spans = torch.tensor([[64, 16], [0, 16], [40, 7]])
+    views = [(k[:, a : a + n], v[:, a : a + n]) for a, n in spans.tolist()]
+    want = amx.prefill_attention(q, [a for a, _ in views], [b for _, b in views])
+    assert torch.equal(amx.prefill_attention_spans(q, k, v, spans), want)
+    with pytest.raises(RuntimeError, match=r"span 1 \(90, 16\) is not within the 100 tokens"):
+        amx.prefill_attention_spans(q, k, v, torch.tensor([[0, 16], [90, 16]]))
+    with pytest.raises(RuntimeError, match="is not within"):
+        amx.prefill_attention_spans(q, k, v, torch.tensor([[-1, 30]]))
+    with pytest.raises(RuntimeError, match="spans must be contiguous int64"):
+        amx.prefill_attention_spans(q, k, v, torch.tensor([[0.0, 30.0]]))
+    with pytest.raises(RuntimeError, match="k and v must be"):
+        amx.prefill_attention_spans(q, k, v[:, :50], spans)
+
+
 def test_prefill_attention_refuses_what_it_cannot_take(amx):
     q, k = bf(3, 3, 4, 64), torch.zeros(3, 8, 64)
     with pytest.raises(RuntimeError, match=r"q must be bf16 \[kv_heads, group, T, 64\]"):
@@ -485,23 +506,41 @@ def test_store_step_kv_refuses_what_it_cannot_store(k):
                         none, none)
 
 
-def test_a_prefills_runs_come_as_they_lie_and_a_lone_tokens_gathered(k):
-    """``attend_session`` with the kernels: a prefill's rows read the arena's runs in place
-    (``prefill_attention`` takes a list), a lone token's come gathered (``decode_attention``
-    over many one-block runs was the slower); both stores go through ``store_step_kv``."""
+def test_a_prefills_rows_are_read_in_place_and_a_lone_tokens_gathered(k):
+    """``attend_session`` with the kernels: a prefill's rows read the arena in place -- as
+    ``Spans`` on AMX (``prefill_attention_spans``), as the runs where part of the context must
+    be decoded first or there is no AMX -- a lone token's come gathered (``decode_attention``
+    over many one-block runs was the slower); every store goes through ``store_step_kv``."""
+    from cache.attention import Spans
     from node.models.byte_model import attend_session
 
     asked = []
+    arena = torch.randn(2, 64, 64)
+    both = (Spans(arena, arena, torch.tensor([[30, 8], [0, 16]])), None)
 
     class Cache:
+        def append_and_read_spans(self, sid, layer, kk, vv, *, store=None):
+            asked.append(("spans", store))
+            return both[len(asked) > 1]
+
         def append_and_read(self, sid, layer, kk, vv, *, store=None, gather=True):
             asked.append((gather, store))
-            return [(torch.randn(2, 40, 64), torch.randn(2, 40, 64))]
+            return [(torch.randn(2, 24, 64), torch.randn(2, 24, 64))]
+
+        def read_runs(self, sid, layer, gather=True):
+            asked.append(("runs", gather))
+            return [(arena[:, 30:38], arena[:, 30:38]), (arena[:, :16], arena[:, :16])]
 
         def sparsity(self, sid):
             return None
 
-    for rows, dtype in ((8, torch.bfloat16), (1, torch.float32)):
-        q, kv = torch.randn(2, 2, rows, 64).to(dtype), torch.randn(2, rows, 64).to(dtype)
-        assert attend_session(q, kv, kv, Cache(), 0, 0, kernels=k).shape == q.shape
-    assert asked == [(False, k.store_step_kv), (True, k.store_step_kv)]
+    prefill = torch.randn(2, 2, 8, 64).to(torch.bfloat16), torch.randn(2, 8, 64).to(torch.bfloat16)
+    lone = torch.randn(2, 2, 1, 64), torch.randn(2, 1, 64)
+    out = [attend_session(q, kv, kv, Cache(), 0, 0, kernels=k) for q, kv in (prefill, prefill, lone)]
+    assert [o.shape for o in out] == [prefill[0].shape] * 2 + [lone[0].shape]
+    if k.int8_amx_available():
+        assert asked == [("spans", k.store_step_kv), ("spans", k.store_step_kv),
+                         ("runs", False), (True, k.store_step_kv)]
+        assert torch.equal(out[0], out[1])  # the spans and the runs they name: the same rows
+    else:
+        assert asked == [(False, k.store_step_kv)] * 2 + [(True, k.store_step_kv)]
