@@ -72,6 +72,7 @@ from experiments.served_process import (group_cpu_seconds, machine_busy_seconds,
                                          resume_group)
 from experiments.single_stream import SingleConfig
 from node.engine.generation import GenerationRequest
+from node.engine.scheduler import SchedulerConfig
 from node.models import kernels
 from node.models.precision import DTYPES, dtype_of
 from node.tasks.workload import find_trace
@@ -108,10 +109,10 @@ class LoadConfig:
     request (vLLM's did), which the system after it in the rotation would otherwise share."""
 
 
-TOKEN_BUDGET = 2048
-"""Tokens one scheduler step may compute (``SchedulerConfig.token_budget``): vLLM's CPU OpenAI
-server's default ``max_num_batched_tokens``, so both prefill a prompt of up to that length in
-one step (fedkv's own default, 256, chunks a 512-token prompt in two)."""
+TOKEN_BUDGET = SchedulerConfig.token_budget
+"""Tokens one scheduler step may compute: fedkv's default, which is vLLM's CPU OpenAI server's
+default ``max_num_batched_tokens`` (2,048), so both prefill a prompt of up to that length in
+one step."""
 
 
 @dataclass(frozen=True)
@@ -329,7 +330,6 @@ def make_backend(system: str, served: Served, pool: int, clients: int,
     if system == "fedkv_no_scheduler":
         from node.engine.serial_backend import SerialBackend
         return SerialBackend(served.model, cache, model_id=served.name)
-    from node.engine.scheduler import SchedulerConfig
     from node.engine.scheduler_backend import ScheduledBackend
     return ScheduledBackend(served.model, cache, SchedulerConfig(max_running=max(clients, 1),
                                                                  token_budget=TOKEN_BUDGET),

@@ -51,9 +51,12 @@ class SchedulerConfig:
 
     max_running: int = 16
     """Sequences holding a cache session at once (vLLM's ``max_num_seqs``)."""
-    token_budget: int = 256
+    token_budget: int = 2048
     """Tokens one step computes: one per decode row plus the prefill chunks (vLLM's
-    ``max_num_batched_tokens``); a prompt longer than what is left is prefilled in chunks."""
+    ``max_num_batched_tokens``, whose default for its CPU OpenAI server this is); a prompt
+    longer than what is left is prefilled in chunks. A smaller budget bounds the stall a long
+    prompt's step puts on the running streams' next tokens and delays that prompt's first
+    token: each chunk is one more pass through the weights."""
     preempt_mode: str = "swap"
     """``swap``: a preempted sequence's session is closed, its full blocks stay cached (the
     warm tier takes them under pressure when the cache has ``warm_bytes``) and it resumes

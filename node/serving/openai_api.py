@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP server over any ``node.engine.generation.GenerationBackend``.
 
     python -m node.serving.openai_api [--model byte|smollm2] [--model-dir DIR] [--port 8471]
-        [--backend scheduler|serial] [--max-running 16] [--token-budget 256]
+        [--backend scheduler|serial] [--max-running 16] [--token-budget 2048]
         [--preempt-mode swap|recompute] [--cache-dir DIR [--key-file F]] [--ready-file F]
         [--lora-seed N | --adapter PEFT_DIR]
         [--token-file ~/.cache/fedkv/openai-<port>/serve-token] [--pool-mib MiB] [--max-tokens N]
