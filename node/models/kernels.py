@@ -14,8 +14,10 @@ widens them to bf16 tile by tile for AMX's matrix unit, once per call for all th
 ``store_step_kv`` (``kv_store.cpp``) writes a decode step's K/V into the cache's arena and tail
 slots (``cache.batch.StepStore``), its destinations prefetched first.
 ``prefill_attention`` (``prefill_attention.cpp``) is a bf16 prefill's causal attention over the
-cache's runs on AMX tiles, for head size 64 (``node.models.byte_model.attend_session`` takes it
-where ``takes_prefill_kernel`` says; elsewhere SDPA's flash kernel serves).
+cache's runs on AMX tiles, for head size 64; ``prefill_attention_spans`` the same over
+(start, length) spans of the arena (``cache.attention.Spans``: no view per run).
+``node.models.byte_model.attend_session`` takes them where ``takes_prefill_kernel`` says;
+elsewhere SDPA's flash kernel serves.
 The elementwise ones are vectorized for AVX-512 (with BF16), with a scalar path elsewhere;
 at a prefill's hundreds of rows they are no slower than the eager ops. Their loops run on
 torch's threads (``at::parallel_for`` over OpenMP, see :data:`FLAGS`); a server keeps those
