@@ -48,6 +48,10 @@ class BlockTable:
     runs: list[list[int]] | None = None
     planned: int = 0  # blocks covered by runs
     plan_generation: int = -1
+    gather: tuple[int, torch.Tensor | None] | None = None
+    """(n, positions): the arena positions a scattered context's first ``n`` tokens are gathered
+    from, None when they are not scattered; worked out by the first layer of a step, used by
+    the rest, cleared whenever ``runs`` changes (``cache.steps.ReadPlanner``)."""
     write_at: slice | torch.Tensor | None = None  # arena token positions of the pending tokens
     sparsity: SparsityPolicy | None = None
     root: bytes = b""

@@ -63,6 +63,8 @@ class ReadPlanner:
         B = self.block_size
         if t.runs is None or t.plan_generation != self.blocks.generation:
             t.runs, t.planned = [], 0
+        if t.planned != len(t.blocks):
+            t.gather = None  # the plan changes: so do the positions a gather reads
         runs = t.runs
         for i in range(t.planned, len(t.blocks)):
             b = t.blocks[i]
@@ -110,7 +112,7 @@ class ReadPlanner:
         B, n, out, decoded = self.block_size, self.resident(t, n), [], False
         plan = self.plan(t)
         if (gather and t.sparsity is None
-                and (gathered := self._gathered(plan, layer, n)) is not None):
+                and (gathered := self._gathered(t, plan, layer, n)) is not None):
             return gathered
         for start, nb, i0 in plan:
             if n <= 0:
@@ -144,23 +146,33 @@ class ReadPlanner:
         kv = self.arena.kv[layer]
         return Spans(kv[0], kv[1], torch.tensor(out, dtype=torch.long).view(-1, 2))
 
-    def _gathered(self, plan: list, layer: int, n: int) -> list[Run] | None:
+    def _gathered(self, t: BlockTable, plan: list, layer: int, n: int) -> list[Run] | None:
         """The first ``n`` positions as one run, gathered by one ``index_select`` when their
         arena runs are ``cache.attention.scattered`` (a view per run and a copy of them all
-        cost more); None otherwise, or when a run is quantized."""
-        B, lengths, starts = self.block_size, [], []
+        cost more); None otherwise, or when a run is quantized. Every layer of a step reads the
+        same positions: worked out once (``BlockTable.gather``)."""
+        if t.gather is None or t.gather[0] != n:
+            t.gather = (n, self._gather_positions(plan, n))
+        pos = t.gather[1]
+        if pos is None:
+            return None
+        kv = self.arena.kv[layer].index_select(2, pos)
+        return [(kv[0], kv[1])]
+
+    def _gather_positions(self, plan: list, n: int) -> torch.Tensor | None:
+        """Arena positions of the first ``n`` tokens of ``plan`` when its runs are scattered."""
+        lengths, starts, left = [], [], n
         for start, nb, _ in plan:
-            if sum(lengths) >= n:
+            if left <= 0:
                 break
             if start is None:
                 return None
             starts.append(start)
-            lengths.append(min(nb * B, n - sum(lengths)))
+            lengths.append(min(nb * self.block_size, left))
+            left -= lengths[-1]
         if not scattered(lengths):
             return None
-        pos = torch.from_numpy(np.concatenate([np.arange(s, s + m) for s, m in zip(starts, lengths)]))
-        kv = self.arena.kv[layer].index_select(2, pos)
-        return [(kv[0], kv[1])]
+        return torch.from_numpy(np.concatenate([np.arange(s, s + m) for s, m in zip(starts, lengths)]))
 
     def resident_positions(self, t: BlockTable, layer: int) -> torch.Tensor:
         """Logical positions of the tokens ``runs`` returns, in order."""

@@ -239,3 +239,21 @@ def test_spans_name_the_runs_in_order_and_a_block_to_decode_gives_none():
     for layer in range(c.num_layers):
         got.append(q.append_and_read_spans(sa, layer, *torch.randn(2, c.num_heads, 1, c.head_dim)))
     assert got == [None] * c.num_layers and q.length(sa) == 13  # written all the same
+
+
+def test_a_gather_follows_a_block_that_moved_at_the_same_length():
+    """A step's gather positions are worked out once and kept (``BlockTable.gather``); a block
+    that changes place (compaction, demotion: the plan's generation moves) is read from its
+    new place, also by a read at the same length as the last."""
+    kv, a, _, _ = _scattered_session()
+    layers, t = range(kv.config.num_layers), kv.session_table.get(a)
+    want = [torch.cat(kv.read(a, layer)) for layer in layers]
+    assert t.gather is not None and t.gather[1] is not None  # scattered: gathered, kept
+    b, c = t.blocks[2], t.blocks[3]  # two full blocks trade places, as a move would
+    kb, kc = (kv.arena.block(x.start, x.capacity).clone() for x in (b, c))
+    kv.arena.block(b.start, b.capacity).copy_(kc)
+    kv.arena.block(c.start, c.capacity).copy_(kb)
+    b.start, c.start = c.start, b.start
+    kv.blocks.generation += 1
+    for layer in layers:
+        assert torch.equal(torch.cat(kv.read(a, layer)), want[layer])
