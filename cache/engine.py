@@ -40,7 +40,7 @@ from cache.policy import POLICIES, EvictionPolicy, make_policy
 from cache.prefetch import Prefetcher
 from cache.prefix import namespace_root
 from cache.pressure import Pressure
-from cache.session_table import SessionTable, check_layer
+from cache.session_table import BlockTable, SessionTable, check_layer
 from cache.sparsity import SparsityPolicy
 from cache.stats import OpLatencies, cache_stats
 from cache.steps import ReadPlanner, SessionSteps
@@ -214,15 +214,8 @@ class KVCache:
         given, as ``append_and_read_batch`` takes one) and return the layer's whole context
         as views to attend over (:func:`cache.attention.attend`); ``gather``: as
         :meth:`read_runs`."""
-        start = perf_counter_ns()
-        try:
-            self.steps.write(self.session_table.get(sid), layer, k, v, store)
-            return self.read_runs(sid, layer, gather)
-        finally:
-            end = perf_counter_ns()
-            self.latency.append_and_read.append(end - start)
-            if end >= self._boundary_ns:
-                self._op_boundary(end)
+        return self._append_then(sid, layer, k, v, store,
+                                 lambda t: self.reads.runs(t, layer, gather))
 
     def append_and_read_spans(self, sid: int, layer: int, k: torch.Tensor, v: torch.Tensor, *,
                               store: StepStore | None = None) -> Spans | None:
@@ -230,11 +223,16 @@ class KVCache:
         :class:`cache.attention.Spans`, or None when part of it must be decoded first (a
         quantized block; a sparsity policy) -- the K/V are written either way, and
         :meth:`read_runs` then gives the runs."""
+        return self._append_then(sid, layer, k, v, store, lambda t: self.reads.spans(t, layer))
+
+    def _append_then(self, sid: int, layer: int, k: torch.Tensor, v: torch.Tensor,
+                     store: StepStore | None, read: Callable[[BlockTable], Any]) -> Any:
+        """Write, then ``read`` the session's table: one operation for the latency stats."""
         start = perf_counter_ns()
         try:
             t = self.session_table.get(sid)
             self.steps.write(t, layer, k, v, store)
-            return self.reads.spans(t, layer)
+            return read(t)
         finally:
             end = perf_counter_ns()
             self.latency.append_and_read.append(end - start)

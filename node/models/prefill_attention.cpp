@@ -167,6 +167,22 @@ float softmax_row(const float* s, int64_t seen, int64_t width, float scale, bf16
   return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
 }
 
+// One chunk c of 32 keys of P.V: P's chunk into tile PT, V's four 16-column tiles through tiles
+// 2 and 3 by turns, summed into the output's tiles 4-7. A macro: GCC's tile intrinsics paste
+// the tile number into the instruction, so it must be a literal.
+#define FEDKV_PV_CHUNK(PT, p, width, vp, c)                  \
+  do {                                                       \
+    _tile_loadd(PT, (p) + (c) * PAIRS, (width) * 2);         \
+    _tile_loadd(2, (vp) + ((c) * 4 + 0) * TILE, 64);         \
+    _tile_loadd(3, (vp) + ((c) * 4 + 1) * TILE, 64);         \
+    _tile_dpbf16ps(4, PT, 2);                                \
+    _tile_dpbf16ps(5, PT, 3);                                \
+    _tile_loadd(2, (vp) + ((c) * 4 + 2) * TILE, 64);         \
+    _tile_loadd(3, (vp) + ((c) * 4 + 3) * TILE, 64);         \
+    _tile_dpbf16ps(6, PT, 2);                                \
+    _tile_dpbf16ps(7, PT, 3);                                \
+  } while (0)
+
 // Up to 16 query rows of one head, t0.. (position n - T + t), against the packed K/V.
 void query_block(const bf16* q, int64_t q_row_stride, int64_t m, int64_t first_pos,
                  const bf16* kp, const bf16* vp, bf16* out, int64_t out_row_stride,
@@ -218,37 +234,11 @@ void query_block(const bf16* q, int64_t q_row_stride, int64_t m, int64_t first_p
   _tile_zero(7);
   const int64_t chunks = width / PAIRS;
   int64_t c = 0;
-  for (; c + 2 <= chunks; c += 2) {  // P and V tiles alternate, so a load never waits on a product
-    _tile_loadd(0, p.data() + c * PAIRS, width * 2);
-    _tile_loadd(2, vp + (c * 4 + 0) * TILE, 64);
-    _tile_loadd(3, vp + (c * 4 + 1) * TILE, 64);
-    _tile_dpbf16ps(4, 0, 2);
-    _tile_dpbf16ps(5, 0, 3);
-    _tile_loadd(1, p.data() + (c + 1) * PAIRS, width * 2);
-    _tile_loadd(2, vp + (c * 4 + 2) * TILE, 64);
-    _tile_loadd(3, vp + (c * 4 + 3) * TILE, 64);
-    _tile_dpbf16ps(6, 0, 2);
-    _tile_dpbf16ps(7, 0, 3);
-    _tile_loadd(2, vp + (c * 4 + 4) * TILE, 64);
-    _tile_loadd(3, vp + (c * 4 + 5) * TILE, 64);
-    _tile_dpbf16ps(4, 1, 2);
-    _tile_dpbf16ps(5, 1, 3);
-    _tile_loadd(2, vp + (c * 4 + 6) * TILE, 64);
-    _tile_loadd(3, vp + (c * 4 + 7) * TILE, 64);
-    _tile_dpbf16ps(6, 1, 2);
-    _tile_dpbf16ps(7, 1, 3);
+  for (; c + 2 <= chunks; c += 2) {  // P in tiles 0 and 1 by turns: a load never waits on a product
+    FEDKV_PV_CHUNK(0, p.data(), width, vp, c);
+    FEDKV_PV_CHUNK(1, p.data(), width, vp, c + 1);
   }
-  if (c < chunks) {
-    _tile_loadd(0, p.data() + c * PAIRS, width * 2);
-    _tile_loadd(2, vp + (c * 4 + 0) * TILE, 64);
-    _tile_loadd(3, vp + (c * 4 + 1) * TILE, 64);
-    _tile_dpbf16ps(4, 0, 2);
-    _tile_dpbf16ps(5, 0, 3);
-    _tile_loadd(2, vp + (c * 4 + 2) * TILE, 64);
-    _tile_loadd(3, vp + (c * 4 + 3) * TILE, 64);
-    _tile_dpbf16ps(6, 0, 2);
-    _tile_dpbf16ps(7, 0, 3);
-  }
+  if (c < chunks) FEDKV_PV_CHUNK(0, p.data(), width, vp, c);
   alignas(64) float o[ROWS * D];
   _tile_stored(4, o, D * 4);
   _tile_stored(5, o + 16, D * 4);
