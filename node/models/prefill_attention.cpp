@@ -16,7 +16,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <utility>
 #include <vector>
 
 #include "amx_tiles.h"
@@ -31,6 +30,21 @@ constexpr int64_t ROWS = 16;   // query rows per block (one tile's rows)
 constexpr int64_t KEYS = 16;   // keys per score tile
 constexpr int64_t PAIRS = 32;  // keys per P.V step (16 bf16 pairs)
 constexpr int64_t TILE = 512;  // bf16 in one packed 16 x 32 tile
+
+// One run of keys and values: row j of head h at k + h * head_k + j * row_k bytes (v likewise).
+// Plain pointers: a tensor per run cost more than attending a short run did.
+struct RunPtr {
+  const char* k;
+  const char* v;
+  int64_t head_k, head_v, row_k, row_v, n;
+};
+
+RunPtr run_ptr(const torch::Tensor& k, const torch::Tensor& v, int64_t start, int64_t n) {
+  const int64_t es = k.element_size();
+  return {static_cast<const char*>(k.data_ptr()) + start * k.stride(1) * es,
+          static_cast<const char*>(v.data_ptr()) + start * v.stride(1) * es,
+          k.stride(0) * es, v.stride(0) * es, k.stride(1) * es, v.stride(1) * es, n};
+}
 
 #ifdef FEDKV_AMX
 using fedkv_tiles::fence;
@@ -62,20 +76,15 @@ struct Rows {
   bool is_bf16;
 };
 
-Rows rows_of(const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs,
-             int64_t h, int64_t n) {
-  Rows r{std::vector<const char*>(n), std::vector<const char*>(n),
-         ks[0].scalar_type() == torch::kBFloat16};
+Rows rows_of(const std::vector<RunPtr>& runs, bool is_bf16, int64_t h, int64_t n) {
+  Rows r{std::vector<const char*>(n), std::vector<const char*>(n), is_bf16};
   int64_t i = 0;
-  for (size_t run = 0; run < ks.size(); ++run) {
-    const auto& k = ks[run];
-    const auto& v = vs[run];
-    const int64_t es = k.element_size();
-    const char* kb = static_cast<const char*>(k.data_ptr()) + h * k.stride(0) * es;
-    const char* vb = static_cast<const char*>(v.data_ptr()) + h * v.stride(0) * es;
-    for (int64_t j = 0; j < k.size(1); ++j, ++i) {
-      r.k[i] = kb + j * k.stride(1) * es;
-      r.v[i] = vb + j * v.stride(1) * es;
+  for (const RunPtr& run : runs) {
+    const char* kb = run.k + h * run.head_k;
+    const char* vb = run.v + h * run.head_v;
+    for (int64_t j = 0; j < run.n; ++j, ++i) {
+      r.k[i] = kb + j * run.row_k;
+      r.v[i] = vb + j * run.row_v;
     }
   }
   return r;
@@ -270,10 +279,7 @@ void check_runs(const std::vector<torch::Tensor>& ks, const std::vector<torch::T
   }
 }
 
-// q bf16 [Hk, G, T, D]: the last T positions of a context whose K/V are the runs ([Hk, n_i, D]
-// each, fp32 or bf16, n = sum n_i >= T) -> bf16 [Hk, G, T, D], causal.
-torch::Tensor attention(const torch::Tensor& q, const std::vector<torch::Tensor>& k_runs,
-                        const std::vector<torch::Tensor>& v_runs) {
+void check_q(const torch::Tensor& q) {
 #ifdef FEDKV_AMX
   TORCH_CHECK(fedkv_tiles::request(), "AMX bf16 tiles are not available on this CPU or kernel");
 #else
@@ -282,10 +288,14 @@ torch::Tensor attention(const torch::Tensor& q, const std::vector<torch::Tensor>
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && q.dim() == 4 && q.size(3) == D &&
                   q.stride(3) == 1,
               "q must be bf16 [kv_heads, group, T, ", D, "] with contiguous rows, got ", q.sizes());
+}
+
+// q bf16 [Hk, G, T, D] (checked): the last T positions of a context whose K/V are `runs`
+// (checked, fp32 or bf16, n keys in all, n >= T) -> bf16 [Hk, G, T, D], causal.
+torch::Tensor attend_runs(const torch::Tensor& q, const std::vector<RunPtr>& runs, bool is_bf16) {
   const int64_t hk = q.size(0), groups = q.size(1), T = q.size(2);
-  check_runs(k_runs, v_runs, hk);
   int64_t n = 0;
-  for (const auto& k : k_runs) n += k.size(1);
+  for (const RunPtr& run : runs) n += run.n;
   TORCH_CHECK(T >= 1 && n >= T, "need 1 <= T <= the runs' ", n, " keys, got T = ", T);
   auto out = torch::empty({hk, groups, T, D}, q.options());
 #ifdef FEDKV_AMX
@@ -293,7 +303,7 @@ torch::Tensor attention(const torch::Tensor& q, const std::vector<torch::Tensor>
   std::vector<bf16> kp(hk * kblocks * 2 * TILE), vp(hk * vchunks * 4 * TILE);
   at::parallel_for(0, hk, 1, [&](int64_t h0, int64_t h1) {
     for (int64_t h = h0; h < h1; ++h) {
-      Rows r = rows_of(k_runs, v_runs, h, n);
+      Rows r = rows_of(runs, is_bf16, h, n);
       pack_k(r, n, kp.data() + h * kblocks * 2 * TILE);
       pack_v(r, n, vp.data() + h * vchunks * 4 * TILE);
     }
@@ -318,35 +328,45 @@ torch::Tensor attention(const torch::Tensor& q, const std::vector<torch::Tensor>
   return out;
 }
 
-// The runs of a context as (start, length) rows of `spans` (int64 [R, 2], in order) over one
-// layer's K and V as the arena holds them ([Hk, N, D] each): views made here cost next to
-// nothing, where a Python view per run cost more than the attention of a short one.
-std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>> runs_of_spans(
-    const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& spans) {
+// q bf16 [Hk, G, T, D] over K/V runs ([Hk, n_i, D] each, fp32 or bf16).
+torch::Tensor attention(const torch::Tensor& q, const std::vector<torch::Tensor>& k_runs,
+                        const std::vector<torch::Tensor>& v_runs) {
+  check_q(q);
+  check_runs(k_runs, v_runs, q.size(0));
+  std::vector<RunPtr> runs;
+  for (size_t i = 0; i < k_runs.size(); ++i)
+    runs.push_back(run_ptr(k_runs[i], v_runs[i], 0, k_runs[i].size(1)));
+  return attend_runs(q, runs, k_runs[0].scalar_type() == torch::kBFloat16);
+}
+
+// The same over (start, length) rows of `spans` (int64 [R, 2], in order) of one layer's K and
+// V as the arena holds them ([Hk, N, D] each): no tensor per run is made.
+torch::Tensor attention_spans(const torch::Tensor& q, const torch::Tensor& k,
+                              const torch::Tensor& v, const torch::Tensor& spans) {
+  check_q(q);
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "k and v must be [kv_heads, tokens, ",
               D, "] of one shape, got ", k.sizes(), " and ", v.sizes());
+  check_runs({k}, {v}, q.size(0));
   TORCH_CHECK(spans.scalar_type() == torch::kLong && spans.dim() == 2 && spans.size(1) == 2 &&
                   spans.is_contiguous() && spans.size(0) >= 1,
               "spans must be contiguous int64 [runs >= 1, 2] (start, length), got ",
               spans.sizes(), " ", spans.scalar_type());
   const int64_t* sp = spans.data_ptr<int64_t>();
-  std::vector<torch::Tensor> ks, vs;
+  std::vector<RunPtr> runs;
   for (int64_t i = 0; i < spans.size(0); ++i) {
     const int64_t start = sp[2 * i], len = sp[2 * i + 1];
     TORCH_CHECK(start >= 0 && len >= 1 && start <= k.size(1) - len, "span ", i, " (", start, ", ",
                 len, ") is not within the ", k.size(1), " tokens");
-    ks.push_back(k.narrow(1, start, len));
-    vs.push_back(v.narrow(1, start, len));
+    runs.push_back(run_ptr(k, v, start, len));
   }
-  return {ks, vs};
+  return attend_runs(q, runs, k.scalar_type() == torch::kBFloat16);
 }
 
 }  // namespace fedkv_prefill
 
 torch::Tensor prefill_attention_spans(const torch::Tensor& q, const torch::Tensor& k,
                                       const torch::Tensor& v, const torch::Tensor& spans) {
-  auto [ks, vs] = fedkv_prefill::runs_of_spans(k, v, spans);
-  return fedkv_prefill::attention(q, ks, vs);
+  return fedkv_prefill::attention_spans(q, k, v, spans);
 }
 
 torch::Tensor prefill_attention(const torch::Tensor& q, const std::vector<torch::Tensor>& k_runs,
