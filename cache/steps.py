@@ -134,17 +134,24 @@ class ReadPlanner:
         decoded (quantized only) or a sparsity policy drops blocks (``runs`` then)."""
         if t.sparsity is not None:
             return None
-        B, n, out = self.block_size, t.layer_length(layer), []
-        for start, nb, _ in self.plan(t):
-            if n <= 0:
+        runs = self._arena_runs(self.plan(t), t.layer_length(layer))
+        if runs is None:
+            return None
+        kv = self.arena.kv[layer]
+        return Spans(kv[0], kv[1], torch.tensor(runs, dtype=torch.long).view(-1, 2))
+
+    def _arena_runs(self, plan: list, n: int) -> list[tuple[int, int]] | None:
+        """(arena start, tokens) of each run holding the first ``n`` positions of ``plan``;
+        None when one of them is quantized only (decoded when read)."""
+        out, left = [], n
+        for start, nb, _ in plan:
+            if left <= 0:
                 break
             if start is None:
                 return None
-            take = min(n, nb * B)
-            out.append((start, take))
-            n -= take
-        kv = self.arena.kv[layer]
-        return Spans(kv[0], kv[1], torch.tensor(out, dtype=torch.long).view(-1, 2))
+            out.append((start, min(nb * self.block_size, left)))
+            left -= out[-1][1]
+        return out
 
     def _gathered(self, t: BlockTable, plan: list, layer: int, n: int) -> list[Run] | None:
         """The first ``n`` positions as one run, gathered by one ``index_select`` when their
@@ -161,18 +168,10 @@ class ReadPlanner:
 
     def _gather_positions(self, plan: list, n: int) -> torch.Tensor | None:
         """Arena positions of the first ``n`` tokens of ``plan`` when its runs are scattered."""
-        lengths, starts, left = [], [], n
-        for start, nb, _ in plan:
-            if left <= 0:
-                break
-            if start is None:
-                return None
-            starts.append(start)
-            lengths.append(min(nb * self.block_size, left))
-            left -= lengths[-1]
-        if not scattered(lengths):
+        runs = self._arena_runs(plan, n)
+        if runs is None or not scattered([m for _, m in runs]):
             return None
-        return torch.from_numpy(np.concatenate([np.arange(s, s + m) for s, m in zip(starts, lengths)]))
+        return torch.from_numpy(np.concatenate([np.arange(s, s + m) for s, m in runs]))
 
     def resident_positions(self, t: BlockTable, layer: int) -> torch.Tensor:
         """Logical positions of the tokens ``runs`` returns, in order."""
