@@ -47,6 +47,20 @@ class Spans:
     runs: torch.Tensor
     """int64 [runs, 2]: (arena start, length) of each run of the context, in position order."""
 
+@dataclass(frozen=True)
+class ArenaStep:
+    """Where a kernel that runs every layer of a session's one-token step itself (``node.models.
+    kernels``' ``decode_layers_int8``) writes and reads: the arena in place, no view made."""
+
+    kv: torch.Tensor
+    """The whole arena, [layers, 2 (K, V), heads, arena tokens, dim]."""
+    row: int
+    """The arena row the reserved token's K and V go to, in every layer."""
+    runs: torch.Tensor
+    """int64 [runs, 2]: (arena start, length) of each run of the context, the new token's row
+    included, in position order."""
+
+
 GATHER_RUN_TOKENS = 32
 """A decode step gathers a context's runs into one copy when there are at least
 ``GATHER_MIN_RUNS`` of them averaging at most this many tokens: a context scattered block by

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from cache.attention import Run, Spans
+from cache.attention import ArenaStep, Run, Spans
 from cache.batch import Batcher, BatchStep, StepStore
 from cache.config import CacheConfig
 from cache.control import POLL_S
@@ -236,6 +236,27 @@ class KVCache:
         finally:
             end = perf_counter_ns()
             self.latency.append_and_read.append(end - start)
+            if end >= self._boundary_ns:
+                self._op_boundary(end)
+
+    def arena_step(self, sid: int) -> ArenaStep | None:
+        """For a kernel that runs every layer of the session's reserved one-token step itself,
+        writing the token's K/V into the arena and attending in place: the arena, the row and
+        the context's runs (:class:`cache.attention.ArenaStep`). None where the cache must
+        take part -- more or fewer than one token reserved, a layer already written, a
+        sparsity policy, a block to decode (quantized), an arena not in fp32 -- and the
+        per-layer writes serve. Then :meth:`commit_arena_step`."""
+        return self.steps.arena_step(self.session_table.get(sid))
+
+    def commit_arena_step(self, sid: int) -> None:
+        """The kernel wrote the reserved token's K/V in every layer: commit the token, as the
+        last layer's :meth:`write` does (timed as one write)."""
+        start = perf_counter_ns()
+        try:
+            self.steps.commit_arena_step(self.session_table.get(sid))
+        finally:
+            end = perf_counter_ns()
+            self.latency.write.append(end - start)
             if end >= self._boundary_ns:
                 self._op_boundary(end)
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from cache.attention import Run, Spans, scattered
+from cache.attention import ArenaStep, Run, Spans, scattered
 from cache.block import Block
 from cache.errors import CacheFullError, ReservationError, ShapeMismatchError, TensorDTypeError
 from cache.prefetch import Prefetcher, make_prefetcher, prefetch_after_lookup
@@ -286,6 +286,26 @@ class SessionSteps:
         t.written.add(layer)
         if len(t.written) == self.config.num_layers:
             self.commit(t)
+
+    def arena_step(self, t: BlockTable) -> ArenaStep | None:
+        """``KVCache.arena_step`` on the session's table."""
+        if t.pending != 1 or t.written or t.sparsity is not None:
+            return None
+        if self.arena.kv.dtype != torch.float32:
+            return None
+        runs = self.reads._arena_runs(self.reads.plan(t), t.length + 1)
+        if runs is None:
+            return None
+        row = t.write_at.start if isinstance(t.write_at, slice) else int(t.write_at[0])
+        return ArenaStep(self.arena.kv, row, torch.tensor(runs, dtype=torch.long).view(-1, 2))
+
+    def commit_arena_step(self, t: BlockTable) -> None:
+        """``KVCache.commit_arena_step`` on the session's table."""
+        if t.pending != 1 or t.written:
+            raise ReservationError(f"session {t.sid}: no one-token step to commit (pending "
+                                   f"{t.pending}, layers written {len(t.written)})")
+        t.written = set(range(self.config.num_layers))
+        self.commit(t)
 
     def _check_kv(self, t: BlockTable, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         check_layer(layer, self.config.num_layers)

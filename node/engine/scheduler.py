@@ -348,7 +348,9 @@ class Scheduler:
         reservation after it could move what it planned (a greedy token then differed from
         the cache-free forward's). Out of blocks, the newest whose chunk is not reserved yet
         (chunks, this one last) or the newest running sequence (decode rows) is preempted and
-        the step goes on without it."""
+        the step goes on without it. A lone decode row with no chunk is reserved as its
+        session's one-token chunk: ``forward_mixed`` then runs it as ``forward_cached``, which
+        a model may take in one call (``node.models.decode_step``)."""
         done: list[tuple[Sequence, int]] = []
         for i, (s, n) in enumerate(chunks):
             while s.status is Status.RUNNING:
@@ -359,19 +361,25 @@ class Scheduler:
                 except CacheFullError:
                     self._preempt_newest([c for c, _ in chunks[i:] if c.status is Status.RUNNING])
         step = None
+        lone = len(decode) == 1 and not done
         while decode:
             try:
-                step = self.cache.begin_batch([s.sid for s in decode], [s.context[-1] for s in decode])
+                if lone:  # its session's one-token step: no batch to plan
+                    self.cache.reserve(decode[0].sid, [decode[0].context[-1]])
+                else:
+                    step = self.cache.begin_batch([s.sid for s in decode],
+                                                  [s.context[-1] for s in decode])
                 break
             except CacheFullError:
                 victim = self._preempt_newest()
                 decode = [s for s in decode if s is not victim]
                 done = [(c, n) for c, n in done if c is not victim]
-        if step is None and not done:
+        if step is None and not done and not (lone and decode):
             return None, [], []
-        batch = MixedBatch(step, tuple(s.context[-1] for s in decode),
-                           tuple((s.sid, tuple(s.context[s.computed : s.computed + n])) for s, n in done))
-        return batch, decode, done
+        rows = tuple((s.sid, tuple(s.context[s.computed : s.computed + n])) for s, n in done)
+        if lone and decode:  # as a one-token chunk: model.forward_mixed runs it as forward_cached
+            return MixedBatch(None, (), ((decode[0].sid, (decode[0].context[-1],)),)), decode, done
+        return MixedBatch(step, tuple(s.context[-1] for s in decode), rows), decode, done
 
     # -- preemption and retiring -------------------------------------------------------------
     def _preempt_newest(self, among: list[Sequence] | None = None) -> Sequence:

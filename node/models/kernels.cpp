@@ -781,6 +781,11 @@ void attend_rows(const Rows& r, RunOf<T> tk, RunOf<T> tv, int64_t tk_slot, int64
   });
 }
 
+torch::Tensor attend_decode(const torch::Tensor& q, const std::vector<Run>& pk,
+                            const std::vector<Run>& pv, const torch::Tensor& tail_k,
+                            const torch::Tensor& tail_v, const torch::Tensor& tail_valid,
+                            const std::vector<int64_t>& slot);
+
 // One decode step's attention, grouped-query, over a shared prefix and each row's tail (what
 // cache.attention.attend_shared computes, in one pass per (KV head, row)).
 //   q [kv_heads, group, rows, dim] fp32; prefix_k/v: runs [kv_heads, n_i, dim];
@@ -814,16 +819,24 @@ torch::Tensor decode_attention(const torch::Tensor& q, const std::vector<torch::
     }
   }
   std::vector<Run> pk, pv;
-  int64_t n_prefix = 0;
   for (size_t i = 0; i < prefix_k.size(); ++i) {
     TORCH_CHECK(prefix_k[i].dim() == 3 && prefix_k[i].size(0) == Hk && prefix_k[i].size(2) == D &&
                     prefix_k[i].sizes() == prefix_v[i].sizes(),
                 "prefix run ", i, " must be [", Hk, ", n, ", D, "], got ", prefix_k[i].sizes());
     pk.push_back(run_of<float>(prefix_k[i], 0, 1));
     pv.push_back(run_of<float>(prefix_v[i], 0, 1));
-    n_prefix += pk.back().n;
   }
-  auto out = torch::zeros({Hk, G, B, D}, q.options());
+  return attend_decode(q, pk, pv, tail_k, tail_v, tail_valid, slot);
+}
+
+// decode_attention over runs already checked (or made from checked spans).
+torch::Tensor attend_decode(const torch::Tensor& q, const std::vector<Run>& pk,
+                            const std::vector<Run>& pv, const torch::Tensor& tail_k,
+                            const torch::Tensor& tail_v, const torch::Tensor& tail_valid,
+                            const std::vector<int64_t>& slot) {
+  int64_t n_prefix = 0;
+  for (const Run& run : pk) n_prefix += run.n;
+  auto out = torch::zeros(q.sizes(), q.options());
   const Rows rows{q.contiguous(), out, tail_valid, slot, pk, pv, n_prefix};
   if (tail_k.scalar_type() == torch::kBFloat16)
     attend_rows(rows, run_of<bf16>(tail_k, 0, 2), run_of<bf16>(tail_v, 0, 2), tail_k.stride(1),
@@ -832,6 +845,66 @@ torch::Tensor decode_attention(const torch::Tensor& q, const std::vector<torch::
     attend_rows(rows, run_of<float>(tail_k, 0, 2), run_of<float>(tail_v, 0, 2), tail_k.stride(1),
                 tail_v.stride(1));
   return out;
+}
+
+// One session's one-token decode through every layer on weight-only int8 weights: what
+// LlamaModel._hidden's fused form does for a lone token, without a return to Python between
+// the kernels (node/models/decode_step.py).
+//   x bf16 [1, hidden], the embedded token: the residual stream, updated in place;
+//   w: per layer its input norm, q/k/v codes and scales, o codes and scales, post-attention
+//      norm, gate/up codes and scales, down codes and scales (10 tensors a layer);
+//   final_norm: the model's last norm; cos, sin bf16 [1, dim] of the token's position;
+//   kv: the arena's K/V, fp32 [layers, 2, kv_heads, arena tokens, dim]; pos: the arena row
+//      the token's K/V go to; spans int64 [runs, 2]: (start, length) of the context's runs in
+//      the arena, the new token's row included -> the final-normed bf16 [1, hidden].
+torch::Tensor decode_layers_int8(torch::Tensor x, const std::vector<torch::Tensor>& w,
+                                 const torch::Tensor& final_norm, const torch::Tensor& cos,
+                                 const torch::Tensor& sin, const torch::Tensor& kv, int64_t pos,
+                                 const torch::Tensor& spans, int64_t heads, int64_t kv_heads,
+                                 int64_t dim, double eps) {
+  TORCH_CHECK(kv.scalar_type() == torch::kFloat32 && kv.dim() == 5 && kv.size(1) == 2 &&
+                  kv.size(2) == kv_heads && kv.size(4) == dim && kv.stride(4) == 1,
+              "kv must be float32 [layers, 2, ", kv_heads, ", tokens, ", dim, "], got ",
+              kv.scalar_type(), " ", kv.sizes());
+  const int64_t L = kv.size(0), cap = kv.size(3);
+  TORCH_CHECK(pos >= 0 && pos < cap, "pos ", pos, " outside the arena's ", cap, " rows");
+  TORCH_CHECK(static_cast<int64_t>(w.size()) == 10 * L, "w must hold 10 tensors per layer (",
+              10 * L, "), got ", w.size());
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "x must be one row, got ", x.sizes());
+  TORCH_CHECK(spans.scalar_type() == torch::kLong && spans.dim() == 2 && spans.size(1) == 2,
+              "spans must be int64 [runs, 2], got ", spans.scalar_type(), " ", spans.sizes());
+  auto sp = spans.contiguous();
+  const int64_t* s = sp.data_ptr<int64_t>();
+  std::vector<Run> pk(sp.size(0)), pv(sp.size(0));  // heads and rows; per layer their base
+  for (int64_t r = 0; r < sp.size(0); ++r) {
+    TORCH_CHECK(s[2 * r] >= 0 && s[2 * r + 1] >= 0 && s[2 * r] + s[2 * r + 1] <= cap, "span ", r,
+                " (", s[2 * r], ", ", s[2 * r + 1], ") outside the arena's ", cap, " rows");
+    pk[r] = pv[r] = Run{nullptr, kv.stride(2), kv.stride(3), s[2 * r + 1]};
+  }
+  auto no_tail = torch::empty({kv_heads, 1, 0, dim}, torch::TensorOptions().dtype(torch::kFloat32));
+  auto no_valid = torch::empty({1, 0}, torch::TensorOptions().dtype(torch::kBool));
+  const std::vector<int64_t> no_slot{0};
+  auto h = rms_norm(x, w[0], eps);
+  for (int64_t l = 0; l < L; ++l) {
+    const torch::Tensor* lw = w.data() + 10 * l;
+    float* base = kv.data_ptr<float>() + l * kv.stride(0);
+    auto qkv = rope_split(int8_linear(h, lw[1], lw[2]), cos, sin, heads, kv_heads, dim,
+                          torch::kFloat32);
+    for (int64_t kvi = 0; kvi < 2; ++kvi)  // the token's K and V into its arena row
+      for (int64_t hk = 0; hk < kv_heads; ++hk)
+        std::copy_n(qkv[1 + kvi].data_ptr<float>() + hk * dim, dim,
+                    base + kvi * kv.stride(1) + hk * kv.stride(2) + pos * kv.stride(3));
+    for (size_t r = 0; r < pk.size(); ++r) {
+      pk[r].base = base + s[2 * r] * kv.stride(3);
+      pv[r].base = pk[r].base + kv.stride(1);
+    }
+    auto a = attend_decode(qkv[0], pk, pv, no_tail, no_tail, no_valid, no_slot);
+    h = add_rms_norm_(x, int8_linear(merge_heads(a), lw[3], lw[4]), lw[5], eps);
+    auto act = silu_mul(int8_linear(h, lw[6], lw[7]));
+    h = add_rms_norm_(x, int8_linear(act, lw[8], lw[9]), l + 1 < L ? w[10 * (l + 1)] : final_norm,
+                      eps);
+  }
+  return h;
 }
 
 // How many threads at::parallel_for runs a 64-way loop on: torch's thread count when the build
@@ -869,6 +942,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("merge_heads", &merge_heads, "attention heads -> the o_proj input", nogil);
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for runs on here");
   m.def("decode_attention", &decode_attention, "one decode step's attention over prefix runs and tails", nogil);
+  m.def("decode_layers_int8", &decode_layers_int8,
+        "one token of one session through every weight-only int8 layer", nogil);
   m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up", nogil);
   m.def("int8_linear", &int8_linear, "weight-only int8 linear of a few bf16 rows", nogil);
   m.def("int8_amx_available", &int8_amx_available, "AMX bf16 tiles usable in this process", nogil);

@@ -46,6 +46,7 @@ from cache.attention import attend, attend_shared
 from crypto import Layout, flatten
 from node.models.byte_model import attend_session, attend_step
 from node.models.interface import MixedBatch
+from node.models import decode_step
 from node.models import kernels as fused_kernels
 from node.models.precision import dtype_of
 from node.models.projection import Projection, transpose_storage
@@ -515,9 +516,18 @@ class LlamaModel(nn.Module):
         start, T = cache.length(sid), tokens.numel()
         self._check_len(start + T)
         cache.reserve(sid, tokens.tolist())
+        return self._forward_reserved(tokens, cache, sid, start, last_only)
+
+    def _forward_reserved(self, tokens: torch.Tensor, cache: KVCache, sid: int, start: int,
+                          last_only: bool = False) -> torch.Tensor:
+        """``forward_cached`` of tokens already reserved at ``start``: a lone token in one
+        kernel call where ``node.models.decode_step`` applies, else layer by layer."""
+        T = tokens.numel()
         cos, sin = self._rope_range(start, T)
-        return self._head(self._hidden(self.model.embed_tokens(tokens), cos, sin,
-                                       "forward_cached", cache, sid,
+        x = self.model.embed_tokens(tokens)
+        if T == 1 and (h := decode_step.run(self, x, cos, sin, cache, sid)) is not None:
+            return self._head(h)
+        return self._head(self._hidden(x, cos, sin, "forward_cached", cache, sid,
                                        rows=slice(T - 1, T) if last_only else None))
 
     @torch.no_grad()
@@ -538,7 +548,12 @@ class LlamaModel(nn.Module):
     def forward_mixed(self, batch: MixedBatch, cache: KVCache) -> torch.Tensor:
         """One scheduler step in one pass through the weights: the decode rows and prefill
         chunks of ``batch`` packed (each row at its own session's position); logits of each
-        decode row and of each chunk's last token (``node.models.interface.MixedBatch``)."""
+        decode row and of each chunk's last token (``node.models.interface.MixedBatch``). A lone
+        one-token chunk (the scheduler's lone decode row, ``node.engine.scheduler``) is that
+        session's ``forward_cached``."""
+        if batch.step is None and len(batch.chunks) == 1 and len(batch.chunks[0][1]) == 1:
+            sid, toks = batch.chunks[0]
+            return self._forward_reserved(torch.tensor(toks), cache, sid, cache.length(sid))
         positions = batch.positions(cache)
         self._check_len(int(positions.max()) + 1)
         cos, sin = self._rope(positions)

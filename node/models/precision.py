@@ -172,14 +172,20 @@ class Int8Projection:
         return [m._buffers["q"].data_ptr() for m in mods]  # not nn.Module.__getattr__: hot path
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        lin = self.codes()
+        return None if lin is None else lin.forward(x)  # not nn.Module.__call__: no hooks
+
+    def codes(self) -> Int8Linear | None:
+        """The one :class:`Int8Linear` the modules' product is (the stack, or the lone
+        module), or None where a module is not one."""
         mods = self._modules()
         if mods is None:
             return None
         if len(mods) == 1:
-            return mods[0].forward(x)  # not nn.Module.__call__: no hooks to run, hot path
+            return mods[0]
         if self.key != self._key(mods):
             self._stack(mods)
-        return self.stacked.forward(x)
+        return self.stacked
 
     def _stack(self, mods: list[Int8Linear]) -> None:
         with torch.inference_mode(False), torch.no_grad():

@@ -257,3 +257,36 @@ def test_a_gather_follows_a_block_that_moved_at_the_same_length():
     kv.blocks.generation += 1
     for layer in layers:
         assert torch.equal(torch.cat(kv.read(a, layer)), want[layer])
+
+
+def test_an_arena_step_names_the_runs_and_the_row_and_commits_once():
+    """``arena_step``: a one-token step of a scattered session names each arena run of its
+    context, the new token's row in the last; ``commit_arena_step`` makes the token complete,
+    and refuses a second time. A block that must be decoded first gives None."""
+    from cache import KVCache
+    from cache.errors import ReservationError
+    from tests.cache.conftest import feed, small_config
+
+    kv, a, _, fed = _scattered_session()
+    n = kv.length(a)
+    assert kv.arena_step(a) is None  # nothing reserved
+    kv.reserve(a, [7])
+    step = kv.arena_step(a)
+    assert step.kv.data_ptr() == kv.arena.kv.data_ptr() and step.runs.shape == (7, 2)
+    start, m = step.runs[-1].tolist()
+    assert start <= step.row < start + m and int(step.runs[:, 1].sum()) == n + 1
+    last = kv.config.num_layers - 1
+    got = torch.cat([step.kv[last, 0, :, s : s + k] for s, k in step.runs[:, :].tolist()], 1)
+    assert torch.equal(got[:, :n], torch.cat([k for k, _ in fed[last]], 1).float())
+    kv.commit_arena_step(a)
+    assert kv.length(a) == n + 1
+    with pytest.raises(ReservationError, match="no one-token step"):
+        kv.commit_arena_step(a)
+
+    q = KVCache(small_config(kv_dtype="int8", fp_window=0, pool_bytes=64 << 10,
+                             read_buffer_fraction=6 * 1024 / (64 << 10)))
+    sa = q.open_session()
+    for i, sid in enumerate([sa, q.open_session(), q.open_session()]):
+        feed(q, sid, list(range(100 * i, 100 * i + 12)), seed=i)  # the first one's decoded now
+    q.reserve(sa, [99])
+    assert q.arena_step(sa) is None

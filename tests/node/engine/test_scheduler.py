@@ -385,17 +385,19 @@ TestSchedulerMachine.settings = settings(max_examples=25, stateful_step_count=15
 
 
 class _Broken:
-    """A model whose steps with a decode row fail: the backend must fail the requests, not
-    hang."""
+    """A model whose steps after its first (the prefill) fail: the backend must fail the
+    requests, not hang. (A lone decode row comes as a one-token chunk, so the step is told
+    by count, not by its decode rows.)"""
 
     def __init__(self, model):
-        self._m = model
+        self._m, self.steps = model, 0
 
     def __getattr__(self, name):
         return getattr(self._m, name)
 
     def forward_mixed(self, batch, cache):
-        if batch.decode_tokens:
+        self.steps += 1
+        if self.steps > 1:
             raise RuntimeError("boom")
         return self._m.forward_mixed(batch, cache)
 

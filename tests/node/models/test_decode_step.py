@@ -1,0 +1,172 @@
+"""A session's one-token step in one kernel call (``node.models.decode_step``): the same logits
+and K/V as the per-kernel path, in a fresh and a churned arena, and the per-kernel path
+wherever it does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache import KVCache
+from cache.sparsity import SlidingWindow
+from node.models import decode_step, kernels, precision
+from tests.tiny_models import tiny_llama
+
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def ops():
+    k = kernels.ops()
+    if k is None:
+        pytest.skip(f"fused kernels not built here: {kernels.status()}")
+    return k
+
+
+def _int8(head_dim: int = 64):
+    return precision.convert(tiny_llama(std=0.2, head_dim=head_dim), "int8")
+
+
+def _churned(m) -> tuple[KVCache, int]:
+    """A session of 3 blocks in an arena whose free slots alternate with other sessions'
+    blocks (every other one-block session closed, its block evicted for this one's): one
+    arena run per block."""
+    kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
+    others = [kv.open_session() for _ in range(kv.arena.num_blocks)]
+    for i, s in enumerate(others):
+        m.forward_cached([(7 * i + j) % 100 for j in range(BLOCK)], kv, s)
+    for s in others[1::2]:
+        kv.close_session(s)
+    sid = kv.open_session()
+    for i in range(3):
+        m.forward_cached(list(range(100 + i, 100 + i + BLOCK)), kv, sid)
+    return kv, sid
+
+
+def _decode(m, kv: KVCache, sid: int, tokens: list[int], one_call: bool,
+            monkeypatch) -> list[torch.Tensor]:
+    with monkeypatch.context() as p:
+        if not one_call:
+            p.setattr(decode_step, "run", lambda *a: None)
+        return [m.forward_cached([t], kv, sid)[-1] for t in tokens]
+
+
+@pytest.mark.parametrize("head_dim, kv_dtype, churned", [
+    (16, "fp32", False), (64, "fp32", False), (64, "int8", False), (16, "fp32", True),
+    (64, "fp32", True)])
+def test_one_call_gives_the_per_kernel_logits_and_kv(ops, one_thread, monkeypatch, head_dim,
+                                                     kv_dtype, churned):
+    """The same kernels in the same order: equal logits and K/V over one arena run. Over a
+    churned context (one-block runs, which the per-kernel path gathers into one copy) and an
+    int8 cache (whose blocks move) the keys are summed in other groupings, so the logits
+    agree to bf16 rounding (and so do the K/V written after the first step)."""
+    m = _int8(head_dim)
+    made = []
+    for one_call in (True, False):
+        if churned:
+            kv, sid = _churned(m)
+        else:
+            kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20, kv_dtype=kv_dtype))
+            sid = kv.open_session()
+            m.prefill(list(range(3, 22)), kv, sid)
+        toks = [5, 9, 2, 7, 11, 4, 8, 6, 1, 3] * 3  # across block boundaries
+        made.append((_decode(m, kv, sid, toks, one_call, monkeypatch), kv, sid))
+    (a, kv_a, sa), (b, kv_b, sb) = made
+    assert kv_a.length(sa) == kv_b.length(sb)
+    exact = not churned and kv_dtype == "fp32"
+    for x, y in zip(a, b):
+        if exact:
+            assert torch.equal(x, y)
+        else:
+            torch.testing.assert_close(x, y, rtol=0.02, atol=0.05)
+    if exact:
+        for layer in range(m.cfg.num_layers):
+            for p, q in zip(kv_a.read(sa, layer), kv_b.read(sb, layer)):
+                assert torch.equal(p, q)
+
+
+def test_a_churned_context_is_attended_over_its_runs(ops, one_thread):
+    """The churned session's step reads several runs, the new token's row in the last."""
+    m = _int8()
+    kv, sid = _churned(m)
+    kv.reserve(sid, [5])
+    step = kv.arena_step(sid)
+    assert step is not None and step.runs.shape[0] > 1
+    start, n = step.runs[-1].tolist()
+    assert start <= step.row < start + n
+    assert int(step.runs[:, 1].sum()) == kv.length(sid) + 1
+
+
+def test_it_commits_the_token_and_the_next_step_reads_it(ops, one_thread):
+    m = _int8()
+    kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
+    sid = kv.open_session()
+    m.prefill(list(range(3, 22)), kv, sid)
+    n = kv.length(sid)
+    m.forward_cached([5], kv, sid)
+    assert kv.length(sid) == n + 1
+    with pytest.raises(Exception, match="no one-token step to commit"):
+        kv.commit_arena_step(sid)
+
+
+@pytest.mark.parametrize("case", ["bfloat16", "sliding window", "two tokens", "a layer written"])
+def test_where_it_does_not_apply_the_per_kernel_path_runs(ops, one_thread, monkeypatch, case):
+    m = precision.convert(tiny_llama(std=0.2, head_dim=64), "bfloat16") if case == "bfloat16" \
+        else _int8()
+    kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
+    sid = kv.open_session(SlidingWindow(window=8, sinks=1) if case == "sliding window" else None)
+    m.prefill(list(range(3, 22)), kv, sid)
+    calls = []
+    real = ops.decode_layers_int8
+    monkeypatch.setattr(ops, "decode_layers_int8", lambda *a: calls.append(1) or real(*a))
+    if case in ("two tokens", "a layer written"):
+        kv.reserve(sid, [5, 6] if case == "two tokens" else [5])
+        if case == "a layer written":
+            c = m.cfg
+            kv.write(sid, 0, *torch.zeros(2, c.num_kv_heads, 1, c.head_dim))
+        assert kv.arena_step(sid) is None
+        return
+    m.forward_cached([5], kv, sid)
+    assert calls == []
+
+
+def test_an_adapter_on_a_projection_turns_it_off(ops):
+    m = _int8()
+    m.model.layers[1].self_attn.o_proj = torch.nn.Linear(m.cfg.hidden_size, m.cfg.hidden_size,
+                                                         bias=False)
+    with torch.inference_mode():
+        assert decode_step.layer_weights(m) is None
+        assert len(decode_step.layer_weights(_int8())) == decode_step.PER_LAYER * m.cfg.num_layers
+
+
+def test_bad_inputs_get_a_specific_error_and_write_nothing(ops):
+    m = _int8()
+    kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
+    sid = kv.open_session()
+    m.prefill(list(range(3, 22)), kv, sid)
+    kv.reserve(sid, [5])
+    step = kv.arena_step(sid)
+    c = m.cfg
+    with torch.inference_mode():
+        w = decode_step.layer_weights(m)
+    x = torch.zeros(1, c.hidden_size, dtype=torch.bfloat16)
+    cos, sin = m._rope_range(kv.length(sid), 1)
+    before = kv.arena.kv.clone()
+
+    def call(w=w, row=step.row, runs=step.runs, arena=step.kv):
+        return ops.decode_layers_int8(x, w, m.model.norm.weight, cos, sin, arena, row, runs,
+                                      c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+
+    with pytest.raises(RuntimeError, match="10 tensors per layer"):
+        call(w=w[:-1])
+    with pytest.raises(RuntimeError, match="outside the arena"):
+        call(row=step.kv.shape[3])
+    with pytest.raises(RuntimeError, match=r"span 0 \(-1, "):
+        call(runs=torch.tensor([[-1, 4]]))
+    with pytest.raises(RuntimeError, match="outside the arena"):
+        call(runs=torch.tensor([[0, step.kv.shape[3] + 1]]))
+    with pytest.raises(RuntimeError, match="spans must be int64"):
+        call(runs=step.runs.int())
+    with pytest.raises(RuntimeError, match="kv must be float32"):
+        call(arena=step.kv.bfloat16())
+    assert torch.equal(kv.arena.kv, before)
