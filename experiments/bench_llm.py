@@ -36,7 +36,8 @@ PASS/MISS, also printed), ``notes`` (how each section measures) and ``config``.
 model into its own fp32-block cache), ``ratio_vs_fp32``; ``quality.bf16`` and
 ``quality.int8_weights`` (Δppl, top-1 vs fp32 weights, fp32 cache); in ``details``: prefill
 ms of the prompt per format (interleaved), the read bandwidth of one core and each format's
-fraction of its ceiling (decode tokens/s x weight bytes per step / bandwidth).
+fraction of its ceiling (decode tokens/s x weight bytes per step / bandwidth), and the same
+counting the K/V of the context a step reads besides (``step_bytes_fraction``).
 ``config.kernels`` says whether the bf16/int8 forwards ran on the fused CPU kernels
 (``node.models.kernels``; ``FEDKV_KERNELS=eager`` runs them on the eager ops instead).
 """
@@ -196,13 +197,18 @@ def decode_section(model: LlamaModel, hf: Any, text: list[int], plan: Plan,
 def _variant_details(model: LlamaModel, variants: dict[str, LlamaModel], prompt: list[int],
                      med: dict[str, float], plan: Plan, gbs: float) -> dict[str, Any]:
     """Prefill ms of the prompt (interleaved, medians) and each format's fraction of the
-    memory-bandwidth ceiling at its measured decode rate."""
+    memory-bandwidth ceiling at its measured decode rate: of the weight bytes a step reads
+    (``bandwidth_ceiling_fraction``), and of those plus the K/V of its context at the timed
+    steps' mean length (``step_bytes_fraction``)."""
     models = {"fedkv_fp32": model, **variants}
     pre = llm_dtypes.prefill_ms(models, prompt, plan.repeats, plan.block_size)
     log("  prefill ms: " + ", ".join(f"{k} {_median(v):.0f}" for k, v in pre.items()))
+    kv = (len(prompt) + plan.decode_steps * plan.repeats / 2) * bytes_per_token(model)
     return {"prefill_ms": {k: _median(v) for k, v in pre.items()}, "prefill_ms_samples": pre,
             "bandwidth_ceiling_fraction": {k: llm_dtypes.ceiling_fraction(med[k], m, gbs)
-                                           for k, m in models.items()}}
+                                           for k, m in models.items()},
+            "step_bytes_fraction": {k: llm_dtypes.step_bytes_fraction(med[k], m, gbs, kv)
+                                    for k, m in models.items()}}
 
 
 # == batched ==============================================================================

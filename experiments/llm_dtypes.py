@@ -81,6 +81,14 @@ def ceiling_fraction(tokens_per_s: float, model: LlamaModel, gbs: float) -> floa
     return tokens_per_s * precision.weight_bytes_per_token(model) / (gbs * 1e9)
 
 
+def step_bytes_fraction(tokens_per_s: float, model: LlamaModel, gbs: float,
+                        kv_bytes: float) -> float:
+    """:func:`ceiling_fraction` counting what else a decode step reads: ``kv_bytes``, the K/V
+    of its context (the cache's fp32 arena at the timed steps' mean length). Where this nears
+    1 and :func:`ceiling_fraction` does not, the step is bound by the K/V it reads."""
+    return tokens_per_s * (precision.weight_bytes_per_token(model) + kv_bytes) / (gbs * 1e9)
+
+
 def quality(base: tuple[torch.Tensor, float], variants: dict[str, LlamaModel],
             score: Callable[[LlamaModel], tuple[torch.Tensor, float]]) -> tuple[dict, dict]:
     """``quality.<bf16|int8_weights>``: Δppl and top-1 agreement of each variant against

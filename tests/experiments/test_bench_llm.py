@@ -102,6 +102,8 @@ def test_weight_formats_are_measured_beside_fp32_at_each_context(result):
         assert set(row["ratio_vs_fp32"]) == set(VARIANTS)
         assert all(len(d[c]["samples"][k]) == TINY.repeats for k in VARIANTS)
         assert set(d[c]["bandwidth_ceiling_fraction"]) == {"fedkv_fp32", *VARIANTS}
+        for k, f in d[c]["step_bytes_fraction"].items():  # the context's K/V counted too
+            assert f > d[c]["bandwidth_ceiling_fraction"][k] > 0
         assert set(d[c]["prefill_ms"]) == {"fedkv_fp32", *VARIANTS}
     assert _finite_positive(r["details"]["decode_tokens_per_s"]["read_bandwidth_gbs"])
     for q in ("bf16", "int8_weights"):
