@@ -417,15 +417,18 @@ inline void prefetch_row(const T* r) {
 }
 
 // Scores of `g` queries over rows 16 at a time, each block of rows read once for all of them
-// (it stays in L1 while the queries take their turns).
+// (it stays in L1 while the queries take their turns). Rows past `ahead` (the rows readable
+// from `rows`; -1: no end) are not prefetched: past a run's end in a churned arena lie other
+// sessions' rows, and fetching them cost a short run more bytes than its own.
 template <int DV, typename T>
 int64_t scores_vec(const float* const* q, int64_t g, const T* rows, int64_t stride, int64_t n,
-                   float scale, float* const* out) {
+                   float scale, float* const* out, int64_t ahead) {
   __m512 acc[16];
   const __m512 sv = _mm512_set1_ps(scale);
   int64_t t = 0;
   for (; t + 16 <= n; t += 16) {
-    for (int i = 0; i < 16; ++i) prefetch_row<DV>(rows + (t + ROWS_AHEAD + i) * stride);
+    for (int i = 0; i < 16; ++i)
+      if (ahead < 0 || t + ROWS_AHEAD + i < ahead) prefetch_row<DV>(rows + (t + ROWS_AHEAD + i) * stride);
     for (int64_t k = 0; k < g; ++k) {
       __m512 qv[DV];
       for (int d = 0; d < DV; ++d) qv[d] = _mm512_loadu_ps(q[k] + 16 * d);
@@ -446,13 +449,13 @@ int64_t scores_vec(const float* const* q, int64_t g, const T* rows, int64_t stri
 // a time when dim is a multiple of 16 up to 128.
 template <typename T>
 void scores(const float* const* q, int64_t g, const T* rows, int64_t stride, int64_t n,
-            float scale, float* const* out, int64_t dim) {
+            float scale, float* const* out, int64_t dim, int64_t ahead = -1) {
   int64_t t = 0;
 #ifdef FEDKV_AVX512
   switch (dim) {
-    case 32: t = scores_vec<2>(q, g, rows, stride, n, scale, out); break;
-    case 64: t = scores_vec<4>(q, g, rows, stride, n, scale, out); break;
-    case 128: t = scores_vec<8>(q, g, rows, stride, n, scale, out); break;
+    case 32: t = scores_vec<2>(q, g, rows, stride, n, scale, out, ahead); break;
+    case 64: t = scores_vec<4>(q, g, rows, stride, n, scale, out, ahead); break;
+    case 128: t = scores_vec<8>(q, g, rows, stride, n, scale, out, ahead); break;
     default: break;
   }
 #endif
@@ -503,14 +506,14 @@ inline float exp_shift_sum(float* x, int64_t n, float mx) {
 // masked tail position may hold anything); a shared prefix's weights are all softmax values.
 template <int DV, int MAXQ, bool SKIP_ZERO, typename T>
 void weighted_rows_vec(const float* const* w, int64_t g, const T* rows, int64_t stride,
-                       int64_t n, float* const* o) {
+                       int64_t n, float* const* o, int64_t ahead) {
 #ifdef FEDKV_AVX512
   __m512 acc[MAXQ][DV];
   for (int64_t k = 0; k < g; ++k)
     for (int d = 0; d < DV; ++d) acc[k][d] = _mm512_loadu_ps(o[k] + 16 * d);
   for (int64_t t = 0; t < n; ++t) {
     const T* r = rows + t * stride;
-    prefetch_row<DV>(r + ROWS_AHEAD * stride);
+    if (ahead < 0 || t + ROWS_AHEAD < ahead) prefetch_row<DV>(r + ROWS_AHEAD * stride);
     __m512 rv[DV];
     for (int d = 0; d < DV; ++d) rv[d] = load_row16(r + 16 * d);
     for (int k = 0; k < MAXQ; ++k) {
@@ -528,13 +531,13 @@ void weighted_rows_vec(const float* const* w, int64_t g, const T* rows, int64_t 
 // weighted_rows_vec for any dim (up to MAXQ weight vectors): vector for 16 to 128, else scalar.
 template <int MAXQ = MAX_GROUP, bool SKIP_ZERO = true, typename T>
 void weighted_rows(const float* const* w, int64_t g, const T* rows, int64_t stride, int64_t n,
-                   float* const* o, int64_t dim) {
+                   float* const* o, int64_t dim, int64_t ahead = -1) {
 #ifdef FEDKV_AVX512
   switch (dim) {
-    case 16: return weighted_rows_vec<1, MAXQ, SKIP_ZERO>(w, g, rows, stride, n, o);
-    case 32: return weighted_rows_vec<2, MAXQ, SKIP_ZERO>(w, g, rows, stride, n, o);
-    case 64: return weighted_rows_vec<4, MAXQ, SKIP_ZERO>(w, g, rows, stride, n, o);
-    case 128: return weighted_rows_vec<8, MAXQ, SKIP_ZERO>(w, g, rows, stride, n, o);  // spills, still vector
+    case 16: return weighted_rows_vec<1, MAXQ, SKIP_ZERO>(w, g, rows, stride, n, o, ahead);
+    case 32: return weighted_rows_vec<2, MAXQ, SKIP_ZERO>(w, g, rows, stride, n, o, ahead);
+    case 64: return weighted_rows_vec<4, MAXQ, SKIP_ZERO>(w, g, rows, stride, n, o, ahead);
+    case 128: return weighted_rows_vec<8, MAXQ, SKIP_ZERO>(w, g, rows, stride, n, o, ahead);  // spills, still vector
     default: break;
   }
 #endif
@@ -614,7 +617,8 @@ int64_t scores_shared(const float* const* q, int64_t g, const float* rows, int64
   int64_t t = 0;
   while (t + 16 <= n) {
     const int blocks = t + 32 <= n ? 2 : 1;
-    for (int i = 0; i < 16 * blocks; ++i) prefetch_row<DV>(rows + (t + ROWS_AHEAD + i) * stride);
+    for (int i = 0; i < 16 * blocks; ++i)
+      if (t + ROWS_AHEAD + i < n) prefetch_row<DV>(rows + (t + ROWS_AHEAD + i) * stride);
     transpose_rows<DV>(rows + t * stride, stride, kt);
     if (blocks == 2) transpose_rows<DV>(rows + (t + 16) * stride, stride, kt + DV * 16 * 16);
     else std::memset(kt + DV * 16 * 16, 0, sizeof(float) * DV * 16 * 16);
@@ -624,6 +628,17 @@ int64_t scores_shared(const float* const* q, int64_t g, const float* rows, int64
   return t;
 }
 #endif
+
+// The first ROWS_AHEAD rows of head h of the next run, fetched while a run is read: the in-run
+// prefetches stop at a run's end, and in a churned arena the next run lies elsewhere.
+inline void prefetch_run_start(const Run& run, int64_t h, int64_t D) {
+#ifdef FEDKV_AVX512
+  const char* p = reinterpret_cast<const char*>(run.base + h * run.head_stride);
+  const int64_t rows = std::min(run.n, ROWS_AHEAD), bytes = D * 4;
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + t * run.row_stride * 4 + b, _MM_HINT_T0);
+#endif
+}
 
 // What every KV head of a decode step reads: the rows' queries, the prefix runs they share.
 struct Rows {
@@ -644,8 +659,10 @@ void prefix_scores(const Rows& r, int64_t h, const std::vector<const float*>& qs
   const int64_t g = static_cast<int64_t>(qs.size());
   std::vector<float*> at(sc.size());
   int64_t j = 0;
-  for (const Run& run : r.pk) {
+  for (size_t ri = 0; ri < r.pk.size(); ++ri) {
+    const Run& run = r.pk[ri];
     const float* rows = run.base + h * run.head_stride;
+    if (ri + 1 < r.pk.size()) prefetch_run_start(r.pk[ri + 1], h, D);
     int64_t done = 0;
 #ifdef FEDKV_AVX512
     if (g >= SHARED_MIN_QUERIES) {
@@ -656,7 +673,7 @@ void prefix_scores(const Rows& r, int64_t h, const std::vector<const float*>& qs
 #endif
     for (int64_t i = 0; i < g; ++i) at[i] = sc[i] + j + done;
     scores(qs.data(), g, rows + done * run.row_stride, run.row_stride, run.n - done, scale,
-           at.data(), D);
+           at.data(), D, run.n - done);
     j += run.n;
   }
 }
@@ -667,8 +684,10 @@ void prefix_scores(const Rows& r, int64_t h, const std::vector<const float*>& qs
 void prefix_values(const Rows& r, int64_t h, const std::vector<int64_t>& live,
                    const std::vector<float*>& sc, const std::vector<float*>& os, int64_t D) {
   int64_t i = 0;
-  for (const Run& run : r.pv) {
+  for (size_t ri = 0; ri < r.pv.size(); ++ri) {
+    const Run& run = r.pv[ri];
     const float* base = run.base + h * run.head_stride;
+    if (ri + 1 < r.pv.size()) prefetch_run_start(r.pv[ri + 1], h, D);
     for (int64_t c = 0; c < run.n; c += V_CHUNK) {
       const int64_t n = std::min(V_CHUNK, run.n - c);
       const float* rows = base + c * run.row_stride;
@@ -677,7 +696,7 @@ void prefix_values(const Rows& r, int64_t h, const std::vector<int64_t>& live,
         const float* ws[VALUE_QUERIES];
         float* o[VALUE_QUERIES];
         for (int64_t k = 0; k < ng; ++k) ws[k] = sc[live[l0 + k]] + i + c, o[k] = os[live[l0 + k]];
-        weighted_rows<VALUE_QUERIES, false>(ws, ng, rows, run.row_stride, n, o, D);
+        weighted_rows<VALUE_QUERIES, false>(ws, ng, rows, run.row_stride, n, o, D, run.n - c);
       }
     }
     i += run.n;
