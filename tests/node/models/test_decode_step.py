@@ -9,18 +9,10 @@ import torch
 
 from cache import KVCache
 from cache.sparsity import SlidingWindow
-from node.models import decode_step, kernels, precision
+from node.models import decode_step, precision
 from tests.tiny_models import tiny_llama
 
 BLOCK = 8
-
-
-@pytest.fixture(scope="module")
-def ops():
-    k = kernels.ops()
-    if k is None:
-        pytest.skip(f"fused kernels not built here: {kernels.status()}")
-    return k
 
 
 def _int8(head_dim: int = 64):
@@ -54,7 +46,7 @@ def _decode(m, kv: KVCache, sid: int, tokens: list[int], one_call: bool,
 @pytest.mark.parametrize("head_dim, kv_dtype, churned", [
     (16, "fp32", False), (64, "fp32", False), (64, "int8", False), (16, "fp32", True),
     (64, "fp32", True)])
-def test_one_call_gives_the_per_kernel_logits_and_kv(ops, one_thread, monkeypatch, head_dim,
+def test_one_call_gives_the_per_kernel_logits_and_kv(k, one_thread, monkeypatch, head_dim,
                                                      kv_dtype, churned):
     """The same kernels in the same order: equal logits and K/V over one arena run. Over a
     churned context (one-block runs, which the per-kernel path gathers into one copy) and an
@@ -85,7 +77,7 @@ def test_one_call_gives_the_per_kernel_logits_and_kv(ops, one_thread, monkeypatc
                 assert torch.equal(p, q)
 
 
-def test_a_churned_context_is_attended_over_its_runs(ops, one_thread):
+def test_a_churned_context_is_attended_over_its_runs(k, one_thread):
     """The churned session's step reads several runs, the new token's row in the last."""
     m = _int8()
     kv, sid = _churned(m)
@@ -97,7 +89,7 @@ def test_a_churned_context_is_attended_over_its_runs(ops, one_thread):
     assert int(step.runs[:, 1].sum()) == kv.length(sid) + 1
 
 
-def test_it_commits_the_token_and_the_next_step_reads_it(ops, one_thread):
+def test_it_commits_the_token_and_the_next_step_reads_it(k, one_thread):
     m = _int8()
     kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
     sid = kv.open_session()
@@ -110,15 +102,15 @@ def test_it_commits_the_token_and_the_next_step_reads_it(ops, one_thread):
 
 
 @pytest.mark.parametrize("case", ["bfloat16", "sliding window", "two tokens", "a layer written"])
-def test_where_it_does_not_apply_the_per_kernel_path_runs(ops, one_thread, monkeypatch, case):
+def test_where_it_does_not_apply_the_per_kernel_path_runs(k, one_thread, monkeypatch, case):
     m = precision.convert(tiny_llama(std=0.2, head_dim=64), "bfloat16") if case == "bfloat16" \
         else _int8()
     kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
     sid = kv.open_session(SlidingWindow(window=8, sinks=1) if case == "sliding window" else None)
     m.prefill(list(range(3, 22)), kv, sid)
     calls = []
-    real = ops.decode_layers_int8
-    monkeypatch.setattr(ops, "decode_layers_int8", lambda *a: calls.append(1) or real(*a))
+    real = k.decode_layers_int8
+    monkeypatch.setattr(k, "decode_layers_int8", lambda *a: calls.append(1) or real(*a))
     if case in ("two tokens", "a layer written"):
         kv.reserve(sid, [5, 6] if case == "two tokens" else [5])
         if case == "a layer written":
@@ -130,7 +122,7 @@ def test_where_it_does_not_apply_the_per_kernel_path_runs(ops, one_thread, monke
     assert calls == []
 
 
-def test_an_adapter_on_a_projection_turns_it_off(ops):
+def test_an_adapter_on_a_projection_turns_it_off(k):
     m = _int8()
     m.model.layers[1].self_attn.o_proj = torch.nn.Linear(m.cfg.hidden_size, m.cfg.hidden_size,
                                                          bias=False)
@@ -139,7 +131,7 @@ def test_an_adapter_on_a_projection_turns_it_off(ops):
         assert len(decode_step.layer_weights(_int8())) == decode_step.PER_LAYER * m.cfg.num_layers
 
 
-def test_bad_inputs_get_a_specific_error_and_write_nothing(ops):
+def test_bad_inputs_get_a_specific_error_and_write_nothing(k):
     m = _int8()
     kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
     sid = kv.open_session()
@@ -154,7 +146,7 @@ def test_bad_inputs_get_a_specific_error_and_write_nothing(ops):
     before = kv.arena.kv.clone()
 
     def call(w=w, row=step.row, runs=step.runs, arena=step.kv):
-        return ops.decode_layers_int8(x, w, m.model.norm.weight, cos, sin, arena, row, runs,
+        return k.decode_layers_int8(x, w, m.model.norm.weight, cos, sin, arena, row, runs,
                                       c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
 
     with pytest.raises(RuntimeError, match="10 tensors per layer"):

@@ -19,14 +19,6 @@ from tests.tiny_models import tiny_llama
 EPS = 1e-5
 
 
-@pytest.fixture(scope="module")
-def k():
-    ops = kernels.ops()
-    if ops is None:
-        pytest.skip(f"fused kernels not built here: {kernels.status()}")
-    return ops
-
-
 def bf(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
