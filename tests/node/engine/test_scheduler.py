@@ -115,6 +115,33 @@ def test_preempted_requests_decode_as_if_alone(model, mode):
     assert kv.stats()["blocks_referenced"] == 0 and kv.sessions() == []
 
 
+def test_a_lone_decode_row_is_its_sessions_one_token_step(monkeypatch):
+    """A decode row with nothing beside it in the step is reserved as its session's one-token
+    chunk: an int8 Llama takes it in one kernel call (``node.models.decode_step``), and the
+    request decodes what it decodes alone; with a second request beside it, a batch step."""
+    from node.models import kernels, precision
+    from tests.tiny_models import tiny_llama
+
+    ops = kernels.ops()
+    if ops is None:
+        pytest.skip(f"fused kernels not built here: {kernels.status()}")
+    m = precision.convert(tiny_llama(std=0.2, head_dim=64), "int8")
+    calls = []
+    whole = ops.decode_layers_int8
+    monkeypatch.setattr(ops, "decode_layers_int8", lambda *a: calls.append(1) or whole(*a))
+    s = Scheduler(m, _cache(m, 64))
+    q = s.add(GenerationRequest(tuple(range(3, 22)), 6))[0]
+    _run(s)
+    assert len(calls) == 5  # the prefill samples the first of the 6 tokens
+    assert q.generated == _alone(m, list(range(3, 22)), 6)
+    s2 = Scheduler(m, _cache(m, 64))
+    both = [s2.add(GenerationRequest(tuple(range(i, i + 19)), 6))[0] for i in (3, 30)]
+    calls.clear()
+    _run(s2)
+    assert len(calls) == 0  # two decode rows: one batch step each time
+    assert s2.counters["decode_rows"] == 10
+
+
 @torch.no_grad()
 def test_chunked_prefill_gives_the_whole_prefills_logits(model):
     prompt = list(_prompts(model.cfg.vocab_size, [37])[0])
