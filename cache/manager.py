@@ -77,6 +77,31 @@ class BlockManager:
         finally:
             self._note_collateral(evicted)
 
+    def room_for_run(self, tokens: int) -> int | None:
+        """Start of room for ``tokens`` laid end to end (a session's new blocks in a full
+        arena), made by evicting the cached blocks of the run whose most recently used one
+        is the least recent (``TokenArena.oldest_run``) -- no more evictions than placing the
+        blocks one by one would make, but chosen by place, not strictly by the policy's
+        order. None where no such run exists (nothing evicted). One by one, each new block
+        goes wherever its victim was, and a decode step then reads the context in one-block
+        runs (``KVCache.arena_step``)."""
+        a = self.arena
+        one_by_one = -(-tokens // a.B) - a.placeable(a.B)  # the victims they would take
+        order = [self.index[k] for k in self.policy.victims(len(self.index))]
+        start = a.oldest_run(tokens, [(b.start, b.capacity, r) for r, b in enumerate(order)
+                                      if b.start is not None], one_by_one * a.B)
+        if start is None:
+            return None
+        end = start + a.capacity_for(tokens)
+        targets = {b.id for b in order
+                   if b.start is not None and b.start < end and b.start + b.capacity > start}
+        if len(targets) > one_by_one:  # blocks straddling the run's ends
+            return None
+        for _ in targets:
+            self._evict_cached(lambda b: b.id in targets and b.start is not None)
+        self._note_collateral(min(len(targets), 1))
+        return start
+
     def _q_handle(self) -> int | None:
         """A quantized-pool handle, evicting one cached quantized block if needed; None when
         every quantized block is referenced."""

@@ -82,7 +82,9 @@ class Pressure:
     def _allocate(self, t: BlockTable, total: int) -> tuple[Block | None, list[Block]]:
         """Room for ``total`` tokens: the partly filled last block grows in place, or is
         copied (shared: copy-on-write; no room after it: a move) -- that copy, or None --
-        and the new blocks, each placed right after its predecessor when that space is free."""
+        and the new blocks, each placed right after its predecessor when that space is free;
+        several new blocks that do not fit after it go end to end elsewhere, into a free gap
+        or room made by eviction (``BlockManager.room_for_run``)."""
         B, m = self.config.block_size, self.blocks
         keep: set[int] = set()  # any read buffer may go, the session's own too: reads decode
         tail, new = None, []
@@ -94,7 +96,12 @@ class Pressure:
                     prev = t.blocks[-2] if len(t.blocks) > 1 else None
                     tail = m.copy(old, t.length % B, want, end_of(prev, B), keep)
                     last = end_of(tail, B)
-            for i in range(t.blocks_needed(total) - len(t.blocks)):
+            need = t.blocks_needed(total) - len(t.blocks)
+            if need > 1 and not (last is not None and m.arena.free_at(last, need * B)):
+                start = m.arena.free_run(need * B)  # end to end: in a free gap, else made
+                start = m.room_for_run(need * B) if start is None else start
+                last = last if start is None else start
+            for i in range(need):
                 n = min(B, total - (len(t.blocks) + i) * B)
                 new.append(m.new(n, last, keep | {b.id for b in new}))
                 last = end_of(new[-1], B)

@@ -77,8 +77,42 @@ class TokenArena:
         self.free_pages -= need - have
         return True
 
+    def free_at(self, start: int, tokens: int) -> bool:
+        """``tokens`` fit at position ``start`` (page-aligned) in free pages."""
+        return start % self.page == 0 and self._is_free(start // self.page, self.pages_for(tokens))
+
     def _is_free(self, p: int, n: int) -> bool:
         return p + n <= self._free.size and bool(self._free[p : p + n].all())
+
+    def free_run(self, tokens: int) -> int | None:
+        """Where ``allocate`` would put ``tokens`` with no predecessor to follow (see
+        ``_run_start``), without taking it; None when no gap holds them."""
+        p = self._run_start(self.pages_for(tokens))
+        return None if p is None else p * self.page
+
+    def placeable(self, tokens: int) -> int:
+        """How many allocations of ``tokens`` the free gaps hold as they lie."""
+        f = np.concatenate(([False], self._free, [False])).astype(np.int8)
+        edges = np.flatnonzero(np.diff(f))
+        return int(((edges[1::2] - edges[0::2]) // self.pages_for(tokens)).sum())
+
+    def oldest_run(self, tokens: int, ranks: list[tuple[int, int, int]],
+                   most: int) -> int | None:
+        """Start of the run for ``tokens`` whose most recently used occupant is the least
+        recent, among runs of free positions and at most ``most`` tokens of evictable blocks:
+        ``ranks`` holds (start, capacity, rank) of every evictable block (rank 0 is evicted
+        first); any other block is not movable. None when no run qualifies."""
+        n = self.pages_for(tokens)
+        if n > self._free.size:
+            return None
+        rank = np.where(self._free, -1.0, np.inf)
+        for start, capacity, r in ranks:
+            rank[start // self.page : (start + capacity) // self.page] = r
+        windows = np.lib.stride_tricks.sliding_window_view(rank, n)
+        worst = windows.max(axis=1)
+        worst[(windows >= 0).sum(axis=1) > self.pages_for(most)] = np.inf
+        p = int(np.argmin(worst))
+        return p * self.page if np.isfinite(worst[p]) else None
 
     def _run_start(self, n: int) -> int | None:
         """First page for ``n`` pages: the middle of the largest free gap, or its start when

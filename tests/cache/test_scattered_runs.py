@@ -95,7 +95,8 @@ def test_a_few_long_runs_are_attended_in_place(monkeypatch):
 # -- a churned cache, end to end (tiny Llama) ---------------------------------------------------
 def _churned(model, blocks: int, seed: int = 0):
     """A pool of ``blocks`` full of one-block prefix-cache entries closed in random order, so
-    a new sequence's blocks land wherever the least recently used entry was: scattered."""
+    a new sequence fed block by block lands wherever the least recently used entry was:
+    scattered."""
     import random
 
     from cache import CacheFullError, KVCache
@@ -136,7 +137,9 @@ def test_a_churned_cache_decodes_a_new_sequence_as_a_fresh_cache_does(monkeypatc
     for name, kv in (("fresh", KVCache(model.cache_config(
             pool_bytes=40 * model.cache_config().block_bytes_fp32))), ("churned", _churned(model, 40))):
         sid = kv.open_session()
-        logits, toks, calls = model.prefill(prompt, kv, sid), [], []
+        for i in range(0, len(prompt), B):  # block by block: each goes where a victim was
+            logits = model.forward_cached(prompt[i : i + B], kv, sid)[-1]
+        toks, calls = [], []
         for _ in range(6):
             toks.append(int(logits.argmax()))
             count = _Count(monkeypatch, "matmul")
@@ -152,6 +155,66 @@ def test_a_churned_cache_decodes_a_new_sequence_as_a_fresh_cache_does(monkeypatc
 
 
 
+def test_a_prompt_reserved_at_once_in_a_churned_arena_lies_in_one_run():
+    """Several new blocks reserved together in an arena full of one-block cached entries and
+    an open session's block go end to end (``BlockManager.room_for_run``): one run, no more
+    evictions than blocks, every victim inside the run, the open session's block not in it
+    (which run: ``test_the_run_made_is_the_one_whose_youngest_occupant_is_oldest``)."""
+    from tests.tiny_models import tiny_llama
+
+    model = tiny_llama()
+    kv = _churned(model, 60)
+    c, m = kv.config, kv.blocks
+    B, N = c.block_size, 12
+
+    def one_block(toks: list[int]) -> int:
+        sid = kv.open_session()
+        kv.reserve(sid, toks)
+        for layer in range(c.num_layers):
+            kv.write(sid, layer, *torch.zeros(2, c.num_heads, B, c.head_dim))
+        return sid
+
+    filler = []
+    while m.arena.free_run(B) is not None:  # the free slots filled, then cached too
+        filler.append(one_block([7 + len(filler)] * B))
+    for f in filler:
+        kv.close_session(f)
+    held = one_block([5] * B)  # an open session's block: not movable, not evictable
+    fixed = kv.session_table.get(held).blocks[0].start
+    at = {m.index[k].start: m.index[k] for k in m.index}
+    cached, before = set(m.index), kv.stats()["evictions"]
+    sid = kv.open_session()
+    kv.reserve(sid, list(range(4, 4 + N * B)))
+    assert _arena_runs(kv, sid) == 1
+    start = kv.session_table.get(sid).blocks[0].start
+    assert not start <= fixed < start + N * B
+    gone = cached - set(m.index)
+    assert kv.stats()["evictions"] - before == len(gone) <= N
+    for was, b in at.items():  # the evicted ones lay inside the run, none elsewhere
+        if b.hash not in m.index:
+            assert start <= was and was + b.capacity <= start + N * B
+    assert kv.stats()["eviction_collateral"] <= 1
+
+
+def test_the_run_made_is_the_one_whose_youngest_occupant_is_oldest():
+    """``TokenArena.oldest_run`` over one-block slots: the run whose most recently used
+    occupant is the least recent; free slots rank below all; an immovable block (not in the
+    ranks) is never inside; no more than ``most`` tokens of evictable blocks are."""
+    from cache.token_arena import TokenArena
+
+    a = TokenArena(num_blocks=8, layers=1, heads=1, block=4, dim=2, dtype=torch.float32)
+    assert sorted(a.allocate(4) for _ in range(8)) == list(range(0, 32, 4))
+    rank = {0: 5, 4: 0, 8: 1, 16: 2, 20: 3, 24: 7, 28: 6}  # slot 12: an open session's
+    ranks = [(start, 4, r) for start, r in rank.items()]
+    assert a.oldest_run(8, ranks, most=8) == 4  # slots 4 and 8: youngest rank 1
+    assert a.oldest_run(12, ranks, most=12) == 0  # 0-8 (youngest 5) beat 16-24 and 20-28 (7)
+    assert a.oldest_run(20, ranks, most=20) is None  # every 5-slot run holds slot 12
+    a.free(16, 4)
+    ranks = [r for r in ranks if r[0] != 16]
+    assert a.oldest_run(8, ranks, most=4) == 16  # at most one eviction: the free slot and 20
+    assert a.placeable(4) == 1 and a.placeable(8) == 0
+
+
 def _scattered_session(store=None, gather: bool = True, spans: bool = False):
     """A session of 6 blocks in an arena whose free slots alternate with other sessions'
     blocks (every other one-block session closed, its block evicted for this one's), its last
@@ -162,6 +225,7 @@ def _scattered_session(store=None, gather: bool = True, spans: bool = False):
     from tests.cache.conftest import feed, small_config
 
     kv = KVCache(small_config(block_size=8, pool_bytes=256 << 10))
+    kv.blocks.room_for_run = lambda tokens: None  # placed block by block: where victims were
     others = [kv.open_session() for _ in range(kv.arena.num_blocks)]
     for i, s in enumerate(others):
         feed(kv, s, list(range(8 * i, 8 * i + 8)))
