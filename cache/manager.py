@@ -78,14 +78,16 @@ class BlockManager:
             self._note_collateral(evicted)
 
     def room_for_run(self, tokens: int) -> int | None:
-        """Start of room for ``tokens`` laid end to end (a session's new blocks in a full
-        arena), made by evicting the cached blocks of the run whose most recently used one
-        is the least recent (``TokenArena.oldest_run``) -- no more evictions than placing the
-        blocks one by one would make, but chosen by place, not strictly by the policy's
-        order. None where no such run exists (nothing evicted). One by one, each new block
-        goes wherever its victim was, and a decode step then reads the context in one-block
-        runs (``KVCache.arena_step``)."""
+        """Start of room for ``tokens`` laid end to end (a session's new blocks): a free gap
+        (``TokenArena.free_run``), else made by evicting the cached blocks of the run whose
+        most recently used one is the least recent (``TokenArena.oldest_run``) -- no more
+        evictions than placing the blocks one by one would make, but chosen by place, not
+        strictly by the policy's order. None where no such run exists (nothing evicted). One
+        by one in a full arena, each new block goes wherever its victim was, and a decode
+        step then reads the context in one-block runs (``KVCache.arena_step``)."""
         a = self.arena
+        if (free := a.free_run(tokens)) is not None:
+            return free
         one_by_one = -(-tokens // a.B) - a.placeable(a.B)  # the victims they would take
         order = [self.index[k] for k in self.policy.victims(len(self.index))]
         start = a.oldest_run(tokens, [(b.start, b.capacity, r) for r, b in enumerate(order)
@@ -93,12 +95,12 @@ class BlockManager:
         if start is None:
             return None
         end = start + a.capacity_for(tokens)
-        targets = {b.id for b in order
-                   if b.start is not None and b.start < end and b.start + b.capacity > start}
+        targets = [b for b in order
+                   if b.start is not None and b.start < end and b.start + b.capacity > start]
         if len(targets) > one_by_one:  # blocks straddling the run's ends
             return None
-        for _ in targets:
-            self._evict_cached(lambda b: b.id in targets and b.start is not None)
+        for b in targets:  # in the policy's order
+            self._evict(b)
         self._note_collateral(min(len(targets), 1))
         return start
 
@@ -134,12 +136,16 @@ class BlockManager:
         for key in self._victims_lazily():
             b = self.index[key]
             if frees(b):
-                if self.tiers is not None:
-                    self.tiers.put(b.hash, self.entry(b))
-                self.free(b)
-                self.counters["evictions"] += 1
+                self._evict(b)
                 return True
         return False
+
+    def _evict(self, b: Block) -> None:
+        """Drop the cached block ``b`` (to the warm tier when there is one)."""
+        if self.tiers is not None:
+            self.tiers.put(b.hash, self.entry(b))
+        self.free(b)
+        self.counters["evictions"] += 1
 
     def _victims_lazily(self):
         n, seen = 1, 0

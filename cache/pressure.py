@@ -98,8 +98,7 @@ class Pressure:
                     last = end_of(tail, B)
             need = t.blocks_needed(total) - len(t.blocks)
             if need > 1 and not (last is not None and m.arena.free_at(last, need * B)):
-                start = m.arena.free_run(need * B)  # end to end: in a free gap, else made
-                start = m.room_for_run(need * B) if start is None else start
+                start = m.room_for_run(need * B)  # end to end, elsewhere
                 last = last if start is None else start
             for i in range(need):
                 n = min(B, total - (len(t.blocks) + i) * B)

@@ -134,11 +134,17 @@ class ReadPlanner:
         decoded (quantized only) or a sparsity policy drops blocks (``runs`` then)."""
         if t.sparsity is not None:
             return None
-        runs = self._arena_runs(self.plan(t), t.layer_length(layer))
+        runs = self.run_table(t, t.layer_length(layer))
         if runs is None:
             return None
         kv = self.arena.kv[layer]
-        return Spans(kv[0], kv[1], torch.tensor(runs, dtype=torch.long).view(-1, 2))
+        return Spans(kv[0], kv[1], runs)
+
+    def run_table(self, t: BlockTable, n: int) -> torch.Tensor | None:
+        """int64 [runs, 2]: (arena start, tokens) of each run holding the first ``n``
+        positions; None when one of them is quantized only."""
+        runs = self._arena_runs(self.plan(t), n)
+        return None if runs is None else torch.tensor(runs, dtype=torch.long).view(-1, 2)
 
     def _arena_runs(self, plan: list, n: int) -> list[tuple[int, int]] | None:
         """(arena start, tokens) of each run holding the first ``n`` positions of ``plan``;
@@ -293,11 +299,11 @@ class SessionSteps:
             return None
         if self.arena.kv.dtype != torch.float32:
             return None
-        runs = self.reads._arena_runs(self.reads.plan(t), t.length + 1)
+        runs = self.reads.run_table(t, t.length + 1)
         if runs is None:
             return None
         row = t.write_at.start if isinstance(t.write_at, slice) else int(t.write_at[0])
-        return ArenaStep(self.arena.kv, row, torch.tensor(runs, dtype=torch.long).view(-1, 2))
+        return ArenaStep(self.arena.kv, row, runs)
 
     def commit_arena_step(self, t: BlockTable) -> None:
         """``KVCache.commit_arena_step`` on the session's table."""

@@ -92,9 +92,13 @@ class TokenArena:
 
     def placeable(self, tokens: int) -> int:
         """How many allocations of ``tokens`` the free gaps hold as they lie."""
-        f = np.concatenate(([False], self._free, [False])).astype(np.int8)
-        edges = np.flatnonzero(np.diff(f))
-        return int(((edges[1::2] - edges[0::2]) // self.pages_for(tokens)).sum())
+        starts, ends = self._gaps()
+        return int(((ends - starts) // self.pages_for(tokens)).sum())
+
+    def _gaps(self) -> tuple[np.ndarray, np.ndarray]:
+        """First and one-past-last page of each run of free pages."""
+        edges = np.flatnonzero(np.diff(np.concatenate(([False], self._free, [False])).astype(np.int8)))
+        return edges[0::2], edges[1::2]
 
     def oldest_run(self, tokens: int, ranks: list[tuple[int, int, int]],
                    most: int) -> int | None:
@@ -117,9 +121,7 @@ class TokenArena:
     def _run_start(self, n: int) -> int | None:
         """First page for ``n`` pages: the middle of the largest free gap, or its start when
         nothing precedes it; None when no gap holds ``n`` pages."""
-        f = np.concatenate(([False], self._free, [False])).astype(np.int8)
-        edges = np.flatnonzero(np.diff(f))
-        starts, ends = edges[0::2], edges[1::2]
+        starts, ends = self._gaps()
         if not starts.size:
             return None
         i = int(np.argmax(ends - starts))
