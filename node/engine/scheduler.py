@@ -376,9 +376,9 @@ class Scheduler:
                 done = [(c, n) for c, n in done if c is not victim]
         if step is None and not done and not (lone and decode):
             return None, [], []
-        rows = tuple((s.sid, tuple(s.context[s.computed : s.computed + n])) for s, n in done)
         if lone and decode:  # as a one-token chunk: model.forward_mixed runs it as forward_cached
             return MixedBatch(None, (), ((decode[0].sid, (decode[0].context[-1],)),)), decode, done
+        rows = tuple((s.sid, tuple(s.context[s.computed : s.computed + n])) for s, n in done)
         return MixedBatch(step, tuple(s.context[-1] for s in decode), rows), decode, done
 
     # -- preemption and retiring -------------------------------------------------------------

@@ -800,10 +800,23 @@ void attend_rows(const Rows& r, RunOf<T> tk, RunOf<T> tv, int64_t tk_slot, int64
   });
 }
 
+// decode_attention (below) over runs already checked, or made from checked spans.
 torch::Tensor attend_decode(const torch::Tensor& q, const std::vector<Run>& pk,
                             const std::vector<Run>& pv, const torch::Tensor& tail_k,
                             const torch::Tensor& tail_v, const torch::Tensor& tail_valid,
-                            const std::vector<int64_t>& slot);
+                            const std::vector<int64_t>& slot) {
+  int64_t n_prefix = 0;
+  for (const Run& run : pk) n_prefix += run.n;
+  auto out = torch::zeros(q.sizes(), q.options());
+  const Rows rows{q.contiguous(), out, tail_valid, slot, pk, pv, n_prefix};
+  if (tail_k.scalar_type() == torch::kBFloat16)
+    attend_rows(rows, run_of<bf16>(tail_k, 0, 2), run_of<bf16>(tail_v, 0, 2), tail_k.stride(1),
+                tail_v.stride(1));
+  else
+    attend_rows(rows, run_of<float>(tail_k, 0, 2), run_of<float>(tail_v, 0, 2), tail_k.stride(1),
+                tail_v.stride(1));
+  return out;
+}
 
 // One decode step's attention, grouped-query, over a shared prefix and each row's tail (what
 // cache.attention.attend_shared computes, in one pass per (KV head, row)).
@@ -848,23 +861,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const std::vector<torch::
   return attend_decode(q, pk, pv, tail_k, tail_v, tail_valid, slot);
 }
 
-// decode_attention over runs already checked (or made from checked spans).
-torch::Tensor attend_decode(const torch::Tensor& q, const std::vector<Run>& pk,
-                            const std::vector<Run>& pv, const torch::Tensor& tail_k,
-                            const torch::Tensor& tail_v, const torch::Tensor& tail_valid,
-                            const std::vector<int64_t>& slot) {
-  int64_t n_prefix = 0;
-  for (const Run& run : pk) n_prefix += run.n;
-  auto out = torch::zeros(q.sizes(), q.options());
-  const Rows rows{q.contiguous(), out, tail_valid, slot, pk, pv, n_prefix};
-  if (tail_k.scalar_type() == torch::kBFloat16)
-    attend_rows(rows, run_of<bf16>(tail_k, 0, 2), run_of<bf16>(tail_v, 0, 2), tail_k.stride(1),
-                tail_v.stride(1));
-  else
-    attend_rows(rows, run_of<float>(tail_k, 0, 2), run_of<float>(tail_v, 0, 2), tail_k.stride(1),
-                tail_v.stride(1));
-  return out;
-}
+constexpr int64_t LAYER_TENSORS = 10;  // decode_layers_int8's per layer (decode_step.PER_LAYER)
 
 // One session's one-token decode through every layer on weight-only int8 weights: what
 // LlamaModel._hidden's fused form does for a lone token, without a return to Python between
@@ -887,8 +884,8 @@ torch::Tensor decode_layers_int8(torch::Tensor x, const std::vector<torch::Tenso
               kv.scalar_type(), " ", kv.sizes());
   const int64_t L = kv.size(0), cap = kv.size(3);
   TORCH_CHECK(pos >= 0 && pos < cap, "pos ", pos, " outside the arena's ", cap, " rows");
-  TORCH_CHECK(static_cast<int64_t>(w.size()) == 10 * L, "w must hold 10 tensors per layer (",
-              10 * L, "), got ", w.size());
+  TORCH_CHECK(static_cast<int64_t>(w.size()) == LAYER_TENSORS * L, "w must hold ", LAYER_TENSORS,
+              " tensors per layer (", LAYER_TENSORS * L, "), got ", w.size());
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "x must be one row, got ", x.sizes());
   TORCH_CHECK(spans.scalar_type() == torch::kLong && spans.dim() == 2 && spans.size(1) == 2,
               "spans must be int64 [runs, 2], got ", spans.scalar_type(), " ", spans.sizes());
@@ -905,7 +902,7 @@ torch::Tensor decode_layers_int8(torch::Tensor x, const std::vector<torch::Tenso
   const std::vector<int64_t> no_slot{0};
   auto h = rms_norm(x, w[0], eps);
   for (int64_t l = 0; l < L; ++l) {
-    const torch::Tensor* lw = w.data() + 10 * l;
+    const torch::Tensor* lw = w.data() + LAYER_TENSORS * l;
     float* base = kv.data_ptr<float>() + l * kv.stride(0);
     auto qkv = rope_split(int8_linear(h, lw[1], lw[2]), cos, sin, heads, kv_heads, dim,
                           torch::kFloat32);
@@ -920,8 +917,8 @@ torch::Tensor decode_layers_int8(torch::Tensor x, const std::vector<torch::Tenso
     auto a = attend_decode(qkv[0], pk, pv, no_tail, no_tail, no_valid, no_slot);
     h = add_rms_norm_(x, int8_linear(merge_heads(a), lw[3], lw[4]), lw[5], eps);
     auto act = silu_mul(int8_linear(h, lw[6], lw[7]));
-    h = add_rms_norm_(x, int8_linear(act, lw[8], lw[9]), l + 1 < L ? w[10 * (l + 1)] : final_norm,
-                      eps);
+    const torch::Tensor& next_norm = l + 1 < L ? w[LAYER_TENSORS * (l + 1)] : final_norm;
+    h = add_rms_norm_(x, int8_linear(act, lw[8], lw[9]), next_norm, eps);
   }
   return h;
 }
