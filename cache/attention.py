@@ -61,6 +61,10 @@ class ArenaStep:
     included, in position order."""
 
 
+ARENA_STEP_DTYPES = (torch.float32, torch.bfloat16)
+"""Arenas an ``ArenaStep`` is offered over (the kernel reads bf16 rows as fp32)."""
+
+
 GATHER_RUN_TOKENS = 32
 """A decode step gathers a context's runs into one copy when there are at least
 ``GATHER_MIN_RUNS`` of them averaging at most this many tokens: a context scattered block by

@@ -8,7 +8,7 @@ from cache.errors import ConfigError
 from cache.fsperm import LOCK_TIMEOUT_S
 from cache.tunables import TUNABLES, validate_tunable
 
-KV_DTYPES = ("fp32", "fp16", "int8", "int4")
+KV_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4")
 TAIL_DTYPES = ("fp32", "bf16")
 """``batch_tail_dtype`` choices."""
 QUANT_SCHEMES = ("kivi", "per_layer")
@@ -38,7 +38,11 @@ class CacheConfig:
     block_size: int = 16
     """Tokens per KV block (vLLM's default is 16)."""
     kv_dtype: str = "fp32"
-    """Storage of blocks that left the full-precision window: fp32, fp16, int8 or int4."""
+    """Storage of blocks that left the full-precision window: fp32, bf16, fp16, int8 or int4.
+    ``bf16`` keeps the whole arena in bf16: exact for a model whose K/V are bf16 values (bf16
+    or weight-only int8 weights; ``node.models.llama.LlamaModel.cache_config`` picks it there,
+    as vLLM's ``--kv-cache-dtype auto`` follows the model), and half the bytes a decode step's
+    attention reads."""
     fp_window: int = 32
     """Newest tokens kept at full precision (KIVI's residual window); quantized modes only.
     The last, partial block is always full precision because key scales are per block."""

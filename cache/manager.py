@@ -20,7 +20,7 @@ from cache.errors import CacheFullError
 from cache.pool import BlockPool
 from cache.prefix import ROOT, block_hash
 from cache.policy import EvictionPolicy
-from cache.quant import BlockFormat, relative_error
+from cache.quant import FULL_PRECISION, BlockFormat, relative_error
 from cache.tiers import TierEntry, Tiers
 from cache.token_arena import TokenArena
 
@@ -170,7 +170,8 @@ class BlockManager:
 
     @property
     def fp_format(self) -> str:
-        return "fp16" if self.arena.kv.dtype == torch.float16 else "fp32"
+        """The arena's storage format (a name of ``cache.quant.FULL_PRECISION``)."""
+        return next(n for n, t in FULL_PRECISION.items() if t == self.arena.kv.dtype)
 
     def ref(self, b: Block) -> None:
         b.ref_count += 1
@@ -261,7 +262,12 @@ class BlockManager:
                          b.last_access, b.frequency, dirty=b.dirty)
 
     def restore(self, h: bytes, e: TierEntry, after: int | None = None) -> Block | None:
-        """A hot, cached (unreferenced) block from a tier entry; None when hot has no room."""
+        """A hot, cached (unreferenced) block from a tier entry; None when hot has no room or
+        the entry is in a form this cache cannot hold (a shared tier may hold another node's
+        quantized format, or a payload of the wrong size). Full-precision entries of another
+        precision (a cache rebuilt with another ``kv_dtype``) are converted into the arena's."""
+        if not self._holdable(e):
+            return None
         b = Block(self._next_id, e.version, tokens=list(e.tokens), ref_count=0, hash=h,
                   parent_hash=e.parent, format=e.format, last_access=self.clock,
                   frequency=e.frequency, dirty=e.dirty)
@@ -275,7 +281,7 @@ class BlockManager:
             else:
                 b.start, b.capacity = self._fp_room(self.arena.B, after, set()), self.arena.B
                 dst = self.arena.block(b.start)
-                dst.copy_(data.view(self.arena.kv.dtype).view(dst.shape))
+                dst.copy_(data.view(FULL_PRECISION[e.format]).view(dst.shape))
         except CacheFullError:
             return None
         self._next_id += 1
@@ -283,6 +289,16 @@ class BlockManager:
         self.index[h] = b
         self.policy.insert(h)
         return b
+
+    def _holdable(self, e: TierEntry) -> bool:
+        """``e`` is a block this cache can restore: its quantized format, or a full block of a
+        full-precision one, its payload of that size."""
+        if self.qformat is not None and e.format == self.qformat.kv_dtype:
+            return len(e.payload) == self.qformat.layer_bytes * self._layers
+        if e.format not in FULL_PRECISION:
+            return False
+        values = self.arena.block_bytes // self.arena.kv.element_size()
+        return len(e.payload) == values * FULL_PRECISION[e.format].itemsize
 
     # -- prefix cache --------------------------------------------------------------------
     def lookup(self, parent: bytes, tokens: list[int], after: int | None = None) -> Block | None:

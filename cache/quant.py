@@ -28,7 +28,8 @@ from math import prod
 
 import torch
 
-_FP = {"fp32": torch.float32, "fp16": torch.float16}
+FULL_PRECISION = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""Full-precision storage formats and their element types (the arena holds one of them)."""
 _LEVELS = {"int8": 127, "int4": 15}
 SCALE_FORMATS = ("fp16", "log8")
 # 2**(-q/16) for every uint8 q; a table so encode and decode compute bit-identical scales
@@ -88,7 +89,7 @@ class BlockFormat:
     def _fields(self) -> list[Field]:
         H, B, D = self.H, self.B, self.D
         if not self.quantized:
-            return [Field("kv", _FP[self.kv_dtype], (2, H, B, D))]
+            return [Field("kv", FULL_PRECISION[self.kv_dtype], (2, H, B, D))]
         per_layer = self.scheme == "per_layer"
         k_sc, v_sc = ((1,), (1,)) if per_layer else ((H, D), (H, B))
         if self.log8:
@@ -116,7 +117,7 @@ class BlockFormat:
         """k, v: [L, H, B, D] float -> uint8 [L, layer_bytes]."""
         L = k.shape[0]
         if not self.quantized:
-            kv = torch.stack((k, v), dim=1).to(_FP[self.kv_dtype]).contiguous()
+            kv = torch.stack((k, v), dim=1).to(FULL_PRECISION[self.kv_dtype]).contiguous()
             return kv.view(torch.uint8).reshape(L, -1)
         parts: dict[str, torch.Tensor] = {}
         # keys: reduce over tokens (dim 2) per channel; values: over head_dim (dim 3) per token

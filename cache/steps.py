@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from cache.attention import ArenaStep, Run, Spans, scattered
+from cache.attention import ARENA_STEP_DTYPES, ArenaStep, Run, Spans, scattered
 from cache.block import Block
 from cache.errors import CacheFullError, ReservationError, ShapeMismatchError, TensorDTypeError
 from cache.prefetch import Prefetcher, make_prefetcher, prefetch_after_lookup
@@ -297,7 +297,7 @@ class SessionSteps:
         """``KVCache.arena_step`` on the session's table."""
         if t.pending != 1 or t.written or t.sparsity is not None:
             return None
-        if self.arena.kv.dtype != torch.float32:
+        if self.arena.kv.dtype not in ARENA_STEP_DTYPES:
             return None
         runs = self.reads.run_table(t, t.length + 1)
         if runs is None:

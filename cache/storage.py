@@ -8,15 +8,17 @@ import torch
 from cache.config import CacheConfig
 from cache.errors import ConfigError
 from cache.pool import BlockPool
-from cache.quant import BlockFormat
+from cache.quant import FULL_PRECISION, BlockFormat
 from cache.token_arena import TokenArena
 
 QUANTIZED = ("int8", "int4")
 
 
 def fresh_dtype(config: CacheConfig) -> tuple[str, torch.dtype]:
-    """Name and dtype of full-precision storage: fp16 for an fp16 cache, else fp32."""
-    return ("fp16", torch.float16) if config.kv_dtype == "fp16" else ("fp32", torch.float32)
+    """Name and dtype of full-precision storage: a bf16 or fp16 cache's own, else fp32 (the
+    window a quantized cache keeps before its blocks are coded)."""
+    name = config.kv_dtype if config.kv_dtype in FULL_PRECISION else "fp32"
+    return name, FULL_PRECISION[name]
 
 
 def make_storage(c: CacheConfig) -> tuple[TokenArena, BlockPool | None, BlockFormat | None]:

@@ -33,8 +33,9 @@ PASS/MISS, also printed), ``notes`` (how each section measures) and ``config``.
 ``--weight-dtypes bfloat16,int8`` (default) also runs fedkv's model in those weight formats
 (``node.models.precision``; ``experiments.llm_dtypes``): ``decode_tokens_per_s.<ctx>.fedkv_bf16`` and
 ``.fedkv_int8_weights`` in the same interleaved segments as fp32 (each prefilled by its own
-model into its own fp32-block cache), ``ratio_vs_fp32``; ``quality.bf16`` and
-``quality.int8_weights`` (Δppl, top-1 vs fp32 weights, fp32 cache); in ``details``: prefill
+model into its own cache, in the K/V format its server stores: bf16 for both), ``ratio_vs_fp32``;
+``quality.bf16`` and ``quality.int8_weights`` (Δppl, top-1 vs fp32 weights in an fp32 cache,
+each format through its own cache); in ``details``: prefill
 ms of the prompt per format (interleaved), the read bandwidth of one core and each format's
 fraction of its ceiling (decode tokens/s x weight bytes per step / bandwidth), and the same
 counting the K/V of the context a step reads besides (``step_bytes_fraction``).
@@ -203,11 +204,11 @@ def _variant_details(model: LlamaModel, variants: dict[str, LlamaModel], prompt:
     models = {"fedkv_fp32": model, **variants}
     pre = llm_dtypes.prefill_ms(models, prompt, plan.repeats, plan.block_size)
     log("  prefill ms: " + ", ".join(f"{k} {_median(v):.0f}" for k, v in pre.items()))
-    kv = (len(prompt) + plan.decode_steps * plan.repeats / 2) * bytes_per_token(model)
+    context = len(prompt) + plan.decode_steps * plan.repeats / 2
     return {"prefill_ms": {k: _median(v) for k, v in pre.items()}, "prefill_ms_samples": pre,
             "bandwidth_ceiling_fraction": {k: llm_dtypes.ceiling_fraction(med[k], m, gbs)
                                            for k, m in models.items()},
-            "step_bytes_fraction": {k: llm_dtypes.step_bytes_fraction(med[k], m, gbs, kv)
+            "step_bytes_fraction": {k: llm_dtypes.step_bytes_fraction(med[k], m, gbs, context)
                                     for k, m in models.items()}}
 
 
@@ -367,7 +368,7 @@ def quality_section(model: LlamaModel, heldout: list[int], plan: Plan,
         info[d] = {"ppl": math.exp(nll), "quantized_blocks": nq}
     if variants:
         def score(m: LlamaModel) -> tuple[torch.Tensor, float]:
-            kv = fedkv_cache(m, plan.quality_len, "fp32", plan.block_size)
+            kv = fedkv_cache(m, plan.quality_len, None, plan.block_size)
             lps, tgts = zip(*(_teacher_forced(m, kv, w, plan.block_size) for w in wins))
             lp, tgt = torch.cat(lps), torch.cat(tgts)
             return lp, float(-lp.gather(1, tgt[:, None]).mean())

@@ -15,25 +15,33 @@ import torch
 import torch.nn.functional as F
 
 from cache import KVCache
+from cache.sizing import DTYPE_BYTES
 from node.engine.generation import TokenStream
 from node.models.llama import LlamaModel
 
 
-def bytes_per_token(model: LlamaModel) -> int:
+def bytes_per_token(model: LlamaModel, kv_dtype: str = "fp32") -> int:
+    """Bytes of one token's K/V in every layer, stored as ``kv_dtype``; ``"model"``: the
+    format the model's own cache stores (``LlamaModel.cache_config``)."""
     c = model.cfg
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+    if kv_dtype == "model":
+        kv_dtype = model.cache_config().kv_dtype
+    return int(2 * c.num_layers * c.num_kv_heads * c.head_dim * DTYPE_BYTES[kv_dtype])
 
 
-def fedkv_cache(model: LlamaModel, tokens: int, kv_dtype: str = "fp32", block: int = 16,
+def fedkv_cache(model: LlamaModel, tokens: int, kv_dtype: str | None = "fp32", block: int = 16,
                 **kw: Any) -> KVCache:
     """A cache holding ``tokens`` without eviction: the full-precision share of the pool (all
-    of it in fp32/fp16, ``read_buffer_fraction`` in int8/int4, which keep decoded read buffers
-    of active sessions there) fits 1.5x their fp32 bytes plus slack."""
+    of it in fp32/bf16/fp16, ``read_buffer_fraction`` in int8/int4, which keep decoded read
+    buffers of active sessions there) fits 1.5x their fp32 bytes plus slack. ``kv_dtype``
+    None: the model's own (bf16 for bf16 and int8 weights, as its server stores them)."""
     need = int(1.5 * (tokens + 8 * block) * bytes_per_token(model))
     if kv_dtype in ("int8", "int4"):
         need = int(need / model.cache_config().read_buffer_fraction)
     pool = max(need, model.cache_config(block_size=block).managed_block_bytes)
-    return KVCache(model.cache_config(kv_dtype=kv_dtype, pool_bytes=pool, block_size=block, **kw))
+    if kv_dtype is not None:
+        kw["kv_dtype"] = kv_dtype
+    return KVCache(model.cache_config(pool_bytes=pool, block_size=block, **kw))
 
 
 class Stepper(Protocol):

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from experiments.llm_contenders import FedkvSessions, fedkv_cache
+from experiments.llm_contenders import FedkvSessions, bytes_per_token, fedkv_cache
 from node.models import precision
 from node.models.llama import LlamaConfig, LlamaModel
 
@@ -37,10 +37,11 @@ def variant_models(model: LlamaModel, dtypes: tuple[str, ...]) -> dict[str, Llam
 def variant_sessions(variants: dict[str, LlamaModel], prompt: list[int], extra: int,
                      block: int) -> dict[str, FedkvSessions]:
     """Each variant's own session on ``prompt``, prefilled by that variant (untimed) into its
-    own fp32-block cache; greedy from its own last logits."""
+    own cache, in the K/V format its server stores (bf16 for bf16 and int8 weights); greedy
+    from its own last logits."""
     out = {}
     for key, m in variants.items():
-        kv = fedkv_cache(m, len(prompt) + extra + 2 * block, "fp32", block)
+        kv = fedkv_cache(m, len(prompt) + extra + 2 * block, None, block)
         sid = kv.open_session()
         out[key] = FedkvSessions(m, kv, [sid], m.prefill(prompt, kv, sid)[None])
     return out
@@ -55,7 +56,7 @@ def prefill_ms(models: dict[str, LlamaModel], prompt: list[int], repeats: int,
     for rep in range(repeats):
         for name in names[rep % len(names):] + names[: rep % len(names)]:
             m = models[name]
-            kv = fedkv_cache(m, len(prompt) + 2 * block, "fp32", block)
+            kv = fedkv_cache(m, len(prompt) + 2 * block, None, block)
             sid = kv.open_session()
             t0 = time.perf_counter()
             m.prefill(prompt, kv, sid)
@@ -82,11 +83,13 @@ def ceiling_fraction(tokens_per_s: float, model: LlamaModel, gbs: float) -> floa
 
 
 def step_bytes_fraction(tokens_per_s: float, model: LlamaModel, gbs: float,
-                        kv_bytes: float) -> float:
-    """:func:`ceiling_fraction` counting what else a decode step reads: ``kv_bytes``, the K/V
-    of its context (the cache's fp32 arena at the timed steps' mean length). Where this nears
-    1 and :func:`ceiling_fraction` does not, the step is bound by the K/V it reads."""
-    return tokens_per_s * (precision.weight_bytes_per_token(model) + kv_bytes) / (gbs * 1e9)
+                        context: float) -> float:
+    """:func:`ceiling_fraction` counting what else a decode step reads: the K/V of its
+    ``context`` tokens (the timed steps' mean length) in the format the model's cache stores
+    them. Where this nears 1 and :func:`ceiling_fraction` does not, the step is bound by the
+    K/V it reads."""
+    kv = context * bytes_per_token(model, "model")
+    return tokens_per_s * (precision.weight_bytes_per_token(model) + kv) / (gbs * 1e9)
 
 
 def quality(base: tuple[torch.Tensor, float], variants: dict[str, LlamaModel],

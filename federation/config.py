@@ -30,7 +30,8 @@ DP_MODES = ("none", "local", "distributed", "flower-central")
 TASKS = ("digits", "lm", "chat")
 CHAT_MODELS = ("smollm2", "tiny")
 """Bases of the chat task (``node.tasks.tasks.CHAT_MODELS``; kept literal: the config imports no torch)."""
-KV_DTYPES = ("fp32", "fp16", "int8", "int4")
+KV_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4")
+"""``cache.config.KV_DTYPES`` (kept literal, as ``CHAT_MODELS``)."""
 PACKINGS = ("packed", "none")
 CLIENT_SAMPLINGS = ("fixed", "poisson")
 """federation.sampling's samplers (federation.client_accounting accounts each)."""

@@ -131,12 +131,18 @@ def _prefill_runs(runs) -> bool:
             and all(t.dtype == runs[0][0].dtype and t.stride(-1) == 1 for run in runs for t in run))
 
 
+DECODE_KV_DTYPES = (torch.float32, torch.bfloat16)
+"""The arena dtypes ``decode_attention`` reads (bf16 rows read as fp32; an fp16 arena takes
+the eager path)."""
+
+
 def takes_decode_kernel(q: torch.Tensor, runs) -> bool:
     """``decode_attention`` computes one session's one new token (``forward_cached`` of a single
-    token, as a step of one row with no tail): grouped fp32 queries over fp32 runs with
-    contiguous rows."""
+    token, as a step of one row with no tail): grouped fp32 queries over runs of one dtype of
+    :data:`DECODE_KV_DTYPES` with contiguous rows."""
     return (q.dim() == 4 and q.dtype == torch.float32 and q.shape[-2] == 1 and bool(runs)
-            and all(t.dtype == torch.float32 and t.dim() == 3 and t.stride(-1) == 1
+            and runs[0][0].dtype in DECODE_KV_DTYPES
+            and all(t.dtype == runs[0][0].dtype and t.dim() == 3 and t.stride(-1) == 1
                     for run in runs for t in run))
 
 
@@ -145,6 +151,12 @@ _NO_TAIL = torch.empty(1, 0, dtype=torch.bool)
 
 
 _KERNEL_TAILS = (torch.float32, torch.bfloat16)
+
+
+def _one_dtype(prefix) -> bool:
+    """A step's prefix runs ``decode_attention`` reads: all of one of :data:`DECODE_KV_DTYPES`."""
+    return not prefix or (prefix[0][0].dtype in DECODE_KV_DTYPES
+                          and all(t.dtype == prefix[0][0].dtype for run in prefix for t in run))
 
 
 def attend_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, step,
@@ -160,7 +172,7 @@ def attend_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCach
     prefix, tk, tv, valid = cache.append_and_read_batch(
         step, layer, k, v, store=kernels.store_step_kv if fused else None)
     if (kernels is not None and q.dim() == 4 and q.dtype == torch.float32
-            and tk.dtype in _KERNEL_TAILS and all(pk.dtype == torch.float32 for pk, _ in prefix)):
+            and tk.dtype in _KERNEL_TAILS and _one_dtype(prefix)):
         slots = step.rows if step.rows is not None else _NO_SLOTS
         return kernels.decode_attention(q, [pk for pk, _ in prefix], [pv for _, pv in prefix],
                                         tk, tv, valid, slots)

@@ -341,14 +341,14 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
 }
 
 // One strided [heads, n, dim] run of keys or values (a view into the cache's arena or its
-// tail buffer); row `t` of head `h` at base + h * head_stride + t * row_stride. Arena runs are
-// fp32; a tail buffer is fp32 or bf16 (cache.config.CacheConfig.batch_tail_dtype).
+// tail buffer); row `t` of head `h` at base + h * head_stride + t * row_stride. The arena is
+// fp32 or bf16 (cache.config.CacheConfig.kv_dtype), a tail buffer fp32 or bf16
+// (CacheConfig.batch_tail_dtype); bf16 rows are read as fp32.
 template <typename T>
 struct RunOf {
   const T* base;
   int64_t head_stride, row_stride, n;
 };
-using Run = RunOf<float>;
 
 template <typename T>
 RunOf<T> run_of(const torch::Tensor& t, int64_t h_dim, int64_t n_dim) {
@@ -550,11 +550,11 @@ void weighted_rows(const float* const* w, int64_t g, const T* rows, int64_t stri
 #ifdef FEDKV_AVX512
 // dst[d * 16 + i] = src[i * stride + d] for 16 rows of 16 * DV dims (a block of keys turned
 // dims-major, so that a query's scores over it are multiply-adds of whole vectors).
-template <int DV>
-inline void transpose_rows(const float* src, int64_t stride, float* dst) {
+template <int DV, typename T>
+inline void transpose_rows(const T* src, int64_t stride, float* dst) {
   for (int c = 0; c < DV; ++c) {
     __m512 r[16], t[16];
-    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * stride + 16 * c);
+    for (int i = 0; i < 16; ++i) r[i] = load_row16(src + i * stride + 16 * c);
     for (int i = 0; i < 16; i += 2) {
       t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
       t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
@@ -606,12 +606,12 @@ inline void scores_dims_major(const float* const* q, int64_t g, const float* kt,
   }
 }
 
-// out[k][t] = scale * (q[k] . row t) for `g` queries over `n` fp32 rows, for many queries at
+// out[k][t] = scale * (q[k] . row t) for `g` queries over `n` rows, for many queries at
 // once (a shared prefix's): each pair of 16-key blocks is turned dims-major once, then every
 // query's scores over it are whole-vector multiply-adds (no horizontal sums). Returns the
 // keys done (whole blocks); the caller scores the rest.
-template <int DV>
-int64_t scores_shared(const float* const* q, int64_t g, const float* rows, int64_t stride,
+template <int DV, typename T>
+int64_t scores_shared(const float* const* q, int64_t g, const T* rows, int64_t stride,
                       int64_t n, float scale, float* const* out) {
   alignas(64) float kt[2 * DV * 16 * 16];
   int64_t t = 0;
@@ -631,21 +631,25 @@ int64_t scores_shared(const float* const* q, int64_t g, const float* rows, int64
 
 // The first ROWS_AHEAD rows of head h of the next run, fetched while a run is read: the in-run
 // prefetches stop at a run's end, and in a churned arena the next run lies elsewhere.
-inline void prefetch_run_start(const Run& run, int64_t h, int64_t D) {
+template <typename P>
+inline void prefetch_run_start(const RunOf<P>& run, int64_t h, int64_t D) {
 #ifdef FEDKV_AVX512
   const char* p = reinterpret_cast<const char*>(run.base + h * run.head_stride);
-  const int64_t rows = std::min(run.n, ROWS_AHEAD), bytes = D * 4;
+  constexpr int64_t size = sizeof(P);
+  const int64_t rows = std::min(run.n, ROWS_AHEAD), bytes = D * size;
   for (int64_t t = 0; t < rows; ++t)
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + t * run.row_stride * 4 + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + t * run.row_stride * size + b, _MM_HINT_T0);
 #endif
 }
 
-// What every KV head of a decode step reads: the rows' queries, the prefix runs they share.
+// What every KV head of a decode step reads: the rows' queries, the prefix runs they share
+// (arena rows of element type P).
+template <typename P>
 struct Rows {
   torch::Tensor q, out, tail_valid;
   const std::vector<int64_t>& slot;
-  const std::vector<Run>& pk;
-  const std::vector<Run>& pv;
+  const std::vector<RunOf<P>>& pk;
+  const std::vector<RunOf<P>>& pv;
   int64_t n_prefix;
 };
 
@@ -654,14 +658,15 @@ constexpr int64_t V_CHUNK = 64;  // prefix V rows (16 KiB at dim 64, fp32) kept 
 // One KV head's queries (B rows x G, query i = row i / G, group i % G): scores of `sc` rows
 // over the shared prefix, each 16-key block read once for all of them (a row-by-row pass read
 // the prefix once per row: at 16 rows over a 1,000-token prefix that was most of a step).
-void prefix_scores(const Rows& r, int64_t h, const std::vector<const float*>& qs,
+template <typename P>
+void prefix_scores(const Rows<P>& r, int64_t h, const std::vector<const float*>& qs,
                    const std::vector<float*>& sc, float scale, int64_t D) {
   const int64_t g = static_cast<int64_t>(qs.size());
   std::vector<float*> at(sc.size());
   int64_t j = 0;
   for (size_t ri = 0; ri < r.pk.size(); ++ri) {
-    const Run& run = r.pk[ri];
-    const float* rows = run.base + h * run.head_stride;
+    const RunOf<P>& run = r.pk[ri];
+    const P* rows = run.base + h * run.head_stride;
     if (ri + 1 < r.pk.size()) prefetch_run_start(r.pk[ri + 1], h, D);
     int64_t done = 0;
 #ifdef FEDKV_AVX512
@@ -681,16 +686,17 @@ void prefix_scores(const Rows& r, int64_t h, const std::vector<const float*>& qs
 // o[i] += the weights of `live` queries over the prefix V: chunk by chunk, each chunk read once
 // for all of them, VALUE_QUERIES queries' sums in registers at a time (each query's additions
 // in key order, as one pass over the prefix would make them).
-void prefix_values(const Rows& r, int64_t h, const std::vector<int64_t>& live,
+template <typename P>
+void prefix_values(const Rows<P>& r, int64_t h, const std::vector<int64_t>& live,
                    const std::vector<float*>& sc, const std::vector<float*>& os, int64_t D) {
   int64_t i = 0;
   for (size_t ri = 0; ri < r.pv.size(); ++ri) {
-    const Run& run = r.pv[ri];
-    const float* base = run.base + h * run.head_stride;
+    const RunOf<P>& run = r.pv[ri];
+    const P* base = run.base + h * run.head_stride;
     if (ri + 1 < r.pv.size()) prefetch_run_start(r.pv[ri + 1], h, D);
     for (int64_t c = 0; c < run.n; c += V_CHUNK) {
       const int64_t n = std::min(V_CHUNK, run.n - c);
-      const float* rows = base + c * run.row_stride;
+      const P* rows = base + c * run.row_stride;
       for (size_t l0 = 0; l0 < live.size(); l0 += VALUE_QUERIES) {
         const int64_t ng = std::min<int64_t>(VALUE_QUERIES, live.size() - l0);
         const float* ws[VALUE_QUERIES];
@@ -713,15 +719,15 @@ struct Scratch {
 };
 
 // One KV head's rows b0..b1 of a decode step (see attend_rows).
-template <typename T>
-void attend_head(const Rows& r, RunOf<T> tk, RunOf<T> tv, int64_t tk_slot, int64_t tv_slot,
+template <typename T, typename P>
+void attend_head(const Rows<P>& r, RunOf<T> tk, RunOf<T> tv, int64_t tk_slot, int64_t tv_slot,
                  int64_t h, int64_t b0, int64_t b1, Scratch& w) {
   const int64_t G = r.q.size(1), B = r.q.size(2), D = r.q.size(3), nb = b1 - b0;
   const int64_t T_len = tk.n, width = r.n_prefix + T_len, Q = nb * G, j = r.n_prefix;
-  const bool* valid = r.tail_valid.data_ptr<bool>();
+  const bool* valid = r.tail_valid.template data_ptr<bool>();
   const int64_t valid_row = r.tail_valid.stride(0);
-  const float* qp = r.q.data_ptr<float>();
-  float* op = r.out.data_ptr<float>();
+  const float* qp = r.q.template data_ptr<float>();
+  float* op = r.out.template data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const float ninf = -std::numeric_limits<float>::infinity();
   w.score.resize(Q * width);
@@ -788,8 +794,8 @@ int64_t row_parts(int64_t Hk, int64_t B) {
 // decode_attention's work, for tails of element type T (fp32 or bf16, read as fp32): per KV
 // head and part of its rows, the prefix scores of every query, then each row's tail scores and
 // softmax, then the prefix values for every query, then each row's tail values.
-template <typename T>
-void attend_rows(const Rows& r, RunOf<T> tk, RunOf<T> tv, int64_t tk_slot, int64_t tv_slot) {
+template <typename T, typename P>
+void attend_rows(const Rows<P>& r, RunOf<T> tk, RunOf<T> tv, int64_t tk_slot, int64_t tv_slot) {
   const int64_t Hk = r.q.size(0), B = r.q.size(2), parts = row_parts(Hk, B);
   at::parallel_for(0, Hk * parts, 1, [&](int64_t begin, int64_t end) {
     Scratch w;
@@ -801,14 +807,15 @@ void attend_rows(const Rows& r, RunOf<T> tk, RunOf<T> tv, int64_t tk_slot, int64
 }
 
 // decode_attention (below) over runs already checked, or made from checked spans.
-torch::Tensor attend_decode(const torch::Tensor& q, const std::vector<Run>& pk,
-                            const std::vector<Run>& pv, const torch::Tensor& tail_k,
+template <typename P>
+torch::Tensor attend_decode(const torch::Tensor& q, const std::vector<RunOf<P>>& pk,
+                            const std::vector<RunOf<P>>& pv, const torch::Tensor& tail_k,
                             const torch::Tensor& tail_v, const torch::Tensor& tail_valid,
                             const std::vector<int64_t>& slot) {
   int64_t n_prefix = 0;
-  for (const Run& run : pk) n_prefix += run.n;
+  for (const RunOf<P>& run : pk) n_prefix += run.n;
   auto out = torch::zeros(q.sizes(), q.options());
-  const Rows rows{q.contiguous(), out, tail_valid, slot, pk, pv, n_prefix};
+  const Rows<P> rows{q.contiguous(), out, tail_valid, slot, pk, pv, n_prefix};
   if (tail_k.scalar_type() == torch::kBFloat16)
     attend_rows(rows, run_of<bf16>(tail_k, 0, 2), run_of<bf16>(tail_v, 0, 2), tail_k.stride(1),
                 tail_v.stride(1));
@@ -818,9 +825,28 @@ torch::Tensor attend_decode(const torch::Tensor& q, const std::vector<Run>& pk,
   return out;
 }
 
+// decode_attention's prefix runs, checked, as rows of element type P.
+template <typename P>
+torch::Tensor attend_prefix_runs(const torch::Tensor& q, const std::vector<torch::Tensor>& prefix_k,
+                                 const std::vector<torch::Tensor>& prefix_v,
+                                 const torch::Tensor& tail_k, const torch::Tensor& tail_v,
+                                 const torch::Tensor& tail_valid, const std::vector<int64_t>& slot) {
+  const int64_t Hk = q.size(0), D = q.size(3);
+  std::vector<RunOf<P>> pk, pv;
+  for (size_t i = 0; i < prefix_k.size(); ++i) {
+    TORCH_CHECK(prefix_k[i].dim() == 3 && prefix_k[i].size(0) == Hk && prefix_k[i].size(2) == D &&
+                    prefix_k[i].sizes() == prefix_v[i].sizes(),
+                "prefix run ", i, " must be [", Hk, ", n, ", D, "], got ", prefix_k[i].sizes());
+    pk.push_back(run_of<P>(prefix_k[i], 0, 1));
+    pv.push_back(run_of<P>(prefix_v[i], 0, 1));
+  }
+  return attend_decode(q, pk, pv, tail_k, tail_v, tail_valid, slot);
+}
+
 // One decode step's attention, grouped-query, over a shared prefix and each row's tail (what
 // cache.attention.attend_shared computes, in one pass per (KV head, row)).
-//   q [kv_heads, group, rows, dim] fp32; prefix_k/v: runs [kv_heads, n_i, dim];
+//   q [kv_heads, group, rows, dim] fp32; prefix_k/v: runs [kv_heads, n_i, dim], all fp32 or
+//   all bf16;
 //   tail_k/v [kv_heads, slots, T, dim] (fp32 or bf16); tail_valid bool [slots, T]; slots: row b's tail slot
 //   (int64 [rows]), or empty for slot b -> out [kv_heads, group, rows, dim] fp32.
 torch::Tensor decode_attention(const torch::Tensor& q, const std::vector<torch::Tensor>& prefix_k,
@@ -850,67 +876,41 @@ torch::Tensor decode_attention(const torch::Tensor& q, const std::vector<torch::
       TORCH_CHECK(slot[b] >= 0 && slot[b] < S, "slot ", slot[b], " out of range [0, ", S, ")");
     }
   }
-  std::vector<Run> pk, pv;
-  for (size_t i = 0; i < prefix_k.size(); ++i) {
-    TORCH_CHECK(prefix_k[i].dim() == 3 && prefix_k[i].size(0) == Hk && prefix_k[i].size(2) == D &&
-                    prefix_k[i].sizes() == prefix_v[i].sizes(),
-                "prefix run ", i, " must be [", Hk, ", n, ", D, "], got ", prefix_k[i].sizes());
-    pk.push_back(run_of<float>(prefix_k[i], 0, 1));
-    pv.push_back(run_of<float>(prefix_v[i], 0, 1));
-  }
-  return attend_decode(q, pk, pv, tail_k, tail_v, tail_valid, slot);
+  if (!prefix_k.empty() && prefix_k[0].scalar_type() == torch::kBFloat16)
+    return attend_prefix_runs<bf16>(q, prefix_k, prefix_v, tail_k, tail_v, tail_valid, slot);
+  return attend_prefix_runs<float>(q, prefix_k, prefix_v, tail_k, tail_v, tail_valid, slot);
 }
 
 constexpr int64_t LAYER_TENSORS = 10;  // decode_layers_int8's per layer (decode_step.PER_LAYER)
 
-// One session's one-token decode through every layer on weight-only int8 weights: what
-// LlamaModel._hidden's fused form does for a lone token, without a return to Python between
-// the kernels (node/models/decode_step.py).
-//   x bf16 [1, hidden], the embedded token: the residual stream, updated in place;
-//   w: per layer its input norm, q/k/v codes and scales, o codes and scales, post-attention
-//      norm, gate/up codes and scales, down codes and scales (10 tensors a layer);
-//   final_norm: the model's last norm; cos, sin bf16 [1, dim] of the token's position;
-//   kv: the arena's K/V, fp32 [layers, 2, kv_heads, arena tokens, dim]; pos: the arena row
-//      the token's K/V go to; spans int64 [runs, 2]: (start, length) of the context's runs in
-//      the arena, the new token's row included -> the final-normed bf16 [1, hidden].
-torch::Tensor decode_layers_int8(torch::Tensor x, const std::vector<torch::Tensor>& w,
-                                 const torch::Tensor& final_norm, const torch::Tensor& cos,
-                                 const torch::Tensor& sin, const torch::Tensor& kv, int64_t pos,
-                                 const torch::Tensor& spans, int64_t heads, int64_t kv_heads,
-                                 int64_t dim, double eps) {
-  TORCH_CHECK(kv.scalar_type() == torch::kFloat32 && kv.dim() == 5 && kv.size(1) == 2 &&
-                  kv.size(2) == kv_heads && kv.size(4) == dim && kv.stride(4) == 1,
-              "kv must be float32 [layers, 2, ", kv_heads, ", tokens, ", dim, "], got ",
-              kv.scalar_type(), " ", kv.sizes());
-  const int64_t L = kv.size(0), cap = kv.size(3);
-  TORCH_CHECK(pos >= 0 && pos < cap, "pos ", pos, " outside the arena's ", cap, " rows");
-  TORCH_CHECK(static_cast<int64_t>(w.size()) == LAYER_TENSORS * L, "w must hold ", LAYER_TENSORS,
-              " tensors per layer (", LAYER_TENSORS * L, "), got ", w.size());
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "x must be one row, got ", x.sizes());
-  TORCH_CHECK(spans.scalar_type() == torch::kLong && spans.dim() == 2 && spans.size(1) == 2,
-              "spans must be int64 [runs, 2], got ", spans.scalar_type(), " ", spans.sizes());
-  auto sp = spans.contiguous();
-  const int64_t* s = sp.data_ptr<int64_t>();
-  std::vector<Run> pk(sp.size(0)), pv(sp.size(0));  // heads and rows; per layer their base
-  for (int64_t r = 0; r < sp.size(0); ++r) {
-    TORCH_CHECK(s[2 * r] >= 0 && s[2 * r + 1] >= 0 && s[2 * r] + s[2 * r + 1] <= cap, "span ", r,
-                " (", s[2 * r], ", ", s[2 * r + 1], ") outside the arena's ", cap, " rows");
-    pk[r] = pv[r] = Run{nullptr, kv.stride(2), kv.stride(3), s[2 * r + 1]};
-  }
+// decode_layers_int8's layers over an arena of element type P (the checks done): the token's
+// K/V (bf16 values, rope_split rounds them) go to row `pos` exactly in either type.
+template <typename P>
+torch::Tensor int8_layers(torch::Tensor x, const std::vector<torch::Tensor>& w,
+                          const torch::Tensor& final_norm, const torch::Tensor& cos,
+                          const torch::Tensor& sin, const torch::Tensor& kv, int64_t pos,
+                          const int64_t* s, int64_t n_runs, int64_t heads, int64_t kv_heads,
+                          int64_t dim, double eps) {
+  const int64_t L = kv.size(0);
+  std::vector<RunOf<P>> pk(n_runs), pv(n_runs);  // heads and rows; per layer their base
+  for (int64_t r = 0; r < n_runs; ++r) pk[r] = pv[r] = RunOf<P>{nullptr, kv.stride(2), kv.stride(3), s[2 * r + 1]};
   auto no_tail = torch::empty({kv_heads, 1, 0, dim}, torch::TensorOptions().dtype(torch::kFloat32));
   auto no_valid = torch::empty({1, 0}, torch::TensorOptions().dtype(torch::kBool));
   const std::vector<int64_t> no_slot{0};
   auto h = rms_norm(x, w[0], eps);
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* lw = w.data() + LAYER_TENSORS * l;
-    float* base = kv.data_ptr<float>() + l * kv.stride(0);
+    P* base = kv.data_ptr<P>() + l * kv.stride(0);
     auto qkv = rope_split(int8_linear(h, lw[1], lw[2]), cos, sin, heads, kv_heads, dim,
                           torch::kFloat32);
-    for (int64_t kvi = 0; kvi < 2; ++kvi)  // the token's K and V into its arena row
-      for (int64_t hk = 0; hk < kv_heads; ++hk)
-        std::copy_n(qkv[1 + kvi].data_ptr<float>() + hk * dim, dim,
-                    base + kvi * kv.stride(1) + hk * kv.stride(2) + pos * kv.stride(3));
-    for (size_t r = 0; r < pk.size(); ++r) {
+    for (int64_t kvi = 0; kvi < 2; ++kvi) {  // the token's K and V into its arena row
+      const float* src = qkv[1 + kvi].data_ptr<float>();
+      for (int64_t hk = 0; hk < kv_heads; ++hk) {
+        P* dst = base + kvi * kv.stride(1) + hk * kv.stride(2) + pos * kv.stride(3);
+        for (int64_t i = 0; i < dim; ++i) dst[i] = static_cast<P>(src[hk * dim + i]);
+      }
+    }
+    for (int64_t r = 0; r < n_runs; ++r) {
       pk[r].base = base + s[2 * r] * kv.stride(3);
       pv[r].base = pk[r].base + kv.stride(1);
     }
@@ -921,6 +921,43 @@ torch::Tensor decode_layers_int8(torch::Tensor x, const std::vector<torch::Tenso
     h = add_rms_norm_(x, int8_linear(act, lw[8], lw[9]), next_norm, eps);
   }
   return h;
+}
+
+// One session's one-token decode through every layer on weight-only int8 weights: what
+// LlamaModel._hidden's fused form does for a lone token, without a return to Python between
+// the kernels (node/models/decode_step.py).
+//   x bf16 [1, hidden], the embedded token: the residual stream, updated in place;
+//   w: per layer its input norm, q/k/v codes and scales, o codes and scales, post-attention
+//      norm, gate/up codes and scales, down codes and scales (10 tensors a layer);
+//   final_norm: the model's last norm; cos, sin bf16 [1, dim] of the token's position;
+//   kv: the arena's K/V, fp32 or bf16 [layers, 2, kv_heads, arena tokens, dim]; pos: the arena
+//      row the token's K/V go to; spans int64 [runs, 2]: (start, length) of the context's runs
+//      in the arena, the new token's row included -> the final-normed bf16 [1, hidden].
+torch::Tensor decode_layers_int8(torch::Tensor x, const std::vector<torch::Tensor>& w,
+                                 const torch::Tensor& final_norm, const torch::Tensor& cos,
+                                 const torch::Tensor& sin, const torch::Tensor& kv, int64_t pos,
+                                 const torch::Tensor& spans, int64_t heads, int64_t kv_heads,
+                                 int64_t dim, double eps) {
+  const bool bf16_arena = kv.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK((kv.scalar_type() == torch::kFloat32 || bf16_arena) && kv.dim() == 5 &&
+                  kv.size(1) == 2 && kv.size(2) == kv_heads && kv.size(4) == dim && kv.stride(4) == 1,
+              "kv must be float32 or bfloat16 [layers, 2, ", kv_heads, ", tokens, ", dim, "], got ",
+              kv.scalar_type(), " ", kv.sizes());
+  const int64_t L = kv.size(0), cap = kv.size(3);
+  TORCH_CHECK(pos >= 0 && pos < cap, "pos ", pos, " outside the arena's ", cap, " rows");
+  TORCH_CHECK(static_cast<int64_t>(w.size()) == LAYER_TENSORS * L, "w must hold ", LAYER_TENSORS,
+              " tensors per layer (", LAYER_TENSORS * L, "), got ", w.size());
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "x must be one row, got ", x.sizes());
+  TORCH_CHECK(spans.scalar_type() == torch::kLong && spans.dim() == 2 && spans.size(1) == 2,
+              "spans must be int64 [runs, 2], got ", spans.scalar_type(), " ", spans.sizes());
+  auto sp = spans.contiguous();
+  const int64_t* s = sp.data_ptr<int64_t>();
+  for (int64_t r = 0; r < sp.size(0); ++r)
+    TORCH_CHECK(s[2 * r] >= 0 && s[2 * r + 1] >= 0 && s[2 * r] + s[2 * r + 1] <= cap, "span ", r,
+                " (", s[2 * r], ", ", s[2 * r + 1], ") outside the arena's ", cap, " rows");
+  if (bf16_arena)
+    return int8_layers<bf16>(x, w, final_norm, cos, sin, kv, pos, s, sp.size(0), heads, kv_heads, dim, eps);
+  return int8_layers<float>(x, w, final_norm, cos, sin, kv, pos, s, sp.size(0), heads, kv_heads, dim, eps);
 }
 
 // How many threads at::parallel_for runs a 64-way loop on: torch's thread count when the build

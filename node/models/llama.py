@@ -407,11 +407,14 @@ class LlamaModel(nn.Module):
         return self.cfg.max_position_embeddings
 
     def cache_config(self, **overrides) -> CacheConfig:
-        """The model's cache geometry. bf16 and int8 weights make bf16 K/V, so a batch's tail
-        copy holds them as bf16 (``CacheConfig.batch_tail_dtype``): half the bytes a decode
-        step's attention reads. (The fused decode-only step ropes K in fp32; its tail copy is
-        rounded to bf16, as the eager bf16 path rounds it.)"""
+        """The model's cache geometry. bf16 and int8 weights make bf16 K/V, so the cache holds
+        them as bf16 unless told otherwise (``CacheConfig.kv_dtype``, as vLLM's
+        ``--kv-cache-dtype auto`` follows the model), a batch's tail copy too
+        (``CacheConfig.batch_tail_dtype``): half the bytes a decode step's attention reads.
+        (The fused decode-only step ropes K in fp32; it is rounded to bf16 there, as the eager
+        bf16 path rounds it.)"""
         if dtype_of(self) != "float32":
+            overrides.setdefault("kv_dtype", "bf16")
             overrides.setdefault("batch_tail_dtype", "bf16")
         return self.cfg.cache_config(**overrides)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from cache import KVCache
+from cache.config import KV_DTYPES
 
 _log = logging.getLogger("fedkv.openai_api")
 
@@ -69,7 +70,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="the node's cache key for --kv-cold-dir/--kv-redis (default: "
                         "kv-cache.key beside --cache-dir)")
     p.add_argument("--kv-namespace", default="", help="extra namespace of the shared tier")
-    p.add_argument("--kv-dtype", default=None, help="storage of cached K/V (fp32, int8, int4)")
+    p.add_argument("--kv-dtype", default=None, choices=KV_DTYPES,
+                   help="storage of cached K/V (default: the model's: bf16 for bf16 and int8 "
+                        "weights, else fp32)")
 
 
 def from_args(args: argparse.Namespace, model: Any, model_id: str) -> KVCache:

@@ -223,3 +223,15 @@ def test_node_config_errors_say_how_to_pass_the_partition(node_config, match) ->
     assert isinstance(info.value, ConfigError) and not isinstance(info.value, KeyError)
     assert str(info.value).startswith("bad node config: ")
     assert '--node-config "partition-id=0 num-partitions=N"' in str(info.value)
+
+
+def test_literal_choices_mirror_their_sources():
+    """The run config names the cache's K/V formats and the chat bases literally (it imports
+    no torch); each list must be its source's."""
+    from cache.config import KV_DTYPES
+    from node.tasks.tasks import CHAT_MODELS
+
+    import federation.config as fc
+
+    assert fc.KV_DTYPES == KV_DTYPES
+    assert tuple(fc.CHAT_MODELS) == tuple(CHAT_MODELS)

@@ -19,11 +19,11 @@ def _int8(head_dim: int = 64):
     return precision.convert(tiny_llama(std=0.2, head_dim=head_dim), "int8")
 
 
-def _churned(m) -> tuple[KVCache, int]:
+def _churned(m, kv_dtype: str = "bf16") -> tuple[KVCache, int]:
     """A session of 3 blocks in an arena whose free slots alternate with other sessions'
     blocks (every other one-block session closed, its block evicted for this one's): one
     arena run per block."""
-    kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
+    kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20, kv_dtype=kv_dtype))
     others = [kv.open_session() for _ in range(kv.arena.num_blocks)]
     for i, s in enumerate(others):
         m.forward_cached([(7 * i + j) % 100 for j in range(BLOCK)], kv, s)
@@ -44,11 +44,12 @@ def _decode(m, kv: KVCache, sid: int, tokens: list[int], one_call: bool,
 
 
 @pytest.mark.parametrize("head_dim, kv_dtype, churned", [
-    (16, "fp32", False), (64, "fp32", False), (64, "int8", False), (16, "fp32", True),
-    (64, "fp32", True)])
+    (16, "fp32", False), (64, "fp32", False), (16, "bf16", False), (64, "bf16", False),
+    (64, "int8", False), (16, "fp32", True), (64, "fp32", True), (64, "bf16", True)])
 def test_one_call_gives_the_per_kernel_logits_and_kv(k, one_thread, monkeypatch, head_dim,
                                                      kv_dtype, churned):
-    """The same kernels in the same order: equal logits and K/V over one arena run. Over a
+    """The same kernels in the same order: equal logits and K/V over one arena run, fp32 or
+    bf16 (the model's default: its K/V are bf16 values, stored exactly). Over a
     churned context (one-block runs, which the per-kernel path gathers into one copy) and an
     int8 cache (whose blocks move) the keys are summed in other groupings, so the logits
     agree to bf16 rounding (and so do the K/V written after the first step)."""
@@ -56,7 +57,7 @@ def test_one_call_gives_the_per_kernel_logits_and_kv(k, one_thread, monkeypatch,
     made = []
     for one_call in (True, False):
         if churned:
-            kv, sid = _churned(m)
+            kv, sid = _churned(m, kv_dtype)
         else:
             kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20, kv_dtype=kv_dtype))
             sid = kv.open_session()
@@ -65,7 +66,7 @@ def test_one_call_gives_the_per_kernel_logits_and_kv(k, one_thread, monkeypatch,
         made.append((_decode(m, kv, sid, toks, one_call, monkeypatch), kv, sid))
     (a, kv_a, sa), (b, kv_b, sb) = made
     assert kv_a.length(sa) == kv_b.length(sb)
-    exact = not churned and kv_dtype == "fp32"
+    exact = not churned and kv_dtype in ("fp32", "bf16")
     for x, y in zip(a, b):
         if exact:
             assert torch.equal(x, y)
@@ -159,6 +160,23 @@ def test_bad_inputs_get_a_specific_error_and_write_nothing(k):
         call(runs=torch.tensor([[0, step.kv.shape[3] + 1]]))
     with pytest.raises(RuntimeError, match="spans must be int64"):
         call(runs=step.runs.int())
-    with pytest.raises(RuntimeError, match="kv must be float32"):
-        call(arena=step.kv.bfloat16())
+    with pytest.raises(RuntimeError, match="kv must be float32 or bfloat16"):
+        call(arena=step.kv.half())
     assert torch.equal(kv.arena.kv, before)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_a_bf16_arena_gives_the_fp32_arenas_logits(k, one_thread, dtype):
+    """The model's K/V are bf16 values: a bf16 arena (its default cache) stores them exactly,
+    so prefill and every decode step give the logits an fp32 arena gives."""
+    m = precision.convert(tiny_llama(std=0.2, head_dim=64), dtype)
+    assert m.cache_config(pool_bytes=1 << 20).kv_dtype == "bf16"
+    logits = []
+    for kv_dtype in ("fp32", "bf16"):
+        kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20, kv_dtype=kv_dtype))
+        sid = kv.open_session()
+        out = [m.prefill(list(range(3, 22)), kv, sid)]
+        out += [m.forward_cached([t], kv, sid)[-1] for t in [5, 9, 2, 7, 11, 4, 8, 6] * 2]
+        logits.append(out)
+    for a, b in zip(*logits):
+        assert torch.equal(a, b)
