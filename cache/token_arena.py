@@ -20,6 +20,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from cache import huge_pages
+
 
 class TokenArena:
     def __init__(self, num_blocks: int, layers: int, heads: int, block: int, dim: int,
@@ -29,7 +31,8 @@ class TokenArena:
         self.B = block
         self.page = page if 0 < page < block and block % page == 0 else block
         self.num_blocks = num_blocks
-        self.kv = torch.zeros(layers, 2, heads, num_blocks * block, dim, dtype=dtype)
+        # read end to end by decode steps: on huge pages (cache/huge_pages.py)
+        self.kv = huge_pages.zeros((layers, 2, heads, num_blocks * block, dim), dtype)
         self._free = np.ones(num_blocks * block // self.page, dtype=bool)
         self.free_pages = self._free.size
 

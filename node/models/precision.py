@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cache import huge_pages
 from node.models import kernels, packed
 
 DTYPES = ("float32", "bfloat16", "int8")
@@ -187,6 +188,20 @@ class Int8Projection:
             self._stack(mods)
         return self.stacked
 
+    def move_codes(self, q: torch.Tensor) -> None:
+        """Hold the codes in ``q`` (int8, their shape; a slot of :func:`lay_out_codes`' buffer):
+        copied there, the stack's and the modules' ``q`` re-pointed to it."""
+        mods, lin = self._modules(), self.codes()
+        if mods is None or lin is None or q.shape != lin.q.shape:
+            raise ValueError(f"no int8 codes of shape {tuple(q.shape)} to move here")
+        q.copy_(lin.q)
+        lin._buffers["q"] = q
+        a = 0
+        for m in mods:
+            m._buffers["q"] = q[a : a + m.out_features]
+            a += m.out_features
+        self.key = self._key(mods)
+
     def _stack(self, mods: list[Int8Linear]) -> None:
         with torch.inference_mode(False), torch.no_grad():
             q = torch.cat([m.q for m in mods])
@@ -211,6 +226,33 @@ def _quantize_linears(model: nn.Module) -> None:
     model.lm_head = Int8Linear(model.lm_head.weight)
 
 
+def step_projections(model: nn.Module) -> list[Int8Projection]:
+    """The int8 products of a decode step in the order it reads them: per layer q/k/v, o,
+    gate/up, down; then the output head."""
+    out = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        out += [attn.qkv.int8, attn.o.int8, mlp.gate_up.int8, mlp.down.int8]
+    return out + [model.head.int8]
+
+
+@torch.no_grad()
+def lay_out_codes(model: nn.Module) -> None:
+    """Every int8 code matrix of ``model`` in one buffer on huge pages (``cache.huge_pages``),
+    end to end in the order a decode step reads them: the step streams one buffer, no TLB miss
+    every 4 KiB, and each product's read-ahead runs into the next product's codes instead of
+    unrelated memory. The modules' ``q`` become views of it (no second copy); a module given
+    new codes later (an adapter, a load) simply reads them where they are."""
+    projs = [p for p in step_projections(model) if p.codes() is not None]
+    sizes = [p.codes().q.numel() for p in projs]
+    with torch.inference_mode(False):  # weights, usable in and out of inference mode
+        buf = huge_pages.zeros((sum(sizes),), torch.int8)
+        a = 0
+        for p, n in zip(projs, sizes):
+            p.move_codes(buf[a : a + n].view(p.codes().q.shape))
+            a += n
+
+
 @torch.no_grad()
 def convert(model: nn.Module, dtype: str) -> nn.Module:
     """``model`` (a ``LlamaModel``, fp32) in format ``dtype``, in place; returns it."""
@@ -220,6 +262,8 @@ def convert(model: nn.Module, dtype: str) -> nn.Module:
     if dtype == "int8":
         _quantize_linears(model)
     model.relayout()
+    if dtype == "int8":
+        lay_out_codes(model)
     model.dtype_name = dtype
     return model.eval()
 
