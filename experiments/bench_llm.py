@@ -36,8 +36,10 @@ PASS/MISS, also printed), ``notes`` (how each section measures) and ``config``.
 model into its own cache, in the K/V format its server stores: bf16 for both), ``ratio_vs_fp32``;
 ``quality.bf16`` and ``quality.int8_weights`` (Δppl, top-1 vs fp32 weights in an fp32 cache,
 each format through its own cache); in ``details``: prefill
-ms of the prompt per format (interleaved), the read bandwidth of one core and each format's
-fraction of its ceiling (decode tokens/s x weight bytes per step / bandwidth), and the same
+ms of the prompt per format (interleaved), the read bandwidth of a buffer the size of each
+format's weights (the fastest of torch's sum and the kernels' prefetched stream, on ordinary and
+huge pages: ``read_bandwidth_by_reader_gbs``) and each format's fraction of its ceiling (decode
+tokens/s x weight bytes per step / bandwidth), and the same
 counting the K/V of the context a step reads besides (``step_bytes_fraction``).
 ``config.kernels`` says whether the bf16/int8 forwards ran on the fused CPU kernels
 (``node.models.kernels``; ``FEDKV_KERNELS=eager`` runs them on the eager ops instead).
@@ -165,7 +167,8 @@ def decode_section(model: LlamaModel, hf: Any, text: list[int], plan: Plan,
     fedkv's weight-format ``variants`` (``experiments.llm_dtypes``) in the same rotation."""
     variants = variants or {}
     out: dict[str, Any] = {}
-    info: dict[str, Any] = {"read_bandwidth_gbs": llm_dtypes.read_bandwidth_gbs()}
+    gbs, by_reader = llm_dtypes.read_bandwidths({"fedkv_fp32": model, **variants})
+    info: dict[str, Any] = {"read_bandwidth_gbs": gbs, "read_bandwidth_by_reader_gbs": by_reader}
     extra = plan.decode_steps * plan.repeats + 2
     for ctx in plan.contexts:
         prompt = text[:ctx]
@@ -196,7 +199,7 @@ def decode_section(model: LlamaModel, hf: Any, text: list[int], plan: Plan,
 
 
 def _variant_details(model: LlamaModel, variants: dict[str, LlamaModel], prompt: list[int],
-                     med: dict[str, float], plan: Plan, gbs: float) -> dict[str, Any]:
+                     med: dict[str, float], plan: Plan, gbs: dict[str, float]) -> dict[str, Any]:
     """Prefill ms of the prompt (interleaved, medians) and each format's fraction of the
     memory-bandwidth ceiling at its measured decode rate: of the weight bytes a step reads
     (``bandwidth_ceiling_fraction``), and of those plus the K/V of its context at the timed
@@ -206,9 +209,9 @@ def _variant_details(model: LlamaModel, variants: dict[str, LlamaModel], prompt:
     log("  prefill ms: " + ", ".join(f"{k} {_median(v):.0f}" for k, v in pre.items()))
     context = len(prompt) + plan.decode_steps * plan.repeats / 2
     return {"prefill_ms": {k: _median(v) for k, v in pre.items()}, "prefill_ms_samples": pre,
-            "bandwidth_ceiling_fraction": {k: llm_dtypes.ceiling_fraction(med[k], m, gbs)
+            "bandwidth_ceiling_fraction": {k: llm_dtypes.ceiling_fraction(med[k], m, gbs[k])
                                            for k, m in models.items()},
-            "step_bytes_fraction": {k: llm_dtypes.step_bytes_fraction(med[k], m, gbs, context)
+            "step_bytes_fraction": {k: llm_dtypes.step_bytes_fraction(med[k], m, gbs[k], context)
                                     for k, m in models.items()}}
 
 

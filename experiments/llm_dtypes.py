@@ -14,7 +14,8 @@ from typing import Any, Callable
 import torch
 
 from experiments.llm_contenders import FedkvSessions, bytes_per_token, fedkv_cache
-from node.models import precision
+from cache import huge_pages
+from node.models import kernels, precision
 from node.models.llama import LlamaConfig, LlamaModel
 
 KEYS = {"bfloat16": ("fedkv_bf16", "bf16"), "int8": ("fedkv_int8_weights", "int8_weights")}
@@ -64,17 +65,36 @@ def prefill_ms(models: dict[str, LlamaModel], prompt: list[int], repeats: int,
     return out
 
 
-def read_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
-    """Median GB/s of summing a ``mib`` MiB fp32 tensor (read once, far beyond the caches) on
-    the current torch thread count."""
-    a = torch.ones(mib << 18)
-    a.sum()
-    xs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a.sum()
-        xs.append(time.perf_counter() - t0)
-    return a.numel() * 4 / statistics.median(xs) / 1e9
+def read_bandwidth(nbytes: int, repeats: int = 5) -> dict[str, float]:
+    """Median GB/s of reading a buffer of ``nbytes`` again and again (as a step re-reads its
+    weights) on the current torch thread count, by each reader this machine has: torch's
+    ``sum`` on ordinary pages, and the kernels' prefetched stream (``read_stream``, the way
+    the int8 products read) on ordinary and on huge pages (``cache.huge_pages``). The ceiling
+    takes the fastest: the products' own tricks must not make the bar lower."""
+    plain = torch.ones(max(1, nbytes // 4))
+    readers: dict[str, Callable[[], object]] = {"torch_sum": plain.sum}
+    ops = kernels.ops()
+    if ops is not None:
+        huge = huge_pages.zeros((plain.numel(),), torch.float32).fill_(1.0)
+        readers["stream"] = lambda: ops.read_stream(plain)
+        readers["stream_huge_pages"] = lambda: ops.read_stream(huge)
+    out = {}
+    for name, read in readers.items():
+        read()
+        xs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            read()
+            xs.append(time.perf_counter() - t0)
+        out[name] = plain.numel() * 4 / statistics.median(xs) / 1e9
+    return out
+
+
+def read_bandwidths(models: dict[str, LlamaModel]) -> tuple[dict[str, float], dict[str, dict]]:
+    """Per model, the fastest :func:`read_bandwidth` of a buffer the size of its weights, and
+    every reader's figure."""
+    by_reader = {k: read_bandwidth(precision.weight_bytes_per_token(m)) for k, m in models.items()}
+    return {k: max(v.values()) for k, v in by_reader.items()}, by_reader
 
 
 def ceiling_fraction(tokens_per_s: float, model: LlamaModel, gbs: float) -> float:

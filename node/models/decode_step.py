@@ -13,6 +13,8 @@ cache that must take part -- and the caller takes the per-kernel path.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -24,22 +26,55 @@ PER_LAYER = 10
 post-attention norm, gate/up codes and scales, down codes and scales."""
 
 
+Sources = list[tuple[dict, str, object]]
+"""(dict, key, object) of every module, parameter and buffer a weight list was read from."""
+
+_KEPT: "weakref.WeakKeyDictionary[nn.Module, tuple[list[torch.Tensor], Sources]]" = \
+    weakref.WeakKeyDictionary()
+
+
 def layer_weights(model: nn.Module) -> list[torch.Tensor] | None:
     """Every layer's :data:`PER_LAYER` tensors in the kernel's order, or None where a
-    projection is not int8 (bf16 or fp32 weights, an adapter wrapping one)."""
+    projection is not int8 (bf16 or fp32 weights, an adapter wrapping one). Kept between
+    steps while each module, parameter and buffer it was read from is still the one in its
+    place (identity checks: reading the ~300 tensors again cost a twentieth of a step); a
+    write into a weight in place is read through."""
+    kept = _KEPT.get(model)
+    if kept is not None and all(d.get(k) is o for d, k, o in kept[1]):
+        return kept[0]
+    sources: Sources = []
+    out = _read_weights(model, sources)
+    if out is not None:
+        _KEPT[model] = (out, sources)
+    return out
+
+
+def _read_weights(model: nn.Module, sources: Sources) -> list[torch.Tensor] | None:
+    """:func:`layer_weights` read afresh, each lookup recorded in ``sources``."""
+    def get(d: dict, k: str):
+        sources.append((d, k, d[k]))
+        return d[k]
+
     out: list[torch.Tensor] = []
-    for layer in model.model.layers:
-        mods = layer._modules  # a step's hot path: the dicts, not nn.Module.__getattr__
-        attn, mlp = mods["self_attn"], mods["mlp"]
-        qkv, gate_up = attn.qkv.int8.codes(), mlp.gate_up.int8.codes()
+    layers = get(get(model._modules, "model")._modules, "layers")._modules
+    for name in layers:
+        mods = get(layers, name)._modules
+        attn, mlp = get(mods, "self_attn"), get(mods, "mlp")
+        qkv, gate_up = attn.qkv.int8.codes(), mlp.gate_up.int8.codes()  # may re-stack: first
+        for owner, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                             (mlp, ("gate_proj", "up_proj", "down_proj"))):
+            for n in names:
+                lin = get(owner._modules, n)
+                if type(lin) is Int8Linear:
+                    get(lin._buffers, "q"), get(lin._buffers, "scale")
         o, down = attn._modules["o_proj"], mlp._modules["down_proj"]
         if qkv is None or gate_up is None or type(o) is not Int8Linear or type(down) is not Int8Linear:
             return None
         b, d = o._buffers, down._buffers
-        out += [mods["input_layernorm"]._parameters["weight"], qkv._buffers["q"],
+        out += [get(get(mods, "input_layernorm")._parameters, "weight"), qkv._buffers["q"],
                 qkv._buffers["scale"], b["q"], b["scale"],
-                mods["post_attention_layernorm"]._parameters["weight"], gate_up._buffers["q"],
-                gate_up._buffers["scale"], d["q"], d["scale"]]
+                get(get(mods, "post_attention_layernorm")._parameters, "weight"),
+                gate_up._buffers["q"], gate_up._buffers["scale"], d["q"], d["scale"]]
     return out
 
 

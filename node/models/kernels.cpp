@@ -314,9 +314,39 @@ void int8_rows(const int8_t* q, const float* x, const float* scale, bf16* y, int
   }
 }
 
-// Weight-only int8 linear for a few rows: x bf16 [M, K], q int8 [N, K], scale fp32 [N] ->
-// bf16 [M, N]. Reads each weight byte once per call (memory-bound at decode's few rows).
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
+// A read of every byte of `buf` (contiguous), the way int8_linear reads its codes: 64-byte
+// loads, fetched PREFETCH_BYTES ahead, split over torch's threads. Returns a sum of the bytes
+// (so the read is not elided). bench_llm times it as the read bandwidth a decode step's weight
+// stream can reach: torch's own reductions prefetch nothing and read slower than the products.
+int64_t read_stream(const torch::Tensor& buf) {
+  TORCH_CHECK(buf.is_contiguous(), "buf must be contiguous");
+  const int8_t* p = reinterpret_cast<const int8_t*>(buf.data_ptr());
+  const int64_t n = buf.numel() * buf.element_size(), lines = n / 64;
+  std::vector<int64_t> part(static_cast<size_t>(std::max(1, at::get_num_threads())), 0);
+  at::parallel_for(0, lines, 1024, [&](int64_t begin, int64_t end) {
+    int64_t total = 0;
+    int64_t i = begin;
+#ifdef FEDKV_AVX512
+    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                      _mm512_setzero_si512()};
+    for (; i + 4 <= end; i += 4) {
+      for (int j = 0; j < 4; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(p + (i + j) * 64) + PREFETCH_BYTES, _MM_HINT_T1);
+        acc[j] = _mm512_add_epi64(acc[j], _mm512_sad_epu8(_mm512_loadu_si512(p + (i + j) * 64),
+                                                          _mm512_setzero_si512()));
+      }
+    }
+    for (int j = 0; j < 4; ++j) total += _mm512_reduce_add_epi64(acc[j]);
+#endif
+    for (int64_t b = i * 64; b < end * 64; ++b) total += static_cast<uint8_t>(p[b]);
+    part[at::get_thread_num()] += total;
+  });
+  int64_t total = std::accumulate(part.begin(), part.end(), int64_t{0});
+  for (int64_t b = lines * 64; b < n; ++b) total += static_cast<uint8_t>(p[b]);
+  return total;
+}
+
+void check_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
   check_bf16(x, "x");
   TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(),
               "q must be contiguous int8 [out, in], got ", q.scalar_type(), " ", q.sizes());
@@ -326,17 +356,34 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
               " ", scale.sizes());
   TORCH_CHECK(x.dim() == 2 && x.size(1) == q.size(1), "x must be [rows, ", q.size(1), "], got ",
               x.sizes());
-  int64_t M = x.size(0), K = q.size(1), N = q.size(0);
-  auto xf = x.to(torch::kFloat32).contiguous();
-  auto y = torch::empty({M, N}, x.options());
+}
+
+// Weight-only int8 product of a few rows: x bf16 [M, K] (contiguous), q int8 [N, K], scale
+// fp32 [N] -> y bf16 [M, N]. Reads each weight byte once per call (memory-bound at decode's
+// few rows). x's rows are widened to fp32 in `xf` (grown to M * K floats): no allocation
+// past its first use, for a caller that runs many (decode_layers_int8).
+void int8_product(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                  std::vector<float>& xf, bf16* y) {
+  const int64_t M = x.size(0), K = q.size(1), N = q.size(0);
+  const bf16* xb = x.data_ptr<bf16>();
+  xf.resize(std::max<size_t>(xf.size(), M * K));
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xb[i]);
+  const float* xp = xf.data();
   const int8_t* qp = q.data_ptr<int8_t>();
-  const float* xp = xf.data_ptr<float>();
   const float* sp = scale.data_ptr<float>();
-  bf16* yp = y.data_ptr<bf16>();
   at::parallel_for(0, N / 4, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) int8_rows<4>(qp, xp, sp, yp, b * 4, M, K, N);
+    for (int64_t b = begin; b < end; ++b) int8_rows<4>(qp, xp, sp, y, b * 4, M, K, N);
   });
-  for (int64_t o = N / 4 * 4; o < N; ++o) int8_rows<1>(qp, xp, sp, yp, o, M, K, N);
+  for (int64_t o = N / 4 * 4; o < N; ++o) int8_rows<1>(qp, xp, sp, y, o, M, K, N);
+}
+
+// int8_product of checked tensors, its result allocated.
+torch::Tensor int8_linear(const torch::Tensor& x_in, const torch::Tensor& q, const torch::Tensor& scale) {
+  auto x = x_in.contiguous();
+  check_int8(x, q, scale);
+  std::vector<float> xf;
+  auto y = torch::empty({x.size(0), q.size(0)}, x.options());
+  int8_product(x, q, scale, xf, y.data_ptr<bf16>());
   return y;
 }
 
@@ -897,14 +944,23 @@ torch::Tensor int8_layers(torch::Tensor x, const std::vector<torch::Tensor>& w,
   auto no_tail = torch::empty({kv_heads, 1, 0, dim}, torch::TensorOptions().dtype(torch::kFloat32));
   auto no_valid = torch::empty({1, 0}, torch::TensorOptions().dtype(torch::kBool));
   const std::vector<int64_t> no_slot{0};
+  std::vector<float> xf;  // a product's input row, widened
+  torch::Tensor ys[4];    // each of a layer's four products' output, reused by every layer
+  auto product = [&](int i, const torch::Tensor& in, const torch::Tensor& q, const torch::Tensor& sc) {
+    check_int8(in, q, sc);
+    TORCH_CHECK(in.is_contiguous(), "a product's input must be contiguous");
+    if (!ys[i].defined() || ys[i].size(1) != q.size(0)) ys[i] = torch::empty({1, q.size(0)}, in.options());
+    int8_product(in, q, sc, xf, ys[i].data_ptr<bf16>());
+    return ys[i];
+  };
   auto h = rms_norm(x, w[0], eps);
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* lw = w.data() + LAYER_TENSORS * l;
     P* base = kv.data_ptr<P>() + l * kv.stride(0);
-    auto qkv = rope_split(int8_linear(h, lw[1], lw[2]), cos, sin, heads, kv_heads, dim,
+    auto qkv = rope_split(product(0, h, lw[1], lw[2]), cos, sin, heads, kv_heads, dim,
                           torch::kFloat32);
     for (int64_t kvi = 0; kvi < 2; ++kvi) {  // the token's K and V into its arena row
-      const float* src = qkv[1 + kvi].data_ptr<float>();
+      const float* src = qkv[1 + kvi].template data_ptr<float>();
       for (int64_t hk = 0; hk < kv_heads; ++hk) {
         P* dst = base + kvi * kv.stride(1) + hk * kv.stride(2) + pos * kv.stride(3);
         for (int64_t i = 0; i < dim; ++i) dst[i] = static_cast<P>(src[hk * dim + i]);
@@ -915,10 +971,10 @@ torch::Tensor int8_layers(torch::Tensor x, const std::vector<torch::Tensor>& w,
       pv[r].base = pk[r].base + kv.stride(1);
     }
     auto a = attend_decode(qkv[0], pk, pv, no_tail, no_tail, no_valid, no_slot);
-    h = add_rms_norm_(x, int8_linear(merge_heads(a), lw[3], lw[4]), lw[5], eps);
-    auto act = silu_mul(int8_linear(h, lw[6], lw[7]));
+    h = add_rms_norm_(x, product(1, merge_heads(a), lw[3], lw[4]), lw[5], eps);
+    auto act = silu_mul(product(2, h, lw[6], lw[7]));
     const torch::Tensor& next_norm = l + 1 < L ? w[LAYER_TENSORS * (l + 1)] : final_norm;
-    h = add_rms_norm_(x, int8_linear(act, lw[8], lw[9]), next_norm, eps);
+    h = add_rms_norm_(x, product(3, act, lw[8], lw[9]), next_norm, eps);
   }
   return h;
 }
@@ -999,6 +1055,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one token of one session through every weight-only int8 layer", nogil);
   m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up", nogil);
   m.def("int8_linear", &int8_linear, "weight-only int8 linear of a few bf16 rows", nogil);
+  m.def("read_stream", &read_stream, "a prefetched read of every byte of a buffer (a bandwidth probe)", nogil);
   m.def("int8_amx_available", &int8_amx_available, "AMX bf16 tiles usable in this process", nogil);
   m.def("int8_pack_amx", &int8_pack_amx, "int8 codes in the AMX tile order of int8_linear_amx", nogil);
   m.def("int8_linear_amx", &int8_linear_amx, "weight-only int8 linear on AMX (codes read once for all rows)", nogil);

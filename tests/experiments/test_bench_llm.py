@@ -105,7 +105,11 @@ def test_weight_formats_are_measured_beside_fp32_at_each_context(result):
         for k, f in d[c]["step_bytes_fraction"].items():  # the context's K/V counted too
             assert f > d[c]["bandwidth_ceiling_fraction"][k] > 0
         assert set(d[c]["prefill_ms"]) == {"fedkv_fp32", *VARIANTS}
-    assert _finite_positive(r["details"]["decode_tokens_per_s"]["read_bandwidth_gbs"])
+    gbs, by_reader = d["read_bandwidth_gbs"], d["read_bandwidth_by_reader_gbs"]
+    assert set(gbs) == set(by_reader) == {"fedkv_fp32", *VARIANTS}
+    for k, readers in by_reader.items():  # the ceiling takes the fastest reader
+        assert "torch_sum" in readers and all(_finite_positive(v) for v in readers.values())
+        assert gbs[k] == max(readers.values())
     for q in ("bf16", "int8_weights"):
         assert r["quality"][q]["top1_agreement"] > 0.8
     assert r["details"]["quality"]["bf16"]["weight_bytes_per_token"] * 2 == (

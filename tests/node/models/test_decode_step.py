@@ -180,3 +180,21 @@ def test_a_bf16_arena_gives_the_fp32_arenas_logits(k, one_thread, dtype):
         logits.append(out)
     for a, b in zip(*logits):
         assert torch.equal(a, b)
+
+
+def test_the_weight_list_is_kept_until_something_it_was_read_from_is_replaced():
+    m = _int8()
+    first = decode_step.layer_weights(m)
+    assert decode_step.layer_weights(m) is first
+    o = m.model.layers[1].self_attn.o_proj
+    m.model.layers[1].self_attn.o_proj = precision.Int8Linear.from_codes(o.q.clone(), o.scale)
+    second = decode_step.layer_weights(m)
+    assert second is not first
+    assert second[decode_step.PER_LAYER + 3] is m.model.layers[1].self_attn.o_proj.q
+    norm = m.model.layers[0].post_attention_layernorm
+    norm.weight = torch.nn.Parameter(norm.weight.detach().clone())
+    third = decode_step.layer_weights(m)
+    assert third is not second and third[5] is norm.weight
+    m.model.layers[-1].mlp.down_proj = torch.nn.Linear(m.cfg.intermediate_size, m.cfg.hidden_size,
+                                                      bias=False)
+    assert decode_step.layer_weights(m) is None

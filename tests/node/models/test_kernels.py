@@ -536,3 +536,12 @@ def test_a_prefills_rows_are_read_in_place_and_a_lone_tokens_gathered(k):
         assert torch.equal(out[0], out[1])  # the spans and the runs they name: the same rows
     else:
         assert asked == [(False, k.store_step_kv)] * 2 + [(True, k.store_step_kv)]
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 4096 + 17, 1 << 20])
+def test_read_stream_reads_every_byte(k, n):
+    """The bandwidth probe reads all of a buffer (its sum of unsigned bytes is the buffer's),
+    whole 64-byte lines and the tail alike, over the threads."""
+    t = torch.randint(-128, 128, (n,), dtype=torch.int8)
+    assert k.read_stream(t) == int(t.view(torch.uint8).long().sum())
+    assert k.read_stream(t.float()) == int(t.float().view(torch.uint8).long().sum())
