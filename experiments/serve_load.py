@@ -62,6 +62,7 @@ import numpy as np
 import torch
 
 from cache import KVCache
+from cache.sizing import DTYPE_BYTES
 from experiments.output import (add_common_args, make_run_dir, markdown_table, plot_lines,
                                 print_results_dir, write_csv, write_json)
 from experiments.llm_contenders import StreamHandle
@@ -300,9 +301,11 @@ def load_served(name: str, seed: int, model_dir: str | None = None,
     return Served(name, convert(ours, dtype), hf, cfg.vocab_size)
 
 
-def fp32_bytes_per_token(model: Any) -> int:
+def kv_bytes_per_token(model: Any) -> int:
+    """Bytes of one token's K/V in the format the model's cache stores (bf16 for bf16 and int8
+    weights, else fp32): the pool is sized in these, so ``pool_tokens`` is what it holds."""
     c = model.cache_config()
-    return 2 * c.num_layers * c.num_heads * c.head_dim * 4
+    return int(2 * c.num_layers * c.num_heads * c.head_dim * DTYPE_BYTES[c.kv_dtype])
 
 
 def pool_tokens(requests: Sequence[Req], clients: int, cfg: LoadConfig, block: int) -> tuple[int, int]:
@@ -322,7 +325,7 @@ def make_backend(system: str, served: Served, pool: int, clients: int,
         return servers[system].backend(clients)
     if system == "hf_sequential":
         return HFSequentialBackend(served.hf, served.name)
-    per_token = fp32_bytes_per_token(served.model)
+    per_token = kv_bytes_per_token(served.model)
     block = served.model.cache_config().block_size * per_token
     slab = 1 << math.ceil(math.log2(8 * block))  # the cache's default slab rule, minus its 128 KiB floor
     cache = KVCache(served.model.cache_config(pool_bytes=max(pool * per_token, slab),
@@ -392,7 +395,8 @@ def run_model(served: Served, clients_list: Sequence[int], cfg: LoadConfig, seed
     offered = max(r["offered_tokens"] for r in rows)
     return {"by_clients": by_clients, "dropped_requests": sum(r["dropped"] for r in sched),
             **totals, "overcommit": offered / pool,
-            "settings": {"fedkv": {"dtype": dtype_of(served.model), "kv_dtype": "fp32", "pool_tokens": pool,
+            "settings": {"fedkv": {"dtype": dtype_of(served.model), "kv_dtype": served.model.cache_config().kv_dtype,
+                                   "pool_tokens": pool,
                                    "max_running": "clients", "token_budget": TOKEN_BUDGET,
                                    "block_size": block,
                                    "kernels": kernels.status()}}}, rows

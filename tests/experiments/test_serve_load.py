@@ -126,3 +126,16 @@ def test_single_stream_times_the_first_token_and_the_decode_apart():
         assert out[s]["decode_tokens_per_s"] == pytest.approx(4 / 0.2)  # 4 tokens after the first
     p = [single_stream.fresh_prompt(8, 100, seed) for seed in range(3)]
     assert len(set(p)) == 3 and all(4 <= t < 100 for t in p[0])  # never the same prompt twice
+
+
+def test_the_pool_is_sized_in_the_k_v_format_the_models_cache_stores():
+    """An int8 or bf16 model's cache stores bf16 K/V: its pool of ``pool_tokens`` takes half
+    the bytes an fp32 model's does, so both hold the tokens the settings state."""
+    from node.models import precision
+    from tests.tiny_models import tiny_llama
+
+    fp32 = tiny_llama()
+    for dtype in ("int8", "bfloat16"):
+        m = precision.convert(tiny_llama(), dtype)
+        assert m.cache_config().kv_dtype == "bf16"
+        assert 2 * sl.kv_bytes_per_token(m) == sl.kv_bytes_per_token(fp32)
