@@ -12,10 +12,14 @@ rather than sitting in cache. Three ways, alternated within each repeat, the med
 * ``tiles`` -- ``int8_linear_amx``: the codes widened to bf16 tile by tile on AMX, once per call
   for all the rows (up to ``TILES_TIMED_ROWS`` here; skipped without AMX);
 * ``bf16_packed`` -- oneDNN's bf16 GEMM on the packed bf16 copy of the dequantized weights, the
-  baseline (the path without the fused kernels, and every path's past ``TILE_ROWS``).
+  baseline (the path without the fused kernels, and every path's past ``TILE_ROWS``);
+* ``read`` -- no product: ``read_stream`` of the codes, the fastest a pass could read them.
 
-JSON: ``ms_per_pass.<rows>.<way>`` and ``vs_bf16_packed.<rows>.<way>`` (the baseline's time
-divided by the way's: above 1 is faster), ``weight_bytes`` of each way's matrices.
+The codes lie end to end in one buffer on huge pages, in pass order, as a converted model's do
+(``node.models.precision.lay_out_codes``). JSON: ``ms_per_pass.<rows>.<way>``,
+``vs_bf16_packed.<rows>.<way>`` (the baseline's time divided by the way's: above 1 is faster),
+``vs_read.<rows>.<way>`` (``read``'s time divided by the way's: the fraction of the read rate a
+pass reaches), ``weight_bytes`` of each way's matrices.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from collections.abc import Callable
 
 import torch
 
+from cache import huge_pages
 from experiments.output import add_common_args, make_run_dir, print_results_dir, write_json
 from node.models import kernels, packed
 from node.models.precision import DECODE_ROWS, TILE_ROWS, Int8Linear
@@ -43,13 +48,22 @@ TILES_TIMED_ROWS = 1024
 
 
 def model_linears(layers: int, seed: int) -> list[Int8Linear]:
+    """The model's linears, their codes end to end in one huge-page buffer in pass order."""
     g = torch.Generator().manual_seed(seed)
     shapes = [s for _ in range(layers) for s in SHAPES] + [HEAD]
-    return [Int8Linear(torch.randn(*s, generator=g) * 0.05) for s in shapes]
+    made = [Int8Linear(torch.randn(*s, generator=g) * 0.05) for s in shapes]
+    buf = huge_pages.zeros((sum(lin.q.numel() for lin in made),), torch.int8)
+    out, a = [], 0
+    for lin in made:
+        slot = buf[a : a + lin.q.numel()].view_as(lin.q)
+        slot.copy_(lin.q)
+        out.append(Int8Linear.from_codes(slot, lin.scale))
+        a += lin.q.numel()
+    return out
 
 
 def ways(linears: list[Int8Linear], rows: int) -> dict[str, Callable[[], None]]:
-    """The passes to time at ``rows`` rows, each over every linear."""
+    """The passes to time at ``rows`` rows, each over every linear, and the codes' read."""
     ops = kernels.ops()
     xs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {lin.in_features for lin in linears}}
     bf16 = [packed.pack(lin.dequantized(torch.bfloat16)) for lin in linears]
@@ -58,6 +72,11 @@ def ways(linears: list[Int8Linear], rows: int) -> dict[str, Callable[[], None]]:
     if ops is not None and rows <= VECTOR_ROWS:
         out["vector"] = lambda: [ops.int8_linear(xs[lin.in_features], lin.q, lin.scale)
                                  for lin in linears]
+    if ops is not None:
+        start, n = linears[0].q, sum(lin.q.numel() for lin in linears)
+        codes = torch.empty(0, dtype=torch.int8).set_(start.untyped_storage(),
+                                                      start.storage_offset(), (n,))
+        out["read"] = lambda: ops.read_stream(codes)
     if kernels.amx() and rows <= TILES_TIMED_ROWS:
         tiled = [ops.int8_pack_amx(lin.q) for lin in linears]
         out["tiles"] = lambda: [ops.int8_linear_amx(xs[lin.in_features], t, lin.scale)
@@ -92,8 +111,10 @@ def main(argv: list[str] | None = None) -> dict:
     ms = {str(r): time_rows(linears, r, repeats) for r in (int(x) for x in args.rows.split(","))}
     codes = sum(lin.q.numel() for lin in linears)
     result = {"ms_per_pass": ms,
-              "vs_bf16_packed": {r: {w: t["bf16_packed"] / v for w, v in t.items()}
+              "vs_bf16_packed": {r: {w: t["bf16_packed"] / v for w, v in t.items() if w != "read"}
                                  for r, t in ms.items()},
+              "vs_read": {r: {w: t["read"] / v for w, v in t.items() if w != "read"}
+                          for r, t in ms.items() if "read" in t},
               "weight_bytes": {"vector": codes, "tiles": codes, "bf16_packed": 2 * codes},
               "config": {"layers": len(linears) // len(SHAPES), "repeats": repeats,
                          "threads": args.threads, "kernels": kernels.status(),
@@ -102,7 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
     write_json(out / "int8_rows.json", result)
     for r, t in ms.items():
         print(f"rows {r:>3}: " + "  ".join(
-            f"{w} {v:6.2f} ms ({result['vs_bf16_packed'][r][w]:.2f}x)" for w, v in t.items()))
+            f"{w} {v:6.2f} ms" + (f" ({result['vs_bf16_packed'][r][w]:.2f}x)" if w != "read" else "")
+            for w, v in t.items()))
     print_results_dir(out)
     if args.json:
         print(json.dumps(result))
