@@ -15,9 +15,9 @@ turns a loaded fp32 ``node.models.llama.LlamaModel`` into one.
   linears hold int8 buffers, not HF's parameters, so it is not trained, published or wrapped
   by adapters.
 
-The KV cache is not involved: it stores K/V in its own ``kv_dtype`` (fp32 blocks by default)
-and casts on the way in and out (bf16 -> fp32 -> bf16 is exact), so every cache format works
-under every weight format.
+The KV cache stores K/V in its own ``kv_dtype``: bf16 by default for bf16 and int8 weights (their
+K/V are bf16 values: exact; ``LlamaModel.cache_config``), fp32 for fp32 ones; it casts on the way
+in and out, so every cache format works under every weight format.
 """
 
 from __future__ import annotations
