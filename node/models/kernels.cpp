@@ -902,7 +902,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const std::vector<torch::
                                const torch::Tensor& tail_valid, const torch::Tensor& slots) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kFloat32,
               "q must be float32 [kv_heads, group, rows, dim], got ", q.scalar_type(), " ", q.sizes());
-  const int64_t Hk = q.size(0), G = q.size(1), B = q.size(2), D = q.size(3);
+  const int64_t Hk = q.size(0), B = q.size(2), D = q.size(3);
   TORCH_CHECK(prefix_k.size() == prefix_v.size(), "prefix K and V runs differ in number");
   TORCH_CHECK(tail_k.dim() == 4 && tail_k.sizes() == tail_v.sizes() && tail_k.size(0) == Hk &&
                   tail_k.size(3) == D,

@@ -111,7 +111,8 @@ def test_int8_linear_is_its_dequantized_weight_for_decode_and_prefill_rows(one_t
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
-@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16"])  # fp16: the fused K/V store's fp16 arena
+# bf16: the models' default arena; fp16: the fused K/V store's fp16 arena
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp16"])
 def test_batched_step_equals_one_session_at_a_time(one_thread, dtype, kv_dtype):
     m = _model(dtype)
     prompts = [list(range(4, 20)), list(range(30, 41))]
