@@ -64,6 +64,9 @@ class ArenaStep:
 ARENA_STEP_DTYPES = (torch.float32, torch.bfloat16)
 """Arenas an ``ArenaStep`` is offered over (the kernel reads bf16 rows as fp32)."""
 
+NO_ROWS = torch.zeros(0, dtype=torch.long)
+"""An empty int64 index: a kernel's tail-slot arguments where no tail is written."""
+
 
 GATHER_RUN_TOKENS = 32
 """A decode step gathers a context's runs into one copy when there are at least

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from cache.attention import scattered
+from cache.attention import NO_ROWS, scattered
 from cache.errors import ReservationError, ShapeMismatchError
 from cache.session_table import check_layer
 
@@ -171,7 +171,6 @@ tails_layer [2, S, H, cap, D], slots [n], at [n], rows [n])`` stores row b of k 
 ``write_pos[b]`` of the arena and row ``rows[i]`` at position ``at[i]`` of tail slot ``slots[i]``
 (n may be 0) -- what the four indexed stores of the eager path do
 (``node.models.kernels``' ``store_step_kv``)."""
-_NONE = torch.zeros(0, dtype=torch.long)
 
 
 TAIL_ROOM = 16
@@ -304,7 +303,7 @@ class Batcher:
             raise ReservationError(f"batch step: layer {layer} written out of order")
         kv = self.arena.kv[layer]
         if store is not None:  # arena and appended tails in one call, then the gathers
-            slots, at, rows = step.appends if step.appends is not None else (_NONE,) * 3
+            slots, at, rows = step.appends if step.appends is not None else (NO_ROWS,) * 3
             store(kv, step.write_pos, k, v, step.tails.kv[layer], slots, at, rows)
         else:
             kv[0].index_copy_(1, step.write_pos, k.to(kv.dtype))

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from cache.attention import ARENA_STEP_DTYPES, ArenaStep, Run, Spans, scattered
+from cache.attention import ARENA_STEP_DTYPES, NO_ROWS, ArenaStep, Run, Spans, scattered
 from cache.block import Block
 from cache.errors import CacheFullError, ReservationError, ShapeMismatchError, TensorDTypeError
 from cache.prefetch import Prefetcher, make_prefetcher, prefetch_after_lookup
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from cache.token_arena import TokenArena
 
 
-_NO_ROWS = torch.zeros(0, dtype=torch.long)
 _NO_TAILS = torch.zeros(0)
 """A session's write through a ``StepStore`` has no batch tails to fill."""
 
@@ -285,7 +284,7 @@ class SessionSteps:
             dst[0, :, t.write_at] = k
             dst[1, :, t.write_at] = v
         elif store is not None:
-            store(dst, t.write_at, k, v, _NO_TAILS, _NO_ROWS, _NO_ROWS, _NO_ROWS)
+            store(dst, t.write_at, k, v, _NO_TAILS, NO_ROWS, NO_ROWS, NO_ROWS)
         else:
             dst[0].index_copy_(1, t.write_at, k.to(dst.dtype))
             dst[1].index_copy_(1, t.write_at, v.to(dst.dtype))
