@@ -141,9 +141,8 @@ def takes_decode_kernel(q: torch.Tensor, runs) -> bool:
     token, as a step of one row with no tail): grouped fp32 queries over runs of one dtype of
     :data:`DECODE_KV_DTYPES` with contiguous rows."""
     return (q.dim() == 4 and q.dtype == torch.float32 and q.shape[-2] == 1 and bool(runs)
-            and runs[0][0].dtype in DECODE_KV_DTYPES
-            and all(t.dtype == runs[0][0].dtype and t.dim() == 3 and t.stride(-1) == 1
-                    for run in runs for t in run))
+            and _one_dtype(runs) and all(t.dim() == 3 and t.stride(-1) == 1
+                                         for run in runs for t in run))
 
 
 _NO_SLOTS = torch.empty(0, dtype=torch.long)
@@ -153,10 +152,10 @@ _NO_TAIL = torch.empty(1, 0, dtype=torch.bool)
 _KERNEL_TAILS = (torch.float32, torch.bfloat16)
 
 
-def _one_dtype(prefix) -> bool:
-    """A step's prefix runs ``decode_attention`` reads: all of one of :data:`DECODE_KV_DTYPES`."""
-    return not prefix or (prefix[0][0].dtype in DECODE_KV_DTYPES
-                          and all(t.dtype == prefix[0][0].dtype for run in prefix for t in run))
+def _one_dtype(runs) -> bool:
+    """K/V runs ``decode_attention`` reads: all of one of :data:`DECODE_KV_DTYPES` (or none)."""
+    return not runs or (runs[0][0].dtype in DECODE_KV_DTYPES
+                        and all(t.dtype == runs[0][0].dtype for run in runs for t in run))
 
 
 def attend_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, step,
