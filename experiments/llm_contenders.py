@@ -14,19 +14,17 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from cache import KVCache
-from cache.sizing import DTYPE_BYTES
+from cache import KVCache, cache_size
 from node.engine.generation import TokenStream
 from node.models.llama import LlamaModel
 
 
-def bytes_per_token(model: LlamaModel, kv_dtype: str = "fp32") -> int:
-    """Bytes of one token's K/V in every layer, stored as ``kv_dtype``; ``"model"``: the
-    format the model's own cache stores (``LlamaModel.cache_config``)."""
-    c = model.cfg
-    if kv_dtype == "model":
-        kv_dtype = model.cache_config().kv_dtype
-    return int(2 * c.num_layers * c.num_kv_heads * c.head_dim * DTYPE_BYTES[kv_dtype])
+def bytes_per_token(model: LlamaModel, kv_dtype: str | None = "fp32") -> int:
+    """Bytes of one token's K/V in every layer, stored as ``kv_dtype``; None: the format the
+    model's own cache stores (``LlamaModel.cache_config``: bf16 for bf16 and int8 weights)."""
+    c = model.cache_config()  # its heads are the K/V heads
+    return cache_size(1, c.num_layers, c.num_heads * c.head_dim, kv_dtype or c.kv_dtype,
+                      num_kv_heads=c.num_heads, head_dim=c.head_dim)
 
 
 def fedkv_cache(model: LlamaModel, tokens: int, kv_dtype: str | None = "fp32", block: int = 16,

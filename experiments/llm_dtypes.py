@@ -108,7 +108,7 @@ def step_bytes_fraction(tokens_per_s: float, model: LlamaModel, gbs: float,
     ``context`` tokens (the timed steps' mean length) in the format the model's cache stores
     them. Where this nears 1 and :func:`ceiling_fraction` does not, the step is bound by the
     K/V it reads."""
-    kv = context * bytes_per_token(model, "model")
+    kv = context * bytes_per_token(model, None)
     return tokens_per_s * (precision.weight_bytes_per_token(model) + kv) / (gbs * 1e9)
 
 

@@ -62,10 +62,9 @@ import numpy as np
 import torch
 
 from cache import KVCache
-from cache.sizing import DTYPE_BYTES
 from experiments.output import (add_common_args, make_run_dir, markdown_table, plot_lines,
                                 print_results_dir, write_csv, write_json)
-from experiments.llm_contenders import StreamHandle
+from experiments.llm_contenders import StreamHandle, bytes_per_token
 from experiments import serve_contenders as contenders
 from experiments import single_stream
 from experiments.serve_contenders import LLAMACPP, VLLM
@@ -301,13 +300,6 @@ def load_served(name: str, seed: int, model_dir: str | None = None,
     return Served(name, convert(ours, dtype), hf, cfg.vocab_size)
 
 
-def kv_bytes_per_token(model: Any) -> int:
-    """Bytes of one token's K/V in the format the model's cache stores (bf16 for bf16 and int8
-    weights, else fp32): the pool is sized in these, so ``pool_tokens`` is what it holds."""
-    c = model.cache_config()
-    return int(2 * c.num_layers * c.num_heads * c.head_dim * DTYPE_BYTES[c.kv_dtype])
-
-
 def pool_tokens(requests: Sequence[Req], clients: int, cfg: LoadConfig, block: int) -> tuple[int, int]:
     """(offered load, pool capacity) in tokens: ``clients`` requests of the workload's mean
     size in flight, the pool ``pool_share`` of it, never less than the largest request plus
@@ -325,7 +317,7 @@ def make_backend(system: str, served: Served, pool: int, clients: int,
         return servers[system].backend(clients)
     if system == "hf_sequential":
         return HFSequentialBackend(served.hf, served.name)
-    per_token = kv_bytes_per_token(served.model)
+    per_token = bytes_per_token(served.model, None)  # its cache's format: pool_tokens it holds
     block = served.model.cache_config().block_size * per_token
     slab = 1 << math.ceil(math.log2(8 * block))  # the cache's default slab rule, minus its 128 KiB floor
     cache = KVCache(served.model.cache_config(pool_bytes=max(pool * per_token, slab),

@@ -138,4 +138,4 @@ def test_the_pool_is_sized_in_the_k_v_format_the_models_cache_stores():
     for dtype in ("int8", "bfloat16"):
         m = precision.convert(tiny_llama(), dtype)
         assert m.cache_config().kv_dtype == "bf16"
-        assert 2 * sl.kv_bytes_per_token(m) == sl.kv_bytes_per_token(fp32)
+        assert 2 * sl.bytes_per_token(m, None) == sl.bytes_per_token(fp32, None)
