@@ -32,10 +32,9 @@ from collections.abc import Callable
 
 import torch
 
-from cache import huge_pages
 from experiments.output import add_common_args, make_run_dir, print_results_dir, write_json
 from node.models import kernels, packed
-from node.models.precision import DECODE_ROWS, TILE_ROWS, Int8Linear
+from node.models.precision import DECODE_ROWS, TILE_ROWS, Int8Linear, codes_end_to_end
 
 LAYERS = 30
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
@@ -52,14 +51,8 @@ def model_linears(layers: int, seed: int) -> list[Int8Linear]:
     g = torch.Generator().manual_seed(seed)
     shapes = [s for _ in range(layers) for s in SHAPES] + [HEAD]
     made = [Int8Linear(torch.randn(*s, generator=g) * 0.05) for s in shapes]
-    buf = huge_pages.zeros((sum(lin.q.numel() for lin in made),), torch.int8)
-    out, a = [], 0
-    for lin in made:
-        slot = buf[a : a + lin.q.numel()].view_as(lin.q)
-        slot.copy_(lin.q)
-        out.append(Int8Linear.from_codes(slot, lin.scale))
-        a += lin.q.numel()
-    return out
+    _, slots = codes_end_to_end([lin.q for lin in made])
+    return [Int8Linear.from_codes(q, lin.scale) for q, lin in zip(slots, made)]
 
 
 def ways(linears: list[Int8Linear], rows: int) -> dict[str, Callable[[], None]]:

@@ -189,12 +189,11 @@ class Int8Projection:
         return self.stacked
 
     def move_codes(self, q: torch.Tensor) -> None:
-        """Hold the codes in ``q`` (int8, their shape; a slot of :func:`lay_out_codes`' buffer):
-        copied there, the stack's and the modules' ``q`` re-pointed to it."""
+        """Read the codes from ``q`` from now on: a copy of them (int8, their shape; the slot
+        :func:`codes_end_to_end` filled), the stack's and the modules' ``q`` re-pointed to it."""
         mods, lin = self._modules(), self.codes()
         if mods is None or lin is None or q.shape != lin.q.shape:
             raise ValueError(f"no int8 codes of shape {tuple(q.shape)} to move here")
-        q.copy_(lin.q)
         lin._buffers["q"] = q
         a = 0
         for m in mods:
@@ -237,6 +236,18 @@ def step_projections(model: nn.Module) -> list[Int8Projection]:
 
 
 @torch.no_grad()
+def codes_end_to_end(codes: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One int8 buffer on huge pages (``cache.huge_pages``) holding ``codes`` end to end in
+    this order, and each one's copy in it (a view of its shape)."""
+    with torch.inference_mode(False):  # weights, usable in and out of inference mode
+        buf = huge_pages.zeros((sum(q.numel() for q in codes),), torch.int8)
+        slots, a = [], 0
+        for q in codes:
+            slots.append(buf[a : a + q.numel()].view(q.shape).copy_(q))
+            a += q.numel()
+    return buf, slots
+
+
 def lay_out_codes(model: nn.Module) -> None:
     """Every int8 code matrix of ``model`` in one buffer on huge pages (``cache.huge_pages``),
     end to end in the order a decode step reads them: the step streams one buffer, no TLB miss
@@ -244,13 +255,9 @@ def lay_out_codes(model: nn.Module) -> None:
     unrelated memory. The modules' ``q`` become views of it (no second copy); a module given
     new codes later (an adapter, a load) simply reads them where they are."""
     projs = [p for p in step_projections(model) if p.codes() is not None]
-    sizes = [p.codes().q.numel() for p in projs]
-    with torch.inference_mode(False):  # weights, usable in and out of inference mode
-        buf = huge_pages.zeros((sum(sizes),), torch.int8)
-        a = 0
-        for p, n in zip(projs, sizes):
-            p.move_codes(buf[a : a + n].view(p.codes().q.shape))
-            a += n
+    _, slots = codes_end_to_end([p.codes().q for p in projs])
+    for p, q in zip(projs, slots):
+        p.move_codes(q)
 
 
 @torch.no_grad()
