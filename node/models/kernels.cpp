@@ -838,12 +838,85 @@ int64_t row_parts(int64_t Hk, int64_t B) {
   return std::max<int64_t>(1, std::min(B, t / std::gcd(Hk, t)));
 }
 
+constexpr int64_t MIN_CHUNK_ROWS = 128;  // a prefix chunk shorter than this is not split off
+
+// How many chunks of its prefix each KV head of a lone row with no tail is split into (see
+// attend_chunks): as row_parts, 1 where the threads divide the heads or the prefix is short.
+int64_t prefix_chunks(int64_t Hk, int64_t B, int64_t tail_len, int64_t n_prefix) {
+  const int64_t t = std::max(1, at::get_num_threads()), parts = t / std::gcd(Hk, t);
+  if (B != 1 || tail_len != 0 || n_prefix < parts * MIN_CHUNK_ROWS) return 1;
+  return parts;
+}
+
+// The runs' rows at prefix positions [p0, p1), as runs.
+template <typename P>
+std::vector<RunOf<P>> runs_between(const std::vector<RunOf<P>>& runs, int64_t p0, int64_t p1) {
+  std::vector<RunOf<P>> out;
+  int64_t at = 0;
+  for (const RunOf<P>& run : runs) {
+    const int64_t a = std::max(p0, at), b = std::min(p1, at + run.n);
+    if (a < b) out.push_back({run.base + (a - at) * run.row_stride, run.head_stride, run.row_stride, b - a});
+    at += run.n;
+  }
+  return out;
+}
+
+// One KV head's queries (a lone row's G) over chunk c of the prefix: the scores' maximum m[g],
+// their exps' sum l[g] and the exp-weighted sum of the chunk's values o[g * D ...] (not yet
+// divided by the sum: attend_chunks merges the chunks).
+template <typename P>
+void attend_chunk(const Rows<P>& r, int64_t h, int64_t c, int64_t chunks, float* o, float* m,
+                  float* l, Scratch& w) {
+  const int64_t G = r.q.size(1), D = r.q.size(3);
+  const int64_t p0 = r.n_prefix * c / chunks, n = r.n_prefix * (c + 1) / chunks - p0;
+  const std::vector<RunOf<P>> k = runs_between(r.pk, p0, p0 + n), v = runs_between(r.pv, p0, p0 + n);
+  const Rows<P> part{r.q, r.out, r.tail_valid, r.slot, k, v, n};
+  const float* qp = r.q.template data_ptr<float>();
+  w.score.resize(G * n), w.qs.resize(G), w.sc.resize(G), w.os.resize(G), w.live.resize(G);
+  for (int64_t g = 0; g < G; ++g)
+    w.qs[g] = qp + (h * G + g) * D, w.sc[g] = w.score.data() + g * n, w.os[g] = o + g * D, w.live[g] = g;
+  prefix_scores(part, h, w.qs, w.sc, 1.0f / std::sqrt(static_cast<float>(D)), D);
+  for (int64_t g = 0; g < G; ++g) m[g] = max_of(w.sc[g], n), l[g] = exp_shift_sum(w.sc[g], n, m[g]);
+  prefix_values(part, h, w.live, w.sc, w.os, D);
+}
+
+// A lone row's attention with each KV head's prefix split into `chunks` (flash-decoding): the
+// tasks become a multiple of the threads (SmolLM2's 3 heads over 2 threads left one idle a
+// third of the time), then each query's chunks are merged by their maxima.
+template <typename P>
+void attend_chunks(const Rows<P>& r, int64_t chunks) {
+  const int64_t Hk = r.q.size(0), G = r.q.size(1), D = r.q.size(3), tasks = Hk * chunks;
+  std::vector<float> o(tasks * G * D, 0.f), m(tasks * G), l(tasks * G);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    Scratch w;
+    for (int64_t t = begin; t < end; ++t)
+      attend_chunk(r, t / chunks, t % chunks, chunks, o.data() + t * G * D, m.data() + t * G,
+                   l.data() + t * G, w);
+  });
+  float* out = r.out.template data_ptr<float>();
+  for (int64_t h = 0; h < Hk; ++h)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t first = h * chunks * G + g;  // chunk c of (h, g) at first + c * G
+      float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, m[first + c * G]);
+      float* dst = out + (h * G + g) * D;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float f = std::exp(m[first + c * G] - mx);
+        sum += f * l[first + c * G];
+        for (int64_t d = 0; d < D; ++d) dst[d] += f * o[(first + c * G) * D + d];
+      }
+      for (int64_t d = 0; d < D; ++d) dst[d] /= sum;
+    }
+}
+
 // decode_attention's work, for tails of element type T (fp32 or bf16, read as fp32): per KV
 // head and part of its rows, the prefix scores of every query, then each row's tail scores and
 // softmax, then the prefix values for every query, then each row's tail values.
 template <typename T, typename P>
 void attend_rows(const Rows<P>& r, RunOf<T> tk, RunOf<T> tv, int64_t tk_slot, int64_t tv_slot) {
   const int64_t Hk = r.q.size(0), B = r.q.size(2), parts = row_parts(Hk, B);
+  const int64_t chunks = prefix_chunks(Hk, B, tk.n, r.n_prefix);
+  if (chunks > 1) return attend_chunks(r, chunks);
   at::parallel_for(0, Hk * parts, 1, [&](int64_t begin, int64_t end) {
     Scratch w;
     for (int64_t task = begin; task < end; ++task) {

@@ -399,6 +399,34 @@ def test_decode_attention_over_a_prefix_many_rows_share(k, D, prefix, threads):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 4])  # 2, 4: each of 3 KV heads' prefix in 2 or 4 chunks
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lengths", [[513], [200, 16, 300, 37], [250]])  # 250: too short to split
+@pytest.mark.parametrize("peak", [1.0, 30.0])  # 30: one chunk's scores dwarf the others'
+def test_a_lone_rows_attention_split_along_its_prefix_is_attend_shared(k, threads, dtype, lengths, peak):
+    """One row with no tail (a fused decode step's attention) has its heads' prefixes split into
+    chunks when the threads do not divide the heads: the chunks' sums, merged by their maxima,
+    give the attention's result, runs crossing the chunks' edges included."""
+    g = torch.Generator().manual_seed(11)
+    Hk, G, D = 3, 3, 64
+    keys = [torch.randn(Hk, n, D, generator=g) for n in lengths]
+    keys[0][:, :40] *= peak
+    prefix = [(a.to(dtype), torch.randn(Hk, n, D, generator=g).to(dtype)) for a, n in zip(keys, lengths)]
+    q = torch.randn(Hk, G, 1, D, generator=g)
+    no_tail, valid = torch.zeros(Hk, 1, 0, D), torch.zeros(1, 0, dtype=torch.bool)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = k.decode_attention(q, [a for a, _ in prefix], [b for _, b in prefix], no_tail, no_tail,
+                                 valid, torch.empty(0, dtype=torch.long))
+    finally:
+        torch.set_num_threads(before)
+    keys, values = (torch.cat([run[i].double() for run in prefix], 1) for i in (0, 1))
+    weights = torch.softmax(torch.einsum("hgd,hnd->hgn", q[:, :, 0].double(), keys) / D**0.5, -1)
+    want = torch.einsum("hgn,hnd->hgd", weights, values).unsqueeze(2)  # in fp64: peaked fp32 rounds
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
 def test_decode_attention_reads_bf16_tails_as_the_same_values_in_fp32(k):
     """A bf16 tail copy (``CacheConfig.batch_tail_dtype``) is read exactly as its fp32 upcast:
     the same result bit for bit, and attend_shared (the eager path) agrees."""
