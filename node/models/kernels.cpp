@@ -765,68 +765,83 @@ struct Scratch {
   std::vector<int64_t> n_row, live;
 };
 
-// One KV head's rows b0..b1 of a decode step (see attend_rows).
-template <typename T, typename P>
-void attend_head(const Rows<P>& r, RunOf<T> tk, RunOf<T> tv, int64_t tk_slot, int64_t tv_slot,
-                 int64_t h, int64_t b0, int64_t b1, Scratch& w) {
-  const int64_t G = r.q.size(1), B = r.q.size(2), D = r.q.size(3), nb = b1 - b0;
-  const int64_t T_len = tk.n, width = r.n_prefix + T_len, Q = nb * G, j = r.n_prefix;
-  const bool* valid = r.tail_valid.template data_ptr<bool>();
-  const int64_t valid_row = r.tail_valid.stride(0);
+// Scratch's per-query pointers for KV head h's rows b0..b0+nb: query i (row b0 + i / G, group
+// i % G) reads q at qs[i], scores into sc[i] (`width` floats) and sums into os[i].
+template <typename P>
+void point_queries(const Rows<P>& r, int64_t h, int64_t b0, int64_t nb, int64_t width, Scratch& w) {
+  const int64_t G = r.q.size(1), B = r.q.size(2), D = r.q.size(3), Q = nb * G;
   const float* qp = r.q.template data_ptr<float>();
   float* op = r.out.template data_ptr<float>();
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const float ninf = -std::numeric_limits<float>::infinity();
   w.score.resize(Q * width);
   w.qs.resize(Q), w.sc.resize(Q), w.os.resize(Q), w.n_row.resize(nb), w.live.clear();
-  std::vector<const float*>& qs = w.qs;
-  std::vector<float*>& sc = w.sc;
-  std::vector<float*>& os = w.os;
-  std::vector<int64_t>& n_row = w.n_row;
-  std::vector<int64_t>& live = w.live;
-  float* score = w.score.data();
-  for (int64_t i = 0; i < Q; ++i) {  // query i: row b0 + i / G, group i % G
+  for (int64_t i = 0; i < Q; ++i) {
     const int64_t b = b0 + i / G, g = i % G;
-    qs[i] = qp + ((h * G + g) * B + b) * D;
-    os[i] = op + ((h * G + g) * B + b) * D;
-    sc[i] = score + i * width;
+    w.qs[i] = qp + ((h * G + g) * B + b) * D;
+    w.os[i] = op + ((h * G + g) * B + b) * D;
+    w.sc[i] = w.score.data() + i * width;
   }
-  prefix_scores(r, h, qs, sc, scale, D);
+}
+
+// Each row's tail scores (after its prefix scores, at column n_prefix), only up to its last
+// valid position (w.n_row), then every query's softmax over prefix and tail: the queries left
+// with something to attend go to w.live, a query with nothing stays zero.
+template <typename T, typename P>
+void tail_scores_softmax(const Rows<P>& r, RunOf<T> tk, int64_t tk_slot, int64_t h, int64_t b0,
+                         int64_t nb, float scale, Scratch& w) {
+  const int64_t G = r.q.size(1), D = r.q.size(3), j = r.n_prefix;
+  const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t b = 0; b < nb; ++b) {
     const T* kt = tk.base + h * tk.head_stride + r.slot[b0 + b] * tk_slot;
-    const bool* ok = valid + r.slot[b0 + b] * valid_row;
-    int64_t n = T_len;  // past its last valid position a row's tail is not read
+    const bool* ok = r.tail_valid.template data_ptr<bool>() + r.slot[b0 + b] * r.tail_valid.stride(0);
+    int64_t n = tk.n;
     while (n > 0 && !ok[n - 1]) --n;
-    n_row[b] = n;
+    w.n_row[b] = n;
     float* at[MAX_GROUP];
     for (int64_t g0 = 0; g0 < G; g0 += MAX_GROUP) {
       const int64_t ng = std::min(MAX_GROUP, G - g0);
-      for (int64_t k = 0; k < ng; ++k) at[k] = sc[b * G + g0 + k] + j;
-      scores(qs.data() + b * G + g0, ng, kt, tk.row_stride, n, scale, at, D);
+      for (int64_t k = 0; k < ng; ++k) at[k] = w.sc[b * G + g0 + k] + j;
+      scores(w.qs.data() + b * G + g0, ng, kt, tk.row_stride, n, scale, at, D);
     }
-    for (int64_t g = 0; g < G; ++g) {  // softmax; a query with nothing to attend stays zero
-      float* s = sc[b * G + g];
+    for (int64_t g = 0; g < G; ++g) {
+      float* s = w.sc[b * G + g];
       for (int64_t t = 0; t < n; ++t)
         if (!ok[t]) s[j + t] = ninf;
-      const int64_t used = j + n;
-      const float mx = max_of(s, used);
+      const float mx = max_of(s, j + n);
       if (mx == ninf) continue;
-      const float inv = 1.0f / exp_shift_sum(s, used, mx);
-      for (int64_t t = 0; t < used; ++t) s[t] *= inv;
-      live.push_back(b * G + g);
+      const float inv = 1.0f / exp_shift_sum(s, j + n, mx);
+      for (int64_t t = 0; t < j + n; ++t) s[t] *= inv;
+      w.live.push_back(b * G + g);
     }
   }
-  prefix_values(r, h, live, sc, os, D);
-  for (size_t l0 = 0; l0 < live.size();) {  // each row's own tail, its live queries together
-    const int64_t b = live[l0] / G;
+}
+
+// Each row's own tail values into its live queries' sums, the row's queries together.
+template <typename T, typename P>
+void tail_values(const Rows<P>& r, RunOf<T> tv, int64_t tv_slot, int64_t h, int64_t b0, Scratch& w) {
+  const int64_t G = r.q.size(1), D = r.q.size(3), j = r.n_prefix;
+  for (size_t l0 = 0; l0 < w.live.size();) {
+    const int64_t b = w.live[l0] / G;
     const T* vt = tv.base + h * tv.head_stride + r.slot[b0 + b] * tv_slot;
     const float* ws[MAX_GROUP];
     float* o[MAX_GROUP];
     int64_t ng = 0;
-    for (; l0 < live.size() && live[l0] / G == b && ng < MAX_GROUP; ++l0, ++ng)
-      ws[ng] = sc[live[l0]] + j, o[ng] = os[live[l0]];
-    weighted_rows(ws, ng, vt, tv.row_stride, n_row[b], o, D);
+    for (; l0 < w.live.size() && w.live[l0] / G == b && ng < MAX_GROUP; ++l0, ++ng)
+      ws[ng] = w.sc[w.live[l0]] + j, o[ng] = w.os[w.live[l0]];
+    weighted_rows(ws, ng, vt, tv.row_stride, w.n_row[b], o, D);
   }
+}
+
+// One KV head's rows b0..b1 of a decode step (see attend_rows).
+template <typename T, typename P>
+void attend_head(const Rows<P>& r, RunOf<T> tk, RunOf<T> tv, int64_t tk_slot, int64_t tv_slot,
+                 int64_t h, int64_t b0, int64_t b1, Scratch& w) {
+  const int64_t D = r.q.size(3);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  point_queries(r, h, b0, b1 - b0, r.n_prefix + tk.n, w);
+  prefix_scores(r, h, w.qs, w.sc, scale, D);
+  tail_scores_softmax(r, tk, tk_slot, h, b0, b1 - b0, scale, w);
+  prefix_values(r, h, w.live, w.sc, w.os, D);
+  tail_values(r, tv, tv_slot, h, b0, w);
 }
 
 // How many parts decode_attention splits each KV head's rows into: whole heads alone leave a
@@ -871,10 +886,8 @@ void attend_chunk(const Rows<P>& r, int64_t h, int64_t c, int64_t chunks, float*
   const int64_t p0 = r.n_prefix * c / chunks, n = r.n_prefix * (c + 1) / chunks - p0;
   const std::vector<RunOf<P>> k = runs_between(r.pk, p0, p0 + n), v = runs_between(r.pv, p0, p0 + n);
   const Rows<P> part{r.q, r.out, r.tail_valid, r.slot, k, v, n};
-  const float* qp = r.q.template data_ptr<float>();
-  w.score.resize(G * n), w.qs.resize(G), w.sc.resize(G), w.os.resize(G), w.live.resize(G);
-  for (int64_t g = 0; g < G; ++g)
-    w.qs[g] = qp + (h * G + g) * D, w.sc[g] = w.score.data() + g * n, w.os[g] = o + g * D, w.live[g] = g;
+  point_queries(part, h, 0, 1, n, w);
+  for (int64_t g = 0; g < G; ++g) w.os[g] = o + g * D, w.live.push_back(g);  // sums apart
   prefix_scores(part, h, w.qs, w.sc, 1.0f / std::sqrt(static_cast<float>(D)), D);
   for (int64_t g = 0; g < G; ++g) m[g] = max_of(w.sc[g], n), l[g] = exp_shift_sum(w.sc[g], n, m[g]);
   prefix_values(part, h, w.live, w.sc, w.os, D);
