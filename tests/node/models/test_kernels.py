@@ -311,6 +311,17 @@ def test_the_kernels_loops_run_on_torchs_threads(k):
         torch.set_num_threads(before)
 
 
+def test_every_file_the_build_reads_ships_with_the_package():
+    """An installed wheel holds only pyproject's package-data of node.models: a source or
+    header missing there builds nowhere but a checkout (the build fails, the eager ops serve)."""
+    import tomllib
+    from pathlib import Path
+
+    pyproject = Path(__file__).resolve().parents[3] / "pyproject.toml"
+    shipped = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["node.models"]
+    assert sorted(f.name for f in kernels.SOURCES + kernels.HEADERS if f.name not in shipped) == []
+
+
 def test_a_compiler_without_openmp_builds_the_kernels_without_it(rebuilt, monkeypatch):
     """Apple's clang refuses ``-fopenmp``: the same kernels are built without it (each on the
     calling thread) rather than none."""
