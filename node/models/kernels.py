@@ -5,8 +5,8 @@ RMSNorm's pow/mean/rsqrt/mul chain, RoPE's slices and concatenations, the dtype 
 residual adds, attention's matmuls, mask and softmax. At a few rows each op is mostly call
 overhead. ``kernels.cpp`` does each chain in one call: ``rms_norm``, ``add_rms_norm_`` (residual
 add + the next norm), ``rope_split`` (RoPE of q and k and the split into heads),
-``merge_heads``, ``silu_mul`` (SwiGLU), ``decode_attention`` (a decode step's attention over
-the cache's prefix runs and tail slots); they round to bf16 where the eager chain rounds, so
+``merge_heads``, ``silu_mul`` (SwiGLU); ``decode_attention`` (``decode_attention.cpp``) is a
+decode step's attention over the cache's prefix runs and tail slots. They round to bf16 where the eager chain rounds, so
 they give its results (tests compare the two). ``int8_linear`` is weight-only int8 for a few
 rows that streams the codes with software prefetch; ``int8_linear_amx`` (``int8_amx.cpp``)
 widens them to bf16 tile by tile for AMX's matrix unit, once per call for all the rows
@@ -48,8 +48,10 @@ from types import ModuleType
 import torch
 
 SOURCES = tuple(Path(__file__).with_name(f) for f in
-                ("kernels.cpp", "int8_amx.cpp", "prefill_attention.cpp", "kv_store.cpp"))
-HEADERS = tuple(Path(__file__).with_name(f) for f in ("amx_tiles.h", "vec_math.h"))
+                ("kernels.cpp", "decode_attention.cpp", "int8_amx.cpp", "prefill_attention.cpp",
+                 "kv_store.cpp"))
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("amx_tiles.h", "decode_attention.h",
+                                                      "vec_math.h"))
 """Included by the sources: part of the build's identity, not compiled on their own."""
 FLAGS = ("-O3", "-march=native", "-fopenmp")
 """Compiler flags, part of the build's identity. ``-fopenmp``: ATen's ``at::parallel_for`` is a
