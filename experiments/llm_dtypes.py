@@ -13,8 +13,8 @@ from typing import Any, Callable
 
 import torch
 
-from experiments.llm_contenders import FedkvSessions, bytes_per_token, fedkv_cache
 from cache import huge_pages
+from experiments.llm_contenders import FedkvSessions, bytes_per_token, fedkv_cache
 from node.models import kernels, precision
 from node.models.llama import LlamaConfig, LlamaModel
 

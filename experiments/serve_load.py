@@ -387,7 +387,8 @@ def run_model(served: Served, clients_list: Sequence[int], cfg: LoadConfig, seed
     offered = max(r["offered_tokens"] for r in rows)
     return {"by_clients": by_clients, "dropped_requests": sum(r["dropped"] for r in sched),
             **totals, "overcommit": offered / pool,
-            "settings": {"fedkv": {"dtype": dtype_of(served.model), "kv_dtype": served.model.cache_config().kv_dtype,
+            "settings": {"fedkv": {"dtype": dtype_of(served.model),
+                                   "kv_dtype": served.model.cache_config().kv_dtype,
                                    "pool_tokens": pool,
                                    "max_running": "clients", "token_budget": TOKEN_BUDGET,
                                    "block_size": block,

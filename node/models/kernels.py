@@ -6,8 +6,8 @@ residual adds, attention's matmuls, mask and softmax. At a few rows each op is m
 overhead. ``kernels.cpp`` does each chain in one call: ``rms_norm``, ``add_rms_norm_`` (residual
 add + the next norm), ``rope_split`` (RoPE of q and k and the split into heads),
 ``merge_heads``, ``silu_mul`` (SwiGLU); ``decode_attention`` (``decode_attention.cpp``) is a
-decode step's attention over the cache's prefix runs and tail slots. They round to bf16 where the eager chain rounds, so
-they give its results (tests compare the two). ``int8_linear`` is weight-only int8 for a few
+decode step's attention over the cache's prefix runs and tail slots. They round to bf16 where
+the eager chain rounds, so they give its results (tests compare the two). ``int8_linear`` is weight-only int8 for a few
 rows that streams the codes with software prefetch; ``int8_linear_amx`` (``int8_amx.cpp``)
 widens them to bf16 tile by tile for AMX's matrix unit, once per call for all the rows
 (``node.models.precision.Int8Linear`` picks by row count; ``experiments.int8_rows`` times them).

@@ -414,7 +414,8 @@ def test_decode_attention_over_a_prefix_many_rows_share(k, D, prefix, threads):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lengths", [[513], [200, 16, 300, 37], [250]])  # 250: too short to split
 @pytest.mark.parametrize("peak", [1.0, 30.0])  # 30: one chunk's scores dwarf the others'
-def test_a_lone_rows_attention_split_along_its_prefix_is_attend_shared(k, threads, dtype, lengths, peak):
+def test_a_lone_rows_attention_split_along_its_prefix_is_the_attention(k, threads, dtype, lengths,
+                                                                       peak):
     """One row with no tail (a fused decode step's attention) has its heads' prefixes split into
     chunks when the threads do not divide the heads: the chunks' sums, merged by their maxima,
     give the attention's result, runs crossing the chunks' edges included."""
