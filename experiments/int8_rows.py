@@ -34,7 +34,7 @@ import torch
 
 from experiments.output import add_common_args, make_run_dir, print_results_dir, write_json
 from node.models import kernels, packed
-from node.models.precision import DECODE_ROWS, TILE_ROWS, Int8Linear, codes_end_to_end
+from node.models.precision import DECODE_ROWS, TILE_ROWS, Int8Linear, end_to_end
 
 LAYERS = 30
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
@@ -51,7 +51,7 @@ def model_linears(layers: int, seed: int) -> list[Int8Linear]:
     g = torch.Generator().manual_seed(seed)
     shapes = [s for _ in range(layers) for s in SHAPES] + [HEAD]
     made = [Int8Linear(torch.randn(*s, generator=g) * 0.05) for s in shapes]
-    _, slots = codes_end_to_end([lin.q for lin in made])
+    _, slots = end_to_end([lin.q for lin in made])
     return [Int8Linear.from_codes(q, lin.scale) for q, lin in zip(slots, made)]
 
 

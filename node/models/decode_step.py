@@ -1,5 +1,6 @@
 """A session's one-token decode step through every layer in one kernel call
-(``node.models.kernels``' ``decode_layers_int8``), for weight-only int8 weights.
+(``node.models.kernels``' ``decode_layers_int8`` and ``decode_layers_bf16``), for weight-only
+int8 and for bf16 weights.
 
 The fused path of ``LlamaModel._hidden`` returns to Python between its kernels, ~120 times a
 step for SmolLM2; at one row each return costs about what its kernel's work does, and together
@@ -8,7 +9,9 @@ Here the layer loop, the K/V write into the arena and the attention over the con
 in place (``cache.KVCache.arena_step``) are one call, computing what the per-kernel path
 computes (the same kernels, in the same order: the logits are equal; tests compare them).
 :func:`run` returns None wherever it does not apply -- not int8, no kernels, an adapter, a
-cache that must take part -- and the caller takes the per-kernel path.
+cache that must take part -- and the caller takes the per-kernel path. bf16 weights are read
+from their row stacks (``node.models.projection.RowStack``), the layout the per-kernel path's
+``bf16_linear`` reads too.
 """
 
 from __future__ import annotations
@@ -19,63 +22,110 @@ import torch
 from torch import nn
 
 from cache import KVCache
+from node.models import precision
 from node.models.precision import Int8Linear
 
-PER_LAYER = 10
-"""Tensors the kernel takes per layer: input norm, q/k/v codes and scales, o codes and scales,
-post-attention norm, gate/up codes and scales, down codes and scales."""
+PER_LAYER = {"int8": 10, "bfloat16": 6}
+"""Tensors the kernel takes per layer, by weight format. int8: input norm, q/k/v codes and
+scales, o codes and scales, post-attention norm, gate/up codes and scales, down codes and
+scales. bfloat16: input norm, the q/k/v row stack, o, post-attention norm, the gate/up row
+stack, down."""
 
 
-Sources = list[tuple[dict, str, object]]
-"""(dict, key, object) of every module, parameter and buffer a weight list was read from."""
+class Sources:
+    """What a weight list was read from: (dict, key, object) of every module, parameter and
+    buffer looked up, and (tensor, data_ptr) of every parameter a bf16 row stack is made of
+    (an assignment to ``.data`` replaces a parameter's storage, not the object)."""
+
+    def __init__(self) -> None:
+        self.lookups: list[tuple[dict, str, object]] = []
+        self.storages: list[tuple[torch.Tensor, int]] = []
+
+    def unchanged(self) -> bool:
+        return (all(d.get(k) is o for d, k, o in self.lookups)
+                and all(t.data_ptr() == p for t, p in self.storages))
+
 
 _KEPT: "weakref.WeakKeyDictionary[nn.Module, tuple[list[torch.Tensor], Sources]]" = \
     weakref.WeakKeyDictionary()
 
 
 def layer_weights(model: nn.Module) -> list[torch.Tensor] | None:
-    """Every layer's :data:`PER_LAYER` tensors in the kernel's order, or None where a
-    projection is not int8 (bf16 or fp32 weights, an adapter wrapping one). Kept between
-    steps while each module, parameter and buffer it was read from is still the one in its
-    place (identity checks, far cheaper than reading the ~300 tensors again through the
-    stacks' own checks); a write into a weight in place is read through."""
+    """Every layer's ``PER_LAYER[format]`` tensors in the kernel's order, or None where a
+    projection is not in the model's format (fp32 weights, an adapter wrapping one). Kept
+    between steps while each module, parameter and buffer it was read from is still the one
+    in its place (identity and storage checks, far cheaper than reading the ~300 tensors
+    again through the stacks' own checks); a write into a weight in place is read through."""
     kept = _KEPT.get(model)
-    if kept is not None and all(d.get(k) is o for d, k, o in kept[1]):
+    if kept is not None and kept[1].unchanged():
         return kept[0]
-    sources: Sources = []
-    out = _read_weights(model, sources)
+    sources = Sources()
+    read = _READERS.get(precision.dtype_of(model))
+    out = None if read is None else _read_weights(model, sources, read)
     if out is not None:
         _KEPT[model] = (out, sources)
     return out
 
 
-def _read_weights(model: nn.Module, sources: Sources) -> list[torch.Tensor] | None:
-    """:func:`layer_weights` read afresh, each lookup recorded in ``sources``."""
+def _read_weights(model: nn.Module, sources: Sources, read) -> list[torch.Tensor] | None:
+    """:func:`layer_weights` read afresh by ``read`` (one layer's tensors, or None), each
+    lookup recorded in ``sources``."""
     def get(d: dict, k: str):
-        sources.append((d, k, d[k]))
+        sources.lookups.append((d, k, d[k]))
         return d[k]
 
     out: list[torch.Tensor] = []
     layers = get(get(model._modules, "model")._modules, "layers")._modules
     for name in layers:
         mods = get(layers, name)._modules
-        attn, mlp = get(mods, "self_attn"), get(mods, "mlp")
-        qkv, gate_up = attn.qkv.int8.codes(), mlp.gate_up.int8.codes()  # may re-stack: first
-        for owner, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
-                             (mlp, ("gate_proj", "up_proj", "down_proj"))):
-            for n in names:
-                lin = get(owner._modules, n)
-                if type(lin) is Int8Linear:
-                    get(lin._buffers, "q"), get(lin._buffers, "scale")
-        o, down = attn._modules["o_proj"], mlp._modules["down_proj"]
-        if qkv is None or gate_up is None or type(o) is not Int8Linear or type(down) is not Int8Linear:
+        tensors = read(get, sources, mods, get(mods, "self_attn"), get(mods, "mlp"))
+        if tensors is None:
             return None
-        b, d = o._buffers, down._buffers
-        out += [get(get(mods, "input_layernorm")._parameters, "weight"), qkv._buffers["q"],
-                qkv._buffers["scale"], b["q"], b["scale"],
-                get(get(mods, "post_attention_layernorm")._parameters, "weight"),
-                gate_up._buffers["q"], gate_up._buffers["scale"], d["q"], d["scale"]]
+        out += tensors
     return out
+
+
+def _int8_layer(get, sources: Sources, mods: dict, attn: nn.Module,
+                mlp: nn.Module) -> list[torch.Tensor] | None:
+    """One layer's ``PER_LAYER["int8"]`` tensors, or None where a projection is not int8."""
+    qkv, gate_up = attn.qkv.int8.codes(), mlp.gate_up.int8.codes()  # may re-stack: first
+    for owner, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                         (mlp, ("gate_proj", "up_proj", "down_proj"))):
+        for n in names:
+            lin = get(owner._modules, n)
+            if type(lin) is Int8Linear:
+                get(lin._buffers, "q"), get(lin._buffers, "scale")
+    o, down = attn._modules["o_proj"], mlp._modules["down_proj"]
+    if qkv is None or gate_up is None or type(o) is not Int8Linear or type(down) is not Int8Linear:
+        return None
+    b, d = o._buffers, down._buffers
+    return [get(get(mods, "input_layernorm")._parameters, "weight"), qkv._buffers["q"],
+            qkv._buffers["scale"], b["q"], b["scale"],
+            get(get(mods, "post_attention_layernorm")._parameters, "weight"),
+            gate_up._buffers["q"], gate_up._buffers["scale"], d["q"], d["scale"]]
+
+
+def _bf16_layer(get, sources: Sources, mods: dict, attn: nn.Module,
+                mlp: nn.Module) -> list[torch.Tensor] | None:
+    """One layer's ``PER_LAYER["bfloat16"]`` tensors, or None where a projection is not a
+    plain bf16 linear."""
+    stacks = []
+    for owner, names, proj in ((attn, ("q_proj", "k_proj", "v_proj"), attn.qkv),
+                               (attn, ("o_proj",), attn.o), (mlp, ("gate_proj", "up_proj"), mlp.gate_up),
+                               (mlp, ("down_proj",), mlp.down)):
+        w = proj.rows.matrix()  # may re-stack: first
+        if w is None:
+            return None
+        for n in names:
+            p = get(get(owner._modules, n)._parameters, "weight")
+            sources.storages.append((p, p.data_ptr()))
+        stacks.append(w)
+    return [get(get(mods, "input_layernorm")._parameters, "weight"), stacks[0], stacks[1],
+            get(get(mods, "post_attention_layernorm")._parameters, "weight"), stacks[2], stacks[3]]
+
+
+_READERS = {"int8": _int8_layer, "bfloat16": _bf16_layer}
+_STEPS = {"int8": "decode_layers_int8", "bfloat16": "decode_layers_bf16"}
 
 
 def run(model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
@@ -94,7 +144,7 @@ def run(model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if step is None:
         return None
     c = model.cfg
-    h = kernels.decode_layers_int8(x, weights, model.model.norm.weight, cos, sin, step.kv, step.row,
+    h = getattr(kernels, _STEPS[precision.dtype_of(model)])(x, weights, model.model.norm.weight, cos, sin, step.kv, step.row,
                                    step.runs, c.num_heads, c.num_kv_heads, c.head_dim,
                                    c.rms_norm_eps)
     cache.commit_arena_step(sid)

@@ -390,37 +390,148 @@ torch::Tensor int8_linear(const torch::Tensor& x_in, const torch::Tensor& q, con
   return y;
 }
 
-constexpr int64_t LAYER_TENSORS = 10;  // decode_layers_int8's per layer (decode_step.PER_LAYER)
+// One weight row's dot products with M rows of x, its K bf16 weights read once, front to back,
+// PREFETCH_BYTES ahead: on AVX-512 BF16, vdpbf16ps multiplies bf16 pairs exactly and adds them
+// to fp32 sums (two per x row, for two chains in flight); a masked load takes K's last < 32.
+template <int M>
+void bf16_row(const bf16* w, const bf16* x, bf16* y, int64_t K, int64_t N) {
+#ifdef FEDKV_BF16_VEC
+  __m512 acc[M][2];
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  const char* ahead = reinterpret_cast<const char*>(w) + PREFETCH_BYTES;
+  auto dot = [&](int c, int64_t k, __m512i wv) {
+    for (int m = 0; m < M; ++m)
+      acc[m][c] = _mm512_dpbf16_ps(acc[m][c], reinterpret_cast<__m512bh>(wv),
+                                   reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + m * K + k)));
+  };
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    _mm_prefetch(ahead + 2 * k, _MM_HINT_T1);
+    _mm_prefetch(ahead + 2 * k + 64, _MM_HINT_T1);
+    dot(0, k, _mm512_loadu_si512(w + k));
+    dot(1, k + 32, _mm512_loadu_si512(w + k + 32));
+  }
+  for (; k < K; k += 32) {
+    const __mmask32 mask = K - k >= 32 ? ~__mmask32{0} : (__mmask32{1} << (K - k)) - 1;
+    __m512i wv = _mm512_maskz_loadu_epi16(mask, w + k);
+    for (int m = 0; m < M; ++m)
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], reinterpret_cast<__m512bh>(wv),
+                                   reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(mask, x + m * K + k)));
+  }
+  for (int m = 0; m < M; ++m) y[m * N] = bf16(_mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])));
+#else
+  for (int m = 0; m < M; ++m) {
+    float acc = 0.f;
+    for (int64_t k = 0; k < K; ++k) acc += static_cast<float>(w[k]) * static_cast<float>(x[m * K + k]);
+    y[m * N] = bf16(acc);
+  }
+#endif
+}
 
-// decode_layers_int8's layers over an arena of element type P (the checks done): the token's
-// K/V (bf16 values, rope_split rounds them) go to row `pos` exactly in either type.
-template <typename P>
-torch::Tensor int8_layers(torch::Tensor x, const std::vector<torch::Tensor>& w,
-                          const torch::Tensor& final_norm, const torch::Tensor& cos,
-                          const torch::Tensor& sin, const torch::Tensor& kv, int64_t pos,
-                          const int64_t* s, int64_t n_runs, int64_t heads, int64_t kv_heads,
-                          int64_t dim, double eps) {
+void check_bf16_product(const torch::Tensor& x, const torch::Tensor& w) {
+  check_bf16(x, "x");
+  check_bf16(w, "w");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "w must be contiguous [out, in], got ", w.sizes());
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1) && x.is_contiguous() && x.size(0) <= 4,
+              "x must be contiguous [1 to 4 rows, ", w.size(1), "], got ", x.sizes());
+}
+
+// bf16 product of a few rows: x bf16 [M <= 4, K] and w bf16 [N, K] (both contiguous) -> y bf16
+// [M, N], summed in fp32 and rounded once, as oneDNN's bf16 GEMM does. Memory-bound at decode's
+// rows: each weight row is read once for all M, and each thread reads its rows' span front to back.
+void bf16_product(const torch::Tensor& x, const torch::Tensor& w, bf16* y) {
+  const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* wp = w.data_ptr<bf16>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      switch (M) {
+        case 4: bf16_row<4>(wp + n * K, xp, y + n, K, N); break;
+        case 3: bf16_row<3>(wp + n * K, xp, y + n, K, N); break;
+        case 2: bf16_row<2>(wp + n * K, xp, y + n, K, N); break;
+        default: bf16_row<1>(wp + n * K, xp, y + n, K, N); break;
+      }
+    }
+  });
+}
+
+// bf16_product of checked tensors, its result allocated.
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w) {
+  check_bf16_product(x, w);
+  auto y = torch::empty({x.size(0), w.size(0)}, x.options());
+  if (x.size(0) > 0) bf16_product(x, w, y.data_ptr<bf16>());
+  return y;
+}
+
+// A layer's weights as decode_layers_* takes them, by format: its two norms and its four
+// products (q/k/v, o, gate/up, down) into a bf16 row.
+// Weight-only int8 (decode_step.PER_LAYER["int8"]): input norm, q/k/v codes and scales, o codes
+// and scales, post-attention norm, gate/up codes and scales, down codes and scales.
+struct Int8Layer {
+  static constexpr int64_t TENSORS = 10;
+  static constexpr int NORM[2] = {0, 5}, PRODUCT[4] = {1, 3, 6, 8};
+  std::vector<float> xf;  // a product's input row, widened; reused by every product
+  static void check(const torch::Tensor* lw, int p, const torch::Tensor& in) {
+    check_int8(in, lw[PRODUCT[p]], lw[PRODUCT[p] + 1]);
+  }
+  static const torch::Tensor& weight(const torch::Tensor* lw, int p) {
+    const torch::Tensor &q = lw[PRODUCT[p]], &scale = lw[PRODUCT[p] + 1];
+    check_int8(torch::empty({0, q.size(-1)}, torch::TensorOptions().dtype(torch::kBFloat16)), q, scale);
+    return q;
+  }
+  void product(const torch::Tensor* lw, int p, const torch::Tensor& in, bf16* y) {
+    int8_product(in, lw[PRODUCT[p]], lw[PRODUCT[p] + 1], xf, y);
+  }
+};
+
+// bf16 (decode_step.PER_LAYER["bfloat16"]): input norm, the q/k/v rows stacked, o, post-attention
+// norm, the gate/up rows stacked, down.
+struct Bf16Layer {
+  static constexpr int64_t TENSORS = 6;
+  static constexpr int NORM[2] = {0, 3}, PRODUCT[4] = {1, 2, 4, 5};
+  static void check(const torch::Tensor* lw, int p, const torch::Tensor& in) {
+    check_bf16_product(in, lw[PRODUCT[p]]);
+  }
+  static const torch::Tensor& weight(const torch::Tensor* lw, int p) {
+    const torch::Tensor& w = lw[PRODUCT[p]];
+    check_bf16_product(torch::empty({0, w.size(-1)}, torch::TensorOptions().dtype(torch::kBFloat16)), w);
+    return w;
+  }
+  void product(const torch::Tensor* lw, int p, const torch::Tensor& in, bf16* y) {
+    bf16_product(in, lw[PRODUCT[p]], y);
+  }
+};
+
+// decode_layers' layers over an arena of element type P, weights in format F (the checks
+// done): the token's K/V (bf16 values, rope_split rounds them) go to row `pos` exactly in
+// either type.
+template <typename P, typename F>
+torch::Tensor decode_layers_impl(torch::Tensor x, const std::vector<torch::Tensor>& w,
+                                 const torch::Tensor& final_norm, const torch::Tensor& cos,
+                                 const torch::Tensor& sin, const torch::Tensor& kv, int64_t pos,
+                                 const int64_t* s, int64_t n_runs, int64_t heads,
+                                 int64_t kv_heads, int64_t dim, double eps) {
   const int64_t L = kv.size(0);
   std::vector<RunOf<P>> pk(n_runs), pv(n_runs);  // heads and rows; per layer their base
   for (int64_t r = 0; r < n_runs; ++r) pk[r] = pv[r] = RunOf<P>{nullptr, kv.stride(2), kv.stride(3), s[2 * r + 1]};
   auto no_tail = torch::empty({kv_heads, 1, 0, dim}, torch::TensorOptions().dtype(torch::kFloat32));
   auto no_valid = torch::empty({1, 0}, torch::TensorOptions().dtype(torch::kBool));
   const std::vector<int64_t> no_slot{0};
-  std::vector<float> xf;  // a product's input row, widened
-  torch::Tensor ys[4];    // each of a layer's four products' output, reused by every layer
-  auto product = [&](int i, const torch::Tensor& in, const torch::Tensor& q, const torch::Tensor& sc) {
-    check_int8(in, q, sc);
+  F format;
+  torch::Tensor ys[4];  // each of a layer's four products' output, reused by every layer
+  auto product = [&](const torch::Tensor* lw, int p, const torch::Tensor& in) {
+    F::check(lw, p, in);
     TORCH_CHECK(in.is_contiguous(), "a product's input must be contiguous");
-    if (!ys[i].defined() || ys[i].size(1) != q.size(0)) ys[i] = torch::empty({1, q.size(0)}, in.options());
-    int8_product(in, q, sc, xf, ys[i].data_ptr<bf16>());
-    return ys[i];
+    const int64_t out = lw[F::PRODUCT[p]].size(0);
+    if (!ys[p].defined() || ys[p].size(1) != out) ys[p] = torch::empty({1, out}, in.options());
+    format.product(lw, p, in, ys[p].data_ptr<bf16>());
+    return ys[p];
   };
-  auto h = rms_norm(x, w[0], eps);
+  auto h = rms_norm(x, w[F::NORM[0]], eps);
   for (int64_t l = 0; l < L; ++l) {
-    const torch::Tensor* lw = w.data() + LAYER_TENSORS * l;
+    const torch::Tensor* lw = w.data() + F::TENSORS * l;
     P* base = kv.data_ptr<P>() + l * kv.stride(0);
-    auto qkv = rope_split(product(0, h, lw[1], lw[2]), cos, sin, heads, kv_heads, dim,
-                          torch::kFloat32);
+    auto qkv = rope_split(product(lw, 0, h), cos, sin, heads, kv_heads, dim, torch::kFloat32);
     for (int64_t kvi = 0; kvi < 2; ++kvi) {  // the token's K and V into its arena row
       const float* src = qkv[1 + kvi].template data_ptr<float>();
       for (int64_t hk = 0; hk < kv_heads; ++hk) {
@@ -433,29 +544,50 @@ torch::Tensor int8_layers(torch::Tensor x, const std::vector<torch::Tensor>& w,
       pv[r].base = pk[r].base + kv.stride(1);
     }
     auto a = attend_decode(qkv[0], pk, pv, no_tail, no_tail, no_valid, no_slot);
-    h = add_rms_norm_(x, product(1, merge_heads(a), lw[3], lw[4]), lw[5], eps);
-    auto act = silu_mul(product(2, h, lw[6], lw[7]));
-    const torch::Tensor& next_norm = l + 1 < L ? w[LAYER_TENSORS * (l + 1)] : final_norm;
-    h = add_rms_norm_(x, product(3, act, lw[8], lw[9]), next_norm, eps);
+    h = add_rms_norm_(x, product(lw, 1, merge_heads(a)), lw[F::NORM[1]], eps);
+    auto act = silu_mul(product(lw, 2, h));
+    const torch::Tensor& next_norm = l + 1 < L ? w[F::TENSORS * (l + 1) + F::NORM[0]] : final_norm;
+    h = add_rms_norm_(x, product(lw, 3, act), next_norm, eps);
   }
   return h;
 }
 
-// One session's one-token decode through every layer on weight-only int8 weights: what
-// LlamaModel._hidden's fused form does for a lone token, without a return to Python between
-// the kernels (node/models/decode_step.py).
+// Every layer's weights in F's format and of shapes that chain (hidden -> q/k/v -> o -> hidden
+// -> gate/up -> down -> hidden), checked before the first layer runs: a bad tensor in a late
+// layer must not leave the early layers' K/V written.
+template <typename F>
+void check_layer_weights(const std::vector<torch::Tensor>& w, const torch::Tensor& final_norm,
+                         int64_t hidden, int64_t heads, int64_t kv_heads, int64_t dim) {
+  auto bf16_row = torch::empty({1, hidden}, torch::TensorOptions().dtype(torch::kBFloat16));
+  check_norm(bf16_row, final_norm);
+  for (size_t l = 0; l < w.size() / F::TENSORS; ++l) {
+    const torch::Tensor* lw = w.data() + F::TENSORS * l;
+    for (int i : F::NORM) check_norm(bf16_row, lw[i]);
+    const auto &qkv = F::weight(lw, 0), &o = F::weight(lw, 1), &gate_up = F::weight(lw, 2),
+               &down = F::weight(lw, 3);
+    TORCH_CHECK(qkv.size(0) == (heads + 2 * kv_heads) * dim && qkv.size(1) == hidden &&
+                    o.size(0) == hidden && o.size(1) == heads * dim && gate_up.size(1) == hidden &&
+                    gate_up.size(0) == 2 * down.size(1) && down.size(0) == hidden,
+                "layer ", l, "'s weights do not chain: q/k/v ", qkv.sizes(), ", o ", o.sizes(),
+                ", gate/up ", gate_up.sizes(), ", down ", down.sizes(), " (hidden ", hidden, ")");
+  }
+}
+
+// One session's one-token decode through every layer: what LlamaModel._hidden's fused form
+// does for a lone token, without a return to Python between the kernels
+// (node/models/decode_step.py). F: the weights' format (Int8Layer, Bf16Layer).
 //   x bf16 [1, hidden], the embedded token: the residual stream, updated in place;
-//   w: per layer its input norm, q/k/v codes and scales, o codes and scales, post-attention
-//      norm, gate/up codes and scales, down codes and scales (10 tensors a layer);
+//   w: per layer F::TENSORS tensors in F's order;
 //   final_norm: the model's last norm; cos, sin bf16 [1, dim] of the token's position;
 //   kv: the arena's K/V, fp32 or bf16 [layers, 2, kv_heads, arena tokens, dim]; pos: the arena
 //      row the token's K/V go to; spans int64 [runs, 2]: (start, length) of the context's runs
 //      in the arena, the new token's row included -> the final-normed bf16 [1, hidden].
-torch::Tensor decode_layers_int8(torch::Tensor x, const std::vector<torch::Tensor>& w,
-                                 const torch::Tensor& final_norm, const torch::Tensor& cos,
-                                 const torch::Tensor& sin, const torch::Tensor& kv, int64_t pos,
-                                 const torch::Tensor& spans, int64_t heads, int64_t kv_heads,
-                                 int64_t dim, double eps) {
+template <typename F>
+torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& w,
+                            const torch::Tensor& final_norm, const torch::Tensor& cos,
+                            const torch::Tensor& sin, const torch::Tensor& kv, int64_t pos,
+                            const torch::Tensor& spans, int64_t heads, int64_t kv_heads,
+                            int64_t dim, double eps) {
   const bool bf16_arena = kv.scalar_type() == torch::kBFloat16;
   TORCH_CHECK((kv.scalar_type() == torch::kFloat32 || bf16_arena) && kv.dim() == 5 &&
                   kv.size(1) == 2 && kv.size(2) == kv_heads && kv.size(4) == dim && kv.stride(4) == 1,
@@ -463,8 +595,8 @@ torch::Tensor decode_layers_int8(torch::Tensor x, const std::vector<torch::Tenso
               kv.scalar_type(), " ", kv.sizes());
   const int64_t L = kv.size(0), cap = kv.size(3);
   TORCH_CHECK(pos >= 0 && pos < cap, "pos ", pos, " outside the arena's ", cap, " rows");
-  TORCH_CHECK(static_cast<int64_t>(w.size()) == LAYER_TENSORS * L, "w must hold ", LAYER_TENSORS,
-              " tensors per layer (", LAYER_TENSORS * L, "), got ", w.size());
+  TORCH_CHECK(static_cast<int64_t>(w.size()) == F::TENSORS * L, "w must hold ", F::TENSORS,
+              " tensors per layer (", F::TENSORS * L, "), got ", w.size());
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "x must be one row, got ", x.sizes());
   TORCH_CHECK(spans.scalar_type() == torch::kLong && spans.dim() == 2 && spans.size(1) == 2,
               "spans must be int64 [runs, 2], got ", spans.scalar_type(), " ", spans.sizes());
@@ -473,9 +605,10 @@ torch::Tensor decode_layers_int8(torch::Tensor x, const std::vector<torch::Tenso
   for (int64_t r = 0; r < sp.size(0); ++r)
     TORCH_CHECK(s[2 * r] >= 0 && s[2 * r + 1] >= 0 && s[2 * r] + s[2 * r + 1] <= cap, "span ", r,
                 " (", s[2 * r], ", ", s[2 * r + 1], ") outside the arena's ", cap, " rows");
+  check_layer_weights<F>(w, final_norm, x.size(1), heads, kv_heads, dim);
   if (bf16_arena)
-    return int8_layers<bf16>(x, w, final_norm, cos, sin, kv, pos, s, sp.size(0), heads, kv_heads, dim, eps);
-  return int8_layers<float>(x, w, final_norm, cos, sin, kv, pos, s, sp.size(0), heads, kv_heads, dim, eps);
+    return decode_layers_impl<bf16, F>(x, w, final_norm, cos, sin, kv, pos, s, sp.size(0), heads, kv_heads, dim, eps);
+  return decode_layers_impl<float, F>(x, w, final_norm, cos, sin, kv, pos, s, sp.size(0), heads, kv_heads, dim, eps);
 }
 
 // How many threads at::parallel_for runs a 64-way loop on: torch's thread count when the build
@@ -513,9 +646,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("merge_heads", &merge_heads, "attention heads -> the o_proj input", nogil);
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for runs on here");
   m.def("decode_attention", &fedkv_decode::decode_attention, "one decode step's attention over prefix runs and tails", nogil);
-  m.def("decode_layers_int8", &decode_layers_int8,
+  m.def("decode_layers_bf16", &decode_layers<Bf16Layer>,
+        "a session's one-token decode step through every layer, bf16 weights", nogil);
+  m.def("decode_layers_int8", &decode_layers<Int8Layer>,
         "one token of one session through every weight-only int8 layer", nogil);
   m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up", nogil);
+  m.def("bf16_linear", &bf16_linear, "bf16 linear of a few bf16 rows (weights read once)", nogil);
   m.def("int8_linear", &int8_linear, "weight-only int8 linear of a few bf16 rows", nogil);
   m.def("read_stream", &read_stream, "a prefetched read of every byte of a buffer (a bandwidth probe)", nogil);
   m.def("int8_amx_available", &int8_amx_available, "AMX bf16 tiles usable in this process", nogil);

@@ -190,7 +190,7 @@ class Int8Projection:
 
     def move_codes(self, q: torch.Tensor) -> None:
         """Read the codes from ``q`` from now on: a copy of them (int8, their shape; the slot
-        :func:`codes_end_to_end` filled), the stack's and the modules' ``q`` re-pointed to it."""
+        :func:`end_to_end` filled), the stack's and the modules' ``q`` re-pointed to it."""
         mods, lin = self._modules(), self.codes()
         if mods is None or lin is None or q.shape != lin.q.shape:
             raise ValueError(f"no int8 codes of shape {tuple(q.shape)} to move here")
@@ -225,24 +225,25 @@ def _quantize_linears(model: nn.Module) -> None:
     model.lm_head = Int8Linear(model.lm_head.weight)
 
 
-def step_projections(model: nn.Module) -> list[Int8Projection]:
-    """The int8 products of a decode step in the order it reads them: per layer q/k/v, o,
-    gate/up, down; then the output head."""
+def step_projections(model: nn.Module, form: str = "int8") -> list:
+    """The products of a decode step in the order it reads them: per layer q/k/v, o, gate/up,
+    down; then the output head -- each ``Projection``'s ``form``: ``int8``
+    (:class:`Int8Projection`) or ``rows`` (``node.models.projection.RowStack``, bf16)."""
     out = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        out += [attn.qkv.int8, attn.o.int8, mlp.gate_up.int8, mlp.down.int8]
-    return out + [model.head.int8]
+        out += [getattr(p, form) for p in (attn.qkv, attn.o, mlp.gate_up, mlp.down)]
+    return out + [getattr(model.head, form)]
 
 
 @torch.no_grad()
-def codes_end_to_end(codes: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One int8 buffer on huge pages (``cache.huge_pages``) holding ``codes`` end to end in
-    this order, and each one's copy in it (a view of its shape)."""
+def end_to_end(mats: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One buffer on huge pages (``cache.huge_pages``) holding ``mats`` (all of one dtype) end
+    to end in this order, and each one's copy in it (a view of its shape)."""
     with torch.inference_mode(False):  # weights, usable in and out of inference mode
-        buf = huge_pages.zeros((sum(q.numel() for q in codes),), torch.int8)
+        buf = huge_pages.zeros((sum(q.numel() for q in mats),), mats[0].dtype)
         slots, a = [], 0
-        for q in codes:
+        for q in mats:
             slots.append(buf[a : a + q.numel()].view(q.shape).copy_(q))
             a += q.numel()
     return buf, slots
@@ -255,9 +256,21 @@ def lay_out_codes(model: nn.Module) -> None:
     unrelated memory. The modules' ``q`` become views of it (no second copy); a module given
     new codes later (an adapter, a load) simply reads them where they are."""
     projs = [p for p in step_projections(model) if p.codes() is not None]
-    _, slots = codes_end_to_end([p.codes().q for p in projs])
+    _, slots = end_to_end([p.codes().q for p in projs])
     for p, q in zip(projs, slots):
         p.move_codes(q)
+
+
+def lay_out_rows(model: nn.Module) -> None:
+    """:func:`lay_out_codes` for bf16 weights: every row stack (q/k/v, o, gate/up, down, the
+    head) a slot of one buffer on huge pages, in step order; the parameters become views of
+    it (the tied embedding with the head). Parameters given new storage later are stacked
+    again where they are."""
+    stacks = [p for p in step_projections(model, "rows") if p.matrix() is not None]
+    if stacks:
+        _, slots = end_to_end([p.matrix() for p in stacks])
+        for p, w in zip(stacks, slots):
+            p.move(w)
 
 
 @torch.no_grad()
@@ -269,8 +282,7 @@ def convert(model: nn.Module, dtype: str) -> nn.Module:
     if dtype == "int8":
         _quantize_linears(model)
     model.relayout()
-    if dtype == "int8":
-        lay_out_codes(model)
+    (lay_out_codes if dtype == "int8" else lay_out_rows)(model)
     model.dtype_name = dtype
     return model.eval()
 

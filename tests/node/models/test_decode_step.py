@@ -15,8 +15,17 @@ from tests.tiny_models import tiny_llama
 BLOCK = 8
 
 
+FORMATS = ("int8", "bfloat16")
+STEP = {"int8": "decode_layers_int8", "bfloat16": "decode_layers_bf16"}
+"""The kernel of each weight format's one-call step."""
+
+
+def _model(fmt: str = "int8", head_dim: int = 64):
+    return precision.convert(tiny_llama(std=0.2, head_dim=head_dim), fmt)
+
+
 def _int8(head_dim: int = 64):
-    return precision.convert(tiny_llama(std=0.2, head_dim=head_dim), "int8")
+    return _model("int8", head_dim)
 
 
 def _churned(m, kv_dtype: str = "bf16") -> tuple[KVCache, int]:
@@ -43,17 +52,19 @@ def _decode(m, kv: KVCache, sid: int, tokens: list[int], one_call: bool,
         return [m.forward_cached([t], kv, sid)[-1] for t in tokens]
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("head_dim, kv_dtype, churned", [
     (16, "fp32", False), (64, "fp32", False), (16, "bf16", False), (64, "bf16", False),
     (64, "int8", False), (16, "fp32", True), (64, "fp32", True), (64, "bf16", True)])
-def test_one_call_gives_the_per_kernel_logits_and_kv(k, one_thread, monkeypatch, head_dim,
+def test_one_call_gives_the_per_kernel_logits_and_kv(k, one_thread, monkeypatch, fmt, head_dim,
                                                      kv_dtype, churned):
     """The same kernels in the same order: equal logits and K/V over one arena run, fp32 or
     bf16 (the model's default: its K/V are bf16 values, stored exactly). Over a
     churned context (one-block runs, which the per-kernel path gathers into one copy) and an
     int8 cache (whose blocks move) the keys are summed in other groupings, so the logits
-    agree to bf16 rounding (and so do the K/V written after the first step)."""
-    m = _int8(head_dim)
+    agree to bf16 rounding (and so do the K/V written after the first step). bf16 weights:
+    both paths multiply through ``bf16_linear`` on the same row stacks."""
+    m = _model(fmt, head_dim)
     made = []
     for one_call in (True, False):
         if churned:
@@ -102,16 +113,16 @@ def test_it_commits_the_token_and_the_next_step_reads_it(k, one_thread):
         kv.commit_arena_step(sid)
 
 
-@pytest.mark.parametrize("case", ["bfloat16", "sliding window", "two tokens", "a layer written"])
+@pytest.mark.parametrize("case", ["float32", "sliding window", "two tokens", "a layer written"])
 def test_where_it_does_not_apply_the_per_kernel_path_runs(k, one_thread, monkeypatch, case):
-    m = precision.convert(tiny_llama(std=0.2, head_dim=64), "bfloat16") if case == "bfloat16" \
-        else _int8()
+    m = tiny_llama(std=0.2, head_dim=64).to(torch.bfloat16) if case == "float32" else _int8()
     kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
     sid = kv.open_session(SlidingWindow(window=8, sinks=1) if case == "sliding window" else None)
     m.prefill(list(range(3, 22)), kv, sid)
     calls = []
-    real = k.decode_layers_int8
-    monkeypatch.setattr(k, "decode_layers_int8", lambda *a: calls.append(1) or real(*a))
+    for fmt in FORMATS:  # an fp32 model cast to bf16 by hand is no converted format: none runs
+        real = getattr(k, STEP[fmt])
+        monkeypatch.setattr(k, STEP[fmt], lambda *a, real=real: calls.append(1) or real(*a))
     if case in ("two tokens", "a layer written"):
         kv.reserve(sid, [5, 6] if case == "two tokens" else [5])
         if case == "a layer written":
@@ -123,17 +134,35 @@ def test_where_it_does_not_apply_the_per_kernel_path_runs(k, one_thread, monkeyp
     assert calls == []
 
 
-def test_an_adapter_on_a_projection_turns_it_off(k):
-    m = _int8()
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_an_adapter_on_a_projection_turns_it_off(k, fmt):
+    m = _model(fmt)
     m.model.layers[1].self_attn.o_proj = torch.nn.Linear(m.cfg.hidden_size, m.cfg.hidden_size,
                                                          bias=False)
     with torch.inference_mode():
         assert decode_step.layer_weights(m) is None
-        assert len(decode_step.layer_weights(_int8())) == decode_step.PER_LAYER * m.cfg.num_layers
+        assert len(decode_step.layer_weights(_model(fmt))) == \
+            decode_step.PER_LAYER[fmt] * m.cfg.num_layers
 
 
-def test_bad_inputs_get_a_specific_error_and_write_nothing(k):
-    m = _int8()
+def test_a_lora_adapter_on_a_bf16_model_turns_it_off(k, one_thread, monkeypatch):
+    from node.models.lora import adapt
+    m = adapt(_model("bfloat16"))
+    kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
+    sid = kv.open_session()
+    m.prefill(list(range(3, 22)), kv, sid)
+    calls = []
+    real = k.decode_layers_bf16
+    monkeypatch.setattr(k, "decode_layers_bf16", lambda *a: calls.append(1) or real(*a))
+    with torch.inference_mode():
+        assert decode_step.layer_weights(m) is None
+        assert torch.isfinite(m.forward_cached([5], kv, sid)).all()
+    assert calls == []
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bad_inputs_get_a_specific_error_and_write_nothing(k, fmt):
+    m = _model(fmt)
     kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
     sid = kv.open_session()
     m.prefill(list(range(3, 22)), kv, sid)
@@ -147,10 +176,10 @@ def test_bad_inputs_get_a_specific_error_and_write_nothing(k):
     before = kv.arena.kv.clone()
 
     def call(w=w, row=step.row, runs=step.runs, arena=step.kv):
-        return k.decode_layers_int8(x, w, m.model.norm.weight, cos, sin, arena, row, runs,
-                                      c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+        return getattr(k, STEP[fmt])(x, w, m.model.norm.weight, cos, sin, arena, row, runs,
+                                     c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
 
-    with pytest.raises(RuntimeError, match="10 tensors per layer"):
+    with pytest.raises(RuntimeError, match=f"{decode_step.PER_LAYER[fmt]} tensors per layer"):
         call(w=w[:-1])
     with pytest.raises(RuntimeError, match="outside the arena"):
         call(row=step.kv.shape[3])
@@ -162,6 +191,18 @@ def test_bad_inputs_get_a_specific_error_and_write_nothing(k):
         call(runs=step.runs.int())
     with pytest.raises(RuntimeError, match="kv must be float32 or bfloat16"):
         call(arena=step.kv.half())
+    last = len(w) - decode_step.PER_LAYER[fmt]  # the last layer's: checked before the first runs
+    bad = list(w)
+    bad[last + 1] = bad[last + 1].float()  # q/k/v in another format
+    with pytest.raises(RuntimeError, match="q must be contiguous int8" if fmt == "int8"
+                       else "w must be bfloat16"):
+        call(w=bad)
+    bad = list(w)
+    bad[last + 1] = bad[last + 1][:-1]  # q/k/v one output short (int8: its scales too)
+    if fmt == "int8":
+        bad[last + 2] = bad[last + 2][:-1]
+    with pytest.raises(RuntimeError, match=f"layer {c.num_layers - 1}'s weights do not chain"):
+        call(w=bad)
     assert torch.equal(kv.arena.kv, before)
 
 
@@ -190,7 +231,7 @@ def test_the_weight_list_is_kept_until_something_it_was_read_from_is_replaced():
     m.model.layers[1].self_attn.o_proj = precision.Int8Linear.from_codes(o.q.clone(), o.scale)
     second = decode_step.layer_weights(m)
     assert second is not first
-    assert second[decode_step.PER_LAYER + 3] is m.model.layers[1].self_attn.o_proj.q
+    assert second[decode_step.PER_LAYER["int8"] + 3] is m.model.layers[1].self_attn.o_proj.q
     norm = m.model.layers[0].post_attention_layernorm
     norm.weight = torch.nn.Parameter(norm.weight.detach().clone())
     third = decode_step.layer_weights(m)
@@ -198,3 +239,37 @@ def test_the_weight_list_is_kept_until_something_it_was_read_from_is_replaced():
     m.model.layers[-1].mlp.down_proj = torch.nn.Linear(m.cfg.intermediate_size, m.cfg.hidden_size,
                                                       bias=False)
     assert decode_step.layer_weights(m) is None
+
+
+def test_bf16_weights_written_in_place_are_read_through_and_new_storage_is_restacked(
+        k, one_thread, monkeypatch):
+    """A write-back loads parameters in place (``load_state_dict``): the kept row stacks hold
+    the new values. A parameter given new storage (``.data =``, what ``Module.to`` does) is
+    stacked again. Either way the one call gives the per-kernel path's logits."""
+    m = _model("bfloat16")
+    mlp = m.model.layers[1].mlp
+
+    def logits(one_call: bool) -> list[torch.Tensor]:
+        kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
+        sid = kv.open_session()
+        m.prefill(list(range(3, 22)), kv, sid)
+        return _decode(m, kv, sid, [5, 9, 2], one_call, monkeypatch)
+
+    with torch.inference_mode():
+        first = decode_step.layer_weights(m)
+    before = logits(True)
+    m.load_state_dict({n: t * 1.5 for n, t in m.state_dict().items() if ".mlp." in n}, strict=False)
+    with torch.inference_mode():
+        assert decode_step.layer_weights(m) is first  # the same stacks, read through
+    gate_up = first[decode_step.PER_LAYER["bfloat16"] + 4]
+    assert torch.equal(gate_up, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    after = logits(True)
+    assert not torch.equal(after[0], before[0]) and all(map(torch.equal, after, logits(False)))
+    up = mlp.up_proj.weight
+    up.data = up.detach().clone() * 0.5
+    with torch.inference_mode():
+        second = decode_step.layer_weights(m)
+    assert second is not first
+    gate_up = second[decode_step.PER_LAYER["bfloat16"] + 4]
+    assert up.data_ptr() == gate_up[mlp.gate_proj.weight.shape[0]:].data_ptr()  # a view again
+    assert all(map(torch.equal, logits(True), logits(False)))

@@ -92,6 +92,32 @@ def test_int8_linear_is_the_dequantized_product(k, rows, k_in, n_out):
     torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-4)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("k_in, n_out", [(576, 96), (1536, 33), (40, 7), (96, 1)])  # 40, 96: tails
+def test_bf16_linear_is_the_product_summed_in_fp32(k, threads, rows, k_in, n_out):
+    """Every row against an fp64 product, within the output's one bf16 rounding (and the
+    fp32 sums' error): the 64-wide loop, a 32-wide step and a masked tail of fewer than 32."""
+    w, x = bf(n_out, k_in, seed=7), bf(rows, k_in, seed=8)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = k.bf16_linear(x, w)
+    finally:
+        torch.set_num_threads(before)
+    want = x.double() @ w.double().T
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n_out)
+    torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-3 * k_in ** 0.5)
+
+
+def test_bf16_linear_reads_only_its_rows_of_a_row_block(k):
+    """A row block of a larger stack (a parameter's view in ``RowStack``) is a contiguous
+    matrix of its own: the product reads its rows, not the neighbours'."""
+    stack = bf(10, 64, seed=9)
+    x = bf(2, 64, seed=10)
+    assert torch.equal(k.bf16_linear(x, stack[3:7]), k.bf16_linear(x, stack)[:, 3:7])
+
+
 @pytest.fixture(scope="module")
 def amx(k):
     if not kernels.amx():
@@ -237,6 +263,12 @@ def test_bad_inputs_get_a_specific_error(k):
         k.int8_linear(bf(1, 8), torch.zeros(4, 8), torch.ones(4))
     with pytest.raises(RuntimeError, match=r"x must be \[rows, 8\]"):
         k.int8_linear(bf(1, 9), torch.zeros(4, 8, dtype=torch.int8), torch.ones(4))
+    with pytest.raises(RuntimeError, match="w must be bfloat16"):
+        k.bf16_linear(bf(1, 8), torch.zeros(4, 8))
+    with pytest.raises(RuntimeError, match="w must be contiguous"):
+        k.bf16_linear(bf(1, 4), bf(4, 8)[:, :4])
+    with pytest.raises(RuntimeError, match=r"x must be contiguous \[1 to 4 rows, 8\]"):
+        k.bf16_linear(bf(5, 8), bf(4, 8))
 
 
 def _decode(model, steps: int = 4) -> list[torch.Tensor]:

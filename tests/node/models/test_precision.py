@@ -130,9 +130,9 @@ def test_batched_step_equals_one_session_at_a_time(one_thread, dtype, kv_dtype):
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 def test_one_new_token_attends_as_a_decode_step_through_the_fused_kernel(one_thread, dtype,
                                                                          monkeypatch):
-    """``forward_cached`` of a single token (a session decoding alone) takes the decode step's
-    fp32 attention kernel -- int8 inside the one call through every layer
-    (``node.models.decode_step``) -- and gives the batched step's logits."""
+    """``forward_cached`` of a single token (a session decoding alone) takes the one call
+    through every layer (``node.models.decode_step``) in its weights' format, and gives the
+    batched step's logits."""
     from node.models import kernels
 
     ops = kernels.ops()
@@ -142,11 +142,12 @@ def test_one_new_token_attends_as_a_decode_step_through_the_fused_kernel(one_thr
     kv, sid = _fresh(m, list(range(4, 27)))
     tok = int(m.forward_cached([3], kv, sid)[-1].argmax())
     calls = []
-    real, whole = ops.decode_attention, ops.decode_layers_int8
+    step = {"int8": "decode_layers_int8", "bfloat16": "decode_layers_bf16"}[dtype]
+    real, whole = ops.decode_attention, getattr(ops, step)
     monkeypatch.setattr(ops, "decode_attention", lambda *a: calls.append(a[0].dtype) or real(*a))
-    monkeypatch.setattr(ops, "decode_layers_int8", lambda *a: calls.append("one call") or whole(*a))
+    monkeypatch.setattr(ops, step, lambda *a: calls.append("one call") or whole(*a))
     one = m.forward_cached([tok], kv, sid)[-1]
-    assert calls == (["one call"] if dtype == "int8" else [torch.float32] * m.cfg.num_layers)
+    assert calls == ["one call"]
     kv2, sid2 = _fresh(m, list(range(4, 27)))
     m.forward_cached([3], kv2, sid2)
     batch = m.forward_batch([tok], kv2, [sid2])[0]
