@@ -10,12 +10,13 @@ in place (``cache.KVCache.arena_step``) are one call, computing what the per-ker
 computes (the same kernels, in the same order: the logits are equal; tests compare them).
 :func:`run` returns None wherever it does not apply -- not int8, no kernels, an adapter, a
 cache that must take part -- and the caller takes the per-kernel path. bf16 weights are read
-from their row stacks (``node.models.projection.RowStack``), the layout the per-kernel path's
-``bf16_linear`` reads too.
+where their row stacks (``node.models.projection.RowStack``) put them, end to end, as the
+per-kernel path's ``bf16_linear`` reads them.
 """
 
 from __future__ import annotations
 
+import operator
 import weakref
 
 import torch
@@ -25,25 +26,31 @@ from cache import KVCache
 from node.models import precision
 from node.models.precision import Int8Linear
 
-PER_LAYER = {"int8": 10, "bfloat16": 6}
+PER_LAYER = {"int8": 10, "bfloat16": 9}
 """Tensors the kernel takes per layer, by weight format. int8: input norm, q/k/v codes and
 scales, o codes and scales, post-attention norm, gate/up codes and scales, down codes and
-scales. bfloat16: input norm, the q/k/v row stack, o, post-attention norm, the gate/up row
-stack, down."""
+scales. bfloat16: input norm, q, k, v, o, post-attention norm, gate, up, down."""
 
 
 class Sources:
     """What a weight list was read from: (dict, key, object) of every module, parameter and
-    buffer looked up, and (tensor, data_ptr) of every parameter a bf16 row stack is made of
-    (an assignment to ``.data`` replaces a parameter's storage, not the object)."""
+    buffer looked up -- compared by identity in C loops (``map``), ~1,000 a step."""
 
     def __init__(self) -> None:
-        self.lookups: list[tuple[dict, str, object]] = []
-        self.storages: list[tuple[torch.Tensor, int]] = []
+        self.dicts: list[dict] = []
+        self.keys: list[str] = []
+        self.objects: list[object] = []
+
+    def get(self, d: dict, k: str):
+        """``d[k]``, recorded."""
+        o = d[k]
+        self.dicts.append(d)
+        self.keys.append(k)
+        self.objects.append(o)
+        return o
 
     def unchanged(self) -> bool:
-        return (all(d.get(k) is o for d, k, o in self.lookups)
-                and all(t.data_ptr() == p for t, p in self.storages))
+        return all(map(operator.is_, map(dict.get, self.dicts, self.keys), self.objects))
 
 
 _KEPT: "weakref.WeakKeyDictionary[nn.Module, tuple[list[torch.Tensor], Sources]]" = \
@@ -54,8 +61,9 @@ def layer_weights(model: nn.Module) -> list[torch.Tensor] | None:
     """Every layer's ``PER_LAYER[format]`` tensors in the kernel's order, or None where a
     projection is not in the model's format (fp32 weights, an adapter wrapping one). Kept
     between steps while each module, parameter and buffer it was read from is still the one
-    in its place (identity and storage checks, far cheaper than reading the ~300 tensors
-    again through the stacks' own checks); a write into a weight in place is read through."""
+    in its place (identity checks, far cheaper than reading the ~300 tensors again through
+    the stacks' own checks); a write into a weight in place is read through, and so is new
+    storage of a bf16 parameter (the list holds the parameters themselves)."""
     kept = _KEPT.get(model)
     if kept is not None and kept[1].unchanged():
         return kept[0]
@@ -70,22 +78,19 @@ def layer_weights(model: nn.Module) -> list[torch.Tensor] | None:
 def _read_weights(model: nn.Module, sources: Sources, read) -> list[torch.Tensor] | None:
     """:func:`layer_weights` read afresh by ``read`` (one layer's tensors, or None), each
     lookup recorded in ``sources``."""
-    def get(d: dict, k: str):
-        sources.lookups.append((d, k, d[k]))
-        return d[k]
-
+    get = sources.get
     out: list[torch.Tensor] = []
     layers = get(get(model._modules, "model")._modules, "layers")._modules
     for name in layers:
         mods = get(layers, name)._modules
-        tensors = read(get, sources, mods, get(mods, "self_attn"), get(mods, "mlp"))
+        tensors = read(get, mods, get(mods, "self_attn"), get(mods, "mlp"))
         if tensors is None:
             return None
         out += tensors
     return out
 
 
-def _int8_layer(get, sources: Sources, mods: dict, attn: nn.Module,
+def _int8_layer(get, mods: dict, attn: nn.Module,
                 mlp: nn.Module) -> list[torch.Tensor] | None:
     """One layer's ``PER_LAYER["int8"]`` tensors, or None where a projection is not int8."""
     qkv, gate_up = attn.qkv.int8.codes(), mlp.gate_up.int8.codes()  # may re-stack: first
@@ -105,23 +110,20 @@ def _int8_layer(get, sources: Sources, mods: dict, attn: nn.Module,
             gate_up._buffers["q"], gate_up._buffers["scale"], d["q"], d["scale"]]
 
 
-def _bf16_layer(get, sources: Sources, mods: dict, attn: nn.Module,
-                mlp: nn.Module) -> list[torch.Tensor] | None:
-    """One layer's ``PER_LAYER["bfloat16"]`` tensors, or None where a projection is not a
+def _bf16_layer(get, mods: dict, attn: nn.Module, mlp: nn.Module) -> list[torch.Tensor] | None:
+    """One layer's ``PER_LAYER["bfloat16"]`` tensors -- the parameters themselves, stacked
+    (``RowStack``) so each group is read as one stream -- or None where a projection is not a
     plain bf16 linear."""
-    stacks = []
-    for owner, names, proj in ((attn, ("q_proj", "k_proj", "v_proj"), attn.qkv),
-                               (attn, ("o_proj",), attn.o), (mlp, ("gate_proj", "up_proj"), mlp.gate_up),
-                               (mlp, ("down_proj",), mlp.down)):
-        w = proj.rows.matrix()  # may re-stack: first
-        if w is None:
-            return None
-        for n in names:
-            p = get(get(owner._modules, n)._parameters, "weight")
-            sources.storages.append((p, p.data_ptr()))
-        stacks.append(w)
-    return [get(get(mods, "input_layernorm")._parameters, "weight"), stacks[0], stacks[1],
-            get(get(mods, "post_attention_layernorm")._parameters, "weight"), stacks[2], stacks[3]]
+    if any(p.rows.matrix() is None for p in (attn.qkv, attn.o, mlp.gate_up, mlp.down)):
+        return None
+
+    def weights(owner: nn.Module, names: tuple[str, ...]) -> list[torch.Tensor]:
+        return [get(get(owner._modules, n)._parameters, "weight") for n in names]
+
+    norm = [get(get(mods, n)._parameters, "weight") for n in ("input_layernorm",
+                                                              "post_attention_layernorm")]
+    return [norm[0], *weights(attn, ("q_proj", "k_proj", "v_proj", "o_proj")), norm[1],
+            *weights(mlp, ("gate_proj", "up_proj", "down_proj"))]
 
 
 _READERS = {"int8": _int8_layer, "bfloat16": _bf16_layer}

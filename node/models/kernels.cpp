@@ -436,20 +436,32 @@ void check_bf16_product(const torch::Tensor& x, const torch::Tensor& w) {
               "x must be contiguous [1 to 4 rows, ", w.size(1), "], got ", x.sizes());
 }
 
-// bf16 product of a few rows: x bf16 [M <= 4, K] and w bf16 [N, K] (both contiguous) -> y bf16
-// [M, N], summed in fp32 and rounded once, as oneDNN's bf16 GEMM does. Memory-bound at decode's
-// rows: each weight row is read once for all M, and each thread reads its rows' span front to back.
-void bf16_product(const torch::Tensor& x, const torch::Tensor& w, bf16* y) {
-  const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
+// bf16 product of a few rows: x bf16 [M <= 4, K] and the weights of 1 to 3 parts (ws, each
+// bf16 [N_j, K] contiguous: q, k, v side by side) -> y bf16 [M, sum N_j], summed in fp32 and
+// rounded once, as oneDNN's bf16 GEMM does. Memory-bound at decode's rows: each weight row is
+// read once for all M, and each thread reads its rows' span front to back (one stream where
+// the parts lie end to end, as projection.RowStack lays them).
+void bf16_product(const torch::Tensor& x, const torch::Tensor* ws, int parts, bf16* y) {
+  const int64_t M = x.size(0), K = ws[0].size(1);
+  int64_t N = 0, first[4];  // part j's rows are y's columns first[j] .. first[j + 1]
+  const bf16* wp[3];
+  for (int j = 0; j < parts; ++j) {
+    first[j] = N;
+    N += ws[j].size(0);
+    wp[j] = ws[j].data_ptr<bf16>();
+  }
+  first[parts] = N;
   const bf16* xp = x.data_ptr<bf16>();
-  const bf16* wp = w.data_ptr<bf16>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    int j = 0;
     for (int64_t n = begin; n < end; ++n) {
+      while (n >= first[j + 1]) ++j;
+      const bf16* row = wp[j] + (n - first[j]) * K;
       switch (M) {
-        case 4: bf16_row<4>(wp + n * K, xp, y + n, K, N); break;
-        case 3: bf16_row<3>(wp + n * K, xp, y + n, K, N); break;
-        case 2: bf16_row<2>(wp + n * K, xp, y + n, K, N); break;
-        default: bf16_row<1>(wp + n * K, xp, y + n, K, N); break;
+        case 4: bf16_row<4>(row, xp, y + n, K, N); break;
+        case 3: bf16_row<3>(row, xp, y + n, K, N); break;
+        case 2: bf16_row<2>(row, xp, y + n, K, N); break;
+        default: bf16_row<1>(row, xp, y + n, K, N); break;
       }
     }
   });
@@ -459,7 +471,7 @@ void bf16_product(const torch::Tensor& x, const torch::Tensor& w, bf16* y) {
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w) {
   check_bf16_product(x, w);
   auto y = torch::empty({x.size(0), w.size(0)}, x.options());
-  if (x.size(0) > 0) bf16_product(x, w, y.data_ptr<bf16>());
+  if (x.size(0) > 0) bf16_product(x, &w, 1, y.data_ptr<bf16>());
   return y;
 }
 
@@ -474,31 +486,29 @@ struct Int8Layer {
   static void check(const torch::Tensor* lw, int p, const torch::Tensor& in) {
     check_int8(in, lw[PRODUCT[p]], lw[PRODUCT[p] + 1]);
   }
-  static const torch::Tensor& weight(const torch::Tensor* lw, int p) {
-    const torch::Tensor &q = lw[PRODUCT[p]], &scale = lw[PRODUCT[p] + 1];
-    check_int8(torch::empty({0, q.size(-1)}, torch::TensorOptions().dtype(torch::kBFloat16)), q, scale);
-    return q;
-  }
+  static int64_t out(const torch::Tensor* lw, int p) { return lw[PRODUCT[p]].size(0); }
+  static int64_t in(const torch::Tensor* lw, int p) { return lw[PRODUCT[p]].size(1); }
   void product(const torch::Tensor* lw, int p, const torch::Tensor& in, bf16* y) {
     int8_product(in, lw[PRODUCT[p]], lw[PRODUCT[p] + 1], xf, y);
   }
 };
 
-// bf16 (decode_step.PER_LAYER["bfloat16"]): input norm, the q/k/v rows stacked, o, post-attention
-// norm, the gate/up rows stacked, down.
+// bf16 (decode_step.PER_LAYER["bfloat16"]): the parameters themselves, so a write into them or
+// new storage is read as it is: input norm, q, k, v, o, post-attention norm, gate, up, down.
 struct Bf16Layer {
-  static constexpr int64_t TENSORS = 6;
-  static constexpr int NORM[2] = {0, 3}, PRODUCT[4] = {1, 2, 4, 5};
+  static constexpr int64_t TENSORS = 9;
+  static constexpr int NORM[2] = {0, 5}, PRODUCT[4] = {1, 4, 6, 8}, PARTS[4] = {3, 1, 2, 1};
   static void check(const torch::Tensor* lw, int p, const torch::Tensor& in) {
-    check_bf16_product(in, lw[PRODUCT[p]]);
+    for (int j = 0; j < PARTS[p]; ++j) check_bf16_product(in, lw[PRODUCT[p] + j]);
   }
-  static const torch::Tensor& weight(const torch::Tensor* lw, int p) {
-    const torch::Tensor& w = lw[PRODUCT[p]];
-    check_bf16_product(torch::empty({0, w.size(-1)}, torch::TensorOptions().dtype(torch::kBFloat16)), w);
-    return w;
+  static int64_t out(const torch::Tensor* lw, int p) {
+    int64_t n = 0;
+    for (int j = 0; j < PARTS[p]; ++j) n += lw[PRODUCT[p] + j].size(0);
+    return n;
   }
+  static int64_t in(const torch::Tensor* lw, int p) { return lw[PRODUCT[p]].size(1); }
   void product(const torch::Tensor* lw, int p, const torch::Tensor& in, bf16* y) {
-    bf16_product(in, lw[PRODUCT[p]], y);
+    bf16_product(in, lw + PRODUCT[p], PARTS[p], y);
   }
 };
 
@@ -522,7 +532,7 @@ torch::Tensor decode_layers_impl(torch::Tensor x, const std::vector<torch::Tenso
   auto product = [&](const torch::Tensor* lw, int p, const torch::Tensor& in) {
     F::check(lw, p, in);
     TORCH_CHECK(in.is_contiguous(), "a product's input must be contiguous");
-    const int64_t out = lw[F::PRODUCT[p]].size(0);
+    const int64_t out = F::out(lw, p);
     if (!ys[p].defined() || ys[p].size(1) != out) ys[p] = torch::empty({1, out}, in.options());
     format.product(lw, p, in, ys[p].data_ptr<bf16>());
     return ys[p];
@@ -563,13 +573,14 @@ void check_layer_weights(const std::vector<torch::Tensor>& w, const torch::Tenso
   for (size_t l = 0; l < w.size() / F::TENSORS; ++l) {
     const torch::Tensor* lw = w.data() + F::TENSORS * l;
     for (int i : F::NORM) check_norm(bf16_row, lw[i]);
-    const auto &qkv = F::weight(lw, 0), &o = F::weight(lw, 1), &gate_up = F::weight(lw, 2),
-               &down = F::weight(lw, 3);
-    TORCH_CHECK(qkv.size(0) == (heads + 2 * kv_heads) * dim && qkv.size(1) == hidden &&
-                    o.size(0) == hidden && o.size(1) == heads * dim && gate_up.size(1) == hidden &&
-                    gate_up.size(0) == 2 * down.size(1) && down.size(0) == hidden,
-                "layer ", l, "'s weights do not chain: q/k/v ", qkv.sizes(), ", o ", o.sizes(),
-                ", gate/up ", gate_up.sizes(), ", down ", down.sizes(), " (hidden ", hidden, ")");
+    const int64_t ins[4] = {hidden, heads * dim, hidden, F::out(lw, 2) / 2};
+    for (int p = 0; p < 4; ++p)
+      F::check(lw, p, torch::empty({0, ins[p]}, bf16_row.options()));
+    TORCH_CHECK(F::out(lw, 0) == (heads + 2 * kv_heads) * dim && F::out(lw, 1) == hidden &&
+                    F::out(lw, 3) == hidden,
+                "layer ", l, "'s weights do not chain: q/k/v ", F::out(lw, 0), " x ", F::in(lw, 0),
+                ", o ", F::out(lw, 1), " x ", F::in(lw, 1), ", gate/up ", F::out(lw, 2), " x ",
+                F::in(lw, 2), ", down ", F::out(lw, 3), " x ", F::in(lw, 3), " (hidden ", hidden, ")");
   }
 }
 

@@ -241,11 +241,11 @@ def test_the_weight_list_is_kept_until_something_it_was_read_from_is_replaced():
     assert decode_step.layer_weights(m) is None
 
 
-def test_bf16_weights_written_in_place_are_read_through_and_new_storage_is_restacked(
+def test_bf16_weights_written_in_place_or_given_new_storage_are_read_as_they_are(
         k, one_thread, monkeypatch):
-    """A write-back loads parameters in place (``load_state_dict``): the kept row stacks hold
-    the new values. A parameter given new storage (``.data =``, what ``Module.to`` does) is
-    stacked again. Either way the one call gives the per-kernel path's logits."""
+    """A write-back loads parameters in place (``load_state_dict``); ``.data =`` (what
+    ``Module.to`` does) gives one new storage. The kept list holds the parameters themselves,
+    so the one call reads either as it is and gives the per-kernel path's logits."""
     m = _model("bfloat16")
     mlp = m.model.layers[1].mlp
 
@@ -257,19 +257,31 @@ def test_bf16_weights_written_in_place_are_read_through_and_new_storage_is_resta
 
     with torch.inference_mode():
         first = decode_step.layer_weights(m)
+    assert first[decode_step.PER_LAYER["bfloat16"] + 7] is mlp.up_proj.weight
     before = logits(True)
     m.load_state_dict({n: t * 1.5 for n, t in m.state_dict().items() if ".mlp." in n}, strict=False)
-    with torch.inference_mode():
-        assert decode_step.layer_weights(m) is first  # the same stacks, read through
-    gate_up = first[decode_step.PER_LAYER["bfloat16"] + 4]
-    assert torch.equal(gate_up, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
     after = logits(True)
     assert not torch.equal(after[0], before[0]) and all(map(torch.equal, after, logits(False)))
-    up = mlp.up_proj.weight
-    up.data = up.detach().clone() * 0.5
-    with torch.inference_mode():
-        second = decode_step.layer_weights(m)
-    assert second is not first
-    gate_up = second[decode_step.PER_LAYER["bfloat16"] + 4]
-    assert up.data_ptr() == gate_up[mlp.gate_proj.weight.shape[0]:].data_ptr()  # a view again
-    assert all(map(torch.equal, logits(True), logits(False)))
+
+
+def test_a_bf16_parameter_given_new_storage_is_read_there(k, one_thread, monkeypatch):
+    """``.data =`` (what ``Module.to`` does) moves a parameter out of its row stack; the kept
+    list holds the parameter, so the one call reads it where it now is, apart from its
+    neighbours, and gives the per-kernel path's logits (which stacks it again)."""
+    def step(one_call: bool) -> tuple[torch.Tensor, bool]:
+        m = _model("bfloat16")
+        mlp = m.model.layers[1].mlp
+        kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
+        sid = kv.open_session()
+        m.prefill(list(range(3, 22)), kv, sid)
+        with torch.inference_mode():
+            kept = decode_step.layer_weights(m)
+        mlp.up_proj.weight.data = mlp.up_proj.weight.detach().clone() * 0.5
+        with torch.inference_mode():
+            assert decode_step.layer_weights(m) is kept
+        out = _decode(m, kv, sid, [5, 9], one_call, monkeypatch)
+        gate, up = mlp.gate_proj.weight, mlp.up_proj.weight
+        return torch.stack(out), up.data_ptr() != gate.data_ptr() + 2 * gate.numel()
+
+    (one, apart), (per_kernel, _) = step(True), step(False)
+    assert apart and torch.equal(one, per_kernel)
