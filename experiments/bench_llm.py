@@ -38,8 +38,10 @@ model into its own cache, in the K/V format its server stores: bf16 for both), `
 each format through its own cache); in ``details``: prefill
 ms of the prompt per format (interleaved), the read bandwidth of a buffer the size of each
 format's weights (the fastest of torch's sum and the kernels' prefetched stream, on ordinary and
-huge pages: ``read_bandwidth_by_reader_gbs``) and each format's fraction of its ceiling (decode
-tokens/s x weight bytes per step / bandwidth), and the same
+huge pages: ``read_bandwidth_by_reader_gbs``), then that reader's bandwidth again in every
+decode segment's rotation (``<ctx>.read_bandwidth_gbs``: medians of reads timed beside the
+decode segments, as this machine's bandwidth drifts within a run) and each format's fraction of
+its ceiling (decode tokens/s x weight bytes per step / that bandwidth), and the same
 counting the K/V of the context a step reads besides (``step_bytes_fraction``).
 ``config.kernels`` says whether the bf16/int8 forwards ran on the fused CPU kernels
 (``node.models.kernels``; ``FEDKV_KERNELS=eager`` runs them on the eager ops instead).
@@ -180,8 +182,13 @@ def decode_section(model: LlamaModel, hf: Any, text: list[int], plan: Plan,
                               for d, (kv, sids) in zip(DTYPES, caches)}
         st["hf_dynamic_cache"] = hf_sessions(hf, [prompt], plan.hf_prefill, *caches[0], logits)
         st.update(llm_dtypes.variant_sessions(variants, prompt, extra, plan.block_size))
+        probes = llm_dtypes.read_probes({"fedkv_fp32": model, **variants}, by_reader) \
+            if variants else {}
         log(f"decode {ctx}: prefills {time.perf_counter() - t0:.1f}s")
-        samples = interleave(st, plan.repeats, plan.decode_steps, f"decode {ctx}", log)
+        samples = interleave({**st, **probes}, plan.repeats, plan.decode_steps,
+                             f"decode {ctx}", log)
+        probed = llm_dtypes.probed_bandwidths(samples, probes)
+        del probes
         med = {k: _median(v) for k, v in samples.items()}
         a, b = st["fedkv_fp32"].tokens, st["hf_dynamic_cache"].tokens
         out[str(ctx)] = {**med,
@@ -192,8 +199,8 @@ def decode_section(model: LlamaModel, hf: Any, text: list[int], plan: Plan,
         if variants:
             out[str(ctx)]["ratio_vs_fp32"] = {k: _ratio(med[k], med["fedkv_fp32"])
                                               for k in variants}
-            info[str(ctx)].update(_variant_details(model, variants, prompt, med, plan,
-                                                   info["read_bandwidth_gbs"]))
+            info[str(ctx)].update(_variant_details(model, variants, prompt, med, plan, probed))
+            info[str(ctx)]["read_bandwidth_gbs"] = probed
         del st
     return out, info
 

@@ -65,28 +65,33 @@ def prefill_ms(models: dict[str, LlamaModel], prompt: list[int], repeats: int,
     return out
 
 
-def read_bandwidth(nbytes: int, repeats: int = 5) -> dict[str, float]:
-    """Median GB/s of reading a buffer of ``nbytes`` again and again (as a step re-reads its
-    weights) on the current torch thread count, by each reader this machine has: torch's
-    ``sum`` on ordinary pages, and the kernels' prefetched stream (``read_stream``, the way
-    the int8 products read) on ordinary and on huge pages (``cache.huge_pages``). The ceiling
-    takes the fastest: the products' own tricks must not make the bar lower."""
+def readers(nbytes: int) -> dict[str, Callable[[], object]]:
+    """Each way this machine has to read a buffer of ``nbytes`` once, as a step reads its
+    weights: torch's ``sum`` on ordinary pages, and the kernels' prefetched stream
+    (``read_stream``, the way the products read) on ordinary and on huge pages
+    (``cache.huge_pages``)."""
     plain = torch.ones(max(1, nbytes // 4))
-    readers: dict[str, Callable[[], object]] = {"torch_sum": plain.sum}
+    out: dict[str, Callable[[], object]] = {"torch_sum": plain.sum}
     ops = kernels.ops()
     if ops is not None:
         huge = huge_pages.zeros((plain.numel(),), torch.float32).fill_(1.0)
-        readers["stream"] = lambda: ops.read_stream(plain)
-        readers["stream_huge_pages"] = lambda: ops.read_stream(huge)
+        out["stream"] = lambda: ops.read_stream(plain)
+        out["stream_huge_pages"] = lambda: ops.read_stream(huge)
+    return out
+
+
+def read_bandwidth(nbytes: int, repeats: int = 5) -> dict[str, float]:
+    """Median GB/s of reading a buffer of ``nbytes`` again and again (as a step re-reads its
+    weights) on the current torch thread count, by each of :func:`readers`."""
     out = {}
-    for name, read in readers.items():
+    for name, read in readers(nbytes).items():
         read()
         xs = []
         for _ in range(repeats):
             t0 = time.perf_counter()
             read()
             xs.append(time.perf_counter() - t0)
-        out[name] = plain.numel() * 4 / statistics.median(xs) / 1e9
+        out[name] = max(1, nbytes // 4) * 4 / statistics.median(xs) / 1e9
     return out
 
 
@@ -95,6 +100,41 @@ def read_bandwidths(models: dict[str, LlamaModel]) -> tuple[dict[str, float], di
     every reader's figure."""
     by_reader = {k: read_bandwidth(precision.weight_bytes_per_token(m)) for k, m in models.items()}
     return {k: max(v.values()) for k, v in by_reader.items()}, by_reader
+
+
+class ReadProbe:
+    """A contender in the decode rotation (``experiments.llm_contenders.interleave``) that
+    reads a buffer the size of a model's weights by the reader :func:`read_bandwidths` found
+    fastest: one read a step, so its rate times ``nbytes`` is the read bandwidth of the
+    same minutes the decode segments beside it ran in (this machine's bandwidth drifts by
+    a fifth within a run)."""
+
+    PREFIX = "read_probe:"
+    """Its key in the rotation: this prefix and the model's decode key."""
+
+    def __init__(self, nbytes: int, reader: str):
+        self.nbytes = max(1, nbytes // 4) * 4
+        self.read = readers(nbytes)[reader]
+
+    def step(self) -> int:
+        self.read()
+        return 1
+
+
+def read_probes(models: dict[str, LlamaModel],
+                by_reader: dict[str, dict[str, float]]) -> dict[str, ReadProbe]:
+    """Rotation key -> a :class:`ReadProbe` per model, by its fastest reader."""
+    return {ReadProbe.PREFIX + k: ReadProbe(precision.weight_bytes_per_token(m),
+                                            max(by_reader[k], key=by_reader[k].get))
+            for k, m in models.items()}
+
+
+def probed_bandwidths(samples: dict[str, list[float]],
+                      probes: dict[str, ReadProbe]) -> dict[str, float]:
+    """Model key -> median GB/s of its probe's segments, the probes' samples (reads/s) taken
+    out of ``samples``."""
+    return {key[len(ReadProbe.PREFIX):]: statistics.median(samples.pop(key)) * p.nbytes / 1e9
+            for key, p in probes.items()}
 
 
 def ceiling_fraction(tokens_per_s: float, model: LlamaModel, gbs: float) -> float:

@@ -14,7 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from experiments import bench_llm, llm_contenders  # noqa: E402
+from experiments import bench_llm, llm_contenders, llm_dtypes  # noqa: E402
 from tests.hang_guard import HANG_GUARD_S  # noqa: E402
 from tests.tiny_models import ours_from_hf, tiny_hf_llama  # noqa: E402
 
@@ -107,9 +107,18 @@ def test_weight_formats_are_measured_beside_fp32_at_each_context(result):
         assert set(d[c]["prefill_ms"]) == {"fedkv_fp32", *VARIANTS}
     gbs, by_reader = d["read_bandwidth_gbs"], d["read_bandwidth_by_reader_gbs"]
     assert set(gbs) == set(by_reader) == {"fedkv_fp32", *VARIANTS}
-    for k, readers in by_reader.items():  # the ceiling takes the fastest reader
+    for k, readers in by_reader.items():  # the fastest reader is the one probed
         assert "torch_sum" in readers and all(_finite_positive(v) for v in readers.values())
         assert gbs[k] == max(readers.values())
+    for c, row in r["decode_tokens_per_s"].items():  # probed beside the decode segments
+        probed = d[c]["read_bandwidth_gbs"]
+        assert set(probed) == {"fedkv_fp32", *VARIANTS}
+        assert all(_finite_positive(v) for v in probed.values())
+        assert not any(k.startswith("read_probe") for k in [*row, *d[c]["samples"]])
+        for key, q in llm_dtypes.KEYS.values():  # the fraction divides by the probed bandwidth
+            nbytes = r["details"]["quality"][q]["weight_bytes_per_token"]
+            assert d[c]["bandwidth_ceiling_fraction"][key] == pytest.approx(
+                row[key] * nbytes / (probed[key] * 1e9))
     for q in ("bf16", "int8_weights"):
         assert r["quality"][q]["top1_agreement"] > 0.8
     assert r["details"]["quality"]["bf16"]["weight_bytes_per_token"] * 2 == (
