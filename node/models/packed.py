@@ -1,4 +1,5 @@
-"""bf16 linears in oneDNN's own weight layout: the serving path of ``--dtype bfloat16``.
+"""bf16 linears in oneDNN's own weight layout: the prefill path of ``--dtype bfloat16`` (a
+decode step's few rows take ``node.models.projection.RowStack``'s ``bf16_linear``).
 
 A bf16 ``F.linear`` hands oneDNN a plain row-major matrix that it reorders into its blocked
 layout on every call; for a decode step's few rows that reorder is most of the time, so eager

@@ -3,9 +3,12 @@ turns a loaded fp32 ``node.models.llama.LlamaModel`` into one.
 
 * ``float32`` -- the reference (the converted weights as they are);
 * ``bfloat16`` -- weights and activations bf16, half the weight bytes a decode step reads;
-  the linears run on oneDNN's bf16 kernels with their weights kept in oneDNN's packed layout
-  (``node.models.packed``: eager bf16, which reorders the weight on every call, decoded no
-  faster than fp32 here); attention stays in the cache's fp32 (``cache.attention.compute_dtype``);
+  a decode step's few rows read the weights once through ``node.models.kernels``'
+  ``bf16_linear`` (q/k/v and gate/up stacked row-major, every matrix end to end on huge pages:
+  ``node.models.projection.RowStack``, :func:`lay_out_rows`; a lone token in one call through
+  every layer, ``node.models.decode_step``); more rows run on oneDNN's bf16 GEMM with the
+  weights kept in its packed layout (``node.models.packed``: eager bf16, which reorders the
+  weight on every call, decoded no faster than fp32 here); attention in fp32;
 * ``int8`` -- weight-only int8 (:class:`Int8Linear`: symmetric per-output-channel scales,
   bf16 activations), a quarter of the fp32 bytes a decode step reads: the fastest decode
   (``experiments.bench_llm``). A decode batch's rows read the codes (``node.models.kernels``'
