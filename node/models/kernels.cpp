@@ -267,10 +267,15 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   return out;
 }
 
-// How far ahead of the rows read the weights are fetched, into L2: far enough to keep as many
-// lines in flight as one core's memory bandwidth needs, which L1's few fill buffers cannot
-// (experiments.int8_rows times it).
+// How far ahead of the rows read the weights are fetched: far enough to keep as many lines in
+// flight as one core's memory bandwidth needs (experiments.int8_rows times it).
 constexpr int64_t PREFETCH_BYTES = 8192;
+// ... and how: non-temporal, as data read once a step, so the stream displaces less of what
+// else the step reads (the K/V it attends, the activations, the interpreter's objects) than
+// fetching into L2 did (docs/real-llm.md measures both).
+#ifdef FEDKV_AVX512
+constexpr auto WEIGHT_HINT = _MM_HINT_NTA;
+#endif
 
 template <int R, int MR>
 void int8_block(const int8_t* q, const float* x, const float* scale, bf16* y, int64_t o,
@@ -283,7 +288,7 @@ void int8_block(const int8_t* q, const float* x, const float* scale, bf16* y, in
     for (int m = 0; m < MR; ++m) v[r][m] = _mm512_setzero_ps();
   const char* ahead = reinterpret_cast<const char*>(q + o * K) + PREFETCH_BYTES;
   for (; k + 16 <= K; k += 16) {
-    for (int r = 0; r < R; r += 4) _mm_prefetch(ahead + (k / 16) * 64 + r * 16, _MM_HINT_T1);
+    for (int r = 0; r < R; r += 4) _mm_prefetch(ahead + (k / 16) * 64 + r * 16, WEIGHT_HINT);
     __m512 w[R];
     for (int r = 0; r < R; ++r)
       w[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
@@ -334,7 +339,7 @@ int64_t read_stream(const torch::Tensor& buf) {
                       _mm512_setzero_si512()};
     for (; i + 4 <= end; i += 4) {
       for (int j = 0; j < 4; ++j) {
-        _mm_prefetch(reinterpret_cast<const char*>(p + (i + j) * 64) + PREFETCH_BYTES, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(p + (i + j) * 64) + PREFETCH_BYTES, WEIGHT_HINT);
         acc[j] = _mm512_add_epi64(acc[j], _mm512_sad_epu8(_mm512_loadu_si512(p + (i + j) * 64),
                                                           _mm512_setzero_si512()));
       }
@@ -406,8 +411,8 @@ void bf16_row(const bf16* w, const bf16* x, bf16* y, int64_t K, int64_t N) {
   };
   int64_t k = 0;
   for (; k + 64 <= K; k += 64) {
-    _mm_prefetch(ahead + 2 * k, _MM_HINT_T1);
-    _mm_prefetch(ahead + 2 * k + 64, _MM_HINT_T1);
+    _mm_prefetch(ahead + 2 * k, WEIGHT_HINT);
+    _mm_prefetch(ahead + 2 * k + 64, WEIGHT_HINT);
     dot(0, k, _mm512_loadu_si512(w + k));
     dot(1, k + 32, _mm512_loadu_si512(w + k + 32));
   }
