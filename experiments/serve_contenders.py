@@ -18,15 +18,20 @@ def start(name: str, args: argparse.Namespace, clients: int, out: Path
     """({system: running server}, {system: its settings and start-up seconds, or
     ``{"skipped": why}``}) for model ``name``."""
     servers, infos = {}, {}
-    for system, begin in ((VLLM, _vllm), (LLAMACPP, _llamacpp)):
-        try:
-            server = begin(name, args, clients, out)
-        except (RuntimeError, TimeoutError, OSError, ValueError) as e:
-            infos[system] = {"skipped": str(e)[:300]}
-            print(f"serve_load: {system} skipped for {name}: {e}")
-            continue
-        servers[system], infos[system] = server, server.report()
-        print(f"serve_load: {system} serving {name} after {server.start_s:.0f} s")
+    try:
+        for system, begin in ((VLLM, _vllm), (LLAMACPP, _llamacpp)):
+            try:
+                server = begin(name, args, clients, out)
+            except (RuntimeError, TimeoutError, OSError, ValueError) as e:
+                infos[system] = {"skipped": str(e)[:300]}
+                print(f"serve_load: {system} skipped for {name}: {e}")
+                continue
+            servers[system], infos[system] = server, server.report()
+            print(f"serve_load: {system} serving {name} after {server.start_s:.0f} s")
+    except BaseException:  # an interrupt while the next one starts: stop those running
+        for server in servers.values():
+            server.close()
+        raise
     return servers, infos
 
 

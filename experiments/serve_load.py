@@ -69,7 +69,7 @@ from experiments import serve_contenders as contenders
 from experiments import single_stream
 from experiments.serve_contenders import LLAMACPP, VLLM
 from experiments.served_process import (group_cpu_seconds, machine_busy_seconds, pause_group,
-                                         resume_group)
+                                        resume_group, sigterm_unwinds)
 from experiments.single_stream import SingleConfig
 from node.engine.generation import GenerationRequest
 from node.engine.scheduler import SchedulerConfig
@@ -556,6 +556,12 @@ def main(argv: list[str] | None = None) -> dict:
                         "the F32 GGUF of the same weights (default $FEDKV_LLAMA_SERVER; absent: "
                         "skipped)")
     args = p.parse_args(argv)
+    with sigterm_unwinds():  # a SIGTERM still stops vLLM's and llama.cpp's servers
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> dict:
+    """``main`` of parsed arguments."""
     torch.set_num_threads(args.threads)
     cfg = LoadConfig(requests_per_client=1 if args.quick else 2, warmup=not args.quick,
                      max_prompt=128 if args.quick else 192, max_new=16 if args.quick else 32,

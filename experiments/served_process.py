@@ -6,6 +6,7 @@ reached only over HTTP (``httpx``), its resources read from ``/proc`` and its ga
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -13,7 +14,9 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -233,6 +236,26 @@ def stop_group(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             pass
     proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """Inside, SIGTERM (``timeout``, a job scheduler, a CI runner) raises ``SystemExit(143)``
+    in the main thread, so the ``finally`` blocks that stop the servers a run started run too:
+    Python's default dies at once and leaves them serving. The previous handler is restored on
+    the way out; off the main thread (where no handler can be set) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_143)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_143(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signal.SIGTERM)
 
 
 def pause_group(proc: subprocess.Popen) -> None:

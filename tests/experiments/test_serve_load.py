@@ -139,3 +139,29 @@ def test_the_pool_is_sized_in_the_k_v_format_the_models_cache_stores():
         m = precision.convert(tiny_llama(), dtype)
         assert m.cache_config().kv_dtype == "bf16"
         assert 2 * sl.bytes_per_token(m, None) == sl.bytes_per_token(fp32, None)
+
+
+def test_contenders_started_before_an_interrupt_are_stopped(monkeypatch, tmp_path):
+    """An interrupt (Ctrl-C, SIGTERM through ``sigterm_unwinds``) while llama.cpp starts must
+    not leave vLLM's server, already up, serving."""
+    from experiments import serve_contenders as sc
+
+    class Server:
+        start_s, closed = 1.0, False
+
+        def report(self):
+            return {}
+
+        def close(self):
+            self.closed = True
+
+    up = Server()
+
+    def interrupted(*a):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sc, "_vllm", lambda *a: up)
+    monkeypatch.setattr(sc, "_llamacpp", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sc.start("smollm2", None, 16, tmp_path)
+    assert up.closed
