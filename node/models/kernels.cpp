@@ -623,8 +623,10 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& w
                 " (", s[2 * r], ", ", s[2 * r + 1], ") outside the arena's ", cap, " rows");
   check_layer_weights<F>(w, final_norm, x.size(1), heads, kv_heads, dim);
   if (bf16_arena)
-    return decode_layers_impl<bf16, F>(x, w, final_norm, cos, sin, kv, pos, s, sp.size(0), heads, kv_heads, dim, eps);
-  return decode_layers_impl<float, F>(x, w, final_norm, cos, sin, kv, pos, s, sp.size(0), heads, kv_heads, dim, eps);
+    return decode_layers_impl<bf16, F>(x, w, final_norm, cos, sin, kv, pos, s, sp.size(0), heads,
+                                       kv_heads, dim, eps);
+  return decode_layers_impl<float, F>(x, w, final_norm, cos, sin, kv, pos, s, sp.size(0), heads,
+                                      kv_heads, dim, eps);
 }
 
 // How many threads at::parallel_for runs a 64-way loop on: torch's thread count when the build

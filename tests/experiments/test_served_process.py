@@ -1,4 +1,5 @@
-"""Servers a measurement starts are stopped when it is told to stop (``experiments.served_process``)."""
+"""Servers a measurement starts are stopped when it is told to stop
+(``experiments.served_process``)."""
 
 from __future__ import annotations
 

@@ -26,10 +26,10 @@ def test_a_bf16_models_parameters_are_row_blocks_of_one_stack_per_group():
     with torch.no_grad():
         stack = attn.qkv.rows.matrix()
     assert stack.is_contiguous()
-    assert stack.shape == (sum(getattr(attn, n).weight.shape[0] for n in ("q_proj", "k_proj", "v_proj")),
-                           m.cfg.hidden_size)
+    names = ("q_proj", "k_proj", "v_proj")
+    assert stack.shape == (sum(getattr(attn, n).weight.shape[0] for n in names), m.cfg.hidden_size)
     a = 0
-    for n in ("q_proj", "k_proj", "v_proj"):
+    for n in names:
         w = getattr(attn, n).weight
         assert w.is_contiguous() and w.data_ptr() == stack[a].data_ptr()
         assert torch.equal(w, want[f"model.layers.0.self_attn.{n}.weight"])
