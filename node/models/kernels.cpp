@@ -272,7 +272,7 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
 constexpr int64_t PREFETCH_BYTES = 8192;
 // ... and how: non-temporal, as data read once a step, so the stream displaces less of what
 // else the step reads (the K/V it attends, the activations, the interpreter's objects) than
-// fetching into L2 did (docs/real-llm.md measures both).
+// fetching into L2 did (docs/real-llm.md: bench_llm before and after).
 #ifdef FEDKV_AVX512
 constexpr auto WEIGHT_HINT = _MM_HINT_NTA;
 #endif

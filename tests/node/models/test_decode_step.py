@@ -241,11 +241,9 @@ def test_the_weight_list_is_kept_until_something_it_was_read_from_is_replaced():
     assert decode_step.layer_weights(m) is None
 
 
-def test_bf16_weights_written_in_place_or_given_new_storage_are_read_as_they_are(
-        k, one_thread, monkeypatch):
-    """A write-back loads parameters in place (``load_state_dict``); ``.data =`` (what
-    ``Module.to`` does) gives one new storage. The kept list holds the parameters themselves,
-    so the one call reads either as it is and gives the per-kernel path's logits."""
+def test_bf16_weights_written_in_place_are_read_through(k, one_thread, monkeypatch):
+    """A write-back loads parameters in place (``load_state_dict``): the kept list, which holds
+    the parameters themselves, stays, and the one call gives the per-kernel path's logits."""
     m = _model("bfloat16")
     mlp = m.model.layers[1].mlp
 
@@ -260,6 +258,8 @@ def test_bf16_weights_written_in_place_or_given_new_storage_are_read_as_they_are
     assert first[decode_step.PER_LAYER["bfloat16"] + 7] is mlp.up_proj.weight
     before = logits(True)
     m.load_state_dict({n: t * 1.5 for n, t in m.state_dict().items() if ".mlp." in n}, strict=False)
+    with torch.inference_mode():
+        assert decode_step.layer_weights(m) is first
     after = logits(True)
     assert not torch.equal(after[0], before[0]) and all(map(torch.equal, after, logits(False)))
 
