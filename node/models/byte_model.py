@@ -74,7 +74,7 @@ def attend_session(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVC
     """Write one session's new K/V in ``layer`` and attend its context (what its sparsity
     policy keeps, if it has one): q [heads, T, D] or grouped [kv_heads, G, T, D] -> the same
     shape. With ``kernels`` (``node.models.kernels``) the K/V are stored in one call
-    (``store_step_kv``); on AMX a bf16 prefill's rows attend in one call that reads the
+    (``store_step_kv``); a bf16 prefill's rows attend in one call that reads the
     arena's rows in place (``prefill_attention_spans`` over ``cache.attention.Spans``: no
     view or copy per run, however scattered the context; :func:`takes_prefill_kernel`), else
     the eager ops. A lone token's runs stay gathered: ``decode_attention`` over a context
@@ -118,11 +118,11 @@ PREFILL_KV_DTYPES = (torch.float32, torch.bfloat16)
 
 def takes_prefill_kernel(q: torch.Tensor) -> bool:
     """``prefill_attention`` computes these rows: grouped bf16 queries, more than one, of head
-    size 64, on a CPU granting AMX tiles, over fp32 or bf16 K/V with contiguous rows
+    size 64, on a CPU with AVX-512 BF16 or AMX tiles (``kernels.prefill_kernel``), over fp32 or bf16 K/V with contiguous rows
     (:func:`_prefill_runs`; the arena's rows always are). One query (decode) stays on the fp32
     paths, which attend in the cache's precision."""
     return (q.dim() == 4 and q.dtype == torch.bfloat16 and q.shape[-2] > 1
-            and q.shape[-1] == PREFILL_KERNEL_HEAD_DIM and q.stride(-1) == 1 and built.amx())
+            and q.shape[-1] == PREFILL_KERNEL_HEAD_DIM and q.stride(-1) == 1 and built.prefill_kernel())
 
 
 def _prefill_runs(runs) -> bool:

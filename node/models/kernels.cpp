@@ -649,6 +649,7 @@ void store_step_kv(torch::Tensor arena, const torch::Tensor& pos, const torch::T
                    const torch::Tensor& v, torch::Tensor tails, const torch::Tensor& slots,
                    const torch::Tensor& at, const torch::Tensor& rows);
 // prefill_attention.cpp
+bool prefill_attention_available();
 torch::Tensor prefill_attention(const torch::Tensor& q, const std::vector<torch::Tensor>& k_runs,
                                 const std::vector<torch::Tensor>& v_runs);
 torch::Tensor prefill_attention_spans(const torch::Tensor& q, const torch::Tensor& k,
@@ -677,8 +678,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear_amx", &int8_linear_amx, "weight-only int8 linear on AMX (codes read once for all rows)", nogil);
   m.def("store_step_kv", &store_step_kv,
         "a decode step's K/V into the arena and the tail slots, destinations prefetched", nogil);
+  m.def("prefill_attention_available", &prefill_attention_available,
+        "prefill_attention runs here (AMX tiles or AVX-512 BF16)", nogil);
   m.def("prefill_attention", &prefill_attention,
-        "causal attention of bf16 prefill queries over K/V runs on AMX", nogil);
+        "causal attention of bf16 prefill queries over K/V runs (AMX or AVX-512 BF16)", nogil);
   m.def("prefill_attention_spans", &prefill_attention_spans,
         "prefill_attention over (start, length) spans of one layer's K/V", nogil);
 }

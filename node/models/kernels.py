@@ -14,7 +14,7 @@ widens them to bf16 tile by tile for AMX's matrix unit, once per call for all th
 ``store_step_kv`` (``kv_store.cpp``) writes a decode step's K/V into the cache's arena and tail
 slots (``cache.batch.StepStore``), its destinations prefetched first.
 ``prefill_attention`` (``prefill_attention.cpp``) is a bf16 prefill's causal attention over the
-cache's runs on AMX tiles, for head size 64; ``prefill_attention_spans`` the same over
+cache's runs on AMX tiles, or AVX-512 BF16 registers without them, for head size 64; ``prefill_attention_spans`` the same over
 (start, length) spans of the arena (``cache.attention.Spans``: no view per run).
 ``node.models.byte_model.attend_session`` takes them where ``takes_prefill_kernel`` says;
 elsewhere SDPA's flash kernel serves. ``bf16_linear`` is the bf16 product of a few rows,
@@ -127,6 +127,13 @@ def amx() -> bool:
     """The kernels are loaded and this CPU and kernel let the process use AMX bf16 tiles
     (``int8_linear_amx``; Linux grants the tile state on request)."""
     return ops() is not None and bool(ops().int8_amx_available())
+
+
+@functools.cache
+def prefill_kernel() -> bool:
+    """The kernels are loaded and ``prefill_attention`` runs here (AMX tiles, else AVX-512
+    BF16); elsewhere SDPA's flash kernel attends a prefill."""
+    return ops() is not None and bool(ops().prefill_attention_available())
 
 
 def status() -> str:

@@ -1,6 +1,6 @@
-// Causal attention of a prefill's bf16 queries over the cache's K/V runs on AMX tiles
-// (node/models/kernels.py builds it into the same extension as kernels.cpp;
-// node/models/byte_model.py's attend_session calls it).
+// Causal attention of a prefill's bf16 queries over the cache's K/V runs, on AMX tiles where
+// the CPU grants them, else on AVX-512 BF16's pair dot products (node/models/kernels.py builds
+// it into the same extension as kernels.cpp; node/models/byte_model.py's attend_session calls it).
 //
 // Why: SDPA's CPU flash kernel spent about twice what its matmuls and softmax need on a
 // 512-token prefill of SmolLM2's heads, and a chunk over cached runs first paid a bf16 copy of
@@ -8,7 +8,9 @@
 // head, shared by the group's query heads; each block of 16 query rows takes its scores on AMX
 // (bf16 products, fp32 sums), an exact softmax in fp32 on AVX-512 over the keys it may see (no
 // online rescaling: a block's whole score row fits in cache), and P.V on AMX again. P is rounded
-// to bf16 for that product, as SDPA's bf16 kernel does.
+// to bf16 for that product, as SDPA's bf16 kernel does. Without AMX the same packed tiles feed
+// vdpbf16ps register blocks (4 query rows x 64 keys for the scores, 4 rows x 64 dims for P.V):
+// on an AVX-512 BF16 CPU without AMX, SDPA's flash kernel took half of a 512-token prefill.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -46,6 +48,11 @@ RunPtr run_ptr(const torch::Tensor& k, const torch::Tensor& v, int64_t start, in
           k.stride(0) * es, v.stride(0) * es, k.stride(1) * es, v.stride(1) * es, n};
 }
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define FEDKV_PREFILL 1
+#endif
+
 #ifdef FEDKV_AMX
 using fedkv_tiles::fence;
 
@@ -62,6 +69,9 @@ void configure() {
   fence();
   _tile_loadconfig(&c);
 }
+#endif
+
+#ifdef FEDKV_PREFILL
 
 // 16 values of a K or V row (fp32 or bf16) as fp32.
 inline __m512 load16(const void* p, bool is_bf16) {
@@ -176,6 +186,9 @@ float softmax_row(const float* s, int64_t seen, int64_t width, float scale, bf16
   return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
 }
 
+#endif
+
+#ifdef FEDKV_AMX
 // One chunk c of 32 keys of P.V: P's chunk into tile PT, V's four 16-column tiles through tiles
 // 2 and 3 by turns, summed into the output's tiles 4-7. A macro: GCC's tile intrinsics paste
 // the tile number into the instruction, so it must be a literal.
@@ -193,7 +206,7 @@ float softmax_row(const float* s, int64_t seen, int64_t width, float scale, bf16
   } while (0)
 
 // Up to 16 query rows of one head, t0.. (position n - T + t), against the packed K/V.
-void query_block(const bf16* q, int64_t q_row_stride, int64_t m, int64_t first_pos,
+void query_block_tiles(const bf16* q, int64_t q_row_stride, int64_t m, int64_t first_pos,
                  const bf16* kp, const bf16* vp, bf16* out, int64_t out_row_stride,
                  std::vector<float>& s, std::vector<bf16>& p) {
   const int64_t visible = first_pos + m;  // keys the block's last row sees
@@ -264,6 +277,120 @@ void query_block(const bf16* q, int64_t q_row_stride, int64_t m, int64_t first_p
 }
 #endif
 
+#ifdef FEDKV_PREFILL
+using vbf = __m512bh;
+constexpr int RB = 4;  // query rows per register block
+
+// Scores of RB query rows (qb, D apart) against NB packed 16-key blocks (kp: block 0's tiles)
+// into s (rows ws apart): per pair of dims, each K tile row (16 keys x one pair) is loaded once
+// and meets every row's pair, broadcast.
+template <int NB>
+inline void scores_block(const bf16* qb, const bf16* kp, float* s, int64_t ws) {
+  __m512 acc[RB][NB];
+#pragma GCC unroll 16
+  for (int i = 0; i < RB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int32_t* q32 = reinterpret_cast<const int32_t*>(qb);
+  for (int pair = 0; pair < int(D / 2); ++pair) {
+    const bf16* row = kp + (pair / 16) * TILE + (pair % 16) * 32;
+    vbf k[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) k[j] = (vbf)_mm512_loadu_si512(row + j * 2 * TILE);
+#pragma GCC unroll 4
+    for (int i = 0; i < RB; ++i) {
+      const vbf qv = (vbf)_mm512_set1_epi32(q32[i * (D / 2) + pair]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], qv, k[j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < RB; ++i)
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(s + i * ws + j * KEYS, acc[i][j]);
+}
+
+// RB rows of P (bf16, width apart) times the packed V's first `chunks` 32-key chunks into
+// o (RB x D fp32): per pair of keys, V's four 16-column rows are loaded once for the RB rows.
+inline void pv_block(const bf16* p, int64_t width, const bf16* vp, int64_t chunks, float* o) {
+  __m512 acc[RB][4];
+#pragma GCC unroll 16
+  for (int i = 0; i < RB; ++i)
+    for (int g = 0; g < 4; ++g) acc[i][g] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const bf16* tiles = vp + c * 4 * TILE;
+    const int32_t* pc = reinterpret_cast<const int32_t*>(p + c * PAIRS);
+    for (int r = 0; r < int(PAIRS / 2); ++r) {
+      vbf v[4];
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) v[g] = (vbf)_mm512_loadu_si512(tiles + g * TILE + r * 32);
+#pragma GCC unroll 4
+      for (int i = 0; i < RB; ++i) {
+        const vbf pv = (vbf)_mm512_set1_epi32(pc[i * (width / 2) + r]);
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; ++g) acc[i][g] = _mm512_dpbf16_ps(acc[i][g], pv, v[g]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < RB; ++i)
+    for (int g = 0; g < 4; ++g) _mm512_storeu_ps(o + i * D + g * 16, acc[i][g]);
+}
+
+// query_block_tiles' work on AVX-512 BF16 registers: the same packed K/V, the same softmax.
+void query_block_avx(const bf16* q, int64_t q_row_stride, int64_t m, int64_t first_pos,
+                     const bf16* kp, const bf16* vp, bf16* out, int64_t out_row_stride,
+                     std::vector<float>& s, std::vector<bf16>& p) {
+  const int64_t visible = first_pos + m;
+  const int64_t blocks = (visible + KEYS - 1) / KEYS;
+  const int64_t width = (visible + PAIRS - 1) / PAIRS * PAIRS;
+  const int64_t ws = blocks * KEYS, mr = (m + RB - 1) / RB * RB;
+  alignas(64) bf16 qb[ROWS * D];
+  std::memset(qb, 0, sizeof qb);
+  for (int64_t r = 0; r < m; ++r) std::memcpy(qb + r * D, q + r * q_row_stride, D * sizeof(bf16));
+  s.resize(ROWS * ws);
+  p.assign(ROWS * width, bf16(0.0f));
+  for (int64_t r = 0; r < mr; r += RB) {
+    int64_t b = 0;
+    for (; b + 4 <= blocks; b += 4) scores_block<4>(qb + r * D, kp + b * 2 * TILE, s.data() + r * ws + b * KEYS, ws);
+    switch (blocks - b) {
+      case 3: scores_block<3>(qb + r * D, kp + b * 2 * TILE, s.data() + r * ws + b * KEYS, ws); break;
+      case 2: scores_block<2>(qb + r * D, kp + b * 2 * TILE, s.data() + r * ws + b * KEYS, ws); break;
+      case 1: scores_block<1>(qb + r * D, kp + b * 2 * TILE, s.data() + r * ws + b * KEYS, ws); break;
+      default: break;
+    }
+  }
+  const float scale = 1.0f / std::sqrt(float(D));
+  float sums[ROWS];
+  for (int64_t r = 0; r < m; ++r)
+    sums[r] = softmax_row(s.data() + r * ws, first_pos + r + 1, width, scale, p.data() + r * width);
+  alignas(64) float o[RB * D];
+  for (int64_t r = 0; r < mr; r += RB) {
+    pv_block(p.data() + r * width, width, vp, width / PAIRS, o);
+    for (int64_t i = 0; i < RB && r + i < m; ++i) {
+      const __m512 inv = _mm512_set1_ps(1.0f / sums[r + i]);
+      for (int64_t d = 0; d < D; d += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (r + i) * out_row_stride + d),
+                            reinterpret_cast<__m256i>(
+                                _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + i * D + d), inv))));
+    }
+  }
+}
+#endif
+
+// Which product this process runs: AMX tiles if built with them and Linux grants them, else
+// AVX-512 BF16 registers if built with them, else none (the eager ops serve).
+enum class Engine { none, registers, tiles };
+
+Engine engine() {
+#ifdef FEDKV_AMX
+  if (fedkv_tiles::request()) return Engine::tiles;
+#endif
+#ifdef FEDKV_PREFILL
+  return Engine::registers;
+#else
+  return Engine::none;
+#endif
+}
+
 void check_runs(const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs,
                 int64_t hk) {
   TORCH_CHECK(!ks.empty() && ks.size() == vs.size(), "k_runs and v_runs: as many runs, at least one");
@@ -280,11 +407,8 @@ void check_runs(const std::vector<torch::Tensor>& ks, const std::vector<torch::T
 }
 
 void check_q(const torch::Tensor& q) {
-#ifdef FEDKV_AMX
-  TORCH_CHECK(fedkv_tiles::request(), "AMX bf16 tiles are not available on this CPU or kernel");
-#else
-  TORCH_CHECK(false, "built without AMX: prefill_attention is unavailable");
-#endif
+  TORCH_CHECK(engine() != Engine::none,
+              "prefill_attention needs AVX-512 BF16 or AMX tiles; this build has neither");
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && q.dim() == 4 && q.size(3) == D &&
                   q.stride(3) == 1,
               "q must be bf16 [kv_heads, group, T, ", D, "] with contiguous rows, got ", q.sizes());
@@ -298,7 +422,7 @@ torch::Tensor attend_runs(const torch::Tensor& q, const std::vector<RunPtr>& run
   for (const RunPtr& run : runs) n += run.n;
   TORCH_CHECK(T >= 1 && n >= T, "need 1 <= T <= the runs' ", n, " keys, got T = ", T);
   auto out = torch::empty({hk, groups, T, D}, q.options());
-#ifdef FEDKV_AMX
+#ifdef FEDKV_PREFILL
   const int64_t kblocks = (n + KEYS - 1) / KEYS, vchunks = (n + PAIRS - 1) / PAIRS;
   std::vector<bf16> kp(hk * kblocks * 2 * TILE), vp(hk * vchunks * 4 * TILE);
   at::parallel_for(0, hk, 1, [&](int64_t h0, int64_t h1) {
@@ -311,18 +435,27 @@ torch::Tensor attend_runs(const torch::Tensor& q, const std::vector<RunPtr>& run
   const int64_t qblocks = (T + ROWS - 1) / ROWS;
   const bf16* qd = q.data_ptr<bf16>();
   bf16* od = out.data_ptr<bf16>();
+  const bool tiles = engine() == Engine::tiles;
   at::parallel_for(0, hk * groups * qblocks, 1, [&](int64_t begin, int64_t end) {
-    configure();  // tile state is per thread
+#ifdef FEDKV_AMX
+    if (tiles) configure();  // tile state is per thread
+#endif
     std::vector<float> s;
     std::vector<bf16> p;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task % qblocks, hg = task / qblocks, h = hg / groups, g = hg % groups;
       const int64_t t0 = b * ROWS, m = std::min(ROWS, T - t0);
-      query_block(qd + h * q.stride(0) + g * q.stride(1) + t0 * q.stride(2), q.stride(2), m,
-                  n - T + t0, kp.data() + h * kblocks * 2 * TILE, vp.data() + h * vchunks * 4 * TILE,
-                  od + ((h * groups + g) * T + t0) * D, D, s, p);
+      auto* block = query_block_avx;
+#ifdef FEDKV_AMX
+      if (tiles) block = query_block_tiles;
+#endif
+      block(qd + h * q.stride(0) + g * q.stride(1) + t0 * q.stride(2), q.stride(2), m,
+            n - T + t0, kp.data() + h * kblocks * 2 * TILE, vp.data() + h * vchunks * 4 * TILE,
+            od + ((h * groups + g) * T + t0) * D, D, s, p);
     }
-    _tile_release();
+#ifdef FEDKV_AMX
+    if (tiles) _tile_release();
+#endif
   });
 #endif
   return out;
@@ -363,6 +496,8 @@ torch::Tensor attention_spans(const torch::Tensor& q, const torch::Tensor& k,
 }
 
 }  // namespace fedkv_prefill
+
+bool prefill_attention_available() { return fedkv_prefill::engine() != fedkv_prefill::Engine::none; }
 
 torch::Tensor prefill_attention_spans(const torch::Tensor& q, const torch::Tensor& k,
                                       const torch::Tensor& v, const torch::Tensor& spans) {

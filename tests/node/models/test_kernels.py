@@ -119,6 +119,13 @@ def test_bf16_linear_reads_only_its_rows_of_a_row_block(k):
 
 
 @pytest.fixture(scope="module")
+def prefill(k):
+    if not kernels.prefill_kernel():
+        pytest.skip("prefill_attention needs AVX-512 BF16 or AMX tiles")
+    return k
+
+
+@pytest.fixture(scope="module")
 def amx(k):
     if not kernels.amx():
         pytest.skip("no AMX bf16 tiles on this CPU or kernel")
@@ -181,14 +188,14 @@ def _causal_reference(q, k_runs, v_runs):
     (3, 100, [1000, 100], torch.bfloat16),   # a shared prefix's run, then the chunk's own
     (1, 17, [17], torch.float32),            # multi-head (no group), one row past a tile
     (3, 2, [1, 40], torch.bfloat16)])
-def test_prefill_attention_is_causal_sdpa_in_bf16(amx, G, T, lengths, dtype):
+def test_prefill_attention_is_causal_sdpa_in_bf16(prefill, G, T, lengths, dtype):
     """Within what SDPA's own bf16 kernel gives on the same inputs, against fp32 attention:
     query t (position n - T + t) sees keys up to its position, across run boundaries."""
     g = torch.Generator().manual_seed(7)
     q = (2 * torch.randn(3, G, T, 64, generator=g)).to(torch.bfloat16)
     ks = [(2 * torch.randn(3, n, 64, generator=g)).to(dtype) for n in lengths]
     vs = [torch.randn(3, n, 64, generator=g).to(dtype) for n in lengths]
-    got = amx.prefill_attention(q, ks, vs)
+    got = prefill.prefill_attention(q, ks, vs)
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
     want = _causal_reference(q, ks, vs)
     n = sum(lengths)
@@ -199,21 +206,21 @@ def test_prefill_attention_is_causal_sdpa_in_bf16(amx, G, T, lengths, dtype):
     assert err.max() <= 1.5 * sdpa_err.max() + 1e-3 and err.mean() <= 1.5 * sdpa_err.mean()
 
 
-def test_prefill_attention_never_reads_a_later_key(amx):
+def test_prefill_attention_never_reads_a_later_key(prefill):
     """Changing keys and values after a query's position leaves its output exactly as it was."""
     g = torch.Generator().manual_seed(8)
     q = torch.randn(1, 1, 40, 64, generator=g).to(torch.bfloat16)
     k, v = torch.randn(1, 40, 64, generator=g), torch.randn(1, 40, 64, generator=g)
-    first = amx.prefill_attention(q, [k], [v])
+    first = prefill.prefill_attention(q, [k], [v])
     k2, v2 = k.clone(), v.clone()
     k2[:, 20:] += 100
     v2[:, 20:] -= 1000
-    again = amx.prefill_attention(q, [k2], [v2])
+    again = prefill.prefill_attention(q, [k2], [v2])
     assert torch.equal(first[..., :20, :], again[..., :20, :])
     assert (first[..., 20:, :] != again[..., 20:, :]).any(-1).all()  # the later rows do see them
 
 
-def test_prefill_attention_over_spans_is_over_the_runs_they_name(amx):
+def test_prefill_attention_over_spans_is_over_the_runs_they_name(prefill):
     """``prefill_attention_spans`` reads (start, length) runs of one layer's K/V in place: the
     very result of ``prefill_attention`` over those runs as views; a span past the layer's
     tokens, or malformed spans, get a specific error before anything is read."""
@@ -222,30 +229,30 @@ def test_prefill_attention_over_spans_is_over_the_runs_they_name(amx):
     q = torch.randn(3, 3, 20, 64, generator=g).to(torch.bfloat16)
     spans = torch.tensor([[64, 16], [0, 16], [40, 7]])
     views = [(k[:, a : a + n], v[:, a : a + n]) for a, n in spans.tolist()]
-    want = amx.prefill_attention(q, [a for a, _ in views], [b for _, b in views])
-    assert torch.equal(amx.prefill_attention_spans(q, k, v, spans), want)
+    want = prefill.prefill_attention(q, [a for a, _ in views], [b for _, b in views])
+    assert torch.equal(prefill.prefill_attention_spans(q, k, v, spans), want)
     with pytest.raises(RuntimeError, match=r"span 1 \(90, 16\) is not within the 100 tokens"):
-        amx.prefill_attention_spans(q, k, v, torch.tensor([[0, 16], [90, 16]]))
+        prefill.prefill_attention_spans(q, k, v, torch.tensor([[0, 16], [90, 16]]))
     with pytest.raises(RuntimeError, match="is not within"):
-        amx.prefill_attention_spans(q, k, v, torch.tensor([[-1, 30]]))
+        prefill.prefill_attention_spans(q, k, v, torch.tensor([[-1, 30]]))
     with pytest.raises(RuntimeError, match="spans must be contiguous int64"):
-        amx.prefill_attention_spans(q, k, v, torch.tensor([[0.0, 30.0]]))
+        prefill.prefill_attention_spans(q, k, v, torch.tensor([[0.0, 30.0]]))
     with pytest.raises(RuntimeError, match="k and v must be"):
-        amx.prefill_attention_spans(q, k, v[:, :50], spans)
+        prefill.prefill_attention_spans(q, k, v[:, :50], spans)
 
 
-def test_prefill_attention_refuses_what_it_cannot_take(amx):
+def test_prefill_attention_refuses_what_it_cannot_take(prefill):
     q, k = bf(3, 3, 4, 64), torch.zeros(3, 8, 64)
     with pytest.raises(RuntimeError, match=r"q must be bf16 \[kv_heads, group, T, 64\]"):
-        amx.prefill_attention(bf(3, 3, 4, 32), [k], [k])
+        prefill.prefill_attention(bf(3, 3, 4, 32), [k], [k])
     with pytest.raises(RuntimeError, match="need 1 <= T <= the runs' 8 keys, got T = 9"):
-        amx.prefill_attention(bf(3, 3, 9, 64), [k], [k])
+        prefill.prefill_attention(bf(3, 3, 9, 64), [k], [k])
     with pytest.raises(RuntimeError, match="run 1 must be"):
-        amx.prefill_attention(q, [k, k.to(torch.bfloat16)], [k, k.to(torch.bfloat16)])
+        prefill.prefill_attention(q, [k, k.to(torch.bfloat16)], [k, k.to(torch.bfloat16)])
     with pytest.raises(RuntimeError, match="as many runs"):
-        amx.prefill_attention(q, [k], [])
+        prefill.prefill_attention(q, [k], [])
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        amx.prefill_attention(q, [k.half()], [k.half()])
+        prefill.prefill_attention(q, [k.half()], [k.half()])
 
 
 def test_bad_inputs_get_a_specific_error(k):
@@ -316,10 +323,12 @@ def rebuilt(monkeypatch):
     """``kernels.ops`` recomputed under the test's settings, and again after it."""
     kernels.ops.cache_clear()
     kernels.amx.cache_clear()
+    kernels.prefill_kernel.cache_clear()
     yield
     monkeypatch.undo()
     kernels.ops.cache_clear()
     kernels.amx.cache_clear()
+    kernels.prefill_kernel.cache_clear()
 
 
 def test_eager_setting_turns_them_off(rebuilt, monkeypatch):
@@ -572,8 +581,8 @@ def test_store_step_kv_refuses_what_it_cannot_store(k):
 
 def test_a_prefills_rows_are_read_in_place_and_a_lone_tokens_gathered(k):
     """``attend_session`` with the kernels: a prefill's rows read the arena in place -- as
-    ``Spans`` on AMX (``prefill_attention_spans``), as the runs where part of the context must
-    be decoded first or there is no AMX -- a lone token's come gathered (``decode_attention``
+    ``Spans`` where the prefill kernel runs (``prefill_attention_spans``), as the runs where part
+    of the context must be decoded first or it does not -- a lone token's come gathered (``decode_attention``
     over many one-block runs was the slower); every store goes through ``store_step_kv``."""
     from cache.attention import Spans
     from node.models.byte_model import attend_session
@@ -602,7 +611,7 @@ def test_a_prefills_rows_are_read_in_place_and_a_lone_tokens_gathered(k):
     lone = torch.randn(2, 2, 1, 64), torch.randn(2, 1, 64)
     out = [attend_session(q, kv, kv, Cache(), 0, 0, kernels=k) for q, kv in (prefill, prefill, lone)]
     assert [o.shape for o in out] == [prefill[0].shape] * 2 + [lone[0].shape]
-    if k.int8_amx_available():
+    if k.prefill_attention_available():
         assert asked == [("spans", k.store_step_kv), ("spans", k.store_step_kv),
                          ("runs", False), (True, k.store_step_kv)]
         assert torch.equal(out[0], out[1])  # the spans and the runs they name: the same rows
