@@ -84,11 +84,16 @@ void norm_rows(const bf16* x, const bf16* w, bf16* out, int64_t rows, int64_t wi
   });
 }
 
+// A norm's weight for rows `width` wide.
+void check_norm_weight(const torch::Tensor& w, int64_t width) {
+  check_bf16(w, "weight");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == width && w.is_contiguous(),
+              "weight must be contiguous [", width, "], got ", w.sizes());
+}
+
 void check_norm(const torch::Tensor& x, const torch::Tensor& w) {
   check_bf16(x, "x");
-  check_bf16(w, "weight");
-  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(-1) && w.is_contiguous(),
-              "weight must be contiguous [", x.size(-1), "], got ", w.sizes());
+  check_norm_weight(w, x.size(-1));
 }
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
@@ -354,14 +359,19 @@ int64_t read_stream(const torch::Tensor& buf) {
   return total;
 }
 
-void check_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
-  check_bf16(x, "x");
+// Codes and their per-row scales, whatever multiplies them.
+void check_int8_weight(const torch::Tensor& q, const torch::Tensor& scale) {
   TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(),
               "q must be contiguous int8 [out, in], got ", q.scalar_type(), " ", q.sizes());
   TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.dim() == 1 &&
                   scale.size(0) == q.size(0) && scale.is_contiguous(),
               "scale must be contiguous float32 [", q.size(0), "], got ", scale.scalar_type(),
               " ", scale.sizes());
+}
+
+void check_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
+  check_bf16(x, "x");
+  check_int8_weight(q, scale);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == q.size(1), "x must be [rows, ", q.size(1), "], got ",
               x.sizes());
 }
@@ -433,10 +443,14 @@ void bf16_row(const bf16* w, const bf16* x, bf16* y, int64_t K, int64_t N) {
 #endif
 }
 
-void check_bf16_product(const torch::Tensor& x, const torch::Tensor& w) {
-  check_bf16(x, "x");
+void check_bf16_weight(const torch::Tensor& w) {
   check_bf16(w, "w");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "w must be contiguous [out, in], got ", w.sizes());
+}
+
+void check_bf16_product(const torch::Tensor& x, const torch::Tensor& w) {
+  check_bf16(x, "x");
+  check_bf16_weight(w);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1) && x.is_contiguous() && x.size(0) <= 4,
               "x must be contiguous [1 to 4 rows, ", w.size(1), "], got ", x.sizes());
 }
@@ -488,8 +502,8 @@ struct Int8Layer {
   static constexpr int64_t TENSORS = 10;
   static constexpr int NORM[2] = {0, 5}, PRODUCT[4] = {1, 3, 6, 8};
   std::vector<float> xf;  // a product's input row, widened; reused by every product
-  static void check(const torch::Tensor* lw, int p, const torch::Tensor& in) {
-    check_int8(in, lw[PRODUCT[p]], lw[PRODUCT[p] + 1]);
+  static void check(const torch::Tensor* lw, int p) {
+    check_int8_weight(lw[PRODUCT[p]], lw[PRODUCT[p] + 1]);
   }
   static int64_t out(const torch::Tensor* lw, int p) { return lw[PRODUCT[p]].size(0); }
   static int64_t in(const torch::Tensor* lw, int p) { return lw[PRODUCT[p]].size(1); }
@@ -503,8 +517,12 @@ struct Int8Layer {
 struct Bf16Layer {
   static constexpr int64_t TENSORS = 9;
   static constexpr int NORM[2] = {0, 5}, PRODUCT[4] = {1, 4, 6, 8}, PARTS[4] = {3, 1, 2, 1};
-  static void check(const torch::Tensor* lw, int p, const torch::Tensor& in) {
-    for (int j = 0; j < PARTS[p]; ++j) check_bf16_product(in, lw[PRODUCT[p] + j]);
+  static void check(const torch::Tensor* lw, int p) {
+    for (int j = 0; j < PARTS[p]; ++j) {
+      check_bf16_weight(lw[PRODUCT[p] + j]);
+      TORCH_CHECK(lw[PRODUCT[p] + j].size(1) == lw[PRODUCT[p]].size(1),
+                  "the parts of a product must take inputs of one width");
+    }
   }
   static int64_t out(const torch::Tensor* lw, int p) {
     int64_t n = 0;
@@ -517,9 +535,9 @@ struct Bf16Layer {
   }
 };
 
-// decode_layers' layers over an arena of element type P, weights in format F (the checks
-// done): the token's K/V (bf16 values, rope_split rounds them) go to row `pos` exactly in
-// either type.
+// decode_layers' layers over an arena of element type P, weights in format F (checked once, by
+// check_layer_weights; each product's input is a fresh contiguous row made here): the token's
+// K/V (bf16 values, rope_split rounds them) go to row `pos` exactly in either type.
 template <typename P, typename F>
 torch::Tensor decode_layers_impl(torch::Tensor x, const std::vector<torch::Tensor>& w,
                                  const torch::Tensor& final_norm, const torch::Tensor& cos,
@@ -535,8 +553,6 @@ torch::Tensor decode_layers_impl(torch::Tensor x, const std::vector<torch::Tenso
   F format;
   torch::Tensor ys[4];  // each of a layer's four products' output, reused by every layer
   auto product = [&](const torch::Tensor* lw, int p, const torch::Tensor& in) {
-    F::check(lw, p, in);
-    TORCH_CHECK(in.is_contiguous(), "a product's input must be contiguous");
     const int64_t out = F::out(lw, p);
     if (!ys[p].defined() || ys[p].size(1) != out) ys[p] = torch::empty({1, out}, in.options());
     format.product(lw, p, in, ys[p].data_ptr<bf16>());
@@ -573,16 +589,15 @@ torch::Tensor decode_layers_impl(torch::Tensor x, const std::vector<torch::Tenso
 template <typename F>
 void check_layer_weights(const std::vector<torch::Tensor>& w, const torch::Tensor& final_norm,
                          int64_t hidden, int64_t heads, int64_t kv_heads, int64_t dim) {
-  auto bf16_row = torch::empty({1, hidden}, torch::TensorOptions().dtype(torch::kBFloat16));
-  check_norm(bf16_row, final_norm);
+  check_norm_weight(final_norm, hidden);
   for (size_t l = 0; l < w.size() / F::TENSORS; ++l) {
     const torch::Tensor* lw = w.data() + F::TENSORS * l;
-    for (int i : F::NORM) check_norm(bf16_row, lw[i]);
+    for (int i : F::NORM) check_norm_weight(lw[i], hidden);
+    for (int p = 0; p < 4; ++p) F::check(lw, p);
     const int64_t ins[4] = {hidden, heads * dim, hidden, F::out(lw, 2) / 2};
-    for (int p = 0; p < 4; ++p)
-      F::check(lw, p, torch::empty({0, ins[p]}, bf16_row.options()));
     TORCH_CHECK(F::out(lw, 0) == (heads + 2 * kv_heads) * dim && F::out(lw, 1) == hidden &&
-                    F::out(lw, 3) == hidden,
+                    F::out(lw, 3) == hidden && F::out(lw, 2) % 2 == 0 && F::in(lw, 0) == ins[0] &&
+                    F::in(lw, 1) == ins[1] && F::in(lw, 2) == ins[2] && F::in(lw, 3) == ins[3],
                 "layer ", l, "'s weights do not chain: q/k/v ", F::out(lw, 0), " x ", F::in(lw, 0),
                 ", o ", F::out(lw, 1), " x ", F::in(lw, 1), ", gate/up ", F::out(lw, 2), " x ",
                 F::in(lw, 2), ", down ", F::out(lw, 3), " x ", F::in(lw, 3), " (hidden ", hidden, ")");
