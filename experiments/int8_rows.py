@@ -16,7 +16,7 @@ rather than sitting in cache. Three ways, alternated within each repeat, the med
 * ``read`` -- no product: ``read_stream`` of the codes, the fastest a pass could read them.
 
 The codes lie end to end in one buffer on huge pages, in pass order, as a converted model's do
-(``node.models.precision.lay_out_codes``). JSON: ``ms_per_pass.<rows>.<way>``,
+(``node.models.precision.lay_out``). JSON: ``ms_per_pass.<rows>.<way>``,
 ``vs_bf16_packed.<rows>.<way>`` (the baseline's time divided by the way's: above 1 is faster),
 ``vs_read.<rows>.<way>`` (``read``'s time divided by the way's: the fraction of the read rate a
 pass reaches), ``weight_bytes`` of each way's matrices.

@@ -5,7 +5,7 @@ turns a loaded fp32 ``node.models.llama.LlamaModel`` into one.
 * ``bfloat16`` -- weights and activations bf16, half the weight bytes a decode step reads;
   a decode step's few rows read the weights once through ``node.models.kernels``'
   ``bf16_linear`` (q/k/v and gate/up stacked row-major, every matrix end to end on huge pages:
-  ``node.models.projection.RowStack``, :func:`lay_out_rows`; a lone token in one call through
+  ``node.models.projection.RowStack``, :func:`lay_out`; a lone token in one call through
   every layer, ``node.models.decode_step``); more rows run on oneDNN's bf16 GEMM with the
   weights kept in its packed layout (``node.models.packed``: eager bf16, which reorders the
   weight on every call, decoded no faster than fp32 here); attention in fp32;
@@ -191,7 +191,12 @@ class Int8Projection:
             self._stack(mods)
         return self.stacked
 
-    def move_codes(self, q: torch.Tensor) -> None:
+    def matrix(self) -> torch.Tensor | None:
+        """The codes the product reads (the stack's, or the lone module's), or None."""
+        lin = self.codes()
+        return None if lin is None else lin.q
+
+    def move(self, q: torch.Tensor) -> None:
         """Read the codes from ``q`` from now on: a copy of them (int8, their shape; the slot
         :func:`end_to_end` filled), the stack's and the modules' ``q`` re-pointed to it."""
         mods, lin = self._modules(), self.codes()
@@ -252,28 +257,23 @@ def end_to_end(mats: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tenso
     return buf, slots
 
 
-def lay_out_codes(model: nn.Module) -> None:
-    """Every int8 code matrix of ``model`` in one buffer on huge pages (``cache.huge_pages``),
-    end to end in the order a decode step reads them: the step streams one buffer, no TLB miss
-    every 4 KiB, and each product's read-ahead runs into the next product's codes instead of
-    unrelated memory. The modules' ``q`` become views of it (no second copy); a module given
-    new codes later (an adapter, a load) simply reads them where they are."""
-    projs = [p for p in step_projections(model) if p.codes() is not None]
-    _, slots = end_to_end([p.codes().q for p in projs])
-    for p, q in zip(projs, slots):
-        p.move_codes(q)
+LAYOUT_FORMS = {"int8": "int8", "bfloat16": "rows"}
+"""The ``Projection`` form whose matrices :func:`lay_out` places, by model format."""
 
 
-def lay_out_rows(model: nn.Module) -> None:
-    """:func:`lay_out_codes` for bf16 weights: every row stack (q/k/v, o, gate/up, down, the
-    head) a slot of one buffer on huge pages, in step order; the parameters become views of
-    it (the tied embedding with the head). Parameters given new storage later are stacked
-    again where they are."""
-    stacks = [p for p in step_projections(model, "rows") if p.matrix() is not None]
-    if stacks:
-        _, slots = end_to_end([p.matrix() for p in stacks])
-        for p, w in zip(stacks, slots):
-            p.move(w)
+def lay_out(model: nn.Module, form: str) -> None:
+    """Every matrix a decode step reads in ``form`` (``int8``: the codes of each
+    :class:`Int8Projection`; ``rows``: each bf16 ``RowStack``, the head with the tied
+    embedding) in one buffer on huge pages (``cache.huge_pages``), end to end in step order:
+    the step streams one buffer, no TLB miss every 4 KiB, and each product's read-ahead runs
+    into the next product's matrix instead of unrelated memory. The modules' codes or
+    parameters become views of it (no second copy); one given new storage later (an adapter,
+    a load) is read, or stacked again, where it is."""
+    projs = [p for p in step_projections(model, form) if p.matrix() is not None]
+    if projs:
+        _, slots = end_to_end([p.matrix() for p in projs])
+        for p, m in zip(projs, slots):
+            p.move(m)
 
 
 @torch.no_grad()
@@ -285,7 +285,7 @@ def convert(model: nn.Module, dtype: str) -> nn.Module:
     if dtype == "int8":
         _quantize_linears(model)
     model.relayout()
-    (lay_out_codes if dtype == "int8" else lay_out_rows)(model)
+    lay_out(model, LAYOUT_FORMS[dtype])
     model.dtype_name = dtype
     return model.eval()
 

@@ -103,7 +103,7 @@ class RowStack:
 
     def move(self, w: torch.Tensor) -> None:
         """Read the weights from ``w`` from now on: a contiguous [sum(out), in] bf16 matrix
-        holding their values (the stack, or its slot in :func:`lay_out_rows`' buffer); the
+        holding their values (the stack, or its slot in ``precision.lay_out``'s buffer); the
         parameters re-pointed to its row blocks."""
         mods = self.modules()
         rows = sum(m.weight.shape[0] for m in mods or ())

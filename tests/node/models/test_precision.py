@@ -340,7 +340,7 @@ def test_a_served_models_embedding_is_row_major_with_the_same_values(dtype):
 
 
 def test_int8_codes_lie_end_to_end_in_step_order_in_one_buffer(one_thread, monkeypatch):
-    """``lay_out_codes``: every product's codes (stacks included) are slots of one buffer in the
+    """``lay_out`` of int8 codes: every product's codes (stacks included) are slots of one buffer in the
     order a decode step reads them, the modules read them there, and the logits are those of
     the codes where they were."""
     m = precision.convert(tiny_llama(std=0.2), "int8")
@@ -353,7 +353,7 @@ def test_int8_codes_lie_end_to_end_in_step_order_in_one_buffer(one_thread, monke
     for layer in m.model.layers:  # the modules' own buffers are views of the slots
         for lin in (layer.self_attn.q_proj, layer.mlp.up_proj, layer.mlp.down_proj):
             assert lin.q.untyped_storage().data_ptr() == storage
-    monkeypatch.setattr(precision, "lay_out_codes", lambda model: None)
+    monkeypatch.setattr(precision, "lay_out", lambda model, form: None)
     apart = precision.convert(tiny_llama(std=0.2), "int8")
     tokens = list(range(3, 30))
     for model in (m, apart):
@@ -366,4 +366,4 @@ def test_codes_move_only_into_their_own_shape():
     m = precision.convert(tiny_llama(std=0.2), "int8")
     p = m.model.layers[0].self_attn.qkv.int8
     with pytest.raises(ValueError, match="no int8 codes of shape"):
-        p.move_codes(torch.zeros(3, 3, dtype=torch.int8))
+        p.move(torch.zeros(3, 3, dtype=torch.int8))

@@ -79,7 +79,7 @@ def test_a_stack_moves_only_into_its_own_shape():
 
 
 def test_bf16_rows_lie_end_to_end_in_step_order_in_one_buffer():
-    """``lay_out_rows``: every stack (the head included) a slot of one buffer in the order a
+    """``lay_out`` of bf16 rows: every stack (the head included) a slot of one buffer in the order a
     decode step reads them; the parameters are views of it."""
     m = _bf16()
     with torch.no_grad():
