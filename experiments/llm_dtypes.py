@@ -65,33 +65,44 @@ def prefill_ms(models: dict[str, LlamaModel], prompt: list[int], repeats: int,
     return out
 
 
-def readers(nbytes: int) -> dict[str, Callable[[], object]]:
-    """Each way this machine has to read a buffer of ``nbytes`` once, as a step reads its
-    weights: torch's ``sum`` on ordinary pages, and the kernels' prefetched stream
-    (``read_stream``, the way the products read) on ordinary and on huge pages
-    (``cache.huge_pages``)."""
-    plain = torch.ones(max(1, nbytes // 4))
-    out: dict[str, Callable[[], object]] = {"torch_sum": plain.sum}
+def read_size(nbytes: int) -> int:
+    """The bytes a reader of about ``nbytes`` reads: whole fp32 values, at least one."""
+    return max(1, nbytes // 4) * 4
+
+
+def reader_names() -> list[str]:
+    """Each way this machine has to read a buffer once, as a step reads its weights: torch's
+    ``sum`` on ordinary pages, and the kernels' prefetched stream (``read_stream``, the way the
+    products read) on ordinary and on huge pages (``cache.huge_pages``)."""
+    return ["torch_sum"] + (["stream", "stream_huge_pages"] if kernels.ops() is not None else [])
+
+
+def reader(name: str, nbytes: int) -> Callable[[], object]:
+    """One read of a buffer of :func:`read_size` bytes by ``name`` (of :func:`reader_names`);
+    the buffer is made here, for this reader alone."""
+    n = read_size(nbytes) // 4
+    if name == "torch_sum":
+        return torch.ones(n).sum
     ops = kernels.ops()
-    if ops is not None:
-        huge = huge_pages.zeros((plain.numel(),), torch.float32).fill_(1.0)
-        out["stream"] = lambda: ops.read_stream(plain)
-        out["stream_huge_pages"] = lambda: ops.read_stream(huge)
-    return out
+    buf = huge_pages.zeros((n,), torch.float32) if name == "stream_huge_pages" else torch.empty(n)
+    buf.fill_(1.0)
+    return lambda: ops.read_stream(buf)
 
 
 def read_bandwidth(nbytes: int, repeats: int = 5) -> dict[str, float]:
     """Median GB/s of reading a buffer of ``nbytes`` again and again (as a step re-reads its
-    weights) on the current torch thread count, by each of :func:`readers`."""
+    weights) on the current torch thread count, by each of :func:`reader_names` (one buffer
+    at a time)."""
     out = {}
-    for name, read in readers(nbytes).items():
+    for name in reader_names():
+        read = reader(name, nbytes)
         read()
         xs = []
         for _ in range(repeats):
             t0 = time.perf_counter()
             read()
             xs.append(time.perf_counter() - t0)
-        out[name] = max(1, nbytes // 4) * 4 / statistics.median(xs) / 1e9
+        out[name] = read_size(nbytes) / statistics.median(xs) / 1e9
     return out
 
 
@@ -112,9 +123,9 @@ class ReadProbe:
     PREFIX = "read_probe:"
     """Its key in the rotation: this prefix and the model's decode key."""
 
-    def __init__(self, nbytes: int, reader: str):
-        self.nbytes = max(1, nbytes // 4) * 4
-        self.read = readers(nbytes)[reader]
+    def __init__(self, nbytes: int, name: str):
+        self.nbytes = read_size(nbytes)
+        self.read = reader(name, nbytes)
 
     def step(self) -> int:
         self.read()
