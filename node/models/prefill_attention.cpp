@@ -350,11 +350,12 @@ void query_block_avx(const bf16* q, int64_t q_row_stride, int64_t m, int64_t fir
   p.assign(ROWS * width, bf16(0.0f));
   for (int64_t r = 0; r < mr; r += RB) {
     int64_t b = 0;
-    for (; b + 4 <= blocks; b += 4) scores_block<4>(qb + r * D, kp + b * 2 * TILE, s.data() + r * ws + b * KEYS, ws);
+    auto at = [&](int64_t b) { return s.data() + r * ws + b * KEYS; };
+    for (; b + 4 <= blocks; b += 4) scores_block<4>(qb + r * D, kp + b * 2 * TILE, at(b), ws);
     switch (blocks - b) {
-      case 3: scores_block<3>(qb + r * D, kp + b * 2 * TILE, s.data() + r * ws + b * KEYS, ws); break;
-      case 2: scores_block<2>(qb + r * D, kp + b * 2 * TILE, s.data() + r * ws + b * KEYS, ws); break;
-      case 1: scores_block<1>(qb + r * D, kp + b * 2 * TILE, s.data() + r * ws + b * KEYS, ws); break;
+      case 3: scores_block<3>(qb + r * D, kp + b * 2 * TILE, at(b), ws); break;
+      case 2: scores_block<2>(qb + r * D, kp + b * 2 * TILE, at(b), ws); break;
+      case 1: scores_block<1>(qb + r * D, kp + b * 2 * TILE, at(b), ws); break;
       default: break;
     }
   }
@@ -367,10 +368,11 @@ void query_block_avx(const bf16* q, int64_t q_row_stride, int64_t m, int64_t fir
     pv_block(p.data() + r * width, width, vp, width / PAIRS, o);
     for (int64_t i = 0; i < RB && r + i < m; ++i) {
       const __m512 inv = _mm512_set1_ps(1.0f / sums[r + i]);
-      for (int64_t d = 0; d < D; d += 16)
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 row = _mm512_mul_ps(_mm512_loadu_ps(o + i * D + d), inv);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (r + i) * out_row_stride + d),
-                            reinterpret_cast<__m256i>(
-                                _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + i * D + d), inv))));
+                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(row)));
+      }
     }
   }
 }
@@ -497,7 +499,9 @@ torch::Tensor attention_spans(const torch::Tensor& q, const torch::Tensor& k,
 
 }  // namespace fedkv_prefill
 
-bool prefill_attention_available() { return fedkv_prefill::engine() != fedkv_prefill::Engine::none; }
+bool prefill_attention_available() {
+  return fedkv_prefill::engine() != fedkv_prefill::Engine::none;
+}
 
 torch::Tensor prefill_attention_spans(const torch::Tensor& q, const torch::Tensor& k,
                                       const torch::Tensor& v, const torch::Tensor& spans) {
