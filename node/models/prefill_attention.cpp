@@ -10,7 +10,8 @@
 // online rescaling: a block's whole score row fits in cache), and P.V on AMX again. P is rounded
 // to bf16 for that product, as SDPA's bf16 kernel does. Without AMX the same packed tiles feed
 // vdpbf16ps register blocks (4 query rows x 64 keys for the scores, 4 rows x 64 dims for P.V):
-// on an AVX-512 BF16 CPU without AMX, SDPA's flash kernel took half of a 512-token prefill.
+// on a CPU with AVX-512 BF16 and no AMX, SDPA's flash kernel was, beside the linears, the other
+// large part of a prefill (docs/real-llm.md).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -350,7 +351,7 @@ void query_block_avx(const bf16* q, int64_t q_row_stride, int64_t m, int64_t fir
   p.assign(ROWS * width, bf16(0.0f));
   for (int64_t r = 0; r < mr; r += RB) {
     int64_t b = 0;
-    auto at = [&](int64_t b) { return s.data() + r * ws + b * KEYS; };
+    auto at = [&](int64_t blk) { return s.data() + r * ws + blk * KEYS; };
     for (; b + 4 <= blocks; b += 4) scores_block<4>(qb + r * D, kp + b * 2 * TILE, at(b), ws);
     switch (blocks - b) {
       case 3: scores_block<3>(qb + r * D, kp + b * 2 * TILE, at(b), ws); break;
