@@ -119,8 +119,8 @@ PREFILL_KV_DTYPES = (torch.float32, torch.bfloat16)
 def takes_prefill_kernel(q: torch.Tensor) -> bool:
     """``prefill_attention`` computes these rows: grouped bf16 queries, more than one, of head
     size 64, on a CPU with AVX-512 BF16 or AMX tiles (``kernels.prefill_kernel``), over fp32
-    or bf16 K/V with contiguous rows (:func:`_prefill_runs`; the arena's rows always are). One query (decode) stays on the fp32
-    paths, which attend in the cache's precision."""
+    or bf16 K/V with contiguous rows (:func:`_prefill_runs`; the arena's rows always are). One
+    query (decode) stays on the fp32 paths, which attend in the cache's precision."""
     return (q.dim() == 4 and q.dtype == torch.bfloat16 and q.shape[-2] > 1
             and q.shape[-1] == PREFILL_KERNEL_HEAD_DIM and q.stride(-1) == 1
             and built.prefill_kernel())

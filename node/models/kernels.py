@@ -8,14 +8,16 @@ add + the next norm), ``rope_split`` (RoPE of q and k and the split into heads),
 ``merge_heads``, ``silu_mul`` (SwiGLU); ``decode_attention`` (``decode_attention.cpp``) is a
 decode step's attention over the cache's prefix runs and tail slots. They round to bf16 where
 the eager chain rounds, so they give its results (tests compare the two). ``int8_linear`` is
-weight-only int8 for a few rows that streams the codes with software prefetch; ``int8_linear_amx`` (``int8_amx.cpp``)
-widens them to bf16 tile by tile for AMX's matrix unit, once per call for all the rows
-(``node.models.precision.Int8Linear`` picks by row count; ``experiments.int8_rows`` times them).
+weight-only int8 for a few rows that streams the codes with software prefetch;
+``int8_linear_amx`` (``int8_amx.cpp``) widens them to bf16 tile by tile for AMX's matrix unit,
+once per call for all the rows (``node.models.precision.Int8Linear`` picks by row count;
+``experiments.int8_rows`` times them).
 ``store_step_kv`` (``kv_store.cpp``) writes a decode step's K/V into the cache's arena and tail
 slots (``cache.batch.StepStore``), its destinations prefetched first.
 ``prefill_attention`` (``prefill_attention.cpp``) is a bf16 prefill's causal attention over the
 cache's runs on AMX tiles, or AVX-512 BF16 registers without them, for head size 64;
-``prefill_attention_spans`` the same over (start, length) spans of the arena (``cache.attention.Spans``: no view per run).
+``prefill_attention_spans`` the same over (start, length) spans of the arena
+(``cache.attention.Spans``: no view per run).
 ``node.models.byte_model.attend_session`` takes them where ``takes_prefill_kernel`` says;
 elsewhere SDPA's flash kernel serves. ``bf16_linear`` is the bf16 product of a few rows,
 each weight row read once front to back on AVX-512 BF16's pair dot products

@@ -582,8 +582,9 @@ def test_store_step_kv_refuses_what_it_cannot_store(k):
 def test_a_prefills_rows_are_read_in_place_and_a_lone_tokens_gathered(k):
     """``attend_session`` with the kernels: a prefill's rows read the arena in place -- as
     ``Spans`` where the prefill kernel runs (``prefill_attention_spans``), as the runs where part
-    of the context must be decoded first or it does not -- a lone token's come gathered (``decode_attention``
-    over many one-block runs was the slower); every store goes through ``store_step_kv``."""
+    of the context must be decoded first or it does not -- a lone token's come gathered
+    (``decode_attention`` over many one-block runs was the slower); every store goes through
+    ``store_step_kv``."""
     from cache.attention import Spans
     from node.models.byte_model import attend_session
 

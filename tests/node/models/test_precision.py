@@ -340,9 +340,9 @@ def test_a_served_models_embedding_is_row_major_with_the_same_values(dtype):
 
 
 def test_int8_codes_lie_end_to_end_in_step_order_in_one_buffer(one_thread, monkeypatch):
-    """``lay_out`` of int8 codes: every product's codes (stacks included) are slots of one buffer in the
-    order a decode step reads them, the modules read them there, and the logits are those of
-    the codes where they were."""
+    """``lay_out`` of int8 codes: every product's codes (stacks included) are slots of one
+    buffer in the order a decode step reads them, the modules read them there, and the logits
+    are those of the codes where they were."""
     m = precision.convert(tiny_llama(std=0.2), "int8")
     projs = precision.step_projections(m)
     qs = [p.codes().q for p in projs]
