@@ -187,6 +187,47 @@ float softmax_row(const float* s, int64_t seen, int64_t width, float scale, bf16
   return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
 }
 
+// A block of query rows, position first_pos.. : the keys its last row sees, as 16-key score
+// blocks (ws scores a row) and as whole 32-key chunks of P (width).
+struct BlockShape {
+  int64_t blocks, width, ws;
+  BlockShape(int64_t first_pos, int64_t m)
+      : blocks((first_pos + m + KEYS - 1) / KEYS),
+        width((first_pos + m + PAIRS - 1) / PAIRS * PAIRS),
+        ws(blocks * KEYS) {}
+};
+
+// The block's m query rows into qb, zero-padded to ROWS rows; s and p (zeroed) sized for it.
+void start_block(const bf16* q, int64_t q_row_stride, int64_t m, const BlockShape& b, bf16* qb,
+                 std::vector<float>& s, std::vector<bf16>& p) {
+  std::memset(qb, 0, ROWS * D * sizeof(bf16));
+  for (int64_t r = 0; r < m; ++r) std::memcpy(qb + r * D, q + r * q_row_stride, D * sizeof(bf16));
+  s.resize(ROWS * b.ws);
+  p.assign(ROWS * b.width, bf16(0.0f));
+}
+
+// Each of the m rows' softmax over the keys it may see, into P; sums[r] its weights' sum.
+void softmax_rows(const std::vector<float>& s, int64_t m, int64_t first_pos, const BlockShape& b,
+                  std::vector<bf16>& p, float* sums) {
+  const float scale = 1.0f / std::sqrt(float(D));
+  for (int64_t r = 0; r < m; ++r)
+    sums[r] = softmax_row(s.data() + r * b.ws, first_pos + r + 1, b.width, scale,
+                          p.data() + r * b.width);
+}
+
+// rows of o (D apart) divided by their sums, rounded to bf16 into out (out_row_stride apart).
+void store_rows(const float* o, const float* sums, int64_t rows, bf16* out,
+                int64_t out_row_stride) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.0f / sums[r]);
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 row = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), inv);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_row_stride + d),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(row)));
+    }
+  }
+}
+
 #endif
 
 #ifdef FEDKV_AMX
@@ -208,17 +249,12 @@ float softmax_row(const float* s, int64_t seen, int64_t width, float scale, bf16
 
 // Up to 16 query rows of one head, t0.. (position n - T + t), against the packed K/V.
 void query_block_tiles(const bf16* q, int64_t q_row_stride, int64_t m, int64_t first_pos,
-                 const bf16* kp, const bf16* vp, bf16* out, int64_t out_row_stride,
-                 std::vector<float>& s, std::vector<bf16>& p) {
-  const int64_t visible = first_pos + m;  // keys the block's last row sees
-  const int64_t blocks = (visible + KEYS - 1) / KEYS;
-  const int64_t width = (visible + PAIRS - 1) / PAIRS * PAIRS;
-  const int64_t ws = blocks * KEYS;
+                       const bf16* kp, const bf16* vp, bf16* out, int64_t out_row_stride,
+                       std::vector<float>& s, std::vector<bf16>& p) {
+  const BlockShape shape(first_pos, m);
+  const int64_t blocks = shape.blocks, width = shape.width, ws = shape.ws;
   alignas(64) bf16 qb[ROWS * D];
-  std::memset(qb, 0, sizeof qb);
-  for (int64_t r = 0; r < m; ++r) std::memcpy(qb + r * D, q + r * q_row_stride, D * sizeof(bf16));
-  s.resize(ROWS * ws);
-  p.assign(ROWS * width, bf16(0.0f));
+  start_block(q, q_row_stride, m, shape, qb, s, p);
   fence();
   _tile_loadd(0, qb, D * 2);
   _tile_loadd(1, qb + 32, D * 2);
@@ -246,10 +282,8 @@ void query_block_tiles(const bf16* q, int64_t q_row_stride, int64_t m, int64_t f
     _tile_stored(3, s.data() + b * KEYS, ws * 4);
   }
   fence();
-  const float scale = 1.0f / std::sqrt(float(D));
   float sums[ROWS];
-  for (int64_t r = 0; r < m; ++r)
-    sums[r] = softmax_row(s.data() + r * ws, first_pos + r + 1, width, scale, p.data() + r * width);
+  softmax_rows(s, m, first_pos, shape, p, sums);
   fence();
   _tile_zero(4);
   _tile_zero(5);
@@ -268,13 +302,7 @@ void query_block_tiles(const bf16* q, int64_t q_row_stride, int64_t m, int64_t f
   _tile_stored(6, o + 32, D * 4);
   _tile_stored(7, o + 48, D * 4);
   fence();
-  for (int64_t r = 0; r < m; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.0f / sums[r]);
-    for (int64_t d = 0; d < D; d += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_row_stride + d),
-                          reinterpret_cast<__m256i>(
-                              _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), inv))));
-  }
+  store_rows(o, sums, m, out, out_row_stride);
 }
 #endif
 
@@ -340,15 +368,11 @@ inline void pv_block(const bf16* p, int64_t width, const bf16* vp, int64_t chunk
 void query_block_avx(const bf16* q, int64_t q_row_stride, int64_t m, int64_t first_pos,
                      const bf16* kp, const bf16* vp, bf16* out, int64_t out_row_stride,
                      std::vector<float>& s, std::vector<bf16>& p) {
-  const int64_t visible = first_pos + m;
-  const int64_t blocks = (visible + KEYS - 1) / KEYS;
-  const int64_t width = (visible + PAIRS - 1) / PAIRS * PAIRS;
-  const int64_t ws = blocks * KEYS, mr = (m + RB - 1) / RB * RB;
+  const BlockShape shape(first_pos, m);
+  const int64_t blocks = shape.blocks, width = shape.width, ws = shape.ws;
+  const int64_t mr = (m + RB - 1) / RB * RB;
   alignas(64) bf16 qb[ROWS * D];
-  std::memset(qb, 0, sizeof qb);
-  for (int64_t r = 0; r < m; ++r) std::memcpy(qb + r * D, q + r * q_row_stride, D * sizeof(bf16));
-  s.resize(ROWS * ws);
-  p.assign(ROWS * width, bf16(0.0f));
+  start_block(q, q_row_stride, m, shape, qb, s, p);
   for (int64_t r = 0; r < mr; r += RB) {
     int64_t b = 0;
     auto at = [&](int64_t blk) { return s.data() + r * ws + blk * KEYS; };
@@ -360,21 +384,13 @@ void query_block_avx(const bf16* q, int64_t q_row_stride, int64_t m, int64_t fir
       default: break;
     }
   }
-  const float scale = 1.0f / std::sqrt(float(D));
   float sums[ROWS];
-  for (int64_t r = 0; r < m; ++r)
-    sums[r] = softmax_row(s.data() + r * ws, first_pos + r + 1, width, scale, p.data() + r * width);
+  softmax_rows(s, m, first_pos, shape, p, sums);
   alignas(64) float o[RB * D];
   for (int64_t r = 0; r < mr; r += RB) {
     pv_block(p.data() + r * width, width, vp, width / PAIRS, o);
-    for (int64_t i = 0; i < RB && r + i < m; ++i) {
-      const __m512 inv = _mm512_set1_ps(1.0f / sums[r + i]);
-      for (int64_t d = 0; d < D; d += 16) {
-        const __m512 row = _mm512_mul_ps(_mm512_loadu_ps(o + i * D + d), inv);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (r + i) * out_row_stride + d),
-                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(row)));
-      }
-    }
+    store_rows(o, sums + r, std::min<int64_t>(RB, m - r), out + r * out_row_stride,
+               out_row_stride);
   }
 }
 #endif
