@@ -396,6 +396,13 @@ struct Scratch {
   std::vector<int64_t> n_row, live;
 };
 
+// This thread's Scratch, kept between calls: a decode step calls the attention once per layer
+// on torch's pool threads, and fresh vectors each time were allocations in every call.
+Scratch& thread_scratch() {
+  thread_local Scratch w;
+  return w;
+}
+
 // Scratch's per-query pointers for KV head h's rows b0..b0+nb: query i (row b0 + i / G, group
 // i % G) reads q at qs[i], scores into sc[i] (`width` floats) and sums into os[i].
 template <typename P>
@@ -524,18 +531,32 @@ void attend_chunk(const Rows<P>& r, int64_t h, int64_t c, int64_t chunks, float*
   prefix_values(part, h, w.live, w.sc, w.os, D);
 }
 
+// attend_chunks' per-chunk maxima, sums and outputs, kept by the thread that merges them.
+struct ChunkSums {
+  std::vector<float> o, m, l;
+};
+
+ChunkSums& thread_chunk_sums() {
+  thread_local ChunkSums sums;
+  return sums;
+}
+
 // A lone row's attention with each KV head's prefix split into `chunks` (flash-decoding): the
 // tasks become a multiple of the threads (SmolLM2's 3 heads over 2 threads left one idle a
 // third of the time), then each query's chunks are merged by their maxima.
 template <typename P>
 void attend_chunks(const Rows<P>& r, int64_t chunks) {
   const int64_t Hk = r.q.size(0), G = r.q.size(1), D = r.q.size(3), tasks = Hk * chunks;
-  std::vector<float> o(tasks * G * D, 0.f), m(tasks * G), l(tasks * G);
+  ChunkSums& sums = thread_chunk_sums();  // the calling thread's (workers index into it)
+  sums.o.assign(tasks * G * D, 0.f), sums.m.resize(tasks * G), sums.l.resize(tasks * G);
+  const float* o = sums.o.data();
+  float* m = sums.m.data();
+  float* l = sums.l.data();
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    Scratch w;
+    Scratch& w = thread_scratch();
     for (int64_t t = begin; t < end; ++t)
-      attend_chunk(r, t / chunks, t % chunks, chunks, o.data() + t * G * D, m.data() + t * G,
-                   l.data() + t * G, w);
+      attend_chunk(r, t / chunks, t % chunks, chunks, sums.o.data() + t * G * D, m + t * G,
+                   l + t * G, w);
   });
   float* out = r.out.template data_ptr<float>();
   for (int64_t h = 0; h < Hk; ++h)
@@ -562,7 +583,7 @@ void attend_rows(const Rows<P>& r, RunOf<T> tk, RunOf<T> tv, int64_t tk_slot, in
   const int64_t chunks = prefix_chunks(Hk, B, tk.n, r.n_prefix);
   if (chunks > 1) return attend_chunks(r, chunks);
   at::parallel_for(0, Hk * parts, 1, [&](int64_t begin, int64_t end) {
-    Scratch w;
+    Scratch& w = thread_scratch();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / parts, part = task % parts;
       attend_head(r, tk, tv, tk_slot, tv_slot, h, B * part / parts, B * (part + 1) / parts, w);
@@ -572,25 +593,44 @@ void attend_rows(const Rows<P>& r, RunOf<T> tk, RunOf<T> tv, int64_t tk_slot, in
 
 }  // namespace
 
-// decode_attention (below) over runs already checked, or made from checked spans.
 template <typename P>
-torch::Tensor attend_decode(const torch::Tensor& q, const std::vector<RunOf<P>>& pk,
-                            const std::vector<RunOf<P>>& pv, const torch::Tensor& tail_k,
-                            const torch::Tensor& tail_v, const torch::Tensor& tail_valid,
-                            const std::vector<int64_t>& slot) {
+void attend_decode_into(const torch::Tensor& q, torch::Tensor& out,
+                        const std::vector<RunOf<P>>& pk, const std::vector<RunOf<P>>& pv,
+                        const torch::Tensor& tail_k, const torch::Tensor& tail_v,
+                        const torch::Tensor& tail_valid, const std::vector<int64_t>& slot) {
   int64_t n_prefix = 0;
   for (const RunOf<P>& run : pk) n_prefix += run.n;
-  auto out = torch::zeros(q.sizes(), q.options());
-  const Rows<P> rows{q.contiguous(), out, tail_valid, slot, pk, pv, n_prefix};
+  std::fill_n(out.data_ptr<float>(), out.numel(), 0.f);
+  const Rows<P> rows{q, out, tail_valid, slot, pk, pv, n_prefix};
   if (tail_k.scalar_type() == torch::kBFloat16)
     attend_rows(rows, run_of<bf16>(tail_k, 0, 2), run_of<bf16>(tail_v, 0, 2), tail_k.stride(1),
                 tail_v.stride(1));
   else
     attend_rows(rows, run_of<float>(tail_k, 0, 2), run_of<float>(tail_v, 0, 2), tail_k.stride(1),
                 tail_v.stride(1));
+}
+
+// decode_attention (below) over runs already checked, or made from checked spans.
+template <typename P>
+torch::Tensor attend_decode(const torch::Tensor& q, const std::vector<RunOf<P>>& pk,
+                            const std::vector<RunOf<P>>& pv, const torch::Tensor& tail_k,
+                            const torch::Tensor& tail_v, const torch::Tensor& tail_valid,
+                            const std::vector<int64_t>& slot) {
+  auto out = torch::empty(q.sizes(), q.options());
+  attend_decode_into(q.contiguous(), out, pk, pv, tail_k, tail_v, tail_valid, slot);
   return out;
 }
 
+template void attend_decode_into<float>(const torch::Tensor&, torch::Tensor&,
+                                        const std::vector<RunOf<float>>&,
+                                        const std::vector<RunOf<float>>&, const torch::Tensor&,
+                                        const torch::Tensor&, const torch::Tensor&,
+                                        const std::vector<int64_t>&);
+template void attend_decode_into<bf16>(const torch::Tensor&, torch::Tensor&,
+                                       const std::vector<RunOf<bf16>>&,
+                                       const std::vector<RunOf<bf16>>&, const torch::Tensor&,
+                                       const torch::Tensor&, const torch::Tensor&,
+                                       const std::vector<int64_t>&);
 template torch::Tensor attend_decode<float>(const torch::Tensor&, const std::vector<RunOf<float>>&,
                                            const std::vector<RunOf<float>>&, const torch::Tensor&,
                                            const torch::Tensor&, const torch::Tensor&,

@@ -20,6 +20,14 @@ struct RunOf {
   int64_t head_stride, row_stride, n;
 };
 
+// attend_decode into `out` (fp32, q's shape, overwritten) for a contiguous fp32 q: no tensor
+// made, for a caller that attends every layer of a step (decode_layers in kernels.cpp).
+template <typename P>
+void attend_decode_into(const torch::Tensor& q, torch::Tensor& out,
+                        const std::vector<RunOf<P>>& pk, const std::vector<RunOf<P>>& pv,
+                        const torch::Tensor& tail_k, const torch::Tensor& tail_v,
+                        const torch::Tensor& tail_valid, const std::vector<int64_t>& slot);
+
 // decode_attention (below) over runs already checked, or made from checked spans: for an
 // arena of P = float or c10::BFloat16 (the two decode_attention.cpp instantiates).
 template <typename P>

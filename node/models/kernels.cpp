@@ -24,6 +24,7 @@ namespace {
 
 using bf16 = c10::BFloat16;
 using fedkv_decode::attend_decode;
+using fedkv_decode::attend_decode_into;
 using fedkv_decode::RunOf;
 
 inline float round_bf16(float v) { return static_cast<float>(bf16(v)); }
@@ -106,6 +107,19 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   return out;
 }
 
+// x = bf16(x + y) in place over `rows` rows `width` wide, then out = their norm_rows.
+void add_norm_rows(bf16* x, const bf16* y, const bf16* w, bf16* out, int64_t rows,
+                   int64_t width, double eps) {
+  at::parallel_for(0, rows * width, 4096, [&](int64_t begin, int64_t end) {
+    int64_t i = begin;
+#ifdef FEDKV_BF16_VEC
+    for (; i + 16 <= end; i += 16) store16(x + i, _mm512_add_ps(load16(x + i), load16(y + i)));
+#endif
+    for (; i < end; ++i) x[i] = bf16(static_cast<float>(x[i]) + static_cast<float>(y[i]));
+  });
+  norm_rows(x, w, out, rows, width, eps);
+}
+
 // x = bf16(x + y) in place (the residual stream), then rms_norm(x): the add that ends one
 // sublayer and the norm that starts the next, in one pass.
 torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& w,
@@ -115,19 +129,10 @@ torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& y, const torc
   TORCH_CHECK(x.is_contiguous(), "x (updated in place) must be contiguous");
   TORCH_CHECK(x.sizes() == y.sizes(), "x ", x.sizes(), " and y ", y.sizes(), " differ");
   auto yc = y.contiguous();
-  bf16* xp = x.data_ptr<bf16>();
-  const bf16* yp = yc.data_ptr<bf16>();
-  int64_t n = x.numel();
-  at::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
-    int64_t i = begin;
-#ifdef FEDKV_BF16_VEC
-    for (; i + 16 <= end; i += 16) store16(xp + i, _mm512_add_ps(load16(xp + i), load16(yp + i)));
-#endif
-    for (; i < end; ++i) xp[i] = bf16(static_cast<float>(xp[i]) + static_cast<float>(yp[i]));
-  });
   auto out = torch::empty_like(x);
-  int64_t width = x.size(-1);
-  norm_rows(xp, w.data_ptr<bf16>(), out.data_ptr<bf16>(), n / width, width, eps);
+  const int64_t width = x.size(-1);
+  add_norm_rows(x.data_ptr<bf16>(), yc.data_ptr<bf16>(), w.data_ptr<bf16>(), out.data_ptr<bf16>(),
+                x.numel() / width, width, eps);
   return out;
 }
 
@@ -238,17 +243,9 @@ torch::Tensor merge_heads(const torch::Tensor& a) {
 using fedkv_vec::exp16;
 #endif
 
-// gate_up [rows, 2 m] (gate, then up) -> bf16(bf16(silu(gate)) * up) [rows, m]: SwiGLU as
-// eager bf16 computes it (silu rounded, then the product rounded).
-torch::Tensor silu_mul(const torch::Tensor& gate_up) {
-  check_bf16(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
-              "gate_up must be [rows, 2 m], got ", gate_up.sizes());
-  auto gc = gate_up.contiguous();
-  const int64_t rows = gc.size(0), m = gc.size(1) / 2;
-  auto out = torch::empty({rows, m}, gc.options());
-  const bf16* g = gc.data_ptr<bf16>();
-  bf16* o = out.data_ptr<bf16>();
+// g [rows, 2 m] (gate, then up) -> o = bf16(bf16(silu(gate)) * up) [rows, m]: SwiGLU as eager
+// bf16 computes it (silu rounded, then the product rounded).
+void silu_mul_rows(const bf16* g, bf16* o, int64_t rows, int64_t m) {
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const bf16* gate = g + n * 2 * m;
@@ -269,6 +266,17 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
       }
     }
   });
+}
+
+// gate_up [rows, 2 m] -> silu_mul_rows of it [rows, m].
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  check_bf16(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
+              "gate_up must be [rows, 2 m], got ", gate_up.sizes());
+  auto gc = gate_up.contiguous();
+  const int64_t rows = gc.size(0), m = gc.size(1) / 2;
+  auto out = torch::empty({rows, m}, gc.options());
+  silu_mul_rows(gc.data_ptr<bf16>(), out.data_ptr<bf16>(), rows, m);
   return out;
 }
 
@@ -536,35 +544,46 @@ struct Bf16Layer {
 };
 
 // decode_layers' layers over an arena of element type P, weights in format F (checked once, by
-// check_layer_weights; each product's input is a fresh contiguous row made here): the token's
-// K/V (bf16 values, rope_split rounds them) go to row `pos` exactly in either type.
+// check_layer_weights): the token's K/V (bf16 values, rope_split rounds them) go to row `pos`
+// exactly in either type. Every row between the kernels lives in a buffer made once per call:
+// the per-kernel path's fresh tensors, ~8 a layer, each cost an allocation and its dispatch.
 template <typename P, typename F>
 torch::Tensor decode_layers_impl(torch::Tensor x, const std::vector<torch::Tensor>& w,
                                  const torch::Tensor& final_norm, const torch::Tensor& cos,
                                  const torch::Tensor& sin, const torch::Tensor& kv, int64_t pos,
                                  const int64_t* s, int64_t n_runs, int64_t heads,
                                  int64_t kv_heads, int64_t dim, double eps) {
-  const int64_t L = kv.size(0);
+  const int64_t L = kv.size(0), E = x.size(1);
   std::vector<RunOf<P>> pk(n_runs), pv(n_runs);  // heads and rows; per layer their base
   for (int64_t r = 0; r < n_runs; ++r) pk[r] = pv[r] = RunOf<P>{nullptr, kv.stride(2), kv.stride(3), s[2 * r + 1]};
-  auto no_tail = torch::empty({kv_heads, 1, 0, dim}, torch::TensorOptions().dtype(torch::kFloat32));
+  auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+  auto no_tail = torch::empty({kv_heads, 1, 0, dim}, f32);
   auto no_valid = torch::empty({1, 0}, torch::TensorOptions().dtype(torch::kBool));
   const std::vector<int64_t> no_slot{0};
+  // q [kv_heads, group, 1, dim] and the attention's output alike; the token's k, v; the merged
+  // heads (o_proj's input), SwiGLU's output and the normed row (the other products' input)
+  auto q = torch::empty({kv_heads, heads / kv_heads, 1, dim}, f32), att = torch::empty_like(q);
+  auto k = torch::empty({kv_heads * dim}, f32), v = torch::empty({kv_heads * dim}, f32);
+  auto merged = torch::empty({1, heads * dim}, x.options());
+  torch::Tensor act = torch::empty({1, F::out(w.data(), 2) / 2}, x.options());
+  auto h = torch::empty({1, E}, x.options());
   F format;
   torch::Tensor ys[4];  // each of a layer's four products' output, reused by every layer
+  for (int p = 0; p < 4; ++p) ys[p] = torch::empty({1, F::out(w.data(), p)}, x.options());
   auto product = [&](const torch::Tensor* lw, int p, const torch::Tensor& in) {
-    const int64_t out = F::out(lw, p);
-    if (!ys[p].defined() || ys[p].size(1) != out) ys[p] = torch::empty({1, out}, in.options());
     format.product(lw, p, in, ys[p].data_ptr<bf16>());
-    return ys[p];
+    return ys[p].data_ptr<bf16>();
   };
-  auto h = rms_norm(x, w[F::NORM[0]], eps);
+  bf16* xp = x.data_ptr<bf16>();
+  norm_rows(xp, w[F::NORM[0]].template data_ptr<bf16>(), h.data_ptr<bf16>(), 1, E, eps);
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* lw = w.data() + F::TENSORS * l;
     P* base = kv.data_ptr<P>() + l * kv.stride(0);
-    auto qkv = rope_split(product(lw, 0, h), cos, sin, heads, kv_heads, dim, torch::kFloat32);
+    rope_split_impl<float>(product(lw, 0, h), cos.data_ptr<bf16>(), sin.data_ptr<bf16>(),
+                           q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), 1,
+                           heads, kv_heads, dim);
     for (int64_t kvi = 0; kvi < 2; ++kvi) {  // the token's K and V into its arena row
-      const float* src = qkv[1 + kvi].template data_ptr<float>();
+      const float* src = (kvi == 0 ? k : v).data_ptr<float>();
       for (int64_t hk = 0; hk < kv_heads; ++hk) {
         P* dst = base + kvi * kv.stride(1) + hk * kv.stride(2) + pos * kv.stride(3);
         for (int64_t i = 0; i < dim; ++i) dst[i] = static_cast<P>(src[hk * dim + i]);
@@ -574,11 +593,14 @@ torch::Tensor decode_layers_impl(torch::Tensor x, const std::vector<torch::Tenso
       pk[r].base = base + s[2 * r] * kv.stride(3);
       pv[r].base = pk[r].base + kv.stride(1);
     }
-    auto a = attend_decode(qkv[0], pk, pv, no_tail, no_tail, no_valid, no_slot);
-    h = add_rms_norm_(x, product(lw, 1, merge_heads(a)), lw[F::NORM[1]], eps);
-    auto act = silu_mul(product(lw, 2, h));
+    attend_decode_into(q, att, pk, pv, no_tail, no_tail, no_valid, no_slot);
+    merge_impl<float>(att.data_ptr<float>(), merged.data_ptr<bf16>(), heads, 1, dim);
+    add_norm_rows(xp, product(lw, 1, merged), lw[F::NORM[1]].template data_ptr<bf16>(),
+                  h.data_ptr<bf16>(), 1, E, eps);
+    silu_mul_rows(product(lw, 2, h), act.data_ptr<bf16>(), 1, act.size(1));
     const torch::Tensor& next_norm = l + 1 < L ? w[F::TENSORS * (l + 1) + F::NORM[0]] : final_norm;
-    h = add_rms_norm_(x, product(lw, 3, act), next_norm, eps);
+    add_norm_rows(xp, product(lw, 3, act), next_norm.data_ptr<bf16>(), h.data_ptr<bf16>(), 1, E,
+                  eps);
   }
   return h;
 }
@@ -628,7 +650,16 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& w
   TORCH_CHECK(pos >= 0 && pos < cap, "pos ", pos, " outside the arena's ", cap, " rows");
   TORCH_CHECK(static_cast<int64_t>(w.size()) == F::TENSORS * L, "w must hold ", F::TENSORS,
               " tensors per layer (", F::TENSORS * L, "), got ", w.size());
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "x must be one row, got ", x.sizes());
+  check_bf16(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(),
+              "x must be one contiguous row, got ", x.sizes());
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && dim % 2 == 0,
+              "heads ", heads, " must group over kv_heads ", kv_heads, " and dim ", dim, " be even");
+  for (const torch::Tensor* t : {&cos, &sin}) {
+    check_bf16(*t, t == &cos ? "cos" : "sin");
+    TORCH_CHECK(t->sizes() == torch::IntArrayRef({1, dim}) && t->is_contiguous(),
+                "cos and sin must be contiguous [1, ", dim, "], got ", t->sizes());
+  }
   TORCH_CHECK(spans.scalar_type() == torch::kLong && spans.dim() == 2 && spans.size(1) == 2,
               "spans must be int64 [runs, 2], got ", spans.scalar_type(), " ", spans.sizes());
   auto sp = spans.contiguous();
