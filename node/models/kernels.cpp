@@ -696,8 +696,10 @@ void store_step_kv(torch::Tensor arena, const torch::Tensor& pos, const torch::T
                    const torch::Tensor& at, const torch::Tensor& rows);
 // prefill_attention.cpp
 bool prefill_attention_available();
+std::vector<std::string> prefill_attention_engines();
 torch::Tensor prefill_attention(const torch::Tensor& q, const std::vector<torch::Tensor>& k_runs,
-                                const std::vector<torch::Tensor>& v_runs);
+                                const std::vector<torch::Tensor>& v_runs,
+                                const std::string& engine);
 torch::Tensor prefill_attention_spans(const torch::Tensor& q, const torch::Tensor& k,
                                       const torch::Tensor& v, const torch::Tensor& spans);
 
@@ -727,7 +729,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_available", &prefill_attention_available,
         "prefill_attention runs here (AMX tiles or AVX-512 BF16)", nogil);
   m.def("prefill_attention", &prefill_attention,
-        "causal attention of bf16 prefill queries over K/V runs (AMX or AVX-512 BF16)", nogil);
+        "causal attention of bf16 prefill queries over K/V runs (AMX or AVX-512 BF16; engine "
+        "'auto', or 'registers' / 'tiles' where they run)",
+        py::arg("q"), py::arg("k_runs"), py::arg("v_runs"), py::arg("engine") = "auto", nogil);
+  m.def("prefill_attention_engines", &prefill_attention_engines,
+        "the engines prefill_attention runs on here ('registers', 'tiles')");
   m.def("prefill_attention_spans", &prefill_attention_spans,
         "prefill_attention over (start, length) spans of one layer's K/V", nogil);
 }

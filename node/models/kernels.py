@@ -15,8 +15,9 @@ once per call for all the rows (``node.models.precision.Int8Linear`` picks by ro
 ``store_step_kv`` (``kv_store.cpp``) writes a decode step's K/V into the cache's arena and tail
 slots (``cache.batch.StepStore``), its destinations prefetched first.
 ``prefill_attention`` (``prefill_attention.cpp``) is a bf16 prefill's causal attention over the
-cache's runs on AMX tiles, or AVX-512 BF16 registers without them, for head size 64;
-``prefill_attention_spans`` the same over (start, length) spans of the arena
+cache's runs on AMX tiles, or AVX-512 BF16 registers without them, for head size 64
+(``engine=`` names one of ``prefill_attention_engines()``, so that a machine with tiles tests
+the registers too); ``prefill_attention_spans`` the same over (start, length) spans of the arena
 (``cache.attention.Spans``: no view per run).
 ``node.models.byte_model.attend_session`` takes them where ``takes_prefill_kernel`` says;
 elsewhere SDPA's flash kernel serves. ``bf16_linear`` is the bf16 product of a few rows,

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "amx_tiles.h"
@@ -399,15 +400,38 @@ void query_block_avx(const bf16* q, int64_t q_row_stride, int64_t m, int64_t fir
 // AVX-512 BF16 registers if built with them, else none (the eager ops serve).
 enum class Engine { none, registers, tiles };
 
-Engine engine() {
-#ifdef FEDKV_AMX
-  if (fedkv_tiles::request()) return Engine::tiles;
-#endif
+bool registers_built() {
 #ifdef FEDKV_PREFILL
-  return Engine::registers;
+  return true;
 #else
-  return Engine::none;
+  return false;
 #endif
+}
+
+bool tiles_granted() {
+#ifdef FEDKV_AMX
+  return fedkv_tiles::request();
+#else
+  return false;
+#endif
+}
+
+Engine engine() {
+  if (tiles_granted()) return Engine::tiles;
+  return registers_built() ? Engine::registers : Engine::none;
+}
+
+// The engine `name` asks for: "auto" (engine()), or "registers" / "tiles" where they run here
+// (the tests run both on a machine with tiles, which "auto" would never leave).
+Engine engine_named(const std::string& name) {
+  if (name == "auto") return engine();
+  if (name == "registers" && registers_built()) return Engine::registers;
+  if (name == "tiles" && tiles_granted()) return Engine::tiles;
+  TORCH_CHECK(name == "registers" || name == "tiles",
+              "engine must be 'auto', 'registers' or 'tiles', got '", name, "'");
+  TORCH_CHECK(false, "the ", name, " engine does not run here (",
+              name == "tiles" ? "no AMX tiles granted" : "built without AVX-512 BF16", ")");
+  return Engine::none;
 }
 
 void check_runs(const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs,
@@ -425,8 +449,8 @@ void check_runs(const std::vector<torch::Tensor>& ks, const std::vector<torch::T
   }
 }
 
-void check_q(const torch::Tensor& q) {
-  TORCH_CHECK(engine() != Engine::none,
+void check_q(const torch::Tensor& q, Engine engine) {
+  TORCH_CHECK(engine != Engine::none,
               "prefill_attention needs AVX-512 BF16 or AMX tiles; this build has neither");
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && q.dim() == 4 && q.size(3) == D &&
                   q.stride(3) == 1,
@@ -435,7 +459,8 @@ void check_q(const torch::Tensor& q) {
 
 // q bf16 [Hk, G, T, D] (checked): the last T positions of a context whose K/V are `runs`
 // (checked, fp32 or bf16, n keys in all, n >= T) -> bf16 [Hk, G, T, D], causal.
-torch::Tensor attend_runs(const torch::Tensor& q, const std::vector<RunPtr>& runs, bool is_bf16) {
+torch::Tensor attend_runs(const torch::Tensor& q, const std::vector<RunPtr>& runs, bool is_bf16,
+                          Engine engine) {
   const int64_t hk = q.size(0), groups = q.size(1), T = q.size(2);
   int64_t n = 0;
   for (const RunPtr& run : runs) n += run.n;
@@ -454,7 +479,7 @@ torch::Tensor attend_runs(const torch::Tensor& q, const std::vector<RunPtr>& run
   const int64_t qblocks = (T + ROWS - 1) / ROWS;
   const bf16* qd = q.data_ptr<bf16>();
   bf16* od = out.data_ptr<bf16>();
-  const bool tiles = engine() == Engine::tiles;
+  const bool tiles = engine == Engine::tiles;
   at::parallel_for(0, hk * groups * qblocks, 1, [&](int64_t begin, int64_t end) {
 #ifdef FEDKV_AMX
     if (tiles) configure();  // tile state is per thread
@@ -480,22 +505,23 @@ torch::Tensor attend_runs(const torch::Tensor& q, const std::vector<RunPtr>& run
   return out;
 }
 
-// q bf16 [Hk, G, T, D] over K/V runs ([Hk, n_i, D] each, fp32 or bf16).
+// q bf16 [Hk, G, T, D] over K/V runs ([Hk, n_i, D] each, fp32 or bf16), on `engine`.
 torch::Tensor attention(const torch::Tensor& q, const std::vector<torch::Tensor>& k_runs,
-                        const std::vector<torch::Tensor>& v_runs) {
-  check_q(q);
+                        const std::vector<torch::Tensor>& v_runs, Engine engine) {
+  check_q(q, engine);
   check_runs(k_runs, v_runs, q.size(0));
   std::vector<RunPtr> runs;
   for (size_t i = 0; i < k_runs.size(); ++i)
     runs.push_back(run_ptr(k_runs[i], v_runs[i], 0, k_runs[i].size(1)));
-  return attend_runs(q, runs, k_runs[0].scalar_type() == torch::kBFloat16);
+  return attend_runs(q, runs, k_runs[0].scalar_type() == torch::kBFloat16, engine);
 }
 
 // The same over (start, length) rows of `spans` (int64 [R, 2], in order) of one layer's K and
 // V as the arena holds them ([Hk, N, D] each): no tensor per run is made.
 torch::Tensor attention_spans(const torch::Tensor& q, const torch::Tensor& k,
                               const torch::Tensor& v, const torch::Tensor& spans) {
-  check_q(q);
+  const Engine chosen = engine();
+  check_q(q, chosen);
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "k and v must be [kv_heads, tokens, ",
               D, "] of one shape, got ", k.sizes(), " and ", v.sizes());
   check_runs({k}, {v}, q.size(0));
@@ -511,7 +537,7 @@ torch::Tensor attention_spans(const torch::Tensor& q, const torch::Tensor& k,
                 len, ") is not within the ", k.size(1), " tokens");
     runs.push_back(run_ptr(k, v, start, len));
   }
-  return attend_runs(q, runs, k.scalar_type() == torch::kBFloat16);
+  return attend_runs(q, runs, k.scalar_type() == torch::kBFloat16, chosen);
 }
 
 }  // namespace fedkv_prefill
@@ -520,12 +546,20 @@ bool prefill_attention_available() {
   return fedkv_prefill::engine() != fedkv_prefill::Engine::none;
 }
 
+std::vector<std::string> prefill_attention_engines() {
+  std::vector<std::string> out;
+  if (fedkv_prefill::registers_built()) out.push_back("registers");
+  if (fedkv_prefill::tiles_granted()) out.push_back("tiles");
+  return out;
+}
+
 torch::Tensor prefill_attention_spans(const torch::Tensor& q, const torch::Tensor& k,
                                       const torch::Tensor& v, const torch::Tensor& spans) {
   return fedkv_prefill::attention_spans(q, k, v, spans);
 }
 
 torch::Tensor prefill_attention(const torch::Tensor& q, const std::vector<torch::Tensor>& k_runs,
-                                const std::vector<torch::Tensor>& v_runs) {
-  return fedkv_prefill::attention(q, k_runs, v_runs);
+                                const std::vector<torch::Tensor>& v_runs,
+                                const std::string& engine) {
+  return fedkv_prefill::attention(q, k_runs, v_runs, fedkv_prefill::engine_named(engine));
 }

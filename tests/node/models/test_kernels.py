@@ -125,6 +125,15 @@ def prefill(k):
     return k
 
 
+@pytest.fixture(scope="module", params=["registers", "tiles"])
+def engine(request, prefill):
+    """Each engine of ``prefill_attention`` that runs here: on a machine with AMX tiles both,
+    where ``auto`` would only ever take the tiles."""
+    if request.param not in prefill.prefill_attention_engines():
+        pytest.skip(f"the {request.param} engine does not run here")
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def amx(k):
     if not kernels.amx():
@@ -188,14 +197,14 @@ def _causal_reference(q, k_runs, v_runs):
     (3, 100, [1000, 100], torch.bfloat16),   # a shared prefix's run, then the chunk's own
     (1, 17, [17], torch.float32),            # multi-head (no group), one row past a tile
     (3, 2, [1, 40], torch.bfloat16)])
-def test_prefill_attention_is_causal_sdpa_in_bf16(prefill, G, T, lengths, dtype):
+def test_prefill_attention_is_causal_sdpa_in_bf16(prefill, engine, G, T, lengths, dtype):
     """Within what SDPA's own bf16 kernel gives on the same inputs, against fp32 attention:
     query t (position n - T + t) sees keys up to its position, across run boundaries."""
     g = torch.Generator().manual_seed(7)
     q = (2 * torch.randn(3, G, T, 64, generator=g)).to(torch.bfloat16)
     ks = [(2 * torch.randn(3, n, 64, generator=g)).to(dtype) for n in lengths]
     vs = [torch.randn(3, n, 64, generator=g).to(dtype) for n in lengths]
-    got = prefill.prefill_attention(q, ks, vs)
+    got = prefill.prefill_attention(q, ks, vs, engine=engine)
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
     want = _causal_reference(q, ks, vs)
     n = sum(lengths)
@@ -206,16 +215,16 @@ def test_prefill_attention_is_causal_sdpa_in_bf16(prefill, G, T, lengths, dtype)
     assert err.max() <= 1.5 * sdpa_err.max() + 1e-3 and err.mean() <= 1.5 * sdpa_err.mean()
 
 
-def test_prefill_attention_never_reads_a_later_key(prefill):
+def test_prefill_attention_never_reads_a_later_key(prefill, engine):
     """Changing keys and values after a query's position leaves its output exactly as it was."""
     g = torch.Generator().manual_seed(8)
     q = torch.randn(1, 1, 40, 64, generator=g).to(torch.bfloat16)
     k, v = torch.randn(1, 40, 64, generator=g), torch.randn(1, 40, 64, generator=g)
-    first = prefill.prefill_attention(q, [k], [v])
+    first = prefill.prefill_attention(q, [k], [v], engine=engine)
     k2, v2 = k.clone(), v.clone()
     k2[:, 20:] += 100
     v2[:, 20:] -= 1000
-    again = prefill.prefill_attention(q, [k2], [v2])
+    again = prefill.prefill_attention(q, [k2], [v2], engine=engine)
     assert torch.equal(first[..., :20, :], again[..., :20, :])
     assert (first[..., 20:, :] != again[..., 20:, :]).any(-1).all()  # the later rows do see them
 
@@ -239,6 +248,23 @@ def test_prefill_attention_over_spans_is_over_the_runs_they_name(prefill):
         prefill.prefill_attention_spans(q, k, v, torch.tensor([[0.0, 30.0]]))
     with pytest.raises(RuntimeError, match="k and v must be"):
         prefill.prefill_attention_spans(q, k, v[:, :50], spans)
+
+
+def test_auto_is_the_engine_it_names_and_an_engine_that_cannot_run_is_refused(prefill):
+    """``auto`` gives exactly what the last engine listed gives (tiles where they are granted);
+    an unknown name, or an engine this machine cannot run, gets a specific error."""
+    g = torch.Generator().manual_seed(10)
+    q = torch.randn(3, 3, 30, 64, generator=g).to(torch.bfloat16)
+    k, v = torch.randn(3, 50, 64, generator=g), torch.randn(3, 50, 64, generator=g)
+    engines = prefill.prefill_attention_engines()
+    assert engines and set(engines) <= {"registers", "tiles"}
+    assert torch.equal(prefill.prefill_attention(q, [k], [v]),
+                       prefill.prefill_attention(q, [k], [v], engine=engines[-1]))
+    with pytest.raises(RuntimeError, match="engine must be 'auto', 'registers' or 'tiles', got"):
+        prefill.prefill_attention(q, [k], [v], engine="gpu")
+    for missing in {"registers", "tiles"} - set(engines):
+        with pytest.raises(RuntimeError, match=f"the {missing} engine does not run here"):
+            prefill.prefill_attention(q, [k], [v], engine=missing)
 
 
 def test_prefill_attention_refuses_what_it_cannot_take(prefill):
