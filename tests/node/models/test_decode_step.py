@@ -175,9 +175,19 @@ def test_bad_inputs_get_a_specific_error_and_write_nothing(k, fmt):
     cos, sin = m._rope_range(kv.length(sid), 1)
     before = kv.arena.kv.clone()
 
-    def call(w=w, row=step.row, runs=step.runs, arena=step.kv):
+    def call(w=w, row=step.row, runs=step.runs, arena=step.kv, x=x, cos=cos, sin=sin):
         return getattr(k, STEP[fmt])(x, w, m.model.norm.weight, cos, sin, arena, row, runs,
                                      c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+
+    # the layers run on raw rows: what the per-layer ops checked is checked before the first
+    with pytest.raises(RuntimeError, match="x must be bfloat16"):
+        call(x=x.float())
+    with pytest.raises(RuntimeError, match="x must be one contiguous row"):
+        call(x=torch.zeros(c.hidden_size, 2, dtype=torch.bfloat16).t()[:1])
+    with pytest.raises(RuntimeError, match=rf"cos and sin must be contiguous \[1, {c.head_dim}\]"):
+        call(cos=cos[:, : c.head_dim // 2])
+    with pytest.raises(RuntimeError, match="sin must be bfloat16"):
+        call(sin=sin.float())
 
     with pytest.raises(RuntimeError, match=f"{decode_step.PER_LAYER[fmt]} tensors per layer"):
         call(w=w[:-1])
