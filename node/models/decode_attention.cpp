@@ -549,14 +549,13 @@ void attend_chunks(const Rows<P>& r, int64_t chunks) {
   const int64_t Hk = r.q.size(0), G = r.q.size(1), D = r.q.size(3), tasks = Hk * chunks;
   ChunkSums& sums = thread_chunk_sums();  // the calling thread's (workers index into it)
   sums.o.assign(tasks * G * D, 0.f), sums.m.resize(tasks * G), sums.l.resize(tasks * G);
-  const float* o = sums.o.data();
+  float* o = sums.o.data();
   float* m = sums.m.data();
   float* l = sums.l.data();
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     Scratch& w = thread_scratch();
     for (int64_t t = begin; t < end; ++t)
-      attend_chunk(r, t / chunks, t % chunks, chunks, sums.o.data() + t * G * D, m + t * G,
-                   l + t * G, w);
+      attend_chunk(r, t / chunks, t % chunks, chunks, o + t * G * D, m + t * G, l + t * G, w);
   });
   float* out = r.out.template data_ptr<float>();
   for (int64_t h = 0; h < Hk; ++h)

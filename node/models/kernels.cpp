@@ -136,6 +136,12 @@ torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& y, const torc
   return out;
 }
 
+// Query heads that group over the KV heads, and a head size RoPE can rotate in halves.
+void check_heads(int64_t heads, int64_t kv_heads, int64_t dim) {
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && dim % 2 == 0,
+              "heads ", heads, " must group over kv_heads ", kv_heads, " and dim ", dim, " be even");
+}
+
 template <typename out_t>
 void rope_split_impl(const bf16* y, const bf16* cos, const bf16* sin, out_t* q, out_t* k,
                      out_t* v, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim) {
@@ -189,8 +195,7 @@ std::vector<torch::Tensor> rope_split(const torch::Tensor& y, const torch::Tenso
   check_bf16(y, "y");
   check_bf16(cos, "cos");
   check_bf16(sin, "sin");
-  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && dim % 2 == 0,
-              "heads ", heads, " must group over kv_heads ", kv_heads, " and dim ", dim, " be even");
+  check_heads(heads, kv_heads, dim);
   TORCH_CHECK(y.dim() == 2 && y.size(1) == (heads + 2 * kv_heads) * dim, "y must be [rows, ",
               (heads + 2 * kv_heads) * dim, "], got ", y.sizes());
   int64_t rows = y.size(0);
@@ -653,8 +658,7 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& w
   check_bf16(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(),
               "x must be one contiguous row, got ", x.sizes());
-  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && dim % 2 == 0,
-              "heads ", heads, " must group over kv_heads ", kv_heads, " and dim ", dim, " be even");
+  check_heads(heads, kv_heads, dim);
   for (const torch::Tensor* t : {&cos, &sin}) {
     check_bf16(*t, t == &cos ? "cos" : "sin");
     TORCH_CHECK(t->sizes() == torch::IntArrayRef({1, dim}) && t->is_contiguous(),
