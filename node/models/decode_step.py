@@ -16,11 +16,11 @@ per-kernel path's ``bf16_linear`` reads them.
 
 from __future__ import annotations
 
-import operator
 import weakref
 
 import torch
 from torch import nn
+from torch.nn.modules import module as module_hooks
 
 from cache import KVCache
 from node.models import precision
@@ -32,98 +32,75 @@ scales, o codes and scales, post-attention norm, gate/up codes and scales, down 
 scales. bfloat16: input norm, q, k, v, o, post-attention norm, gate, up, down."""
 
 
-class Sources:
-    """What a weight list was read from: (dict, key, object) of every module, parameter and
-    buffer looked up -- compared by identity in C loops (``map``), ~630 a SmolLM2 step."""
-
-    def __init__(self) -> None:
-        self.dicts: list[dict] = []
-        self.keys: list[str] = []
-        self.objects: list[object] = []
-
-    def get(self, d: dict, k: str):
-        """``d[k]``, recorded."""
-        o = d[k]
-        self.dicts.append(d)
-        self.keys.append(k)
-        self.objects.append(o)
-        return o
-
-    def unchanged(self) -> bool:
-        return all(map(operator.is_, map(dict.get, self.dicts, self.keys), self.objects))
+_generation = 0
+"""Bumped by torch's global registration hooks on every assignment of a module, parameter or
+buffer anywhere (``setattr``, ``register_*``, ``add_module``, a ModuleList or ModuleDict item,
+``load_state_dict(assign=True)``): a kept weight list is stale once it moved."""
 
 
-_KEPT: "weakref.WeakKeyDictionary[nn.Module, tuple[list[torch.Tensor], Sources]]" = \
+def _registered(module: nn.Module, name: str, value: object) -> None:
+    global _generation
+    _generation += 1
+
+
+for _register in (module_hooks.register_module_module_registration_hook,
+                  module_hooks.register_module_parameter_registration_hook,
+                  module_hooks.register_module_buffer_registration_hook):
+    _register(_registered)
+
+_KEPT: "weakref.WeakKeyDictionary[nn.Module, tuple[list[torch.Tensor], int]]" = \
     weakref.WeakKeyDictionary()
 
 
 def layer_weights(model: nn.Module) -> list[torch.Tensor] | None:
     """Every layer's ``PER_LAYER[format]`` tensors in the kernel's order, or None where a
     projection is not in the model's format (fp32 weights, an adapter wrapping one). Kept
-    between steps while each module, parameter and buffer it was read from is still the one
-    in its place (identity checks, far cheaper than reading the ~300 tensors again through
-    the stacks' own checks); a write into a weight in place is read through, and so is new
-    storage of a bf16 parameter (the list holds the parameters themselves)."""
+    between steps until a module, parameter or buffer is assigned anywhere (one integer
+    compared: checking the ~630 objects the list is read from by identity took ~0.25 ms of a
+    2-thread step, each a cache miss after the weight stream); a write into a weight in place
+    is read through, and so is new storage of a bf16 parameter (the list holds the parameters
+    themselves). Not seen: a ``del`` of a module or parameter, or a write into a module's
+    private ``_modules``/``_parameters``/``_buffers`` dicts, which torch runs no hook for."""
     kept = _KEPT.get(model)
-    if kept is not None and kept[1].unchanged():
+    if kept is not None and kept[1] == _generation:
         return kept[0]
-    sources = Sources()
     read = _READERS.get(precision.dtype_of(model))
-    out = None if read is None else _read_weights(model, sources, read)
+    out = None if read is None else _read_weights(model, read)
     if out is not None:
-        _KEPT[model] = (out, sources)
+        _KEPT[model] = (out, _generation)  # after the read: a re-stack in it registers buffers
     return out
 
 
-def _read_weights(model: nn.Module, sources: Sources, read) -> list[torch.Tensor] | None:
-    """:func:`layer_weights` read afresh by ``read`` (one layer's tensors, or None), each
-    lookup recorded in ``sources``."""
-    get = sources.get
+def _read_weights(model: nn.Module, read) -> list[torch.Tensor] | None:
+    """:func:`layer_weights` read afresh by ``read`` (one layer's tensors, or None)."""
     out: list[torch.Tensor] = []
-    layers = get(get(model._modules, "model")._modules, "layers")._modules
-    for name in layers:
-        mods = get(layers, name)._modules
-        tensors = read(get, mods, get(mods, "self_attn"), get(mods, "mlp"))
+    for layer in model.model.layers:
+        tensors = read(layer, layer.self_attn, layer.mlp)
         if tensors is None:
             return None
         out += tensors
     return out
 
 
-def _int8_layer(get, mods: dict, attn: nn.Module,
-                mlp: nn.Module) -> list[torch.Tensor] | None:
+def _int8_layer(layer: nn.Module, attn: nn.Module, mlp: nn.Module) -> list[torch.Tensor] | None:
     """One layer's ``PER_LAYER["int8"]`` tensors, or None where a projection is not int8."""
-    qkv, gate_up = attn.qkv.int8.codes(), mlp.gate_up.int8.codes()  # may re-stack: first
-    for owner, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
-                         (mlp, ("gate_proj", "up_proj", "down_proj"))):
-        for n in names:
-            lin = get(owner._modules, n)
-            if type(lin) is Int8Linear:
-                get(lin._buffers, "q"), get(lin._buffers, "scale")
-    o, down = attn._modules["o_proj"], mlp._modules["down_proj"]
+    qkv, gate_up = attn.qkv.int8.codes(), mlp.gate_up.int8.codes()  # may re-stack
+    o, down = attn.o_proj, mlp.down_proj
     if qkv is None or gate_up is None or type(o) is not Int8Linear or type(down) is not Int8Linear:
         return None
-    b, d = o._buffers, down._buffers
-    return [get(get(mods, "input_layernorm")._parameters, "weight"), qkv._buffers["q"],
-            qkv._buffers["scale"], b["q"], b["scale"],
-            get(get(mods, "post_attention_layernorm")._parameters, "weight"),
-            gate_up._buffers["q"], gate_up._buffers["scale"], d["q"], d["scale"]]
+    return [layer.input_layernorm.weight, qkv.q, qkv.scale, o.q, o.scale,
+            layer.post_attention_layernorm.weight, gate_up.q, gate_up.scale, down.q, down.scale]
 
 
-def _bf16_layer(get, mods: dict, attn: nn.Module, mlp: nn.Module) -> list[torch.Tensor] | None:
+def _bf16_layer(layer: nn.Module, attn: nn.Module, mlp: nn.Module) -> list[torch.Tensor] | None:
     """One layer's ``PER_LAYER["bfloat16"]`` tensors -- the parameters themselves, stacked
     (``RowStack``) so each group is read as one stream -- or None where a projection is not a
     plain bf16 linear."""
     if any(p.rows.matrix() is None for p in (attn.qkv, attn.o, mlp.gate_up, mlp.down)):
         return None
-
-    def weights(owner: nn.Module, names: tuple[str, ...]) -> list[torch.Tensor]:
-        return [get(get(owner._modules, n)._parameters, "weight") for n in names]
-
-    norm = [get(get(mods, n)._parameters, "weight") for n in ("input_layernorm",
-                                                              "post_attention_layernorm")]
-    return [norm[0], *weights(attn, ("q_proj", "k_proj", "v_proj", "o_proj")), norm[1],
-            *weights(mlp, ("gate_proj", "up_proj", "down_proj"))]
+    return [layer.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight,
+            attn.v_proj.weight, attn.o_proj.weight, layer.post_attention_layernorm.weight,
+            mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
 
 
 _READERS = {"int8": _int8_layer, "bfloat16": _bf16_layer}

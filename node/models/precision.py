@@ -202,10 +202,10 @@ class Int8Projection:
         mods, lin = self._modules(), self.codes()
         if mods is None or lin is None or q.shape != lin.q.shape:
             raise ValueError(f"no int8 codes of shape {tuple(q.shape)} to move here")
-        lin._buffers["q"] = q
+        lin.q = q  # assigned, not written into _buffers: decode_step's kept lists see it
         a = 0
         for m in mods:
-            m._buffers["q"] = q[a : a + m.out_features]
+            m.q = q[a : a + m.out_features]
             a += m.out_features
         self.key = self._key(mods)
 

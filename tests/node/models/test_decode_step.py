@@ -251,6 +251,54 @@ def test_the_weight_list_is_kept_until_something_it_was_read_from_is_replaced():
     assert decode_step.layer_weights(m) is None
 
 
+@pytest.mark.parametrize("replace", ["buffer", "parameter", "layer", "state_dict", "move"])
+def test_each_way_of_assigning_a_weight_is_seen(replace):
+    """Every assignment torch runs a registration hook for makes the next step read the list
+    afresh, and the new list holds what was assigned."""
+    m = _int8()
+    first = decode_step.layer_weights(m)
+    down = m.model.layers[0].mlp.down_proj
+    if replace == "buffer":  # an Int8Linear's codes (a buffer) assigned
+        down.q = down.q.clone()
+        expect, at = down.q, 8
+    elif replace == "parameter":
+        m.model.norm.weight = torch.nn.Parameter(m.model.norm.weight.detach().clone())
+        expect, at = None, None
+    elif replace == "layer":  # a ModuleList item
+        fresh = _int8()
+        m.model.layers[1] = fresh.model.layers[1]
+        expect, at = fresh.model.layers[1].input_layernorm.weight, decode_step.PER_LAYER["int8"]
+    elif replace == "state_dict":
+        w = m.model.layers[0].input_layernorm.weight
+        m.load_state_dict({"model.layers.0.input_layernorm.weight": w.detach().clone()},
+                          strict=False, assign=True)
+        expect, at = m.model.layers[0].input_layernorm.weight, 0
+    else:  # Int8Projection.move: the stack's codes moved into another buffer
+        qkv = m.model.layers[0].self_attn.qkv.int8
+        qkv.move(qkv.matrix().clone())
+        expect, at = qkv.matrix(), 1
+    second = decode_step.layer_weights(m)
+    assert second is not first
+    assert at is None or second[at] is expect
+    assert decode_step.layer_weights(m) is second
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decoding_keeps_the_weight_list(k, fmt):
+    """A decode step assigns no module, parameter or buffer: the list is read once, not per
+    step (each re-read walks every layer's modules)."""
+    m = _model(fmt)
+    kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
+    sid = kv.open_session()
+    m.prefill(list(range(3, 22)), kv, sid)
+    with torch.inference_mode():
+        m.forward_cached([5], kv, sid)
+        kept = decode_step.layer_weights(m)
+        for t in [9, 2, 7, 11]:
+            m.forward_cached([t], kv, sid)
+        assert decode_step.layer_weights(m) is kept
+
+
 def test_bf16_weights_written_in_place_are_read_through(k, one_thread, monkeypatch):
     """A write-back loads parameters in place (``load_state_dict``): the kept list, which holds
     the parameters themselves, stays, and the one call gives the per-kernel path's logits."""
