@@ -6,8 +6,9 @@ The fused path of ``LlamaModel._hidden`` returns to Python between its kernels, 
 step for SmolLM2; at one row each return costs about what its kernel's work does, and together
 they were a fifth of a one-thread decode step (``experiments.bench_llm`` measures the step).
 Here the layer loop, the K/V write into the arena and the attention over the context's runs
-in place (``cache.KVCache.arena_step``) are one call, computing what the per-kernel path
-computes (the same kernels, in the same order: the logits are equal; tests compare them).
+in place (``cache.KVCache.arena_step``), and the output head, are one call, computing what the
+per-kernel path computes (the same kernels, in the same order: the logits are equal; tests
+compare them).
 :func:`run` returns None wherever it does not apply -- fp32 weights, no kernels, an adapter, a
 cache that must take part -- and the caller takes the per-kernel path. bf16 weights are read
 where their row stacks (``node.models.projection.RowStack``) put them, end to end, as the
@@ -17,6 +18,7 @@ per-kernel path's ``bf16_linear`` reads them.
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -48,27 +50,45 @@ for _register in (module_hooks.register_module_module_registration_hook,
                   module_hooks.register_module_buffer_registration_hook):
     _register(_registered)
 
-_KEPT: "weakref.WeakKeyDictionary[nn.Module, tuple[list[torch.Tensor], int]]" = \
+class StepWeights(NamedTuple):
+    """What the one-call step reads besides the row and the cache."""
+
+    layers: list[torch.Tensor]
+    """Every layer's ``PER_LAYER[format]`` tensors in the kernel's order."""
+    head: list[torch.Tensor]
+    """The output head in the format (int8: codes, scales; bf16: the weight), or empty where
+    it is not (an adapter on it): the caller applies it then."""
+
+
+_KEPT: "weakref.WeakKeyDictionary[nn.Module, tuple[StepWeights, int]]" = \
     weakref.WeakKeyDictionary()
 
 
-def layer_weights(model: nn.Module) -> list[torch.Tensor] | None:
-    """Every layer's ``PER_LAYER[format]`` tensors in the kernel's order, or None where a
-    projection is not in the model's format (fp32 weights, an adapter wrapping one). Kept
-    between steps until a module, parameter or buffer is assigned anywhere (one integer
-    compared: checking the ~630 objects the list is read from by identity took ~0.25 ms of a
-    2-thread step, each a cache miss after the weight stream); a write into a weight in place
-    is read through, and so is new storage of a bf16 parameter (the list holds the parameters
-    themselves). Not seen: a ``del`` of a module or parameter, or a write into a module's
-    private ``_modules``/``_parameters``/``_buffers`` dicts, which torch runs no hook for."""
+def step_weights(model: nn.Module) -> StepWeights | None:
+    """The model's :class:`StepWeights`, or None where a layer's projection is not in the
+    model's format (fp32 weights, an adapter wrapping one). Kept between steps until a
+    module, parameter or buffer is assigned anywhere (one integer compared: checking the ~630
+    objects the lists are read from by identity took ~0.25 ms of a 2-thread step, each a cache
+    miss after the weight stream); a write into a weight in place is read through, and so is
+    new storage of a bf16 parameter (the lists hold the parameters themselves). Not seen: a
+    ``del`` of a module or parameter, or a write into a module's private
+    ``_modules``/``_parameters``/``_buffers`` dicts, which torch runs no hook for."""
     kept = _KEPT.get(model)
     if kept is not None and kept[1] == _generation:
         return kept[0]
-    read = _READERS.get(precision.dtype_of(model))
-    out = None if read is None else _read_weights(model, read)
-    if out is not None:
-        _KEPT[model] = (out, _generation)  # after the read: a re-stack in it registers buffers
+    readers = _READERS.get(precision.dtype_of(model))
+    layers = None if readers is None else _read_weights(model, readers[0])
+    if layers is None:
+        return None
+    out = StepWeights(layers, readers[1](model))
+    _KEPT[model] = (out, _generation)  # after the read: a re-stack in it registers buffers
     return out
+
+
+def layer_weights(model: nn.Module) -> list[torch.Tensor] | None:
+    """:func:`step_weights`' layers, or None."""
+    weights = step_weights(model)
+    return None if weights is None else weights.layers
 
 
 def _read_weights(model: nn.Module, read) -> list[torch.Tensor] | None:
@@ -103,22 +123,32 @@ def _bf16_layer(layer: nn.Module, attn: nn.Module, mlp: nn.Module) -> list[torch
             mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
 
 
-_READERS = {"int8": _int8_layer, "bfloat16": _bf16_layer}
-"""Weight format -> the reader of one layer's tensors."""
+def _int8_head(model: nn.Module) -> list[torch.Tensor]:
+    lin = model.head.int8.codes()
+    return [] if lin is None else [lin.q, lin.scale]
+
+
+def _bf16_head(model: nn.Module) -> list[torch.Tensor]:
+    return [] if model.head.rows.matrix() is None else [model.lm_head.weight]
+
+
+_READERS = {"int8": (_int8_layer, _int8_head), "bfloat16": (_bf16_layer, _bf16_head)}
+"""Weight format -> the readers of one layer's tensors and of the head's."""
 _STEPS = {"int8": "decode_layers_int8", "bfloat16": "decode_layers_bf16"}
 """Weight format -> the kernel of its one-call step."""
 
 
 def run(model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
         sid: int) -> torch.Tensor | None:
-    """The final-normed hidden state [1, hidden] of session ``sid``'s reserved token, embedded
-    as ``x`` [1, hidden] (the residual stream: updated in place) at the position of ``cos``,
-    ``sin`` [1, head_dim], its K/V written and committed in every layer; None where this path
-    does not apply (nothing written then)."""
+    """The fp32 logits [1, vocab] of session ``sid``'s reserved token, embedded as ``x``
+    [1, hidden] (the residual stream: updated in place) at the position of ``cos``, ``sin``
+    [1, head_dim], its K/V written and committed in every layer, the head in the same call
+    where it is in the model's format; None where this path does not apply (nothing written
+    then)."""
     kernels = model.kernels(x)
     if kernels is None or x.shape[0] != 1:
         return None
-    weights = layer_weights(model)
+    weights = step_weights(model)
     if weights is None:
         return None
     step = cache.arena_step(sid)
@@ -126,7 +156,8 @@ def run(model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         return None
     c = model.cfg
     decode_layers = getattr(kernels, _STEPS[precision.dtype_of(model)])
-    h = decode_layers(x, weights, model.model.norm.weight, cos, sin, step.kv, step.row, step.runs,
-                      c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+    out = decode_layers(x, weights.layers, model.model.norm.weight, cos, sin, step.kv, step.row,
+                        step.runs, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
+                        weights.head)
     cache.commit_arena_step(sid)
-    return h
+    return out if weights.head else model._head(out)

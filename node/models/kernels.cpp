@@ -523,6 +523,14 @@ struct Int8Layer {
   void product(const torch::Tensor* lw, int p, const torch::Tensor& in, bf16* y) {
     int8_product(in, lw[PRODUCT[p]], lw[PRODUCT[p] + 1], xf, y);
   }
+  static constexpr size_t HEAD_TENSORS = 2;  // the output head: codes, scales
+  static void check_head(const std::vector<torch::Tensor>& head, int64_t hidden) {
+    check_int8_weight(head[0], head[1]);
+    TORCH_CHECK(head[0].size(1) == hidden, "head must take ", hidden, " inputs, got ", head[0].size(1));
+  }
+  void head_product(const std::vector<torch::Tensor>& head, const torch::Tensor& in, bf16* y) {
+    int8_product(in, head[0], head[1], xf, y);
+  }
 };
 
 // bf16 (decode_step.PER_LAYER["bfloat16"]): the parameters themselves, so a write into them or
@@ -546,6 +554,14 @@ struct Bf16Layer {
   void product(const torch::Tensor* lw, int p, const torch::Tensor& in, bf16* y) {
     bf16_product(in, lw + PRODUCT[p], PARTS[p], y);
   }
+  static constexpr size_t HEAD_TENSORS = 1;  // the output head's weight
+  static void check_head(const std::vector<torch::Tensor>& head, int64_t hidden) {
+    check_bf16_weight(head[0]);
+    TORCH_CHECK(head[0].size(1) == hidden, "head must take ", hidden, " inputs, got ", head[0].size(1));
+  }
+  void head_product(const std::vector<torch::Tensor>& head, const torch::Tensor& in, bf16* y) {
+    bf16_product(in, head.data(), 1, y);
+  }
 };
 
 // decode_layers' layers over an arena of element type P, weights in format F (checked once, by
@@ -557,7 +573,8 @@ torch::Tensor decode_layers_impl(torch::Tensor x, const std::vector<torch::Tenso
                                  const torch::Tensor& final_norm, const torch::Tensor& cos,
                                  const torch::Tensor& sin, const torch::Tensor& kv, int64_t pos,
                                  const int64_t* s, int64_t n_runs, int64_t heads,
-                                 int64_t kv_heads, int64_t dim, double eps) {
+                                 int64_t kv_heads, int64_t dim, double eps,
+                                 const std::vector<torch::Tensor>& head) {
   const int64_t L = kv.size(0), E = x.size(1);
   std::vector<RunOf<P>> pk(n_runs), pv(n_runs);  // heads and rows; per layer their base
   for (int64_t r = 0; r < n_runs; ++r) pk[r] = pv[r] = RunOf<P>{nullptr, kv.stride(2), kv.stride(3), s[2 * r + 1]};
@@ -607,7 +624,15 @@ torch::Tensor decode_layers_impl(torch::Tensor x, const std::vector<torch::Tenso
     add_norm_rows(xp, product(lw, 3, act), next_norm.data_ptr<bf16>(), h.data_ptr<bf16>(), 1, E,
                   eps);
   }
-  return h;
+  if (head.empty()) return h;
+  // the head's logits: bf16 sums (as its per-kernel product rounds them), returned in fp32
+  auto y = torch::empty({1, head[0].size(0)}, x.options());
+  format.head_product(head, h, y.data_ptr<bf16>());
+  auto logits = torch::empty({1, y.size(1)}, torch::TensorOptions().dtype(torch::kFloat32));
+  const bf16* yp = y.data_ptr<bf16>();
+  float* lp = logits.data_ptr<float>();
+  for (int64_t i = 0; i < y.size(1); ++i) lp[i] = static_cast<float>(yp[i]);
+  return logits;
 }
 
 // Every layer's weights in F's format and of shapes that chain (hidden -> q/k/v -> o -> hidden
@@ -639,13 +664,16 @@ void check_layer_weights(const std::vector<torch::Tensor>& w, const torch::Tenso
 //   final_norm: the model's last norm; cos, sin bf16 [1, dim] of the token's position;
 //   kv: the arena's K/V, fp32 or bf16 [layers, 2, kv_heads, arena tokens, dim]; pos: the arena
 //      row the token's K/V go to; spans int64 [runs, 2]: (start, length) of the context's runs
-//      in the arena, the new token's row included -> the final-normed bf16 [1, hidden].
+//      in the arena, the new token's row included;
+//   head: the output head in F's format (F::HEAD_TENSORS tensors), or none
+// -> the head's fp32 logits [1, vocab] (each its bf16 product, as the per-kernel head rounds
+//    it), or without a head the final-normed bf16 [1, hidden].
 template <typename F>
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& w,
                             const torch::Tensor& final_norm, const torch::Tensor& cos,
                             const torch::Tensor& sin, const torch::Tensor& kv, int64_t pos,
                             const torch::Tensor& spans, int64_t heads, int64_t kv_heads,
-                            int64_t dim, double eps) {
+                            int64_t dim, double eps, const std::vector<torch::Tensor>& head) {
   const bool bf16_arena = kv.scalar_type() == torch::kBFloat16;
   TORCH_CHECK((kv.scalar_type() == torch::kFloat32 || bf16_arena) && kv.dim() == 5 &&
                   kv.size(1) == 2 && kv.size(2) == kv_heads && kv.size(4) == dim && kv.stride(4) == 1,
@@ -672,11 +700,14 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& w
     TORCH_CHECK(s[2 * r] >= 0 && s[2 * r + 1] >= 0 && s[2 * r] + s[2 * r + 1] <= cap, "span ", r,
                 " (", s[2 * r], ", ", s[2 * r + 1], ") outside the arena's ", cap, " rows");
   check_layer_weights<F>(w, final_norm, x.size(1), heads, kv_heads, dim);
+  TORCH_CHECK(head.empty() || head.size() == F::HEAD_TENSORS, "head must be empty or hold ",
+              F::HEAD_TENSORS, " tensors, got ", head.size());
+  if (!head.empty()) F::check_head(head, x.size(1));
   if (bf16_arena)
     return decode_layers_impl<bf16, F>(x, w, final_norm, cos, sin, kv, pos, s, sp.size(0), heads,
-                                       kv_heads, dim, eps);
+                                       kv_heads, dim, eps, head);
   return decode_layers_impl<float, F>(x, w, final_norm, cos, sin, kv, pos, s, sp.size(0), heads,
-                                      kv_heads, dim, eps);
+                                      kv_heads, dim, eps, head);
 }
 
 // How many threads at::parallel_for runs a 64-way loop on: torch's thread count when the build
@@ -717,10 +748,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("merge_heads", &merge_heads, "attention heads -> the o_proj input", nogil);
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for runs on here");
   m.def("decode_attention", &fedkv_decode::decode_attention, "one decode step's attention over prefix runs and tails", nogil);
-  m.def("decode_layers_bf16", &decode_layers<Bf16Layer>,
-        "a session's one-token decode step through every layer, bf16 weights", nogil);
-  m.def("decode_layers_int8", &decode_layers<Int8Layer>,
-        "one token of one session through every weight-only int8 layer", nogil);
+  // decode_layers' arguments by name; without `head` it returns the final-normed row
+  auto def_step = [&](const char* name, auto fn, const char* doc) {
+    m.def(name, fn, doc, py::arg("x"), py::arg("w"), py::arg("final_norm"), py::arg("cos"),
+          py::arg("sin"), py::arg("kv"), py::arg("pos"), py::arg("spans"), py::arg("heads"),
+          py::arg("kv_heads"), py::arg("dim"), py::arg("eps"),
+          py::arg("head") = std::vector<torch::Tensor>{}, nogil);
+  };
+  def_step("decode_layers_bf16", &decode_layers<Bf16Layer>,
+           "a session's one-token decode step through every layer, bf16 weights (and the output "
+           "head: fp32 logits)");
+  def_step("decode_layers_int8", &decode_layers<Int8Layer>,
+           "one token of one session through every weight-only int8 layer (and the output head: "
+           "fp32 logits)");
   m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up", nogil);
   m.def("bf16_linear", &bf16_linear, "bf16 linear of a few bf16 rows (weights read once)", nogil);
   m.def("int8_linear", &int8_linear, "weight-only int8 linear of a few bf16 rows", nogil);

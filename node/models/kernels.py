@@ -23,8 +23,9 @@ the registers too); ``prefill_attention_spans`` the same over (start, length) sp
 elsewhere SDPA's flash kernel serves. ``bf16_linear`` is the bf16 product of a few rows,
 each weight row read once front to back on AVX-512 BF16's pair dot products
 (``node.models.projection.RowStack``). ``decode_layers_int8`` and ``decode_layers_bf16`` run a
-session's one-token step through every layer of a weight-only int8 or a bf16 model in one
-call, K/V written and attended in the arena in place (``node.models.decode_step``).
+session's one-token step through every layer of a weight-only int8 or a bf16 model and its
+output head in one call, K/V written and attended in the arena in place
+(``node.models.decode_step``).
 The elementwise ones are vectorized for AVX-512 (with BF16), with a scalar path elsewhere;
 at a prefill's hundreds of rows they are no slower than the eager ops. Their loops run on
 torch's threads (``at::parallel_for`` over OpenMP, see :data:`FLAGS`); a server keeps those

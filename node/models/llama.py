@@ -528,8 +528,8 @@ class LlamaModel(nn.Module):
         T = tokens.numel()
         cos, sin = self._rope_range(start, T)
         x = self.model.embed_tokens(tokens)
-        if T == 1 and (h := decode_step.run(self, x, cos, sin, cache, sid)) is not None:
-            return self._head(h)
+        if T == 1 and (logits := decode_step.run(self, x, cos, sin, cache, sid)) is not None:
+            return logits
         return self._head(self._hidden(x, cos, sin, "forward_cached", cache, sid,
                                        rows=slice(T - 1, T) if last_only else None))
 

@@ -161,6 +161,30 @@ def test_a_lora_adapter_on_a_bf16_model_turns_it_off(k, one_thread, monkeypatch)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("own_head", [False, True])
+def test_the_head_runs_in_the_call_where_it_is_in_the_format(k, one_thread, monkeypatch, fmt,
+                                                            own_head):
+    """The head in the model's format is the call's last product (its logits equal the
+    per-kernel path's); a head that is not (here a bf16 linear with a bias, as an adapter
+    would leave it) is applied after the call, with the same logits as the per-kernel path."""
+    m = _model(fmt)
+    if own_head:
+        m.lm_head = torch.nn.Linear(m.cfg.hidden_size, m.cfg.vocab_size, dtype=torch.bfloat16)
+    heads = []
+    real = getattr(k, STEP[fmt])
+    monkeypatch.setattr(k, STEP[fmt], lambda *a: heads.append(len(a[-1])) or real(*a))
+    logits = []
+    for one_call in (True, False):
+        kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
+        sid = kv.open_session()
+        m.prefill(list(range(3, 22)), kv, sid)
+        logits.append(_decode(m, kv, sid, [5, 9, 2], one_call, monkeypatch))
+    assert heads == [0 if own_head else (2 if fmt == "int8" else 1)] * 3
+    assert all(x.dtype == torch.float32 for x in logits[0])
+    assert all(map(torch.equal, *logits))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_bad_inputs_get_a_specific_error_and_write_nothing(k, fmt):
     m = _model(fmt)
     kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
@@ -175,9 +199,10 @@ def test_bad_inputs_get_a_specific_error_and_write_nothing(k, fmt):
     cos, sin = m._rope_range(kv.length(sid), 1)
     before = kv.arena.kv.clone()
 
-    def call(w=w, row=step.row, runs=step.runs, arena=step.kv, x=x, cos=cos, sin=sin):
+    def call(w=w, row=step.row, runs=step.runs, arena=step.kv, x=x, cos=cos, sin=sin, head=()):
         return getattr(k, STEP[fmt])(x, w, m.model.norm.weight, cos, sin, arena, row, runs,
-                                     c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+                                     c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
+                                     list(head))
 
     # the layers run on raw rows: what the per-layer ops checked is checked before the first
     with pytest.raises(RuntimeError, match="x must be bfloat16"):
@@ -213,6 +238,11 @@ def test_bad_inputs_get_a_specific_error_and_write_nothing(k, fmt):
         bad[last + 2] = bad[last + 2][:-1]
     with pytest.raises(RuntimeError, match=f"layer {c.num_layers - 1}'s weights do not chain"):
         call(w=bad)
+    head = decode_step.step_weights(m).head
+    with pytest.raises(RuntimeError, match="head must be empty or hold"):
+        call(head=head + head)
+    with pytest.raises(RuntimeError, match=f"head must take {c.hidden_size} inputs"):
+        call(head=[t[:, :-1].contiguous() if t.dim() == 2 else t for t in head])
     assert torch.equal(kv.arena.kv, before)
 
 
