@@ -50,6 +50,7 @@ for _register in (module_hooks.register_module_module_registration_hook,
                   module_hooks.register_module_buffer_registration_hook):
     _register(_registered)
 
+
 class StepWeights(NamedTuple):
     """What the one-call step reads besides the row and the cache."""
 

@@ -524,10 +524,7 @@ struct Int8Layer {
     int8_product(in, lw[PRODUCT[p]], lw[PRODUCT[p] + 1], xf, y);
   }
   static constexpr size_t HEAD_TENSORS = 2;  // the output head: codes, scales
-  static void check_head(const std::vector<torch::Tensor>& head, int64_t hidden) {
-    check_int8_weight(head[0], head[1]);
-    TORCH_CHECK(head[0].size(1) == hidden, "head must take ", hidden, " inputs, got ", head[0].size(1));
-  }
+  static void check_head(const std::vector<torch::Tensor>& head) { check_int8_weight(head[0], head[1]); }
   void head_product(const std::vector<torch::Tensor>& head, const torch::Tensor& in, bf16* y) {
     int8_product(in, head[0], head[1], xf, y);
   }
@@ -555,10 +552,7 @@ struct Bf16Layer {
     bf16_product(in, lw + PRODUCT[p], PARTS[p], y);
   }
   static constexpr size_t HEAD_TENSORS = 1;  // the output head's weight
-  static void check_head(const std::vector<torch::Tensor>& head, int64_t hidden) {
-    check_bf16_weight(head[0]);
-    TORCH_CHECK(head[0].size(1) == hidden, "head must take ", hidden, " inputs, got ", head[0].size(1));
-  }
+  static void check_head(const std::vector<torch::Tensor>& head) { check_bf16_weight(head[0]); }
   void head_product(const std::vector<torch::Tensor>& head, const torch::Tensor& in, bf16* y) {
     bf16_product(in, head.data(), 1, y);
   }
@@ -702,7 +696,11 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& w
   check_layer_weights<F>(w, final_norm, x.size(1), heads, kv_heads, dim);
   TORCH_CHECK(head.empty() || head.size() == F::HEAD_TENSORS, "head must be empty or hold ",
               F::HEAD_TENSORS, " tensors, got ", head.size());
-  if (!head.empty()) F::check_head(head, x.size(1));
+  if (!head.empty()) {
+    F::check_head(head);  // [vocab, hidden] in either format (int8: its codes)
+    TORCH_CHECK(head[0].size(1) == x.size(1), "head must take ", x.size(1), " inputs, got ",
+                head[0].size(1));
+  }
   if (bf16_arena)
     return decode_layers_impl<bf16, F>(x, w, final_norm, cos, sin, kv, pos, s, sp.size(0), heads,
                                        kv_heads, dim, eps, head);
