@@ -292,8 +292,9 @@ def test_each_way_of_assigning_a_weight_is_seen(replace):
         down.q = down.q.clone()
         expect, at = down.q, 8
     elif replace == "parameter":
-        m.model.norm.weight = torch.nn.Parameter(m.model.norm.weight.detach().clone())
-        expect, at = None, None
+        norm = m.model.layers[1].post_attention_layernorm
+        norm.weight = torch.nn.Parameter(norm.weight.detach().clone())
+        expect, at = norm.weight, decode_step.PER_LAYER["int8"] + 5
     elif replace == "layer":  # a ModuleList item
         fresh = _int8()
         m.model.layers[1] = fresh.model.layers[1]
@@ -308,8 +309,7 @@ def test_each_way_of_assigning_a_weight_is_seen(replace):
         qkv.move(qkv.matrix().clone())
         expect, at = qkv.matrix(), 1
     second = decode_step.layer_weights(m)
-    assert second is not first
-    assert at is None or second[at] is expect
+    assert second is not first and second[at] is expect
     assert decode_step.layer_weights(m) is second
 
 
