@@ -622,11 +622,7 @@ torch::Tensor decode_layers_impl(torch::Tensor x, const std::vector<torch::Tenso
   // the head's logits: bf16 sums (as its per-kernel product rounds them), returned in fp32
   auto y = torch::empty({1, head[0].size(0)}, x.options());
   format.head_product(head, h, y.data_ptr<bf16>());
-  auto logits = torch::empty({1, y.size(1)}, torch::TensorOptions().dtype(torch::kFloat32));
-  const bf16* yp = y.data_ptr<bf16>();
-  float* lp = logits.data_ptr<float>();
-  for (int64_t i = 0; i < y.size(1); ++i) lp[i] = static_cast<float>(yp[i]);
-  return logits;
+  return y.to(torch::kFloat32);
 }
 
 // Every layer's weights in F's format and of shapes that chain (hidden -> q/k/v -> o -> hidden
