@@ -495,8 +495,9 @@ constexpr int64_t MIN_CHUNK_ROWS = 128;  // a prefix chunk shorter than this is 
 
 // How many chunks of its prefix each KV head of a lone row with no tail is split into (see
 // attend_chunks): as row_parts, 1 where the threads divide the heads or the prefix is short.
-int64_t prefix_chunks(int64_t Hk, int64_t B, int64_t tail_len, int64_t n_prefix) {
-  const int64_t t = std::max(1, at::get_num_threads()), parts = t / std::gcd(Hk, t);
+int64_t prefix_chunks(int64_t Hk, int64_t B, int64_t tail_len, int64_t n_prefix,
+                      int64_t threads = at::get_num_threads()) {
+  const int64_t t = std::max<int64_t>(1, threads), parts = t / std::gcd(Hk, t);
   if (B != 1 || tail_len != 0 || n_prefix < parts * MIN_CHUNK_ROWS) return 1;
   return parts;
 }
@@ -541,6 +542,25 @@ ChunkSums& thread_chunk_sums() {
   return sums;
 }
 
+// Each query's chunk sums (attend_chunk's) merged by their maxima into out [Hk, G, 1, D]
+// (zeroed): query (h, g)'s chunk c at h * chunks * G + c * G + g.
+void merge_chunks(float* out, int64_t Hk, int64_t G, int64_t D, int64_t chunks, const float* o,
+                  const float* m, const float* l) {
+  for (int64_t h = 0; h < Hk; ++h)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t first = h * chunks * G + g;  // chunk c of (h, g) at first + c * G
+      float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, m[first + c * G]);
+      float* dst = out + (h * G + g) * D;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float f = std::exp(m[first + c * G] - mx);
+        sum += f * l[first + c * G];
+        for (int64_t d = 0; d < D; ++d) dst[d] += f * o[(first + c * G) * D + d];
+      }
+      for (int64_t d = 0; d < D; ++d) dst[d] /= sum;
+    }
+}
+
 // A lone row's attention with each KV head's prefix split into `chunks` (flash-decoding): the
 // tasks become a multiple of the threads (SmolLM2's 3 heads over 2 threads left one idle a
 // third of the time), then each query's chunks are merged by their maxima.
@@ -557,20 +577,7 @@ void attend_chunks(const Rows<P>& r, int64_t chunks) {
     for (int64_t t = begin; t < end; ++t)
       attend_chunk(r, t / chunks, t % chunks, chunks, o + t * G * D, m + t * G, l + t * G, w);
   });
-  float* out = r.out.template data_ptr<float>();
-  for (int64_t h = 0; h < Hk; ++h)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t first = h * chunks * G + g;  // chunk c of (h, g) at first + c * G
-      float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
-      for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, m[first + c * G]);
-      float* dst = out + (h * G + g) * D;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const float f = std::exp(m[first + c * G] - mx);
-        sum += f * l[first + c * G];
-        for (int64_t d = 0; d < D; ++d) dst[d] += f * o[(first + c * G) * D + d];
-      }
-      for (int64_t d = 0; d < D; ++d) dst[d] /= sum;
-    }
+  merge_chunks(r.out.template data_ptr<float>(), Hk, G, D, chunks, o, m, l);
 }
 
 // decode_attention's work, for tails of element type T (fp32 or bf16, read as fp32): per KV
@@ -619,6 +626,49 @@ torch::Tensor attend_decode(const torch::Tensor& q, const std::vector<RunOf<P>>&
   attend_decode_into(q.contiguous(), out, pk, pv, tail_k, tail_v, tail_valid, slot);
   return out;
 }
+
+template <typename P>
+LoneRowAttention<P>::LoneRowAttention(const torch::Tensor& q, torch::Tensor& out)
+    : q_(q), out_(out) {}
+
+template <typename P>
+void LoneRowAttention<P>::begin(const std::vector<RunOf<P>>& pk, const std::vector<RunOf<P>>& pv,
+                                int64_t threads) {
+  pk_ = &pk, pv_ = &pv, threads_ = std::max<int64_t>(1, threads);
+  n_prefix_ = 0;
+  for (const RunOf<P>& run : pk) n_prefix_ += run.n;
+  const int64_t Hk = q_.size(0), G = q_.size(1), D = q_.size(3);
+  chunks_ = prefix_chunks(Hk, 1, 0, n_prefix_, threads_);
+  std::fill_n(out_.data_ptr<float>(), out_.numel(), 0.f);
+  if (chunks_ > 1) o_.assign(Hk * chunks_ * G * D, 0.f), m_.resize(Hk * chunks_ * G), l_.resize(Hk * chunks_ * G);
+}
+
+template <typename P>
+void LoneRowAttention<P>::run(int64_t t) {
+  const int64_t Hk = q_.size(0), G = q_.size(1), D = q_.size(3), tasks = Hk * chunks_;
+  const int64_t used = std::min(threads_, tasks), per = (tasks + used - 1) / used;  // ATen's split
+  static const torch::Tensor no_valid = torch::empty({1, 0}, torch::kBool);  // no tail
+  static const std::vector<int64_t> no_slot{0};
+  const Rows<P> r{q_, out_, no_valid, no_slot, *pk_, *pv_, n_prefix_};
+  Scratch& w = thread_scratch();
+  for (int64_t k = t * per; k < std::min(tasks, (t + 1) * per); ++k) {
+    if (chunks_ > 1)
+      attend_chunk(r, k / chunks_, k % chunks_, chunks_, o_.data() + k * G * D, m_.data() + k * G,
+                   l_.data() + k * G, w);
+    else  // whole heads, as attend_rows runs a lone row's below the chunks' length
+      attend_head(r, RunOf<float>{nullptr, 0, 0, 0}, RunOf<float>{nullptr, 0, 0, 0}, 0, 0, k, 0, 1, w);
+  }
+}
+
+template <typename P>
+void LoneRowAttention<P>::finish() {
+  if (chunks_ > 1)
+    merge_chunks(out_.data_ptr<float>(), q_.size(0), q_.size(1), q_.size(3), chunks_, o_.data(),
+                 m_.data(), l_.data());
+}
+
+template class LoneRowAttention<float>;
+template class LoneRowAttention<bf16>;
 
 template void attend_decode_into<float>(const torch::Tensor&, torch::Tensor&,
                                         const std::vector<RunOf<float>>&,

@@ -28,6 +28,27 @@ void attend_decode_into(const torch::Tensor& q, torch::Tensor& out,
                         const torch::Tensor& tail_k, const torch::Tensor& tail_v,
                         const torch::Tensor& tail_valid, const std::vector<int64_t>& slot);
 
+// One lone query row's attention over prefix runs alone (a decode_layers step's, no tail) as
+// tasks for the threads of one parallel region: attend_decode_into's tasks, sums and merge for
+// that row, so its results are attend_decode_into's. Per layer: begin (one thread, with the
+// region's thread count), run (every thread, its tasks), then finish (one thread, after all).
+template <typename P>
+class LoneRowAttention {
+ public:
+  // q [kv_heads, group, 1, dim] and out (q's shape), fp32 contiguous, kept for every layer
+  LoneRowAttention(const torch::Tensor& q, torch::Tensor& out);
+  void begin(const std::vector<RunOf<P>>& pk, const std::vector<RunOf<P>>& pv, int64_t threads);
+  void run(int64_t thread);
+  void finish();
+
+ private:
+  torch::Tensor q_, out_;
+  int64_t threads_ = 1, n_prefix_ = 0, chunks_ = 1;
+  const std::vector<RunOf<P>>* pk_ = nullptr;
+  const std::vector<RunOf<P>>* pv_ = nullptr;
+  std::vector<float> o_, m_, l_;  // per task: each query's unnormalized sums, maxima, exp sums
+};
+
 // decode_attention (below) over runs already checked, or made from checked spans: for an
 // arena of P = float or c10::BFloat16 (the two decode_attention.cpp instantiates).
 template <typename P>

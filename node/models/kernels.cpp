@@ -17,6 +17,10 @@
 #define FEDKV_AVX512 1
 #endif
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "decode_attention.h"
 #include "vec_math.h"
 
@@ -24,7 +28,6 @@ namespace {
 
 using bf16 = c10::BFloat16;
 using fedkv_decode::attend_decode;
-using fedkv_decode::attend_decode_into;
 using fedkv_decode::RunOf;
 
 inline float round_bf16(float v) { return static_cast<float>(bf16(v)); }
@@ -408,6 +411,23 @@ void int8_product(const torch::Tensor& x, const torch::Tensor& q, const torch::T
   for (int64_t o = N / 4 * 4; o < N; ++o) int8_rows<1>(qp, xp, sp, y, o, M, K, N);
 }
 
+// Thread t of T's share of int8_product, on the calling thread (a decode step's one parallel
+// region): its quarter-rows' blocks of the split, the last thread also the rows past the last
+// whole block; x widened into the thread's own buffer.
+void int8_share(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                bf16* y, int64_t t, int64_t T) {
+  thread_local std::vector<float> xf;
+  const int64_t M = x.size(0), K = q.size(1), N = q.size(0), blocks = N / 4;
+  const bf16* xb = x.data_ptr<bf16>();
+  xf.resize(std::max<size_t>(xf.size(), M * K));
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xb[i]);
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  for (int64_t b = blocks * t / T; b < blocks * (t + 1) / T; ++b) int8_rows<4>(qp, xf.data(), sp, y, b * 4, M, K, N);
+  if (t == T - 1)
+    for (int64_t o = blocks * 4; o < N; ++o) int8_rows<1>(qp, xf.data(), sp, y, o, M, K, N);
+}
+
 // int8_product of checked tensors, its result allocated.
 torch::Tensor int8_linear(const torch::Tensor& x_in, const torch::Tensor& q, const torch::Tensor& scale) {
   auto x = x_in.contiguous();
@@ -473,22 +493,24 @@ void check_bf16_product(const torch::Tensor& x, const torch::Tensor& w) {
 // rounded once, as oneDNN's bf16 GEMM does. Memory-bound at decode's rows: each weight row is
 // read once for all M, and each thread reads its rows' span front to back (one stream where
 // the parts lie end to end, as projection.RowStack lays them).
-void bf16_product(const torch::Tensor& x, const torch::Tensor* ws, int parts, bf16* y) {
-  const int64_t M = x.size(0), K = ws[0].size(1);
-  int64_t N = 0, first[4];  // part j's rows are y's columns first[j] .. first[j + 1]
-  const bf16* wp[3];
-  for (int j = 0; j < parts; ++j) {
-    first[j] = N;
-    N += ws[j].size(0);
-    wp[j] = ws[j].data_ptr<bf16>();
+struct Bf16Parts {
+  const bf16* w[3];
+  int64_t first[4];  // part j's rows are y's columns first[j] .. first[j + 1]
+  int64_t K, N;
+  Bf16Parts(const torch::Tensor* ws, int parts) : K(ws[0].size(1)), N(0) {
+    for (int j = 0; j < parts; ++j) {
+      first[j] = N;
+      N += ws[j].size(0);
+      w[j] = ws[j].data_ptr<bf16>();
+    }
+    first[parts] = N;
   }
-  first[parts] = N;
-  const bf16* xp = x.data_ptr<bf16>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  // y's columns [begin, end) for x's M rows, on the calling thread
+  void rows(const bf16* xp, int64_t M, bf16* y, int64_t begin, int64_t end) const {
     int j = 0;
     for (int64_t n = begin; n < end; ++n) {
       while (n >= first[j + 1]) ++j;
-      const bf16* row = wp[j] + (n - first[j]) * K;
+      const bf16* row = w[j] + (n - first[j]) * K;
       switch (M) {
         case 4: bf16_row<4>(row, xp, y + n, K, N); break;
         case 3: bf16_row<3>(row, xp, y + n, K, N); break;
@@ -496,7 +518,21 @@ void bf16_product(const torch::Tensor& x, const torch::Tensor* ws, int parts, bf
         default: bf16_row<1>(row, xp, y + n, K, N); break;
       }
     }
+  }
+};
+
+void bf16_product(const torch::Tensor& x, const torch::Tensor* ws, int parts, bf16* y) {
+  const Bf16Parts w(ws, parts);
+  at::parallel_for(0, w.N, 16, [&](int64_t begin, int64_t end) {
+    w.rows(x.data_ptr<bf16>(), x.size(0), y, begin, end);
   });
+}
+
+// Thread t of T's share of bf16_product (its rows of an even split), on the calling thread.
+void bf16_share(const torch::Tensor& x, const torch::Tensor* ws, int parts, bf16* y, int64_t t,
+                int64_t T) {
+  const Bf16Parts w(ws, parts);
+  w.rows(x.data_ptr<bf16>(), x.size(0), y, w.N * t / T, w.N * (t + 1) / T);
 }
 
 // bf16_product of checked tensors, its result allocated.
@@ -514,19 +550,20 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w) {
 struct Int8Layer {
   static constexpr int64_t TENSORS = 10;
   static constexpr int NORM[2] = {0, 5}, PRODUCT[4] = {1, 3, 6, 8};
-  std::vector<float> xf;  // a product's input row, widened; reused by every product
   static void check(const torch::Tensor* lw, int p) {
     check_int8_weight(lw[PRODUCT[p]], lw[PRODUCT[p] + 1]);
   }
   static int64_t out(const torch::Tensor* lw, int p) { return lw[PRODUCT[p]].size(0); }
   static int64_t in(const torch::Tensor* lw, int p) { return lw[PRODUCT[p]].size(1); }
-  void product(const torch::Tensor* lw, int p, const torch::Tensor& in, bf16* y) {
-    int8_product(in, lw[PRODUCT[p]], lw[PRODUCT[p] + 1], xf, y);
+  // thread t of T's share of product p
+  static void share(const torch::Tensor* lw, int p, const torch::Tensor& in, bf16* y, int64_t t, int64_t T) {
+    int8_share(in, lw[PRODUCT[p]], lw[PRODUCT[p] + 1], y, t, T);
   }
   static constexpr size_t HEAD_TENSORS = 2;  // the output head: codes, scales
   static void check_head(const std::vector<torch::Tensor>& head) { check_int8_weight(head[0], head[1]); }
-  void head_product(const std::vector<torch::Tensor>& head, const torch::Tensor& in, bf16* y) {
-    int8_product(in, head[0], head[1], xf, y);
+  static void head_share(const std::vector<torch::Tensor>& head, const torch::Tensor& in, bf16* y,
+                         int64_t t, int64_t T) {
+    int8_share(in, head[0], head[1], y, t, T);
   }
 };
 
@@ -548,20 +585,42 @@ struct Bf16Layer {
     return n;
   }
   static int64_t in(const torch::Tensor* lw, int p) { return lw[PRODUCT[p]].size(1); }
-  void product(const torch::Tensor* lw, int p, const torch::Tensor& in, bf16* y) {
-    bf16_product(in, lw + PRODUCT[p], PARTS[p], y);
+  static void share(const torch::Tensor* lw, int p, const torch::Tensor& in, bf16* y, int64_t t, int64_t T) {
+    bf16_share(in, lw + PRODUCT[p], PARTS[p], y, t, T);
   }
   static constexpr size_t HEAD_TENSORS = 1;  // the output head's weight
   static void check_head(const std::vector<torch::Tensor>& head) { check_bf16_weight(head[0]); }
-  void head_product(const std::vector<torch::Tensor>& head, const torch::Tensor& in, bf16* y) {
-    bf16_product(in, head.data(), 1, y);
+  static void head_share(const std::vector<torch::Tensor>& head, const torch::Tensor& in, bf16* y,
+                         int64_t t, int64_t T) {
+    bf16_share(in, head.data(), 1, y, t, T);
   }
 };
+
+// The calling thread's number in the OpenMP region it runs in, and the region's thread count
+// (0 and 1 in a build without OpenMP, SERIAL_FLAGS: the region's body runs once).
+inline int64_t region_thread() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+inline int64_t region_threads() {
+#ifdef _OPENMP
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
 
 // decode_layers' layers over an arena of element type P, weights in format F (checked once, by
 // check_layer_weights): the token's K/V (bf16 values, rope_split rounds them) go to row `pos`
 // exactly in either type. Every row between the kernels lives in a buffer made once per call:
 // the per-kernel path's fresh tensors, ~8 a layer, each cost an allocation and its dispatch.
+// The whole step is one parallel region on torch's threads: each product's rows are split
+// over them, the attention's tasks too, and a barrier orders each step on the next; the short
+// row-wise ops between run on one thread (`omp single`). An at::parallel_for per product, each
+// a fork and join of the threads, read the weights slower (experiments.bench_llm's fraction).
 template <typename P, typename F>
 torch::Tensor decode_layers_impl(torch::Tensor x, const std::vector<torch::Tensor>& w,
                                  const torch::Tensor& final_norm, const torch::Tensor& cos,
@@ -573,9 +632,6 @@ torch::Tensor decode_layers_impl(torch::Tensor x, const std::vector<torch::Tenso
   std::vector<RunOf<P>> pk(n_runs), pv(n_runs);  // heads and rows; per layer their base
   for (int64_t r = 0; r < n_runs; ++r) pk[r] = pv[r] = RunOf<P>{nullptr, kv.stride(2), kv.stride(3), s[2 * r + 1]};
   auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
-  auto no_tail = torch::empty({kv_heads, 1, 0, dim}, f32);
-  auto no_valid = torch::empty({1, 0}, torch::TensorOptions().dtype(torch::kBool));
-  const std::vector<int64_t> no_slot{0};
   // q [kv_heads, group, 1, dim] and the attention's output alike; the token's k, v; the merged
   // heads (o_proj's input), SwiGLU's output and the normed row (the other products' input)
   auto q = torch::empty({kv_heads, heads / kv_heads, 1, dim}, f32), att = torch::empty_like(q);
@@ -583,46 +639,63 @@ torch::Tensor decode_layers_impl(torch::Tensor x, const std::vector<torch::Tenso
   auto merged = torch::empty({1, heads * dim}, x.options());
   torch::Tensor act = torch::empty({1, F::out(w.data(), 2) / 2}, x.options());
   auto h = torch::empty({1, E}, x.options());
-  F format;
   torch::Tensor ys[4];  // each of a layer's four products' output, reused by every layer
   for (int p = 0; p < 4; ++p) ys[p] = torch::empty({1, F::out(w.data(), p)}, x.options());
-  auto product = [&](const torch::Tensor* lw, int p, const torch::Tensor& in) {
-    format.product(lw, p, in, ys[p].data_ptr<bf16>());
-    return ys[p].data_ptr<bf16>();
-  };
+  torch::Tensor y = head.empty() ? h : torch::empty({1, head[0].size(0)}, x.options());
+  fedkv_decode::LoneRowAttention<P> attention(q, att);
   bf16* xp = x.data_ptr<bf16>();
   norm_rows(xp, w[F::NORM[0]].template data_ptr<bf16>(), h.data_ptr<bf16>(), 1, E, eps);
-  for (int64_t l = 0; l < L; ++l) {
-    const torch::Tensor* lw = w.data() + F::TENSORS * l;
-    P* base = kv.data_ptr<P>() + l * kv.stride(0);
-    rope_split_impl<float>(product(lw, 0, h), cos.data_ptr<bf16>(), sin.data_ptr<bf16>(),
-                           q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), 1,
-                           heads, kv_heads, dim);
-    for (int64_t kvi = 0; kvi < 2; ++kvi) {  // the token's K and V into its arena row
-      const float* src = (kvi == 0 ? k : v).data_ptr<float>();
-      for (int64_t hk = 0; hk < kv_heads; ++hk) {
-        P* dst = base + kvi * kv.stride(1) + hk * kv.stride(2) + pos * kv.stride(3);
-        for (int64_t i = 0; i < dim; ++i) dst[i] = static_cast<P>(src[hk * dim + i]);
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const int64_t t = region_thread(), T = region_threads();
+    auto product = [&](const torch::Tensor* lw, int p, const torch::Tensor& in) {
+      F::share(lw, p, in, ys[p].data_ptr<bf16>(), t, T);
+#pragma omp barrier
+      return ys[p].data_ptr<bf16>();
+    };
+    for (int64_t l = 0; l < L; ++l) {
+      const torch::Tensor* lw = w.data() + F::TENSORS * l;
+      const bf16* qkv = product(lw, 0, h);
+#pragma omp single
+      {
+        P* base = kv.data_ptr<P>() + l * kv.stride(0);
+        rope_split_impl<float>(qkv, cos.data_ptr<bf16>(), sin.data_ptr<bf16>(), q.data_ptr<float>(),
+                               k.data_ptr<float>(), v.data_ptr<float>(), 1, heads, kv_heads, dim);
+        for (int64_t kvi = 0; kvi < 2; ++kvi) {  // the token's K and V into its arena row
+          const float* src = (kvi == 0 ? k : v).data_ptr<float>();
+          for (int64_t hk = 0; hk < kv_heads; ++hk) {
+            P* dst = base + kvi * kv.stride(1) + hk * kv.stride(2) + pos * kv.stride(3);
+            for (int64_t i = 0; i < dim; ++i) dst[i] = static_cast<P>(src[hk * dim + i]);
+          }
+        }
+        for (int64_t r = 0; r < n_runs; ++r) {
+          pk[r].base = base + s[2 * r] * kv.stride(3);
+          pv[r].base = pk[r].base + kv.stride(1);
+        }
+        attention.begin(pk, pv, T);
       }
+      attention.run(t);
+#pragma omp barrier
+#pragma omp single
+      {
+        attention.finish();
+        merge_impl<float>(att.data_ptr<float>(), merged.data_ptr<bf16>(), heads, 1, dim);
+      }
+      const bf16* o = product(lw, 1, merged);
+#pragma omp single
+      add_norm_rows(xp, o, lw[F::NORM[1]].template data_ptr<bf16>(), h.data_ptr<bf16>(), 1, E, eps);
+      const bf16* gate_up = product(lw, 2, h);
+#pragma omp single
+      silu_mul_rows(gate_up, act.data_ptr<bf16>(), 1, act.size(1));
+      const bf16* down = product(lw, 3, act);
+      const torch::Tensor& next_norm = l + 1 < L ? w[F::TENSORS * (l + 1) + F::NORM[0]] : final_norm;
+#pragma omp single
+      add_norm_rows(xp, down, next_norm.data_ptr<bf16>(), h.data_ptr<bf16>(), 1, E, eps);
     }
-    for (int64_t r = 0; r < n_runs; ++r) {
-      pk[r].base = base + s[2 * r] * kv.stride(3);
-      pv[r].base = pk[r].base + kv.stride(1);
-    }
-    attend_decode_into(q, att, pk, pv, no_tail, no_tail, no_valid, no_slot);
-    merge_impl<float>(att.data_ptr<float>(), merged.data_ptr<bf16>(), heads, 1, dim);
-    add_norm_rows(xp, product(lw, 1, merged), lw[F::NORM[1]].template data_ptr<bf16>(),
-                  h.data_ptr<bf16>(), 1, E, eps);
-    silu_mul_rows(product(lw, 2, h), act.data_ptr<bf16>(), 1, act.size(1));
-    const torch::Tensor& next_norm = l + 1 < L ? w[F::TENSORS * (l + 1) + F::NORM[0]] : final_norm;
-    add_norm_rows(xp, product(lw, 3, act), next_norm.data_ptr<bf16>(), h.data_ptr<bf16>(), 1, E,
-                  eps);
+    // the head's logits: bf16 sums (as its per-kernel product rounds them)
+    if (!head.empty()) F::head_share(head, h, y.data_ptr<bf16>(), t, T);
   }
-  if (head.empty()) return h;
-  // the head's logits: bf16 sums (as its per-kernel product rounds them), returned in fp32
-  auto y = torch::empty({1, head[0].size(0)}, x.options());
-  format.head_product(head, h, y.data_ptr<bf16>());
-  return y.to(torch::kFloat32);
+  return head.empty() ? h : y.to(torch::kFloat32);  // the logits returned in fp32
 }
 
 // Every layer's weights in F's format and of shapes that chain (hidden -> q/k/v -> o -> hidden

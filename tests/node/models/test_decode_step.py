@@ -89,6 +89,34 @@ def test_one_call_gives_the_per_kernel_logits_and_kv(k, one_thread, monkeypatch,
                 assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("context", [40, 300])
+def test_two_threads_give_the_per_kernel_logits_and_kv(k, monkeypatch, fmt, context):
+    """On two threads the step is one parallel region: each product's rows split between them,
+    and the attention's tasks -- 3 KV heads, each head's prefix in two chunks past 256 tokens,
+    whole heads below -- the tasks and sums of the per-kernel path's at::parallel_for, so the
+    logits and K/V are equal."""
+    m = precision.convert(tiny_llama(std=0.2, head_dim=64, num_heads=6, num_kv_heads=3), fmt)
+    before = torch.get_num_threads()
+    made = []
+    try:
+        torch.set_num_threads(2)
+        for one_call in (True, False):
+            kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=4 << 20, kv_dtype="bf16"))
+            sid = kv.open_session()
+            m.prefill([(7 * i) % 100 + 3 for i in range(context)], kv, sid)
+            toks = [5, 9, 2, 7, 11, 4, 8, 6, 1, 3]
+            made.append((_decode(m, kv, sid, toks, one_call, monkeypatch), kv, sid))
+    finally:
+        torch.set_num_threads(before)
+    (a, kv_a, sa), (b, kv_b, sb) = made
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    for layer in range(m.cfg.num_layers):
+        for p, q in zip(kv_a.read(sa, layer), kv_b.read(sb, layer)):
+            assert torch.equal(p, q)
+
+
 def test_a_churned_context_is_attended_over_its_runs(k, one_thread):
     """The churned session's step reads several runs, the new token's row in the last."""
     m = _int8()
