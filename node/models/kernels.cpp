@@ -613,6 +613,18 @@ inline int64_t region_threads() {
 #endif
 }
 
+// The token's k and v (fp32 [kv_heads * dim] each, bf16 values) into row `pos` of one layer's
+// K/V at `base` in the arena `kv` [layers, 2, kv_heads, tokens, dim]: exact in fp32 or bf16.
+template <typename P>
+void store_token_kv(const torch::Tensor& kv, P* base, int64_t pos, const float* k, const float* v) {
+  const int64_t kv_heads = kv.size(2), dim = kv.size(4);
+  for (int64_t kvi = 0; kvi < 2; ++kvi)
+    for (int64_t hk = 0; hk < kv_heads; ++hk) {
+      P* dst = base + kvi * kv.stride(1) + hk * kv.stride(2) + pos * kv.stride(3);
+      for (int64_t i = 0; i < dim; ++i) dst[i] = static_cast<P>((kvi == 0 ? k : v)[hk * dim + i]);
+    }
+}
+
 // decode_layers' layers over an arena of element type P, weights in format F (checked once, by
 // check_layer_weights): the token's K/V (bf16 values, rope_split rounds them) go to row `pos`
 // exactly in either type. Every row between the kernels lives in a buffer made once per call:
@@ -661,13 +673,7 @@ torch::Tensor decode_layers_impl(torch::Tensor x, const std::vector<torch::Tenso
         P* base = kv.data_ptr<P>() + l * kv.stride(0);
         rope_split_impl<float>(qkv, cos.data_ptr<bf16>(), sin.data_ptr<bf16>(), q.data_ptr<float>(),
                                k.data_ptr<float>(), v.data_ptr<float>(), 1, heads, kv_heads, dim);
-        for (int64_t kvi = 0; kvi < 2; ++kvi) {  // the token's K and V into its arena row
-          const float* src = (kvi == 0 ? k : v).data_ptr<float>();
-          for (int64_t hk = 0; hk < kv_heads; ++hk) {
-            P* dst = base + kvi * kv.stride(1) + hk * kv.stride(2) + pos * kv.stride(3);
-            for (int64_t i = 0; i < dim; ++i) dst[i] = static_cast<P>(src[hk * dim + i]);
-          }
-        }
+        store_token_kv(kv, base, pos, k.data_ptr<float>(), v.data_ptr<float>());
         for (int64_t r = 0; r < n_runs; ++r) {
           pk[r].base = base + s[2 * r] * kv.stride(3);
           pv[r].base = pk[r].base + kv.stride(1);

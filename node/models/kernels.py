@@ -28,7 +28,8 @@ output head in one call, K/V written and attended in the arena in place
 (``node.models.decode_step``).
 The elementwise ones are vectorized for AVX-512 (with BF16), with a scalar path elsewhere;
 at a prefill's hundreds of rows they are no slower than the eager ops. Their loops run on
-torch's threads (``at::parallel_for`` over OpenMP, see :data:`FLAGS`); a server keeps those
+torch's threads (``at::parallel_for`` over OpenMP, see :data:`FLAGS`; the one-call decode step
+runs in one OpenMP region on them, its products split between barriers); a server keeps those
 threads' OpenMP workers on its forward thread alone (``node.engine.openmp_pool``).
 ``experiments.bench_llm`` measures the decode they give (``decode_tokens_per_s.<ctx>.fedkv_bf16``
 and ``.fedkv_int8_weights``; the same run with ``FEDKV_KERNELS=eager`` is the baseline).
