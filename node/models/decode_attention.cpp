@@ -493,8 +493,9 @@ int64_t row_parts(int64_t Hk, int64_t B) {
 
 constexpr int64_t MIN_CHUNK_ROWS = 128;  // a prefix chunk shorter than this is not split off
 
-// How many chunks of its prefix each KV head of a lone row with no tail is split into (see
-// attend_chunks): as row_parts, 1 where the threads divide the heads or the prefix is short.
+// How many chunks of its prefix each KV head of a lone row with no tail is split into
+// (flash-decoding, LoneRowAttention: SmolLM2's 3 heads over 2 threads left one idle a third of
+// the time): as row_parts, 1 where the threads divide the heads or the prefix is short.
 int64_t prefix_chunks(int64_t Hk, int64_t B, int64_t tail_len, int64_t n_prefix,
                       int64_t threads = at::get_num_threads()) {
   const int64_t t = std::max<int64_t>(1, threads), parts = t / std::gcd(Hk, t);
@@ -517,7 +518,7 @@ std::vector<RunOf<P>> runs_between(const std::vector<RunOf<P>>& runs, int64_t p0
 
 // One KV head's queries (a lone row's G) over chunk c of the prefix: the scores' maximum m[g],
 // their exps' sum l[g] and the exp-weighted sum of the chunk's values o[g * D ...] (not yet
-// divided by the sum: attend_chunks merges the chunks).
+// divided by the sum: LoneRowAttention merges the chunks).
 template <typename P>
 void attend_chunk(const Rows<P>& r, int64_t h, int64_t c, int64_t chunks, float* o, float* m,
                   float* l, Scratch& w) {
@@ -530,16 +531,6 @@ void attend_chunk(const Rows<P>& r, int64_t h, int64_t c, int64_t chunks, float*
   prefix_scores(part, h, w.qs, w.sc, 1.0f / std::sqrt(static_cast<float>(D)), D);
   for (int64_t g = 0; g < G; ++g) m[g] = max_of(w.sc[g], n), l[g] = exp_shift_sum(w.sc[g], n, m[g]);
   prefix_values(part, h, w.live, w.sc, w.os, D);
-}
-
-// attend_chunks' per-chunk maxima, sums and outputs, kept by the thread that merges them.
-struct ChunkSums {
-  std::vector<float> o, m, l;
-};
-
-ChunkSums& thread_chunk_sums() {
-  thread_local ChunkSums sums;
-  return sums;
 }
 
 // Each query's chunk sums (attend_chunk's) merged by their maxima into out [Hk, G, 1, D]
@@ -561,33 +552,21 @@ void merge_chunks(float* out, int64_t Hk, int64_t G, int64_t D, int64_t chunks, 
     }
 }
 
-// A lone row's attention with each KV head's prefix split into `chunks` (flash-decoding): the
-// tasks become a multiple of the threads (SmolLM2's 3 heads over 2 threads left one idle a
-// third of the time), then each query's chunks are merged by their maxima.
-template <typename P>
-void attend_chunks(const Rows<P>& r, int64_t chunks) {
-  const int64_t Hk = r.q.size(0), G = r.q.size(1), D = r.q.size(3), tasks = Hk * chunks;
-  ChunkSums& sums = thread_chunk_sums();  // the calling thread's (workers index into it)
-  sums.o.assign(tasks * G * D, 0.f), sums.m.resize(tasks * G), sums.l.resize(tasks * G);
-  float* o = sums.o.data();
-  float* m = sums.m.data();
-  float* l = sums.l.data();
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    Scratch& w = thread_scratch();
-    for (int64_t t = begin; t < end; ++t)
-      attend_chunk(r, t / chunks, t % chunks, chunks, o + t * G * D, m + t * G, l + t * G, w);
-  });
-  merge_chunks(r.out.template data_ptr<float>(), Hk, G, D, chunks, o, m, l);
-}
-
 // decode_attention's work, for tails of element type T (fp32 or bf16, read as fp32): per KV
 // head and part of its rows, the prefix scores of every query, then each row's tail scores and
 // softmax, then the prefix values for every query, then each row's tail values.
 template <typename T, typename P>
 void attend_rows(const Rows<P>& r, RunOf<T> tk, RunOf<T> tv, int64_t tk_slot, int64_t tv_slot) {
   const int64_t Hk = r.q.size(0), B = r.q.size(2), parts = row_parts(Hk, B);
-  const int64_t chunks = prefix_chunks(Hk, B, tk.n, r.n_prefix);
-  if (chunks > 1) return attend_chunks(r, chunks);
+  if (prefix_chunks(Hk, B, tk.n, r.n_prefix) > 1) {  // a lone row, no tail: LoneRowAttention's
+    const int64_t threads = at::get_num_threads();       // tasks on torch's threads
+    LoneRowAttention<P> lone(r.q, r.out);
+    lone.begin(r.pk, r.pv, threads);
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) lone.run(t);
+    });
+    return lone.finish();
+  }
   at::parallel_for(0, Hk * parts, 1, [&](int64_t begin, int64_t end) {
     Scratch& w = thread_scratch();
     for (int64_t task = begin; task < end; ++task) {
@@ -628,7 +607,7 @@ torch::Tensor attend_decode(const torch::Tensor& q, const std::vector<RunOf<P>>&
 }
 
 template <typename P>
-LoneRowAttention<P>::LoneRowAttention(const torch::Tensor& q, torch::Tensor& out)
+LoneRowAttention<P>::LoneRowAttention(const torch::Tensor& q, const torch::Tensor& out)
     : q_(q), out_(out) {}
 
 template <typename P>

@@ -36,7 +36,7 @@ template <typename P>
 class LoneRowAttention {
  public:
   // q [kv_heads, group, 1, dim] and out (q's shape), fp32 contiguous, kept for every layer
-  LoneRowAttention(const torch::Tensor& q, torch::Tensor& out);
+  LoneRowAttention(const torch::Tensor& q, const torch::Tensor& out);
   void begin(const std::vector<RunOf<P>>& pk, const std::vector<RunOf<P>>& pv, int64_t threads);
   void run(int64_t thread);
   void finish();

@@ -394,47 +394,53 @@ void check_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Ten
 
 // Weight-only int8 product of a few rows: x bf16 [M, K] (contiguous), q int8 [N, K], scale
 // fp32 [N] -> y bf16 [M, N]. Reads each weight byte once per call (memory-bound at decode's
-// few rows). x's rows are widened to fp32 in `xf` (grown to M * K floats): no allocation
-// past its first use, for a caller that runs many (decode_layers_int8).
-void int8_product(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
-                  std::vector<float>& xf, bf16* y) {
-  const int64_t M = x.size(0), K = q.size(1), N = q.size(0);
-  const bf16* xb = x.data_ptr<bf16>();
-  xf.resize(std::max<size_t>(xf.size(), M * K));
-  for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xb[i]);
-  const float* xp = xf.data();
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  at::parallel_for(0, N / 4, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) int8_rows<4>(qp, xp, sp, y, b * 4, M, K, N);
-  });
-  for (int64_t o = N / 4 * 4; o < N; ++o) int8_rows<1>(qp, xp, sp, y, o, M, K, N);
+// few rows). x's rows are widened to fp32 once, into `xf` (the caller's buffer, grown to
+// M * K floats), for every row block.
+struct Int8Parts {
+  const int8_t* q;
+  const float *scale, *x;
+  int64_t M, K, N;
+  Int8Parts(const torch::Tensor& x_in, const torch::Tensor& q_in, const torch::Tensor& s,
+            std::vector<float>& xf)
+      : q(q_in.data_ptr<int8_t>()), scale(s.data_ptr<float>()), M(x_in.size(0)),
+        K(q_in.size(1)), N(q_in.size(0)) {
+    const bf16* xb = x_in.data_ptr<bf16>();
+    xf.resize(std::max<size_t>(xf.size(), M * K));
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xb[i]);
+    x = xf.data();
+  }
+  int64_t blocks() const { return N / 4; }
+  // y's columns of blocks [b0, b1) (4 weight rows each), and with `tail` the rows past the last
+  // whole block, on the calling thread
+  void rows(bf16* y, int64_t b0, int64_t b1, bool tail) const {
+    for (int64_t b = b0; b < b1; ++b) int8_rows<4>(q, x, scale, y, b * 4, M, K, N);
+    if (tail)
+      for (int64_t o = blocks() * 4; o < N; ++o) int8_rows<1>(q, x, scale, y, o, M, K, N);
+  }
+};
+
+void int8_product(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale, bf16* y) {
+  std::vector<float> xf;
+  const Int8Parts w(x, q, scale, xf);
+  at::parallel_for(0, w.blocks(), 16, [&](int64_t begin, int64_t end) { w.rows(y, begin, end, false); });
+  w.rows(y, 0, 0, true);
 }
 
-// Thread t of T's share of int8_product, on the calling thread (a decode step's one parallel
-// region): its quarter-rows' blocks of the split, the last thread also the rows past the last
-// whole block; x widened into the thread's own buffer.
+// Thread t of T's share of int8_product (its blocks of an even split, the last thread also the
+// tail rows), on the calling thread; x widened into the thread's own buffer.
 void int8_share(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                 bf16* y, int64_t t, int64_t T) {
   thread_local std::vector<float> xf;
-  const int64_t M = x.size(0), K = q.size(1), N = q.size(0), blocks = N / 4;
-  const bf16* xb = x.data_ptr<bf16>();
-  xf.resize(std::max<size_t>(xf.size(), M * K));
-  for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xb[i]);
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  for (int64_t b = blocks * t / T; b < blocks * (t + 1) / T; ++b) int8_rows<4>(qp, xf.data(), sp, y, b * 4, M, K, N);
-  if (t == T - 1)
-    for (int64_t o = blocks * 4; o < N; ++o) int8_rows<1>(qp, xf.data(), sp, y, o, M, K, N);
+  const Int8Parts w(x, q, scale, xf);
+  w.rows(y, w.blocks() * t / T, w.blocks() * (t + 1) / T, t == T - 1);
 }
 
 // int8_product of checked tensors, its result allocated.
 torch::Tensor int8_linear(const torch::Tensor& x_in, const torch::Tensor& q, const torch::Tensor& scale) {
   auto x = x_in.contiguous();
   check_int8(x, q, scale);
-  std::vector<float> xf;
   auto y = torch::empty({x.size(0), q.size(0)}, x.options());
-  int8_product(x, q, scale, xf, y.data_ptr<bf16>());
+  int8_product(x, q, scale, y.data_ptr<bf16>());
   return y;
 }
 
