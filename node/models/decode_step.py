@@ -36,13 +36,20 @@ scales. bfloat16: input norm, q, k, v, o, post-attention norm, gate, up, down.""
 
 _generation = 0
 """Bumped by torch's global registration hooks on every assignment of a module, parameter or
-buffer anywhere (``setattr``, ``register_*``, ``add_module``, a ModuleList or ModuleDict item,
-``load_state_dict(assign=True)``): a kept weight list is stale once it moved."""
+buffer into a module of a kept model (``setattr``, ``register_*``, ``add_module``, a ModuleList
+or ModuleDict item, ``load_state_dict(assign=True)``): a kept weight list is stale once it
+moved."""
+
+_tracked: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+"""Every module of the models whose lists are kept. Registrations into other modules do not
+bump: HF's ``LlamaModel.forward`` slices its layer list, a new ``ModuleList`` of 30 layers, on
+every call, and each bump cost a decode step beside it a re-read of ~630 objects."""
 
 
 def _registered(module: nn.Module, name: str, value: object) -> None:
     global _generation
-    _generation += 1
+    if module in _tracked:
+        _generation += 1
 
 
 for _register in (module_hooks.register_module_module_registration_hook,
@@ -68,8 +75,8 @@ _KEPT: "weakref.WeakKeyDictionary[nn.Module, tuple[StepWeights, int]]" = \
 def step_weights(model: nn.Module) -> StepWeights | None:
     """The model's :class:`StepWeights`, or None where a layer's projection is not in the
     model's format (fp32 weights, an adapter wrapping one). Kept between steps until a
-    module, parameter or buffer is assigned anywhere (one integer compared each step, not the
-    ~630 objects the lists are read from); a write into a weight in place is read through, and
+    module, parameter or buffer is assigned into a module of a kept model (one integer compared
+    each step, not the ~630 objects the lists are read from); a write into a weight in place is read through, and
     so is new storage of a bf16 parameter (the lists hold the parameters themselves). Not seen: a
     ``del`` of a module or parameter, or a write into a module's private
     ``_modules``/``_parameters``/``_buffers`` dicts, which torch runs no hook for."""
@@ -81,6 +88,7 @@ def step_weights(model: nn.Module) -> StepWeights | None:
     if layers is None:
         return None
     out = StepWeights(layers, readers[1](model))
+    _tracked.update(model.modules())
     _KEPT[model] = (out, _generation)  # after the read: a re-stack in it registers buffers
     return out
 

@@ -341,6 +341,21 @@ def test_each_way_of_assigning_a_weight_is_seen(replace):
     assert decode_step.layer_weights(m) is second
 
 
+def test_registrations_outside_the_model_keep_the_weight_list():
+    """Modules made and filled elsewhere -- a slice of another model's layer list (HF's
+    ``LlamaModel.forward`` makes one every call), another model's parameters -- leave the list
+    kept; the next assignment into the model still replaces it."""
+    m, other = _int8(), _int8()
+    first = decode_step.layer_weights(m)
+    torch.nn.ModuleList(list(other.model.layers))[:1]
+    other.model.norm.weight = torch.nn.Parameter(other.model.norm.weight.detach().clone())
+    assert decode_step.layer_weights(m) is first
+    norm = m.model.layers[0].input_layernorm
+    norm.weight = torch.nn.Parameter(norm.weight.detach().clone())
+    second = decode_step.layer_weights(m)
+    assert second is not first and second[0] is norm.weight
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_decoding_keeps_the_weight_list(k, fmt):
     """A decode step assigns no module, parameter or buffer: the list is read once, not per
