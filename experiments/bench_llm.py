@@ -40,9 +40,12 @@ ms of the prompt per format (interleaved), the read bandwidth of a buffer the si
 format's weights (the fastest of torch's sum and the kernels' prefetched stream, on ordinary and
 huge pages: ``read_bandwidth_by_reader_gbs``), then that reader's bandwidth again in every
 decode segment's rotation (``<ctx>.read_bandwidth_gbs``: medians of reads timed beside the
-decode segments, as this machine's bandwidth drifts within a run) and each format's fraction of
-its ceiling (decode tokens/s x weight bytes per step / that bandwidth), and the same
-counting the K/V of the context a step reads besides (``step_bytes_fraction``).
+decode segments, as this machine's bandwidth drifts within a run; each rotation's in
+``read_bandwidth_samples_gbs``) and each format's fraction of its ceiling (decode tokens/s x
+weight bytes per step / that bandwidth), the same counting the K/V of the context a step reads
+besides (``step_bytes_fraction``), and the median of each rotation's fraction, its decode
+segment over its own probe (``bandwidth_ceiling_fraction_paired``: where the bandwidth moves
+between rotations, the median rate and the median bandwidth may come from different ones).
 ``config.kernels`` says whether the bf16/int8 forwards ran on the fused CPU kernels
 (``node.models.kernels``; ``FEDKV_KERNELS=eager`` runs them on the eager ops instead).
 """
@@ -199,8 +202,13 @@ def decode_section(model: LlamaModel, hf: Any, text: list[int], plan: Plan,
         if variants:
             out[str(ctx)]["ratio_vs_fp32"] = {k: _ratio(med[k], med["fedkv_fp32"])
                                               for k in variants}
-            info[str(ctx)].update(_variant_details(model, variants, prompt, med, plan, probed))
-            info[str(ctx)]["read_bandwidth_gbs"] = probed
+            gbs_med = {k: _median(v) for k, v in probed.items()}
+            info[str(ctx)].update(_variant_details(model, variants, prompt, med, plan, gbs_med))
+            info[str(ctx)]["read_bandwidth_gbs"] = gbs_med
+            info[str(ctx)]["read_bandwidth_samples_gbs"] = probed
+            info[str(ctx)]["bandwidth_ceiling_fraction_paired"] = {
+                k: llm_dtypes.paired_ceiling_fraction(samples[k], m, probed[k])
+                for k, m in {"fedkv_fp32": model, **variants}.items()}
         del st
     return out, info
 

@@ -141,16 +141,23 @@ def read_probes(models: dict[str, LlamaModel],
 
 
 def probed_bandwidths(samples: dict[str, list[float]],
-                      probes: dict[str, ReadProbe]) -> dict[str, float]:
-    """Model key -> median GB/s of its probe's segments, the probes' samples (reads/s) taken
-    out of ``samples``."""
-    return {key[len(ReadProbe.PREFIX):]: statistics.median(samples.pop(key)) * p.nbytes / 1e9
+                      probes: dict[str, ReadProbe]) -> dict[str, list[float]]:
+    """Model key -> GB/s of its probe in each rotation (segment), the probes' samples (reads/s)
+    taken out of ``samples``."""
+    return {key[len(ReadProbe.PREFIX):]: [r * p.nbytes / 1e9 for r in samples.pop(key)]
             for key, p in probes.items()}
 
 
 def ceiling_fraction(tokens_per_s: float, model: LlamaModel, gbs: float) -> float:
     """Measured decode rate over the rate at which one step's weights can be read."""
     return tokens_per_s * precision.weight_bytes_per_token(model) / (gbs * 1e9)
+
+
+def paired_ceiling_fraction(rates: list[float], model: LlamaModel, gbs: list[float]) -> float:
+    """The median over rotations of :func:`ceiling_fraction`, each decode segment's rate over
+    the bandwidth its own rotation's probe read: where the bandwidth moves between rotations,
+    the median rate and the median bandwidth may come from different ones."""
+    return statistics.median(ceiling_fraction(r, model, g) for r, g in zip(rates, gbs, strict=True))
 
 
 def step_bytes_fraction(tokens_per_s: float, model: LlamaModel, gbs: float,

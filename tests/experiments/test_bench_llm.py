@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 
@@ -115,10 +116,16 @@ def test_weight_formats_are_measured_beside_fp32_at_each_context(result):
         assert set(probed) == {"fedkv_fp32", *VARIANTS}
         assert all(_finite_positive(v) for v in probed.values())
         assert not any(k.startswith("read_probe") for k in [*row, *d[c]["samples"]])
+        per_rotation = d[c]["read_bandwidth_samples_gbs"]
         for key, q in llm_dtypes.KEYS.values():  # the fraction divides by the probed bandwidth
             nbytes = r["details"]["quality"][q]["weight_bytes_per_token"]
             assert d[c]["bandwidth_ceiling_fraction"][key] == pytest.approx(
                 row[key] * nbytes / (probed[key] * 1e9))
+            assert probed[key] == pytest.approx(statistics.median(per_rotation[key]))
+            paired = [s * nbytes / (g * 1e9) for s, g in zip(d[c]["samples"][key], per_rotation[key])]
+            assert len(paired) == TINY.repeats
+            assert d[c]["bandwidth_ceiling_fraction_paired"][key] == pytest.approx(
+                statistics.median(paired))
     for q in ("bf16", "int8_weights"):
         assert r["quality"][q]["top1_agreement"] > 0.8
     assert r["details"]["quality"]["bf16"]["weight_bytes_per_token"] * 2 == (
