@@ -146,15 +146,16 @@ _STEPS = {"int8": "decode_layers_int8", "bfloat16": "decode_layers_bf16"}
 """Weight format -> the kernel of its one-call step."""
 
 
-def run(model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-        sid: int) -> torch.Tensor | None:
-    """The fp32 logits [1, vocab] of session ``sid``'s reserved token, embedded as ``x``
-    [1, hidden] (the residual stream: updated in place) at the position of ``cos``, ``sin``
-    [1, head_dim], its K/V written and committed in every layer, the head in the same call
-    where it is in the model's format; None where this path does not apply (nothing written
-    then)."""
-    kernels = model.kernels(x)
-    if kernels is None or x.shape[0] != 1:
+def run(model: nn.Module, token: int, position: int, cache: KVCache, sid: int) -> torch.Tensor | None:
+    """The fp32 logits [1, vocab] of session ``sid``'s reserved ``token`` at ``position``,
+    embedded and rotated in the call (the embedding table's row, the rotary tables' row: a
+    Python embedding and two table slices a step cost more than the copies), its K/V written
+    and committed in every layer, the head in the same call where it is in the model's format;
+    None where this path does not apply (nothing written then), among them an embedding that
+    is not a plain table lookup (a subclass, a hook, ``max_norm``)."""
+    embed = model.model.embed_tokens
+    kernels = model.kernels(embed.weight)
+    if kernels is None or not _plain_lookup(embed):
         return None
     weights = step_weights(model)
     if weights is None:
@@ -163,9 +164,16 @@ def run(model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if step is None:
         return None
     c = model.cfg
+    cos, sin = model.model.rotary_emb.table(position + 1, embed.weight.dtype)
     decode_layers = getattr(kernels, _STEPS[precision.dtype_of(model)])
-    out = decode_layers(x, weights.layers, model.model.norm.weight, cos, sin, step.kv, step.row,
-                        step.runs, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
-                        weights.head)
+    out = decode_layers(embed.weight, token, weights.layers, model.model.norm.weight, cos, sin,
+                        position, step.kv, step.row, step.runs, c.num_heads, c.num_kv_heads,
+                        c.head_dim, c.rms_norm_eps, weights.head)
     cache.commit_arena_step(sid)
     return out if weights.head else model._head(out)
+
+
+def _plain_lookup(embed: nn.Module) -> bool:
+    """Whether ``embed``'s forward is its weight's row, nothing else."""
+    return (type(embed) is nn.Embedding and embed.max_norm is None and not embed._forward_hooks
+            and not embed._forward_pre_hooks)

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -298,8 +299,9 @@ constexpr int64_t PREFETCH_BYTES = 8192;
 constexpr auto WEIGHT_HINT = _MM_HINT_NTA;
 #endif
 
-template <int R, int MR>
-void int8_block(const int8_t* q, const float* x, const float* scale, bf16* y, int64_t o,
+// out_t: bf16, or fp32 holding the bf16 value (the head's logits, returned in fp32)
+template <int R, int MR, typename out_t>
+void int8_block(const int8_t* q, const float* x, const float* scale, out_t* y, int64_t o,
                 int64_t m0, int64_t K, int64_t N) {
   float acc[R][MR] = {};
   int64_t k = 0;
@@ -327,18 +329,18 @@ void int8_block(const int8_t* q, const float* x, const float* scale, bf16* y, in
       for (int m = 0; m < MR; ++m)
         acc[r][m] += static_cast<float>(q[(o + r) * K + k]) * x[(m0 + m) * K + k];
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MR; ++m) y[(m0 + m) * N + o + r] = bf16(acc[r][m] * scale[o + r]);
+    for (int m = 0; m < MR; ++m) y[(m0 + m) * N + o + r] = static_cast<out_t>(bf16(acc[r][m] * scale[o + r]));
 }
 
-template <int R>
-void int8_rows(const int8_t* q, const float* x, const float* scale, bf16* y, int64_t o,
+template <int R, typename out_t>
+void int8_rows(const int8_t* q, const float* x, const float* scale, out_t* y, int64_t o,
                int64_t M, int64_t K, int64_t N) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) int8_block<R, 4>(q, x, scale, y, o, m, K, N);
+  for (; m + 4 <= M; m += 4) int8_block<R, 4, out_t>(q, x, scale, y, o, m, K, N);
   switch (M - m) {
-    case 3: int8_block<R, 3>(q, x, scale, y, o, m, K, N); break;
-    case 2: int8_block<R, 2>(q, x, scale, y, o, m, K, N); break;
-    case 1: int8_block<R, 1>(q, x, scale, y, o, m, K, N); break;
+    case 3: int8_block<R, 3, out_t>(q, x, scale, y, o, m, K, N); break;
+    case 2: int8_block<R, 2, out_t>(q, x, scale, y, o, m, K, N); break;
+    case 1: int8_block<R, 1, out_t>(q, x, scale, y, o, m, K, N); break;
     default: break;
   }
 }
@@ -412,7 +414,8 @@ struct Int8Parts {
   int64_t blocks() const { return N / 4; }
   // y's columns of blocks [b0, b1) (4 weight rows each), and with `tail` the rows past the last
   // whole block, on the calling thread
-  void rows(bf16* y, int64_t b0, int64_t b1, bool tail) const {
+  template <typename out_t>
+  void rows(out_t* y, int64_t b0, int64_t b1, bool tail) const {
     for (int64_t b = b0; b < b1; ++b) int8_rows<4>(q, x, scale, y, b * 4, M, K, N);
     if (tail)
       for (int64_t o = blocks() * 4; o < N; ++o) int8_rows<1>(q, x, scale, y, o, M, K, N);
@@ -428,8 +431,9 @@ void int8_product(const torch::Tensor& x, const torch::Tensor& q, const torch::T
 
 // Thread t of T's share of int8_product (its blocks of an even split, the last thread also the
 // tail rows), on the calling thread; x widened into the thread's own buffer.
+template <typename out_t>
 void int8_share(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
-                bf16* y, int64_t t, int64_t T) {
+                out_t* y, int64_t t, int64_t T) {
   thread_local std::vector<float> xf;
   const Int8Parts w(x, q, scale, xf);
   w.rows(y, w.blocks() * t / T, w.blocks() * (t + 1) / T, t == T - 1);
@@ -447,8 +451,8 @@ torch::Tensor int8_linear(const torch::Tensor& x_in, const torch::Tensor& q, con
 // One weight row's dot products with M rows of x, its K bf16 weights read once, front to back,
 // PREFETCH_BYTES ahead: on AVX-512 BF16, vdpbf16ps multiplies bf16 pairs exactly and adds them
 // to fp32 sums (two per x row, for two chains in flight); a masked load takes K's last < 32.
-template <int M>
-void bf16_row(const bf16* w, const bf16* x, bf16* y, int64_t K, int64_t N) {
+template <int M, typename out_t>
+void bf16_row(const bf16* w, const bf16* x, out_t* y, int64_t K, int64_t N) {
 #ifdef FEDKV_BF16_VEC
   __m512 acc[M][2];
   for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
@@ -472,12 +476,13 @@ void bf16_row(const bf16* w, const bf16* x, bf16* y, int64_t K, int64_t N) {
       acc[m][0] = _mm512_dpbf16_ps(acc[m][0], reinterpret_cast<__m512bh>(wv),
                                    reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(mask, x + m * K + k)));
   }
-  for (int m = 0; m < M; ++m) y[m * N] = bf16(_mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])));
+  for (int m = 0; m < M; ++m)
+    y[m * N] = static_cast<out_t>(bf16(_mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]))));
 #else
   for (int m = 0; m < M; ++m) {
     float acc = 0.f;
     for (int64_t k = 0; k < K; ++k) acc += static_cast<float>(w[k]) * static_cast<float>(x[m * K + k]);
-    y[m * N] = bf16(acc);
+    y[m * N] = static_cast<out_t>(bf16(acc));
   }
 #endif
 }
@@ -511,8 +516,9 @@ struct Bf16Parts {
     }
     first[parts] = N;
   }
-  // y's columns [begin, end) for x's M rows, on the calling thread
-  void rows(const bf16* xp, int64_t M, bf16* y, int64_t begin, int64_t end) const {
+  // y's columns [begin, end) for x's M rows, on the calling thread (out_t: as bf16_row's)
+  template <typename out_t>
+  void rows(const bf16* xp, int64_t M, out_t* y, int64_t begin, int64_t end) const {
     int j = 0;
     for (int64_t n = begin; n < end; ++n) {
       while (n >= first[j + 1]) ++j;
@@ -535,7 +541,8 @@ void bf16_product(const torch::Tensor& x, const torch::Tensor* ws, int parts, bf
 }
 
 // Thread t of T's share of bf16_product (its rows of an even split), on the calling thread.
-void bf16_share(const torch::Tensor& x, const torch::Tensor* ws, int parts, bf16* y, int64_t t,
+template <typename out_t>
+void bf16_share(const torch::Tensor& x, const torch::Tensor* ws, int parts, out_t* y, int64_t t,
                 int64_t T) {
   const Bf16Parts w(ws, parts);
   w.rows(x.data_ptr<bf16>(), x.size(0), y, w.N * t / T, w.N * (t + 1) / T);
@@ -567,7 +574,7 @@ struct Int8Layer {
   }
   static constexpr size_t HEAD_TENSORS = 2;  // the output head: codes, scales
   static void check_head(const std::vector<torch::Tensor>& head) { check_int8_weight(head[0], head[1]); }
-  static void head_share(const std::vector<torch::Tensor>& head, const torch::Tensor& in, bf16* y,
+  static void head_share(const std::vector<torch::Tensor>& head, const torch::Tensor& in, float* y,
                          int64_t t, int64_t T) {
     int8_share(in, head[0], head[1], y, t, T);
   }
@@ -596,7 +603,7 @@ struct Bf16Layer {
   }
   static constexpr size_t HEAD_TENSORS = 1;  // the output head's weight
   static void check_head(const std::vector<torch::Tensor>& head) { check_bf16_weight(head[0]); }
-  static void head_share(const std::vector<torch::Tensor>& head, const torch::Tensor& in, bf16* y,
+  static void head_share(const std::vector<torch::Tensor>& head, const torch::Tensor& in, float* y,
                          int64_t t, int64_t T) {
     bf16_share(in, head.data(), 1, y, t, T);
   }
@@ -641,8 +648,8 @@ void store_token_kv(const torch::Tensor& kv, P* base, int64_t pos, const float* 
 // a fork and join of the threads, read the weights slower (experiments.bench_llm's fraction).
 template <typename P, typename F>
 torch::Tensor decode_layers_impl(torch::Tensor x, const std::vector<torch::Tensor>& w,
-                                 const torch::Tensor& final_norm, const torch::Tensor& cos,
-                                 const torch::Tensor& sin, const torch::Tensor& kv, int64_t pos,
+                                 const torch::Tensor& final_norm, const bf16* cos,
+                                 const bf16* sin, const torch::Tensor& kv, int64_t pos,
                                  const int64_t* s, int64_t n_runs, int64_t heads,
                                  int64_t kv_heads, int64_t dim, double eps,
                                  const std::vector<torch::Tensor>& head) {
@@ -659,7 +666,8 @@ torch::Tensor decode_layers_impl(torch::Tensor x, const std::vector<torch::Tenso
   auto h = torch::empty({1, E}, x.options());
   torch::Tensor ys[4];  // each of a layer's four products' output, reused by every layer
   for (int p = 0; p < 4; ++p) ys[p] = torch::empty({1, F::out(w.data(), p)}, x.options());
-  torch::Tensor y = head.empty() ? h : torch::empty({1, head[0].size(0)}, x.options());
+  // the head's logits: each its bf16 product (as the per-kernel head rounds it), held in fp32
+  torch::Tensor y = head.empty() ? h : torch::empty({1, head[0].size(0)}, f32);
   fedkv_decode::LoneRowAttention<P> attention(q, att);
   bf16* xp = x.data_ptr<bf16>();
   norm_rows(xp, w[F::NORM[0]].template data_ptr<bf16>(), h.data_ptr<bf16>(), 1, E, eps);
@@ -677,7 +685,7 @@ torch::Tensor decode_layers_impl(torch::Tensor x, const std::vector<torch::Tenso
 #pragma omp single
       {
         P* base = kv.data_ptr<P>() + l * kv.stride(0);
-        rope_split_impl<float>(qkv, cos.data_ptr<bf16>(), sin.data_ptr<bf16>(), q.data_ptr<float>(),
+        rope_split_impl<float>(qkv, cos, sin, q.data_ptr<float>(),
                                k.data_ptr<float>(), v.data_ptr<float>(), 1, heads, kv_heads, dim);
         store_token_kv(kv, base, pos, k.data_ptr<float>(), v.data_ptr<float>());
         for (int64_t r = 0; r < n_runs; ++r) {
@@ -704,10 +712,9 @@ torch::Tensor decode_layers_impl(torch::Tensor x, const std::vector<torch::Tenso
 #pragma omp single
       add_norm_rows(xp, down, next_norm.data_ptr<bf16>(), h.data_ptr<bf16>(), 1, E, eps);
     }
-    // the head's logits: bf16 sums (as its per-kernel product rounds them)
-    if (!head.empty()) F::head_share(head, h, y.data_ptr<bf16>(), t, T);
+    if (!head.empty()) F::head_share(head, h, y.data_ptr<float>(), t, T);
   }
-  return head.empty() ? h : y.to(torch::kFloat32);  // the logits returned in fp32
+  return y;
 }
 
 // Every layer's weights in F's format and of shapes that chain (hidden -> q/k/v -> o -> hidden
@@ -734,9 +741,11 @@ void check_layer_weights(const std::vector<torch::Tensor>& w, const torch::Tenso
 // One session's one-token decode through every layer: what LlamaModel._hidden's fused form
 // does for a lone token, without a return to Python between the kernels
 // (node/models/decode_step.py). F: the weights' format (Int8Layer, Bf16Layer).
-//   x bf16 [1, hidden], the embedded token: the residual stream, updated in place;
+//   embed bf16 [vocab, hidden], the embedding table; token: the row of it embedding the token
+//      (copied: the residual stream);
 //   w: per layer F::TENSORS tensors in F's order;
-//   final_norm: the model's last norm; cos, sin bf16 [1, dim] of the token's position;
+//   final_norm: the model's last norm; cos, sin bf16 [>= position + 1, dim], the rotary tables,
+//      and `position` the token's row of them;
 //   kv: the arena's K/V, fp32 or bf16 [layers, 2, kv_heads, arena tokens, dim]; pos: the arena
 //      row the token's K/V go to; spans int64 [runs, 2]: (start, length) of the context's runs
 //      in the arena, the new token's row included;
@@ -744,11 +753,12 @@ void check_layer_weights(const std::vector<torch::Tensor>& w, const torch::Tenso
 // -> the head's fp32 logits [1, vocab] (each its bf16 product, as the per-kernel head rounds
 //    it), or without a head the final-normed bf16 [1, hidden].
 template <typename F>
-torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& w,
-                            const torch::Tensor& final_norm, const torch::Tensor& cos,
-                            const torch::Tensor& sin, const torch::Tensor& kv, int64_t pos,
-                            const torch::Tensor& spans, int64_t heads, int64_t kv_heads,
-                            int64_t dim, double eps, const std::vector<torch::Tensor>& head) {
+torch::Tensor decode_layers(const torch::Tensor& embed, int64_t token,
+                            const std::vector<torch::Tensor>& w, const torch::Tensor& final_norm,
+                            const torch::Tensor& cos, const torch::Tensor& sin, int64_t position,
+                            const torch::Tensor& kv, int64_t pos, const torch::Tensor& spans,
+                            int64_t heads, int64_t kv_heads, int64_t dim, double eps,
+                            const std::vector<torch::Tensor>& head) {
   const bool bf16_arena = kv.scalar_type() == torch::kBFloat16;
   TORCH_CHECK((kv.scalar_type() == torch::kFloat32 || bf16_arena) && kv.dim() == 5 &&
                   kv.size(1) == 2 && kv.size(2) == kv_heads && kv.size(4) == dim && kv.stride(4) == 1,
@@ -758,15 +768,18 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& w
   TORCH_CHECK(pos >= 0 && pos < cap, "pos ", pos, " outside the arena's ", cap, " rows");
   TORCH_CHECK(static_cast<int64_t>(w.size()) == F::TENSORS * L, "w must hold ", F::TENSORS,
               " tensors per layer (", F::TENSORS * L, "), got ", w.size());
-  check_bf16(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(),
-              "x must be one contiguous row, got ", x.sizes());
+  check_bf16(embed, "embed");
+  TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous(),
+              "embed must be a contiguous [vocab, hidden] table, got ", embed.sizes());
+  TORCH_CHECK(token >= 0 && token < embed.size(0), "token ", token, " outside the vocabulary of ",
+              embed.size(0));
   check_heads(heads, kv_heads, dim);
   for (const torch::Tensor* t : {&cos, &sin}) {
     check_bf16(*t, t == &cos ? "cos" : "sin");
-    TORCH_CHECK(t->sizes() == torch::IntArrayRef({1, dim}) && t->is_contiguous(),
-                "cos and sin must be contiguous [1, ", dim, "], got ", t->sizes());
+    TORCH_CHECK(t->dim() == 2 && t->size(0) > position && t->size(1) == dim && t->is_contiguous(),
+                "cos and sin must be contiguous [> ", position, ", ", dim, "], got ", t->sizes());
   }
+  TORCH_CHECK(position >= 0, "position must be >= 0, got ", position);
   TORCH_CHECK(spans.scalar_type() == torch::kLong && spans.dim() == 2 && spans.size(1) == 2,
               "spans must be int64 [runs, 2], got ", spans.scalar_type(), " ", spans.sizes());
   auto sp = spans.contiguous();
@@ -774,18 +787,21 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& w
   for (int64_t r = 0; r < sp.size(0); ++r)
     TORCH_CHECK(s[2 * r] >= 0 && s[2 * r + 1] >= 0 && s[2 * r] + s[2 * r + 1] <= cap, "span ", r,
                 " (", s[2 * r], ", ", s[2 * r + 1], ") outside the arena's ", cap, " rows");
-  check_layer_weights<F>(w, final_norm, x.size(1), heads, kv_heads, dim);
+  const int64_t E = embed.size(1);
+  check_layer_weights<F>(w, final_norm, E, heads, kv_heads, dim);
   TORCH_CHECK(head.empty() || head.size() == F::HEAD_TENSORS, "head must be empty or hold ",
               F::HEAD_TENSORS, " tensors, got ", head.size());
   if (!head.empty()) {
     F::check_head(head);  // [vocab, hidden] in either format (int8: its codes)
-    TORCH_CHECK(head[0].size(1) == x.size(1), "head must take ", x.size(1), " inputs, got ",
-                head[0].size(1));
+    TORCH_CHECK(head[0].size(1) == E, "head must take ", E, " inputs, got ", head[0].size(1));
   }
+  auto x = torch::empty({1, E}, embed.options());
+  std::memcpy(x.data_ptr<bf16>(), embed.data_ptr<bf16>() + token * E, E * sizeof(bf16));
+  const bf16 *c = cos.data_ptr<bf16>() + position * dim, *sn = sin.data_ptr<bf16>() + position * dim;
   if (bf16_arena)
-    return decode_layers_impl<bf16, F>(x, w, final_norm, cos, sin, kv, pos, s, sp.size(0), heads,
+    return decode_layers_impl<bf16, F>(x, w, final_norm, c, sn, kv, pos, s, sp.size(0), heads,
                                        kv_heads, dim, eps, head);
-  return decode_layers_impl<float, F>(x, w, final_norm, cos, sin, kv, pos, s, sp.size(0), heads,
+  return decode_layers_impl<float, F>(x, w, final_norm, c, sn, kv, pos, s, sp.size(0), heads,
                                       kv_heads, dim, eps, head);
 }
 
@@ -829,8 +845,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &fedkv_decode::decode_attention, "one decode step's attention over prefix runs and tails", nogil);
   // decode_layers' arguments by name; without `head` it returns the final-normed row
   auto def_step = [&](const char* name, auto fn, const char* doc) {
-    m.def(name, fn, doc, py::arg("x"), py::arg("w"), py::arg("final_norm"), py::arg("cos"),
-          py::arg("sin"), py::arg("kv"), py::arg("pos"), py::arg("spans"), py::arg("heads"),
+    m.def(name, fn, doc, py::arg("embed"), py::arg("token"), py::arg("w"), py::arg("final_norm"),
+          py::arg("cos"), py::arg("sin"), py::arg("position"), py::arg("kv"), py::arg("pos"),
+          py::arg("spans"), py::arg("heads"),
           py::arg("kv_heads"), py::arg("dim"), py::arg("eps"),
           py::arg("head") = std::vector<torch::Tensor>{}, nogil);
   };

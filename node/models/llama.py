@@ -526,10 +526,10 @@ class LlamaModel(nn.Module):
         """``forward_cached`` of tokens already reserved at ``start``: a lone token in one
         kernel call where ``node.models.decode_step`` applies, else layer by layer."""
         T = tokens.numel()
+        if T == 1 and (logits := decode_step.run(self, int(tokens[0]), start, cache, sid)) is not None:
+            return logits
         cos, sin = self._rope_range(start, T)
         x = self.model.embed_tokens(tokens)
-        if T == 1 and (logits := decode_step.run(self, x, cos, sin, cache, sid)) is not None:
-            return logits
         return self._head(self._hidden(x, cos, sin, "forward_cached", cache, sid,
                                        rows=slice(T - 1, T) if last_only else None))
 

@@ -213,6 +213,34 @@ def test_the_head_runs_in_the_call_where_it_is_in_the_format(k, one_thread, monk
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_an_embedding_with_a_hook_is_run_as_a_module(k, one_thread, monkeypatch, fmt):
+    """The call embeds the token itself (a row of the table); an embedding whose forward does
+    more -- here a hook that sees every input -- takes the per-kernel path, and so does one with
+    ``max_norm``; a plain table gives the same logits in one call."""
+    m = _model(fmt)
+    calls = []
+    real = getattr(k, STEP[fmt])
+    monkeypatch.setattr(k, STEP[fmt], lambda *a: calls.append(1) or real(*a))
+
+    def decode() -> list[torch.Tensor]:
+        kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
+        sid = kv.open_session()
+        m.prefill(list(range(3, 22)), kv, sid)
+        return [m.forward_cached([t], kv, sid)[-1] for t in [5, 9, 2]]
+
+    plain = decode()
+    assert len(calls) == 3
+    seen = []
+    hook = m.model.embed_tokens.register_forward_hook(lambda mod, i, o: seen.append(i[0].tolist()))
+    hooked = decode()
+    hook.remove()
+    assert len(calls) == 3 and [t for s in seen[1:] for t in s] == [5, 9, 2]
+    m.model.embed_tokens.max_norm = 1e9  # renormalizes rows past it in forward: none here
+    assert all(map(torch.equal, plain, hooked)) and all(map(torch.equal, plain, decode()))
+    assert len(calls) == 3
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_bad_inputs_get_a_specific_error_and_write_nothing(k, fmt):
     m = _model(fmt)
     kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
@@ -223,22 +251,31 @@ def test_bad_inputs_get_a_specific_error_and_write_nothing(k, fmt):
     c = m.cfg
     with torch.inference_mode():
         w = decode_step.layer_weights(m)
-    x = torch.zeros(1, c.hidden_size, dtype=torch.bfloat16)
-    cos, sin = m._rope_range(kv.length(sid), 1)
+    embed = m.model.embed_tokens.weight
+    position = kv.length(sid)
+    cos, sin = m.model.rotary_emb.table(position + 1, embed.dtype)
     before = kv.arena.kv.clone()
 
-    def call(w=w, row=step.row, runs=step.runs, arena=step.kv, x=x, cos=cos, sin=sin, head=()):
-        return getattr(k, STEP[fmt])(x, w, m.model.norm.weight, cos, sin, arena, row, runs,
-                                     c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
-                                     list(head))
+    def call(w=w, row=step.row, runs=step.runs, arena=step.kv, embed=embed, token=5, cos=cos,
+             sin=sin, position=position, head=()):
+        return getattr(k, STEP[fmt])(embed, token, w, m.model.norm.weight, cos, sin, position,
+                                     arena, row, runs, c.num_heads, c.num_kv_heads, c.head_dim,
+                                     c.rms_norm_eps, list(head))
 
     # the layers run on raw rows: what the per-layer ops checked is checked before the first
-    with pytest.raises(RuntimeError, match="x must be bfloat16"):
-        call(x=x.float())
-    with pytest.raises(RuntimeError, match="x must be one contiguous row"):
-        call(x=torch.zeros(c.hidden_size, 2, dtype=torch.bfloat16).t()[:1])
-    with pytest.raises(RuntimeError, match=rf"cos and sin must be contiguous \[1, {c.head_dim}\]"):
+    with pytest.raises(RuntimeError, match="embed must be bfloat16"):
+        call(embed=embed.float())
+    with pytest.raises(RuntimeError, match="embed must be a contiguous"):
+        call(embed=embed.t())
+    for token in (-1, c.vocab_size):
+        with pytest.raises(RuntimeError, match=f"token {token} outside the vocabulary"):
+            call(token=token)
+    with pytest.raises(RuntimeError, match=rf"cos and sin must be contiguous \[> {position}, "):
         call(cos=cos[:, : c.head_dim // 2])
+    with pytest.raises(RuntimeError, match=rf"cos and sin must be contiguous \[> {len(cos)}, "):
+        call(position=len(cos))
+    with pytest.raises(RuntimeError, match="position must be >= 0"):
+        call(position=-1)
     with pytest.raises(RuntimeError, match="sin must be bfloat16"):
         call(sin=sin.float())
 
