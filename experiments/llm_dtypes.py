@@ -157,7 +157,8 @@ def paired_ceiling_fraction(rates: list[float], model: LlamaModel, gbs: list[flo
     """The median over rotations of :func:`ceiling_fraction`, each decode segment's rate over
     the bandwidth its own rotation's probe read: where the bandwidth moves between rotations,
     the median rate and the median bandwidth may come from different ones."""
-    return statistics.median(ceiling_fraction(r, model, g) for r, g in zip(rates, gbs, strict=True))
+    return statistics.median(ceiling_fraction(r, model, g)
+                             for r, g in zip(rates, gbs, strict=True))
 
 
 def step_bytes_fraction(tokens_per_s: float, model: LlamaModel, gbs: float,

@@ -76,7 +76,8 @@ def step_weights(model: nn.Module) -> StepWeights | None:
     """The model's :class:`StepWeights`, or None where a layer's projection is not in the
     model's format (fp32 weights, an adapter wrapping one). Kept between steps until a
     module, parameter or buffer is assigned into a module of a kept model (one integer compared
-    each step, not the ~630 objects the lists are read from); a write into a weight in place is read through, and
+    each step, not the ~630 objects the lists are read from); a write into a weight in place is
+    read through, and
     so is new storage of a bf16 parameter (the lists hold the parameters themselves). Not seen: a
     ``del`` of a module or parameter, or a write into a module's private
     ``_modules``/``_parameters``/``_buffers`` dicts, which torch runs no hook for."""
@@ -146,7 +147,8 @@ _STEPS = {"int8": "decode_layers_int8", "bfloat16": "decode_layers_bf16"}
 """Weight format -> the kernel of its one-call step."""
 
 
-def run(model: nn.Module, token: int, position: int, cache: KVCache, sid: int) -> torch.Tensor | None:
+def run(model: nn.Module, token: int, position: int, cache: KVCache,
+        sid: int) -> torch.Tensor | None:
     """The fp32 logits [1, vocab] of session ``sid``'s reserved ``token`` at ``position``,
     embedded and rotated in the call (the embedding table's row, the rotary tables' row: a
     Python embedding and two table slices a step cost more than the copies), its K/V written

@@ -526,7 +526,8 @@ class LlamaModel(nn.Module):
         """``forward_cached`` of tokens already reserved at ``start``: a lone token in one
         kernel call where ``node.models.decode_step`` applies, else layer by layer."""
         T = tokens.numel()
-        if T == 1 and (logits := decode_step.run(self, int(tokens[0]), start, cache, sid)) is not None:
+        if T == 1 and (logits := decode_step.run(self, int(tokens[0]), start, cache,
+                                                 sid)) is not None:
             return logits
         cos, sin = self._rope_range(start, T)
         x = self.model.embed_tokens(tokens)

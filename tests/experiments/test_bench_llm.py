@@ -122,7 +122,8 @@ def test_weight_formats_are_measured_beside_fp32_at_each_context(result):
             assert d[c]["bandwidth_ceiling_fraction"][key] == pytest.approx(
                 row[key] * nbytes / (probed[key] * 1e9))
             assert probed[key] == pytest.approx(statistics.median(per_rotation[key]))
-            paired = [s * nbytes / (g * 1e9) for s, g in zip(d[c]["samples"][key], per_rotation[key])]
+            paired = [s * nbytes / (g * 1e9)
+                      for s, g in zip(d[c]["samples"][key], per_rotation[key])]
             assert len(paired) == TINY.repeats
             assert d[c]["bandwidth_ceiling_fraction_paired"][key] == pytest.approx(
                 statistics.median(paired))
