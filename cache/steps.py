@@ -256,7 +256,8 @@ class SessionSteps:
             self.blocks.counters["cow_copies" if shared else "tail_moves"] += 1
             t.runs = None
         t.blocks.extend(new)
-        t.tokens = t.tokens[: t.length] + toks
+        del t.tokens[t.length:]  # in place: a copy touched every held token's int, each step
+        t.tokens.extend(toks)
         t.pending, t.written = len(toks), set()
         t.write_at = t.positions(t.length, len(toks))
 
