@@ -56,9 +56,9 @@ class ArenaStep:
     """The whole arena, [layers, 2 (K, V), heads, arena tokens, dim]."""
     row: int
     """The arena row the reserved token's K and V go to, in every layer."""
-    runs: torch.Tensor
-    """int64 [runs, 2]: (arena start, length) of each run of the context, the new token's row
-    included, in position order."""
+    runs: list[tuple[int, int]]
+    """(arena start, length) of each run of the context, the new token's row included, in
+    position order (Python ints: a tensor of them cost the step two more torch calls)."""
 
 
 ARENA_STEP_DTYPES = (torch.float32, torch.bfloat16)

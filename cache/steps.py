@@ -140,10 +140,14 @@ class ReadPlanner:
         return Spans(kv[0], kv[1], runs)
 
     def run_table(self, t: BlockTable, n: int) -> torch.Tensor | None:
-        """int64 [runs, 2]: (arena start, tokens) of each run holding the first ``n``
-        positions; None when one of them is quantized only."""
-        runs = self._arena_runs(self.plan(t), n)
+        """int64 [runs, 2]: :meth:`arena_runs` as a tensor."""
+        runs = self.arena_runs(t, n)
         return None if runs is None else torch.tensor(runs, dtype=torch.long).view(-1, 2)
+
+    def arena_runs(self, t: BlockTable, n: int) -> list[tuple[int, int]] | None:
+        """(arena start, tokens) of each run holding the first ``n`` positions; None when one
+        of them is quantized only."""
+        return self._arena_runs(self.plan(t), n)
 
     def _arena_runs(self, plan: list, n: int) -> list[tuple[int, int]] | None:
         """(arena start, tokens) of each run holding the first ``n`` positions of ``plan``;
@@ -299,7 +303,7 @@ class SessionSteps:
             return None
         if self.arena.kv.dtype not in ARENA_STEP_DTYPES:
             return None
-        runs = self.reads.run_table(t, t.length + 1)
+        runs = self.reads.arena_runs(t, t.length + 1)
         if runs is None:
             return None
         row = t.write_at.start if isinstance(t.write_at, slice) else int(t.write_at[0])

@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from cache import KVCache
+from node.models import kernels as fused_kernels
 from node.models import precision
 from node.models.precision import Int8Linear
 
@@ -66,10 +67,25 @@ class StepWeights(NamedTuple):
     head: list[torch.Tensor]
     """The output head in the format (int8: codes, scales; bf16: the weight), or empty where
     it is not (an adapter on it): the caller applies it then."""
+    held: tuple[object, object] | None
+    """``layers`` and ``head`` as the kernels' ``TensorList``s (None without the kernels):
+    converted once here, not on every step's call (each conversion takes and drops a reference
+    to every tensor, their objects cold after the weights streamed)."""
+    embed: nn.Module
+    """The model's embedding, its final norm's weight and its rotary tables' module: looked up
+    once here, not through ``nn.Module.__getattr__`` every step."""
+    final_norm: torch.Tensor
+    rotary: nn.Module
 
 
 _KEPT: "weakref.WeakKeyDictionary[nn.Module, tuple[StepWeights, int]]" = \
     weakref.WeakKeyDictionary()
+
+
+def _kept(model: nn.Module) -> StepWeights | None:
+    """The model's kept :class:`StepWeights` while nothing moved, else None."""
+    kept = _KEPT.get(model)
+    return kept[0] if kept is not None and kept[1] == _generation else None
 
 
 def step_weights(model: nn.Module) -> StepWeights | None:
@@ -81,14 +97,18 @@ def step_weights(model: nn.Module) -> StepWeights | None:
     so is new storage of a bf16 parameter (the lists hold the parameters themselves). Not seen: a
     ``del`` of a module or parameter, or a write into a module's private
     ``_modules``/``_parameters``/``_buffers`` dicts, which torch runs no hook for."""
-    kept = _KEPT.get(model)
-    if kept is not None and kept[1] == _generation:
-        return kept[0]
+    kept = _kept(model)
+    if kept is not None:
+        return kept
     readers = _READERS.get(precision.dtype_of(model))
     layers = None if readers is None else _read_weights(model, readers[0])
     if layers is None:
         return None
-    out = StepWeights(layers, readers[1](model))
+    head = readers[1](model)
+    kernels = fused_kernels.ops()
+    held = None if kernels is None else (kernels.TensorList(layers), kernels.TensorList(head))
+    inner = model.model
+    out = StepWeights(layers, head, held, inner.embed_tokens, inner.norm.weight, inner.rotary_emb)
     _tracked.update(model.modules())
     _KEPT[model] = (out, _generation)  # after the read: a re-stack in it registers buffers
     return out
@@ -155,22 +175,26 @@ def run(model: nn.Module, token: int, position: int, cache: KVCache,
     and committed in every layer, the head in the same call where it is in the model's format;
     None where this path does not apply (nothing written then), among them an embedding that
     is not a plain table lookup (a subclass, a hook, ``max_norm``)."""
-    embed = model.model.embed_tokens
-    kernels = model.kernels(embed.weight)
-    if kernels is None or not _plain_lookup(embed):
-        return None
-    weights = step_weights(model)
-    if weights is None:
+    weights = _kept(model)
+    if weights is None:  # not read yet, or moved: read where the kernels serve the model
+        if model.kernels(model.model.embed_tokens.weight) is None:
+            return None
+        weights = step_weights(model)
+        if weights is None:
+            return None
+    embed = weights.embed
+    kernels = fused_kernels.serving(embed.weight, weights.final_norm)
+    if kernels is None or weights.held is None or not _plain_lookup(embed):
         return None
     step = cache.arena_step(sid)
     if step is None:
         return None
     c = model.cfg
-    cos, sin = model.model.rotary_emb.table(position + 1, embed.weight.dtype)
+    cos, sin = weights.rotary.table(position + 1, embed.weight.dtype)
     decode_layers = getattr(kernels, _STEPS[precision.dtype_of(model)])
-    out = decode_layers(embed.weight, token, weights.layers, model.model.norm.weight, cos, sin,
+    out = decode_layers(embed.weight, token, weights.held[0], weights.final_norm, cos, sin,
                         position, step.kv, step.row, step.runs, c.num_heads, c.num_kv_heads,
-                        c.head_dim, c.rms_norm_eps, weights.head)
+                        c.head_dim, c.rms_norm_eps, weights.held[1])
     cache.commit_arena_step(sid)
     return out if weights.head else model._head(out)
 

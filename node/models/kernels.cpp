@@ -738,6 +738,14 @@ void check_layer_weights(const std::vector<torch::Tensor>& w, const torch::Tenso
   }
 }
 
+// A list of tensors converted from Python once and kept: decode_step holds a model's ~270
+// weights (and its head) in one, so a step's call does not convert the list again -- taking and
+// dropping a reference to each tensor, their objects cold after the weights streamed. A Python
+// list converts implicitly (the tests' calls).
+struct TensorList {
+  std::vector<torch::Tensor> tensors;
+};
+
 // One session's one-token decode through every layer: what LlamaModel._hidden's fused form
 // does for a lone token, without a return to Python between the kernels
 // (node/models/decode_step.py). F: the weights' format (Int8Layer, Bf16Layer).
@@ -747,18 +755,20 @@ void check_layer_weights(const std::vector<torch::Tensor>& w, const torch::Tenso
 //   final_norm: the model's last norm; cos, sin bf16 [>= position + 1, dim], the rotary tables,
 //      and `position` the token's row of them;
 //   kv: the arena's K/V, fp32 or bf16 [layers, 2, kv_heads, arena tokens, dim]; pos: the arena
-//      row the token's K/V go to; spans int64 [runs, 2]: (start, length) of the context's runs
+//      row the token's K/V go to; spans: (start, length) of each of the context's runs
 //      in the arena, the new token's row included;
 //   head: the output head in F's format (F::HEAD_TENSORS tensors), or none
 // -> the head's fp32 logits [1, vocab] (each its bf16 product, as the per-kernel head rounds
 //    it), or without a head the final-normed bf16 [1, hidden].
 template <typename F>
-torch::Tensor decode_layers(const torch::Tensor& embed, int64_t token,
-                            const std::vector<torch::Tensor>& w, const torch::Tensor& final_norm,
-                            const torch::Tensor& cos, const torch::Tensor& sin, int64_t position,
-                            const torch::Tensor& kv, int64_t pos, const torch::Tensor& spans,
+torch::Tensor decode_layers(const torch::Tensor& embed, int64_t token, const TensorList& w_list,
+                            const torch::Tensor& final_norm, const torch::Tensor& cos,
+                            const torch::Tensor& sin, int64_t position, const torch::Tensor& kv,
+                            int64_t pos, const std::vector<std::pair<int64_t, int64_t>>& spans,
                             int64_t heads, int64_t kv_heads, int64_t dim, double eps,
-                            const std::vector<torch::Tensor>& head) {
+                            const TensorList& head_list) {
+  const std::vector<torch::Tensor>& w = w_list.tensors;
+  const std::vector<torch::Tensor>& head = head_list.tensors;
   const bool bf16_arena = kv.scalar_type() == torch::kBFloat16;
   TORCH_CHECK((kv.scalar_type() == torch::kFloat32 || bf16_arena) && kv.dim() == 5 &&
                   kv.size(1) == 2 && kv.size(2) == kv_heads && kv.size(4) == dim && kv.stride(4) == 1,
@@ -780,11 +790,11 @@ torch::Tensor decode_layers(const torch::Tensor& embed, int64_t token,
                 "cos and sin must be contiguous [> ", position, ", ", dim, "], got ", t->sizes());
   }
   TORCH_CHECK(position >= 0, "position must be >= 0, got ", position);
-  TORCH_CHECK(spans.scalar_type() == torch::kLong && spans.dim() == 2 && spans.size(1) == 2,
-              "spans must be int64 [runs, 2], got ", spans.scalar_type(), " ", spans.sizes());
-  auto sp = spans.contiguous();
-  const int64_t* s = sp.data_ptr<int64_t>();
-  for (int64_t r = 0; r < sp.size(0); ++r)
+  const int64_t n_runs = static_cast<int64_t>(spans.size());
+  std::vector<int64_t> flat;  // start, length of each run in turn
+  for (const auto& [start, length] : spans) flat.insert(flat.end(), {start, length});
+  const int64_t* s = flat.data();
+  for (int64_t r = 0; r < n_runs; ++r)
     TORCH_CHECK(s[2 * r] >= 0 && s[2 * r + 1] >= 0 && s[2 * r] + s[2 * r + 1] <= cap, "span ", r,
                 " (", s[2 * r], ", ", s[2 * r + 1], ") outside the arena's ", cap, " rows");
   const int64_t E = embed.size(1);
@@ -799,9 +809,9 @@ torch::Tensor decode_layers(const torch::Tensor& embed, int64_t token,
   std::memcpy(x.data_ptr<bf16>(), embed.data_ptr<bf16>() + token * E, E * sizeof(bf16));
   const bf16 *c = cos.data_ptr<bf16>() + position * dim, *sn = sin.data_ptr<bf16>() + position * dim;
   if (bf16_arena)
-    return decode_layers_impl<bf16, F>(x, w, final_norm, c, sn, kv, pos, s, sp.size(0), heads,
+    return decode_layers_impl<bf16, F>(x, w, final_norm, c, sn, kv, pos, s, n_runs, heads,
                                        kv_heads, dim, eps, head);
-  return decode_layers_impl<float, F>(x, w, final_norm, c, sn, kv, pos, s, sp.size(0), heads,
+  return decode_layers_impl<float, F>(x, w, final_norm, c, sn, kv, pos, s, n_runs, heads,
                                       kv_heads, dim, eps, head);
 }
 
@@ -843,13 +853,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("merge_heads", &merge_heads, "attention heads -> the o_proj input", nogil);
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for runs on here");
   m.def("decode_attention", &fedkv_decode::decode_attention, "one decode step's attention over prefix runs and tails", nogil);
+  py::class_<TensorList>(m, "TensorList", "tensors kept for decode_layers_* (from a list)")
+      .def(py::init([](std::vector<torch::Tensor> t) { return TensorList{std::move(t)}; }))
+      .def("__len__", [](const TensorList& l) { return l.tensors.size(); });
+  py::implicitly_convertible<py::list, TensorList>();
   // decode_layers' arguments by name; without `head` it returns the final-normed row
   auto def_step = [&](const char* name, auto fn, const char* doc) {
     m.def(name, fn, doc, py::arg("embed"), py::arg("token"), py::arg("w"), py::arg("final_norm"),
           py::arg("cos"), py::arg("sin"), py::arg("position"), py::arg("kv"), py::arg("pos"),
           py::arg("spans"), py::arg("heads"),
           py::arg("kv_heads"), py::arg("dim"), py::arg("eps"),
-          py::arg("head") = std::vector<torch::Tensor>{}, nogil);
+          py::arg("head") = TensorList{}, nogil);
   };
   def_step("decode_layers_bf16", &decode_layers<Bf16Layer>,
            "a session's one-token decode step through every layer, bf16 weights (and the output "

@@ -141,6 +141,16 @@ def prefill_kernel() -> bool:
     return ops() is not None and bool(ops().prefill_attention_available())
 
 
+def serving(x: torch.Tensor, final_norm: torch.Tensor) -> ModuleType | None:
+    """The kernels when they serve hidden states ``x`` of a model whose last norm's weight is
+    ``final_norm``: bf16 activations and norms (``--dtype bfloat16`` or ``int8``), no
+    autograd, built here; else None."""
+    if (x.dtype != torch.bfloat16 or torch.is_grad_enabled()
+            or final_norm.dtype != torch.bfloat16):
+        return None
+    return ops()
+
+
 def status() -> str:
     """``fused`` (``fused+amx`` with AMX tiles) when the kernels are loaded, else
     ``eager (<why>)``."""

@@ -448,11 +448,7 @@ class LlamaModel(nn.Module):
     def kernels(self, x: torch.Tensor) -> ModuleType | None:
         """The fused kernels (``node.models.kernels``) when they serve hidden states ``x``:
         bf16 activations (``--dtype bfloat16`` or ``int8``), no autograd, built here."""
-        if x.dtype != torch.bfloat16 or torch.is_grad_enabled():
-            return None
-        if self.model.norm.weight.dtype != torch.bfloat16:
-            return None
-        return fused_kernels.ops()
+        return fused_kernels.serving(x, self.model.norm.weight)
 
     def _hidden(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, how: str,
                 *cache_args, rows: Rows = None) -> torch.Tensor:
@@ -515,22 +511,24 @@ class LlamaModel(nn.Module):
         [1, vocab] of the last token with ``last_only`` (the output projection over a 49,152
         vocabulary is ~30 % of a 2,048-token SmolLM2 prefill). A session opened with a
         sparsity policy attends what the policy keeps."""
-        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-        start, T = cache.length(sid), tokens.numel()
-        self._check_len(start + T)
-        cache.reserve(sid, tokens.tolist())
-        return self._forward_reserved(tokens, cache, sid, start, last_only)
+        if type(tokens) in (list, tuple) and all(type(t) is int for t in tokens):
+            toks = list(tokens)  # a decode step's one int: no tensor made and read back
+        else:
+            toks = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).tolist()
+        start = cache.length(sid)
+        self._check_len(start + len(toks))
+        cache.reserve(sid, toks)
+        return self._forward_reserved(toks, cache, sid, start, last_only)
 
-    def _forward_reserved(self, tokens: torch.Tensor, cache: KVCache, sid: int, start: int,
+    def _forward_reserved(self, toks: list[int], cache: KVCache, sid: int, start: int,
                           last_only: bool = False) -> torch.Tensor:
         """``forward_cached`` of tokens already reserved at ``start``: a lone token in one
         kernel call where ``node.models.decode_step`` applies, else layer by layer."""
-        T = tokens.numel()
-        if T == 1 and (logits := decode_step.run(self, int(tokens[0]), start, cache,
-                                                 sid)) is not None:
+        T = len(toks)
+        if T == 1 and (logits := decode_step.run(self, toks[0], start, cache, sid)) is not None:
             return logits
         cos, sin = self._rope_range(start, T)
-        x = self.model.embed_tokens(tokens)
+        x = self.model.embed_tokens(torch.tensor(toks, dtype=torch.long))
         return self._head(self._hidden(x, cos, sin, "forward_cached", cache, sid,
                                        rows=slice(T - 1, T) if last_only else None))
 
@@ -557,7 +555,7 @@ class LlamaModel(nn.Module):
         session's ``forward_cached``."""
         if batch.step is None and len(batch.chunks) == 1 and len(batch.chunks[0][1]) == 1:
             sid, toks = batch.chunks[0]
-            return self._forward_reserved(torch.tensor(toks), cache, sid, cache.length(sid))
+            return self._forward_reserved([int(t) for t in toks], cache, sid, cache.length(sid))
         positions = batch.positions(cache)
         self._check_len(int(positions.max()) + 1)
         cos, sin = self._rope(positions)

@@ -336,11 +336,11 @@ def test_an_arena_step_names_the_runs_and_the_row_and_commits_once():
     assert kv.arena_step(a) is None  # nothing reserved
     kv.reserve(a, [7])
     step = kv.arena_step(a)
-    assert step.kv.data_ptr() == kv.arena.kv.data_ptr() and step.runs.shape == (7, 2)
-    start, m = step.runs[-1].tolist()
-    assert start <= step.row < start + m and int(step.runs[:, 1].sum()) == n + 1
+    assert step.kv.data_ptr() == kv.arena.kv.data_ptr() and len(step.runs) == 7
+    start, m = step.runs[-1]
+    assert start <= step.row < start + m and sum(k for _, k in step.runs) == n + 1
     last = kv.config.num_layers - 1
-    got = torch.cat([step.kv[last, 0, :, s : s + k] for s, k in step.runs[:, :].tolist()], 1)
+    got = torch.cat([step.kv[last, 0, :, s : s + k] for s, k in step.runs], 1)
     assert torch.equal(got[:, :n], torch.cat([k for k, _ in fed[last]], 1).float())
     kv.commit_arena_step(a)
     assert kv.length(a) == n + 1

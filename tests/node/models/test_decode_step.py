@@ -123,10 +123,10 @@ def test_a_churned_context_is_attended_over_its_runs(k, one_thread):
     kv, sid = _churned(m)
     kv.reserve(sid, [5])
     step = kv.arena_step(sid)
-    assert step is not None and step.runs.shape[0] > 1
-    start, n = step.runs[-1].tolist()
+    assert step is not None and len(step.runs) > 1
+    start, n = step.runs[-1]
     assert start <= step.row < start + n
-    assert int(step.runs[:, 1].sum()) == kv.length(sid) + 1
+    assert sum(n for _, n in step.runs) == kv.length(sid) + 1
 
 
 def test_it_commits_the_token_and_the_next_step_reads_it(k, one_thread):
@@ -284,11 +284,11 @@ def test_bad_inputs_get_a_specific_error_and_write_nothing(k, fmt):
     with pytest.raises(RuntimeError, match="outside the arena"):
         call(row=step.kv.shape[3])
     with pytest.raises(RuntimeError, match=r"span 0 \(-1, "):
-        call(runs=torch.tensor([[-1, 4]]))
+        call(runs=[(-1, 4)])
     with pytest.raises(RuntimeError, match="outside the arena"):
-        call(runs=torch.tensor([[0, step.kv.shape[3] + 1]]))
-    with pytest.raises(RuntimeError, match="spans must be int64"):
-        call(runs=step.runs.int())
+        call(runs=[(0, step.kv.shape[3] + 1)])
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        call(runs=[(0.5, 4)])
     with pytest.raises(RuntimeError, match="kv must be float32 or bfloat16"):
         call(arena=step.kv.half())
     last = len(w) - decode_step.PER_LAYER[fmt]  # the last layer's: checked before the first runs
@@ -453,3 +453,32 @@ def test_a_bf16_parameter_given_new_storage_is_read_there(k, one_thread, monkeyp
 
     (one, apart), (per_kernel, _) = step(True), step(False)
     assert apart and torch.equal(one, per_kernel)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_kept_list_serves_only_what_the_kernels_serve(k, monkeypatch, fmt):
+    """With the list kept, the one call is refused under autograd, and after the embedding and
+    final norm were cast to fp32 in place (``.to`` keeps the parameters, so nothing registers)
+    -- as before the list was kept."""
+    m = _model(fmt)
+    calls = []
+    real = getattr(k, STEP[fmt])
+    monkeypatch.setattr(k, STEP[fmt], lambda *a: calls.append(1) or real(*a))
+    kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=1 << 20))
+    sid = kv.open_session()
+    m.prefill(list(range(3, 22)), kv, sid)
+    with torch.no_grad():
+        m.forward_cached([5], kv, sid)
+    assert len(calls) == 1 and decode_step.step_weights(m) is not None
+    kv.reserve(sid, [9])
+    with torch.enable_grad():
+        assert decode_step.run(m, 9, kv.length(sid), kv, sid) is None
+    assert len(calls) == 1
+    with torch.no_grad():
+        m._forward_reserved([9], kv, sid, kv.length(sid))
+    assert len(calls) == 2
+    m.model.embed_tokens.float()
+    m.model.norm.float()
+    with torch.no_grad():
+        assert decode_step.run(m, 2, kv.length(sid), kv, sid) is None
+    assert len(calls) == 2
