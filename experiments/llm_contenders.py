@@ -85,6 +85,12 @@ def prefilled(model: LlamaModel, prompts: list[list[int]], extra: int, block: in
     return out, logits
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's greedy token: the index ``max`` returns is argmax's (the first largest), in
+    about half its time here -- the server's own greedy pick (``node.engine.sampling.draw``)."""
+    return logits.max(-1).indices
+
+
 class FedkvSessions:
     """Sessions of one cache decoded greedily: a step is one ``forward_batch`` or, with
     ``together=False``, one ``forward_cached`` per session, each alone."""
@@ -95,10 +101,12 @@ class FedkvSessions:
         self.logits, self.tokens = logits, []
 
     def step(self) -> int:
-        toks = self.logits.argmax(-1).tolist()
+        toks = greedy(self.logits).tolist()
         self.tokens.append(toks[0])
         if self.together:
             self.logits = self.model.forward_batch(toks, self.kv, self.sids)
+        elif len(self.sids) == 1:  # its one token's logits are [1, vocab] already
+            self.logits = self.model.forward_cached(toks, self.kv, self.sids[0])
         else:
             self.logits = torch.stack([self.model.forward_cached([t], self.kv, s)[-1]
                                        for t, s in zip(toks, self.sids)])
@@ -159,7 +167,7 @@ class HFSessions:
 
     @torch.no_grad()
     def step(self) -> int:
-        toks = self.logits.argmax(-1)
+        toks = greedy(self.logits)
         self.tokens.append(int(toks[0]))
         self.mask = torch.cat((self.mask, torch.ones_like(self.mask[:, :1])), dim=1)
         out = self.hf(toks[:, None], attention_mask=self.mask, use_cache=True, logits_to_keep=1,
