@@ -86,8 +86,8 @@ def prefilled(model: LlamaModel, prompts: list[list[int]], extra: int, block: in
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's greedy token: the index ``max`` returns is argmax's (the first largest), in
-    about half its time here -- the server's own greedy pick (``node.engine.sampling.draw``)."""
+    """Each row's greedy token: the index ``max`` returns is argmax's (the first largest), as
+    the server's own greedy pick takes it (``node.engine.sampling.draw``)."""
     return logits.max(-1).indices
 
 

@@ -82,24 +82,17 @@ _KEPT: "weakref.WeakKeyDictionary[nn.Module, tuple[StepWeights, int]]" = \
     weakref.WeakKeyDictionary()
 
 
-def _kept(model: nn.Module) -> StepWeights | None:
-    """The model's kept :class:`StepWeights` while nothing moved, else None."""
-    kept = _KEPT.get(model)
-    return kept[0] if kept is not None and kept[1] == _generation else None
-
-
 def step_weights(model: nn.Module) -> StepWeights | None:
     """The model's :class:`StepWeights`, or None where a layer's projection is not in the
     model's format (fp32 weights, an adapter wrapping one). Kept between steps until a
     module, parameter or buffer is assigned into a module of a kept model (one integer compared
     each step, not the ~630 objects the lists are read from); a write into a weight in place is
-    read through, and
-    so is new storage of a bf16 parameter (the lists hold the parameters themselves). Not seen: a
-    ``del`` of a module or parameter, or a write into a module's private
+    read through, and so is new storage of a bf16 parameter (the lists hold the parameters
+    themselves). Not seen: a ``del`` of a module or parameter, or a write into a module's private
     ``_modules``/``_parameters``/``_buffers`` dicts, which torch runs no hook for."""
-    kept = _kept(model)
-    if kept is not None:
-        return kept
+    kept = _KEPT.get(model)
+    if kept is not None and kept[1] == _generation:
+        return kept[0]
     readers = _READERS.get(precision.dtype_of(model))
     layers = None if readers is None else _read_weights(model, readers[0])
     if layers is None:
@@ -175,13 +168,9 @@ def run(model: nn.Module, token: int, position: int, cache: KVCache,
     and committed in every layer, the head in the same call where it is in the model's format;
     None where this path does not apply (nothing written then), among them an embedding that
     is not a plain table lookup (a subclass, a hook, ``max_norm``)."""
-    weights = _kept(model)
-    if weights is None:  # not read yet, or moved: read where the kernels serve the model
-        if model.kernels(model.model.embed_tokens.weight) is None:
-            return None
-        weights = step_weights(model)
-        if weights is None:
-            return None
+    weights = step_weights(model)  # None at once for fp32 weights: no reader reads them
+    if weights is None:
+        return None
     embed = weights.embed
     kernels = fused_kernels.serving(embed.weight, weights.final_norm)
     if kernels is None or weights.held is None or not _plain_lookup(embed):

@@ -650,12 +650,14 @@ template <typename P, typename F>
 torch::Tensor decode_layers_impl(torch::Tensor x, const std::vector<torch::Tensor>& w,
                                  const torch::Tensor& final_norm, const bf16* cos,
                                  const bf16* sin, const torch::Tensor& kv, int64_t pos,
-                                 const int64_t* s, int64_t n_runs, int64_t heads,
-                                 int64_t kv_heads, int64_t dim, double eps,
+                                 const std::vector<std::pair<int64_t, int64_t>>& spans,
+                                 int64_t heads, int64_t kv_heads, int64_t dim, double eps,
                                  const std::vector<torch::Tensor>& head) {
   const int64_t L = kv.size(0), E = x.size(1);
+  const size_t n_runs = spans.size();
   std::vector<RunOf<P>> pk(n_runs), pv(n_runs);  // heads and rows; per layer their base
-  for (int64_t r = 0; r < n_runs; ++r) pk[r] = pv[r] = RunOf<P>{nullptr, kv.stride(2), kv.stride(3), s[2 * r + 1]};
+  for (size_t r = 0; r < n_runs; ++r)
+    pk[r] = pv[r] = RunOf<P>{nullptr, kv.stride(2), kv.stride(3), spans[r].second};
   auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
   // q [kv_heads, group, 1, dim] and the attention's output alike; the token's k, v; the merged
   // heads (o_proj's input), SwiGLU's output and the normed row (the other products' input)
@@ -688,8 +690,8 @@ torch::Tensor decode_layers_impl(torch::Tensor x, const std::vector<torch::Tenso
         rope_split_impl<float>(qkv, cos, sin, q.data_ptr<float>(),
                                k.data_ptr<float>(), v.data_ptr<float>(), 1, heads, kv_heads, dim);
         store_token_kv(kv, base, pos, k.data_ptr<float>(), v.data_ptr<float>());
-        for (int64_t r = 0; r < n_runs; ++r) {
-          pk[r].base = base + s[2 * r] * kv.stride(3);
+        for (size_t r = 0; r < n_runs; ++r) {
+          pk[r].base = base + spans[r].first * kv.stride(3);
           pv[r].base = pk[r].base + kv.stride(1);
         }
         attention.begin(pk, pv, T);
@@ -790,13 +792,11 @@ torch::Tensor decode_layers(const torch::Tensor& embed, int64_t token, const Ten
                 "cos and sin must be contiguous [> ", position, ", ", dim, "], got ", t->sizes());
   }
   TORCH_CHECK(position >= 0, "position must be >= 0, got ", position);
-  const int64_t n_runs = static_cast<int64_t>(spans.size());
-  std::vector<int64_t> flat;  // start, length of each run in turn
-  for (const auto& [start, length] : spans) flat.insert(flat.end(), {start, length});
-  const int64_t* s = flat.data();
-  for (int64_t r = 0; r < n_runs; ++r)
-    TORCH_CHECK(s[2 * r] >= 0 && s[2 * r + 1] >= 0 && s[2 * r] + s[2 * r + 1] <= cap, "span ", r,
-                " (", s[2 * r], ", ", s[2 * r + 1], ") outside the arena's ", cap, " rows");
+  for (size_t r = 0; r < spans.size(); ++r) {
+    const auto [start, length] = spans[r];
+    TORCH_CHECK(start >= 0 && length >= 0 && start + length <= cap, "span ", r, " (", start, ", ",
+                length, ") outside the arena's ", cap, " rows");
+  }
   const int64_t E = embed.size(1);
   check_layer_weights<F>(w, final_norm, E, heads, kv_heads, dim);
   TORCH_CHECK(head.empty() || head.size() == F::HEAD_TENSORS, "head must be empty or hold ",
@@ -809,10 +809,10 @@ torch::Tensor decode_layers(const torch::Tensor& embed, int64_t token, const Ten
   std::memcpy(x.data_ptr<bf16>(), embed.data_ptr<bf16>() + token * E, E * sizeof(bf16));
   const bf16 *c = cos.data_ptr<bf16>() + position * dim, *sn = sin.data_ptr<bf16>() + position * dim;
   if (bf16_arena)
-    return decode_layers_impl<bf16, F>(x, w, final_norm, c, sn, kv, pos, s, n_runs, heads,
-                                       kv_heads, dim, eps, head);
-  return decode_layers_impl<float, F>(x, w, final_norm, c, sn, kv, pos, s, n_runs, heads,
-                                      kv_heads, dim, eps, head);
+    return decode_layers_impl<bf16, F>(x, w, final_norm, c, sn, kv, pos, spans, heads, kv_heads,
+                                       dim, eps, head);
+  return decode_layers_impl<float, F>(x, w, final_norm, c, sn, kv, pos, spans, heads, kv_heads,
+                                      dim, eps, head);
 }
 
 // How many threads at::parallel_for runs a 64-way loop on: torch's thread count when the build
