@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from cache import KVCache, cache_size
 from node.engine.generation import TokenStream
+from node.engine.sampling import greedy
 from node.models.llama import LlamaModel
 
 
@@ -85,10 +86,6 @@ def prefilled(model: LlamaModel, prompts: list[list[int]], extra: int, block: in
     return out, logits
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's greedy token: the index ``max`` returns is argmax's (the first largest), as
-    the server's own greedy pick takes it (``node.engine.sampling.draw``)."""
-    return logits.max(-1).indices
 
 
 class FedkvSessions:

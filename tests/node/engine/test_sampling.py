@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from cache import KVCache
 from node.engine.generation import GenerationRequest
 from node.engine.sampling import (SamplingParams, Sampler, apply_min_p, apply_penalties, apply_top_k,
-                           apply_top_p, top_logprobs)
+                           apply_top_p, greedy, top_logprobs)
 from node.engine.scheduler_backend import ScheduledBackend
 from node.engine.serial_backend import SerialBackend
 from tests.tiny_models import tiny_llama
@@ -90,6 +90,24 @@ def test_min_p_keeps_tokens_above_min_p_times_the_top(values, min_p):
 def test_params_out_of_range_are_refused_naming_the_field(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         SamplingParams(**kw)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 1.0, -1.0, 2.5, float("inf"), float("-inf"), float("nan")]),
+                min_size=1, max_size=9),
+       st.sampled_from([torch.float32, torch.float64, torch.bfloat16]), st.integers(1, 3))
+def test_greedy_is_the_first_largest_as_torch_max_takes_it(values, dtype, rows):
+    """Ties, infinities and NaN (largest, as torch.max has it) pick what ``max``'s indices pick,
+    in every dtype (numpy's argmax for fp32/fp64, ``max`` for the rest) and shape."""
+    x = torch.tensor([values] * rows, dtype=dtype)
+    for t in (x, x[0], x.t().contiguous().t()):
+        assert torch.equal(greedy(t), t.max(-1).indices)
+    assert greedy(x).dtype == torch.int64
+
+
+def test_greedy_reads_a_tensor_that_needs_grad():
+    x = torch.randn(2, V, requires_grad=True)
+    assert torch.equal(greedy(x * 2), (x * 2).max(-1).indices)
 
 
 def test_defaults_are_openais():
