@@ -560,12 +560,11 @@ void attend_rows(const Rows<P>& r, RunOf<T> tk, RunOf<T> tv, int64_t tk_slot, in
   const int64_t Hk = r.q.size(0), B = r.q.size(2), parts = row_parts(Hk, B);
   if (prefix_chunks(Hk, B, tk.n, r.n_prefix) > 1) {  // a lone row, no tail: LoneRowAttention's
     const int64_t threads = at::get_num_threads();       // tasks on torch's threads
-    LoneRowAttention<P> lone(r.q, r.out);
-    lone.begin(r.pk, r.pv, threads);
+    LoneRowAttention<P> lone(Hk, r.q.size(1), r.q.size(3), r.n_prefix, threads);
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) lone.run(t);
+      for (int64_t t = begin; t < end; ++t) lone.run(t, r.q, r.pk, r.pv);
     });
-    return lone.finish();
+    return lone.finish(r.out.template data_ptr<float>());
   }
   at::parallel_for(0, Hk * parts, 1, [&](int64_t begin, int64_t end) {
     Scratch& w = thread_scratch();
@@ -607,43 +606,48 @@ torch::Tensor attend_decode(const torch::Tensor& q, const std::vector<RunOf<P>>&
 }
 
 template <typename P>
-LoneRowAttention<P>::LoneRowAttention(const torch::Tensor& q, const torch::Tensor& out)
-    : q_(q), out_(out) {}
-
-template <typename P>
-void LoneRowAttention<P>::begin(const std::vector<RunOf<P>>& pk, const std::vector<RunOf<P>>& pv,
-                                int64_t threads) {
-  pk_ = &pk, pv_ = &pv, threads_ = std::max<int64_t>(1, threads);
-  n_prefix_ = 0;
-  for (const RunOf<P>& run : pk) n_prefix_ += run.n;
-  const int64_t Hk = q_.size(0), G = q_.size(1), D = q_.size(3);
-  chunks_ = prefix_chunks(Hk, 1, 0, n_prefix_, threads_);
-  std::fill_n(out_.data_ptr<float>(), out_.numel(), 0.f);
-  if (chunks_ > 1) o_.assign(Hk * chunks_ * G * D, 0.f), m_.resize(Hk * chunks_ * G), l_.resize(Hk * chunks_ * G);
+LoneRowAttention<P>::LoneRowAttention(int64_t kv_heads, int64_t group, int64_t dim,
+                                      int64_t n_prefix, int64_t threads)
+    : Hk_(kv_heads), G_(group), D_(dim), n_prefix_(n_prefix), threads_(std::max<int64_t>(1, threads)),
+      chunks_(prefix_chunks(kv_heads, 1, 0, n_prefix, threads_)) {
+  const int64_t tasks = Hk_ * chunks_, used = std::min(threads_, tasks);
+  per_ = (tasks + used - 1) / used;  // ATen's split
+  whole_ = torch::empty({Hk_, G_, 1, D_}, torch::kFloat32);  // (attend_chunk's Rows name it too)
+  if (chunks_ > 1) o_.resize(tasks * G_ * D_), m_.resize(tasks * G_), l_.resize(tasks * G_);
 }
 
 template <typename P>
-void LoneRowAttention<P>::run(int64_t t) {
-  const int64_t Hk = q_.size(0), G = q_.size(1), D = q_.size(3), tasks = Hk * chunks_;
-  const int64_t used = std::min(threads_, tasks), per = (tasks + used - 1) / used;  // ATen's split
+int64_t LoneRowAttention<P>::last_reader(int64_t h) const {
+  return (h * chunks_ + chunks_ - 1) / per_;
+}
+
+template <typename P>
+void LoneRowAttention<P>::run(int64_t t, const torch::Tensor& q, const std::vector<RunOf<P>>& pk,
+                              const std::vector<RunOf<P>>& pv) {
   static const torch::Tensor no_valid = torch::empty({1, 0}, torch::kBool);  // no tail
   static const std::vector<int64_t> no_slot{0};
-  const Rows<P> r{q_, out_, no_valid, no_slot, *pk_, *pv_, n_prefix_};
+  const Rows<P> r{q, whole_, no_valid, no_slot, pk, pv, n_prefix_};
   Scratch& w = thread_scratch();
-  for (int64_t k = t * per; k < std::min(tasks, (t + 1) * per); ++k) {
-    if (chunks_ > 1)
-      attend_chunk(r, k / chunks_, k % chunks_, chunks_, o_.data() + k * G * D, m_.data() + k * G,
-                   l_.data() + k * G, w);
-    else  // whole heads, as attend_rows runs a lone row's below the chunks' length
+  for (int64_t k = t * per_; k < std::min(Hk_ * chunks_, (t + 1) * per_); ++k) {
+    if (chunks_ > 1) {
+      float* o = o_.data() + k * G_ * D_;
+      std::fill_n(o, G_ * D_, 0.f);
+      attend_chunk(r, k / chunks_, k % chunks_, chunks_, o, m_.data() + k * G_, l_.data() + k * G_, w);
+    } else {  // whole heads, as attend_rows runs a lone row's below the chunks' length
+      std::fill_n(whole_.data_ptr<float>() + k * G_ * D_, G_ * D_, 0.f);
       attend_head(r, RunOf<float>{nullptr, 0, 0, 0}, RunOf<float>{nullptr, 0, 0, 0}, 0, 0, k, 0, 1, w);
+    }
   }
 }
 
 template <typename P>
-void LoneRowAttention<P>::finish() {
-  if (chunks_ > 1)
-    merge_chunks(out_.data_ptr<float>(), q_.size(0), q_.size(1), q_.size(3), chunks_, o_.data(),
-                 m_.data(), l_.data());
+void LoneRowAttention<P>::finish(float* out) const {
+  if (chunks_ == 1) {
+    std::copy_n(whole_.data_ptr<float>(), Hk_ * G_ * D_, out);
+    return;
+  }
+  std::fill_n(out, Hk_ * G_ * D_, 0.f);
+  merge_chunks(out, Hk_, G_, D_, chunks_, o_.data(), m_.data(), l_.data());
 }
 
 template class LoneRowAttention<float>;

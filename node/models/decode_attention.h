@@ -30,23 +30,27 @@ void attend_decode_into(const torch::Tensor& q, torch::Tensor& out,
 
 // One lone query row's attention over prefix runs alone (a decode_layers step's, no tail) as
 // tasks for the threads of one parallel region: attend_decode_into's tasks, sums and merge for
-// that row, so its results are attend_decode_into's. Per layer: begin (one thread, with the
-// region's thread count), run (every thread, its tasks), then finish (one thread, after all).
+// that row, so its results are attend_decode_into's. Made once per step (by one thread, with
+// the region's thread count); per layer every thread runs its tasks with its own queries and
+// runs, then, after all have, each may take the output (finish): no thread's state is another's
+// until that barrier, so the row ops around it need none.
 template <typename P>
 class LoneRowAttention {
  public:
-  // q [kv_heads, group, 1, dim] and out (q's shape), fp32 contiguous, kept for every layer
-  LoneRowAttention(const torch::Tensor& q, const torch::Tensor& out);
-  void begin(const std::vector<RunOf<P>>& pk, const std::vector<RunOf<P>>& pv, int64_t threads);
-  void run(int64_t thread);
-  void finish();
+  // queries [kv_heads, group, 1, dim] over n_prefix context rows, split for `threads`
+  LoneRowAttention(int64_t kv_heads, int64_t group, int64_t dim, int64_t n_prefix, int64_t threads);
+  // the thread whose tasks read KV head h's last context row (the row a step writes)
+  int64_t last_reader(int64_t h) const;
+  // thread t's tasks: queries q (fp32 contiguous [kv_heads, group, 1, dim]) over runs pk/pv
+  void run(int64_t t, const torch::Tensor& q, const std::vector<RunOf<P>>& pk,
+           const std::vector<RunOf<P>>& pv);
+  // after every thread's run: the output [kv_heads, group, 1, dim] into out (fp32, overwritten)
+  void finish(float* out) const;
 
  private:
-  torch::Tensor q_, out_;
-  int64_t threads_ = 1, n_prefix_ = 0, chunks_ = 1;
-  const std::vector<RunOf<P>>* pk_ = nullptr;
-  const std::vector<RunOf<P>>* pv_ = nullptr;
-  std::vector<float> o_, m_, l_;  // per task: each query's unnormalized sums, maxima, exp sums
+  int64_t Hk_, G_, D_, n_prefix_, threads_, chunks_, per_;
+  torch::Tensor whole_;           // whole heads' outputs (chunks_ == 1)
+  std::vector<float> o_, m_, l_;  // per chunk task: each query's unnormalized sums, maxima, exp sums
 };
 
 // decode_attention (below) over runs already checked, or made from checked spans: for an

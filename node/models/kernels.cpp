@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -626,26 +627,44 @@ inline int64_t region_threads() {
 #endif
 }
 
-// The token's k and v (fp32 [kv_heads * dim] each, bf16 values) into row `pos` of one layer's
-// K/V at `base` in the arena `kv` [layers, 2, kv_heads, tokens, dim]: exact in fp32 or bf16.
+// KV head hk's k and v of the token (fp32 [kv_heads * dim] each, bf16 values) into row `pos` of
+// one layer's K/V at `base` in the arena `kv` [layers, 2, kv_heads, tokens, dim]: exact in fp32
+// or bf16.
 template <typename P>
-void store_token_kv(const torch::Tensor& kv, P* base, int64_t pos, const float* k, const float* v) {
-  const int64_t kv_heads = kv.size(2), dim = kv.size(4);
-  for (int64_t kvi = 0; kvi < 2; ++kvi)
-    for (int64_t hk = 0; hk < kv_heads; ++hk) {
-      P* dst = base + kvi * kv.stride(1) + hk * kv.stride(2) + pos * kv.stride(3);
-      for (int64_t i = 0; i < dim; ++i) dst[i] = static_cast<P>((kvi == 0 ? k : v)[hk * dim + i]);
-    }
+void store_head_kv(const torch::Tensor& kv, P* base, int64_t pos, const float* k, const float* v,
+                   int64_t hk) {
+  const int64_t dim = kv.size(4);
+  for (int64_t kvi = 0; kvi < 2; ++kvi) {
+    P* dst = base + kvi * kv.stride(1) + hk * kv.stride(2) + pos * kv.stride(3);
+    for (int64_t i = 0; i < dim; ++i) dst[i] = static_cast<P>((kvi == 0 ? k : v)[hk * dim + i]);
+  }
 }
+
+// One thread's rows between decode_layers' products: its own copy of the residual stream, the
+// normed row, the rotated q/k/v, the attention's output, the merged heads and SwiGLU's output.
+// Every thread computes these row ops itself (each a few hundred values) from the products'
+// shared outputs: one thread doing them while the others waited cost two barriers a sublayer.
+struct ThreadRows {
+  torch::Tensor x, h, q, k, v, att, merged, act;
+  ThreadRows(const torch::Tensor& x0, const torch::Tensor& h0, int64_t heads, int64_t kv_heads,
+             int64_t dim, int64_t inter) {
+    auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+    x = x0.clone(), h = h0.clone();
+    q = torch::empty({kv_heads, heads / kv_heads, 1, dim}, f32), att = torch::empty_like(q);
+    k = torch::empty({kv_heads * dim}, f32), v = torch::empty({kv_heads * dim}, f32);
+    merged = torch::empty({1, heads * dim}, x0.options()), act = torch::empty({1, inter}, x0.options());
+  }
+};
 
 // decode_layers' layers over an arena of element type P, weights in format F (checked once, by
 // check_layer_weights): the token's K/V (bf16 values, rope_split rounds them) go to row `pos`
-// exactly in either type. Every row between the kernels lives in a buffer made once per call:
-// the per-kernel path's fresh tensors, ~8 a layer, each cost an allocation and its dispatch.
-// The whole step is one parallel region on torch's threads: each product's rows are split
-// over them, the attention's tasks too, and a barrier orders each step on the next; the short
-// row-wise ops between run on one thread (`omp single`). An at::parallel_for per product, each
-// a fork and join of the threads, read the weights slower (experiments.bench_llm's fraction).
+// exactly in either type. The whole step is one parallel region on torch's threads: each
+// product's rows are split over them, the attention's tasks too, and a barrier after each
+// orders it on the next. The row ops between run on every thread from the products' outputs
+// into its own ThreadRows (the same values on each), and the token's K/V for a KV head is
+// written by the thread that attends that head's last rows (LoneRowAttention::last_reader; the
+// spans end at `pos`), so a sublayer costs one barrier. An at::parallel_for per product, each a
+// fork and join of the threads, read the weights slower (experiments.bench_llm's fraction).
 template <typename P, typename F>
 torch::Tensor decode_layers_impl(torch::Tensor x, const std::vector<torch::Tensor>& w,
                                  const torch::Tensor& final_norm, const bf16* cos,
@@ -653,68 +672,59 @@ torch::Tensor decode_layers_impl(torch::Tensor x, const std::vector<torch::Tenso
                                  const std::vector<std::pair<int64_t, int64_t>>& spans,
                                  int64_t heads, int64_t kv_heads, int64_t dim, double eps,
                                  const std::vector<torch::Tensor>& head) {
-  const int64_t L = kv.size(0), E = x.size(1);
-  const size_t n_runs = spans.size();
-  std::vector<RunOf<P>> pk(n_runs), pv(n_runs);  // heads and rows; per layer their base
-  for (size_t r = 0; r < n_runs; ++r)
-    pk[r] = pv[r] = RunOf<P>{nullptr, kv.stride(2), kv.stride(3), spans[r].second};
-  auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
-  // q [kv_heads, group, 1, dim] and the attention's output alike; the token's k, v; the merged
-  // heads (o_proj's input), SwiGLU's output and the normed row (the other products' input)
-  auto q = torch::empty({kv_heads, heads / kv_heads, 1, dim}, f32), att = torch::empty_like(q);
-  auto k = torch::empty({kv_heads * dim}, f32), v = torch::empty({kv_heads * dim}, f32);
-  auto merged = torch::empty({1, heads * dim}, x.options());
-  torch::Tensor act = torch::empty({1, F::out(w.data(), 2) / 2}, x.options());
+  const int64_t L = kv.size(0), E = x.size(1), inter = F::out(w.data(), 2) / 2;
+  int64_t n_prefix = 0;
+  for (const auto& span : spans) n_prefix += span.second;
   auto h = torch::empty({1, E}, x.options());
+  norm_rows(x.data_ptr<bf16>(), w[F::NORM[0]].template data_ptr<bf16>(), h.data_ptr<bf16>(), 1, E, eps);
   torch::Tensor ys[4];  // each of a layer's four products' output, reused by every layer
   for (int p = 0; p < 4; ++p) ys[p] = torch::empty({1, F::out(w.data(), p)}, x.options());
   // the head's logits: each its bf16 product (as the per-kernel head rounds it), held in fp32
-  torch::Tensor y = head.empty() ? h : torch::empty({1, head[0].size(0)}, f32);
-  fedkv_decode::LoneRowAttention<P> attention(q, att);
-  bf16* xp = x.data_ptr<bf16>();
-  norm_rows(xp, w[F::NORM[0]].template data_ptr<bf16>(), h.data_ptr<bf16>(), 1, E, eps);
-#pragma omp parallel num_threads(at::get_num_threads())
+  torch::Tensor y = head.empty() ? h : torch::empty({1, head[0].size(0)}, torch::kFloat32);
+  const int64_t threads = std::max(1, at::get_num_threads());
+  std::vector<ThreadRows> rows;
+  rows.reserve(threads);
+  for (int64_t t = 0; t < threads; ++t) rows.emplace_back(x, h, heads, kv_heads, dim, inter);
+  std::optional<fedkv_decode::LoneRowAttention<P>> attention;
+#pragma omp parallel num_threads(threads)
   {
     const int64_t t = region_thread(), T = region_threads();
+    ThreadRows& my = rows[t];
+    std::vector<RunOf<P>> pk(spans.size()), pv(spans.size());  // this thread's, per layer its base
+#pragma omp single
+    attention.emplace(kv_heads, heads / kv_heads, dim, n_prefix, T);
     auto product = [&](const torch::Tensor* lw, int p, const torch::Tensor& in) {
       F::share(lw, p, in, ys[p].data_ptr<bf16>(), t, T);
 #pragma omp barrier
       return ys[p].data_ptr<bf16>();
     };
+    bf16* xp = my.x.data_ptr<bf16>();
     for (int64_t l = 0; l < L; ++l) {
       const torch::Tensor* lw = w.data() + F::TENSORS * l;
-      const bf16* qkv = product(lw, 0, h);
-#pragma omp single
-      {
-        P* base = kv.data_ptr<P>() + l * kv.stride(0);
-        rope_split_impl<float>(qkv, cos, sin, q.data_ptr<float>(),
-                               k.data_ptr<float>(), v.data_ptr<float>(), 1, heads, kv_heads, dim);
-        store_token_kv(kv, base, pos, k.data_ptr<float>(), v.data_ptr<float>());
-        for (size_t r = 0; r < n_runs; ++r) {
-          pk[r].base = base + spans[r].first * kv.stride(3);
-          pv[r].base = pk[r].base + kv.stride(1);
-        }
-        attention.begin(pk, pv, T);
+      const bf16* qkv = product(lw, 0, my.h);
+      float *q = my.q.data_ptr<float>(), *k = my.k.data_ptr<float>(), *v = my.v.data_ptr<float>();
+      rope_split_impl<float>(qkv, cos, sin, q, k, v, 1, heads, kv_heads, dim);
+      P* base = kv.data_ptr<P>() + l * kv.stride(0);
+      for (int64_t hk = 0; hk < kv_heads; ++hk)
+        if (attention->last_reader(hk) == t) store_head_kv(kv, base, pos, k, v, hk);
+      for (size_t r = 0; r < spans.size(); ++r) {
+        pk[r] = RunOf<P>{base + spans[r].first * kv.stride(3), kv.stride(2), kv.stride(3), spans[r].second};
+        pv[r] = RunOf<P>{pk[r].base + kv.stride(1), kv.stride(2), kv.stride(3), spans[r].second};
       }
-      attention.run(t);
+      attention->run(t, my.q, pk, pv);
 #pragma omp barrier
-#pragma omp single
-      {
-        attention.finish();
-        merge_impl<float>(att.data_ptr<float>(), merged.data_ptr<bf16>(), heads, 1, dim);
-      }
-      const bf16* o = product(lw, 1, merged);
-#pragma omp single
-      add_norm_rows(xp, o, lw[F::NORM[1]].template data_ptr<bf16>(), h.data_ptr<bf16>(), 1, E, eps);
-      const bf16* gate_up = product(lw, 2, h);
-#pragma omp single
-      silu_mul_rows(gate_up, act.data_ptr<bf16>(), 1, act.size(1));
-      const bf16* down = product(lw, 3, act);
+      attention->finish(my.att.data_ptr<float>());
+      merge_impl<float>(my.att.data_ptr<float>(), my.merged.data_ptr<bf16>(), heads, 1, dim);
+      const bf16* o = product(lw, 1, my.merged);
+      add_norm_rows(xp, o, lw[F::NORM[1]].template data_ptr<bf16>(), my.h.data_ptr<bf16>(), 1, E, eps);
+      const bf16* gate_up = product(lw, 2, my.h);
+      silu_mul_rows(gate_up, my.act.data_ptr<bf16>(), 1, inter);
+      const bf16* down = product(lw, 3, my.act);
       const torch::Tensor& next_norm = l + 1 < L ? w[F::TENSORS * (l + 1) + F::NORM[0]] : final_norm;
-#pragma omp single
-      add_norm_rows(xp, down, next_norm.data_ptr<bf16>(), h.data_ptr<bf16>(), 1, E, eps);
+      add_norm_rows(xp, down, next_norm.data_ptr<bf16>(), my.h.data_ptr<bf16>(), 1, E, eps);
     }
-    if (!head.empty()) F::head_share(head, h, y.data_ptr<float>(), t, T);
+    if (!head.empty()) F::head_share(head, my.h, y.data_ptr<float>(), t, T);
+    else if (t == 0) std::memcpy(h.data_ptr<bf16>(), my.h.data_ptr<bf16>(), E * sizeof(bf16));
   }
   return y;
 }
@@ -796,6 +806,11 @@ torch::Tensor decode_layers(const torch::Tensor& embed, int64_t token, const Ten
     const auto [start, length] = spans[r];
     TORCH_CHECK(start >= 0 && length >= 0 && start + length <= cap, "span ", r, " (", start, ", ",
                 length, ") outside the arena's ", cap, " rows");
+    // the thread that writes the token's row is the one that reads the context's last rows
+    TORCH_CHECK(pos < start || pos >= start + length ||
+                    (r + 1 == spans.size() && pos == start + length - 1),
+                "span ", r, " (", start, ", ", length, ") holds the token's row ", pos,
+                " other than as the context's last");
   }
   const int64_t E = embed.size(1);
   check_layer_weights<F>(w, final_norm, E, heads, kv_heads, dim);

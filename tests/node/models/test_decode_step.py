@@ -91,16 +91,18 @@ def test_one_call_gives_the_per_kernel_logits_and_kv(k, one_thread, monkeypatch,
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("context", [40, 300])
-def test_two_threads_give_the_per_kernel_logits_and_kv(k, monkeypatch, fmt, context):
-    """On two threads the step is one parallel region: each product's rows split between them,
-    and the attention's tasks -- 3 KV heads, each head's prefix in two chunks past 256 tokens,
-    whole heads below -- the tasks and sums of the per-kernel path's at::parallel_for, so the
-    logits and K/V are equal."""
+@pytest.mark.parametrize("threads", [2, 3])
+def test_several_threads_give_the_per_kernel_logits_and_kv(k, monkeypatch, fmt, context, threads):
+    """On several threads the step is one parallel region: each product's rows split between
+    them, and the attention's tasks -- 3 KV heads; on two threads each head's prefix in two
+    chunks past 256 tokens, whole heads below -- the tasks and sums of the per-kernel path's
+    at::parallel_for; each thread runs the row ops itself and writes the token's K/V of the
+    heads whose last rows it attends, so the logits and K/V are equal."""
     m = precision.convert(tiny_llama(std=0.2, head_dim=64, num_heads=6, num_kv_heads=3), fmt)
     before = torch.get_num_threads()
     made = []
     try:
-        torch.set_num_threads(2)
+        torch.set_num_threads(threads)
         for one_call in (True, False):
             kv = KVCache(m.cache_config(block_size=BLOCK, pool_bytes=4 << 20, kv_dtype="bf16"))
             sid = kv.open_session()
@@ -289,6 +291,10 @@ def test_bad_inputs_get_a_specific_error_and_write_nothing(k, fmt):
         call(runs=[(0, step.kv.shape[3] + 1)])
     with pytest.raises(TypeError, match="incompatible function arguments"):
         call(runs=[(0.5, 4)])
+    # the token's row ends the context: the thread that attends the last rows is the one that
+    # writes it, so a span holding it anywhere else is refused
+    with pytest.raises(RuntimeError, match=rf"holds the token's row {step.row} other than"):
+        call(runs=[(step.row, 1)] + list(step.runs))
     with pytest.raises(RuntimeError, match="kv must be float32 or bfloat16"):
         call(arena=step.kv.half())
     last = len(w) - decode_step.PER_LAYER[fmt]  # the last layer's: checked before the first runs
