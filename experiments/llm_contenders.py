@@ -86,8 +86,6 @@ def prefilled(model: LlamaModel, prompts: list[list[int]], extra: int, block: in
     return out, logits
 
 
-
-
 class FedkvSessions:
     """Sessions of one cache decoded greedily: a step is one ``forward_batch`` or, with
     ``together=False``, one ``forward_cached`` per session, each alone."""

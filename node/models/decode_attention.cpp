@@ -608,10 +608,10 @@ torch::Tensor attend_decode(const torch::Tensor& q, const std::vector<RunOf<P>>&
 template <typename P>
 LoneRowAttention<P>::LoneRowAttention(int64_t kv_heads, int64_t group, int64_t dim,
                                       int64_t n_prefix, int64_t threads)
-    : Hk_(kv_heads), G_(group), D_(dim), n_prefix_(n_prefix), threads_(std::max<int64_t>(1, threads)),
-      chunks_(prefix_chunks(kv_heads, 1, 0, n_prefix, threads_)) {
-  const int64_t tasks = Hk_ * chunks_, used = std::min(threads_, tasks);
-  per_ = (tasks + used - 1) / used;  // ATen's split
+    : Hk_(kv_heads), G_(group), D_(dim), n_prefix_(n_prefix),
+      chunks_(prefix_chunks(kv_heads, 1, 0, n_prefix, threads)) {
+  const int64_t tasks = Hk_ * chunks_, used = std::min(std::max<int64_t>(1, threads), tasks);
+  per_ = (tasks + used - 1) / used;
   whole_ = torch::empty({Hk_, G_, 1, D_}, torch::kFloat32);  // (attend_chunk's Rows name it too)
   if (chunks_ > 1) o_.resize(tasks * G_ * D_), m_.resize(tasks * G_), l_.resize(tasks * G_);
 }

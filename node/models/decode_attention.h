@@ -48,7 +48,7 @@ class LoneRowAttention {
   void finish(float* out) const;
 
  private:
-  int64_t Hk_, G_, D_, n_prefix_, threads_, chunks_, per_;
+  int64_t Hk_, G_, D_, n_prefix_, chunks_, per_;  // per_: tasks a thread runs (ATen's split)
   torch::Tensor whole_;           // whole heads' outputs (chunks_ == 1)
   std::vector<float> o_, m_, l_;  // per chunk task: each query's unnormalized sums, maxima, exp sums
 };
